@@ -1,0 +1,237 @@
+//! Completion queues: polling, and a blocking wait that spins, yields, then sleeps on a futex.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::context::CtxInner;
+use crate::error::{Error, Result};
+use crate::qp::QpInner;
+use crate::segment::{futex_wait, futex_wake_all};
+use crate::types::WorkCompletion;
+
+/// A completion queue (`ibv_cq`), shareable by many queue pairs as send and/or receive queue.
+///
+/// Completions of local requests are queued here; receive completions stay in the queue pair's
+/// shared ring until polled. Waiting spins for `OXCCL_SPIN_US` (default 50 µs), yields, then sleeps
+/// on a futex in the context segment that peers bump when they complete one of our receives, so
+/// many processes on few cores do not starve each other.
+#[derive(Clone)]
+pub struct CompletionQueue {
+    pub(crate) inner: Arc<CqInner>,
+}
+
+pub(crate) struct CqInner {
+    pub ctx: Arc<CtxInner>,
+    pub index: u32,
+    local: Mutex<VecDeque<WorkCompletion>>,
+    local_len: AtomicUsize,
+    sources: Mutex<Vec<Arc<QpInner>>>,
+}
+
+const SEQ: usize = 0;
+const SLEEPERS: usize = 1;
+
+impl CompletionQueue {
+    pub(crate) fn new(ctx: Arc<CtxInner>, cqe: usize) -> Result<Self> {
+        let index = ctx
+            .tables
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .free_cq
+            .pop()
+            .ok_or_else(|| {
+                Error::Exhausted(format!(
+                    "all {} completion-queue slots of this context are in use",
+                    crate::context::MAX_CQ
+                ))
+            })?;
+        ctx.cq_word(index, SLEEPERS).store(0, Ordering::SeqCst);
+        Ok(CompletionQueue {
+            inner: Arc::new(CqInner {
+                ctx,
+                index,
+                local: Mutex::new(VecDeque::with_capacity(cqe.min(1 << 16))),
+                local_len: AtomicUsize::new(0),
+                sources: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// Moves up to `out.len()` completions into `out` and returns how many (`ibv_poll_cq`).
+    /// Never blocks; drives pending requests (RNR retries) and notices dead peers.
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> usize {
+        self.inner.poll(out)
+    }
+
+    /// Waits up to `timeout` for at least one completion and moves what is there into `out`.
+    /// Errors with [`Error::Timeout`] naming this queue when nothing arrived in time.
+    pub fn wait(&self, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
+        if out.is_empty() {
+            return Err(Error::arg("wait needs room for at least one completion"));
+        }
+        let inner = &self.inner;
+        let start = Instant::now();
+        let deadline = start + timeout;
+        let spin_until = start + inner.ctx.tuning.spin.min(timeout);
+        let mut spins = 0u32;
+        loop {
+            let n = inner.poll(out);
+            if n > 0 {
+                return Ok(n);
+            }
+            spins = spins.wrapping_add(1);
+            if spins % 64 == 0 && Instant::now() >= spin_until {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        for _ in 0..4 {
+            std::thread::yield_now();
+            let n = inner.poll(out);
+            if n > 0 {
+                return Ok(n);
+            }
+        }
+        let seq = inner.ctx.cq_word(inner.index, SEQ);
+        let sleepers = inner.ctx.cq_word(inner.index, SLEEPERS);
+        loop {
+            let observed = seq.load(Ordering::SeqCst);
+            let n = inner.poll(out);
+            if n > 0 {
+                return Ok(n);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    what: format!(
+                        "a completion on completion queue #{} ({} queue pair(s) attached)",
+                        inner.index,
+                        inner
+                            .sources
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .len()
+                    ),
+                    timeout,
+                });
+            }
+            // Sleep until a producer bumps the sequence, but wake up in time to check peers'
+            // liveness and to retry requests waiting for a receive (RNR).
+            let mut nap = (deadline - now).min(inner.ctx.tuning.liveness_interval);
+            if inner.has_pending() {
+                nap = nap.min(Duration::from_micros(200));
+            }
+            sleepers.fetch_add(1, Ordering::SeqCst);
+            if seq.load(Ordering::SeqCst) == observed {
+                futex_wait(seq, observed, nap);
+            }
+            sleepers.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl CqInner {
+    pub(crate) fn attach(&self, qp: Arc<QpInner>) {
+        let mut s = self.sources.lock().unwrap_or_else(|e| e.into_inner());
+        if !s.iter().any(|q| Arc::ptr_eq(q, &qp)) {
+            s.push(qp);
+        }
+    }
+
+    pub(crate) fn detach(&self, qp: &QpInner) {
+        self.sources
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|q| !std::ptr::eq(Arc::as_ptr(q), qp));
+    }
+
+    fn has_pending(&self) -> bool {
+        self.sources
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|q| q.has_pending())
+    }
+
+    pub(crate) fn poll(&self, out: &mut [WorkCompletion]) -> usize {
+        let mut n = 0;
+        {
+            let sources = self.sources.lock().unwrap_or_else(|e| e.into_inner());
+            for qp in sources.iter() {
+                qp.progress();
+            }
+            n += self.drain_local(&mut out[n..]);
+            for qp in sources.iter() {
+                if n == out.len() {
+                    break;
+                }
+                if std::ptr::eq(Arc::as_ptr(&qp.recv_cq), self) {
+                    n += qp.harvest(&mut out[n..]);
+                }
+            }
+        }
+        n
+    }
+
+    fn drain_local(&self, out: &mut [WorkCompletion]) -> usize {
+        if out.is_empty() || self.local_len.load(Ordering::Acquire) == 0 {
+            return 0;
+        }
+        let mut q = self.local.lock().unwrap_or_else(|e| e.into_inner());
+        let n = q.len().min(out.len());
+        for (slot, wc) in out.iter_mut().zip(q.drain(..n)) {
+            *slot = wc;
+        }
+        self.local_len.store(q.len(), Ordering::Release);
+        n
+    }
+
+    /// Queues a local completion and wakes sleepers.
+    pub(crate) fn push(&self, wc: WorkCompletion) {
+        {
+            let mut q = self.local.lock().unwrap_or_else(|e| e.into_inner());
+            q.push_back(wc);
+            self.local_len.store(q.len(), Ordering::Release);
+        }
+        self.notify();
+    }
+
+    /// Wakes this queue's sleepers, if any (no syscall when nobody sleeps).
+    pub(crate) fn notify(&self) {
+        notify_word(
+            self.ctx.cq_word(self.index, SEQ),
+            self.ctx.cq_word(self.index, SLEEPERS),
+        );
+    }
+}
+
+/// The doorbell protocol of a completion-queue slot: bump, then wake only when someone sleeps.
+pub(crate) fn notify_word(
+    seq: &std::sync::atomic::AtomicU32,
+    sleepers: &std::sync::atomic::AtomicU32,
+) {
+    seq.fetch_add(1, Ordering::SeqCst);
+    if sleepers.load(Ordering::SeqCst) > 0 {
+        futex_wake_all(seq);
+    }
+}
+
+/// Bumps the doorbell of completion queue `index` of a peer context.
+pub(crate) fn notify_peer(peer: &crate::context::PeerCtx, index: u32) {
+    if (index as usize) < crate::context::MAX_CQ {
+        notify_word(peer.cq_word(index, SEQ), peer.cq_word(index, SLEEPERS));
+    }
+}
+
+impl Drop for CqInner {
+    fn drop(&mut self) {
+        self.ctx
+            .tables
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .free_cq
+            .push(self.index);
+    }
+}

@@ -1,0 +1,92 @@
+//! Errors returned by verbs calls (completions carry their own `WcStatus`).
+
+use std::time::Duration;
+
+use crate::types::QpState;
+
+/// Result of a verbs call.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What went wrong in a verbs call. Every variant names what it was about.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The named provider does not exist or is not built in.
+    #[error("unknown provider {0:?} (available: {1})")]
+    UnknownProvider(String, String),
+    /// An argument was out of range; the message says which.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A queue pair state transition the state machine does not allow.
+    #[error("queue pair {qp_num}: illegal transition {from} -> {to}")]
+    InvalidTransition {
+        /// Queue pair number.
+        qp_num: u32,
+        /// Current state.
+        from: QpState,
+        /// Requested state.
+        to: QpState,
+    },
+    /// The queue pair is not in a state that allows the operation.
+    #[error("queue pair {qp_num}: {op} not allowed in state {state}")]
+    InvalidState {
+        /// Queue pair number.
+        qp_num: u32,
+        /// What was attempted.
+        op: &'static str,
+        /// Current state.
+        state: QpState,
+    },
+    /// A work queue is full.
+    #[error("queue pair {qp_num}: {queue} queue full ({depth} outstanding)")]
+    QueueFull {
+        /// Queue pair number.
+        qp_num: u32,
+        /// "send" or "receive".
+        queue: &'static str,
+        /// Configured depth.
+        depth: u32,
+    },
+    /// The remote endpoint cannot be reached with this provider.
+    #[error("cannot connect queue pair {qp_num} to {peer}: {reason}")]
+    Connect {
+        /// Queue pair number.
+        qp_num: u32,
+        /// The remote endpoint, described.
+        peer: String,
+        /// Why.
+        reason: String,
+    },
+    /// A blocking wait ran out of time.
+    #[error("timed out after {timeout:?} waiting for {what}")]
+    Timeout {
+        /// What was awaited.
+        what: String,
+        /// The timeout that elapsed.
+        timeout: Duration,
+    },
+    /// The kernel refused an operation; `what` says which and why it matters.
+    #[error("{what}: {source}")]
+    Os {
+        /// What was being done.
+        what: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A resource limit of the provider was reached.
+    #[error("resource exhausted: {0}")]
+    Exhausted(String),
+}
+
+impl Error {
+    pub(crate) fn os(what: impl Into<String>, source: impl Into<std::io::Error>) -> Self {
+        Error::Os {
+            what: what.into(),
+            source: source.into(),
+        }
+    }
+    pub(crate) fn arg(msg: impl Into<String>) -> Self {
+        Error::InvalidArgument(msg.into())
+    }
+}

@@ -1,0 +1,54 @@
+//! # oxccl-verbs: the RDMA programming model, in safe Rust
+//!
+//! Protection domains, memory regions with lkey/rkey and access flags, reliable-connected queue
+//! pairs walking RESET → INIT → RTR → RTS (and ERR), completion queues that poll or wait, and work
+//! requests: WRITE, WRITE_WITH_IMM, READ, SEND, SEND_WITH_IMM, RECV, compare-and-swap and
+//! fetch-and-add. Shaped like libibverbs, so its users feel at home.
+//!
+//! The `shm` provider is kernel bypass between processes of one host: regions live in shared
+//! memory, a WRITE is one `memcpy` by the initiator into the peer's mapped region followed by a
+//! release-store, and the data path makes no system call.
+//!
+//! ```
+//! use std::time::Duration;
+//! use oxccl_verbs::*;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let ctx = Device::by_name("shm")?.open()?;
+//! let pd = ctx.alloc_pd()?;
+//! let cq = ctx.create_cq(64)?;
+//! // Two queue pairs connected to each other (normally in two processes: exchange the
+//! // serializable endpoints out of band).
+//! let a = pd.create_qp(&cq, &cq, &QpConfig::default())?;
+//! let b = pd.create_qp(&cq, &cq, &QpConfig::default())?;
+//! a.connect(&b.endpoint())?;
+//! b.connect(&a.endpoint())?;
+//!
+//! let src = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE)?;
+//! let dst = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;
+//! src.write(0, b"hello, rdma")?;
+//!
+//! let sge = [Sge::new(&src, 0, 11)];
+//! a.post_send(&[SendWr::new(7, WrOp::Write { remote: dst.remote().at(0) }, &sge)])?;
+//! let mut wc = [WorkCompletion::default(); 4];
+//! let n = cq.wait(&mut wc, Duration::from_secs(5))?;
+//! assert_eq!((n, wc[0].wr_id, wc[0].status), (1, 7, WcStatus::Success));
+//! assert_eq!(&dst.to_vec()[..11], b"hello, rdma");
+//! # Ok(()) }
+//! ```
+#![deny(missing_docs)]
+
+mod context;
+mod cq;
+mod error;
+mod mr;
+mod qp;
+mod segment;
+mod types;
+
+pub use context::{Context, Device, ProtectionDomain, Provider};
+pub use cq::CompletionQueue;
+pub use error::{Error, Result};
+pub use mr::MemoryRegion;
+pub use qp::{EndpointAddr, QpEndpoint, QueuePair};
+pub use types::*;

@@ -1,0 +1,339 @@
+//! Memory regions: provider-allocated shared memory (the zero-copy path) and registered user memory.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use crate::context::{
+    CtxInner, MR_ACCESS, MR_ADDR, MR_INDEX_BITS, MR_KIND, MR_KIND_SEGMENT, MR_KIND_USER, MR_LEN,
+    MR_LKEY, MR_RKEY, ProtectionDomain, random_u64,
+};
+use crate::error::{Error, Result};
+use crate::segment::{Segment, copy_bytes};
+use crate::types::{AccessFlags, RemoteBuffer, WcStatus};
+
+/// A registered memory region (`ibv_mr`).
+///
+/// Dropping it deregisters it. [`MemoryRegion::deregister`] does so early: later remote accesses
+/// with its rkey fail with `RemoteAccessError`, later local uses with `LocalProtectionError`, while
+/// the memory itself stays valid until the last request that references it has completed.
+pub struct MemoryRegion {
+    pub(crate) inner: Arc<MrInner>,
+}
+
+pub(crate) struct MrInner {
+    ctx: Arc<CtxInner>,
+    pub pd: u64,
+    index: u32,
+    pub lkey: u64,
+    pub rkey: u64,
+    pub access: AccessFlags,
+    pub addr: u64,
+    pub len: usize,
+    backing: Backing,
+    registered: AtomicBool,
+}
+
+enum Backing {
+    /// Provider memory: a memfd peers map.
+    Segment(Arc<Segment>),
+    /// User memory, reached by peers with process_vm_readv/writev. Owns the buffer when it was
+    /// handed over as a `Vec`.
+    User { _owned: Option<Vec<u8>> },
+}
+
+// SAFETY: the region's memory is only reached through raw pointers and atomics (see `segment`);
+// the struct itself holds no thread-affine state.
+unsafe impl Send for MrInner {}
+// SAFETY: as above.
+unsafe impl Sync for MrInner {}
+
+fn new_key(index: u32) -> u64 {
+    loop {
+        let k = (random_u64() << MR_INDEX_BITS) | index as u64;
+        if k >> MR_INDEX_BITS != 0 {
+            return k;
+        }
+    }
+}
+
+/// The table index a key names.
+pub(crate) fn key_index(key: u64) -> u32 {
+    (key & ((1u64 << MR_INDEX_BITS) - 1)) as u32
+}
+
+impl ProtectionDomain {
+    /// Allocates `len` bytes of zeroed shared memory and registers it: the zero-copy path, where a
+    /// peer's WRITE is one `memcpy` into this memory.
+    pub fn alloc_mr(&self, len: usize, access: AccessFlags) -> Result<MemoryRegion> {
+        let seg = Arc::new(Segment::create("oxccl-mr", len)?);
+        let addr = seg.as_ptr() as u64;
+        self.register(addr, len, access, Backing::Segment(seg))
+    }
+
+    /// Registers a user buffer, which the region owns until it is dropped.
+    ///
+    /// Peers reach it with `process_vm_readv`/`process_vm_writev` (one copy, one syscall per
+    /// request). Atomics need provider memory: use [`ProtectionDomain::alloc_mr`] for
+    /// `REMOTE_ATOMIC`.
+    pub fn reg_mr(&self, buf: Vec<u8>, access: AccessFlags) -> Result<MemoryRegion> {
+        let mut buf = buf;
+        let addr = buf.as_mut_ptr() as u64;
+        let len = buf.len();
+        self.check_user_access(access)?;
+        self.register(addr, len, access, Backing::User { _owned: Some(buf) })
+    }
+
+    /// Registers memory the caller owns (`ibv_reg_mr`).
+    ///
+    /// # Safety
+    /// `addr..addr+len` must be valid, writable memory of this process that stays allocated until
+    /// the region is dropped and every request that uses it has completed. Peers may write it at
+    /// any time while it is registered with remote access.
+    pub unsafe fn reg_mr_raw(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion> {
+        self.check_user_access(access)?;
+        self.register(addr as u64, len, access, Backing::User { _owned: None })
+    }
+
+    fn check_user_access(&self, access: AccessFlags) -> Result<()> {
+        if access.contains(AccessFlags::REMOTE_ATOMIC) {
+            return Err(Error::arg(
+                "REMOTE_ATOMIC on registered user memory: the shm provider performs atomics on \
+                 shared mappings only; allocate the region with ProtectionDomain::alloc_mr",
+            ));
+        }
+        Ok(())
+    }
+
+    fn register(
+        &self,
+        addr: u64,
+        len: usize,
+        access: AccessFlags,
+        backing: Backing,
+    ) -> Result<MemoryRegion> {
+        let ctx = self.ctx.inner.clone();
+        let index = ctx
+            .tables
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .free_mr
+            .pop()
+            .ok_or_else(|| {
+                Error::Exhausted(format!(
+                    "all {} memory-region slots of this context are in use",
+                    crate::context::MAX_MR
+                ))
+            })?;
+        let (lkey, rkey) = (new_key(index), new_key(index));
+        let kind = match &backing {
+            Backing::Segment(seg) => {
+                ctx.registry
+                    .mrs
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert((index, lkey), seg.clone());
+                MR_KIND_SEGMENT
+            }
+            Backing::User { .. } => MR_KIND_USER,
+        };
+        ctx.mr_u64(index, MR_LKEY).store(lkey, Ordering::Relaxed);
+        ctx.mr_u64(index, MR_ADDR).store(addr, Ordering::Relaxed);
+        ctx.mr_u64(index, MR_LEN)
+            .store(len as u64, Ordering::Relaxed);
+        ctx.mr_u32(index, MR_ACCESS)
+            .store(access.bits(), Ordering::Relaxed);
+        ctx.mr_u32(index, MR_KIND).store(kind, Ordering::Relaxed);
+        // Publishing the rkey makes the entry valid; readers acquire it first and re-check it last.
+        ctx.mr_u64(index, MR_RKEY).store(rkey, Ordering::Release);
+        Ok(MemoryRegion {
+            inner: Arc::new(MrInner {
+                ctx,
+                pd: self.id,
+                index,
+                lkey,
+                rkey,
+                access,
+                addr,
+                len,
+                backing,
+                registered: AtomicBool::new(true),
+            }),
+        })
+    }
+}
+
+impl MrInner {
+    fn deregister(&self) -> bool {
+        if !self.registered.swap(false, Ordering::AcqRel) {
+            return false;
+        }
+        let ctx = &self.ctx;
+        ctx.mr_u64(self.index, MR_RKEY).store(0, Ordering::Release);
+        ctx.mr_u64(self.index, MR_LKEY).store(0, Ordering::Release);
+        if matches!(self.backing, Backing::Segment(_)) {
+            ctx.registry
+                .mrs
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&(self.index, self.lkey));
+        }
+        ctx.tables
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .free_mr
+            .push(self.index);
+        true
+    }
+
+    pub(crate) fn is_registered(&self) -> bool {
+        self.registered.load(Ordering::Acquire)
+    }
+
+    /// Checks a local access of `len` bytes at `offset` for a request on domain `pd` and returns
+    /// where it starts.
+    pub(crate) fn local_ptr(
+        &self,
+        pd: u64,
+        offset: usize,
+        len: usize,
+        write: bool,
+    ) -> Result<*mut u8, WcStatus> {
+        let in_bounds = offset.checked_add(len).is_some_and(|end| end <= self.len);
+        if !self.is_registered()
+            || pd != self.pd
+            || !in_bounds
+            || (write && !self.access.contains(AccessFlags::LOCAL_WRITE))
+        {
+            return Err(WcStatus::LocalProtectionError);
+        }
+        Ok((self.addr as usize + offset) as *mut u8)
+    }
+}
+
+impl Drop for MrInner {
+    fn drop(&mut self) {
+        self.deregister();
+    }
+}
+
+impl MemoryRegion {
+    /// Start address (in this process).
+    pub fn addr(&self) -> u64 {
+        self.inner.addr
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.len
+    }
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+    /// Local key.
+    pub fn lkey(&self) -> u64 {
+        self.inner.lkey
+    }
+    /// Remote key: hand it to peers with [`MemoryRegion::remote`].
+    pub fn rkey(&self) -> u64 {
+        self.inner.rkey
+    }
+    /// Access flags.
+    pub fn access(&self) -> AccessFlags {
+        self.inner.access
+    }
+    /// Whether the region is provider memory (shared mapping) rather than registered user memory.
+    pub fn is_provider_memory(&self) -> bool {
+        matches!(self.inner.backing, Backing::Segment(_))
+    }
+    /// What a peer needs to address this region.
+    pub fn remote(&self) -> RemoteBuffer {
+        RemoteBuffer {
+            addr: self.inner.addr,
+            len: self.inner.len as u64,
+            rkey: self.inner.rkey,
+        }
+    }
+    /// Whether the region is still registered.
+    pub fn is_registered(&self) -> bool {
+        self.inner.is_registered()
+    }
+    /// Deregisters the region (`ibv_dereg_mr`); later uses of its keys fail. Idempotent.
+    pub fn deregister(&self) {
+        self.inner.deregister();
+    }
+    /// Raw pointer to the first byte. Peers may write the memory at any time.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.inner.addr as usize as *mut u8
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|e| e > self.len()) {
+            return Err(Error::arg(format!(
+                "range {offset}+{len} outside memory region of {} bytes",
+                self.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Copies `buf.len()` bytes at `offset` out of the region.
+    pub fn read(&self, offset: usize, buf: &mut [u8]) -> Result<()> {
+        self.check(offset, buf.len())?;
+        // SAFETY: in bounds (checked); the region's memory lives as long as `self`; `buf` is a
+        // distinct Rust allocation.
+        unsafe { copy_bytes(self.as_ptr().add(offset), buf.as_mut_ptr(), buf.len()) };
+        Ok(())
+    }
+
+    /// Copies `data` into the region at `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.check(offset, data.len())?;
+        // SAFETY: as in `read`, reversed.
+        unsafe { copy_bytes(data.as_ptr(), self.as_ptr().add(offset), data.len()) };
+        Ok(())
+    }
+
+    /// Sets every byte of the region to `byte`.
+    pub fn fill(&self, byte: u8) {
+        // SAFETY: the whole region is valid for writes while `self` lives.
+        unsafe { std::ptr::write_bytes(self.as_ptr(), byte, self.len()) };
+    }
+
+    /// A copy of the whole region.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len()];
+        let _ = self.read(0, &mut v);
+        v
+    }
+
+    /// The 8-byte word at `offset` as an atomic (for flags peers write, and for polling).
+    pub fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64> {
+        self.check(offset, 8)?;
+        let p = self.addr() as usize + offset;
+        if p % 8 != 0 {
+            return Err(Error::arg(format!("offset {offset} is not 8-byte aligned")));
+        }
+        // SAFETY: in bounds and aligned (checked); the memory outlives the borrow of `self`;
+        // AtomicU64 tolerates concurrent access from peers.
+        Ok(unsafe { &*(p as *const AtomicU64) })
+    }
+}
+
+impl fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len())
+            .field("lkey", &format_args!("{:#x}", self.lkey()))
+            .field("rkey", &format_args!("{:#x}", self.rkey()))
+            .field("access", &self.access())
+            .field("registered", &self.is_registered())
+            .finish()
+    }
+}

@@ -1,0 +1,444 @@
+//! The out-of-band control channel between the client (initiator) and the server (target).
+//!
+//! Messages are serde_json objects, one per line. [`Channel`] is what the benchmark needs; today
+//! [`LineChannel`] runs it over the pipes of a spawned server process ([`ServerProcess`]) or, in
+//! that process, over its standard input and output. A TCP transport (`--server` /
+//! `--connect HOST:PORT`) is a [`LineChannel`] over the two halves of a `TcpStream`.
+//!
+//! A reader thread turns incoming lines into messages, so every receive has a timeout and the
+//! spinning data path can ask whether the peer is gone without a system call
+//! ([`Channel::check_peer`]).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, TryRecvError};
+use std::time::{Duration, Instant};
+
+use oxccl_verbs::{Provider, QpEndpoint, RemoteBuffer};
+use serde::{Deserialize, Serialize};
+
+use super::Test;
+use super::error::{Error, Result};
+
+/// A control message.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(tag = "msg", rename_all = "snake_case")]
+pub enum Msg {
+    /// Client → server: what to prepare.
+    Setup(Setup),
+    /// Both ways: a queue pair endpoint and the sender's target buffer.
+    Endpoint {
+        /// The sender's queue pair.
+        qp: QpEndpoint,
+        /// The sender's target region (peers WRITE, READ and run atomics here).
+        buf: RemoteBuffer,
+    },
+    /// Server → client: connected (and receives posted); runs may start.
+    Connected,
+    /// Client → server: the next measurement.
+    Run(RunSpec),
+    /// Server → client: ready for the run just announced.
+    Ready,
+    /// Client → server: the run is over (the idle server's cue to report).
+    Finish,
+    /// Server → client: the server's side of the run is done.
+    Done {
+        /// CPU seconds (user + system) the server used during the measured part of the run.
+        cpu_secs: f64,
+    },
+    /// Client → server: no more runs; exit.
+    Quit,
+    /// Either way: the sender failed and is exiting.
+    Error {
+        /// What went wrong, in words.
+        message: String,
+    },
+}
+
+/// What the server prepares once, for every run that follows.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Setup {
+    /// The test.
+    pub test: Test,
+    /// The verbs provider.
+    pub provider: Provider,
+    /// The largest message of all runs (buffer size).
+    pub max_size: usize,
+    /// Receives kept posted (send tests).
+    pub rx_depth: u32,
+    /// Outstanding send requests (sizing of the send queue).
+    pub tx_depth: u32,
+    /// Seconds a wait may go without progress.
+    pub timeout_secs: f64,
+    /// `flag_lat`: the inherited descriptor of the shared flag page.
+    pub flag_fd: Option<i32>,
+}
+
+/// One measurement: `warmup + iters` operations of `size` bytes.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub struct RunSpec {
+    /// Message size in bytes.
+    pub size: usize,
+    /// Warm-up operations, not measured.
+    pub warmup: u64,
+    /// Measured operations.
+    pub iters: u64,
+    /// Sequence number before the run's first operation (ping-pong counters continue across runs).
+    pub seq: u64,
+}
+
+/// The control channel the benchmark talks over.
+pub trait Channel {
+    /// Sends one message.
+    fn send(&mut self, msg: &Msg) -> Result<()>;
+    /// Receives the next message; `what` names it for errors. `None` waits until the peer closes
+    /// the channel (used only by an idle server, which the client's exit always wakes).
+    fn recv(&mut self, what: &str, timeout: Option<Duration>) -> Result<Msg>;
+    /// Errors when the peer has failed or hung up. Never blocks and makes no system call, so
+    /// spin loops can call it.
+    fn check_peer(&mut self) -> Result<()>;
+    /// Who is at the other end ("server process", "client"), for messages.
+    fn peer_name(&self) -> &str;
+}
+
+enum Incoming {
+    Msg(Msg),
+    Garbage(String),
+    Closed(Option<String>),
+}
+
+/// A [`Channel`] over any byte stream pair: newline-delimited JSON, read by a helper thread.
+pub struct LineChannel {
+    writer: Box<dyn Write + Send>,
+    rx: Receiver<Incoming>,
+    closed: Arc<AtomicBool>,
+    peer: String,
+    dead: Option<String>,
+}
+
+impl LineChannel {
+    /// A channel writing to `writer` and reading lines from `reader`; `peer` names the other end.
+    pub fn new<R, W>(reader: R, writer: W, peer: &str) -> Result<Self>
+    where
+        R: Read + Send + 'static,
+        W: Write + Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel();
+        let closed = Arc::new(AtomicBool::new(false));
+        let flag = closed.clone();
+        std::thread::Builder::new()
+            .name("oxccl-perf-ctl".into())
+            .spawn(move || {
+                let mut lines = BufReader::new(reader).lines();
+                let end = loop {
+                    match lines.next() {
+                        None => break None,
+                        Some(Err(e)) => break Some(e.to_string()),
+                        Some(Ok(line)) if line.trim().is_empty() => continue,
+                        Some(Ok(line)) => {
+                            let item = match serde_json::from_str::<Msg>(&line) {
+                                Ok(m) => Incoming::Msg(m),
+                                Err(_) => Incoming::Garbage(line),
+                            };
+                            if tx.send(item).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                };
+                flag.store(true, Ordering::Release);
+                let _ = tx.send(Incoming::Closed(end));
+            })
+            .map_err(|e| Error::new(format!("spawning the control-channel reader thread: {e}")))?;
+        Ok(LineChannel {
+            writer: Box::new(writer),
+            rx,
+            closed,
+            peer: peer.to_string(),
+            dead: None,
+        })
+    }
+
+    /// The channel of a server process to its client: standard input and output.
+    pub fn stdio() -> Result<Self> {
+        Self::new(std::io::stdin(), std::io::stdout(), "client")
+    }
+
+    fn gone(&mut self, why: Option<String>) -> Error {
+        let why = why.map(|w| format!(" ({w})")).unwrap_or_default();
+        let msg = format!("the {} closed the control channel{why}", self.peer);
+        self.dead = Some(msg.clone());
+        Error::new(msg)
+    }
+
+    fn accept(&mut self, item: Incoming) -> Result<Msg> {
+        match item {
+            Incoming::Msg(Msg::Error { message }) => {
+                let msg = format!("the {} failed: {message}", self.peer);
+                self.dead = Some(msg.clone());
+                Err(Error::new(msg))
+            }
+            Incoming::Msg(m) => Ok(m),
+            Incoming::Garbage(line) => {
+                let mut line = line;
+                line.truncate(200);
+                Err(Error::new(format!(
+                    "the {} sent something that is not a control message: {line:?}",
+                    self.peer
+                )))
+            }
+            Incoming::Closed(why) => Err(self.gone(why)),
+        }
+    }
+}
+
+impl Channel for LineChannel {
+    fn send(&mut self, msg: &Msg) -> Result<()> {
+        if let Some(dead) = &self.dead {
+            return Err(Error::new(dead.clone()));
+        }
+        let mut line = serde_json::to_string(msg)
+            .map_err(|e| Error::new(format!("encoding a control message: {e}")))?;
+        line.push('\n');
+        self.writer
+            .write_all(line.as_bytes())
+            .and_then(|()| self.writer.flush())
+            .map_err(|e| {
+                Error::new(format!(
+                    "sending to the {} failed ({e}): it is gone",
+                    self.peer
+                ))
+            })
+    }
+
+    fn recv(&mut self, what: &str, timeout: Option<Duration>) -> Result<Msg> {
+        if let Some(dead) = &self.dead {
+            return Err(Error::new(dead.clone()));
+        }
+        let item = match timeout {
+            Some(t) => match self.rx.recv_timeout(t) {
+                Ok(item) => item,
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err(Error::new(format!(
+                        "timed out after {:.1} s waiting for {what} from the {}",
+                        t.as_secs_f64(),
+                        self.peer
+                    )));
+                }
+                Err(RecvTimeoutError::Disconnected) => Incoming::Closed(None),
+            },
+            None => self.rx.recv().unwrap_or(Incoming::Closed(None)),
+        };
+        self.accept(item)
+            .map_err(|e| e.context(format!("waiting for {what}")))
+    }
+
+    fn check_peer(&mut self) -> Result<()> {
+        if let Some(dead) = &self.dead {
+            return Err(Error::new(dead.clone()));
+        }
+        if !self.closed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        // The peer hung up: report the error it sent before going, if any.
+        loop {
+            match self.rx.try_recv() {
+                Ok(Incoming::Msg(Msg::Error { message })) => {
+                    return self
+                        .accept(Incoming::Msg(Msg::Error { message }))
+                        .map(|_| ());
+                }
+                Ok(Incoming::Closed(why)) => return Err(self.gone(why)),
+                Ok(_) => continue,
+                Err(TryRecvError::Empty | TryRecvError::Disconnected) => {
+                    return Err(self.gone(None));
+                }
+            }
+        }
+    }
+
+    fn peer_name(&self) -> &str {
+        &self.peer
+    }
+}
+
+/// The spawned server process: this binary re-executed as `verbs-perf --server-child`.
+///
+/// The child gets `SIGKILL` when its parent dies (`PR_SET_PDEATHSIG`) and exits when its standard
+/// input closes; dropping this handle without [`ServerProcess::finish`] kills and reaps it.
+pub struct ServerProcess {
+    child: Child,
+    reaped: Option<ExitStatus>,
+}
+
+impl ServerProcess {
+    /// Starts the server process. It inherits every descriptor that is not close-on-exec.
+    pub fn spawn() -> Result<(ServerProcess, LineChannel)> {
+        let exe = std::env::current_exe()
+            .map_err(|e| Error::new(format!("finding this program to start the server: {e}")))?;
+        let mut child = Command::new(&exe)
+            .arg("verbs-perf")
+            .arg("--server-child")
+            .arg("--parent-pid")
+            .arg(std::process::id().to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| {
+                Error::new(format!(
+                    "starting the server process {}: {e}",
+                    exe.display()
+                ))
+            })?;
+        let stdin: ChildStdin = child.stdin.take().expect("piped stdin");
+        let stdout: ChildStdout = child.stdout.take().expect("piped stdout");
+        let server = ServerProcess {
+            child,
+            reaped: None,
+        };
+        let chan = LineChannel::new(stdout, stdin, "server process")?;
+        Ok((server, chan))
+    }
+
+    /// The process id.
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits up to `timeout` for the process to exit; its status if it did.
+    pub fn exited_within(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        if self.reaped.is_some() {
+            return self.reaped;
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(st)) => {
+                    self.reaped = Some(st);
+                    return Some(st);
+                }
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    /// Adds how the server ended (if it did within a moment) to `err`.
+    pub fn explain(&mut self, err: Error) -> Error {
+        match self.exited_within(Duration::from_millis(300)) {
+            Some(st) if !st.success() => {
+                err.with_note(format!("the server process exited: {}", describe(st)))
+            }
+            _ => err,
+        }
+    }
+
+    /// Waits for a clean exit after the channel was closed; kills the process after `timeout`.
+    pub fn finish(mut self, timeout: Duration) -> Result<()> {
+        match self.exited_within(timeout) {
+            Some(st) if st.success() => Ok(()),
+            Some(st) => Err(Error::new(format!(
+                "the server process exited: {}",
+                describe(st)
+            ))),
+            None => Err(Error::new(format!(
+                "the server process did not exit within {:.1} s; killed it",
+                timeout.as_secs_f64()
+            ))),
+        }
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        if self.reaped.is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// "exit code 3" or "killed by signal 9 (SIGKILL)".
+fn describe(st: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    if let Some(code) = st.code() {
+        format!("exit code {code}")
+    } else if let Some(sig) = st.signal() {
+        let name = match sig {
+            libc::SIGKILL => " (SIGKILL)",
+            libc::SIGSEGV => " (SIGSEGV)",
+            libc::SIGBUS => " (SIGBUS)",
+            libc::SIGABRT => " (SIGABRT)",
+            libc::SIGTERM => " (SIGTERM)",
+            _ => "",
+        };
+        format!("killed by signal {sig}{name}")
+    } else {
+        format!("{st}")
+    }
+}
+
+/// Turns a spin loop into a bounded wait: every few thousand turns (no system call on the fast
+/// path) it checks that the peer is still there and that `timeout` has not passed without progress.
+pub struct Spin<'a> {
+    chan: &'a mut dyn Channel,
+    timeout: Duration,
+    turns: u32,
+    since: Option<Instant>,
+}
+
+impl<'a> Spin<'a> {
+    /// A spinner that gives up after `timeout` without progress.
+    pub fn new(chan: &'a mut dyn Channel, timeout: Duration) -> Self {
+        Spin {
+            chan,
+            timeout,
+            turns: 0,
+            since: None,
+        }
+    }
+
+    /// Called when the awaited thing happened: the next wait starts afresh.
+    #[inline]
+    pub fn progress(&mut self) {
+        self.turns = 0;
+        self.since = None;
+    }
+
+    /// One turn of a spin loop waiting for `what`.
+    #[inline]
+    pub fn turn(&mut self, what: &dyn Fn() -> String) -> Result<()> {
+        self.turns = self.turns.wrapping_add(1);
+        if self.turns & 0x3fff == 0 {
+            self.check(what)?;
+        }
+        std::hint::spin_loop();
+        Ok(())
+    }
+
+    #[cold]
+    fn check(&mut self, what: &dyn Fn() -> String) -> Result<()> {
+        self.chan
+            .check_peer()
+            .map_err(|e| e.context(format!("while waiting for {}", what())))?;
+        let now = Instant::now();
+        match self.since {
+            None => self.since = Some(now),
+            Some(t) if now - t > self.timeout => {
+                return Err(Error::new(format!(
+                    "no progress for {:.1} s while waiting for {} (is the {} stuck?)",
+                    self.timeout.as_secs_f64(),
+                    what(),
+                    self.chan.peer_name()
+                )));
+            }
+            Some(_) => {}
+        }
+        Ok(())
+    }
+}

@@ -383,8 +383,10 @@ fn describe(st: ExitStatus) -> String {
     }
 }
 
-/// Turns a spin loop into a bounded wait: every few thousand turns (no system call on the fast
-/// path) it checks that the peer is still there and that `timeout` has not passed without progress.
+/// Turns a spin loop into a bounded wait: every 16384 turns (a fraction of a millisecond; no
+/// system call on the fast path) it checks that the peer is still there and that `timeout` has
+/// not passed without progress, and yields the CPU once, so that a peer starved of a core (more
+/// spinning processes than cores) still gets to run.
 pub struct Spin<'a> {
     chan: &'a mut dyn Channel,
     timeout: Duration,
@@ -423,6 +425,7 @@ impl<'a> Spin<'a> {
 
     #[cold]
     fn check(&mut self, what: &dyn Fn() -> String) -> Result<()> {
+        std::thread::yield_now();
         self.chan
             .check_peer()
             .map_err(|e| e.context(format!("while waiting for {}", what())))?;

@@ -436,6 +436,10 @@ fn check_wc(wc: &WorkCompletion, op: WcOpcode, qp: &QueuePair) -> Result<()> {
             WcStatus::RetryExceeded => ": the peer is gone",
             WcStatus::RnrRetryExceeded => ": the peer posted no receive in time",
             WcStatus::RemoteAccessError => ": the peer refused the access (rkey, range, flags)",
+            WcStatus::WorkRequestFlushed => {
+                ": the queue pair is in the error state (an earlier request failed or the peer \
+                 went away)"
+            }
             _ => "",
         };
         return Err(Error::new(format!(

@@ -41,6 +41,7 @@ pub fn memcpy_bw(size: usize, warmup: u64, iters: u64) -> Marks {
     marks
 }
 
+/// Size of the shared flag page.
 const PAGE: usize = 4096;
 /// The client's inbox (the server writes it).
 const CLIENT_WORD: usize = 0;
@@ -87,6 +88,7 @@ impl FlagPage {
         Self::map(fd)
     }
 
+    /// Maps the page of `fd`, shared and writable.
     fn map(fd: OwnedFd) -> Result<Self> {
         // SAFETY: a fresh shared mapping of a descriptor we own, at an address the kernel picks;
         // it aliases no Rust object. It is only accessed through atomics.
@@ -111,6 +113,7 @@ impl FlagPage {
         self.fd.as_raw_fd()
     }
 
+    /// The flag word at byte `off`.
     fn word(&self, off: usize) -> &AtomicU64 {
         debug_assert!(off.is_multiple_of(8) && off + 8 <= PAGE);
         // SAFETY: in bounds and 8-byte aligned (page-aligned base); the mapping lives as long as

@@ -57,6 +57,23 @@ pub enum Msg {
     },
 }
 
+impl Msg {
+    /// The message's tag, as it appears on the wire (`"ready"`, `"done"`, ...).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Msg::Setup(_) => "setup",
+            Msg::Endpoint { .. } => "endpoint",
+            Msg::Connected => "connected",
+            Msg::Run(_) => "run",
+            Msg::Ready => "ready",
+            Msg::Finish => "finish",
+            Msg::Done { .. } => "done",
+            Msg::Quit => "quit",
+            Msg::Error { .. } => "error",
+        }
+    }
+}
+
 /// What the server prepares once, for every run that follows.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Setup {
@@ -103,9 +120,13 @@ pub trait Channel {
     fn peer_name(&self) -> &str;
 }
 
+/// What the reader thread hands over.
 enum Incoming {
+    /// A control message.
     Msg(Msg),
+    /// A line that is not a control message.
     Garbage(String),
+    /// End of stream (with the read error, if that ended it).
     Closed(Option<String>),
 }
 
@@ -166,6 +187,7 @@ impl LineChannel {
         Self::new(std::io::stdin(), std::io::stdout(), "client")
     }
 
+    /// Records that the peer hung up and returns the error that says so.
     fn gone(&mut self, why: Option<String>) -> Error {
         let why = why.map(|w| format!(" ({w})")).unwrap_or_default();
         let msg = format!("the {} closed the control channel{why}", self.peer);
@@ -173,6 +195,7 @@ impl LineChannel {
         Error::new(msg)
     }
 
+    /// Turns what the reader thread got into a message or an error.
     fn accept(&mut self, item: Incoming) -> Result<Msg> {
         match item {
             Incoming::Msg(Msg::Error { message }) => {
@@ -423,6 +446,7 @@ impl<'a> Spin<'a> {
         Ok(())
     }
 
+    /// The periodic check of a spin loop (see [`Spin`]).
     #[cold]
     fn check(&mut self, what: &dyn Fn() -> String) -> Result<()> {
         std::thread::yield_now();

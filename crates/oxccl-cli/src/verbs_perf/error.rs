@@ -5,6 +5,7 @@ use std::fmt;
 /// What went wrong in a `verbs-perf` run.
 #[derive(Debug)]
 pub struct Error {
+    /// The message.
     msg: String,
     /// Writing our own output failed because its reader went away (`| head`): not worth a message.
     broken_pipe: bool,

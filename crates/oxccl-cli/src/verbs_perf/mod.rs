@@ -288,6 +288,7 @@ pub fn main(args: Args) -> Result<()> {
     }
 }
 
+/// `--timeout` as a duration.
 fn timeout(args: &Args) -> Duration {
     Duration::from_secs_f64(args.timeout)
 }
@@ -304,6 +305,7 @@ fn cpu_secs() -> f64 {
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
+/// The `key: value` lines of the perftest-like header.
 fn header_facts(
     args: &Args,
     test: Test,
@@ -357,6 +359,7 @@ fn header_facts(
     f
 }
 
+/// `memcpy_bw`: no server, one row per size.
 fn run_memcpy(args: &Args, steps: &[Step], printer: &mut Printer) -> Result<()> {
     printer.header(
         Test::MemcpyBw.title(),
@@ -376,6 +379,7 @@ fn run_memcpy(args: &Args, steps: &[Step], printer: &mut Printer) -> Result<()> 
     printer.footer()
 }
 
+/// Every test with a peer: spawns the server process, runs, and reaps it (or kills it on error).
 fn run_with_server(args: &Args, test: Test, steps: &[Step], printer: &mut Printer) -> Result<()> {
     // Created before the spawn, so the server inherits the descriptor.
     let flag = match test {
@@ -395,21 +399,20 @@ fn run_with_server(args: &Args, test: Test, steps: &[Step], printer: &mut Printe
     }
 }
 
+/// Receives the next message and checks that it is a `want` (see [`Msg::kind`]).
 fn expect_msg(chan: &mut dyn Channel, what: &str, timeout: Duration, want: &str) -> Result<Msg> {
     let m = chan.recv(what, Some(timeout))?;
-    let tag = serde_json::to_value(&m)
-        .ok()
-        .and_then(|v| v.get("msg").and_then(|t| t.as_str().map(str::to_string)))
-        .unwrap_or_default();
-    if tag != want {
+    if m.kind() != want {
         return Err(Error::new(format!(
-            "protocol error: expected {what} ({want}) from the {}, got {tag}",
-            chan.peer_name()
+            "protocol error: expected {what} ({want}) from the {}, got {}",
+            chan.peer_name(),
+            m.kind()
         )));
     }
     Ok(m)
 }
 
+/// The client's side of the protocol: setup, connection, then one run and one row per size.
 fn drive(
     args: &Args,
     test: Test,
@@ -515,8 +518,11 @@ fn drive(
     printer.footer()
 }
 
+/// What the client measured in one run.
 enum Measured {
+    /// Per-operation nanoseconds (round trips for ping-pong tests).
     Lat(Vec<u64>),
+    /// Completion progress over time.
     Bw(report::Marks),
 }
 
@@ -543,7 +549,8 @@ fn server_main(args: &Args) -> Result<()> {
     }
 }
 
-fn serve(chan: &mut LineChannel) -> Result<()> {
+/// The server's side of the protocol: set up as told, then answer runs until `quit`.
+fn serve(chan: &mut dyn Channel) -> Result<()> {
     let Msg::Setup(setup) = expect_msg(chan, "the test setup", Duration::from_secs(30), "setup")?
     else {
         unreachable!("checked by expect_msg")
@@ -635,5 +642,64 @@ fn inject_fault(fault: &str) {
             });
         }
         _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    fn args(argv: &[&str]) -> Args {
+        Cli::try_parse_from(std::iter::once("verbs-perf").chain(argv.iter().copied()))
+            .expect("arguments parse")
+            .args
+    }
+
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("64K"), Ok(65536));
+        assert_eq!(parse_size("4M"), Ok(4 << 20));
+        assert_eq!(parse_size("4m"), Ok(4 << 20));
+        assert_eq!(parse_size("4MiB"), Ok(4 << 20));
+        assert_eq!(parse_size("1G"), Ok(1 << 30));
+        for bad in [
+            "",
+            "K",
+            "4X",
+            "-1",
+            "1.5K",
+            "0",
+            "2G",
+            "99999999999999999999",
+        ] {
+            assert!(parse_size(bad).is_err(), "{bad:?} parsed");
+        }
+    }
+
+    #[test]
+    fn plans_follow_perftest_defaults() {
+        let p = plan(&args(&["write_lat"]), Test::WriteLat).unwrap();
+        assert_eq!((p.len(), p[0].size, p[0].iters), (1, 2, 1000));
+        let p = plan(&args(&["write_bw"]), Test::WriteBw).unwrap();
+        assert_eq!((p.len(), p[0].size, p[0].iters), (1, 65536, 5000));
+        assert!(p[0].warmup >= 128, "bandwidth warm-up fills the send queue");
+        let p = plan(&args(&["write_bw", "-a"]), Test::WriteBw).unwrap();
+        assert_eq!(p.len(), 23);
+        assert_eq!((p[0].size, p[22].size), (2, 8 << 20));
+        assert!(p[22].iters < 5000, "-a shortens the largest sizes");
+        let p = plan(&args(&["write_bw", "-a", "-n", "7"]), Test::WriteBw).unwrap();
+        assert!(p.iter().all(|s| s.iters == 7), "-n is honoured exactly");
+        let p = plan(&args(&["atomic_lat", "-a"]), Test::AtomicLat).unwrap();
+        assert_eq!(p.len(), 1);
+        assert_eq!(p[0].size, 8);
+        assert!(plan(&args(&["flag_lat", "-s", "16"]), Test::FlagLat).is_err());
     }
 }

@@ -218,6 +218,7 @@ impl Printer {
         }
     }
 
+    /// Writes one line and flushes (rows appear as they are measured).
     fn line(&mut self, s: &str) -> Result<()> {
         let mut out = self.out.lock();
         writeln!(out, "{s}")
@@ -296,6 +297,7 @@ impl Printer {
         self.line(&"-".repeat(95))
     }
 
+    /// Writes one row as a JSON object.
     fn json_line<T: Serialize>(&mut self, row: &T) -> Result<()> {
         let s = serde_json::to_string(row)
             .map_err(|e| Error::new(format!("encoding a JSON row: {e}")))?;
@@ -303,6 +305,7 @@ impl Printer {
     }
 }
 
+/// The `--cpu` columns of a row.
 fn cpu_cols(init: Option<f64>, target: Option<f64>) -> String {
     let f = |v: Option<f64>| v.map(|v| format!("{v:.4}")).unwrap_or_else(|| "-".into());
     format!("   {:<17} {}", f(init), f(target))

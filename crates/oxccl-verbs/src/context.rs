@@ -12,14 +12,15 @@
 use std::collections::HashMap;
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use rustix::event::EventfdFlags;
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
     SendAncillaryMessage, SendFlags,
@@ -62,8 +63,6 @@ const REQ_MR: u64 = 3;
 pub(crate) struct Tuning {
     /// How long a waiter spins before it yields and then sleeps.
     pub spin: Duration,
-    /// Minimum interval between liveness checks of a peer (a `poll` on its pidfd).
-    pub liveness_interval: Duration,
 }
 
 impl Tuning {
@@ -76,7 +75,6 @@ impl Tuning {
         };
         Tuning {
             spin: Duration::from_micros(us("OXCCL_SPIN_US", 50)),
-            liveness_interval: Duration::from_millis(us("OXCCL_LIVENESS_MS", 20).max(1)),
         }
     }
 }
@@ -173,14 +171,23 @@ pub(crate) struct CtxInner {
     pub tuning: Tuning,
     pub registry: Arc<Registry>,
     pub tables: Mutex<Tables>,
-    pub peers: Mutex<HashMap<(u32, u64), Arc<PeerCtx>>>,
+    pub peers: PeerMap,
+    wake: Arc<OwnedFd>,
     pub next_qpn: AtomicU32,
     pub next_pd: AtomicU64,
     service: Mutex<Option<JoinHandle<()>>>,
     stop: Arc<AtomicBool>,
 }
 
+/// Wakes the service thread (new peer to watch, or shutdown).
+fn kick(wake: &OwnedFd) {
+    let _ = rustix::io::write(wake, &1u64.to_ne_bytes());
+}
+
 /// Free slots of the context's tables.
+/// Peer contexts by (pid, context token).
+pub(crate) type PeerMap = Arc<Mutex<HashMap<(u32, u64), Arc<PeerCtx>>>>;
+
 pub(crate) struct Tables {
     pub free_cq: Vec<u32>,
     pub free_mr: Vec<u32>,
@@ -215,13 +222,26 @@ impl Context {
                 e,
             )
         })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::os("segment service socket", e))?;
+        let wake = Arc::new(
+            rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
+                .map_err(|e| Error::os("eventfd for the segment service", e))?,
+        );
         let stop = Arc::new(AtomicBool::new(false));
+        let peers = PeerMap::default();
         let service = {
-            let registry = registry.clone();
-            let stop = stop.clone();
+            let svc = Service {
+                listener,
+                registry: registry.clone(),
+                stop: stop.clone(),
+                wake: wake.clone(),
+                peers: peers.clone(),
+            };
             std::thread::Builder::new()
                 .name("oxccl-shm-svc".into())
-                .spawn(move || serve(listener, registry, stop))
+                .spawn(move || svc.run())
                 .map_err(|e| Error::os("spawning the segment service thread", e))?
         };
         Ok(Context {
@@ -238,7 +258,8 @@ impl Context {
                     free_cq: (0..MAX_CQ as u32).rev().collect(),
                     free_mr: (0..MAX_MR as u32).rev().collect(),
                 }),
-                peers: Mutex::new(HashMap::new()),
+                peers,
+                wake,
                 next_qpn: AtomicU32::new(1),
                 next_pd: AtomicU64::new(1),
                 service: Mutex::new(Some(service)),
@@ -270,10 +291,7 @@ impl Drop for CtxInner {
     fn drop(&mut self) {
         self.seg.atomic_u32(OFF_ALIVE).store(0, Ordering::Release);
         self.stop.store(true, Ordering::SeqCst);
-        // Wake the blocking accept with a connection to ourselves, then join.
-        if let Ok(addr) = SocketAddr::from_abstract_name(self.sock_name.as_bytes()) {
-            let _ = UnixStream::connect_addr(&addr);
-        }
+        kick(&self.wake);
         if let Some(h) = self
             .service
             .lock()
@@ -304,13 +322,16 @@ impl CtxInner {
     /// The peer context behind `(pid, token, sock)`, mapped and watched; created on first use.
     pub(crate) fn peer(&self, pid: u32, token: u64, sock: &str) -> Result<Arc<PeerCtx>> {
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = peers.get(&(pid, token)) {
-            if !p.dead.load(Ordering::Acquire) {
-                return Ok(p.clone());
-            }
+        if let Some(p) = peers.get(&(pid, token))
+            && !p.dead.load(Ordering::Acquire)
+        {
+            return Ok(p.clone());
         }
         let p = Arc::new(PeerCtx::connect(pid, token, sock)?);
         peers.insert((pid, token), p.clone());
+        drop(peers);
+        // The service thread watches the new peer's pidfd from now on.
+        kick(&self.wake);
         Ok(p)
     }
 }
@@ -334,10 +355,8 @@ pub(crate) struct PeerCtx {
     pub pid: u32,
     pub sock: String,
     pub seg: Segment,
-    pidfd: Option<OwnedFd>,
+    pidfd: OwnedFd,
     pub dead: AtomicBool,
-    last_check_ns: AtomicU64,
-    checked_at: Instant,
     mrs: Mutex<HashMap<u32, (u64, Arc<Segment>)>>,
 }
 
@@ -361,53 +380,23 @@ impl PeerCtx {
             pid,
             sock: sock.to_string(),
             seg,
-            pidfd: Some(pidfd),
+            pidfd,
             dead: AtomicBool::new(false),
-            last_check_ns: AtomicU64::new(0),
-            checked_at: Instant::now(),
             mrs: Mutex::new(HashMap::new()),
         })
     }
 
-    /// Whether the peer is known to be gone. Checks its process (one `poll` on the pidfd) at most
-    /// once per `interval`; otherwise this is an atomic load.
-    pub(crate) fn is_dead(&self, interval: Duration) -> bool {
+    /// Whether the peer is known to be gone: its process exited (the service thread watches its
+    /// pidfd and sets `dead`) or it closed its context. Two atomic loads, no syscall.
+    pub(crate) fn is_dead(&self) -> bool {
         if self.dead.load(Ordering::Acquire) {
             return true;
         }
-        let now = self.checked_at.elapsed().as_nanos() as u64;
-        let last = self.last_check_ns.load(Ordering::Relaxed);
-        if now.saturating_sub(last) < interval.as_nanos() as u64 {
-            return false;
-        }
-        if self
-            .last_check_ns
-            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-            .is_err()
-        {
-            return false;
-        }
-        self.check_now()
-    }
-
-    /// Checks the peer's liveness now (pidfd readable = exited; context closed).
-    pub(crate) fn check_now(&self) -> bool {
-        let gone = self.seg.atomic_u32(OFF_ALIVE).load(Ordering::Acquire) == 0
-            || match &self.pidfd {
-                Some(fd) => {
-                    let mut fds = [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
-                    let zero = rustix::time::Timespec {
-                        tv_sec: 0,
-                        tv_nsec: 0,
-                    };
-                    matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
-                }
-                None => false,
-            };
-        if gone {
+        if self.seg.atomic_u32(OFF_ALIVE).load(Ordering::Acquire) == 0 {
             self.dead.store(true, Ordering::Release);
+            return true;
         }
-        gone
+        false
     }
 
     pub(crate) fn cq_word(&self, index: u32, word: usize) -> &AtomicU32 {
@@ -428,10 +417,10 @@ impl PeerCtx {
     /// The mapping of the peer's region at table `index` whose lkey is `lkey`, fetched on first use.
     pub(crate) fn mr_segment(&self, index: u32, lkey: u64) -> Result<Arc<Segment>> {
         let mut mrs = self.mrs.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((k, seg)) = mrs.get(&index) {
-            if *k == lkey {
-                return Ok(seg.clone());
-            }
+        if let Some((k, seg)) = mrs.get(&index)
+            && *k == lkey
+        {
+            return Ok(seg.clone());
         }
         let seg = Arc::new(Segment::open(fetch_fd(
             &self.sock,
@@ -496,25 +485,98 @@ fn fetch_fd(sock: &str, kind: u64, a: u64, b: u64) -> Result<OwnedFd> {
     }
 }
 
-fn serve(listener: UnixListener, registry: Arc<Registry>, stop: Arc<AtomicBool>) {
-    let uid = rustix::process::getuid();
-    for conn in listener.incoming() {
-        if stop.load(Ordering::SeqCst) {
-            return;
+/// The context's background thread: answers segment requests and watches peers' processes.
+///
+/// It sleeps in one `poll` on the listening socket, an eventfd (new peer, shutdown) and the pidfd
+/// of every live peer. When a peer process exits its pidfd becomes readable: the thread marks the
+/// peer dead and wakes every sleeping completion queue of this context, so waiters notice at once
+/// and the data path itself never has to make a syscall to check.
+struct Service {
+    listener: UnixListener,
+    registry: Arc<Registry>,
+    stop: Arc<AtomicBool>,
+    wake: Arc<OwnedFd>,
+    peers: PeerMap,
+}
+
+impl Service {
+    fn run(self) {
+        use rustix::event::{PollFd, PollFlags};
+        while !self.stop.load(Ordering::SeqCst) {
+            let live: Vec<Arc<PeerCtx>> = self
+                .peers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .values()
+                .filter(|p| !p.dead.load(Ordering::Acquire))
+                .cloned()
+                .collect();
+            let mut fds = vec![
+                PollFd::new(&self.listener, PollFlags::IN),
+                PollFd::new(&*self.wake, PollFlags::IN),
+            ];
+            fds.extend(live.iter().map(|p| PollFd::new(&p.pidfd, PollFlags::IN)));
+            match rustix::event::poll(&mut fds, None) {
+                Ok(_) => {}
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(_) => {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            }
+            let ready: Vec<bool> = fds.iter().map(|f| !f.revents().is_empty()).collect();
+            drop(fds);
+            if ready[1] {
+                let mut buf = [0u8; 8];
+                let _ = rustix::io::read(&*self.wake, &mut buf);
+            }
+            let mut died = false;
+            for (p, r) in live.iter().zip(&ready[2..]) {
+                if *r {
+                    p.dead.store(true, Ordering::Release);
+                    died = true;
+                }
+            }
+            if died {
+                self.wake_all_cqs();
+            }
+            if ready[0] {
+                while let Ok((conn, _)) = self.listener.accept() {
+                    self.answer(conn);
+                }
+            }
         }
-        let Ok(mut conn) = conn else { continue };
+    }
+
+    /// Bumps every completion-queue doorbell of this context so sleepers re-check their peers.
+    fn wake_all_cqs(&self) {
+        let Some((_, seg)) = self.registry.ctx.get() else {
+            return;
+        };
+        for i in 0..MAX_CQ {
+            let base = CQ_TABLE + i * CQ_SLOT;
+            crate::cq::notify_word(seg.atomic_u32(base), seg.atomic_u32(base + 4));
+        }
+    }
+
+    fn answer(&self, mut conn: UnixStream) {
         // Only processes of the same user may map our memory (the 0600 rule of named segments).
         match rustix::net::sockopt::socket_peercred(&conn) {
-            Ok(cred) if cred.uid == uid => {}
-            _ => continue,
+            Ok(cred) if cred.uid == rustix::process::getuid() => {}
+            _ => return,
         }
-        let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
+        if conn.set_nonblocking(false).is_err()
+            || conn.set_read_timeout(Some(Duration::from_secs(2))).is_err()
+        {
+            return;
+        }
         let mut req = [0u8; 24];
         if conn.read_exact(&mut req).is_err() {
-            continue;
+            return;
         }
         let word = |i: usize| u64::from_le_bytes(req[i * 8..i * 8 + 8].try_into().unwrap());
         let (kind, a, b) = (word(0), word(1), word(2));
+        let registry = &self.registry;
         let seg: Option<Arc<Segment>> = match kind {
             REQ_CTX => registry
                 .ctx
@@ -546,7 +608,6 @@ fn serve(listener: UnixListener, registry: Arc<Registry>, stop: Arc<AtomicBool>)
             cmsg.push(SendAncillaryMessage::ScmRights(&fds));
         }
         let _ = rustix::net::sendmsg(&conn, &iov, &mut cmsg, SendFlags::NOSIGNAL);
-        let _ = conn.as_fd();
     }
 }
 

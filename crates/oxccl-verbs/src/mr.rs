@@ -316,7 +316,7 @@ impl MemoryRegion {
     pub fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64> {
         self.check(offset, 8)?;
         let p = self.addr() as usize + offset;
-        if p % 8 != 0 {
+        if !p.is_multiple_of(8) {
             return Err(Error::arg(format!("offset {offset} is not 8-byte aligned")));
         }
         // SAFETY: in bounds and aligned (checked); the memory outlives the borrow of `self`;

@@ -3,7 +3,7 @@
 //! Each queue pair owns a shared segment that its peer maps:
 //!
 //! ```text
-//! header: magic | state | recv CQ index | recv capacity | posted | claimed | doorbell
+//! header: magic | state | recv CQ index | recv capacity ‖ posted ‖ claimed ‖ doorbell
 //! slots:  [recv slot; capacity]  (wr_id, SGEs as (lkey, addr, len), and the completion fields)
 //! ```
 //!
@@ -21,7 +21,7 @@
 //! syscall. Registered user memory (not shared) is reached with process_vm_readv/writev instead.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -38,14 +38,17 @@ use crate::segment::{Segment, cma, copy_bytes};
 use crate::types::*;
 
 const QP_MAGIC: u64 = 0x6f78_6363_6c5f_7170; // "oxccl_qp"
+// Header words, one cache line per writer so owner and peer do not false-share: line 0 is
+// read-mostly (written on state changes), `posted` is written by the owner, `claimed` by whoever
+// claims a receive, the doorbell by the peer's WRITEs.
 const H_MAGIC: usize = 0;
 const H_STATE: usize = 8;
 const H_RECV_CQ: usize = 12;
 const H_CAP: usize = 16;
-const H_POSTED: usize = 24;
-const H_CLAIMED: usize = 32;
-const H_DOORBELL: usize = 40;
-const SLOTS: usize = 64;
+const H_POSTED: usize = 64;
+const H_CLAIMED: usize = 128;
+const H_DOORBELL: usize = 192;
+const SLOTS: usize = 256;
 const SLOT: usize = 512;
 const S_DONE: usize = 8;
 const S_WR_ID: usize = 16;
@@ -121,7 +124,10 @@ pub(crate) struct QpInner {
     send: Mutex<SendSide>,
     recv: Mutex<RecvSide>,
     pending: AtomicUsize,
-    gone_reported: AtomicU32,
+    /// The peer is gone; the first request of each queue to learn it reports `RetryExceeded`.
+    gone: AtomicBool,
+    gone_told_send: AtomicBool,
+    gone_told_recv: AtomicBool,
     detail: Mutex<Option<String>>,
 }
 
@@ -137,7 +143,6 @@ struct Link {
 struct SendSide {
     pending: VecDeque<PendingWr>,
     writes: u64,
-    posts: u64,
     mr_cache: Option<(u32, u64, Arc<Segment>)>,
 }
 
@@ -262,7 +267,9 @@ impl ProtectionDomain {
             send: Mutex::new(SendSide::default()),
             recv: Mutex::new(RecvSide::default()),
             pending: AtomicUsize::new(0),
-            gone_reported: AtomicU32::new(0),
+            gone: AtomicBool::new(false),
+            gone_told_send: AtomicBool::new(false),
+            gone_told_recv: AtomicBool::new(false),
             detail: Mutex::new(None),
         });
         send_cq.inner.attach(inner.clone());
@@ -515,12 +522,12 @@ impl QpInner {
             let link = match (self.state(), self.link.get()) {
                 (QpState::Rts, Some(link)) => link,
                 _ => {
-                    self.complete_send(wr.wr_id, &wr.op, WcStatus::WorkRequestFlushed, 0, true);
+                    let status = self.flush_status(&self.gone_told_send);
+                    self.complete_send(wr.wr_id, &wr.op, status, 0, true);
                     continue;
                 }
             };
-            s.posts += 1;
-            if s.posts % 256 == 0 && link.peer.is_dead(self.ctx.tuning.liveness_interval) {
+            if link.peer.is_dead() {
                 self.pending_push(&mut s, wr, NotReady::Peer);
                 drop(s);
                 self.set_error(Cause::PeerGone);
@@ -578,8 +585,7 @@ impl QpInner {
             return;
         }
         let peer_state = QpState::from_u32(link.seg.atomic_u32(H_STATE).load(Ordering::Acquire));
-        if peer_state == QpState::Destroyed || link.peer.is_dead(self.ctx.tuning.liveness_interval)
-        {
+        if peer_state == QpState::Destroyed || link.peer.is_dead() {
             self.set_error(Cause::PeerGone);
             return;
         }
@@ -640,9 +646,33 @@ impl QpInner {
         }
     }
 
+    /// How a request is flushed: `RetryExceeded` for the first one of a queue after the peer
+    /// went away (so its waiter learns why), `WorkRequestFlushed` otherwise.
+    fn flush_status(&self, told: &AtomicBool) -> WcStatus {
+        if self.gone.load(Ordering::Acquire) && !told.swap(true, Ordering::AcqRel) {
+            WcStatus::RetryExceeded
+        } else {
+            WcStatus::WorkRequestFlushed
+        }
+    }
+
     /// Moves to ERR and flushes: pending sends and unclaimed receives complete as flushed (the
     /// first of each as `RetryExceeded` when the peer is gone).
     fn set_error(&self, cause: Cause) {
+        if cause == Cause::PeerGone
+            && !self.gone.swap(true, Ordering::AcqRel)
+            && let Some(link) = self.link.get()
+        {
+            let why = if link.peer.is_dead() {
+                "its process exited or closed its context"
+            } else {
+                "it destroyed its queue pair or never became ready"
+            };
+            self.note(format!(
+                "queue pair {}: peer {} is gone: {why}",
+                self.qpn, link.remote
+            ));
+        }
         let prev = self
             .seg
             .atomic_u32(H_STATE)
@@ -651,16 +681,10 @@ impl QpInner {
             self.set_state(QpState::Destroyed);
             return;
         }
-        let gone = cause == Cause::PeerGone && self.gone_reported.swap(1, Ordering::AcqRel) == 0;
         {
             let mut s = self.send.lock().unwrap_or_else(|e| e.into_inner());
-            let mut first = gone;
             while let Some(p) = s.pending.pop_front() {
-                let status = if std::mem::take(&mut first) {
-                    WcStatus::RetryExceeded
-                } else {
-                    WcStatus::WorkRequestFlushed
-                };
+                let status = self.flush_status(&self.gone_told_send);
                 self.complete_send(p.wr_id, &p.op, status, 0, true);
             }
             self.pending.store(0, Ordering::Relaxed);
@@ -679,11 +703,7 @@ impl QpInner {
                 .is_ok()
             {
                 for i in c..p {
-                    let status = if gone && i == c {
-                        WcStatus::RetryExceeded
-                    } else {
-                        WcStatus::WorkRequestFlushed
-                    };
+                    let status = self.flush_status(&self.gone_told_recv);
                     complete_slot(&self.seg, self.cap, i, status, WcOpcode::Recv, 0, None);
                 }
                 break;
@@ -803,11 +823,7 @@ impl QpInner {
                     .is_some_and(|l| l.peer.dead.load(Ordering::Acquire))
             {
                 // Claimed by a peer that died before completing it.
-                status = if self.gone_reported.swap(2, Ordering::AcqRel) < 2 {
-                    WcStatus::RetryExceeded
-                } else {
-                    WcStatus::WorkRequestFlushed
-                };
+                status = self.flush_status(&self.gone_told_recv);
                 out[n] = WorkCompletion {
                     wr_id: seg.atomic_u64(base + S_WR_ID).load(Ordering::Relaxed),
                     status,
@@ -909,7 +925,7 @@ impl QpInner {
                 let Some(slot) = claim(link) else {
                     return Outcome::NotReady(NotReady::Rnr);
                 };
-                let (recv_status, op_status) = self.deliver(link, slot, local, total);
+                let (recv_status, op_status) = self.deliver(s, link, slot, local, total);
                 complete_slot(
                     &link.seg,
                     link.cap,
@@ -980,6 +996,33 @@ impl QpInner {
         }
     }
 
+    /// The mapping of the peer's provider region `index` (identified by its `lkey`), from the
+    /// one-entry cache of this queue pair or the peer's mapping table.
+    fn peer_segment(
+        &self,
+        s: &mut SendSide,
+        link: &Link,
+        index: u32,
+        lkey: u64,
+    ) -> Option<Arc<Segment>> {
+        if let Some((i, k, seg)) = &s.mr_cache
+            && *i == index
+            && *k == lkey
+        {
+            return Some(seg.clone());
+        }
+        match link.peer.mr_segment(index, lkey) {
+            Ok(seg) => {
+                s.mr_cache = Some((index, lkey, seg.clone()));
+                Some(seg)
+            }
+            Err(e) => {
+                self.note(format!("mapping the peer's region failed: {e}"));
+                None
+            }
+        }
+    }
+
     /// Validates a remote access against the peer's region table.
     fn resolve(
         &self,
@@ -1012,18 +1055,8 @@ impl QpInner {
         }
         let target = match kind {
             MR_KIND_SEGMENT => {
-                let seg = match &s.mr_cache {
-                    Some((i, k, seg)) if *i == index && *k == lkey => seg.clone(),
-                    _ => match p.mr_segment(index, lkey) {
-                        Ok(seg) => {
-                            s.mr_cache = Some((index, lkey, seg.clone()));
-                            seg
-                        }
-                        Err(e) => {
-                            self.note(format!("mapping the peer's region failed: {e}"));
-                            return deny;
-                        }
-                    },
+                let Some(seg) = self.peer_segment(s, link, index, lkey) else {
+                    return deny;
                 };
                 if (off as usize).saturating_add(len) > seg.len() {
                     return deny;
@@ -1092,6 +1125,7 @@ impl QpInner {
     /// Scatters a SEND into the claimed receive `slot`. Returns (receiver status, sender status).
     fn deliver(
         &self,
+        s: &mut SendSide,
         link: &Link,
         slot: u64,
         local: &[(*mut u8, usize)],
@@ -1132,9 +1166,9 @@ impl QpInner {
                 return bad;
             }
             *d = match p.mr_u32(index, MR_KIND).load(Ordering::Relaxed) {
-                MR_KIND_SEGMENT => match p.mr_segment(index, lkey) {
+                MR_KIND_SEGMENT => match self.peer_segment(s, link, index, lkey) {
                     // SAFETY: `off + len <= mlen <= mapping length`.
-                    Ok(m) if (off as usize + len) <= m.len() => {
+                    Some(m) if (off as usize + len) <= m.len() => {
                         (Target::Mapped(unsafe { m.as_ptr().add(off as usize) }), len)
                     }
                     _ => return bad,

@@ -46,7 +46,7 @@ impl Segment {
     pub(crate) fn open(fd: OwnedFd) -> Result<Self> {
         let st = rustix::fs::fstat(&fd).map_err(|e| Error::os("fstat of a peer's segment", e))?;
         let len = st.st_size as usize;
-        if len == 0 || len % page_size() != 0 {
+        if len == 0 || !len.is_multiple_of(page_size()) {
             return Err(Error::arg(format!(
                 "peer segment has an invalid size of {len} bytes"
             )));
@@ -91,7 +91,10 @@ impl Segment {
 
     /// The 8-byte atomic at `off`. Panics (an internal bug) when misaligned or out of bounds.
     pub(crate) fn atomic_u64(&self, off: usize) -> &AtomicU64 {
-        assert!(off % 8 == 0 && off + 8 <= self.len, "segment offset {off}");
+        assert!(
+            off.is_multiple_of(8) && off + 8 <= self.len,
+            "segment offset {off}"
+        );
         // SAFETY: in bounds and aligned (checked above); the mapping lives as long as `self`, and
         // AtomicU64 has the layout of u64 with interior mutability, so shared access is sound.
         unsafe { &*self.ptr.as_ptr().add(off).cast::<AtomicU64>() }
@@ -99,7 +102,10 @@ impl Segment {
 
     /// The 4-byte atomic at `off`. Panics (an internal bug) when misaligned or out of bounds.
     pub(crate) fn atomic_u32(&self, off: usize) -> &AtomicU32 {
-        assert!(off % 4 == 0 && off + 4 <= self.len, "segment offset {off}");
+        assert!(
+            off.is_multiple_of(4) && off + 4 <= self.len,
+            "segment offset {off}"
+        );
         // SAFETY: as in `atomic_u64`.
         unsafe { &*self.ptr.as_ptr().add(off).cast::<AtomicU32>() }
     }

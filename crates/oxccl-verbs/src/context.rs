@@ -321,13 +321,22 @@ impl CtxInner {
 
     /// The peer context behind `(pid, token, sock)`, mapped and watched; created on first use.
     pub(crate) fn peer(&self, pid: u32, token: u64, sock: &str) -> Result<Arc<PeerCtx>> {
-        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = peers.get(&(pid, token))
-            && !p.dead.load(Ordering::Acquire)
-        {
-            return Ok(p.clone());
+        let known = |peers: &HashMap<(u32, u64), Arc<PeerCtx>>| {
+            peers
+                .get(&(pid, token))
+                .filter(|p| !p.dead.load(Ordering::Acquire))
+                .cloned()
+        };
+        if let Some(p) = known(&self.peers.lock().unwrap_or_else(|e| e.into_inner())) {
+            return Ok(p);
         }
+        // Not under the lock: the peer may be ourselves, and our own service thread needs the
+        // lock to answer.
         let p = Arc::new(PeerCtx::connect(pid, token, sock)?);
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(existing) = known(&peers) {
+            return Ok(existing);
+        }
         peers.insert((pid, token), p.clone());
         drop(peers);
         // The service thread watches the new peer's pidfd from now on.
@@ -438,6 +447,8 @@ impl PeerCtx {
     }
 }
 
+const FETCH_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Asks the segment service at `sock` for a descriptor.
 fn fetch_fd(sock: &str, kind: u64, a: u64, b: u64) -> Result<OwnedFd> {
     let what = || format!("fetching a shared segment from peer socket @{sock}");
@@ -451,7 +462,7 @@ fn fetch_fd(sock: &str, kind: u64, a: u64, b: u64) -> Result<OwnedFd> {
             e,
         )
     })?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))
+    s.set_read_timeout(Some(FETCH_TIMEOUT))
         .map_err(|e| Error::os(what(), e))?;
     let mut req = [0u8; 24];
     req[0..8].copy_from_slice(&kind.to_le_bytes());
@@ -462,8 +473,15 @@ fn fetch_fd(sock: &str, kind: u64, a: u64, b: u64) -> Result<OwnedFd> {
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut cmsg = RecvAncillaryBuffer::new(&mut space);
     let mut iov = [IoSliceMut::new(&mut status)];
-    let got = rustix::net::recvmsg(&s, &mut iov, &mut cmsg, RecvFlags::CMSG_CLOEXEC)
-        .map_err(|e| Error::os(what(), e))?;
+    let got = rustix::net::recvmsg(&s, &mut iov, &mut cmsg, RecvFlags::CMSG_CLOEXEC).map_err(
+        |e| match e {
+            rustix::io::Errno::AGAIN => Error::Timeout {
+                what: format!("the segment service of peer socket @{sock} to answer"),
+                timeout: FETCH_TIMEOUT,
+            },
+            e => Error::os(what(), e),
+        },
+    )?;
     let mut fd = None;
     for msg in cmsg.drain() {
         if let RecvAncillaryMessage::ScmRights(mut fds) = msg {

@@ -46,6 +46,9 @@ mod qp;
 mod segment;
 mod types;
 
+#[cfg(test)]
+mod tests;
+
 pub use context::{Context, Device, ProtectionDomain, Provider};
 pub use cq::CompletionQueue;
 pub use error::{Error, Result};

@@ -1,0 +1,290 @@
+//! In-process unit tests of the API's rules: state machine, argument checks, errors' wording.
+//! Cross-process behaviour is tested in `tests/` (conformance, properties, hammer).
+
+use std::time::{Duration, Instant};
+
+use crate::*;
+
+struct Fixture {
+    ctx: Context,
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+}
+
+fn fixture() -> Fixture {
+    let ctx = Device::by_name("shm").unwrap().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    Fixture { ctx, pd, cq }
+}
+
+fn pair(f: &Fixture) -> (QueuePair, QueuePair) {
+    let a = f.pd.create_qp(&f.cq, &f.cq, &QpConfig::default()).unwrap();
+    let b = f.pd.create_qp(&f.cq, &f.cq, &QpConfig::default()).unwrap();
+    a.connect(&b.endpoint()).unwrap();
+    b.connect(&a.endpoint()).unwrap();
+    (a, b)
+}
+
+#[test]
+fn unknown_provider_lists_the_known_ones() {
+    let err = Device::by_name("ib0").unwrap_err().to_string();
+    assert!(err.contains("ib0") && err.contains("shm"), "{err}");
+    assert_eq!(Device::list().len(), Provider::ALL.len());
+}
+
+#[test]
+fn state_machine_walks_and_refuses_illegal_transitions() {
+    let f = fixture();
+    let a = f.pd.create_qp(&f.cq, &f.cq, &QpConfig::default()).unwrap();
+    let b = f.pd.create_qp(&f.cq, &f.cq, &QpConfig::default()).unwrap();
+    assert_eq!(a.state(), QpState::Reset);
+    // RESET -> RTS and RESET -> RTR are illegal.
+    let e = a.to_rts().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::InvalidTransition {
+                from: QpState::Reset,
+                to: QpState::Rts,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(a.to_rtr(&b.endpoint()).is_err());
+    // Nothing may be posted in RESET; receives may in INIT, sends only in RTS.
+    let mr = f.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    let sge = [Sge::new(&mr, 0, 8)];
+    assert!(matches!(
+        a.post_recv(&[RecvWr::new(1, &sge)]),
+        Err(Error::InvalidState { .. })
+    ));
+    a.to_init().unwrap();
+    a.to_init().unwrap(); // INIT -> INIT is allowed
+    a.post_recv(&[RecvWr::new(1, &sge)]).unwrap();
+    let wr = SendWr::new(2, WrOp::Send, &sge);
+    let e = a.post_send(&[wr]).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("post_send not allowed in state INIT"),
+        "{e}"
+    );
+    a.to_rtr(&b.endpoint()).unwrap();
+    assert_eq!(a.state(), QpState::Rtr);
+    assert!(a.to_rtr(&b.endpoint()).is_err(), "RTR -> RTR");
+    a.to_rts().unwrap();
+    assert!(a.to_init().is_err(), "RTS -> INIT");
+    a.to_error();
+    assert_eq!(a.state(), QpState::Err);
+    assert!(a.to_rts().is_err(), "ERR -> RTS");
+    // The receive posted in INIT is flushed by the move to ERR.
+    let mut wc = [WorkCompletion::default(); 4];
+    let n = f.cq.wait(&mut wc, Duration::from_secs(5)).unwrap();
+    assert_eq!(
+        (n, wc[0].wr_id, wc[0].status),
+        (1, 1, WcStatus::WorkRequestFlushed)
+    );
+}
+
+#[test]
+fn endpoint_round_trips_through_serde() {
+    let f = fixture();
+    let a = f.pd.create_qp(&f.cq, &f.cq, &QpConfig::default()).unwrap();
+    let ep = a.endpoint();
+    let text = serde_json::to_string(&ep).unwrap();
+    let back: QpEndpoint = serde_json::from_str(&text).unwrap();
+    assert_eq!(back, ep);
+    assert_eq!(ep.qp_num, a.qp_num());
+}
+
+#[test]
+fn connect_refuses_other_hosts_and_dead_peers() {
+    let f = fixture();
+    let a = f.pd.create_qp(&f.cq, &f.cq, &QpConfig::default()).unwrap();
+    let b = f.pd.create_qp(&f.cq, &f.cq, &QpConfig::default()).unwrap();
+    let mut ep = b.endpoint();
+    ep.host = "another-boot-id".into();
+    a.to_init().unwrap();
+    let e = a.to_rtr(&ep).unwrap_err().to_string();
+    assert!(
+        e.contains("another host") && e.contains("another-boot-id"),
+        "{e}"
+    );
+    let mut ep = b.endpoint();
+    if let EndpointAddr::Shm { socket, .. } = &mut ep.addr {
+        *socket = "oxccl.nobody.here".into();
+    }
+    let e = a.to_rtr(&ep).unwrap_err().to_string();
+    assert!(e.contains("cannot connect queue pair"), "{e}");
+    assert_eq!(
+        a.state(),
+        QpState::Init,
+        "a failed connect leaves the state alone"
+    );
+    // A wrong queue-pair token is refused by the peer's service.
+    let mut ep = b.endpoint();
+    if let EndpointAddr::Shm { qp_token, .. } = &mut ep.addr {
+        *qp_token ^= 1;
+    }
+    let e = a.to_rtr(&ep).unwrap_err().to_string();
+    assert!(e.contains("refused"), "{e}");
+}
+
+#[test]
+fn memory_region_keys_access_and_bounds() {
+    let f = fixture();
+    let a = f.pd.alloc_mr(100, AccessFlags::ALL).unwrap();
+    let b = f.pd.alloc_mr(100, AccessFlags::ALL).unwrap();
+    assert_ne!(a.rkey(), b.rkey());
+    assert_ne!(a.lkey(), a.rkey());
+    assert_eq!(a.remote().len, 100);
+    assert_eq!(
+        format!("{:?}", a.access()),
+        "LOCAL_WRITE|REMOTE_WRITE|REMOTE_READ|REMOTE_ATOMIC"
+    );
+    a.write(90, &[1; 10]).unwrap();
+    let e = a.write(91, &[1; 10]).unwrap_err().to_string();
+    assert!(e.contains("91+10") && e.contains("100 bytes"), "{e}");
+    assert!(a.atomic_u64(4).is_err(), "misaligned");
+    assert!(a.atomic_u64(96).is_err(), "out of bounds");
+    // User memory: atomics need provider memory on shm, and the error says so.
+    let e =
+        f.pd.reg_mr(vec![0; 64], AccessFlags::REMOTE_ATOMIC)
+            .unwrap_err()
+            .to_string();
+    assert!(e.contains("alloc_mr"), "{e}");
+    let u = f.pd.reg_mr(vec![7; 64], AccessFlags::REMOTE_WRITE).unwrap();
+    assert!(!u.is_provider_memory());
+    assert_eq!(u.to_vec(), vec![7; 64]);
+    u.deregister();
+    u.deregister();
+    assert!(!u.is_registered());
+}
+
+#[test]
+fn receive_queue_full_is_an_error_not_a_hang() {
+    let f = fixture();
+    let cfg = QpConfig {
+        max_recv_wr: 4,
+        ..QpConfig::default()
+    };
+    let a = f.pd.create_qp(&f.cq, &f.cq, &cfg).unwrap();
+    a.to_init().unwrap();
+    let mr = f.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    let sge = [Sge::new(&mr, 0, 8)];
+    for i in 0..4 {
+        a.post_recv(&[RecvWr::new(i, &sge)]).unwrap();
+    }
+    let e = a.post_recv(&[RecvWr::new(9, &sge)]).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::QueueFull {
+                queue: "receive",
+                depth: 4,
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn bad_configs_are_refused() {
+    let f = fixture();
+    for cfg in [
+        QpConfig {
+            max_sge: 17,
+            ..QpConfig::default()
+        },
+        QpConfig {
+            max_recv_wr: 0,
+            ..QpConfig::default()
+        },
+    ] {
+        let e = f.pd.create_qp(&f.cq, &f.cq, &cfg).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    }
+    let other = Device::by_name("shm").unwrap().open().unwrap();
+    let foreign_cq = other.create_cq(4).unwrap();
+    assert!(
+        f.pd.create_qp(&foreign_cq, &f.cq, &QpConfig::default())
+            .is_err()
+    );
+}
+
+#[test]
+fn wait_times_out_and_names_the_queue() {
+    let f = fixture();
+    let (_a, _b) = pair(&f);
+    let mut wc = [WorkCompletion::default(); 1];
+    let t = Instant::now();
+    let e = f.cq.wait(&mut wc, Duration::from_millis(50)).unwrap_err();
+    assert!(t.elapsed() >= Duration::from_millis(50));
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    let msg = e.to_string();
+    assert!(
+        msg.contains("completion queue #") && msg.contains("50ms"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_sleeping_waiter_is_woken_by_another_thread() {
+    let f = fixture();
+    let (a, b) = pair(&f);
+    let rcq = f.ctx.create_cq(4).unwrap();
+    let c = f.pd.create_qp(&f.cq, &rcq, &QpConfig::default()).unwrap();
+    let d = f.pd.create_qp(&f.cq, &f.cq, &QpConfig::default()).unwrap();
+    c.connect(&d.endpoint()).unwrap();
+    d.connect(&c.endpoint()).unwrap();
+    let mr = f.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    c.post_recv(&[RecvWr::new(5, &[Sge::new(&mr, 0, 64)])])
+        .unwrap();
+    let waiter = std::thread::spawn(move || {
+        let mut wc = [WorkCompletion::default(); 1];
+        let t = Instant::now();
+        let n = rcq.wait(&mut wc, Duration::from_secs(10)).unwrap();
+        (n, wc[0], t.elapsed())
+    });
+    // Long enough for the waiter to be asleep on the futex.
+    std::thread::sleep(Duration::from_millis(150));
+    let src = f.pd.alloc_mr(8, AccessFlags::NONE).unwrap();
+    d.post_send(&[SendWr::new(
+        1,
+        WrOp::SendWithImm { imm: 3 },
+        &[Sge::new(&src, 0, 8)],
+    )])
+    .unwrap();
+    let (n, wc, waited) = waiter.join().unwrap();
+    assert_eq!(
+        (n, wc.wr_id, wc.imm, wc.status),
+        (1, 5, Some(3), WcStatus::Success)
+    );
+    assert!(waited < Duration::from_secs(5));
+    drop((a, b));
+}
+
+#[test]
+fn access_flags_compose() {
+    let f = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ;
+    assert!(f.contains(AccessFlags::REMOTE_READ));
+    assert!(!f.contains(AccessFlags::REMOTE_WRITE));
+    assert_eq!(AccessFlags::from_bits_truncate(0xFF), AccessFlags::ALL);
+    assert_eq!(format!("{}", AccessFlags::NONE), "NONE");
+}
+
+#[test]
+fn wire_codes_round_trip() {
+    for v in 0..9 {
+        assert_eq!(WcStatus::from_u32(v).unwrap() as u32, v);
+    }
+    assert!(WcStatus::from_u32(9).is_none());
+    for v in 0..7 {
+        assert_eq!(WcOpcode::from_u32(v).unwrap() as u32, v);
+    }
+    for v in 0..6 {
+        assert_eq!(QpState::from_u32(v) as u32, v);
+    }
+}

@@ -1,0 +1,69 @@
+//! The shm data path makes no system call: `strace -f -c` over `verbs-perf write_bw` (initiator
+//! and its spawned target) counts the same syscalls for 20,000 and for 200,000 WRITEs.
+//!
+//! Skips, saying why, when strace is missing or cannot trace (CI installs it and runs as root).
+
+use std::process::Command;
+
+fn strace_works() -> Result<(), String> {
+    match Command::new("strace").args(["-f", "-c", "-o", "/dev/null", "true"]).output() {
+        Ok(o) if o.status.success() => Ok(()),
+        Ok(o) => Err(format!(
+            "strace cannot trace here: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Err(e) => Err(format!("strace is not installed ({e}); apt-get install strace")),
+    }
+}
+
+/// Total syscalls of client + server for `n` 8-byte WRITEs, and the strace table.
+fn traced_total(n: u64, dir: &std::path::Path) -> (u64, String) {
+    let out = dir.join(format!("strace.{n}"));
+    let o = Command::new("strace")
+        .arg("-f")
+        .arg("-c")
+        .arg("-o")
+        .arg(&out)
+        .arg(env!("CARGO_BIN_EXE_oxccl"))
+        .args(["verbs-perf", "write_bw", "-s", "8", "--json", "-n"])
+        .arg(n.to_string())
+        .output()
+        .expect("running strace");
+    assert!(
+        o.status.success(),
+        "traced verbs-perf failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let table = std::fs::read_to_string(&out).expect("strace output");
+    let total = table
+        .lines()
+        .find(|l| l.trim_end().ends_with("total"))
+        .and_then(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // "100.00  sec  usecs/call  calls  [errors]  total": calls is the 4th field.
+            f.get(3).and_then(|c| c.parse().ok())
+        })
+        .unwrap_or_else(|| panic!("no total line in:\n{table}"));
+    (total, table)
+}
+
+#[test]
+fn write_data_path_makes_no_syscall() {
+    if let Err(why) = strace_works() {
+        eprintln!("SKIPPED write_data_path_makes_no_syscall: {why}");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("oxccl-strace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (small, t_small) = traced_total(20_000, &dir);
+    let (large, t_large) = traced_total(200_000, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    eprintln!("syscalls: 20,000 WRITEs -> {small}, 200,000 WRITEs -> {large}");
+    // 180,000 more WRITEs may add a handful of calls (the client's result vector growing: mmap),
+    // never one per WRITE or per batch of WRITEs.
+    assert!(
+        large <= small + 16,
+        "the syscall count grew with the number of WRITEs: {small} -> {large}\n\
+         20,000:\n{t_small}\n200,000:\n{t_large}"
+    );
+}

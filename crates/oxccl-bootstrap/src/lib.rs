@@ -1,0 +1,71 @@
+//! # oxccl-bootstrap: how the ranks of a job find each other
+//!
+//! A small TCP rendezvous store (set, get, wait, add, compare-and-set, delete, every blocking
+//! call with a timeout), served by rank 0 or by a standalone `oxccl store`; a client that
+//! authenticates both ways with the job's shared secret; and [`Bootstrap`], which reads the
+//! launcher's environment (torchrun, Slurm, Open MPI, PMI, or explicit options), joins every
+//! rank, and all-gathers what the ranks need to connect, such as queue pair endpoints.
+//!
+//! ```
+//! use std::time::Duration;
+//! use oxccl_bootstrap::{Bootstrap, Config, Secret, StoreServer};
+//!
+//! # fn main() -> Result<(), oxccl_bootstrap::Error> {
+//! let secret = Secret::new("the job's shared secret")?;
+//! // A standalone store on a free port (in a real job, rank 0 serves it on MASTER_PORT).
+//! let server = StoreServer::bind("127.0.0.1:0", secret.clone())?;
+//! let addr = server.addr().to_string();
+//!
+//! let ranks: Vec<_> = (0..2)
+//!     .map(|rank| {
+//!         let mut config = Config::new(rank, 2, addr.clone(), secret.clone());
+//!         config.serve_store = false;
+//!         config.timeout = Duration::from_secs(10);
+//!         std::thread::spawn(move || -> Result<Vec<String>, oxccl_bootstrap::Error> {
+//!             let b = Bootstrap::new(config)?;
+//!             let all: Vec<String> = b.all_gather_serde("hello", &format!("rank {rank}"))?;
+//!             b.barrier("done", Duration::from_secs(10))?;
+//!             b.close()?;
+//!             Ok(all)
+//!         })
+//!     })
+//!     .collect();
+//! for r in ranks {
+//!     assert_eq!(r.join().unwrap()?, ["rank 0", "rank 1"]);
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! ## Security
+//!
+//! Every store connection starts with a mutual challenge-response: the server sends a random
+//! nonce, the client answers HMAC-SHA256(secret, nonces, its label) and sends its own nonce,
+//! and the server answers that. A peer without the secret is refused, the refusal is logged
+//! (a `tracing` warning), and it never receives a stored value: no endpoint or rkey reaches an
+//! unauthenticated peer. A client sends nothing to a server that fails to answer its challenge.
+//! The secret comes from `OXCCL_SECRET` or the file named by `OXCCL_SECRET_FILE`; a launcher
+//! without one generates it ([`Secret::from_env_or_generate`]) and hands it to its children
+//! ([`Secret::export_to`]). The wire is not encrypted: run the store on a trusted network.
+//!
+//! ## Wire format
+//!
+//! Length-prefixed binary frames, described in [`wire`]; its [`wire::decode`] is a pure
+//! function, ready for a fuzzer.
+#![deny(missing_docs)]
+
+mod bootstrap;
+mod client;
+mod config;
+mod error;
+mod secret;
+mod server;
+mod store;
+pub mod wire;
+
+pub use bootstrap::Bootstrap;
+pub use client::{ClientOptions, TcpStore};
+pub use config::{Config, DEFAULT_PORT, DEFAULT_TIMEOUT, Launcher};
+pub use error::{Error, Result};
+pub use secret::{SECRET_ENV, SECRET_FILE_ENV, Secret, SecretSource};
+pub use server::StoreServer;
+pub use store::{CasOutcome, MemoryStore, Store};

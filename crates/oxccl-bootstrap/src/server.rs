@@ -1,0 +1,493 @@
+//! The store server: a [`MemoryStore`] served over TCP to authenticated clients.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tracing::{debug, warn};
+
+use crate::error::{Error, Result};
+use crate::secret::{Secret, random_bytes};
+use crate::store::{MemoryStore, WaitFail};
+use crate::wire::{
+    MAX_FRAME_LEN, MAX_HANDSHAKE_FRAME_LEN, MAX_TEXT_LEN, Msg, PROTOCOL_VERSION, ReadError,
+    read_msg, write_msg,
+};
+
+/// How long a new connection has to authenticate.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a reply may take to be written (a client that stops reading is dropped).
+const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Most connections served at once; more are refused.
+const MAX_CONNECTIONS: usize = 4096;
+/// Longest wait a request may ask for.
+const MAX_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
+/// Stack of a connection thread (they hold little).
+const CONN_STACK: usize = 256 << 10;
+
+struct Conn {
+    stream: TcpStream,
+    thread: Option<JoinHandle<()>>,
+    /// The client's label, once authenticated.
+    label: Option<String>,
+}
+
+#[derive(Default)]
+struct Conns {
+    next_id: u64,
+    map: HashMap<u64, Conn>,
+}
+
+struct Shared {
+    secret: Secret,
+    store: MemoryStore,
+    stopping: AtomicBool,
+    conns: Mutex<Conns>,
+    conns_changed: Condvar,
+}
+
+impl Shared {
+    fn conns(&self) -> MutexGuard<'_, Conns> {
+        self.conns
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+}
+
+/// A store server: serves a [`MemoryStore`] on a TCP address, to clients that prove they know
+/// the [`Secret`].
+///
+/// One thread accepts; one thread serves each connection. A connection that fails to
+/// authenticate, or sends a malformed or oversized message, is closed and the reason logged
+/// (`tracing` warning); other connections are not disturbed. Dropping the server stops it:
+/// every connection is closed and pending requests fail on the client side.
+pub struct StoreServer {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for StoreServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreServer")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Binds a listener, with errors that name the address.
+pub(crate) fn bind_listener(addr: &str) -> Result<TcpListener> {
+    let addrs: Vec<SocketAddr> = addr
+        .to_socket_addrs()
+        .map_err(|e| Error::BadAddr {
+            addr: addr.to_owned(),
+            reason: e.to_string(),
+        })?
+        .collect();
+    let mut last = None;
+    for a in &addrs {
+        match TcpListener::bind(a) {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some(e),
+        }
+    }
+    match last {
+        Some(e) if e.kind() == io::ErrorKind::AddrInUse => Err(Error::AddrInUse {
+            addr: addr.to_owned(),
+        }),
+        Some(source) => Err(Error::Bind {
+            addr: addr.to_owned(),
+            source,
+        }),
+        None => Err(Error::BadAddr {
+            addr: addr.to_owned(),
+            reason: "resolves to no address".into(),
+        }),
+    }
+}
+
+impl StoreServer {
+    /// Binds `addr` (`host:port`; port 0 picks a free one, see [`StoreServer::addr`]) and
+    /// starts serving an empty store.
+    ///
+    /// A port held by another socket is [`Error::AddrInUse`], naming the address.
+    pub fn bind(addr: &str, secret: Secret) -> Result<StoreServer> {
+        StoreServer::serve(bind_listener(addr)?, secret, MemoryStore::new())
+    }
+
+    /// Serves `store` on an already bound listener.
+    pub fn serve(listener: TcpListener, secret: Secret, store: MemoryStore) -> Result<StoreServer> {
+        let addr = listener.local_addr().map_err(|source| Error::Bind {
+            addr: "the listener".into(),
+            source,
+        })?;
+        let shared = Arc::new(Shared {
+            secret,
+            store,
+            stopping: AtomicBool::new(false),
+            conns: Mutex::new(Conns::default()),
+            conns_changed: Condvar::new(),
+        });
+        let s = shared.clone();
+        let accept = std::thread::Builder::new()
+            .name("oxccl-store-accept".into())
+            .spawn(move || accept_loop(listener, s))
+            .map_err(|source| Error::Bind {
+                addr: addr.to_string(),
+                source,
+            })?;
+        debug!("oxccl store serving on {addr}");
+        Ok(StoreServer {
+            addr,
+            shared,
+            accept: Some(accept),
+        })
+    }
+
+    /// The address the server listens on (with the port chosen when bound to port 0).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The store served: the server's own process uses it directly.
+    pub fn store(&self) -> &MemoryStore {
+        &self.shared.store
+    }
+
+    /// Labels of the authenticated clients connected now (each client names itself, e.g.
+    /// "rank 3 pid 1234 on node7").
+    pub fn clients(&self) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .shared
+            .conns()
+            .map
+            .values()
+            .filter_map(|c| c.label.clone())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Waits up to `timeout` until no authenticated client is connected; returns the labels
+    /// of those still connected (empty: all left).
+    ///
+    /// Rank 0 calls this before it stops the store, so that the others' last requests get
+    /// their replies.
+    pub fn wait_for_clients_to_leave(&self, timeout: Duration) -> Vec<String> {
+        let deadline = Instant::now() + timeout.min(MAX_WAIT);
+        let mut conns = self.shared.conns();
+        loop {
+            let left: Vec<String> = conns.map.values().filter_map(|c| c.label.clone()).collect();
+            let now = Instant::now();
+            if left.is_empty() || now >= deadline {
+                return left;
+            }
+            conns = self
+                .shared
+                .conns_changed
+                .wait_timeout(conns, deadline - now)
+                .unwrap_or_else(|poison| poison.into_inner())
+                .0;
+        }
+    }
+
+    /// Stops the server (as dropping it does): closes every connection and waits for the
+    /// server's threads to end.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        let Some(accept) = self.accept.take() else {
+            return;
+        };
+        self.shared.stopping.store(true, Ordering::SeqCst);
+        self.shared.store.close();
+        // Wake the accept thread with a connection of our own.
+        let wake = match self.addr {
+            SocketAddr::V4(a) if a.ip().is_unspecified() => {
+                SocketAddr::from(([127, 0, 0, 1], a.port()))
+            }
+            SocketAddr::V6(a) if a.ip().is_unspecified() => {
+                SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, a.port()))
+            }
+            a => a,
+        };
+        let woke = TcpStream::connect_timeout(&wake, Duration::from_secs(1)).is_ok();
+        let threads: Vec<JoinHandle<()>> = {
+            let mut conns = self.shared.conns();
+            conns
+                .map
+                .values_mut()
+                .filter_map(|c| {
+                    let _ = c.stream.shutdown(Shutdown::Both);
+                    c.thread.take()
+                })
+                .collect()
+        };
+        for t in threads {
+            let _ = t.join();
+        }
+        if woke {
+            let _ = accept.join();
+        } else {
+            warn!(
+                "oxccl store on {}: could not wake the accept thread; leaving it",
+                self.addr
+            );
+        }
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    loop {
+        let (stream, peer) = match listener.accept() {
+            Ok(x) => x,
+            Err(e) => {
+                if shared.stopping.load(Ordering::SeqCst) {
+                    return;
+                }
+                // Out of file descriptors and the like: back off, keep serving.
+                warn!("oxccl store: accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
+        };
+        if shared.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(registered) = stream.try_clone() else {
+            warn!("refused store connection from {peer}: cannot clone the socket");
+            continue;
+        };
+        // Register before the thread runs: the thread removes its entry under the same lock.
+        let mut conns = shared.conns();
+        if conns.map.len() >= MAX_CONNECTIONS {
+            drop(conns);
+            warn!("refused store connection from {peer}: {MAX_CONNECTIONS} connections are open");
+            continue;
+        }
+        let id = conns.next_id;
+        conns.next_id += 1;
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("oxccl-store-conn".into())
+            .stack_size(CONN_STACK)
+            .spawn(move || {
+                serve_conn(&s, id, stream, peer);
+                let mut conns = s.conns();
+                conns.map.remove(&id);
+                drop(conns);
+                s.conns_changed.notify_all();
+            });
+        match thread {
+            Ok(t) => {
+                conns.map.insert(
+                    id,
+                    Conn {
+                        stream: registered,
+                        thread: Some(t),
+                        label: None,
+                    },
+                );
+            }
+            Err(e) => {
+                drop(conns);
+                warn!("refused store connection from {peer}: cannot start a thread: {e}");
+            }
+        }
+    }
+}
+
+/// Runs one connection: handshake, then requests until the peer leaves or misbehaves.
+fn serve_conn(shared: &Shared, id: u64, mut stream: TcpStream, peer: SocketAddr) {
+    let _ = stream.set_nodelay(true);
+    let label = match handshake(shared, &mut stream) {
+        Ok(label) => label,
+        Err(reason) => {
+            if !shared.stopping.load(Ordering::SeqCst) {
+                warn!("refused store connection from {peer}: {reason}");
+            }
+            return;
+        }
+    };
+    if let Some(c) = shared.conns().map.get_mut(&id) {
+        c.label = Some(label.clone());
+    }
+    debug!("store client {label:?} connected from {peer}");
+    if stream.set_read_timeout(None).is_err()
+        || stream.set_write_timeout(Some(WRITE_TIMEOUT)).is_err()
+    {
+        return;
+    }
+    loop {
+        let req = match read_msg(&mut stream, MAX_FRAME_LEN) {
+            Ok(m) => m,
+            Err(ReadError::Closed) => {
+                debug!("store client {label:?} ({peer}) disconnected");
+                return;
+            }
+            Err(e) => {
+                if !shared.stopping.load(Ordering::SeqCst) {
+                    warn!("closing store connection of {label:?} from {peer}: {e}");
+                }
+                return;
+            }
+        };
+        let Some(reply) = handle(&shared.store, req) else {
+            warn!(
+                "closing store connection of {label:?} from {peer}: a reply or handshake \
+                 message where a request belongs"
+            );
+            return;
+        };
+        let closing = shared.stopping.load(Ordering::SeqCst);
+        if let Err(e) = write_msg(&mut stream, &reply) {
+            if !closing {
+                warn!("closing store connection of {label:?} from {peer}: cannot reply: {e}");
+            }
+            return;
+        }
+        if closing {
+            return;
+        }
+    }
+}
+
+/// Mutual challenge-response. Returns the client's label, or why it was refused.
+fn handshake(shared: &Shared, stream: &mut TcpStream) -> Result<String, String> {
+    stream
+        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+        .and_then(|()| stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT)))
+        .map_err(|e| format!("cannot set socket timeouts: {e}"))?;
+    let server_nonce = random_bytes().map_err(|e| e.to_string())?;
+    write_msg(
+        stream,
+        &Msg::Hello {
+            version: PROTOCOL_VERSION,
+            nonce: server_nonce,
+        },
+    )
+    .map_err(|e| format!("cannot send the challenge: {e}"))?;
+    let msg = read_msg(stream, MAX_HANDSHAKE_FRAME_LEN)
+        .map_err(|e| format!("no valid authentication message: {e}"))?;
+    let Msg::Auth { mac, nonce, label } = msg else {
+        let _ = write_msg(
+            stream,
+            &Msg::AuthFail {
+                reason: "authenticate first".into(),
+            },
+        );
+        return Err(format!(
+            "sent a {} message instead of authenticating",
+            msg.kind()
+        ));
+    };
+    if !shared
+        .secret
+        .verify_client_proof(&server_nonce, &nonce, &label, &mac)
+    {
+        let _ = write_msg(
+            stream,
+            &Msg::AuthFail {
+                reason: "wrong secret".into(),
+            },
+        );
+        return Err(format!(
+            "{label:?} does not know the secret (wrong OXCCL_SECRET or OXCCL_SECRET_FILE?)"
+        ));
+    }
+    let proof = shared.secret.server_proof(&server_nonce, &nonce);
+    write_msg(stream, &Msg::AuthOk { mac: proof })
+        .map_err(|e| format!("{label:?} authenticated, but the reply failed: {e}"))?;
+    Ok(label)
+}
+
+/// Cuts a message to what the wire carries.
+fn truncate(mut s: String) -> String {
+    if s.len() > MAX_TEXT_LEN {
+        let mut end = MAX_TEXT_LEN - 3;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s.push_str("...");
+    }
+    s
+}
+
+/// Serves one request; `None` when the message is not a request.
+fn handle(store: &MemoryStore, req: Msg) -> Option<Msg> {
+    let timeout = |ms: u64| Duration::from_millis(ms).min(MAX_WAIT);
+    let wait_reply = |r: std::result::Result<Vec<Vec<u8>>, WaitFail>, values: bool| match r {
+        Ok(v) if values => {
+            let size: usize = v.iter().map(|x| x.len() + 4).sum();
+            if size + 64 > MAX_FRAME_LEN {
+                Msg::Failed {
+                    message: format!(
+                        "the values add up to {size} bytes, over the reply limit of \
+                         {MAX_FRAME_LEN}; get fewer keys at a time"
+                    ),
+                }
+            } else {
+                Msg::Values(v)
+            }
+        }
+        Ok(_) => Msg::Done,
+        Err(WaitFail::Missing(missing)) => Msg::TimedOut { missing },
+        Err(WaitFail::Closed) => Msg::Failed {
+            message: "the store is shutting down".into(),
+        },
+    };
+    Some(match req {
+        Msg::Set { key, value } => {
+            store.set_raw(&key, &value);
+            Msg::Done
+        }
+        Msg::Get { keys, timeout_ms } => {
+            wait_reply(store.wait_raw(&keys, timeout(timeout_ms), true), true)
+        }
+        Msg::Wait { keys, timeout_ms } => {
+            wait_reply(store.wait_raw(&keys, timeout(timeout_ms), false), false)
+        }
+        Msg::Add { key, delta } => match store.add_raw(&key, delta) {
+            Ok(v) => Msg::Int(v),
+            Err(message) => Msg::Failed {
+                message: truncate(message),
+            },
+        },
+        Msg::CompareSet {
+            key,
+            expected,
+            desired,
+        } => {
+            let o = store.compare_set_raw(&key, expected.as_deref(), &desired);
+            Msg::Cas {
+                swapped: o.swapped,
+                current: o.current,
+            }
+        }
+        Msg::Delete { key } => Msg::Bool(store.delete_raw(&key)),
+        Msg::Hello { .. }
+        | Msg::Auth { .. }
+        | Msg::AuthOk { .. }
+        | Msg::AuthFail { .. }
+        | Msg::Done
+        | Msg::Values(_)
+        | Msg::Int(_)
+        | Msg::Bool(_)
+        | Msg::Cas { .. }
+        | Msg::TimedOut { .. }
+        | Msg::Failed { .. } => return None,
+    })
+}

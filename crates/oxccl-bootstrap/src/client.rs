@@ -127,6 +127,12 @@ impl TcpStore {
         &self.addr
     }
 
+    /// The raw connection, for tests that misbehave on purpose.
+    #[cfg(test)]
+    pub(crate) fn conn_for_tests(&self) -> TcpStream {
+        self.lock().stream.try_clone().expect("clone the socket")
+    }
+
     fn lock(&self) -> MutexGuard<'_, Conn> {
         self.conn
             .lock()

@@ -57,6 +57,8 @@ mod bootstrap;
 mod client;
 mod config;
 mod error;
+#[cfg(test)]
+mod net_tests;
 mod secret;
 mod server;
 mod store;

@@ -351,14 +351,12 @@ fn serve_conn(shared: &Shared, id: u64, mut stream: TcpStream, peer: SocketAddr)
             );
             return;
         };
-        let closing = shared.stopping.load(Ordering::SeqCst);
-        if let Err(e) = write_msg(&mut stream, &reply) {
-            if !closing {
-                warn!("closing store connection of {label:?} from {peer}: cannot reply: {e}");
-            }
+        if shared.stopping.load(Ordering::SeqCst) {
+            // Stopping: close without a reply, so the client sees the store go away.
             return;
         }
-        if closing {
+        if let Err(e) = write_msg(&mut stream, &reply) {
+            warn!("closing store connection of {label:?} from {peer}: cannot reply: {e}");
             return;
         }
     }

@@ -57,6 +57,14 @@ enum Abort {
         rank: usize,
         world_size: usize,
     },
+    /// Published by the rank that serves the store when its join times out, so that the
+    /// others report the same missing ranks rather than the store going away.
+    Timeout {
+        what: String,
+        missing: Vec<usize>,
+        world_size: usize,
+        timeout_ms: u64,
+    },
 }
 
 impl Abort {
@@ -83,6 +91,17 @@ impl Abort {
                 second,
             },
             Abort::OutOfRange { rank, world_size } => Error::RankOutOfRange { rank, world_size },
+            Abort::Timeout {
+                what,
+                missing,
+                world_size,
+                timeout_ms,
+            } => Error::RanksMissing {
+                what,
+                missing,
+                world_size,
+                timeout: Duration::from_millis(timeout_ms),
+            },
         }
     }
 }
@@ -277,7 +296,29 @@ impl Bootstrap {
             store,
             server,
         };
-        b.join(pid, host)?;
+        if let Err(e) = b.join(pid, host) {
+            if let Some(server) = &b.server {
+                // The store goes away with this process: first let the ranks still joining
+                // learn why (they watch the abort record), so that they report the same
+                // error rather than the store going away.
+                if let Error::RanksMissing {
+                    what,
+                    missing,
+                    world_size,
+                    timeout,
+                } = &e
+                {
+                    b.abort(Abort::Timeout {
+                        what: what.clone(),
+                        missing: missing.clone(),
+                        world_size: *world_size,
+                        timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+                    });
+                }
+                server.wait_for_clients_to_leave(b.timeout.min(Duration::from_secs(5)));
+            }
+            return Err(e);
+        }
         Ok(b)
     }
 
@@ -383,19 +424,19 @@ impl Bootstrap {
                 Err(e) => return Err(e),
             }
             let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::RanksMissing {
+                    what: format!("join the store at {}", self.store_addr),
+                    missing: ranks_of(&missing),
+                    world_size,
+                    timeout: self.timeout,
+                });
+            }
             let refs: Vec<&str> = missing.iter().map(String::as_str).collect();
             match self.store.wait(&refs, slice.min(left)) {
                 Ok(()) => break,
                 Err(Error::Timeout { missing: m, .. }) => {
                     missing = m;
-                    if Instant::now() >= deadline {
-                        return Err(Error::RanksMissing {
-                            what: format!("join the store at {}", self.store_addr),
-                            missing: ranks_of(&missing),
-                            world_size,
-                            timeout: self.timeout,
-                        });
-                    }
                     slice = (slice * 2).min(Duration::from_secs(1));
                 }
                 Err(e) => return Err(e),

@@ -10,7 +10,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use oxccl_bootstrap::{Bootstrap, Error, Secret, Store, StoreServer, TcpStore};
+use oxccl_bootstrap::{Bootstrap, Error, Secret, StoreServer, TcpStore};
 
 const ROLE: &str = "OXCCL_BOOTSTRAP_TEST_ROLE";
 const ACTION: &str = "OXCCL_BOOTSTRAP_TEST_ACTION";

@@ -4,9 +4,13 @@
 //! - `verbs-perf`: perftest-style latency and bandwidth tests of the verbs layer
 //!   (`ib_write_lat`, `ib_write_bw`, ... for the oxccl providers), plus raw baselines
 //!   (`memcpy_bw`, `flag_lat`) printed in the same format.
+//! - `store`: a standalone rendezvous store for `oxccl-bootstrap` (ranks then set
+//!   `OXCCL_STORE_STANDALONE=1` and `OXCCL_STORE_ADDR`).
 
 mod verbs_perf;
 
+use std::io::Write;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -29,12 +33,68 @@ enum Command {
     /// Latency and bandwidth of verbs operations, in the format of perftest (ib_write_lat, ...).
     #[command(name = "verbs-perf")]
     VerbsPerf(verbs_perf::Args),
+    /// A standalone rendezvous store: serves until killed; refusals are logged to stderr.
+    Store(StoreArgs),
+}
+
+/// Options of `oxccl store`.
+#[derive(Debug, clap::Args)]
+struct StoreArgs {
+    /// Address to listen on; port 0 picks a free port. The address is printed once listening.
+    #[arg(long, default_value = "0.0.0.0:29500")]
+    bind: String,
+    /// File holding the shared secret [default: OXCCL_SECRET or OXCCL_SECRET_FILE].
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
+}
+
+/// `oxccl store`: serves until the process is killed.
+fn store_main(args: StoreArgs) -> Result<(), String> {
+    let level = match std::env::var("OXCCL_DEBUG").as_deref() {
+        Ok("1" | "debug") => tracing_subscriber::filter::LevelFilter::DEBUG,
+        _ => tracing_subscriber::filter::LevelFilter::INFO,
+    };
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(level)
+        .init();
+    let secret = match &args.secret_file {
+        Some(path) => oxccl_bootstrap::Secret::from_file(path),
+        None => oxccl_bootstrap::Secret::from_env().and_then(|s| {
+            s.ok_or_else(|| {
+                oxccl_bootstrap::Error::Secret(
+                    "none configured: pass --secret-file, or set OXCCL_SECRET or \
+                     OXCCL_SECRET_FILE (the ranks need the same one)"
+                        .into(),
+                )
+            })
+        }),
+    }
+    .map_err(|e| e.to_string())?;
+    let server =
+        oxccl_bootstrap::StoreServer::bind(&args.bind, secret).map_err(|e| e.to_string())?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "oxccl store: listening on {}", server.addr()).map_err(|e| e.to_string())?;
+    out.flush().map_err(|e| e.to_string())?;
+    drop(out);
+    loop {
+        std::thread::park();
+    }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::VerbsPerf(args) => verbs_perf::main(args),
+        Command::Store(args) => {
+            return match store_main(args) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("oxccl store: error: {e}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

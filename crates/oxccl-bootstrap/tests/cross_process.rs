@@ -69,6 +69,7 @@ fn rank_main() -> i32 {
             let _ = std::io::stdin().read_line(&mut line);
             gather(&b)
         }
+        "qp" => connect_queue_pairs(&b),
         "hang" => {
             hang(&b);
             return 0;
@@ -108,6 +109,83 @@ fn gather(b: &Bootstrap) -> Result<(), Error> {
         serde_json::to_string(&(first, second, bytes)).unwrap_or_default()
     ));
     Ok(())
+}
+
+/// What the bootstrap is for: every rank makes a queue pair per peer, the ranks all-gather
+/// the endpoints and their receive buffers, connect, and each WRITEs its mark into every
+/// peer's buffer.
+fn connect_queue_pairs(b: &Bootstrap) -> Result<(), Error> {
+    use oxccl_verbs::{
+        AccessFlags, Device, QpConfig, QpEndpoint, RemoteBuffer, SendWr, Sge, WcStatus,
+        WorkCompletion, WrOp,
+    };
+    let (rank, n) = (b.rank(), b.world_size());
+    let verbs = |e: oxccl_verbs::Error| Error::Config(format!("verbs: {e}"));
+    let ctx = Device::by_name("shm")
+        .and_then(|d| d.open())
+        .map_err(verbs)?;
+    let pd = ctx.alloc_pd().map_err(verbs)?;
+    let cq = ctx.create_cq(64).map_err(verbs)?;
+    let qps = (0..n)
+        .map(|p| {
+            (p != rank)
+                .then(|| pd.create_qp(&cq, &cq, &QpConfig::default()))
+                .transpose()
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(verbs)?;
+    let mine: Vec<Option<QpEndpoint>> = qps
+        .iter()
+        .map(|q| q.as_ref().map(|q| q.endpoint()))
+        .collect();
+    let all: Vec<Vec<Option<QpEndpoint>>> = b.all_gather_serde("qp-endpoints", &mine)?;
+    for (p, qp) in qps.iter().enumerate() {
+        if let (Some(qp), Some(Some(ep))) = (qp, all[p].get(rank)) {
+            qp.connect(ep).map_err(verbs)?;
+        }
+    }
+    let inbox = pd
+        .alloc_mr(8 * n, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+        .map_err(verbs)?;
+    let mark = pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).map_err(verbs)?;
+    mark.write(0, &(1000 + rank as u64).to_le_bytes())
+        .map_err(verbs)?;
+    let inboxes: Vec<RemoteBuffer> = b.all_gather_serde("inboxes", &inbox.remote())?;
+    let sge = [Sge::new(&mark, 0, 8)];
+    let mut posted = 0;
+    for (p, qp) in qps.iter().enumerate() {
+        if let Some(qp) = qp {
+            let remote = inboxes[p].at(8 * rank as u64);
+            qp.post_send(&[SendWr::new(p as u64, WrOp::Write { remote }, &sge)])
+                .map_err(verbs)?;
+            posted += 1;
+        }
+    }
+    let mut wc = [WorkCompletion::default(); 16];
+    let mut done = 0;
+    while done < posted {
+        let k = cq.wait(&mut wc, QUICK).map_err(verbs)?;
+        for c in &wc[..k] {
+            if c.status != WcStatus::Success {
+                return Err(Error::Config(format!(
+                    "WRITE to rank {}: {:?}",
+                    c.wr_id, c.status
+                )));
+            }
+        }
+        done += k;
+    }
+    // Every WRITE has completed at its initiator: the marks are in place.
+    b.barrier("written", QUICK)?;
+    let got = inbox.to_vec();
+    for p in (0..n).filter(|&p| p != rank) {
+        let v = u64::from_le_bytes(got[8 * p..8 * p + 8].try_into().unwrap_or_default());
+        if v != 1000 + p as u64 {
+            return Err(Error::Config(format!("rank {p}'s mark is {v}")));
+        }
+    }
+    say(format!("QP-OK {rank}"));
+    b.barrier("end", QUICK)
 }
 
 /// Blocks on a key that never comes, then reports how that and a later call ended.
@@ -425,6 +503,17 @@ fn check_gathered(procs: &mut [Proc]) {
 fn four_ranks_all_gather_with_torchrun_variables() {
     let (_, mut procs) = start_job(4, |r, port| torchrun(r, 4, port, "gather"));
     check_gathered(&mut procs);
+}
+
+#[test]
+fn three_ranks_connect_queue_pairs_through_the_store() {
+    let (_, mut procs) = start_job(3, |r, port| torchrun(r, 3, port, "qp"));
+    for (r, p) in procs.iter_mut().enumerate() {
+        assert_eq!(p.expect("QP-OK", QUICK), r.to_string());
+    }
+    for p in &mut procs {
+        assert_eq!(p.wait(QUICK), 0, "{}: {}", p.name, p.stderr());
+    }
 }
 
 #[test]

@@ -277,7 +277,8 @@ impl Bootstrap {
                 } else {
                     config.store_addr.clone()
                 };
-                (Box::new(server.store().clone()), Some(server), shown)
+                let store = server.store().with_location(&shown);
+                (Box::new(store), Some(server), shown)
             } else {
                 let client = TcpStore::connect_with(&config.store_addr, &secret, &opts)?;
                 (Box::new(client), None, config.store_addr.clone())

@@ -310,9 +310,13 @@ fn rank_zero_serves_and_closes_after_the_others() {
         .map(|rank| {
             let mut config = Config::new(rank, 3, addr.clone(), secret());
             config.timeout = T;
+            let addr = addr.clone();
             thread::spawn(move || -> Result<Vec<Vec<u8>>> {
                 let b = Bootstrap::new(config)?;
                 assert_eq!(b.server().is_some(), rank == 0);
+                // Every rank's errors name the store by its address, rank 0's too.
+                assert_eq!(b.store().location(), addr);
+                assert_eq!(b.store_addr(), addr);
                 let v = b.all_gather("x", &[rank as u8])?;
                 if rank == 2 {
                     // The last rank lingers: rank 0's close waits for it.

@@ -127,6 +127,8 @@ struct Shared {
 #[derive(Clone)]
 pub struct MemoryStore {
     shared: Arc<Shared>,
+    /// What errors call this store (the served address, on the rank that serves it).
+    location: Option<Arc<str>>,
 }
 
 impl Default for MemoryStore {
@@ -158,6 +160,15 @@ impl MemoryStore {
                 state: Mutex::new(State::default()),
                 changed: Condvar::new(),
             }),
+            location: None,
+        }
+    }
+
+    /// The same store, named `location` in errors (e.g. the address it is served on).
+    pub fn with_location(&self, location: &str) -> MemoryStore {
+        MemoryStore {
+            shared: self.shared.clone(),
+            location: Some(location.into()),
         }
     }
 
@@ -331,7 +342,10 @@ impl Store for MemoryStore {
     }
 
     fn location(&self) -> String {
-        "in-process store".into()
+        match &self.location {
+            Some(l) => l.to_string(),
+            None => "in-process store".into(),
+        }
     }
 }
 

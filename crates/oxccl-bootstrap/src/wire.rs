@@ -18,7 +18,7 @@ pub const MAX_KEYS: usize = 1 << 16;
 /// Largest frame body, in bytes.
 pub const MAX_FRAME_LEN: usize = 64 << 20;
 /// Largest frame body the server accepts before a peer has authenticated.
-pub const MAX_HANDSHAKE_FRAME_LEN: usize = 1024;
+pub const MAX_HANDSHAKE_FRAME_LEN: usize = 2048;
 /// Longest free-text field (client label, reasons, error messages), in bytes.
 pub const MAX_TEXT_LEN: usize = 1024;
 /// Length of the nonces and MACs of the handshake.

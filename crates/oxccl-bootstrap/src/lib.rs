@@ -45,7 +45,9 @@
 //! unauthenticated peer. A client sends nothing to a server that fails to answer its challenge.
 //! The secret comes from `OXCCL_SECRET` or the file named by `OXCCL_SECRET_FILE`; a launcher
 //! without one generates it ([`Secret::from_env_or_generate`]) and hands it to its children
-//! ([`Secret::export_to`]). The wire is not encrypted: run the store on a trusted network.
+//! ([`Secret::export_to`]). The wire is not encrypted: run the store on a trusted network, and
+//! use a long random secret ([`Secret::generate`], `openssl rand -hex 32`): a short one could
+//! be guessed offline from an observed handshake.
 //!
 //! ## Wire format
 //!

@@ -92,13 +92,12 @@ impl Secret {
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;
-            if let Ok(meta) = std::fs::metadata(path)
-                && meta.permissions().mode() & 0o077 != 0
-            {
+            let mode = std::fs::metadata(path).map_or(0, |m| m.permissions().mode());
+            if mode & 0o077 != 0 {
                 tracing::warn!(
                     "the secret file {} is readable by other users (mode {:o}); chmod 600 it",
                     path.display(),
-                    meta.permissions().mode() & 0o777
+                    mode & 0o777
                 );
             }
         }

@@ -89,9 +89,7 @@ pub(crate) fn check_args<'a>(
             "{n} keys in one request exceed the limit of {MAX_KEYS}"
         )));
     }
-    if let Some(v) = value
-        && v.len() > MAX_VALUE_LEN
-    {
+    if let Some(v) = value.filter(|v| v.len() > MAX_VALUE_LEN) {
         return Err(Error::InvalidArgument(format!(
             "value of {} bytes exceeds the limit of {MAX_VALUE_LEN}",
             v.len()

@@ -312,14 +312,8 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 /// Runs one connection: handshake, then requests until the peer leaves or misbehaves.
 fn serve_conn(shared: &Shared, id: u64, mut stream: TcpStream, peer: SocketAddr) {
     let _ = stream.set_nodelay(true);
-    let label = match handshake(shared, &mut stream) {
-        Ok(label) => label,
-        Err(reason) => {
-            if !shared.stopping.load(Ordering::SeqCst) {
-                warn!("refused store connection from {peer}: {reason}");
-            }
-            return;
-        }
+    let Ok(label) = handshake(shared, &mut stream, peer) else {
+        return;
     };
     if let Some(c) = shared.conns().map.get_mut(&id) {
         c.label = Some(label.clone());
@@ -363,51 +357,85 @@ fn serve_conn(shared: &Shared, id: u64, mut stream: TcpStream, peer: SocketAddr)
 }
 
 /// Mutual challenge-response. Returns the client's label, or why it was refused.
-fn handshake(shared: &Shared, stream: &mut TcpStream) -> Result<String, String> {
-    stream
-        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-        .and_then(|()| stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT)))
-        .map_err(|e| format!("cannot set socket timeouts: {e}"))?;
-    let server_nonce = random_bytes().map_err(|e| e.to_string())?;
-    write_msg(
-        stream,
-        &Msg::Hello {
-            version: PROTOCOL_VERSION,
-            nonce: server_nonce,
-        },
-    )
-    .map_err(|e| format!("cannot send the challenge: {e}"))?;
-    let msg = read_msg(stream, MAX_HANDSHAKE_FRAME_LEN)
-        .map_err(|e| format!("no valid authentication message: {e}"))?;
-    let Msg::Auth { mac, nonce, label } = msg else {
+/// The connection was refused, and the refusal logged.
+struct Refused;
+
+/// Logs a refusal, then tells the peer (so that the log has it before the peer knows).
+fn refuse(stream: &mut TcpStream, peer: SocketAddr, why: &str, tell: &str) {
+    warn!("refused store connection from {peer}: {why}");
+    if !tell.is_empty() {
         let _ = write_msg(
             stream,
             &Msg::AuthFail {
-                reason: "authenticate first".into(),
+                reason: tell.into(),
             },
         );
-        return Err(format!(
-            "sent a {} message instead of authenticating",
-            msg.kind()
-        ));
+    }
+}
+
+fn handshake(shared: &Shared, stream: &mut TcpStream, peer: SocketAddr) -> Result<String, Refused> {
+    let fail = |stream: &mut TcpStream, why: String| {
+        if !shared.stopping.load(Ordering::SeqCst) {
+            refuse(stream, peer, &why, "");
+        }
+        Refused
+    };
+    if let Err(e) = stream
+        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+        .and_then(|()| stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT)))
+    {
+        return Err(fail(stream, format!("cannot set socket timeouts: {e}")));
+    }
+    let server_nonce = match random_bytes() {
+        Ok(n) => n,
+        Err(e) => return Err(fail(stream, e.to_string())),
+    };
+    let hello = Msg::Hello {
+        version: PROTOCOL_VERSION,
+        nonce: server_nonce,
+    };
+    if let Err(e) = write_msg(stream, &hello) {
+        return Err(fail(stream, format!("cannot send the challenge: {e}")));
+    }
+    let msg = match read_msg(stream, MAX_HANDSHAKE_FRAME_LEN) {
+        Ok(m) => m,
+        Err(e) => {
+            return Err(fail(
+                stream,
+                format!("no valid authentication message: {e}"),
+            ));
+        }
+    };
+    let Msg::Auth { mac, nonce, label } = msg else {
+        refuse(
+            stream,
+            peer,
+            &format!("sent a {} message instead of authenticating", msg.kind()),
+            "authenticate first",
+        );
+        return Err(Refused);
     };
     if !shared
         .secret
         .verify_client_proof(&server_nonce, &nonce, &label, &mac)
     {
-        let _ = write_msg(
+        refuse(
             stream,
-            &Msg::AuthFail {
-                reason: "wrong secret".into(),
-            },
+            peer,
+            &format!(
+                "{label:?} does not know the secret (wrong OXCCL_SECRET or OXCCL_SECRET_FILE?)"
+            ),
+            "wrong secret",
         );
-        return Err(format!(
-            "{label:?} does not know the secret (wrong OXCCL_SECRET or OXCCL_SECRET_FILE?)"
-        ));
+        return Err(Refused);
     }
     let proof = shared.secret.server_proof(&server_nonce, &nonce);
-    write_msg(stream, &Msg::AuthOk { mac: proof })
-        .map_err(|e| format!("{label:?} authenticated, but the reply failed: {e}"))?;
+    if let Err(e) = write_msg(stream, &Msg::AuthOk { mac: proof }) {
+        return Err(fail(
+            stream,
+            format!("{label:?} authenticated, but the reply failed: {e}"),
+        ));
+    }
     Ok(label)
 }
 

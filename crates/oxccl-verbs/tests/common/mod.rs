@@ -11,8 +11,9 @@
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use oxccl_verbs::*;
 use serde::{Deserialize, Serialize};
@@ -197,6 +198,18 @@ pub enum Cmd {
         add: u64,
         n: u64,
     },
+    /// Runs [`run_stream`] on queue pair `qp` (with region `data` as the WRITE_WITH_IMM landing
+    /// ring, when receiving in that mode) and reports what it saw.
+    Stream {
+        qp: usize,
+        data: Option<usize>,
+        cfg: StreamCfg,
+    },
+    /// Runs [`atomic_hammer`] through queue pair `qp` and reports every value it saw.
+    AtomicHammer {
+        qp: usize,
+        cfg: AtomicCfg,
+    },
     Exit,
 }
 
@@ -217,6 +230,8 @@ pub enum Reply {
         wrong: usize,
     },
     State(QpState),
+    Stream(StreamReport),
+    Atomics(AtomicReport),
     Err(String),
 }
 
@@ -277,10 +292,9 @@ impl Peer {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
                 // libtest may print "test name ... " on the same line before the first reply.
-                if let Some(at) = line.find("@@") {
-                    if tx.send(line[at + 2..].to_string()).is_err() {
-                        break;
-                    }
+                let Some(at) = line.find("@@") else { continue };
+                if tx.send(line[at + 2..].to_string()).is_err() {
+                    break;
                 }
             }
         });
@@ -360,6 +374,29 @@ impl Peer {
         match self.call(Cmd::Poll { max, timeout_ms }) {
             Reply::Wcs(w) => w,
             r => panic!("peer poll: {r:?}"),
+        }
+    }
+
+    /// Runs a stream loop in the peer (see [`run_stream`]); blocks until it ends.
+    pub fn stream(&mut self, qp: usize, data: Option<usize>, cfg: &StreamCfg) -> StreamReport {
+        match self.call(Cmd::Stream {
+            qp,
+            data,
+            cfg: cfg.clone(),
+        }) {
+            Reply::Stream(r) => r,
+            r => panic!("peer stream: {r:?}"),
+        }
+    }
+
+    /// Runs an atomics loop in the peer (see [`atomic_hammer`]); blocks until it ends.
+    pub fn atomic_hammer(&mut self, qp: usize, cfg: &AtomicCfg) -> AtomicReport {
+        match self.call(Cmd::AtomicHammer {
+            qp,
+            cfg: cfg.clone(),
+        }) {
+            Reply::Atomics(r) => r,
+            r => panic!("peer atomic hammer: {r:?}"),
         }
     }
 
@@ -626,6 +663,13 @@ pub fn peer_main() {
                     Some(e) => Reply::Err(e),
                 }
             }
+            Cmd::Stream { qp, data, cfg } => {
+                let data = data.map(|i| &mrs[i]);
+                Reply::Stream(run_stream(&qps[&qp], &cq, &pd, data, &cfg))
+            }
+            Cmd::AtomicHammer { qp, cfg } => {
+                Reply::Atomics(atomic_hammer(&qps[&qp], &cq, &pd, &cfg))
+            }
             Cmd::Exit => {
                 reply(Reply::Ok);
                 break;
@@ -635,4 +679,416 @@ pub fn peer_main() {
     }
     drop(qps);
     std::process::exit(0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stream and atomics loops, run by the test process and by peers alike (the same code on both
+// ends, so a hammer test can drive both directions of a queue pair at once).
+// ---------------------------------------------------------------------------------------------
+
+/// splitmix64: a cheap, well-mixed hash of a sequence number.
+pub fn mix(z: u64) -> u64 {
+    let mut z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Length (1..=max_len) of message `seq` of the stream `seed`.
+pub fn msg_len(seed: u64, seq: u64, max_len: usize) -> usize {
+    1 + (mix(seed ^ mix(seq)) % max_len as u64) as usize
+}
+
+/// Content of message `seq` of the stream `seed` (every byte depends on both and on its position).
+pub fn msg_fill(seed: u64, seq: u64, buf: &mut [u8]) {
+    let x = mix(mix(seed) ^ seq);
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = (x >> ((i % 8) * 8)) as u8 ^ (i / 8) as u8;
+    }
+}
+
+/// Index of the first byte of `data` that is not message `seq`, if any.
+pub fn msg_mismatch(seed: u64, seq: u64, data: &[u8]) -> Option<usize> {
+    let x = mix(mix(seed) ^ seq);
+    data.iter()
+        .enumerate()
+        .position(|(i, &b)| b != (x >> ((i % 8) * 8)) as u8 ^ (i / 8) as u8)
+}
+
+/// How a stream moves its messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StreamMode {
+    /// SEND (every third one SEND_WITH_IMM carrying the sequence number) into posted receives.
+    Send,
+    /// WRITE_WITH_IMM into a ring of slots in the receiver's region, immediate = sequence number.
+    WriteImm,
+}
+
+/// One end of a stream: it sends `send` messages and expects `recv` messages from the other end,
+/// both at once, over one queue pair.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StreamCfg {
+    pub mode: StreamMode,
+    /// Messages this end sends (content from `tx_seed`).
+    pub send: u64,
+    /// Messages this end expects (content from `rx_seed`).
+    pub recv: u64,
+    /// Receives kept posted (reposted as they complete).
+    pub depth: usize,
+    /// Sends in flight at most (more than the peer's `depth` forces RNR back-pressure).
+    pub window: usize,
+    /// Messages are 1..=max_len bytes.
+    pub max_len: usize,
+    pub tx_seed: u64,
+    pub rx_seed: u64,
+    /// WriteImm: the other end's landing ring (`slots` slots of `max_len` bytes).
+    pub remote: Option<RemoteBuffer>,
+    /// WriteImm: slots in the landing rings (at least twice `depth`, so a slot is never
+    /// rewritten before its receiver has checked it).
+    pub slots: usize,
+    /// The whole loop gives up (reporting an error) after this long.
+    pub timeout_ms: u64,
+}
+
+impl StreamCfg {
+    /// The configuration of the other end of the same stream.
+    pub fn mirrored(&self, remote: Option<RemoteBuffer>) -> StreamCfg {
+        StreamCfg {
+            send: self.recv,
+            recv: self.send,
+            tx_seed: self.rx_seed,
+            rx_seed: self.tx_seed,
+            remote,
+            ..self.clone()
+        }
+    }
+}
+
+/// What one end of a stream saw.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct StreamReport {
+    /// Sends completed successfully.
+    pub sent: u64,
+    /// Messages received and checked (right or wrong).
+    pub received: u64,
+    /// Wrong messages, wrong completions, failures.
+    pub errors: u64,
+    /// The first few errors, described.
+    pub first_errors: Vec<String>,
+    /// Times the send window was full (the peer's receives were the bottleneck).
+    pub window_full: u64,
+    pub millis: u64,
+}
+
+impl StreamReport {
+    fn error(&mut self, what: String) {
+        self.errors += 1;
+        if self.first_errors.len() < 8 {
+            self.first_errors.push(what);
+        }
+    }
+}
+
+/// Runs one end of a stream (see [`StreamCfg`]) and checks every message that arrives: its order,
+/// length, immediate and every byte. Returns instead of panicking, so a peer can report.
+pub fn run_stream(
+    qp: &QueuePair,
+    cq: &CompletionQueue,
+    pd: &ProtectionDomain,
+    data: Option<&MemoryRegion>,
+    cfg: &StreamCfg,
+) -> StreamReport {
+    let start = Instant::now();
+    let mut rep = StreamReport::default();
+    let r = stream_loop(qp, cq, pd, data, cfg, &mut rep, start);
+    if let Err(e) = r {
+        rep.error(e);
+    }
+    rep.millis = start.elapsed().as_millis() as u64;
+    rep
+}
+
+fn stream_loop(
+    qp: &QueuePair,
+    cq: &CompletionQueue,
+    pd: &ProtectionDomain,
+    data: Option<&MemoryRegion>,
+    cfg: &StreamCfg,
+    rep: &mut StreamReport,
+    start: Instant,
+) -> Result<(), String> {
+    let deadline = start + Duration::from_millis(cfg.timeout_ms);
+    let (ml, depth, window) = (cfg.max_len, cfg.depth as u64, cfg.window as u64);
+    assert!(ml > 0 && depth > 0 && window > 0);
+    let src = pd
+        .alloc_mr(cfg.window * ml, AccessFlags::NONE)
+        .map_err(|e| e.to_string())?;
+    let rbuf = match cfg.mode {
+        StreamMode::Send => Some(
+            pd.alloc_mr(cfg.depth * ml, AccessFlags::LOCAL_WRITE)
+                .map_err(|e| e.to_string())?,
+        ),
+        StreamMode::WriteImm => None,
+    };
+    if cfg.mode == StreamMode::WriteImm {
+        if cfg.send > 0 && cfg.remote.is_none() {
+            return Err("WriteImm stream without a remote ring".into());
+        }
+        if cfg.recv > 0 && data.is_none_or(|d| d.len() < cfg.slots * ml) {
+            return Err("WriteImm stream without a big enough landing ring".into());
+        }
+    }
+    let post_recv = |slot: u64| -> Result<(), String> {
+        let r = match &rbuf {
+            Some(b) => {
+                let sg = [Sge::new(b, slot as usize * ml, ml)];
+                qp.post_recv(&[RecvWr::new(slot, &sg)])
+            }
+            None => qp.post_recv(&[RecvWr::new(slot, &[])]),
+        };
+        r.map_err(|e| format!("post_recv: {e}"))
+    };
+    let mut posted = 0u64;
+    while posted < depth.min(cfg.recv) {
+        post_recv(posted % depth)?;
+        posted += 1;
+    }
+    let (mut sent, mut completed, mut received) = (0u64, 0u64, 0u64);
+    let mut msg = vec![0u8; ml];
+    let mut wcs = [WorkCompletion::default(); 64];
+    while completed < cfg.send || received < cfg.recv {
+        while sent < cfg.send && sent - completed < window {
+            let slot = (sent % window) as usize;
+            let len = msg_len(cfg.tx_seed, sent, ml);
+            msg_fill(cfg.tx_seed, sent, &mut msg[..len]);
+            src.write(slot * ml, &msg[..len]).unwrap();
+            let op = match cfg.mode {
+                StreamMode::Send if sent % 3 == 0 => WrOp::SendWithImm { imm: sent as u32 },
+                StreamMode::Send => WrOp::Send,
+                StreamMode::WriteImm => WrOp::WriteWithImm {
+                    remote: cfg
+                        .remote
+                        .unwrap()
+                        .at((sent % cfg.slots as u64) * ml as u64),
+                    imm: sent as u32,
+                },
+            };
+            let sg = [Sge::new(&src, slot * ml, len)];
+            qp.post_send(&[SendWr::new(sent, op, &sg)])
+                .map_err(|e| format!("post_send #{sent}: {e}"))?;
+            sent += 1;
+        }
+        if sent < cfg.send {
+            rep.window_full += 1;
+        }
+        let n = match cq.poll(&mut wcs) {
+            0 => cq.wait(&mut wcs, Duration::from_millis(50)).unwrap_or(0),
+            n => n,
+        };
+        for wc in &wcs[..n] {
+            match wc.opcode {
+                WcOpcode::Recv | WcOpcode::RecvRdmaWithImm if wc.status != WcStatus::Success => {
+                    return Err(format!("receive #{received} failed: {wc:?}"));
+                }
+                WcOpcode::Recv | WcOpcode::RecvRdmaWithImm => {
+                    let seq = received;
+                    received += 1;
+                    let len = msg_len(cfg.rx_seed, seq, ml);
+                    let slot = seq % depth;
+                    let (opcode, imm, at) = match cfg.mode {
+                        StreamMode::Send => (
+                            WcOpcode::Recv,
+                            (seq % 3 == 0).then_some(seq as u32),
+                            slot as usize * ml,
+                        ),
+                        StreamMode::WriteImm => (
+                            WcOpcode::RecvRdmaWithImm,
+                            Some(seq as u32),
+                            (seq % cfg.slots as u64) as usize * ml,
+                        ),
+                    };
+                    if (wc.wr_id, wc.opcode, wc.imm, wc.byte_len as usize)
+                        != (slot, opcode, imm, len)
+                    {
+                        rep.error(format!(
+                            "message #{seq}: expected wr_id {slot} {opcode:?} imm {imm:?} \
+                             byte_len {len}, got {wc:?}"
+                        ));
+                    } else {
+                        let mr = rbuf.as_ref().or(data).unwrap();
+                        mr.read(at, &mut msg[..len]).unwrap();
+                        if let Some(i) = msg_mismatch(cfg.rx_seed, seq, &msg[..len]) {
+                            rep.error(format!(
+                                "message #{seq} ({len} bytes): byte {i} is {:#04x}",
+                                msg[i]
+                            ));
+                        }
+                    }
+                    if posted < cfg.recv {
+                        post_recv(posted % depth)?;
+                        posted += 1;
+                    }
+                }
+                _ if wc.status != WcStatus::Success => {
+                    return Err(format!("send #{completed} failed: {wc:?}"));
+                }
+                _ => {
+                    if wc.wr_id != completed {
+                        rep.error(format!(
+                            "send completion out of order: want {completed}, {wc:?}"
+                        ));
+                    }
+                    completed += 1;
+                }
+            }
+        }
+        rep.sent = completed;
+        rep.received = received;
+        if Instant::now() > deadline {
+            return Err(format!(
+                "timed out after {:?}: {sent} posted, {completed} sends completed, {received} \
+                 of {} received; qp {:?}",
+                deadline - start,
+                cfg.recv,
+                qp.state()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// What an atomics loop does: `n_faa` fetch-and-adds of `add` on `faa` (in bursts of `burst`
+/// outstanding requests) and `n_cas` increments of `cas` by compare-and-swap, interleaved.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct AtomicCfg {
+    pub faa: RemoteAddr,
+    pub cas: RemoteAddr,
+    pub n_faa: u64,
+    pub n_cas: u64,
+    pub add: u64,
+    pub burst: usize,
+    /// A start barrier: fetch-and-add 1 on this word, then read it until it reaches the count
+    /// (so that every process starts hammering at once).
+    pub barrier: Option<(RemoteAddr, u64)>,
+    pub timeout_ms: u64,
+}
+
+/// Every value an atomics loop saw.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct AtomicReport {
+    /// The old value each fetch-and-add returned, in order.
+    pub faa_old: Vec<u64>,
+    /// The value each successful compare-and-swap replaced (by value + 1), in order.
+    pub cas_won: Vec<u64>,
+    /// Compare-and-swaps that lost a race and were retried.
+    pub cas_retries: u64,
+    pub errors: Vec<String>,
+    pub millis: u64,
+}
+
+/// Runs an atomics loop (see [`AtomicCfg`]). The compare-and-swap loop reads the word once, then
+/// tries `old -> old + 1`, retrying with the value the failed attempt returned.
+pub fn atomic_hammer(
+    qp: &QueuePair,
+    cq: &CompletionQueue,
+    pd: &ProtectionDomain,
+    cfg: &AtomicCfg,
+) -> AtomicReport {
+    let start = Instant::now();
+    let mut rep = AtomicReport::default();
+    if let Err(e) = atomic_loop(qp, cq, pd, cfg, &mut rep, start) {
+        rep.errors.push(e);
+    }
+    rep.millis = start.elapsed().as_millis() as u64;
+    rep
+}
+
+fn atomic_loop(
+    qp: &QueuePair,
+    cq: &CompletionQueue,
+    pd: &ProtectionDomain,
+    cfg: &AtomicCfg,
+    rep: &mut AtomicReport,
+    start: Instant,
+) -> Result<(), String> {
+    let deadline = start + Duration::from_millis(cfg.timeout_ms);
+    let burst = cfg.burst.max(1);
+    let res = pd
+        .alloc_mr(8 * burst, AccessFlags::LOCAL_WRITE)
+        .map_err(|e| e.to_string())?;
+    let word = |i: usize| res.atomic_u64(8 * i).unwrap().load(Ordering::Acquire);
+    let mut next_id = 0u64;
+    // Posts `ops` (op, result slot) as one list and waits for all their completions, in order.
+    let mut run = |ops: &[WrOp]| -> Result<(), String> {
+        let sges: Vec<[Sge; 1]> = (0..ops.len()).map(|i| [Sge::new(&res, 8 * i, 8)]).collect();
+        let first = next_id;
+        let wrs: Vec<SendWr> = ops
+            .iter()
+            .zip(&sges)
+            .map(|(op, sg)| {
+                next_id += 1;
+                SendWr::new(next_id - 1, *op, sg)
+            })
+            .collect();
+        qp.post_send(&wrs).map_err(|e| format!("post_send: {e}"))?;
+        let mut buf = [WorkCompletion::default(); 16];
+        let mut got = 0;
+        while got < ops.len() {
+            let n = cq.wait(&mut buf, Duration::from_millis(100)).unwrap_or(0);
+            for wc in &buf[..n] {
+                if !wc.is_ok() || wc.wr_id != first + got as u64 {
+                    return Err(format!("atomic #{}: {wc:?}", first + got as u64));
+                }
+                got += 1;
+            }
+            if Instant::now() > deadline {
+                return Err(format!("timed out; qp {:?}", qp.state()));
+            }
+        }
+        Ok(())
+    };
+    if let Some((at, n)) = cfg.barrier {
+        run(&[WrOp::FetchAdd { remote: at, add: 1 }])?;
+        loop {
+            run(&[WrOp::Read { remote: at }])?;
+            if word(0) >= n {
+                break;
+            }
+            std::thread::yield_now();
+        }
+    }
+    run(&[WrOp::Read { remote: cfg.cas }])?;
+    let mut guess = word(0);
+    let (mut faa, mut cas) = (0u64, 0u64);
+    while faa < cfg.n_faa || cas < cfg.n_cas {
+        let k = (cfg.n_faa - faa).min(burst as u64) as usize;
+        if k > 0 {
+            let op = WrOp::FetchAdd {
+                remote: cfg.faa,
+                add: cfg.add,
+            };
+            run(&vec![op; k])?;
+            rep.faa_old.extend((0..k).map(word));
+            faa += k as u64;
+        }
+        if cas < cfg.n_cas {
+            loop {
+                run(&[WrOp::CompareSwap {
+                    remote: cfg.cas,
+                    compare: guess,
+                    swap: guess + 1,
+                }])?;
+                let old = word(0);
+                if old == guess {
+                    rep.cas_won.push(old);
+                    guess = old + 1;
+                    break;
+                }
+                rep.cas_retries += 1;
+                guess = old;
+            }
+            cas += 1;
+        }
+    }
+    Ok(())
 }

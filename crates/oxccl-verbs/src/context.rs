@@ -85,16 +85,19 @@ impl Tuning {
 pub enum Provider {
     /// Kernel bypass between processes of one host: shared memory, one copy, no syscall.
     Shm,
+    /// RDMA semantics over TCP sockets, for hosts without RDMA hardware.
+    Tcp,
 }
 
 impl Provider {
     /// Every provider built in.
-    pub const ALL: &'static [Provider] = &[Provider::Shm];
+    pub const ALL: &'static [Provider] = &[Provider::Shm, Provider::Tcp];
 
     /// The provider's name, as `Device::open` takes it.
     pub fn name(self) -> &'static str {
         match self {
             Provider::Shm => "shm",
+            Provider::Tcp => "tcp",
         }
     }
 }
@@ -104,6 +107,7 @@ impl std::str::FromStr for Provider {
     fn from_str(s: &str) -> Result<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "shm" => Ok(Provider::Shm),
+            "tcp" => Ok(Provider::Tcp),
             _ => Err(Error::UnknownProvider(
                 s.to_string(),
                 Provider::ALL
@@ -169,6 +173,8 @@ pub(crate) struct CtxInner {
     pub host: String,
     pub sock_name: String,
     pub tuning: Tuning,
+    /// The tcp progress engine, for tcp contexts.
+    pub tcp: Option<crate::tcp::Engine>,
     pub registry: Arc<Registry>,
     pub tables: Mutex<Tables>,
     pub peers: PeerMap,
@@ -198,6 +204,8 @@ pub(crate) struct Tables {
 pub(crate) struct Registry {
     pub ctx: OnceLock<(u64, Arc<Segment>)>,
     pub qps: Mutex<HashMap<u64, Arc<Segment>>>,
+    /// Live regions by table index (the tcp target validates requests against them).
+    pub regions: Arc<Mutex<HashMap<u32, std::sync::Weak<crate::mr::MrInner>>>>,
     pub mrs: Mutex<HashMap<(u32, u64), Arc<Segment>>>,
 }
 
@@ -244,6 +252,10 @@ impl Context {
                 .spawn(move || svc.run())
                 .map_err(|e| Error::os("spawning the segment service thread", e))?
         };
+        let tcp = match provider {
+            Provider::Tcp => Some(crate::tcp::Engine::start(registry.regions.clone())?),
+            Provider::Shm => None,
+        };
         Ok(Context {
             inner: Arc::new(CtxInner {
                 provider,
@@ -253,6 +265,7 @@ impl Context {
                 host: host_id(),
                 sock_name,
                 tuning: Tuning::from_env(),
+                tcp,
                 registry,
                 tables: Mutex::new(Tables {
                     free_cq: (0..MAX_CQ as u32).rev().collect(),

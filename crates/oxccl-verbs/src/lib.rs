@@ -44,6 +44,7 @@ mod error;
 mod mr;
 mod qp;
 mod segment;
+mod tcp;
 mod types;
 
 #[cfg(test)]

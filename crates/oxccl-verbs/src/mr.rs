@@ -101,7 +101,9 @@ impl ProtectionDomain {
     }
 
     fn check_user_access(&self, access: AccessFlags) -> Result<()> {
-        if access.contains(AccessFlags::REMOTE_ATOMIC) {
+        if self.ctx.provider() == crate::Provider::Shm
+            && access.contains(AccessFlags::REMOTE_ATOMIC)
+        {
             return Err(Error::arg(
                 "REMOTE_ATOMIC on registered user memory: the shm provider performs atomics on \
                  shared mappings only; allocate the region with ProtectionDomain::alloc_mr",
@@ -151,20 +153,24 @@ impl ProtectionDomain {
         ctx.mr_u32(index, MR_KIND).store(kind, Ordering::Relaxed);
         // Publishing the rkey makes the entry valid; readers acquire it first and re-check it last.
         ctx.mr_u64(index, MR_RKEY).store(rkey, Ordering::Release);
-        Ok(MemoryRegion {
-            inner: Arc::new(MrInner {
-                ctx,
-                pd: self.id,
-                index,
-                lkey,
-                rkey,
-                access,
-                addr,
-                len,
-                backing,
-                registered: AtomicBool::new(true),
-            }),
-        })
+        let inner = Arc::new(MrInner {
+            ctx: ctx.clone(),
+            pd: self.id,
+            index,
+            lkey,
+            rkey,
+            access,
+            addr,
+            len,
+            backing,
+            registered: AtomicBool::new(true),
+        });
+        ctx.registry
+            .regions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(index, Arc::downgrade(&inner));
+        Ok(MemoryRegion { inner })
     }
 }
 
@@ -176,6 +182,11 @@ impl MrInner {
         let ctx = &self.ctx;
         ctx.mr_u64(self.index, MR_RKEY).store(0, Ordering::Release);
         ctx.mr_u64(self.index, MR_LKEY).store(0, Ordering::Release);
+        ctx.registry
+            .regions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.index);
         if matches!(self.backing, Backing::Segment(_)) {
             ctx.registry
                 .mrs

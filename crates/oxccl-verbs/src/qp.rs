@@ -35,6 +35,7 @@ use crate::cq::{CompletionQueue, CqInner, notify_peer};
 use crate::error::{Error, Result};
 use crate::mr::{MrInner, key_index};
 use crate::segment::{Segment, cma, copy_bytes};
+use crate::tcp;
 use crate::types::*;
 
 const QP_MAGIC: u64 = 0x6f78_6363_6c5f_7170; // "oxccl_qp"
@@ -88,6 +89,13 @@ pub enum EndpointAddr {
         /// Secret token of the queue pair's segment.
         qp_token: u64,
     },
+    /// A tcp queue pair.
+    Tcp {
+        /// `IP:port` of the owner context's listener.
+        addr: String,
+        /// Secret token naming the queue pair in the connection handshake.
+        qp_token: u64,
+    },
 }
 
 impl std::fmt::Display for QpEndpoint {
@@ -95,6 +103,9 @@ impl std::fmt::Display for QpEndpoint {
         match &self.addr {
             EndpointAddr::Shm { pid, .. } => {
                 write!(f, "{} qp {} of pid {pid}", self.provider, self.qp_num)
+            }
+            EndpointAddr::Tcp { addr, .. } => {
+                write!(f, "{} qp {} at {addr}", self.provider, self.qp_num)
             }
         }
     }
@@ -121,6 +132,8 @@ pub(crate) struct QpInner {
     send_cq: Arc<CqInner>,
     pub(crate) recv_cq: Arc<CqInner>,
     link: OnceLock<Link>,
+    /// The tcp connection (tcp contexts), created with the queue pair so that it can accept.
+    tcp_conn: Option<Arc<tcp::Conn>>,
     send: Mutex<SendSide>,
     recv: Mutex<RecvSide>,
     pending: AtomicUsize,
@@ -131,7 +144,22 @@ pub(crate) struct QpInner {
     detail: Mutex<Option<String>>,
 }
 
-struct Link {
+/// How a connected queue pair reaches its peer.
+enum Link {
+    Shm(ShmLink),
+    Tcp(Arc<tcp::Conn>, QpEndpoint),
+}
+
+impl Link {
+    fn remote(&self) -> &QpEndpoint {
+        match self {
+            Link::Shm(l) => &l.remote,
+            Link::Tcp(_, r) => r,
+        }
+    }
+}
+
+struct ShmLink {
     peer: Arc<PeerCtx>,
     seg: Segment,
     cap: u64,
@@ -253,7 +281,18 @@ impl ProtectionDomain {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(token, seg.clone());
-        let inner = Arc::new(QpInner {
+        let rnr_us = if cfg.rnr_retry >= 7 {
+            0
+        } else {
+            (cfg.rnr_timer * (cfg.rnr_retry as u32 + 1))
+                .as_micros()
+                .max(1) as u64
+        };
+        let inner = Arc::new_cyclic(|me| QpInner {
+            tcp_conn: ctx
+                .tcp
+                .as_ref()
+                .map(|e| e.shared().conn(me.clone(), token, rnr_us)),
             ctx,
             pd: self.id,
             qpn,
@@ -292,22 +331,29 @@ impl QueuePair {
     /// The endpoint a peer connects to.
     pub fn endpoint(&self) -> QpEndpoint {
         let ctx = &self.inner.ctx;
-        QpEndpoint {
-            provider: ctx.provider,
-            host: ctx.host.clone(),
-            qp_num: self.inner.qpn,
-            addr: EndpointAddr::Shm {
+        let addr = match &ctx.tcp {
+            Some(engine) => EndpointAddr::Tcp {
+                addr: tcp::advertised(engine.shared()),
+                qp_token: self.inner.token,
+            },
+            None => EndpointAddr::Shm {
                 pid: ctx.pid,
                 ctx_token: ctx.token,
                 socket: ctx.sock_name.clone(),
                 qp_token: self.inner.token,
             },
+        };
+        QpEndpoint {
+            provider: ctx.provider,
+            host: ctx.host.clone(),
+            qp_num: self.inner.qpn,
+            addr,
         }
     }
 
     /// The endpoint this queue pair is connected to, once in RTR or later.
     pub fn remote(&self) -> Option<&QpEndpoint> {
-        self.inner.link.get().map(|l| &l.remote)
+        self.inner.link.get().map(Link::remote)
     }
 
     /// A description of the last failure the kernel explained (for example why a
@@ -348,41 +394,70 @@ impl QueuePair {
                 qp.ctx.provider, remote.provider
             )));
         }
-        if remote.host != qp.ctx.host {
-            return Err(fail(format!(
-                "the peer is on another host (boot id {} vs ours {}); shm reaches only this host",
-                remote.host, qp.ctx.host
-            )));
-        }
-        let EndpointAddr::Shm {
-            pid,
-            ctx_token,
-            socket,
-            qp_token,
-        } = &remote.addr;
-        let peer = qp
-            .ctx
-            .peer(*pid, *ctx_token, socket)
-            .map_err(|e| fail(e.to_string()))?;
-        let seg = peer
-            .qp_segment(*qp_token)
-            .map_err(|e| fail(e.to_string()))?;
-        if seg.atomic_u64(H_MAGIC).load(Ordering::Acquire) != QP_MAGIC {
-            return Err(fail("the peer segment is not a queue pair".into()));
-        }
-        let cap = seg.atomic_u32(H_CAP).load(Ordering::Relaxed) as u64;
-        if cap == 0 || SLOTS + SLOT * cap as usize > seg.len() {
-            return Err(fail(format!(
-                "peer queue pair reports a bad capacity {cap}"
-            )));
-        }
-        let recv_cq = seg.atomic_u32(H_RECV_CQ).load(Ordering::Relaxed);
-        let link = Link {
-            peer,
-            seg,
-            cap,
-            recv_cq,
-            remote: remote.clone(),
+        let link = match &remote.addr {
+            EndpointAddr::Shm {
+                pid,
+                ctx_token,
+                socket,
+                qp_token,
+            } => {
+                if remote.host != qp.ctx.host {
+                    return Err(fail(format!(
+                        "the peer is on another host (boot id {} vs ours {}); shm reaches only \
+                         this host",
+                        remote.host, qp.ctx.host
+                    )));
+                }
+                let peer = qp
+                    .ctx
+                    .peer(*pid, *ctx_token, socket)
+                    .map_err(|e| fail(e.to_string()))?;
+                let seg = peer
+                    .qp_segment(*qp_token)
+                    .map_err(|e| fail(e.to_string()))?;
+                if seg.atomic_u64(H_MAGIC).load(Ordering::Acquire) != QP_MAGIC {
+                    return Err(fail("the peer segment is not a queue pair".into()));
+                }
+                let cap = seg.atomic_u32(H_CAP).load(Ordering::Relaxed) as u64;
+                if cap == 0 || SLOTS + SLOT * cap as usize > seg.len() {
+                    return Err(fail(format!(
+                        "peer queue pair reports a bad capacity {cap}"
+                    )));
+                }
+                let recv_cq = seg.atomic_u32(H_RECV_CQ).load(Ordering::Relaxed);
+                Link::Shm(ShmLink {
+                    peer,
+                    seg,
+                    cap,
+                    recv_cq,
+                    remote: remote.clone(),
+                })
+            }
+            EndpointAddr::Tcp { addr, qp_token } => {
+                let engine = qp
+                    .ctx
+                    .tcp
+                    .as_ref()
+                    .ok_or_else(|| fail("no tcp engine".into()))?;
+                if *qp_token == qp.token {
+                    return Err(fail("a queue pair cannot connect to itself".into()));
+                }
+                let sa: std::net::SocketAddr = addr
+                    .parse()
+                    .map_err(|_| fail(format!("bad address {addr:?}")))?;
+                let _ = engine;
+                let conn = qp
+                    .tcp_conn
+                    .clone()
+                    .ok_or_else(|| fail("no tcp connection".into()))?;
+                conn.set_remote(*qp_token, qp.cfg.timeout);
+                // The side with the smaller token connects; the other one accepts.
+                if qp.token < *qp_token {
+                    conn.connect_to(sa, qp.cfg.timeout)
+                        .map_err(|e| fail(e.to_string()))?;
+                }
+                Link::Tcp(conn, remote.clone())
+            }
         };
         if qp.link.set(link).is_err() {
             return Err(fail("already connected".into()));
@@ -436,6 +511,9 @@ impl Drop for QueuePair {
     fn drop(&mut self) {
         let qp = &self.inner;
         qp.set_state(QpState::Destroyed);
+        if let Some(engine) = &qp.ctx.tcp {
+            engine.shared().forget(qp.token);
+        }
         qp.ctx
             .registry
             .qps
@@ -520,7 +598,20 @@ impl QpInner {
                 });
             }
             let link = match (self.state(), self.link.get()) {
-                (QpState::Rts, Some(link)) => link,
+                (QpState::Rts, Some(Link::Tcp(conn, _))) => {
+                    if let Err(status) = self.post_tcp(conn, wr) {
+                        drop(s);
+                        self.complete_send(wr.wr_id, &wr.op, status, 0, true);
+                        self.set_error(if status == WcStatus::RetryExceeded {
+                            Cause::PeerGone
+                        } else {
+                            Cause::Request
+                        });
+                        s = self.send.lock().unwrap_or_else(|e| e.into_inner());
+                    }
+                    continue;
+                }
+                (QpState::Rts, Some(Link::Shm(link))) => link,
                 _ => {
                     let status = self.flush_status(&self.gone_told_send);
                     self.complete_send(wr.wr_id, &wr.op, status, 0, true);
@@ -579,7 +670,16 @@ impl QpInner {
 
     /// Retries pending requests, notices dead or destroyed peers. Called from polls and waits.
     pub(crate) fn progress(&self) {
-        let Some(link) = self.link.get() else { return };
+        let link = match self.link.get() {
+            Some(Link::Shm(link)) => link,
+            Some(Link::Tcp(conn, _)) => {
+                if conn.dead.load(Ordering::Acquire) {
+                    conn.report();
+                }
+                return;
+            }
+            None => return,
+        };
         let state = self.state();
         if state == QpState::Err {
             return;
@@ -661,7 +761,7 @@ impl QpInner {
     fn set_error(&self, cause: Cause) {
         if cause == Cause::PeerGone
             && !self.gone.swap(true, Ordering::AcqRel)
-            && let Some(link) = self.link.get()
+            && let Some(Link::Shm(link)) = self.link.get()
         {
             let why = if link.peer.is_dead() {
                 "its process exited or closed its context"
@@ -680,6 +780,15 @@ impl QpInner {
         if prev == QpState::Destroyed as u32 {
             self.set_state(QpState::Destroyed);
             return;
+        }
+        if let Some(Link::Tcp(conn, _)) = self.link.get() {
+            // Requests in flight, oldest first. The connection stays up (as an InfiniBand peer,
+            // the target is not told); it closes when the queue pair is destroyed.
+            for (wr_id, opcode, status) in
+                conn.flush_outstanding(|| self.flush_status(&self.gone_told_send))
+            {
+                self.tcp_complete(wr_id, opcode, status, 0, true);
+            }
         }
         {
             let mut s = self.send.lock().unwrap_or_else(|e| e.into_inner());
@@ -762,6 +871,9 @@ impl QpInner {
             }
             r.posted += 1;
             seg.atomic_u64(H_POSTED).store(r.posted, Ordering::Release);
+            if let Some(Link::Tcp(conn, _)) = self.link.get() {
+                conn.receive_posted();
+            }
             if self.state() == QpState::Err {
                 // Nobody will claim it: flush it ourselves (the CAS keeps it exactly once).
                 let claimed = seg.atomic_u64(H_CLAIMED);
@@ -816,12 +928,7 @@ impl QpInner {
                     imm,
                     qp_num: self.qpn,
                 };
-            } else if self.state() == QpState::Err
-                && self
-                    .link
-                    .get()
-                    .is_some_and(|l| l.peer.dead.load(Ordering::Acquire))
-            {
+            } else if self.state() == QpState::Err && self.peer_gone() {
                 // Claimed by a peer that died before completing it.
                 status = self.flush_status(&self.gone_told_recv);
                 out[n] = WorkCompletion {
@@ -846,8 +953,175 @@ impl QpInner {
         n
     }
 
+    /// Whether the peer is known to be gone.
+    fn peer_gone(&self) -> bool {
+        match self.link.get() {
+            Some(Link::Shm(l)) => l.peer.dead.load(Ordering::Acquire),
+            Some(Link::Tcp(c, _)) => c.dead.load(Ordering::Acquire),
+            None => false,
+        }
+    }
+
+    /// Validates a send request's local buffers and hands it to the tcp connection.
+    fn post_tcp(&self, conn: &tcp::Conn, wr: &SendWr<'_>) -> Result<(), WcStatus> {
+        let opcode = wr.op.wc_opcode();
+        match self.check_tcp(wr) {
+            Ok(local) if !conn.failing() => conn.post(wr.wr_id, &wr.op, &local, wr.signaled),
+            Ok(_) => {
+                // An earlier request failed locally and waits for those before it: this one is
+                // flushed after it.
+                conn.post_failed(wr.wr_id, opcode, WcStatus::WorkRequestFlushed);
+                Ok(())
+            }
+            Err(status) if conn.post_failed(wr.wr_id, opcode, status) => Ok(()),
+            Err(status) => Err(status),
+        }
+    }
+
+    /// The validated local buffers of a tcp request.
+    #[allow(clippy::type_complexity)]
+    fn check_tcp(&self, wr: &SendWr<'_>) -> Result<Vec<(Arc<MrInner>, *mut u8, usize)>, WcStatus> {
+        let scatter = matches!(
+            wr.op,
+            WrOp::Read { .. } | WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. }
+        );
+        let mut local = Vec::with_capacity(wr.sg_list.len());
+        let mut total = 0usize;
+        for g in wr.sg_list {
+            let p = g.mr.inner.local_ptr(self.pd, g.offset, g.len, scatter)?;
+            local.push((g.mr.inner.clone(), p, g.len));
+            total += g.len;
+        }
+        if total > tcp::frame::MAX_PAYLOAD as usize {
+            return Err(WcStatus::LocalLengthError);
+        }
+        if matches!(wr.op, WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. })
+            && (local.len() != 1 || total != 8)
+        {
+            return Err(WcStatus::LocalLengthError);
+        }
+        Ok(local)
+    }
+
+    /// Whether the queue pair is in ERR.
+    pub(crate) fn is_failed(&self) -> bool {
+        self.state() == QpState::Err
+    }
+
+    pub(crate) fn timeout(&self) -> std::time::Duration {
+        self.cfg.timeout
+    }
+
+    /// The tcp connection failed (closed, reset, malformed frame, never attached).
+    pub(crate) fn tcp_failed(&self, why: &str) {
+        let remote = self
+            .link
+            .get()
+            .map(|l| l.remote().to_string())
+            .unwrap_or_default();
+        self.note(format!(
+            "queue pair {}: connection to {remote}: {why}",
+            self.qpn
+        ));
+        self.set_error(Cause::PeerGone);
+    }
+
+    /// A request was NAKed: the queue pair fails.
+    pub(crate) fn tcp_request_failed(&self) {
+        self.set_error(Cause::Request);
+    }
+
+    /// Reports the completion of a tcp request.
+    pub(crate) fn tcp_complete(
+        &self,
+        wr_id: u64,
+        opcode: WcOpcode,
+        status: WcStatus,
+        len: u32,
+        signaled: bool,
+    ) {
+        if signaled || status != WcStatus::Success {
+            self.send_cq.push(WorkCompletion {
+                wr_id,
+                status,
+                opcode,
+                byte_len: len,
+                imm: None,
+                qp_num: self.qpn,
+            });
+        }
+    }
+
+    /// Whether a receive is posted and unclaimed (tcp target side).
+    pub(crate) fn recv_available(&self) -> bool {
+        self.seg.atomic_u64(H_CLAIMED).load(Ordering::Acquire)
+            < self.seg.atomic_u64(H_POSTED).load(Ordering::Acquire)
+    }
+
+    /// Claims our own next receive (tcp target side).
+    pub(crate) fn claim_local_recv(&self) -> Option<u64> {
+        if self.state() == QpState::Err {
+            return None;
+        }
+        claim(&self.seg)
+    }
+
+    /// Completes our own receive `slot` and wakes the receive queue's waiters.
+    pub(crate) fn complete_local_recv(
+        &self,
+        slot: u64,
+        status: WcStatus,
+        opcode: WcOpcode,
+        len: u32,
+        imm: Option<u32>,
+    ) {
+        complete_slot(&self.seg, self.cap, slot, status, opcode, len, imm);
+        self.recv_cq.notify();
+    }
+
+    /// The validated buffers of our own receive `slot`: spans, regions kept alive, total room.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn local_recv_spans(
+        &self,
+        slot: u64,
+        regions: &Mutex<std::collections::HashMap<u32, std::sync::Weak<MrInner>>>,
+    ) -> Result<(Vec<tcp::Span>, Vec<Arc<MrInner>>, usize), WcStatus> {
+        let seg = &self.seg;
+        let base = SLOTS + (slot % self.cap) as usize * SLOT;
+        let n = (seg.atomic_u32(base + S_NUM_SGE).load(Ordering::Relaxed) as usize).min(MAX_SGE);
+        let regions = regions.lock().unwrap_or_else(|e| e.into_inner());
+        let mut spans = Vec::with_capacity(n);
+        let mut keep = Vec::with_capacity(n);
+        let mut room = 0usize;
+        for j in 0..n {
+            let o = base + S_SGES + j * 24;
+            let lkey = seg.atomic_u64(o).load(Ordering::Relaxed);
+            let addr = seg.atomic_u64(o + 8).load(Ordering::Relaxed);
+            let len = seg.atomic_u64(o + 16).load(Ordering::Relaxed) as usize;
+            let mr = regions
+                .get(&key_index(lkey))
+                .and_then(std::sync::Weak::upgrade)
+                .filter(|m| m.lkey == lkey && lkey != 0)
+                .ok_or(WcStatus::LocalProtectionError)?;
+            let off = addr
+                .checked_sub(mr.addr)
+                .ok_or(WcStatus::LocalProtectionError)? as usize;
+            let p = mr.local_ptr(self.pd, off, len, true)?;
+            spans.push(tcp::Span(p, len));
+            keep.push(mr);
+            room += len;
+        }
+        Ok((spans, keep, room))
+    }
+
     /// Executes one request against the peer. Validates everything before touching memory.
-    fn exec<S: Sges + ?Sized>(&self, s: &mut SendSide, link: &Link, op: &WrOp, sg: &S) -> Outcome {
+    fn exec<S: Sges + ?Sized>(
+        &self,
+        s: &mut SendSide,
+        link: &ShmLink,
+        op: &WrOp,
+        sg: &S,
+    ) -> Outcome {
         use Outcome::Done;
         match QpState::from_u32(link.seg.atomic_u32(H_STATE).load(Ordering::Acquire)) {
             QpState::Err | QpState::Destroyed => return Done(WcStatus::RetryExceeded, 0),
@@ -897,7 +1171,7 @@ impl QpInner {
                     Ok(t) => t,
                     Err(st) => return Done(st, 0),
                 };
-                let Some(slot) = claim(link) else {
+                let Some(slot) = claim(&link.seg) else {
                     return Outcome::NotReady(NotReady::Rnr);
                 };
                 let status = self.put(link, &t, local);
@@ -922,7 +1196,7 @@ impl QpInner {
                     WrOp::SendWithImm { imm } => Some(imm),
                     _ => None,
                 };
-                let Some(slot) = claim(link) else {
+                let Some(slot) = claim(&link.seg) else {
                     return Outcome::NotReady(NotReady::Rnr);
                 };
                 let (recv_status, op_status) = self.deliver(s, link, slot, local, total);
@@ -1001,7 +1275,7 @@ impl QpInner {
     fn peer_segment(
         &self,
         s: &mut SendSide,
-        link: &Link,
+        link: &ShmLink,
         index: u32,
         lkey: u64,
     ) -> Option<Arc<Segment>> {
@@ -1027,7 +1301,7 @@ impl QpInner {
     fn resolve(
         &self,
         s: &mut SendSide,
-        link: &Link,
+        link: &ShmLink,
         remote: RemoteAddr,
         len: usize,
         need: AccessFlags,
@@ -1078,7 +1352,7 @@ impl QpInner {
     }
 
     /// Gathers the local buffers into the target.
-    fn put(&self, _link: &Link, t: &Target, local: &[(*mut u8, usize)]) -> Result<(), WcStatus> {
+    fn put(&self, _link: &ShmLink, t: &Target, local: &[(*mut u8, usize)]) -> Result<(), WcStatus> {
         match *t {
             Target::Mapped(mut dst) => {
                 for &(p, len) in local {
@@ -1126,7 +1400,7 @@ impl QpInner {
     fn deliver(
         &self,
         s: &mut SendSide,
-        link: &Link,
+        link: &ShmLink,
         slot: u64,
         local: &[(*mut u8, usize)],
         total: usize,
@@ -1215,9 +1489,9 @@ impl QpInner {
 }
 
 /// Claims the peer's next posted receive, if there is one.
-fn claim(link: &Link) -> Option<u64> {
-    let claimed = link.seg.atomic_u64(H_CLAIMED);
-    let posted = link.seg.atomic_u64(H_POSTED);
+fn claim(seg: &Segment) -> Option<u64> {
+    let claimed = seg.atomic_u64(H_CLAIMED);
+    let posted = seg.atomic_u64(H_POSTED);
     loop {
         let c = claimed.load(Ordering::Acquire);
         if c >= posted.load(Ordering::Acquire) {

@@ -758,6 +758,8 @@ pub fn local_errors(p: &str) {
 /// The peer is killed mid-stream: the initiator's requests and a receive waiter return
 /// RetryExceeded within the configured timeout, never hang.
 pub fn peer_killed_mid_stream(p: &str) {
+    // Far above the send wr_ids, which count up from 0.
+    const RECV_ID: u64 = 1 << 40;
     let mut peer = Peer::spawn(p);
     let l = Local::new(p);
     let spec = QpSpec {
@@ -768,7 +770,7 @@ pub fn peer_killed_mid_stream(p: &str) {
     let (_, rb) = peer.alloc(1 << 20, RW);
     let src = l.pd.alloc_mr(1 << 20, AccessFlags::LOCAL_WRITE).unwrap();
     let rbuf = l.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
-    qp.post_recv(&[RecvWr::new(900, &sge(&rbuf, 0, 64))])
+    qp.post_recv(&[RecvWr::new(RECV_ID, &sge(&rbuf, 0, 64))])
         .unwrap();
     let killer = {
         let pid = peer.pid;
@@ -806,7 +808,7 @@ pub fn peer_killed_mid_stream(p: &str) {
                     statuses.push((w.wr_id, w.status));
                 }
             }
-            if statuses.iter().any(|s| s.0 == 900) {
+            if statuses.iter().any(|s| s.0 == RECV_ID) {
                 break 'outer;
             }
         }
@@ -828,7 +830,7 @@ pub fn peer_killed_mid_stream(p: &str) {
     assert!(
         statuses
             .iter()
-            .any(|s| s == &(900, WcStatus::RetryExceeded)),
+            .any(|s| s == &(RECV_ID, WcStatus::RetryExceeded)),
         "receive waiter: {statuses:?}"
     );
     assert_eq!(qp.state(), QpState::Err);
@@ -1128,3 +1130,4 @@ macro_rules! conformance {
 }
 
 conformance!(shm, "shm");
+conformance!(tcp, "tcp");

@@ -255,3 +255,4 @@ macro_rules! hammer {
 }
 
 hammer!(shm, "shm");
+hammer!(tcp, "tcp");

@@ -1592,3 +1592,4 @@ macro_rules! properties {
 }
 
 properties!(shm, "shm");
+properties!(tcp, "tcp");

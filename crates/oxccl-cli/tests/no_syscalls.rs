@@ -6,13 +6,18 @@
 use std::process::Command;
 
 fn strace_works() -> Result<(), String> {
-    match Command::new("strace").args(["-f", "-c", "-o", "/dev/null", "true"]).output() {
+    match Command::new("strace")
+        .args(["-f", "-c", "-o", "/dev/null", "true"])
+        .output()
+    {
         Ok(o) if o.status.success() => Ok(()),
         Ok(o) => Err(format!(
             "strace cannot trace here: {}",
             String::from_utf8_lossy(&o.stderr).trim()
         )),
-        Err(e) => Err(format!("strace is not installed ({e}); apt-get install strace")),
+        Err(e) => Err(format!(
+            "strace is not installed ({e}); apt-get install strace"
+        )),
     }
 }
 

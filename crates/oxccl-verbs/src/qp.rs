@@ -269,7 +269,8 @@ impl ProtectionDomain {
         let cap = cfg.max_recv_wr as u64;
         let seg = Arc::new(Segment::create("oxccl-qp", SLOTS + SLOT * cap as usize)?);
         let qpn = ctx.next_qpn.fetch_add(1, Ordering::Relaxed);
-        let token = random_u64();
+        // Never u64::MAX or u64::MAX - 1: the tcp engine's epoll keys for its own descriptors.
+        let token = random_u64() >> 1;
         seg.atomic_u32(H_STATE)
             .store(QpState::Reset as u32, Ordering::Relaxed);
         seg.atomic_u32(H_RECV_CQ)

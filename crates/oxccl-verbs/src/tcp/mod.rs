@@ -43,6 +43,7 @@ use crate::qp::QpInner;
 use crate::types::{AccessFlags, MAX_SGE, WcOpcode, WcStatus, WrOp};
 use frame::{HEADER_LEN, HELLO_LEN, Header, Opcode};
 
+// Epoll keys: connections use their queue pair's token (never one of these two).
 const LISTENER: u64 = u64::MAX;
 const WAKE: u64 = u64::MAX - 1;
 /// Payload bytes a discarded frame is read through.
@@ -265,7 +266,6 @@ pub(crate) struct Conn {
     pub local_token: u64,
     /// The peer queue pair's token, once `to_rtr` named it (0 before).
     remote_token: AtomicU64,
-    id: u64,
     sock: OnceLock<TcpStream>,
     /// A connection that arrived before `to_rtr`: (initiator token, socket).
     parked: Mutex<Option<(u64, TcpStream)>>,
@@ -285,8 +285,6 @@ pub(crate) struct Conn {
     attach_by: Mutex<Option<Instant>>,
 }
 
-static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
-
 impl Shared {
     fn kick(&self) {
         let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
@@ -305,7 +303,6 @@ impl Shared {
             qp,
             local_token,
             remote_token: AtomicU64::new(0),
-            id: NEXT_CONN.fetch_add(1, Ordering::Relaxed),
             sock: OnceLock::new(),
             parked: Mutex::new(None),
             tx: Mutex::new(Tx::default()),
@@ -346,12 +343,12 @@ impl Shared {
         }
     }
 
-    fn by_id(&self, id: u64) -> Option<Arc<Conn>> {
+    /// The connection an epoll event names (events carry the local queue pair's token).
+    fn by_token(&self, token: u64) -> Option<Arc<Conn>> {
         self.conns
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .find(|c| c.id == id)
+            .get(&token)
             .cloned()
     }
 
@@ -395,7 +392,7 @@ impl Shared {
                         recheck = true;
                     }
                     id => {
-                        let Some(c) = self.by_id(id) else { continue };
+                        let Some(c) = self.by_token(id) else { continue };
                         let flags = ev.flags;
                         if flags.contains(epoll::EventFlags::OUT) {
                             c.flush_tx();
@@ -580,7 +577,7 @@ impl Conn {
         epoll::add(
             &shared.epoll,
             sock,
-            epoll::EventData::new_u64(self.id),
+            epoll::EventData::new_u64(self.local_token),
             flags,
         )
         .map_err(|e| Error::os("epoll add", e))?;
@@ -652,7 +649,12 @@ impl Conn {
                 flags |= epoll::EventFlags::OUT;
             }
             if !self.stalled.load(Ordering::Acquire) || want {
-                let _ = epoll::modify(&sh.epoll, s, epoll::EventData::new_u64(self.id), flags);
+                let _ = epoll::modify(
+                    &sh.epoll,
+                    s,
+                    epoll::EventData::new_u64(self.local_token),
+                    flags,
+                );
             }
         }
         tx.want_out = want;
@@ -1125,7 +1127,12 @@ impl Conn {
             if tx.want_out {
                 flags |= epoll::EventFlags::OUT;
             }
-            let _ = epoll::modify(&sh.epoll, s, epoll::EventData::new_u64(self.id), flags);
+            let _ = epoll::modify(
+                &sh.epoll,
+                s,
+                epoll::EventData::new_u64(self.local_token),
+                flags,
+            );
         }
     }
 

@@ -1,9 +1,9 @@
 //! The out-of-band control channel between the client (initiator) and the server (target).
 //!
-//! Messages are serde_json objects, one per line. [`Channel`] is what the benchmark needs; today
-//! [`LineChannel`] runs it over the pipes of a spawned server process ([`ServerProcess`]) or, in
-//! that process, over its standard input and output. A TCP transport (`--server` /
-//! `--connect HOST:PORT`) is a [`LineChannel`] over the two halves of a `TcpStream`.
+//! Messages are serde_json objects, one per line. [`Channel`] is what the benchmark needs;
+//! [`LineChannel`] runs it over the pipes of a spawned server process ([`ServerProcess`]), in
+//! that process over its standard input and output, and with `--server` / `--connect HOST:PORT`
+//! over the two halves of an authenticated TCP connection (see [`super::remote`]).
 //!
 //! A reader thread turns incoming lines into messages, so every receive has a timeout and the
 //! spinning data path can ask whether the peer is gone without a system call
@@ -35,6 +35,15 @@ pub enum Msg {
         /// The sender's target region (peers WRITE, READ and run atomics here).
         buf: RemoteBuffer,
     },
+    /// Server → client (raw `tcp_*` baselines): connect the data connection to `addr` and send
+    /// `token` first.
+    Listening {
+        /// The server's data listener, `IP:port`.
+        addr: String,
+        /// What the client sends first on the connection ([`super::rawtcp::TOKEN_LEN`] hex
+        /// characters).
+        token: String,
+    },
     /// Server → client: connected (and receives posted); runs may start.
     Connected,
     /// Client → server: the next measurement.
@@ -63,6 +72,7 @@ impl Msg {
         match self {
             Msg::Setup(_) => "setup",
             Msg::Endpoint { .. } => "endpoint",
+            Msg::Listening { .. } => "listening",
             Msg::Connected => "connected",
             Msg::Run(_) => "run",
             Msg::Ready => "ready",
@@ -91,6 +101,11 @@ pub struct Setup {
     pub timeout_secs: f64,
     /// `flag_lat`: the inherited descriptor of the shared flag page.
     pub flag_fd: Option<i32>,
+    /// Busy-poll (`--busy` or `OXCCL_TCP_POLL=busy` on the client): the raw tcp baselines spin
+    /// on non-blocking sockets, and the tcp provider's progress thread busy-polls unless the
+    /// server's own `OXCCL_TCP_POLL` says otherwise.
+    #[serde(default)]
+    pub busy: bool,
 }
 
 /// One measurement: `warmup + iters` operations of `size` bytes.

@@ -3,16 +3,26 @@
 //! The client (this process) spawns a server process (this binary again, with the hidden
 //! `--server-child` flag), exchanges queue-pair endpoints and target regions with it over a
 //! control channel ([`channel`]), then runs the test for each message size and prints one row per
-//! size in perftest's columns ([`report`]). The data path makes no system call: both sides spin
-//! on memory or on completion queues.
+//! size in perftest's columns ([`report`]). With the shm provider the data path makes no system
+//! call: both sides spin on memory or on completion queues.
+//!
+//! Across hosts, `--server` and `--connect HOST:PORT` run the two sides as separately started
+//! processes that meet through the bootstrap's authenticated store and then speak the same
+//! control protocol over TCP ([`remote`]). The raw baselines `tcp_lat` and `tcp_bw`
+//! ([`rawtcp`]) measure one plain TCP connection in the same way, for comparison with the tcp
+//! provider.
 
 mod baseline;
 mod channel;
 mod error;
+mod rawtcp;
+mod remote;
 mod report;
 mod verbs;
 
 use std::fmt;
+use std::io::Write;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use clap::ValueEnum;
@@ -22,6 +32,7 @@ use serde::{Deserialize, Serialize};
 use channel::{Channel, LineChannel, Msg, RunSpec, ServerProcess, Setup, Spin};
 pub use error::Error;
 use error::Result;
+use rawtcp::{RawConn, RawListener};
 use report::{Printer, cpu_per_gb, lat_row};
 use verbs::VerbsSide;
 
@@ -36,7 +47,9 @@ const ALL_MAX: usize = 8 << 20;
 JSON rows (--json) have the fields test, provider, bytes, iterations and, for latency tests, \
 t_min_usec, t_max_usec, t_typical_usec (median), t_avg_usec, t_stdev_usec, p99_usec, p99_9_usec; \
 for bandwidth tests bw_peak_gb_per_sec, bw_average_gb_per_sec, msg_rate_mpps (GB = 1e9 bytes); \
-with --cpu also cpu_init_s_per_gb and cpu_target_s_per_gb.")]
+with --cpu also cpu_init_s_per_gb and cpu_target_s_per_gb.
+
+Across hosts: start `oxccl verbs-perf TEST --server` on one (it serves the rendezvous store on --bind, default 0.0.0.0:18515, and plays the target) and `oxccl verbs-perf TEST --connect HOST[:PORT]` on the other (it prints the rows); both need the same secret in OXCCL_SECRET or OXCCL_SECRET_FILE. With the tcp provider each side advertises the local address of its control connection unless OXCCL_TCP_ADDR is set.")]
 pub struct Args {
     /// The test to run.
     #[arg(value_enum, required_unless_present = "server_child")]
@@ -47,7 +60,8 @@ pub struct Args {
     provider: Provider,
 
     /// Message size in bytes; K, M and G suffixes are powers of 1024 (4K, 4M).
-    /// Default: 2 for latency tests, 65536 for bandwidth tests (8 for atomic_lat and flag_lat).
+    /// Default: 2 for latency tests, 65536 for bandwidth tests, 1M for tcp_bw (8 for atomic_lat
+    /// and flag_lat).
     #[arg(short = 's', long, value_parser = parse_size)]
     size: Option<usize>,
 
@@ -82,6 +96,31 @@ pub struct Args {
     #[arg(long, default_value_t = 10.0, value_parser = parse_timeout)]
     timeout: f64,
 
+    /// Busy-poll: tcp_lat and tcp_bw spin on non-blocking sockets instead of blocking, and the
+    /// tcp provider's progress threads busy-poll (sets OXCCL_TCP_POLL=busy on both sides where
+    /// it is unset). OXCCL_TCP_POLL=busy implies it.
+    #[arg(long)]
+    busy: bool,
+
+    /// Serve one client started elsewhere with --connect: runs the rendezvous store (rank 0)
+    /// and plays the target. Needs OXCCL_SECRET or OXCCL_SECRET_FILE.
+    #[arg(long, conflicts_with = "connect")]
+    server: bool,
+
+    /// With --server: the store's address [default: 0.0.0.0:18515]; port 0 picks a free one.
+    /// The address is printed once listening.
+    #[arg(long, value_name = "ADDR:PORT", requires = "server")]
+    bind: Option<String>,
+
+    /// Run against a --server at HOST:PORT (the port defaults to 18515). Needs the server's
+    /// secret in OXCCL_SECRET or OXCCL_SECRET_FILE.
+    #[arg(long, value_name = "HOST:PORT")]
+    connect: Option<String>,
+
+    /// Seconds --server waits for its client, and --connect keeps trying to reach the server.
+    #[arg(long, default_value_t = 60.0, value_parser = parse_timeout)]
+    wait: f64,
+
     /// Internal: run as the server process spawned by a client.
     #[arg(long, hide = true)]
     server_child: bool,
@@ -114,6 +153,10 @@ pub enum Test {
     MemcpyBw,
     /// Baseline: two processes ping-ponging a flag in shared memory; half round trip.
     FlagLat,
+    /// Baseline: two processes ping-ponging messages over one TCP connection; half round trip.
+    TcpLat,
+    /// Baseline: one TCP stream of writes (1 MiB by default), drained by the receiver.
+    TcpBw,
 }
 
 impl Test {
@@ -128,23 +171,56 @@ impl Test {
             Test::AtomicLat => "atomic_lat",
             Test::MemcpyBw => "memcpy_bw",
             Test::FlagLat => "flag_lat",
+            Test::TcpLat => "tcp_lat",
+            Test::TcpBw => "tcp_bw",
         }
     }
 
     fn is_lat(self) -> bool {
         matches!(
             self,
-            Test::WriteLat | Test::ReadLat | Test::SendLat | Test::AtomicLat | Test::FlagLat
+            Test::WriteLat
+                | Test::ReadLat
+                | Test::SendLat
+                | Test::AtomicLat
+                | Test::FlagLat
+                | Test::TcpLat
         )
     }
 
     fn uses_verbs(self) -> bool {
+        !matches!(
+            self,
+            Test::MemcpyBw | Test::FlagLat | Test::TcpLat | Test::TcpBw
+        )
+    }
+
+    /// Whether the test is a raw TCP baseline (a data connection, no verbs).
+    fn is_raw_tcp(self) -> bool {
+        matches!(self, Test::TcpLat | Test::TcpBw)
+    }
+
+    /// Whether the test can run between separately started processes (`--server`/`--connect`):
+    /// not the baselines that share memory or run alone.
+    fn runs_remote(self) -> bool {
         !matches!(self, Test::MemcpyBw | Test::FlagLat)
     }
 
     /// Whether a sample is a round trip of which half is reported.
     fn is_ping_pong(self) -> bool {
-        matches!(self, Test::WriteLat | Test::SendLat | Test::FlagLat)
+        matches!(
+            self,
+            Test::WriteLat | Test::SendLat | Test::FlagLat | Test::TcpLat
+        )
+    }
+
+    /// The default message size.
+    fn default_size(self) -> usize {
+        match self {
+            Test::TcpBw => 1 << 20,
+            _ if self.is_lat() => 2,
+            _ => 65536,
+        }
     }
 
     /// The only size the test works with, if it is fixed.
@@ -163,6 +239,8 @@ impl Test {
             Test::AtomicLat => "Atomic FETCH_AND_ADD Latency Test",
             Test::MemcpyBw => "memcpy BW Baseline (1 thread, private buffers)",
             Test::FlagLat => "Shared-Memory Flag Latency Baseline (2 processes, spinning)",
+            Test::TcpLat => "TCP Latency Baseline (2 processes, 1 connection, TCP_NODELAY)",
+            Test::TcpBw => "TCP BW Baseline (1 stream, receiver drains)",
         }
     }
 }
@@ -240,7 +318,7 @@ fn plan(args: &Args, test: Test) -> Result<Vec<Step>> {
             .map(|b| 1usize << b)
             .collect(),
         (None, Some(s), false) => vec![s],
-        (None, None, false) => vec![if test.is_lat() { 2 } else { 65536 }],
+        (None, None, false) => vec![test.default_size()],
     };
     let lat = test.is_lat();
     Ok(sizes
@@ -281,10 +359,27 @@ pub fn main(args: Args) -> Result<()> {
         .test
         .ok_or_else(|| Error::new("no test given (see --help)"))?;
     let steps = plan(&args, test)?;
+    if (args.server || args.connect.is_some()) && !test.runs_remote() {
+        let why = match test {
+            Test::FlagLat => "it shares a memory page with a spawned process",
+            _ => "it has no peer",
+        };
+        return Err(Error::new(format!(
+            "{test} cannot run with --server or --connect: {why}"
+        )));
+    }
+    if busy_polling(&args) && test.uses_verbs() && args.provider == Provider::Tcp {
+        // Before any thread or child exists: a spawned server inherits it.
+        remote::default_env("OXCCL_TCP_POLL", "busy");
+    }
+    if args.server {
+        return remote_server_main(&args, test);
+    }
     let mut printer = Printer::new(args.json, args.cpu);
-    match test {
-        Test::MemcpyBw => run_memcpy(&args, &steps, &mut printer),
-        _ => run_with_server(&args, test, &steps, &mut printer),
+    match (test, &args.connect) {
+        (Test::MemcpyBw, _) => run_memcpy(&args, &steps, &mut printer),
+        (_, Some(to)) => run_connected(&args, test, &steps, &mut printer, to),
+        (_, None) => run_with_server(&args, test, &steps, &mut printer),
     }
 }
 
@@ -293,7 +388,31 @@ fn timeout(args: &Args) -> Duration {
     Duration::from_secs_f64(args.timeout)
 }
 
-/// CPU seconds (user + system) this process has used so far.
+/// Whether the run busy-polls: `--busy`, or `OXCCL_TCP_POLL=busy` in this process.
+fn busy_polling(args: &Args) -> bool {
+    args.busy || env_busy()
+}
+
+/// Whether `OXCCL_TCP_POLL=busy` is set in this process (the tcp provider's progress thread then
+/// busy-polls).
+fn env_busy() -> bool {
+    std::env::var("OXCCL_TCP_POLL").is_ok_and(|v| v.trim() == "busy")
+}
+
+/// Logs of the bootstrap (a refused stranger, a secret file readable by others) go to stderr.
+fn init_logging() {
+    let level = match std::env::var("OXCCL_DEBUG").as_deref() {
+        Ok("1" | "debug") => tracing_subscriber::filter::LevelFilter::DEBUG,
+        _ => tracing_subscriber::filter::LevelFilter::WARN,
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(level)
+        .try_init();
+}
+
+/// CPU seconds (user + system) this process has used so far, all its threads included (the
+/// tcp provider's progress thread too).
 fn cpu_secs() -> f64 {
     // SAFETY: getrusage only writes the struct we hand it.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
@@ -305,18 +424,46 @@ fn cpu_secs() -> f64 {
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
+/// Who the client runs against.
+struct Peer {
+    /// For the header: "spawned process 1234, control over pipes", or the remote server.
+    describe: String,
+    /// The server's IP address, for a data address it announces as unspecified (0.0.0.0).
+    ip: IpAddr,
+}
+
 /// The `key: value` lines of the perftest-like header.
 fn header_facts(
     args: &Args,
     test: Test,
     steps: &[Step],
-    server: Option<u32>,
+    server: Option<&Peer>,
 ) -> Vec<(&'static str, String)> {
     let mut f = vec![("Test", test.name().to_string())];
+    let busy = busy_polling(args);
     if test.uses_verbs() {
         f.push(("Provider", args.provider.to_string()));
         f.push(("Memory", "provider (alloc_mr, zero copy)".to_string()));
         f.push(("Number of qps", "1 (reliable connected)".to_string()));
+        if args.provider == Provider::Tcp {
+            let how = if env_busy() {
+                "progress threads busy-poll (OXCCL_TCP_POLL=busy)"
+            } else {
+                "progress threads block in epoll_wait"
+            };
+            f.push(("TCP progress", how.to_string()));
+        }
+    }
+    if test.is_raw_tcp() {
+        let how = if busy {
+            "busy-polling non-blocking sockets"
+        } else {
+            "blocking sockets"
+        };
+        f.push((
+            "Connection",
+            format!("1 TCP connection, TCP_NODELAY, {how}"),
+        ));
     }
     let iters = match steps {
         [s] => format!("{} (+{} warm-up)", s.iters, s.warmup),
@@ -327,7 +474,7 @@ fn header_facts(
         ),
     };
     f.push(("Iterations", iters));
-    if !test.is_lat() && test != Test::MemcpyBw {
+    if test.uses_verbs() && !test.is_lat() {
         f.push(("TX depth", args.tx_depth.to_string()));
         f.push((
             "CQ moderation",
@@ -338,10 +485,11 @@ fn header_facts(
         f.push(("RX depth", args.rx_depth.to_string()));
     }
     if test.is_lat() {
-        let what = if test.is_ping_pong() {
-            "half round trip (ping-pong, both sides spinning)"
-        } else {
-            "full time per operation"
+        let what = match test {
+            Test::TcpLat if busy => "half round trip (ping-pong, both sides busy-polling recv)",
+            Test::TcpLat => "half round trip (ping-pong, both sides blocking in recv)",
+            _ if test.is_ping_pong() => "half round trip (ping-pong, both sides spinning)",
+            _ => "full time per operation",
         };
         f.push(("Latency", what.to_string()));
     } else {
@@ -350,11 +498,8 @@ fn header_facts(
             "GB = 1e9 bytes; peak = best of 10 windows".to_string(),
         ));
     }
-    if let Some(pid) = server {
-        f.push((
-            "Server",
-            format!("spawned process {pid}, control over pipes"),
-        ));
+    if let Some(peer) = server {
+        f.push(("Server", peer.describe.clone()));
     }
     f
 }
@@ -387,8 +532,11 @@ fn run_with_server(args: &Args, test: Test, steps: &[Step], printer: &mut Printe
         _ => None,
     };
     let (mut server, mut chan) = ServerProcess::spawn()?;
-    let pid = server.id();
-    match drive(args, test, steps, printer, &mut chan, flag.as_ref(), pid) {
+    let peer = Peer {
+        describe: format!("spawned process {}, control over pipes", server.id()),
+        ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+    };
+    match drive(args, test, steps, printer, &mut chan, flag.as_ref(), &peer) {
         Ok(()) => {
             let _ = chan.send(&Msg::Quit);
             drop(chan);
@@ -397,6 +545,71 @@ fn run_with_server(args: &Args, test: Test, steps: &[Step], printer: &mut Printe
         // Dropping `server` kills and reaps it if it is still there.
         Err(e) => Err(server.explain(e)),
     }
+}
+
+/// `--connect HOST:PORT`: joins the server through its store, then runs as with a spawned
+/// server.
+fn run_connected(
+    args: &Args,
+    test: Test,
+    steps: &[Step],
+    printer: &mut Printer,
+    to: &str,
+) -> Result<()> {
+    init_logging();
+    let wait = Duration::from_secs_f64(args.wait);
+    let (session, mut chan) = remote::connect(to, wait, timeout(args))
+        .map_err(|e| e.context(format!("--connect {to}")))?;
+    // The tcp provider advertises the interface the server is reached from.
+    remote::default_env("OXCCL_TCP_ADDR", &session.local_ip.to_string());
+    let peer = Peer {
+        describe: format!("remote, {}", session.describe),
+        ip: session.peer_ip,
+    };
+    let result = drive(args, test, steps, printer, &mut chan, None, &peer);
+    match &result {
+        Ok(()) => {
+            let _ = chan.send(&Msg::Quit);
+        }
+        // Tell the server why we stop (it may be waiting for us).
+        Err(e) => {
+            let _ = chan.send(&Msg::Error {
+                message: e.to_string(),
+            });
+        }
+    }
+    drop(chan);
+    session.close();
+    result
+}
+
+/// `--server`: serves one client that runs `--connect`, as its target.
+fn remote_server_main(args: &Args, test: Test) -> Result<()> {
+    init_logging();
+    let bind = args.bind.as_deref().unwrap_or(remote::DEFAULT_BIND);
+    let wait = Duration::from_secs_f64(args.wait);
+    let (session, mut chan) = remote::serve(bind, wait, timeout(args), |addr| {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "verbs-perf server: listening on {addr}")
+            .and_then(|()| out.flush())
+            .map_err(Error::stdout)
+    })
+    .map_err(|e| e.context("verbs-perf server"))?;
+    // The tcp provider advertises the interface the client reached us on.
+    remote::default_env("OXCCL_TCP_ADDR", &session.local_ip.to_string());
+    eprintln!("verbs-perf server: {test} for {}", session.describe);
+    let result = match serve(&mut chan, Some((test, args.provider))) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let _ = chan.send(&Msg::Error {
+                message: e.to_string(),
+            });
+            Err(e.context("verbs-perf server"))
+        }
+    };
+    drop(chan);
+    session.close();
+    result
 }
 
 /// Receives the next message and checks that it is a `want` (see [`Msg::kind`]).
@@ -420,12 +633,13 @@ fn drive(
     printer: &mut Printer,
     chan: &mut dyn Channel,
     flag: Option<&baseline::FlagPage>,
-    server_pid: u32,
+    peer: &Peer,
 ) -> Result<()> {
     let timeout = timeout(args);
     // Setting up a context maps segments and starts threads: allow more than a data-path wait.
     let setup_timeout = timeout.max(Duration::from_secs(30));
     let max_size = steps.iter().map(|s| s.size).max().unwrap_or(8);
+    let busy = busy_polling(args);
     chan.send(&Msg::Setup(Setup {
         test,
         provider: args.provider,
@@ -434,6 +648,7 @@ fn drive(
         tx_depth: args.tx_depth,
         timeout_secs: args.timeout,
         flag_fd: flag.map(|f| f.raw_fd()),
+        busy,
     }))?;
     let side = if test.uses_verbs() {
         let mut side = VerbsSide::open(args.provider, max_size, args.tx_depth, args.rx_depth)?;
@@ -452,10 +667,33 @@ fn drive(
     } else {
         None
     };
+    let mut raw = if test.is_raw_tcp() {
+        let Msg::Listening { addr, token } = expect_msg(
+            chan,
+            "the server's data address",
+            setup_timeout,
+            "listening",
+        )?
+        else {
+            unreachable!("checked by expect_msg")
+        };
+        let mut addr: SocketAddr = addr.parse().map_err(|_| {
+            Error::new(format!(
+                "the {} announced an invalid data address {addr:?}",
+                chan.peer_name()
+            ))
+        })?;
+        if addr.ip().is_unspecified() {
+            addr.set_ip(peer.ip);
+        }
+        Some(RawConn::connect(addr, &token, busy, timeout)?)
+    } else {
+        None
+    };
     expect_msg(chan, "the server's connection", setup_timeout, "connected")?;
     printer.header(
         test.title(),
-        &header_facts(args, test, steps, Some(server_pid)),
+        &header_facts(args, test, steps, Some(peer)),
         test.is_lat(),
     )?;
     let provider = test.uses_verbs().then(|| args.provider.to_string());
@@ -472,15 +710,23 @@ fn drive(
         let cpu0 = cpu_secs();
         let measured = {
             let mut spin = Spin::new(chan, timeout);
-            match (test, &side, flag) {
-                (Test::FlagLat, _, Some(flag)) => flag.client(&mut spin, &run).map(Measured::Lat),
-                (_, Some(side), _) if test.is_lat() => {
-                    side.lat_client(test, &mut spin, &run).map(Measured::Lat)
+            if let (Test::FlagLat, Some(flag)) = (test, flag) {
+                flag.client(&mut spin, &run).map(Measured::Lat)
+            } else if let Some(raw) = raw.as_mut() {
+                if test.is_lat() {
+                    raw.lat_client(&mut spin, &run).map(Measured::Lat)
+                } else {
+                    raw.bw_client(&mut spin, &run).map(Measured::Bw)
                 }
-                (_, Some(side), _) => side
-                    .bw_client(test, &mut spin, &run, args.tx_depth)
-                    .map(Measured::Bw),
-                _ => Err(Error::new("internal error: test without resources")),
+            } else if let Some(side) = &side {
+                if test.is_lat() {
+                    side.lat_client(test, &mut spin, &run).map(Measured::Lat)
+                } else {
+                    side.bw_client(test, &mut spin, &run, args.tx_depth)
+                        .map(Measured::Bw)
+                }
+            } else {
+                Err(Error::new("internal error: test without resources"))
             }
         };
         let cpu = cpu_secs() - cpu0;
@@ -538,7 +784,7 @@ fn server_main(args: &Args) -> Result<()> {
         }
     }
     let mut chan = LineChannel::stdio()?;
-    match serve(&mut chan) {
+    match serve(&mut chan, None) {
         Ok(()) => Ok(()),
         Err(e) => match chan.send(&Msg::Error {
             message: e.to_string(),
@@ -549,17 +795,38 @@ fn server_main(args: &Args) -> Result<()> {
     }
 }
 
-/// The server's side of the protocol: set up as told, then answer runs until `quit`.
-fn serve(chan: &mut dyn Channel) -> Result<()> {
+/// The server's side of the protocol: set up as told, then answer runs until `quit`. A server
+/// started for one test and provider (`--server`) refuses a client that asks for others.
+fn serve(chan: &mut dyn Channel, expect: Option<(Test, Provider)>) -> Result<()> {
     let Msg::Setup(setup) = expect_msg(chan, "the test setup", Duration::from_secs(30), "setup")?
     else {
         unreachable!("checked by expect_msg")
     };
     let timeout = Duration::from_secs_f64(setup.timeout_secs);
+    let setup_timeout = timeout.max(Duration::from_secs(30));
     let test = setup.test;
+    if let Some((want, provider)) = expect {
+        let over = |t: Test, p: Provider| {
+            if t.uses_verbs() {
+                format!("{t} over {p}")
+            } else {
+                t.to_string()
+            }
+        };
+        if want != test || (test.uses_verbs() && provider != setup.provider) {
+            return Err(Error::new(format!(
+                "the client asked for {}, but this server was started for {}",
+                over(test, setup.provider),
+                over(want, provider)
+            )));
+        }
+    }
+    if setup.busy && test.uses_verbs() && setup.provider == Provider::Tcp {
+        remote::default_env("OXCCL_TCP_POLL", "busy");
+    }
     let flag = match (test, setup.flag_fd) {
-        (Test::FlagLat, Some(fd)) => Some(baseline::FlagPage::inherit(fd)?),
-        (Test::FlagLat, None) => return Err(Error::new("flag_lat needs the client's flag page")),
+        (Test::FlagLat, Some(fd)) if expect.is_none() => Some(baseline::FlagPage::inherit(fd)?),
+        (Test::FlagLat, _) => return Err(Error::new("flag_lat needs the client's flag page")),
         _ => None,
     };
     let side = if test.uses_verbs() {
@@ -571,18 +838,24 @@ fn serve(chan: &mut dyn Channel) -> Result<()> {
         )?;
         let (qp, buf) = side.local();
         chan.send(&Msg::Endpoint { qp, buf })?;
-        let Msg::Endpoint { qp, buf } = expect_msg(
-            chan,
-            "the client's endpoint",
-            timeout.max(Duration::from_secs(30)),
-            "endpoint",
-        )?
+        let Msg::Endpoint { qp, buf } =
+            expect_msg(chan, "the client's endpoint", setup_timeout, "endpoint")?
         else {
             unreachable!("checked by expect_msg")
         };
         let mut side = side;
         side.connect(&qp, buf, test, setup.rx_depth)?;
         Some(side)
+    } else {
+        None
+    };
+    let mut raw = if test.is_raw_tcp() {
+        let listener = RawListener::bind(remote::data_ip())?;
+        chan.send(&Msg::Listening {
+            addr: listener.addr().to_string(),
+            token: listener.token().to_string(),
+        })?;
+        Some(listener.accept(chan, setup_timeout, setup.busy, timeout)?)
     } else {
         None
     };
@@ -597,13 +870,16 @@ fn serve(chan: &mut dyn Channel) -> Result<()> {
                 chan.send(&Msg::Ready)?;
                 {
                     let mut spin = Spin::new(chan, timeout);
-                    match (test, &side, &flag) {
-                        (Test::FlagLat, _, Some(flag)) => flag.server(&mut spin, &run)?,
-                        (Test::WriteLat | Test::SendLat, Some(side), _) => {
+                    match (test, &side, &flag, raw.as_mut()) {
+                        (Test::FlagLat, _, Some(flag), _) => flag.server(&mut spin, &run)?,
+                        (Test::TcpLat, _, _, Some(raw)) => raw.lat_server(&mut spin, &run)?,
+                        (Test::TcpBw, _, _, Some(raw)) => raw.bw_server(&mut spin, &run)?,
+                        (Test::WriteLat | Test::SendLat, Some(side), _, _) => {
                             side.lat_server(test, &mut spin, &run)?
                         }
-                        (Test::SendBw, Some(side), _) => side.bw_server_recv(&mut spin, &run)?,
-                        // One-sided tests: the target's CPU has nothing to do.
+                        (Test::SendBw, Some(side), _, _) => side.bw_server_recv(&mut spin, &run)?,
+                        // One-sided tests: the target's application has nothing to do (with the
+                        // tcp provider its progress thread does the work).
                         _ => {}
                     }
                 }

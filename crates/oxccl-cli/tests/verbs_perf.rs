@@ -111,6 +111,7 @@ fn latency_tests_print_perftest_columns() {
         ("send_lat", "64"),
         ("atomic_lat", "8"),
         ("flag_lat", "8"),
+        ("tcp_lat", "64"),
     ] {
         let out = ok(&[test, "-s", size, "-n", "200"]);
         assert!(
@@ -123,7 +124,7 @@ fn latency_tests_print_perftest_columns() {
 
 #[test]
 fn bandwidth_tests_print_perftest_columns() {
-    for test in ["write_bw", "read_bw", "send_bw", "memcpy_bw"] {
+    for test in ["write_bw", "read_bw", "send_bw", "memcpy_bw", "tcp_bw"] {
         let out = ok(&[test, "-s", "4K", "-n", "500", "--tx-depth", "32"]);
         assert!(
             out.contains("BW Test") || out.contains("BW Baseline"),
@@ -183,6 +184,20 @@ fn json_rows_parse() {
         .collect();
     let want: Vec<u64> = (1..=23).map(|b| 1u64 << b).collect();
     assert_eq!(sizes, want);
+}
+
+#[test]
+fn tcp_baselines_busy_poll_and_default_sizes() {
+    let out = ok(&["tcp_lat", "-s", "8", "-n", "300", "--busy"]);
+    assert!(out.contains("busy-polling"), "{out}");
+    check_lat(&out, 8.0, 300.0);
+    let out = oxccl(
+        &["tcp_lat", "-s", "8", "-n", "300"],
+        &[("OXCCL_TCP_POLL", "busy")],
+    );
+    assert!(stdout(&out).contains("busy-polling"), "{}", stdout(&out));
+    // tcp_bw writes 1 MiB by default.
+    check_bw(&ok(&["tcp_bw", "-n", "50"]), 1048576.0, 50.0);
 }
 
 #[test]

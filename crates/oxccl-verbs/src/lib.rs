@@ -56,3 +56,12 @@ pub use error::{Error, Result};
 pub use mr::MemoryRegion;
 pub use qp::{EndpointAddr, QpEndpoint, QueuePair};
 pub use types::*;
+
+/// The tcp provider's wire format (`Header::decode`/`encode`, `decode_hello`/`encode_hello`),
+/// re-exported for the fuzz targets in `fuzz/` only: not a stable API, compiled only with the
+/// `fuzzing` feature.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::tcp::frame::*;
+}

@@ -599,16 +599,21 @@ impl QpInner {
                 });
             }
             let link = match (self.state(), self.link.get()) {
-                (QpState::Rts, Some(Link::Tcp(conn, _))) => {
-                    if let Err(status) = self.post_tcp(conn, wr) {
-                        drop(s);
-                        self.complete_send(wr.wr_id, &wr.op, status, 0, true);
-                        self.set_error(if status == WcStatus::RetryExceeded {
-                            Cause::PeerGone
-                        } else {
-                            Cause::Request
-                        });
-                        s = self.send.lock().unwrap_or_else(|e| e.into_inner());
+                (QpState::Rts | QpState::Err, Some(Link::Tcp(conn, _))) => {
+                    match self.post_tcp(conn, wr) {
+                        Ok(()) => {}
+                        Err(WcStatus::WorkRequestFlushed) => {
+                            // Already failed and flushed: flushed too (or RetryExceeded, if this
+                            // is the first request to learn that the peer is gone).
+                            let status = self.flush_status(&self.gone_told_send);
+                            self.complete_send(wr.wr_id, &wr.op, status, 0, true);
+                        }
+                        Err(status) => {
+                            drop(s);
+                            self.complete_send(wr.wr_id, &wr.op, status, 0, true);
+                            self.set_error(Cause::Request);
+                            s = self.send.lock().unwrap_or_else(|e| e.into_inner());
+                        }
                     }
                     continue;
                 }
@@ -785,11 +790,10 @@ impl QpInner {
         if let Some(Link::Tcp(conn, _)) = self.link.get() {
             // Requests in flight, oldest first. The connection stays up (as an InfiniBand peer,
             // the target is not told); it closes when the queue pair is destroyed.
-            for (wr_id, opcode, status) in
-                conn.flush_outstanding(|| self.flush_status(&self.gone_told_send))
-            {
-                self.tcp_complete(wr_id, opcode, status, 0, true);
-            }
+            conn.flush_outstanding(
+                || self.flush_status(&self.gone_told_send),
+                |wr_id, opcode, status| self.tcp_complete(wr_id, opcode, status, 0, true),
+            );
         }
         {
             let mut s = self.send.lock().unwrap_or_else(|e| e.into_inner());
@@ -966,13 +970,26 @@ impl QpInner {
     /// Validates a send request's local buffers and hands it to the tcp connection.
     fn post_tcp(&self, conn: &tcp::Conn, wr: &SendWr<'_>) -> Result<(), WcStatus> {
         let opcode = wr.op.wc_opcode();
+        if self.is_failed() {
+            // In ERR nothing is validated or sent: flushed, in order behind what is in flight.
+            return if conn.post_flushed(wr.wr_id, opcode) {
+                Ok(())
+            } else {
+                Err(WcStatus::WorkRequestFlushed)
+            };
+        }
         match self.check_tcp(wr) {
-            Ok(local) if !conn.failing() => conn.post(wr.wr_id, &wr.op, &local, wr.signaled),
+            Ok(local) if !conn.failing() => {
+                conn.post(wr.wr_id, &wr.op, &local, wr.signaled, || self.is_failed())
+            }
             Ok(_) => {
                 // An earlier request failed locally and waits for those before it: this one is
-                // flushed after it.
-                conn.post_failed(wr.wr_id, opcode, WcStatus::WorkRequestFlushed);
-                Ok(())
+                // flushed after it (or now, if the queue pair failed meanwhile).
+                if conn.post_failed(wr.wr_id, opcode, WcStatus::WorkRequestFlushed) {
+                    Ok(())
+                } else {
+                    Err(WcStatus::WorkRequestFlushed)
+                }
             }
             Err(status) if conn.post_failed(wr.wr_id, opcode, status) => Ok(()),
             Err(status) => Err(status),

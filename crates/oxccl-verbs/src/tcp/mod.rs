@@ -196,6 +196,8 @@ struct Tx {
     frames: VecDeque<TxFrame>,
     next_seq: u64,
     want_out: bool,
+    /// The queue pair failed and flushed its requests: nothing more is sent.
+    flushed: bool,
 }
 
 /// A request this side sent and has not seen answered.
@@ -751,10 +753,8 @@ impl Conn {
         op: &WrOp,
         local: &[(Arc<MrInner>, *mut u8, usize)],
         signaled: bool,
+        qp_failed: impl Fn() -> bool,
     ) -> Result<(), WcStatus> {
-        if self.dead.load(Ordering::Acquire) {
-            return Err(WcStatus::RetryExceeded);
-        }
         let total: usize = local.iter().map(|l| l.2).sum();
         let keep: Vec<Arc<MrInner>> = local.iter().map(|l| l.0.clone()).collect();
         let spans: Vec<Span> = local.iter().map(|l| Span(l.1, l.2)).collect();
@@ -808,6 +808,20 @@ impl Conn {
         // Sequence assignment and queueing happen under the transmit lock so frames go out in
         // sequence order; the outstanding entry exists before any answer can arrive.
         let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        if tx.flushed {
+            // The queue pair failed and flushed: this one completes (flushed) after those.
+            return Err(WcStatus::WorkRequestFlushed);
+        }
+        if qp_failed() || self.dead.load(Ordering::Acquire) {
+            // Failing right now (or about to be told the peer is gone): never sent; the flush
+            // that is on its way completes it in order.
+            drop(tx);
+            return if self.post_flushed(wr_id, opcode) {
+                Ok(())
+            } else {
+                Err(WcStatus::WorkRequestFlushed)
+            };
+        }
         tx.next_seq += 1;
         h.seq = tx.next_seq;
         self.out
@@ -850,15 +864,33 @@ impl Conn {
         }
     }
 
-    /// Completes every outstanding request (the queue pair failed): the first with `first`.
+    /// Completes every outstanding request, oldest first (the queue pair failed), and stops
+    /// sending. Runs under the transmit lock, so a request being posted concurrently completes
+    /// (flushed) after these, keeping completions in order.
     pub(crate) fn flush_outstanding(
         &self,
         mut status_of: impl FnMut() -> WcStatus,
-    ) -> Vec<(u64, WcOpcode, WcStatus)> {
-        let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
-        out.drain(..)
-            .map(|o| (o.wr_id, o.opcode, status_of()))
-            .collect()
+        mut complete: impl FnMut(u64, WcOpcode, WcStatus),
+    ) {
+        let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        tx.flushed = true;
+        // Frames not yet started are never sent; one half-sent stays to keep the stream framed.
+        tx.frames.retain(|f| f.sent > 0 && f.sent < f.total());
+        let drained: Vec<Outstanding> = self
+            .out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+            .collect();
+        for o in drained {
+            // A request that failed locally keeps its own status.
+            let status = match o.error {
+                Some(e) if e != WcStatus::WorkRequestFlushed => e,
+                _ => status_of(),
+            };
+            complete(o.wr_id, o.opcode, status);
+        }
+        drop(tx);
     }
 
     /// Completes outstanding requests up to `seq` (inclusive) as successful.
@@ -902,7 +934,7 @@ impl Conn {
     pub(crate) fn post_failed(&self, wr_id: u64, opcode: WcOpcode, status: WcStatus) -> bool {
         let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
-        if out.is_empty() || self.dead.load(Ordering::Acquire) {
+        if tx.flushed || out.is_empty() || self.dead.load(Ordering::Acquire) {
             return false;
         }
         // Requests posted after it are never sent either: they are flushed when it completes.
@@ -921,6 +953,29 @@ impl Conn {
             _keep: Vec::new(),
             error: Some(status),
         });
+        true
+    }
+
+    /// Queues a request of a failed queue pair to complete as flushed once the flush under way
+    /// reaches it; false when the flush already happened (the caller completes it now).
+    pub(crate) fn post_flushed(&self, wr_id: u64, opcode: WcOpcode) -> bool {
+        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        if tx.flushed {
+            return false;
+        }
+        self.out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(Outstanding {
+                seq: tx.next_seq,
+                wr_id,
+                opcode,
+                len: 0,
+                signaled: true,
+                dst: Vec::new(),
+                _keep: Vec::new(),
+                error: Some(WcStatus::WorkRequestFlushed),
+            });
         true
     }
 

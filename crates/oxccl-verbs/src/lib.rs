@@ -5,9 +5,12 @@
 //! requests: WRITE, WRITE_WITH_IMM, READ, SEND, SEND_WITH_IMM, RECV, compare-and-swap and
 //! fetch-and-add. Shaped like libibverbs, so its users feel at home.
 //!
-//! The `shm` provider is kernel bypass between processes of one host: regions live in shared
-//! memory, a WRITE is one `memcpy` by the initiator into the peer's mapped region followed by a
-//! release-store, and the data path makes no system call.
+//! Providers:
+//! - `shm`: kernel bypass between processes of one host. Regions live in shared memory, a WRITE
+//!   is one `memcpy` by the initiator into the peer's mapped region followed by a release-store,
+//!   and the data path makes no system call.
+//! - `tcp`: the same semantics over TCP, for hosts without RDMA. A progress thread per context
+//!   receives frames straight into the target's registered memory after validating them.
 //!
 //! ```
 //! use std::time::Duration;

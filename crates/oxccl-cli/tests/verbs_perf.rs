@@ -201,6 +201,37 @@ fn tcp_baselines_busy_poll_and_default_sizes() {
 }
 
 #[test]
+fn events_sleep_on_the_completion_queue() {
+    for provider in ["shm", "tcp"] {
+        for (test, size) in [("write_bw", "64K"), ("send_bw", "4K"), ("read_bw", "4K")] {
+            let out = ok(&[
+                test,
+                "--provider",
+                provider,
+                "-e",
+                "-s",
+                size,
+                "-n",
+                "300",
+                "-t",
+                "16",
+            ]);
+            assert!(out.contains("sleep on the completion queue"), "{out}");
+            check_bw(&out, parse_size(size), 300.0);
+        }
+        for test in ["send_lat", "read_lat", "write_lat"] {
+            let out = ok(&[test, "--provider", provider, "-e", "-s", "64", "-n", "200"]);
+            check_lat(&out, 64.0, 200.0);
+        }
+    }
+}
+
+fn parse_size(s: &str) -> f64 {
+    let (n, m) = s.split_at(s.len() - 1);
+    n.parse::<f64>().unwrap() * if m == "K" { 1024.0 } else { 1048576.0 }
+}
+
+#[test]
 fn cpu_columns() {
     let out = ok(&["write_bw", "-s", "64K", "-n", "200", "--cpu"]);
     assert!(out.contains("CPU_init[s/GB]   CPU_target[s/GB]"), "{out}");

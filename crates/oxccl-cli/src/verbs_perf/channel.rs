@@ -106,6 +106,9 @@ pub struct Setup {
     /// server's own `OXCCL_TCP_POLL` says otherwise.
     #[serde(default)]
     pub busy: bool,
+    /// Completion waits sleep on the completion queue instead of spinning (`-e`).
+    #[serde(default)]
+    pub events: bool,
 }
 
 /// One measurement: `warmup + iters` operations of `size` bytes.
@@ -461,10 +464,21 @@ impl<'a> Spin<'a> {
         Ok(())
     }
 
+    /// A turn of a wait that sleeps between turns (`--events`): checks the peer and the timeout
+    /// every time, without yielding.
+    pub fn idle(&mut self, what: &dyn Fn() -> String) -> Result<()> {
+        self.check_peer_and_time(what)
+    }
+
     /// The periodic check of a spin loop (see [`Spin`]).
     #[cold]
     fn check(&mut self, what: &dyn Fn() -> String) -> Result<()> {
         std::thread::yield_now();
+        self.check_peer_and_time(what)
+    }
+
+    /// Errors when the peer is gone or `timeout` has passed without progress.
+    fn check_peer_and_time(&mut self, what: &dyn Fn() -> String) -> Result<()> {
         self.chan
             .check_peer()
             .map_err(|e| e.context(format!("while waiting for {}", what())))?;

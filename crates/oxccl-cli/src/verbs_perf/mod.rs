@@ -83,6 +83,12 @@ pub struct Args {
           value_parser = clap::value_parser!(u32).range(1..=16384))]
     tx_depth: u32,
 
+    /// Sleep on the completion queue while waiting for completions instead of spinning on it
+    /// (perftest's --events). Leaves the CPU to the tcp provider's progress threads. The
+    /// ping-pong of write_lat still spins on memory.
+    #[arg(short = 'e', long)]
+    events: bool,
+
     /// Receives kept posted in send tests.
     #[arg(short = 'r', long, default_value_t = 512,
           value_parser = clap::value_parser!(u32).range(1..=65536))]
@@ -484,6 +490,14 @@ fn header_facts(
     if matches!(test, Test::SendLat | Test::SendBw) {
         f.push(("RX depth", args.rx_depth.to_string()));
     }
+    if test.uses_verbs() {
+        let how = if args.events {
+            "sleep on the completion queue (--events)"
+        } else {
+            "spin on the completion queue"
+        };
+        f.push(("Completions", how.to_string()));
+    }
     if test.is_lat() {
         let what = match test {
             Test::TcpLat if busy => "half round trip (ping-pong, both sides busy-polling recv)",
@@ -649,9 +663,16 @@ fn drive(
         timeout_secs: args.timeout,
         flag_fd: flag.map(|f| f.raw_fd()),
         busy,
+        events: args.events,
     }))?;
     let side = if test.uses_verbs() {
-        let mut side = VerbsSide::open(args.provider, max_size, args.tx_depth, args.rx_depth)?;
+        let mut side = VerbsSide::open(
+            args.provider,
+            max_size,
+            args.tx_depth,
+            args.rx_depth,
+            args.events,
+        )?;
         let Msg::Endpoint { qp, buf } =
             expect_msg(chan, "the server's endpoint", setup_timeout, "endpoint")?
         else {
@@ -835,6 +856,7 @@ fn serve(chan: &mut dyn Channel, expect: Option<(Test, Provider)>) -> Result<()>
             setup.max_size,
             setup.tx_depth,
             setup.rx_depth,
+            setup.events,
         )?;
         let (qp, buf) = side.local();
         chan.send(&Msg::Endpoint { qp, buf })?;

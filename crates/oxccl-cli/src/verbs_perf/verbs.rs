@@ -4,9 +4,13 @@
 //! regions (`alloc_mr`, the zero-copy path): `target`, which the peer WRITEs, READs and runs
 //! atomics on (and where receives land), and `source`, the local buffer WRITEs and SENDs gather
 //! from and READs and atomics scatter into.
+//!
+//! Waiting for completions spins on the completion queue (perftest's default), or with `events`
+//! (`-e`, perftest's `--events`) sleeps in [`CompletionQueue::wait`], which leaves the CPU to
+//! whoever needs it: the tcp provider's progress threads, on a machine with few cores.
 
 use std::cell::Cell;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use oxccl_verbs::{
     AccessFlags, CompletionQueue, Context, Device, MemoryRegion, QpConfig, QpEndpoint, QueuePair,
@@ -22,6 +26,9 @@ use super::report::Marks;
 /// its completion moderation; the others complete silently.
 const LAT_SIGNAL_EVERY: u64 = 64;
 
+/// How long one sleep on a completion queue lasts before the peer and the timeout are checked.
+const EVENT_SLICE: Duration = Duration::from_millis(50);
+
 /// One side of a verbs test.
 pub struct VerbsSide {
     // Field order is drop order: the queue pair before its queues and regions.
@@ -35,15 +42,18 @@ pub struct VerbsSide {
     max_size: usize,
     rx_posted: Cell<u64>,
     fetch_add_seen: Cell<u64>,
+    events: bool,
 }
 
 impl VerbsSide {
-    /// Opens the device and allocates everything for messages up to `max_size` bytes.
+    /// Opens the device and allocates everything for messages up to `max_size` bytes. With
+    /// `events`, completion waits sleep instead of spinning.
     pub fn open(
         provider: oxccl_verbs::Provider,
         max_size: usize,
         tx_depth: u32,
         rx_depth: u32,
+        events: bool,
     ) -> Result<Self> {
         let ctx = Device::by_name(provider.name())?
             .open()
@@ -77,6 +87,7 @@ impl VerbsSide {
             max_size,
             rx_posted: Cell::new(0),
             fetch_add_seen: Cell::new(0),
+            events,
         })
     }
 
@@ -282,13 +293,9 @@ impl VerbsSide {
     #[inline]
     fn recv_one(&self, size: usize, spin: &mut Spin<'_>) -> Result<()> {
         let mut wc = [WorkCompletion::EMPTY; 1];
-        loop {
-            if self.recv_cq.poll(&mut wc) > 0 {
-                break;
-            }
-            spin.turn(&|| "a receive completion".into())?;
-        }
-        spin.progress();
+        self.await_cq(&self.recv_cq, &mut wc, spin, &|| {
+            "a receive completion".into()
+        })?;
         check_wc(&wc[0], WcOpcode::Recv, &self.qp)?;
         if wc[0].byte_len as usize != size {
             return Err(Error::new(format!(
@@ -306,18 +313,46 @@ impl VerbsSide {
             .map_err(|e| Error::from(e).context("posting a send request"))
     }
 
-    /// Spins until one send completion arrives and checks it.
+    /// Waits until one send completion arrives and checks it.
     #[inline]
     fn wait_send(&self, spin: &mut Spin<'_>, op: WcOpcode) -> Result<()> {
         let mut wc = [WorkCompletion::EMPTY; 1];
-        loop {
-            if self.send_cq.poll(&mut wc) > 0 {
-                break;
-            }
-            spin.turn(&|| format!("a {op:?} completion"))?;
-        }
-        spin.progress();
+        self.await_cq(&self.send_cq, &mut wc, spin, &|| {
+            format!("a {op:?} completion")
+        })?;
         check_wc(&wc[0], op, &self.qp)
+    }
+
+    /// Waits for completions on `cq` (at least one; at most `wc.len()`): spins, or with
+    /// `events` sleeps in slices, checking the peer and the timeout between them.
+    #[inline]
+    fn await_cq(
+        &self,
+        cq: &CompletionQueue,
+        wc: &mut [WorkCompletion],
+        spin: &mut Spin<'_>,
+        what: &dyn Fn() -> String,
+    ) -> Result<usize> {
+        loop {
+            let n = if self.events {
+                match cq.wait(wc, EVENT_SLICE) {
+                    Ok(n) => n,
+                    Err(oxccl_verbs::Error::Timeout { .. }) => 0,
+                    Err(e) => return Err(Error::from(e).context(format!("waiting for {}", what()))),
+                }
+            } else {
+                cq.poll(wc)
+            };
+            if n > 0 {
+                spin.progress();
+                return Ok(n);
+            }
+            if self.events {
+                spin.idle(what)?;
+            } else {
+                spin.turn(what)?;
+            }
+        }
     }
 
     /// The initiator's part of a bandwidth test: `warmup` then `iters` requests with up to
@@ -380,12 +415,15 @@ impl VerbsSide {
                 self.post(&wrs)?;
                 posted += k;
             }
-            let n = self.send_cq.poll(&mut wc);
+            let mut n = self.send_cq.poll(&mut wc);
             if n == 0 {
-                if posted - completed >= tx_depth || posted == count {
-                    spin.turn(&|| format!("{opcode:?} completions"))?;
+                if posted - completed < tx_depth && posted < count {
+                    continue;
                 }
-                continue;
+                // The send queue is full, or all is posted: wait.
+                n = self.await_cq(&self.send_cq, &mut wc, spin, &|| {
+                    format!("{opcode:?} completions")
+                })?;
             }
             for c in &wc[..n] {
                 check_wc(c, opcode, &self.qp)?;
@@ -403,12 +441,9 @@ impl VerbsSide {
         let mut wc = [WorkCompletion::EMPTY; 64];
         let mut got = 0u64;
         while got < total {
-            let n = self.recv_cq.poll(&mut wc);
-            if n == 0 {
-                spin.turn(&|| format!("receive #{} of {total}", got + 1))?;
-                continue;
-            }
-            spin.progress();
+            let n = self.await_cq(&self.recv_cq, &mut wc, spin, &|| {
+                format!("receive #{} of {total}", got + 1)
+            })?;
             for c in &wc[..n] {
                 check_wc(c, WcOpcode::Recv, &self.qp)?;
                 if c.byte_len as usize != run.size {

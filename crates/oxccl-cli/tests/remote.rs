@@ -289,6 +289,29 @@ fn mismatched_tests_and_local_only_tests_are_refused() {
     }
     let out = client(&["write_bw", "--bind", "127.0.0.1:0"], Some(SECRET));
     assert!(!out.status.success(), "--bind without --server");
+    for (args, msg) in [
+        (
+            &["write_bw", "--connect", "127.0.0.1:99999"][..],
+            "not a port number",
+        ),
+        (&["write_bw", "--connect", ""][..], "empty"),
+        (
+            &["write_bw", "--server", "--bind", "a:b:c"][..],
+            "invalid address",
+        ),
+        (
+            &["write_bw", "--connect", "x", "--wait", "0"][..],
+            "invalid timeout",
+        ),
+    ] {
+        let out = client(args, Some(SECRET));
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(
+            text(&out.stderr).contains(msg),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
 }
 
 #[test]

@@ -72,24 +72,31 @@ pub fn secret() -> Result<Secret> {
     }
 }
 
-/// A `--bind` or `--connect` address with the default port added when it has none.
-pub fn with_default_port(addr: &str) -> String {
+/// A `--bind` or `--connect` address (`HOST`, `HOST:PORT`, `IP`, `IP:PORT`, `[IPv6]:PORT`)
+/// with the default port added when it has none.
+pub fn with_default_port(addr: &str) -> Result<String> {
     let a = addr.trim();
+    let bad = |why: &str| Error::new(format!("invalid address {addr:?}: {why}"));
+    if a.is_empty() {
+        return Err(bad("empty (expected HOST or HOST:PORT)"));
+    }
     if a.parse::<SocketAddr>().is_ok() {
-        return a.to_string();
+        return Ok(a.to_string());
     }
     if a.parse::<Ipv4Addr>().is_ok() {
-        return format!("{a}:{DEFAULT_PORT}");
+        return Ok(format!("{a}:{DEFAULT_PORT}"));
     }
     if a.parse::<std::net::Ipv6Addr>().is_ok() {
-        return format!("[{a}]:{DEFAULT_PORT}");
+        return Ok(format!("[{a}]:{DEFAULT_PORT}"));
     }
-    if a.rsplit_once(':')
-        .is_some_and(|(h, p)| !h.is_empty() && !h.contains(':') && p.parse::<u16>().is_ok())
-    {
-        return a.to_string();
+    match a.rsplit_once(':') {
+        None => Ok(format!("{a}:{DEFAULT_PORT}")),
+        Some((h, p)) if !h.is_empty() && !h.contains(':') => match p.parse::<u16>() {
+            Ok(_) => Ok(a.to_string()),
+            Err(_) => Err(bad(&format!("{p:?} is not a port number (0 to 65535)"))),
+        },
+        Some(_) => Err(bad("expected HOST, HOST:PORT or [IPv6]:PORT")),
     }
-    format!("{a}:{DEFAULT_PORT}")
 }
 
 /// Sets the environment variable `key` to `value` unless it holds a non-empty value; returns
@@ -167,7 +174,7 @@ pub fn serve(
     listening: impl FnOnce(SocketAddr) -> Result<()>,
 ) -> Result<(Session, LineChannel)> {
     let secret = secret()?;
-    let bind = with_default_port(bind);
+    let bind = with_default_port(bind)?;
     let server = StoreServer::bind(&bind, secret).map_err(|e| Error::new(e.to_string()))?;
     let addr = server.addr();
     let ctl = TcpListener::bind(SocketAddr::new(addr.ip(), 0))
@@ -293,12 +300,12 @@ fn read_token_line(stream: &TcpStream) -> std::io::Result<String> {
 /// listens), opens the control connection and returns it.
 pub fn connect(to: &str, wait: Duration, io_timeout: Duration) -> Result<(Session, LineChannel)> {
     let secret = secret()?;
-    let given = with_default_port(to);
+    let given = with_default_port(to)?;
     let addr = given
         .to_socket_addrs()
-        .map_err(|e| Error::new(format!("--connect {to}: cannot resolve {given}: {e}")))?
+        .map_err(|e| Error::new(format!("cannot resolve {given}: {e}")))?
         .next()
-        .ok_or_else(|| Error::new(format!("--connect {to}: {given} resolves to no address")))?;
+        .ok_or_else(|| Error::new(format!("{given} resolves to no address")))?;
     let mut config = Config::new(1, 2, addr.to_string(), secret);
     config.serve_store = false;
     config.timeout = wait;
@@ -354,11 +361,24 @@ mod tests {
 
     #[test]
     fn default_port_is_added_only_when_missing() {
-        assert_eq!(with_default_port("10.0.0.1"), "10.0.0.1:18515");
-        assert_eq!(with_default_port("10.0.0.1:99"), "10.0.0.1:99");
-        assert_eq!(with_default_port("host"), "host:18515");
-        assert_eq!(with_default_port("host:7"), "host:7");
-        assert_eq!(with_default_port("::1"), "[::1]:18515");
-        assert_eq!(with_default_port("[::1]:5"), "[::1]:5");
+        let ok = |a: &str| with_default_port(a).unwrap();
+        assert_eq!(ok("10.0.0.1"), "10.0.0.1:18515");
+        assert_eq!(ok("10.0.0.1:99"), "10.0.0.1:99");
+        assert_eq!(ok(" host "), "host:18515");
+        assert_eq!(ok("host:7"), "host:7");
+        assert_eq!(ok("::1"), "[::1]:18515");
+        assert_eq!(ok("[::1]:5"), "[::1]:5");
+        for bad in [
+            "",
+            "  ",
+            "1.2.3.4:99999",
+            "host:",
+            "host:x",
+            ":5",
+            "[::1]:x",
+            "a:b:c",
+        ] {
+            assert!(with_default_port(bad).is_err(), "{bad:?} accepted");
+        }
     }
 }

@@ -3,7 +3,8 @@
 //! Subcommands:
 //! - `verbs-perf`: perftest-style latency and bandwidth tests of the verbs layer
 //!   (`ib_write_lat`, `ib_write_bw`, ... for the oxccl providers), plus raw baselines
-//!   (`memcpy_bw`, `flag_lat`) printed in the same format.
+//!   (`memcpy_bw`, `flag_lat`, `tcp_lat`, `tcp_bw`) printed in the same format; with a spawned
+//!   server process, or across hosts with `--server` and `--connect HOST:PORT`.
 //! - `store`: a standalone rendezvous store for `oxccl-bootstrap` (ranks then set
 //!   `OXCCL_STORE_STANDALONE=1` and `OXCCL_STORE_ADDR`).
 

@@ -1,0 +1,206 @@
+//! Writes the seed corpus of both fuzz targets under `fuzz/corpus-seed/<target>/`, from the
+//! decoders' own encoders:
+//!
+//! ```sh
+//! cargo run --manifest-path fuzz/Cargo.toml --example seed_corpus
+//! ```
+//!
+//! `tcp_frame`: a hello, a header of every opcode (with its payload where it has one), a hello
+//! followed by a stream of frames, and malformed headers (one per rejection reason).
+//! `bootstrap_wire`: a frame of every message kind, two frames back to back, and malformed frames.
+//! Every file is small (the whole corpus is a few KB); `--check` compares instead of writing, and
+//! fails if the committed corpus is stale.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use oxccl_bootstrap::wire::{self, MAX_FRAME_LEN, Msg, NONCE_LEN, PROTOCOL_VERSION};
+use oxccl_verbs::fuzzing::{Header, MAX_PAYLOAD, Opcode, encode_hello};
+
+fn tcp_frame() -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let hello = encode_hello(0x1122_3344_5566_7788, 0x99aa_bbcc_ddee_ff00, 5_000_000);
+    out.insert("hello".into(), hello.to_vec());
+    let mut stream = hello.to_vec();
+    for (name, op, len) in [
+        ("write", Opcode::Write, 16),
+        ("write_imm", Opcode::WriteImm, 0),
+        ("send", Opcode::Send, 5),
+        ("send_imm", Opcode::SendImm, 3),
+        ("read_req", Opcode::ReadReq, 1 << 20),
+        ("cas", Opcode::Cas, 8),
+        ("faa", Opcode::Faa, 8),
+        ("ack", Opcode::Ack, 0),
+        ("nak", Opcode::Nak, 0),
+        ("read_resp", Opcode::ReadResp, 4),
+        ("atomic_resp", Opcode::AtomicResp, 0),
+    ] {
+        let mut h = Header::new(op, 42, len);
+        h.imm = 0xdead_beef;
+        h.addr = 0x7f00_0000_1000;
+        h.rkey = 0x0001_0003;
+        h.a = if op == Opcode::Nak { 3 } else { 5 };
+        h.b = 9;
+        let mut frame = h.encode().to_vec();
+        frame.extend((0..h.payload_len()).map(|i| i as u8));
+        stream.extend_from_slice(&frame);
+        out.insert(name.to_string(), frame);
+    }
+    out.insert("stream".into(), stream);
+
+    let good = Header::new(Opcode::Write, 1, 0).encode();
+    let mut bad_magic = good;
+    bad_magic[0] = b'X';
+    out.insert("bad_magic".into(), bad_magic.to_vec());
+    let mut bad_opcode = good;
+    bad_opcode[4] = 8;
+    out.insert("bad_opcode".into(), bad_opcode.to_vec());
+    let mut reserved = good;
+    reserved[63] = 1;
+    out.insert("bad_reserved".into(), reserved.to_vec());
+    out.insert(
+        "bad_length_faa".into(),
+        Header::new(Opcode::Faa, 1, 16).encode().to_vec(),
+    );
+    out.insert(
+        "bad_length_write".into(),
+        Header::new(Opcode::Write, 1, MAX_PAYLOAD + 1)
+            .encode()
+            .to_vec(),
+    );
+    out.insert(
+        "bad_nak_status".into(),
+        Header::new(Opcode::Nak, 1, 0).encode().to_vec(),
+    );
+    let mut short = good.to_vec();
+    short.truncate(40);
+    out.insert("short".into(), short);
+    out
+}
+
+fn bootstrap_wire() -> BTreeMap<String, Vec<u8>> {
+    let samples = [
+        Msg::Hello {
+            version: PROTOCOL_VERSION,
+            nonce: [7; NONCE_LEN],
+        },
+        Msg::Auth {
+            mac: [1; NONCE_LEN],
+            nonce: [2; NONCE_LEN],
+            label: "rank 3 pid 42".into(),
+        },
+        Msg::AuthOk {
+            mac: [9; NONCE_LEN],
+        },
+        Msg::AuthFail {
+            reason: "wrong secret".into(),
+        },
+        Msg::Set {
+            key: "rank/0/endpoint".into(),
+            value: b"10.0.0.1:4791".to_vec(),
+        },
+        Msg::Get {
+            keys: vec!["a".into(), "bé".into()],
+            timeout_ms: 1234,
+        },
+        Msg::Wait {
+            keys: vec!["barrier/1".into()],
+            timeout_ms: u64::MAX,
+        },
+        Msg::Add {
+            key: "counter".into(),
+            delta: -5,
+        },
+        Msg::CompareSet {
+            key: "leader".into(),
+            expected: None,
+            desired: b"3".to_vec(),
+        },
+        Msg::Delete { key: "d".into() },
+        Msg::Done,
+        Msg::Values(vec![vec![], b"abc".to_vec()]),
+        Msg::Int(i64::MIN),
+        Msg::Bool(true),
+        Msg::Cas {
+            swapped: false,
+            current: Some(b"old".to_vec()),
+        },
+        Msg::TimedOut {
+            missing: vec!["r/2".into(), "r/3".into()],
+        },
+        Msg::Failed {
+            message: "no".into(),
+        },
+    ];
+    let mut out = BTreeMap::new();
+    for msg in &samples {
+        let frame = wire::encode(msg).expect("sample encodes");
+        out.insert(msg.kind().to_lowercase(), frame);
+    }
+    let mut two = out["set"].clone();
+    two.extend_from_slice(&out["done"]);
+    out.insert("two_frames".into(), two);
+
+    // Malformed: unknown tag, empty body, a boolean that is not 0/1, a key running past the end,
+    // a key that is not UTF-8, trailing bytes, an oversized announcement, a truncated frame.
+    out.insert("bad_tag".into(), vec![1, 0, 0, 0, 200]);
+    out.insert("bad_empty".into(), vec![0, 0, 0, 0]);
+    out.insert("bad_bool".into(), vec![2, 0, 0, 0, 33, 2]);
+    let mut past_end = wire::encode(&Msg::Delete { key: "abc".into() }).expect("encodes");
+    past_end[5] = 0xff;
+    out.insert("bad_key_len".into(), past_end);
+    out.insert("bad_utf8".into(), vec![6, 0, 0, 0, 15, 1, 0, 0, 0, 0xff]);
+    let mut trailing = wire::encode(&Msg::Done).expect("encodes");
+    trailing.push(0);
+    trailing[0] += 1;
+    out.insert("bad_trailing".into(), trailing);
+    out.insert(
+        "too_large".into(),
+        ((MAX_FRAME_LEN + 1) as u32).to_le_bytes().to_vec(),
+    );
+    let mut truncated = out["get"].clone();
+    truncated.pop();
+    out.insert("truncated".into(), truncated);
+    out
+}
+
+fn main() {
+    let check = std::env::args().any(|a| a == "--check");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus-seed");
+    let mut stale = false;
+    for (target, files) in [
+        ("tcp_frame", tcp_frame()),
+        ("bootstrap_wire", bootstrap_wire()),
+    ] {
+        let dir = root.join(target);
+        if check {
+            let on_disk: BTreeMap<String, Vec<u8>> = std::fs::read_dir(&dir)
+                .map(|rd| {
+                    rd.filter_map(Result::ok)
+                        .map(|e| {
+                            let name = e.file_name().to_string_lossy().into_owned();
+                            (name, std::fs::read(e.path()).unwrap_or_default())
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            if on_disk != files {
+                eprintln!("{} is stale: rerun without --check", dir.display());
+                stale = true;
+            }
+            continue;
+        }
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).expect("remove the old seed corpus");
+        }
+        std::fs::create_dir_all(&dir).expect("create the seed corpus directory");
+        let bytes: usize = files.values().map(Vec::len).sum();
+        for (name, data) in &files {
+            std::fs::write(dir.join(name), data).expect("write a seed");
+        }
+        println!("{}: {} files, {bytes} bytes", dir.display(), files.len());
+    }
+    if stale {
+        std::process::exit(1);
+    }
+}

@@ -4,8 +4,8 @@
 //! the message's fields. Integers are little-endian; byte strings and UTF-8 strings are a `u32`
 //! length and the bytes; lists are a `u32` count and the items; options are a `0`/`1` byte and
 //! the value. Every length is checked against the caps below before anything is allocated, and
-//! [`decode`] is a pure function over a byte slice that never panics (a proptest and, later, a
-//! fuzz target hold it to that).
+//! [`decode`] is a pure function over a byte slice that never panics (a proptest and the
+//! `bootstrap_wire` fuzz target in `fuzz/` hold it to that).
 
 use std::fmt;
 

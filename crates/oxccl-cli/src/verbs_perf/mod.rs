@@ -509,7 +509,8 @@ fn header_facts(
     } else {
         f.push((
             "Bandwidth",
-            "GB = 1e9 bytes; peak = best of 10 windows".to_string(),
+            "GB = 1e9 bytes; peak = best window of >= 1/10 of the ops and 1/20 of the time"
+                .to_string(),
         ));
     }
     if let Some(peer) = server {

@@ -76,7 +76,8 @@ pub struct BwRow {
     pub bytes: usize,
     /// `#iterations`.
     pub iterations: u64,
-    /// `BW peak[GB/sec]`: the best of ten equal windows of the run.
+    /// `BW peak[GB/sec]`: the best window of at least a tenth of the operations and a twentieth
+    /// of the run's time.
     pub bw_peak_gb_per_sec: f64,
     /// `BW average[GB/sec]`: over the whole measured run.
     pub bw_average_gb_per_sec: f64,
@@ -164,20 +165,31 @@ impl Marks {
         let end = self.marks.last().map(|m| m.1).unwrap_or(self.start);
         let secs = (end - self.start).as_secs_f64().max(1e-9);
         let avg = ops as f64 * bytes as f64 / secs / 1e9;
-        // Peak: the best of ten windows of (about) equal numbers of operations.
+        // Peak: the best window between two marks that covers at least a tenth of the operations
+        // and a twentieth of the run. The second bound matters where completions arrive in
+        // clumps (the tcp provider's cumulative acknowledgements, a waiter woken late): two marks
+        // a few microseconds apart must not make a window of their own.
+        let min_ops = ops.div_ceil(10).max(1);
+        let min_dt = secs / 20.0;
+        let points: Vec<(u64, Instant)> = std::iter::once((0, self.start))
+            .chain(self.marks.iter().copied())
+            .collect();
         let mut peak: f64 = 0.0;
-        let mut prev = (0u64, self.start);
-        let mut next_edge = 1u64;
-        for &(done, t) in &self.marks {
-            if done * 10 < next_edge * ops && done < ops {
-                continue;
+        let mut j = 0;
+        for (i, &(d0, t0)) in points.iter().enumerate() {
+            j = j.max(i + 1);
+            while j < points.len()
+                && (points[j].0 < d0 + min_ops || (points[j].1 - t0).as_secs_f64() < min_dt)
+            {
+                j += 1;
             }
-            let dt = (t - prev.1).as_secs_f64();
-            if done > prev.0 && dt > 0.0 {
-                peak = peak.max((done - prev.0) as f64 * bytes as f64 / dt / 1e9);
+            let Some(&(d1, t1)) = points.get(j) else {
+                break;
+            };
+            let dt = (t1 - t0).as_secs_f64();
+            if d1 > d0 && dt > 0.0 {
+                peak = peak.max((d1 - d0) as f64 * bytes as f64 / dt / 1e9);
             }
-            prev = (done, t);
-            next_edge = (done * 10 / ops.max(1)) + 1;
         }
         if peak < avg {
             peak = avg;
@@ -342,5 +354,20 @@ mod tests {
         let r = m.bw_row("t", None, 1000, 100);
         assert!((r.bw_peak_gb_per_sec - 2.0).abs() < 1e-6, "{r:?}");
         assert!((r.bw_average_gb_per_sec - 100_000.0 / 95e-6 / 1e9).abs() < 1e-6);
+    }
+
+    #[test]
+    fn bandwidth_peak_ignores_clumped_marks() {
+        // 100 ops in 100 us, marked every 10, except that marks 50 and 60 come 10 ns apart.
+        let mut m = Marks::new(100, 10);
+        let t0 = m.start;
+        for w in 1..=10u64 {
+            let us = if w == 6 { 50.01 } else { (w * 10) as f64 };
+            m.marks
+                .push((w * 10, t0 + Duration::from_secs_f64(us / 1e6)));
+        }
+        let r = m.bw_row("t", None, 1000, 100);
+        assert!(r.bw_peak_gb_per_sec < 2.1, "{r:?}");
+        assert!((r.bw_average_gb_per_sec - 1.0).abs() < 1e-6, "{r:?}");
     }
 }

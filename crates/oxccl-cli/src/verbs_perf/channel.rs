@@ -207,8 +207,11 @@ impl LineChannel {
 
     /// Records that the peer hung up and returns the error that says so.
     fn gone(&mut self, why: Option<String>) -> Error {
-        let why = why.map(|w| format!(" ({w})")).unwrap_or_default();
-        let msg = format!("the {} closed the control channel{why}", self.peer);
+        let msg = match why {
+            // A read error: reset, or a dead link noticed by keepalive or the user timeout.
+            Some(w) => format!("lost the control channel to the {} ({w})", self.peer),
+            None => format!("the {} closed the control channel", self.peer),
+        };
         self.dead = Some(msg.clone());
         Error::new(msg)
     }

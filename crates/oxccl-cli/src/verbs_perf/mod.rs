@@ -884,9 +884,12 @@ fn serve(chan: &mut dyn Channel, expect: Option<(Test, Provider)>) -> Result<()>
     };
     chan.send(&Msg::Connected)?;
     let fault = std::env::var("OXCCL_PERF_FAULT").unwrap_or_default();
+    // The client announces its next run as soon as it has printed a row. A spawned server idles
+    // until then (its client closes the pipe or kills it when it goes); a remote one gives up
+    // after a while, in case the client is stuck (a dead one is noticed sooner, by keepalive).
+    let idle = expect.is_some().then_some(setup_timeout);
     loop {
-        // Idle until the client speaks: it closes the channel (or kills us) when it goes.
-        match chan.recv("the next run", None)? {
+        match chan.recv("the next run", idle)? {
             Msg::Run(run) => {
                 inject_fault(&fault);
                 let cpu0 = cpu_secs();

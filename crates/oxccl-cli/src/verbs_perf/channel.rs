@@ -12,7 +12,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
@@ -427,6 +427,15 @@ fn describe(st: ExitStatus) -> String {
     }
 }
 
+/// Spin turns between yields, minus one: with the tcp provider the peer's data arrives through
+/// progress threads that need a core, so spinners yield often (every 64 turns); shm spins freely.
+static YIELD_MASK: AtomicU32 = AtomicU32::new(0x3fff);
+
+/// Makes spin loops yield the CPU often (for providers whose progress runs in threads).
+pub fn yield_often(often: bool) {
+    YIELD_MASK.store(if often { 0x3f } else { 0x3fff }, Ordering::Relaxed);
+}
+
 /// Turns a spin loop into a bounded wait: every 16384 turns (a fraction of a millisecond; no
 /// system call on the fast path) it checks that the peer is still there and that `timeout` has
 /// not passed without progress, and yields the CPU once, so that a peer starved of a core (more
@@ -462,6 +471,8 @@ impl<'a> Spin<'a> {
         self.turns = self.turns.wrapping_add(1);
         if self.turns & 0x3fff == 0 {
             self.check(what)?;
+        } else if self.turns & YIELD_MASK.load(Ordering::Relaxed) == 0 {
+            std::thread::yield_now();
         }
         std::hint::spin_loop();
         Ok(())

@@ -55,6 +55,7 @@ impl VerbsSide {
         rx_depth: u32,
         events: bool,
     ) -> Result<Self> {
+        super::channel::yield_often(provider == oxccl_verbs::Provider::Tcp);
         let ctx = Device::by_name(provider.name())?
             .open()
             .map_err(|e| Error::from(e).context(format!("opening the {provider} device")))?;

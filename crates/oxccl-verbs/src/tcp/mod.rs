@@ -144,7 +144,11 @@ impl Drop for Engine {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.shared.kick();
         if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            let _ = t.join();
+            // The progress thread itself may drop the last handle (it briefly holds queue pairs
+            // and regions): it then exits on its own after this returns; joining would deadlock.
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
         }
         for c in self
             .shared
@@ -383,6 +387,11 @@ impl Shared {
             }
             if !events.is_empty() {
                 last_activity = Instant::now();
+            } else if spin {
+                // Busy-polling, but never at the expense of a runnable thread on this core (the
+                // application spinning on memory, a peer process): with more spinners than cores
+                // a pure spin would only run at scheduler ticks.
+                std::thread::yield_now();
             }
             let mut recheck = false;
             for ev in &events {

@@ -288,3 +288,51 @@ fn wire_codes_round_trip() {
         assert_eq!(QpState::from_u32(v) as u32, v);
     }
 }
+
+/// Dropping every handle while the tcp progress thread still works on them: the last handle may
+/// go on that thread, which must not try to join itself (it used to panic there).
+#[test]
+fn tcp_context_dropped_under_the_progress_thread() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static PROGRESS_PANICS: AtomicUsize = AtomicUsize::new(0);
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if std::thread::current().name() == Some("oxccl-tcp-progress") {
+            PROGRESS_PANICS.fetch_add(1, Ordering::SeqCst);
+        }
+        previous(info);
+    }));
+    for _ in 0..30 {
+        let ctx = Device::by_name("tcp").unwrap().open().unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(64).unwrap();
+        let a = pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap();
+        let b = pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap();
+        let (ea, eb) = (a.endpoint(), b.endpoint());
+        a.connect(&eb).unwrap();
+        b.connect(&ea).unwrap();
+        let src = pd.alloc_mr(1 << 20, AccessFlags::LOCAL_WRITE).unwrap();
+        let dst = pd.alloc_mr(1 << 20, AccessFlags::ALL).unwrap();
+        let sge = [Sge::new(&src, 0, 1 << 20)];
+        let wrs: Vec<SendWr> = (0..8)
+            .map(|i| {
+                SendWr::new(
+                    i,
+                    WrOp::Write {
+                        remote: dst.remote().at(0),
+                    },
+                    &sge,
+                )
+                .unsignaled()
+            })
+            .collect();
+        a.post_send(&wrs).unwrap();
+        drop((a, b, src, dst, cq, pd, ctx));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        PROGRESS_PANICS.load(Ordering::SeqCst),
+        0,
+        "the progress thread panicked"
+    );
+}

@@ -343,6 +343,10 @@ pub struct Testbed {
     rates: Mutex<Vec<Option<u64>>>,
     shaping: Shaping,
     torn_down: bool,
+    /// Children started by [`Testbed::spawn`]: killed by pid on drop too, since one may not have
+    /// entered its namespace yet (`ip netns exec` still setting up) when the namespace is
+    /// searched for processes.
+    spawned: Mutex<Vec<u32>>,
 }
 
 /// A test bed found on the machine by [`list`].
@@ -410,6 +414,7 @@ impl Testbed {
             rates: Mutex::new(b.hosts.iter().map(|h| h.rate_mbit).collect()),
             shaping: b.shaping,
             torn_down: false,
+            spawned: Mutex::new(Vec::new()),
         };
         // On failure `tb` is dropped, which deletes whatever was created.
         tb.setup()?;
@@ -514,7 +519,12 @@ impl Testbed {
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
-        self.command(i, program).args(args).spawn()
+        let child = self.command(i, program).args(args).spawn()?;
+        self.spawned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(child.id());
+        Ok(child)
     }
 
     /// Runs `program args...` inside host `i` to completion and collects its output.
@@ -564,7 +574,28 @@ impl Testbed {
     /// Tears the bed down now and reports failures, which [`Drop`] can only print.
     pub fn teardown(mut self) -> Result<(), Error> {
         self.torn_down = true;
+        self.kill_spawned();
         destroy(&self.name)
+    }
+}
+
+impl Testbed {
+    /// SIGKILLs the children [`Testbed::spawn`] started that still run.
+    fn kill_spawned(&self) {
+        let pids: Vec<String> = self
+            .spawned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+            .map(|p| p.to_string())
+            .collect();
+        if !pids.is_empty() {
+            let _ = Command::new("kill")
+                .arg("-KILL")
+                .args(&pids)
+                .stderr(Stdio::null())
+                .status();
+        }
     }
 }
 
@@ -572,6 +603,7 @@ impl Drop for Testbed {
     fn drop(&mut self) {
         if !self.torn_down {
             self.torn_down = true;
+            self.kill_spawned();
             if let Err(e) = destroy(&self.name) {
                 eprintln!("oxccl-testbed: tearing down {}: {e}", self.name);
             }

@@ -219,7 +219,7 @@ fn drop_kills_processes_and_deletes_namespaces() {
             format!("{name}-h1")
         ]
     );
-    let mut child = tb.spawn(1, "sleep", ["1000"]).unwrap();
+    let mut child = tb.spawn(1, "sleep", ["30"]).unwrap();
     let t = Instant::now();
     drop(tb);
     assert!(

@@ -43,6 +43,28 @@ pub(crate) const MR_INDEX_BITS: u32 = 16;
 pub(crate) const MAX_MR: usize = 1 << MR_INDEX_BITS;
 const CTX_SEG_LEN: usize = MR_TABLE + MAX_MR * MR_SLOT;
 
+/// The context segment's tables, for our own context and for a peer's mapping of theirs.
+pub(crate) trait CtxTables {
+    /// Word `word` of completion-queue doorbell `index` (0: sequence, 1: sleepers).
+    fn cq_word(&self, index: u32, word: usize) -> &AtomicU32;
+    /// The 8-byte field at `off` of region-table entry `index`.
+    fn mr_u64(&self, index: u32, off: usize) -> &AtomicU64;
+    /// The 4-byte field at `off` of region-table entry `index`.
+    fn mr_u32(&self, index: u32, off: usize) -> &AtomicU32;
+}
+
+impl CtxTables for Segment {
+    fn cq_word(&self, index: u32, word: usize) -> &AtomicU32 {
+        self.atomic_u32(CQ_TABLE + index as usize * CQ_SLOT + word * 4)
+    }
+    fn mr_u64(&self, index: u32, off: usize) -> &AtomicU64 {
+        self.atomic_u64(MR_TABLE + index as usize * MR_SLOT + off)
+    }
+    fn mr_u32(&self, index: u32, off: usize) -> &AtomicU32 {
+        self.atomic_u32(MR_TABLE + index as usize * MR_SLOT + off)
+    }
+}
+
 // Offsets inside one MR table entry.
 pub(crate) const MR_RKEY: usize = 0;
 pub(crate) const MR_LKEY: usize = 8;
@@ -317,21 +339,6 @@ impl Drop for CtxInner {
 }
 
 impl CtxInner {
-    pub(crate) fn cq_word(&self, index: u32, word: usize) -> &AtomicU32 {
-        self.seg
-            .atomic_u32(CQ_TABLE + index as usize * CQ_SLOT + word * 4)
-    }
-
-    pub(crate) fn mr_u64(&self, index: u32, off: usize) -> &AtomicU64 {
-        self.seg
-            .atomic_u64(MR_TABLE + index as usize * MR_SLOT + off)
-    }
-
-    pub(crate) fn mr_u32(&self, index: u32, off: usize) -> &AtomicU32 {
-        self.seg
-            .atomic_u32(MR_TABLE + index as usize * MR_SLOT + off)
-    }
-
     /// The peer context behind `(pid, token, sock)`, mapped and watched; created on first use.
     pub(crate) fn peer(&self, pid: u32, token: u64, sock: &str) -> Result<Arc<PeerCtx>> {
         let known = |peers: &HashMap<(u32, u64), Arc<PeerCtx>>| {
@@ -419,21 +426,6 @@ impl PeerCtx {
             return true;
         }
         false
-    }
-
-    pub(crate) fn cq_word(&self, index: u32, word: usize) -> &AtomicU32 {
-        self.seg
-            .atomic_u32(CQ_TABLE + index as usize * CQ_SLOT + word * 4)
-    }
-
-    pub(crate) fn mr_u64(&self, index: u32, off: usize) -> &AtomicU64 {
-        self.seg
-            .atomic_u64(MR_TABLE + index as usize * MR_SLOT + off)
-    }
-
-    pub(crate) fn mr_u32(&self, index: u32, off: usize) -> &AtomicU32 {
-        self.seg
-            .atomic_u32(MR_TABLE + index as usize * MR_SLOT + off)
     }
 
     /// The mapping of the peer's region at table `index` whose lkey is `lkey`, fetched on first use.
@@ -584,9 +576,8 @@ impl Service {
         let Some((_, seg)) = self.registry.ctx.get() else {
             return;
         };
-        for i in 0..MAX_CQ {
-            let base = CQ_TABLE + i * CQ_SLOT;
-            crate::cq::notify_word(seg.atomic_u32(base), seg.atomic_u32(base + 4));
+        for i in 0..MAX_CQ as u32 {
+            crate::cq::notify_word(seg.cq_word(i, 0), seg.cq_word(i, 1));
         }
     }
 

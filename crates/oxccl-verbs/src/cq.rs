@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::context::CtxInner;
+use crate::context::{CtxInner, CtxTables};
 use crate::error::{Error, Result};
 use crate::qp::QpInner;
 use crate::segment::{futex_wait, futex_wake_all};
@@ -49,7 +49,7 @@ impl CompletionQueue {
                     crate::context::MAX_CQ
                 ))
             })?;
-        ctx.cq_word(index, SLEEPERS).store(0, Ordering::SeqCst);
+        ctx.seg.cq_word(index, SLEEPERS).store(0, Ordering::SeqCst);
         Ok(CompletionQueue {
             inner: Arc::new(CqInner {
                 ctx,
@@ -96,8 +96,8 @@ impl CompletionQueue {
                 return Ok(n);
             }
         }
-        let seq = inner.ctx.cq_word(inner.index, SEQ);
-        let sleepers = inner.ctx.cq_word(inner.index, SLEEPERS);
+        let seq = inner.ctx.seg.cq_word(inner.index, SEQ);
+        let sleepers = inner.ctx.seg.cq_word(inner.index, SLEEPERS);
         loop {
             let observed = seq.load(Ordering::SeqCst);
             let n = inner.poll(out);
@@ -204,8 +204,8 @@ impl CqInner {
     /// Wakes this queue's sleepers, if any (no syscall when nobody sleeps).
     pub(crate) fn notify(&self) {
         notify_word(
-            self.ctx.cq_word(self.index, SEQ),
-            self.ctx.cq_word(self.index, SLEEPERS),
+            self.ctx.seg.cq_word(self.index, SEQ),
+            self.ctx.seg.cq_word(self.index, SLEEPERS),
         );
     }
 }
@@ -224,7 +224,10 @@ pub(crate) fn notify_word(
 /// Bumps the doorbell of completion queue `index` of a peer context.
 pub(crate) fn notify_peer(peer: &crate::context::PeerCtx, index: u32) {
     if (index as usize) < crate::context::MAX_CQ {
-        notify_word(peer.cq_word(index, SEQ), peer.cq_word(index, SLEEPERS));
+        notify_word(
+            peer.seg.cq_word(index, SEQ),
+            peer.seg.cq_word(index, SLEEPERS),
+        );
     }
 }
 

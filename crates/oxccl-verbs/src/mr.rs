@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::context::{
-    CtxInner, MR_ACCESS, MR_ADDR, MR_INDEX_BITS, MR_KIND, MR_KIND_SEGMENT, MR_KIND_USER, MR_LEN,
-    MR_LKEY, MR_RKEY, ProtectionDomain, random_u64,
+    CtxInner, CtxTables, MR_ACCESS, MR_ADDR, MR_INDEX_BITS, MR_KIND, MR_KIND_SEGMENT, MR_KIND_USER,
+    MR_LEN, MR_LKEY, MR_RKEY, ProtectionDomain, random_u64,
 };
 use crate::error::{Error, Result};
 use crate::segment::{Segment, copy_bytes};
@@ -144,15 +144,25 @@ impl ProtectionDomain {
             }
             Backing::User { .. } => MR_KIND_USER,
         };
-        ctx.mr_u64(index, MR_LKEY).store(lkey, Ordering::Relaxed);
-        ctx.mr_u64(index, MR_ADDR).store(addr, Ordering::Relaxed);
-        ctx.mr_u64(index, MR_LEN)
+        ctx.seg
+            .mr_u64(index, MR_LKEY)
+            .store(lkey, Ordering::Relaxed);
+        ctx.seg
+            .mr_u64(index, MR_ADDR)
+            .store(addr, Ordering::Relaxed);
+        ctx.seg
+            .mr_u64(index, MR_LEN)
             .store(len as u64, Ordering::Relaxed);
-        ctx.mr_u32(index, MR_ACCESS)
+        ctx.seg
+            .mr_u32(index, MR_ACCESS)
             .store(access.bits(), Ordering::Relaxed);
-        ctx.mr_u32(index, MR_KIND).store(kind, Ordering::Relaxed);
+        ctx.seg
+            .mr_u32(index, MR_KIND)
+            .store(kind, Ordering::Relaxed);
         // Publishing the rkey makes the entry valid; readers acquire it first and re-check it last.
-        ctx.mr_u64(index, MR_RKEY).store(rkey, Ordering::Release);
+        ctx.seg
+            .mr_u64(index, MR_RKEY)
+            .store(rkey, Ordering::Release);
         let inner = Arc::new(MrInner {
             ctx: ctx.clone(),
             pd: self.id,
@@ -180,8 +190,12 @@ impl MrInner {
             return false;
         }
         let ctx = &self.ctx;
-        ctx.mr_u64(self.index, MR_RKEY).store(0, Ordering::Release);
-        ctx.mr_u64(self.index, MR_LKEY).store(0, Ordering::Release);
+        ctx.seg
+            .mr_u64(self.index, MR_RKEY)
+            .store(0, Ordering::Release);
+        ctx.seg
+            .mr_u64(self.index, MR_LKEY)
+            .store(0, Ordering::Release);
         ctx.registry
             .regions
             .lock()

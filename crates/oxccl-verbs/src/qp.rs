@@ -28,8 +28,8 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use crate::context::{
-    CtxInner, MAX_MR, MR_ACCESS, MR_ADDR, MR_KIND, MR_KIND_SEGMENT, MR_KIND_USER, MR_LEN, MR_LKEY,
-    MR_RKEY, PeerCtx, ProtectionDomain, Provider, random_u64,
+    CtxInner, CtxTables, MAX_MR, MR_ACCESS, MR_ADDR, MR_KIND, MR_KIND_SEGMENT, MR_KIND_USER,
+    MR_LEN, MR_LKEY, MR_RKEY, PeerCtx, ProtectionDomain, Provider, random_u64,
 };
 use crate::cq::{CompletionQueue, CqInner, notify_peer};
 use crate::error::{Error, Result};
@@ -1330,15 +1330,15 @@ impl QpInner {
             return deny;
         }
         let p = &link.peer;
-        if p.mr_u64(index, MR_RKEY).load(Ordering::Acquire) != remote.rkey {
+        if p.seg.mr_u64(index, MR_RKEY).load(Ordering::Acquire) != remote.rkey {
             return deny;
         }
         let access =
-            AccessFlags::from_bits_truncate(p.mr_u32(index, MR_ACCESS).load(Ordering::Relaxed));
-        let base = p.mr_u64(index, MR_ADDR).load(Ordering::Relaxed);
-        let mlen = p.mr_u64(index, MR_LEN).load(Ordering::Relaxed);
-        let kind = p.mr_u32(index, MR_KIND).load(Ordering::Relaxed);
-        let lkey = p.mr_u64(index, MR_LKEY).load(Ordering::Relaxed);
+            AccessFlags::from_bits_truncate(p.seg.mr_u32(index, MR_ACCESS).load(Ordering::Relaxed));
+        let base = p.seg.mr_u64(index, MR_ADDR).load(Ordering::Relaxed);
+        let mlen = p.seg.mr_u64(index, MR_LEN).load(Ordering::Relaxed);
+        let kind = p.seg.mr_u32(index, MR_KIND).load(Ordering::Relaxed);
+        let lkey = p.seg.mr_u64(index, MR_LKEY).load(Ordering::Relaxed);
         let Some(off) = remote.addr.checked_sub(base) else {
             return deny;
         };
@@ -1363,7 +1363,7 @@ impl QpInner {
             _ => return deny,
         };
         // The entry could have been deregistered while we read it.
-        if p.mr_u64(index, MR_RKEY).load(Ordering::Acquire) != remote.rkey {
+        if p.seg.mr_u64(index, MR_RKEY).load(Ordering::Acquire) != remote.rkey {
             return deny;
         }
         Ok(target)
@@ -1441,14 +1441,15 @@ impl QpInner {
             );
             if lkey == 0
                 || index as usize >= MAX_MR
-                || p.mr_u64(index, MR_LKEY).load(Ordering::Acquire) != lkey
+                || p.seg.mr_u64(index, MR_LKEY).load(Ordering::Acquire) != lkey
             {
                 return bad;
             }
-            let access =
-                AccessFlags::from_bits_truncate(p.mr_u32(index, MR_ACCESS).load(Ordering::Relaxed));
-            let mbase = p.mr_u64(index, MR_ADDR).load(Ordering::Relaxed);
-            let mlen = p.mr_u64(index, MR_LEN).load(Ordering::Relaxed);
+            let access = AccessFlags::from_bits_truncate(
+                p.seg.mr_u32(index, MR_ACCESS).load(Ordering::Relaxed),
+            );
+            let mbase = p.seg.mr_u64(index, MR_ADDR).load(Ordering::Relaxed);
+            let mlen = p.seg.mr_u64(index, MR_LEN).load(Ordering::Relaxed);
             let Some(off) = addr.checked_sub(mbase) else {
                 return bad;
             };
@@ -1457,7 +1458,7 @@ impl QpInner {
             {
                 return bad;
             }
-            *d = match p.mr_u32(index, MR_KIND).load(Ordering::Relaxed) {
+            *d = match p.seg.mr_u32(index, MR_KIND).load(Ordering::Relaxed) {
                 MR_KIND_SEGMENT => match self.peer_segment(s, link, index, lkey) {
                     // SAFETY: `off + len <= mlen <= mapping length`.
                     Some(m) if (off as usize + len) <= m.len() => {

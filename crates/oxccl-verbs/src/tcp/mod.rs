@@ -28,7 +28,7 @@ pub mod frame;
 use std::collections::{HashMap, VecDeque};
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::JoinHandle;
@@ -96,20 +96,15 @@ impl Engine {
             rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
         )
         .map_err(|e| Error::os("eventfd", e))?;
-        epoll::add(
-            &ep,
-            &listener,
-            epoll::EventData::new_u64(LISTENER),
-            epoll::EventFlags::IN,
-        )
-        .map_err(|e| Error::os("epoll add", e))?;
-        epoll::add(
-            &ep,
-            &wake,
-            epoll::EventData::new_u64(WAKE),
-            epoll::EventFlags::IN,
-        )
-        .map_err(|e| Error::os("epoll add", e))?;
+        for (fd, key) in [(listener.as_fd(), LISTENER), (wake.as_fd(), WAKE)] {
+            epoll::add(
+                &ep,
+                fd,
+                epoll::EventData::new_u64(key),
+                epoll::EventFlags::IN,
+            )
+            .map_err(|e| Error::os("registering the tcp engine's descriptors with epoll", e))?;
+        }
         let busy = std::env::var("OXCCL_TCP_POLL").is_ok_and(|v| v.trim() == "busy");
         let shared = Arc::new(Shared {
             epoll: ep,
@@ -217,6 +212,22 @@ struct Outstanding {
     /// A request that failed locally (or follows one) and was never sent: it completes with
     /// this status once every earlier request has, so completions stay in order.
     error: Option<WcStatus>,
+}
+
+impl Outstanding {
+    /// A request never sent that completes with `status` in its turn.
+    fn unsent(seq: u64, wr_id: u64, opcode: WcOpcode, status: WcStatus) -> Outstanding {
+        Outstanding {
+            seq,
+            wr_id,
+            opcode,
+            len: 0,
+            signaled: true,
+            dst: Vec::new(),
+            _keep: Vec::new(),
+            error: Some(status),
+        }
+    }
 }
 
 enum After {
@@ -952,16 +963,7 @@ impl Conn {
         } else {
             status
         };
-        out.push_back(Outstanding {
-            seq: tx.next_seq,
-            wr_id,
-            opcode,
-            len: 0,
-            signaled: true,
-            dst: Vec::new(),
-            _keep: Vec::new(),
-            error: Some(status),
-        });
+        out.push_back(Outstanding::unsent(tx.next_seq, wr_id, opcode, status));
         true
     }
 
@@ -975,16 +977,12 @@ impl Conn {
         self.out
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .push_back(Outstanding {
-                seq: tx.next_seq,
+            .push_back(Outstanding::unsent(
+                tx.next_seq,
                 wr_id,
                 opcode,
-                len: 0,
-                signaled: true,
-                dst: Vec::new(),
-                _keep: Vec::new(),
-                error: Some(WcStatus::WorkRequestFlushed),
-            });
+                WcStatus::WorkRequestFlushed,
+            ));
         true
     }
 

@@ -185,6 +185,16 @@ struct TxFrame {
 }
 
 impl TxFrame {
+    /// A frame that is only a header (ACK, NAK, atomic result).
+    fn header(hdr: [u8; HEADER_LEN]) -> TxFrame {
+        TxFrame {
+            hdr,
+            payload: Vec::new(),
+            _keep: Vec::new(),
+            sent: 0,
+        }
+    }
+
     fn total(&self) -> usize {
         HEADER_LEN + self.payload.iter().map(|s| s.1).sum::<usize>()
     }
@@ -754,16 +764,22 @@ impl Conn {
 
     fn queue(&self, f: TxFrame) {
         let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
-        let was_empty = tx.frames.is_empty();
-        tx.frames.push_back(f);
-        let r = if was_empty {
-            self.flush_locked(&mut tx)
-        } else {
-            self.set_out_interest(&mut tx, true);
-            Ok(())
-        };
+        let r = self.push_locked(&mut tx, f);
         drop(tx);
         self.check(r);
+    }
+
+    /// Appends a frame; writes it at once when nothing is queued before it, otherwise leaves it
+    /// to the progress thread (which is asked to watch for room in the socket).
+    fn push_locked(&self, tx: &mut Tx, f: TxFrame) -> std::result::Result<(), String> {
+        let was_empty = tx.frames.is_empty();
+        tx.frames.push_back(f);
+        if was_empty {
+            self.flush_locked(tx)
+        } else {
+            self.set_out_interest(tx, true);
+            Ok(())
+        }
     }
 
     /// Posts one send-queue request (the caller validated the QP state and local SGEs).
@@ -857,19 +873,13 @@ impl Conn {
                 _keep: keep.clone(),
                 error: None,
             });
-        let was_empty = tx.frames.is_empty();
-        tx.frames.push_back(TxFrame {
+        let frame = TxFrame {
             hdr: h.encode(),
             payload,
             _keep: keep,
             sent: 0,
-        });
-        let r = if was_empty {
-            self.flush_locked(&mut tx)
-        } else {
-            self.set_out_interest(&mut tx, true);
-            Ok(())
         };
+        let r = self.push_locked(&mut tx, frame);
         drop(tx);
         self.check(r);
         Ok(())
@@ -1165,12 +1175,7 @@ impl Conn {
         if rx.done_seq > rx.acked_seq {
             let h = Header::new(Opcode::Ack, rx.done_seq, 0);
             rx.acked_seq = rx.done_seq;
-            self.queue(TxFrame {
-                hdr: h.encode(),
-                payload: Vec::new(),
-                _keep: Vec::new(),
-                sent: 0,
-            });
+            self.queue(TxFrame::header(h.encode()));
         }
     }
 
@@ -1203,12 +1208,7 @@ impl Conn {
         h.a = status as u64;
         rx.dropping = true;
         rx.acked_seq = seq;
-        self.queue(TxFrame {
-            hdr: h.encode(),
-            payload: Vec::new(),
-            _keep: Vec::new(),
-            sent: 0,
-        });
+        self.queue(TxFrame::header(h.encode()));
     }
 
     /// Looks up a target region for a request and checks access and bounds.
@@ -1381,12 +1381,7 @@ impl Conn {
                 rx.acked_seq = h.seq;
                 let mut r = Header::new(Opcode::AtomicResp, h.seq, 0);
                 r.a = old;
-                self.queue(TxFrame {
-                    hdr: r.encode(),
-                    payload: Vec::new(),
-                    _keep: Vec::new(),
-                    sent: 0,
-                });
+                self.queue(TxFrame::header(r.encode()));
                 rx.state = header_next;
             }
             _ if !h.opcode.is_request() && qp.is_failed() => {

@@ -264,28 +264,35 @@ impl VerbsSide {
     ) -> Result<()> {
         self.source
             .write(watch.off, &seq.to_le_bytes()[..watch.n])?;
-        let signaled = last || (i + 1).is_multiple_of(LAT_SIGNAL_EVERY);
-        let mut wr = SendWr::new(seq, WrOp::Write { remote }, sge);
-        if !signaled {
-            wr = wr.unsignaled();
-        }
-        self.post(&[wr])?;
-        if signaled {
-            self.wait_send(spin, WcOpcode::Write)?;
-        }
-        Ok(())
+        self.post_lat(seq, WrOp::Write { remote }, sge, last, i, spin)
     }
 
     #[inline]
     fn send_one(&self, sge: &[Sge<'_>], last: bool, i: u64, spin: &mut Spin<'_>) -> Result<()> {
+        self.post_lat(i, WrOp::Send, sge, last, i, spin)
+    }
+
+    /// Posts one request of a latency loop, signaled every `LAT_SIGNAL_EVERY` and on the last
+    /// iteration, and waits for the signaled ones to complete.
+    #[inline]
+    fn post_lat(
+        &self,
+        wr_id: u64,
+        op: WrOp,
+        sge: &[Sge<'_>],
+        last: bool,
+        i: u64,
+        spin: &mut Spin<'_>,
+    ) -> Result<()> {
         let signaled = last || (i + 1).is_multiple_of(LAT_SIGNAL_EVERY);
-        let mut wr = SendWr::new(i, WrOp::Send, sge);
+        let opcode = op.wc_opcode();
+        let mut wr = SendWr::new(wr_id, op, sge);
         if !signaled {
             wr = wr.unsignaled();
         }
         self.post(&[wr])?;
         if signaled {
-            self.wait_send(spin, WcOpcode::Send)?;
+            self.wait_send(spin, opcode)?;
         }
         Ok(())
     }

@@ -7,7 +7,9 @@
 //!   server process, or across hosts with `--server` and `--connect HOST:PORT`.
 //! - `store`: a standalone rendezvous store for `oxccl-bootstrap` (ranks then set
 //!   `OXCCL_STORE_STANDALONE=1` and `OXCCL_STORE_ADDR`).
+//! - `run`: a local launcher like `torchrun --standalone`: `oxccl run -n N PROGRAM ARGS...`.
 
+mod run;
 mod verbs_perf;
 
 use std::io::Write;
@@ -36,6 +38,8 @@ enum Command {
     VerbsPerf(verbs_perf::Args),
     /// A standalone rendezvous store: serves until killed; refusals are logged to stderr.
     Store(StoreArgs),
+    /// Start N ranks of PROGRAM on this host with torchrun's environment; stop all when one fails.
+    Run(run::Args),
 }
 
 /// Options of `oxccl store`.
@@ -87,6 +91,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::VerbsPerf(args) => verbs_perf::main(args),
+        Command::Run(args) => return run::main(args),
         Command::Store(args) => {
             return match store_main(args) {
                 Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,991 @@
+//! Algorithms as data: a [`Schedule`] is one rank's ordered list of [`Step`]s over regions of
+//! its buffers, with explicit dependencies. Building one does no I/O; the executor
+//! (`crate::engine`) runs it over verbs, [`verify`] runs every rank's schedule in memory against
+//! a symbolic reference, and the fabric simulator runs the same values over a modelled network.
+//!
+//! Sizes and offsets are in elements, so one schedule serves every data type.
+//!
+//! Matching rule: the `n`-th [`Op::Send`] from rank `a` to rank `b` on channel `c` is received by
+//! the `n`-th [`Op::Recv`] at `b` from `a` on channel `c`, and both name the same length. The
+//! executor moves a transfer in fragments of at most `chunk` elements through a window of
+//! `slots` receive slots per (peer, channel); a transfer always moves at least one fragment,
+//! so zero-length transfers are messages (barriers use them).
+
+use serde::{Deserialize, Serialize};
+
+/// Which of a rank's buffers a region lies in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Buf {
+    /// The caller's send buffer (read only).
+    Input,
+    /// The caller's receive buffer.
+    Output,
+    /// Scratch space the executor allocates: [`Schedule::scratch`] elements.
+    Scratch,
+}
+
+/// `len` elements at element `offset` of a buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Region {
+    /// The buffer.
+    pub buf: Buf,
+    /// First element.
+    pub offset: usize,
+    /// Number of elements.
+    pub len: usize,
+}
+
+impl Region {
+    /// A region of `buf`.
+    pub const fn new(buf: Buf, offset: usize, len: usize) -> Region {
+        Region { buf, offset, len }
+    }
+
+    /// The sub-region `offset..offset+len` of this one.
+    pub fn sub(self, offset: usize, len: usize) -> Region {
+        debug_assert!(offset + len <= self.len);
+        Region::new(self.buf, self.offset + offset, len)
+    }
+}
+
+/// What a step does.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Op {
+    /// Send `src` to `peer` on `channel`.
+    Send {
+        /// Destination rank.
+        peer: usize,
+        /// Channel (an independent FIFO between the same two ranks).
+        channel: u8,
+        /// What to send.
+        src: Region,
+    },
+    /// Receive from `peer` on `channel` into `dst`; with `reduce_with`, `dst = reduce_with ⊕
+    /// incoming` (the two may be the same region), else `dst = incoming`.
+    Recv {
+        /// Source rank.
+        peer: usize,
+        /// Channel.
+        channel: u8,
+        /// Where the result goes.
+        dst: Region,
+        /// The local operand of the reduction, if any.
+        reduce_with: Option<Region>,
+    },
+    /// `dst = src` (skipped when they are the same memory).
+    Copy {
+        /// Source.
+        src: Region,
+        /// Destination.
+        dst: Region,
+    },
+    /// `dst = a ⊕ b` (`dst` may be `a`).
+    Reduce {
+        /// Destination.
+        dst: Region,
+        /// First operand.
+        a: Region,
+        /// Second operand.
+        b: Region,
+    },
+}
+
+/// One step and the earlier steps (indices into [`Schedule::steps`]) it waits for.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Step {
+    /// The operation.
+    pub op: Op,
+    /// Steps that must be done first (all earlier in the list).
+    pub deps: Vec<u32>,
+}
+
+/// The collectives, with the element counts that define their buffers.
+///
+/// Buffer sizes (elements) per rank, `n` ranks: see [`Collective::input_len`] and
+/// [`Collective::output_len`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Collective {
+    /// Every rank ends with the reduction of all inputs: `count` in, `count` out.
+    AllReduce {
+        /// Elements.
+        count: usize,
+    },
+    /// Rank `r` ends with block `r` of the reduction: `n·count` in, `count` out.
+    ReduceScatter {
+        /// Elements per rank.
+        count: usize,
+    },
+    /// Every rank ends with every rank's input, in rank order: `count` in, `n·count` out.
+    AllGather {
+        /// Elements per rank.
+        count: usize,
+    },
+    /// `root`'s input reaches every rank's output: `count` in (root), `count` out.
+    Broadcast {
+        /// Elements.
+        count: usize,
+        /// The sending rank.
+        root: usize,
+    },
+    /// The reduction of all inputs lands in `root`'s output: `count` in, `count` out (root).
+    Reduce {
+        /// Elements.
+        count: usize,
+        /// The receiving rank.
+        root: usize,
+    },
+    /// Block `j` of rank `i`'s input lands in block `i` of rank `j`'s output: `n·count` each.
+    AllToAll {
+        /// Elements per (sender, receiver) pair.
+        count: usize,
+    },
+    /// All-to-all with this rank's counts per peer; blocks are packed in rank order. Rank
+    /// `i`'s `send_counts[j]` must equal rank `j`'s `recv_counts[i]`.
+    AllToAllV {
+        /// Elements this rank sends to each rank.
+        send_counts: Vec<usize>,
+        /// Elements this rank receives from each rank.
+        recv_counts: Vec<usize>,
+    },
+    /// Every rank's input lands in block `i` of `root`'s output: `count` in, `n·count` out (root).
+    Gather {
+        /// Elements per rank.
+        count: usize,
+        /// The receiving rank.
+        root: usize,
+    },
+    /// Block `i` of `root`'s input lands in rank `i`'s output: `n·count` in (root), `count` out.
+    Scatter {
+        /// Elements per rank.
+        count: usize,
+        /// The sending rank.
+        root: usize,
+    },
+    /// No rank leaves before every rank has arrived.
+    Barrier,
+    /// Point to point: `count` elements of the input to `peer`.
+    Send {
+        /// Elements.
+        count: usize,
+        /// Destination rank.
+        peer: usize,
+    },
+    /// Point to point: `count` elements from `peer` into the output.
+    Recv {
+        /// Elements.
+        count: usize,
+        /// Source rank.
+        peer: usize,
+    },
+}
+
+impl Collective {
+    /// Short name, as `oxccl perf` and error messages spell it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Collective::AllReduce { .. } => "all_reduce",
+            Collective::ReduceScatter { .. } => "reduce_scatter",
+            Collective::AllGather { .. } => "all_gather",
+            Collective::Broadcast { .. } => "broadcast",
+            Collective::Reduce { .. } => "reduce",
+            Collective::AllToAll { .. } => "all_to_all",
+            Collective::AllToAllV { .. } => "all_to_allv",
+            Collective::Gather { .. } => "gather",
+            Collective::Scatter { .. } => "scatter",
+            Collective::Barrier => "barrier",
+            Collective::Send { .. } => "send",
+            Collective::Recv { .. } => "recv",
+        }
+    }
+
+    /// The root, for rooted collectives (the peer, for send and recv).
+    pub fn root(&self) -> Option<usize> {
+        match *self {
+            Collective::Broadcast { root, .. }
+            | Collective::Reduce { root, .. }
+            | Collective::Gather { root, .. }
+            | Collective::Scatter { root, .. } => Some(root),
+            Collective::Send { peer, .. } | Collective::Recv { peer, .. } => Some(peer),
+            _ => None,
+        }
+    }
+
+    /// The `count` that defines the collective (0 for barrier; total sent for all-to-allv).
+    pub fn count(&self) -> usize {
+        match self {
+            Collective::AllReduce { count }
+            | Collective::ReduceScatter { count }
+            | Collective::AllGather { count }
+            | Collective::Broadcast { count, .. }
+            | Collective::Reduce { count, .. }
+            | Collective::AllToAll { count }
+            | Collective::Gather { count, .. }
+            | Collective::Scatter { count, .. }
+            | Collective::Send { count, .. }
+            | Collective::Recv { count, .. } => *count,
+            Collective::AllToAllV { send_counts, .. } => send_counts.iter().sum(),
+            Collective::Barrier => 0,
+        }
+    }
+
+    /// Whether it combines values with a reduction operator.
+    pub fn reduces(&self) -> bool {
+        matches!(
+            self,
+            Collective::AllReduce { .. } | Collective::ReduceScatter { .. } | Collective::Reduce { .. }
+        )
+    }
+
+    /// Elements of `rank`'s input buffer.
+    pub fn input_len(&self, world: usize, rank: usize) -> usize {
+        match self {
+            Collective::AllReduce { count }
+            | Collective::AllGather { count }
+            | Collective::Reduce { count, .. }
+            | Collective::Gather { count, .. }
+            | Collective::Send { count, .. } => *count,
+            Collective::Broadcast { count, root } => {
+                if rank == *root {
+                    *count
+                } else {
+                    0
+                }
+            }
+            Collective::ReduceScatter { count } | Collective::AllToAll { count } => world * count,
+            Collective::Scatter { count, root } => {
+                if rank == *root {
+                    world * count
+                } else {
+                    0
+                }
+            }
+            Collective::AllToAllV { send_counts, .. } => send_counts.iter().sum(),
+            Collective::Barrier | Collective::Recv { .. } => 0,
+        }
+    }
+
+    /// Elements of `rank`'s output buffer.
+    pub fn output_len(&self, world: usize, rank: usize) -> usize {
+        match self {
+            Collective::AllReduce { count }
+            | Collective::ReduceScatter { count }
+            | Collective::Broadcast { count, .. }
+            | Collective::Scatter { count, .. }
+            | Collective::Recv { count, .. } => *count,
+            Collective::Reduce { count, root } => {
+                if rank == *root {
+                    *count
+                } else {
+                    0
+                }
+            }
+            Collective::AllGather { count } | Collective::AllToAll { count } => world * count,
+            Collective::Gather { count, root } => {
+                if rank == *root {
+                    world * count
+                } else {
+                    0
+                }
+            }
+            Collective::AllToAllV { recv_counts, .. } => recv_counts.iter().sum(),
+            Collective::Barrier | Collective::Send { .. } => 0,
+        }
+    }
+
+    /// Where input and output lie inside the single buffer of an in-place call (NCCL's
+    /// conventions): `(input offset, output offset)` in elements, or `None` when this
+    /// collective has no in-place form. All-gather's and gather's input is the rank's block of
+    /// the output; reduce-scatter's and scatter's output is the rank's block of the input.
+    pub fn in_place_offsets(&self, world: usize, rank: usize) -> Option<(usize, usize)> {
+        let _ = world;
+        match *self {
+            Collective::AllReduce { .. }
+            | Collective::Broadcast { .. }
+            | Collective::Reduce { .. }
+            | Collective::AllToAll { .. } => Some((0, 0)),
+            Collective::AllGather { count } => Some((rank * count, 0)),
+            Collective::Gather { count, root } => Some((if rank == root { rank * count } else { 0 }, 0)),
+            Collective::ReduceScatter { count } => Some((0, rank * count)),
+            Collective::Scatter { count, root } => Some((0, if rank == root { rank * count } else { 0 })),
+            _ => None,
+        }
+    }
+}
+
+/// The algorithms schedules are built with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Algorithm {
+    /// Pipelined ring (reduce-scatter then all-gather for all-reduce), per channel.
+    Ring,
+    /// Recursive doubling (all-reduce, small messages).
+    RecursiveDoubling,
+    /// Binomial tree (broadcast, reduce, small messages).
+    Tree,
+    /// Pipelined chain from or to the root (broadcast, reduce, large messages).
+    Chain,
+    /// Every pair exchanges directly (all-to-all, gather, scatter, send/recv).
+    Direct,
+    /// Dissemination rounds of empty messages (barrier).
+    Dissemination,
+}
+
+impl Algorithm {
+    /// Lower-case name, as `OXCCL_ALGO` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::Ring => "ring",
+            Algorithm::RecursiveDoubling => "rd",
+            Algorithm::Tree => "tree",
+            Algorithm::Chain => "chain",
+            Algorithm::Direct => "direct",
+            Algorithm::Dissemination => "dissemination",
+        }
+    }
+
+    /// Parses a name (`ring`, `rd`/`recursive_doubling`, `tree`, `chain`, `direct`,
+    /// `dissemination`).
+    pub fn from_name(s: &str) -> Option<Algorithm> {
+        Some(match s.to_ascii_lowercase().as_str() {
+            "ring" => Algorithm::Ring,
+            "rd" | "recursive_doubling" | "recursive-doubling" => Algorithm::RecursiveDoubling,
+            "tree" | "binomial" => Algorithm::Tree,
+            "chain" | "pipeline" => Algorithm::Chain,
+            "direct" => Algorithm::Direct,
+            "dissemination" => Algorithm::Dissemination,
+            _ => return None,
+        })
+    }
+
+    /// Whether this algorithm can run `coll`.
+    pub fn supports(self, coll: &Collective) -> bool {
+        use Algorithm::*;
+        match coll {
+            Collective::AllReduce { .. } => matches!(self, Ring | RecursiveDoubling),
+            Collective::ReduceScatter { .. } | Collective::AllGather { .. } => self == Ring,
+            Collective::Broadcast { .. } | Collective::Reduce { .. } => {
+                matches!(self, Tree | Chain)
+            }
+            Collective::Barrier => self == Dissemination,
+            _ => self == Direct,
+        }
+    }
+}
+
+/// Everything a schedule depends on.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Request {
+    /// The collective and its counts (this rank's, for all-to-allv).
+    pub coll: Collective,
+    /// Number of ranks.
+    pub world: usize,
+    /// This rank.
+    pub rank: usize,
+    /// Whether input and output are one buffer (see [`Collective::in_place_offsets`]);
+    /// schedules then order the steps that would
+    /// otherwise overwrite data still to be sent.
+    pub in_place: bool,
+    /// The algorithm.
+    pub algo: Algorithm,
+    /// Elements per pipelined slice (≥ 1).
+    pub chunk: usize,
+    /// Independent channels (rings) the data is split over (≥ 1).
+    pub channels: usize,
+}
+
+/// One rank's schedule.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Schedule {
+    /// The rank it belongs to.
+    pub rank: usize,
+    /// The steps, in order.
+    pub steps: Vec<Step>,
+    /// Elements of scratch space the steps use.
+    pub scratch: usize,
+}
+
+/// Splits `len` elements into `parts` nearly equal pieces: piece `i`'s (offset, len).
+pub fn split(len: usize, parts: usize, i: usize) -> (usize, usize) {
+    let base = len / parts;
+    let extra = len % parts;
+    let off = i * base + i.min(extra);
+    (off, base + usize::from(i < extra))
+}
+
+struct Builder {
+    steps: Vec<Step>,
+    scratch: usize,
+}
+
+impl Builder {
+    fn push(&mut self, op: Op, deps: impl IntoIterator<Item = Option<u32>>) -> u32 {
+        let mut deps: Vec<u32> = deps.into_iter().flatten().collect();
+        deps.sort_unstable();
+        deps.dedup();
+        self.steps.push(Step { op, deps });
+        (self.steps.len() - 1) as u32
+    }
+    fn send(&mut self, peer: usize, channel: u8, src: Region, deps: &[Option<u32>]) -> u32 {
+        self.push(Op::Send { peer, channel, src }, deps.iter().copied())
+    }
+    fn recv(
+        &mut self,
+        peer: usize,
+        channel: u8,
+        dst: Region,
+        reduce_with: Option<Region>,
+        deps: &[Option<u32>],
+    ) -> u32 {
+        self.push(
+            Op::Recv {
+                peer,
+                channel,
+                dst,
+                reduce_with,
+            },
+            deps.iter().copied(),
+        )
+    }
+    fn copy(&mut self, src: Region, dst: Region, deps: &[Option<u32>]) -> u32 {
+        self.push(Op::Copy { src, dst }, deps.iter().copied())
+    }
+}
+
+/// Builds `req.rank`'s schedule; an error says why the request is invalid.
+pub fn build(req: &Request) -> Result<Schedule, String> {
+    let n = req.world;
+    let r = req.rank;
+    if n == 0 || r >= n {
+        return Err(format!("rank {r} is outside a world of {n} ranks"));
+    }
+    if req.chunk == 0 || req.channels == 0 || req.channels > 64 {
+        return Err(format!(
+            "chunk {} and channels {} must be ≥ 1 (channels ≤ 64)",
+            req.chunk, req.channels
+        ));
+    }
+    if let Some(root) = req.coll.root() {
+        if root >= n {
+            return Err(format!(
+                "{} names rank {root}, outside a world of {n} ranks",
+                req.coll.name()
+            ));
+        }
+        if matches!(req.coll, Collective::Send { .. } | Collective::Recv { .. }) && root == r {
+            return Err(format!("{} to or from itself (rank {r})", req.coll.name()));
+        }
+    }
+    if let Collective::AllToAllV {
+        send_counts,
+        recv_counts,
+    } = &req.coll
+        && (send_counts.len() != n || recv_counts.len() != n)
+    {
+        return Err(format!(
+            "all_to_allv needs {n} send and receive counts, got {} and {}",
+            send_counts.len(),
+            recv_counts.len()
+        ));
+    }
+    if !req.algo.supports(&req.coll) {
+        return Err(format!(
+            "algorithm {} cannot run {}",
+            req.algo.name(),
+            req.coll.name()
+        ));
+    }
+    let mut b = Builder {
+        steps: Vec::new(),
+        scratch: 0,
+    };
+    let input = |off, len| Region::new(Buf::Input, off, len);
+    let output = |off, len| Region::new(Buf::Output, off, len);
+    match (&req.coll, req.algo) {
+        (Collective::Barrier, _) => dissemination(&mut b, n, r),
+        // Nothing moves for zero elements (all-to-allv can still receive what it doesn't send).
+        (c, _) if c.count() == 0 && !matches!(c, Collective::AllToAllV { .. }) => {}
+        (&Collective::AllReduce { count }, _) if n == 1 => {
+            b.copy(input(0, count), output(0, count), &[]);
+        }
+        (&Collective::AllReduce { count }, Algorithm::Ring) => ring_all_reduce(&mut b, req, count),
+        (&Collective::AllReduce { count }, _) => recursive_doubling(&mut b, n, r, count),
+        (&Collective::ReduceScatter { count }, _) => ring_reduce_scatter(&mut b, req, count),
+        (&Collective::AllGather { count }, _) => ring_all_gather(&mut b, req, count),
+        (&Collective::Broadcast { count, root }, algo) => {
+            if r == root {
+                b.copy(input(0, count), output(0, count), &[]);
+            }
+            if algo == Algorithm::Chain {
+                chain_broadcast(&mut b, req, count, root)
+            } else {
+                tree_broadcast(&mut b, n, r, count, root)
+            }
+        }
+        (&Collective::Reduce { count, root }, algo) => {
+            if n == 1 {
+                b.copy(input(0, count), output(0, count), &[]);
+            } else if algo == Algorithm::Chain {
+                chain_reduce(&mut b, req, count, root)
+            } else {
+                tree_reduce(&mut b, n, r, count, root)
+            }
+        }
+        (&Collective::AllToAll { count }, _) => {
+            let counts = vec![count; n];
+            pairwise(&mut b, n, r, &counts, &counts, req.in_place)
+        }
+        (
+            Collective::AllToAllV {
+                send_counts,
+                recv_counts,
+            },
+            _,
+        ) => pairwise(&mut b, n, r, send_counts, recv_counts, req.in_place),
+        (&Collective::Gather { count, root }, _) => {
+            if r == root {
+                b.copy(input(0, count), output(r * count, count), &[]);
+                for p in (0..n).filter(|&p| p != r) {
+                    b.recv(p, 0, output(p * count, count), None, &[]);
+                }
+            } else {
+                b.send(root, 0, input(0, count), &[]);
+            }
+        }
+        (&Collective::Scatter { count, root }, _) => {
+            if r == root {
+                for i in 1..n {
+                    let p = (r + i) % n;
+                    b.send(p, 0, input(p * count, count), &[]);
+                }
+                b.copy(input(r * count, count), output(0, count), &[]);
+            } else {
+                b.recv(root, 0, output(0, count), None, &[]);
+            }
+        }
+        (&Collective::Send { count, peer }, _) => {
+            b.send(peer, 0, input(0, count), &[]);
+        }
+        (&Collective::Recv { count, peer }, _) => {
+            b.recv(peer, 0, output(0, count), None, &[]);
+        }
+    }
+    Ok(Schedule {
+        rank: r,
+        steps: b.steps,
+        scratch: b.scratch,
+    })
+}
+
+/// Slices of a block of `len` elements: `k` nearly equal pieces where `k` is chosen from the
+/// largest block so that every rank cuts every block into the same number of slices.
+fn slices(max_block: usize, chunk: usize) -> usize {
+    max_block.div_ceil(chunk).max(1)
+}
+
+/// The ring over channel `ch`'s part of `count` elements: `(part offset, part len)`.
+fn channel_part(count: usize, channels: usize, ch: usize) -> (usize, usize) {
+    split(count, channels, ch)
+}
+
+fn ring_all_reduce(b: &mut Builder, req: &Request, count: usize) {
+    let (n, r) = (req.world, req.rank);
+    let next = (r + 1) % n;
+    let prev = (r + n - 1) % n;
+    let channels = req.channels.min(count).max(1);
+    for ch in 0..channels {
+        let (poff, plen) = channel_part(count, channels, ch);
+        let block = |i: usize| {
+            let (o, l) = split(plen, n, i % n);
+            (poff + o, l)
+        };
+        let k = slices(plen.div_ceil(n), req.chunk);
+        let slice = |blk: usize, s: usize| {
+            let (o, l) = block(blk);
+            let (so, sl) = split(l, k, s);
+            (o + so, sl)
+        };
+        let c = ch as u8;
+        // Reduce-scatter: at step t send block r-t, receive block r-t-1 and reduce it.
+        let mut rs_recv: Vec<Vec<u32>> = Vec::new();
+        let mut rs_send: Vec<Vec<u32>> = Vec::new();
+        for t in 0..n - 1 {
+            let sb = (r + n - t) % n;
+            let rb = (r + 2 * n - t - 1) % n;
+            let mut sends = Vec::new();
+            let mut recvs = Vec::new();
+            for s in 0..k {
+                let (so, sl) = slice(sb, s);
+                let src = if t == 0 {
+                    Region::new(Buf::Input, so, sl)
+                } else {
+                    Region::new(Buf::Output, so, sl)
+                };
+                let dep = if t == 0 { None } else { Some(rs_recv[t - 1][s]) };
+                sends.push(b.send(next, c, src, &[dep]));
+                let (ro, rl) = slice(rb, s);
+                recvs.push(b.recv(
+                    prev,
+                    c,
+                    Region::new(Buf::Output, ro, rl),
+                    Some(Region::new(Buf::Input, ro, rl)),
+                    &[],
+                ));
+            }
+            rs_send.push(sends);
+            rs_recv.push(recvs);
+        }
+        // All-gather: at step t send block r+1-t (reduced), receive block r-t.
+        let mut ag_recv: Vec<u32> = Vec::new();
+        for t in 0..n - 1 {
+            let sb = (r + 1 + n - t) % n;
+            let rb = (r + n - t) % n;
+            let mut recvs = Vec::new();
+            for s in 0..k {
+                let (so, sl) = slice(sb, s);
+                let dep = if t == 0 {
+                    rs_recv[n - 2][s]
+                } else {
+                    ag_recv[s]
+                };
+                b.send(next, c, Region::new(Buf::Output, so, sl), &[Some(dep)]);
+                let (ro, rl) = slice(rb, s);
+                // Block r-t was sent at reduce-scatter step t: that send must be done.
+                recvs.push(b.recv(
+                    prev,
+                    c,
+                    Region::new(Buf::Output, ro, rl),
+                    None,
+                    &[Some(rs_send[t][s])],
+                ));
+            }
+            ag_recv = recvs;
+        }
+    }
+}
+
+fn ring_reduce_scatter(b: &mut Builder, req: &Request, count: usize) {
+    let (n, r) = (req.world, req.rank);
+    if count == 0 {
+        return;
+    }
+    if n == 1 {
+        b.copy(
+            Region::new(Buf::Input, 0, count),
+            Region::new(Buf::Output, 0, count),
+            &[],
+        );
+        return;
+    }
+    let next = (r + 1) % n;
+    let prev = (r + n - 1) % n;
+    let channels = req.channels.min(count).max(1);
+    // Partials travel through two scratch blocks, used alternately.
+    b.scratch = 2 * count;
+    for ch in 0..channels {
+        let (poff, plen) = channel_part(count, channels, ch);
+        let k = slices(plen, req.chunk);
+        // Slice s of channel ch inside a block of `count` elements.
+        let slice = |s: usize| {
+            let (so, sl) = split(plen, k, s);
+            (poff + so, sl)
+        };
+        let c = ch as u8;
+        let mut prev_recv: Vec<u32> = Vec::new();
+        let mut sends: Vec<Vec<u32>> = Vec::new();
+        for t in 0..n - 1 {
+            // Send block r-t-1, receive block r-t-2; the last receive is block r.
+            let sb = (r + 2 * n - t - 1) % n;
+            let rb = (r + 2 * n - t - 2) % n;
+            let mut step_sends = Vec::new();
+            let mut recvs = Vec::new();
+            for s in 0..k {
+                let (so, sl) = slice(s);
+                let (src, dep) = if t == 0 {
+                    (Region::new(Buf::Input, sb * count + so, sl), None)
+                } else {
+                    let sc = ((t - 1) % 2) * count;
+                    (Region::new(Buf::Scratch, sc + so, sl), Some(prev_recv[s]))
+                };
+                step_sends.push(b.send(next, c, src, &[dep]));
+                let with = Region::new(Buf::Input, rb * count + so, sl);
+                let (dst, war) = if t == n - 2 {
+                    (Region::new(Buf::Output, so, sl), None)
+                } else {
+                    // Scratch half t%2 was last sent at step t-1.
+                    let war = if t >= 2 { Some(sends[t - 1][s]) } else { None };
+                    (Region::new(Buf::Scratch, (t % 2) * count + so, sl), war)
+                };
+                recvs.push(b.recv(prev, c, dst, Some(with), &[war]));
+            }
+            sends.push(step_sends);
+            prev_recv = recvs;
+        }
+    }
+}
+
+fn ring_all_gather(b: &mut Builder, req: &Request, count: usize) {
+    let (n, r) = (req.world, req.rank);
+    if count == 0 {
+        return;
+    }
+    b.copy(
+        Region::new(Buf::Input, 0, count),
+        Region::new(Buf::Output, r * count, count),
+        &[],
+    );
+    if n == 1 {
+        return;
+    }
+    let next = (r + 1) % n;
+    let prev = (r + n - 1) % n;
+    let channels = req.channels.min(count).max(1);
+    for ch in 0..channels {
+        let (poff, plen) = channel_part(count, channels, ch);
+        let k = slices(plen, req.chunk);
+        let slice = |s: usize| {
+            let (so, sl) = split(plen, k, s);
+            (poff + so, sl)
+        };
+        let c = ch as u8;
+        let mut prev_recv: Vec<u32> = Vec::new();
+        for t in 0..n - 1 {
+            let sb = (r + n - t) % n;
+            let rb = (r + 2 * n - t - 1) % n;
+            let mut recvs = Vec::new();
+            for s in 0..k {
+                let (so, sl) = slice(s);
+                let (src, dep) = if t == 0 {
+                    (Region::new(Buf::Input, so, sl), None)
+                } else {
+                    (
+                        Region::new(Buf::Output, sb * count + so, sl),
+                        Some(prev_recv[s]),
+                    )
+                };
+                b.send(next, c, src, &[dep]);
+                recvs.push(b.recv(
+                    prev,
+                    c,
+                    Region::new(Buf::Output, rb * count + so, sl),
+                    None,
+                    &[],
+                ));
+            }
+            prev_recv = recvs;
+        }
+    }
+}
+
+/// Recursive doubling over the largest power of two `p ≤ n`; ranks `p..n` first hand their
+/// input to rank `r - p` and get the result back at the end. Each round receives into
+/// scratch and reduces after its own send is done, so any message size is deadlock-free.
+fn recursive_doubling(b: &mut Builder, n: usize, r: usize, count: usize) {
+    let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
+    let all = |buf| Region::new(buf, 0, count);
+    b.scratch = count;
+    if r >= p {
+        let sent = b.send(r - p, 0, all(Buf::Input), &[]);
+        b.recv(r - p, 0, all(Buf::Output), None, &[Some(sent)]);
+        return;
+    }
+    let mut last = if r + p < n {
+        Some(b.recv(r + p, 0, all(Buf::Output), Some(all(Buf::Input)), &[]))
+    } else {
+        Some(b.copy(all(Buf::Input), all(Buf::Output), &[]))
+    };
+    let mut mask = 1;
+    while mask < p {
+        let partner = r ^ mask;
+        let send = b.send(partner, 0, all(Buf::Output), &[last]);
+        let recv = b.recv(partner, 0, all(Buf::Scratch), None, &[last]);
+        last = Some(b.push(
+            Op::Reduce {
+                dst: all(Buf::Output),
+                a: all(Buf::Output),
+                b: all(Buf::Scratch),
+            },
+            [Some(send), Some(recv)],
+        ));
+        mask <<= 1;
+    }
+    if r + p < n {
+        b.send(r + p, 0, all(Buf::Output), &[last]);
+    }
+}
+
+/// Binomial tree on ranks relative to the root: `v`'s parent is `v` without its highest bit;
+/// its children are `v + 2^j` for every `2^j` above that bit.
+fn tree_children(n: usize, v: usize) -> Vec<usize> {
+    let top = if v == 0 {
+        0
+    } else {
+        usize::BITS - v.leading_zeros()
+    };
+    (top..usize::BITS)
+        .map(|j| 1usize << j)
+        .take_while(|&m| v + m < n && m > v)
+        .map(|m| v + m)
+        .collect()
+}
+
+fn tree_parent(v: usize) -> usize {
+    v & !(1usize << (usize::BITS - 1 - v.leading_zeros()))
+}
+
+fn tree_broadcast(b: &mut Builder, n: usize, r: usize, count: usize, root: usize) {
+    let v = (r + n - root) % n;
+    let out = Region::new(Buf::Output, 0, count);
+    let (src, got) = if v == 0 {
+        (Region::new(Buf::Input, 0, count), None)
+    } else {
+        let parent = (tree_parent(v) + root) % n;
+        (out, Some(b.recv(parent, 0, out, None, &[])))
+    };
+    // Largest subtree first.
+    for c in tree_children(n, v).into_iter().rev() {
+        b.send((c + root) % n, 0, src, &[got]);
+    }
+}
+
+fn tree_reduce(b: &mut Builder, n: usize, r: usize, count: usize, root: usize) {
+    let v = (r + n - root) % n;
+    let acc = if v == 0 {
+        Region::new(Buf::Output, 0, count)
+    } else {
+        b.scratch = count;
+        Region::new(Buf::Scratch, 0, count)
+    };
+    let mut cur = Region::new(Buf::Input, 0, count);
+    let mut last = None;
+    for c in tree_children(n, v) {
+        last = Some(b.recv((c + root) % n, 0, acc, Some(cur), &[last]));
+        cur = acc;
+    }
+    if v == 0 {
+        if last.is_none() {
+            b.copy(cur, acc, &[]);
+        }
+    } else {
+        b.send((tree_parent(v) + root) % n, 0, cur, &[last]);
+    }
+}
+
+fn chain_broadcast(b: &mut Builder, req: &Request, count: usize, root: usize) {
+    let (n, r) = (req.world, req.rank);
+    if count == 0 || n == 1 {
+        return;
+    }
+    let v = (r + n - root) % n;
+    let next = (r + 1) % n;
+    let prev = (r + n - 1) % n;
+    let k = slices(count, req.chunk);
+    for s in 0..k {
+        let (o, l) = split(count, k, s);
+        let out = Region::new(Buf::Output, o, l);
+        if v == 0 {
+            b.send(next, 0, Region::new(Buf::Input, o, l), &[]);
+        } else {
+            let got = b.recv(prev, 0, out, None, &[]);
+            if v + 1 < n {
+                b.send(next, 0, out, &[Some(got)]);
+            }
+        }
+    }
+}
+
+/// The chain runs from relative rank `n-1` down to the root: each rank adds its input to what
+/// arrives from `v+1` and passes it to `v-1`.
+fn chain_reduce(b: &mut Builder, req: &Request, count: usize, root: usize) {
+    let (n, r) = (req.world, req.rank);
+    if count == 0 {
+        return;
+    }
+    let v = (r + n - root) % n;
+    let up = (r + 1) % n; // relative v+1
+    let down = (r + n - 1) % n; // relative v-1
+    let acc_buf = if v == 0 { Buf::Output } else { Buf::Scratch };
+    if v != 0 && v + 1 < n {
+        b.scratch = count;
+    }
+    let k = slices(count, req.chunk);
+    for s in 0..k {
+        let (o, l) = split(count, k, s);
+        let input = Region::new(Buf::Input, o, l);
+        if v + 1 == n {
+            b.send(down, 0, input, &[]);
+        } else {
+            let acc = Region::new(acc_buf, o, l);
+            let got = b.recv(up, 0, acc, Some(input), &[]);
+            if v != 0 {
+                b.send(down, 0, acc, &[Some(got)]);
+            }
+        }
+    }
+}
+
+/// At step `i`, rank `r` exchanges with `(i - r) mod n`: a perfect matching per step (its own
+/// block when the partner is itself), so every pair of ranks talks at the same step. In place,
+/// blocks arrive in scratch and move to the buffer once the same block has been sent (waiting
+/// in the receive itself could deadlock when a block spans more fragments than slots).
+fn pairwise(
+    b: &mut Builder,
+    n: usize,
+    r: usize,
+    send_counts: &[usize],
+    recv_counts: &[usize],
+    in_place: bool,
+) {
+    let offsets = |counts: &[usize]| {
+        let mut acc = 0;
+        counts
+            .iter()
+            .map(|&c| {
+                let o = acc;
+                acc += c;
+                o
+            })
+            .collect::<Vec<_>>()
+    };
+    let so = offsets(send_counts);
+    let ro = offsets(recv_counts);
+    if in_place {
+        b.scratch = recv_counts.iter().sum();
+    }
+    for i in 0..n {
+        let p = (i + n - r % n) % n;
+        if p == r {
+            b.copy(
+                Region::new(Buf::Input, so[r], send_counts[r]),
+                Region::new(Buf::Output, ro[r], recv_counts[r]),
+                &[],
+            );
+            continue;
+        }
+        let sent = b.send(p, 0, Region::new(Buf::Input, so[p], send_counts[p]), &[]);
+        let out = Region::new(Buf::Output, ro[p], recv_counts[p]);
+        if in_place {
+            // Block p of the buffer is still being sent: receive beside it, move it after.
+            let tmp = Region::new(Buf::Scratch, ro[p], recv_counts[p]);
+            let got = b.recv(p, 0, tmp, None, &[]);
+            b.copy(tmp, out, &[Some(sent), Some(got)]);
+        } else {
+            b.recv(p, 0, out, None, &[]);
+        }
+    }
+}
+
+fn dissemination(b: &mut Builder, n: usize, r: usize) {
+    let mut last = None;
+    let mut d = 1;
+    while d < n {
+        let empty = Region::new(Buf::Input, 0, 0);
+        b.send((r + d) % n, 0, empty, &[last]);
+        last = Some(b.recv(
+            (r + n - d) % n,
+            0,
+            Region::new(Buf::Output, 0, 0),
+            None,
+            &[last],
+        ));
+        d <<= 1;
+    }
+}

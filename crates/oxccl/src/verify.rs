@@ -1,0 +1,704 @@
+//! The reference executor: runs every rank's [`Schedule`] in memory, in a random order that
+//! respects each schedule's dependencies, matching rules and flow control, over symbolic
+//! elements, and checks the outcome against the collective's definition.
+//!
+//! Each input element is the symbol `(index, {rank})`; a reduction of two symbols must name the
+//! same index and disjoint rank sets, so an element reduced twice, reduced with the wrong
+//! element, or never reduced is caught, whatever the data type. Transfers move in fragments of
+//! `chunk` elements through `slots` slots per (sender, receiver, channel), exactly like the
+//! executor; a send's completion comes at a random later moment, and any write to memory a
+//! send has not finished reading is reported. A barrier must not let a rank finish before every
+//! rank has started.
+//!
+//! ```
+//! use oxccl::schedule::{Algorithm, Collective, Request};
+//! let reqs: Vec<Request> = (0..5)
+//!     .map(|rank| Request {
+//!         coll: Collective::AllReduce { count: 37 },
+//!         world: 5,
+//!         rank,
+//!         in_place: false,
+//!         algo: Algorithm::Ring,
+//!         chunk: 4,
+//!         channels: 2,
+//!     })
+//!     .collect();
+//! oxccl::verify::verify(&reqs, 2, 42).unwrap();
+//! ```
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::schedule::{Buf, Collective, Op, Region, Request, Schedule, build};
+
+/// A symbolic element: which input element it derives from, and whose contributions it holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Sym {
+    idx: u32,
+    mask: u64,
+}
+
+const POISON: Sym = Sym {
+    idx: u32::MAX,
+    mask: 0,
+};
+
+struct Fragment {
+    data: Vec<Sym>,
+    total: usize,
+    know: u64,
+}
+
+struct RankState {
+    sched: Schedule,
+    /// One buffer when in place, else input and output separately.
+    input: Vec<Sym>,
+    output: Vec<Sym>,
+    in_place: Option<(usize, usize)>,
+    scratch: Vec<Sym>,
+    done: Vec<bool>,
+    /// Fragments posted (sends) or consumed (receives) per step.
+    progress: Vec<usize>,
+    /// Sends fully posted and awaiting completion.
+    completing: Vec<usize>,
+    /// Regions sends are still reading: (step, region).
+    reading: Vec<(usize, Region)>,
+    /// Copy and reduce steps not yet run.
+    locals: Vec<usize>,
+    send_q: HashMap<(usize, u8), VecDeque<usize>>,
+    recv_q: HashMap<(usize, u8), VecDeque<usize>>,
+    /// Ranks whose start this rank has (transitively) heard of.
+    know: u64,
+}
+
+impl RankState {
+    /// Physical location of a region: (buffer id, offset); buffer 0 = input, 1 = output,
+    /// 2 = scratch; in place, input and output are buffer 1 at their offsets.
+    fn locate(&self, reg: Region) -> (u8, usize) {
+        match (reg.buf, self.in_place) {
+            (Buf::Scratch, _) => (2, reg.offset),
+            (Buf::Input, Some((i, _))) => (1, i + reg.offset),
+            (Buf::Output, Some((_, o))) => (1, o + reg.offset),
+            (Buf::Input, None) => (0, reg.offset),
+            (Buf::Output, None) => (1, reg.offset),
+        }
+    }
+
+    fn buffer(&self, id: u8) -> &Vec<Sym> {
+        match id {
+            0 => &self.input,
+            1 => &self.output,
+            _ => &self.scratch,
+        }
+    }
+
+    fn read(&self, reg: Region) -> Result<Vec<Sym>, String> {
+        let (id, off) = self.locate(reg);
+        self.buffer(id)
+            .get(off..off + reg.len)
+            .map(<[Sym]>::to_vec)
+            .ok_or_else(|| format!("read of {reg:?} is out of bounds"))
+    }
+
+    fn write(&mut self, reg: Region, data: &[Sym]) -> Result<(), String> {
+        if reg.buf == Buf::Input && self.in_place.is_none() {
+            return Err(format!("writes to the input buffer: {reg:?}"));
+        }
+        let (id, off) = self.locate(reg);
+        for &(step, r) in &self.reading {
+            let (rid, roff) = self.locate(r);
+            if rid == id && off < roff + r.len && roff < off + reg.len && reg.len > 0 {
+                return Err(format!(
+                    "overwrites {reg:?} while step {step} is still sending it"
+                ));
+            }
+        }
+        let buf = match id {
+            0 => &mut self.input,
+            1 => &mut self.output,
+            _ => &mut self.scratch,
+        };
+        buf.get_mut(off..off + reg.len)
+            .ok_or_else(|| format!("write of {reg:?} is out of bounds"))?
+            .copy_from_slice(data);
+        Ok(())
+    }
+
+    fn deps_done(&self, step: usize) -> bool {
+        self.sched.steps[step]
+            .deps
+            .iter()
+            .all(|&d| self.done[d as usize])
+    }
+}
+
+fn combine(a: Sym, b: Sym) -> Result<Sym, String> {
+    if a == POISON || b == POISON {
+        return Err(format!("reduces an unwritten element ({a:?} ⊕ {b:?})"));
+    }
+    if a.idx != b.idx {
+        return Err(format!(
+            "reduces element {} with element {}",
+            a.idx, b.idx
+        ));
+    }
+    if a.mask & b.mask != 0 {
+        return Err(format!(
+            "reduces the contribution of ranks {:#x} twice into element {}",
+            a.mask & b.mask,
+            a.idx
+        ));
+    }
+    Ok(Sym {
+        idx: a.idx,
+        mask: a.mask | b.mask,
+    })
+}
+
+fn reduce_slices(a: &[Sym], b: &[Sym]) -> Result<Vec<Sym>, String> {
+    if a.len() != b.len() {
+        return Err(format!("reduces {} elements with {}", a.len(), b.len()));
+    }
+    a.iter().zip(b).map(|(&x, &y)| combine(x, y)).collect()
+}
+
+enum Action {
+    Post(usize, usize),
+    Complete(usize, usize),
+    Consume(usize, usize),
+    Local(usize, usize),
+}
+
+struct Rng(u64);
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+}
+
+/// Builds every rank's schedule from `reqs` (one per rank, in rank order) and runs them
+/// together with `slots` receive slots per (sender, receiver, channel) and fragments of
+/// `reqs[r].chunk` elements, choosing among enabled actions with a PRNG seeded by `seed`.
+/// Returns the first violation: a build error, a deadlock, a mismatched transfer, a hazard or
+/// a wrong result, naming the rank and step.
+pub fn verify(reqs: &[Request], slots: usize, seed: u64) -> Result<(), String> {
+    let scheds = reqs
+        .iter()
+        .enumerate()
+        .map(|(r, req)| build(req).map_err(|e| format!("rank {r}: {e}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    verify_schedules(reqs, scheds, slots, seed)
+}
+
+/// [`verify`] with schedules given rather than built (to check a hand-made or mutated one).
+pub fn verify_schedules(
+    reqs: &[Request],
+    scheds: Vec<Schedule>,
+    slots: usize,
+    seed: u64,
+) -> Result<(), String> {
+    let n = reqs.len();
+    if scheds.len() != n {
+        return Err(format!("{} schedules for {n} requests", scheds.len()));
+    }
+    if n == 0 || n > 64 {
+        return Err(format!("verify runs 1..=64 ranks, got {n}"));
+    }
+    if slots == 0 {
+        return Err("slots must be ≥ 1".into());
+    }
+    let mut ranks = Vec::with_capacity(n);
+    for ((r, req), sched) in reqs.iter().enumerate().zip(scheds) {
+        if req.rank != r || req.world != n {
+            return Err(format!(
+                "request {r} is for rank {} of {} ranks",
+                req.rank, req.world
+            ));
+        }
+        let in_len = req.coll.input_len(n, r);
+        let out_len = req.coll.output_len(n, r);
+        let in_place = if req.in_place {
+            Some(
+                req.coll
+                    .in_place_offsets(n, r)
+                    .ok_or_else(|| format!("{} has no in-place form", req.coll.name()))?,
+            )
+        } else {
+            None
+        };
+        let input: Vec<Sym> = (0..in_len)
+            .map(|i| Sym {
+                idx: i as u32,
+                mask: 1 << r,
+            })
+            .collect();
+        let (input, output) = match in_place {
+            Some((io, oo)) => {
+                let mut buf = vec![POISON; (io + in_len).max(oo + out_len)];
+                buf[io..io + in_len].copy_from_slice(&input);
+                (Vec::new(), buf)
+            }
+            None => (input, vec![POISON; out_len]),
+        };
+        let mut send_q: HashMap<(usize, u8), VecDeque<usize>> = HashMap::new();
+        let mut recv_q: HashMap<(usize, u8), VecDeque<usize>> = HashMap::new();
+        for (i, step) in sched.steps.iter().enumerate() {
+            if step.deps.iter().any(|&d| d as usize >= i) {
+                return Err(format!("rank {r} step {i} depends on a later step"));
+            }
+            match step.op {
+                Op::Send { peer, channel, .. } | Op::Recv { peer, channel, .. }
+                    if peer >= n || peer == r =>
+                {
+                    return Err(format!(
+                        "rank {r} step {i} talks to rank {peer} (channel {channel})"
+                    ));
+                }
+                Op::Send { peer, channel, .. } => {
+                    send_q.entry((peer, channel)).or_default().push_back(i)
+                }
+                Op::Recv { peer, channel, .. } => {
+                    recv_q.entry((peer, channel)).or_default().push_back(i)
+                }
+                _ => {}
+            }
+        }
+        let steps = sched.steps.len();
+        let locals = (0..steps)
+            .filter(|&i| matches!(sched.steps[i].op, Op::Copy { .. } | Op::Reduce { .. }))
+            .collect();
+        ranks.push(RankState {
+            locals,
+            scratch: vec![POISON; sched.scratch],
+            sched,
+            input,
+            output,
+            in_place,
+            done: vec![false; steps],
+            progress: vec![0; steps],
+            completing: Vec::new(),
+            reading: Vec::new(),
+            send_q,
+            recv_q,
+            know: 1 << r,
+        });
+    }
+    let mut wires: HashMap<(usize, usize, u8), VecDeque<Fragment>> = HashMap::new();
+    let mut rng = Rng(seed | 1);
+    let frags = |len: usize, chunk: usize| len.div_ceil(chunk).max(1);
+    loop {
+        let mut actions = Vec::new();
+        for (r, st) in ranks.iter().enumerate() {
+            for (&(peer, ch), q) in &st.send_q {
+                if let Some(&s) = q.front()
+                    && st.deps_done(s)
+                    && wires.get(&(r, peer, ch)).map_or(0, VecDeque::len) < slots
+                {
+                    actions.push(Action::Post(r, s));
+                }
+            }
+            for &s in &st.completing {
+                actions.push(Action::Complete(r, s));
+            }
+            for (&(peer, ch), q) in &st.recv_q {
+                if let Some(&s) = q.front()
+                    && st.deps_done(s)
+                    && wires.get(&(peer, r, ch)).is_some_and(|w| !w.is_empty())
+                {
+                    actions.push(Action::Consume(r, s));
+                }
+            }
+            for &s in &st.locals {
+                if st.deps_done(s) {
+                    actions.push(Action::Local(r, s));
+                }
+            }
+        }
+        if actions.is_empty() {
+            break;
+        }
+        let action = actions.swap_remove(rng.below(actions.len()));
+        let fail = |r: usize, s: usize, e: String| format!("rank {r} step {s}: {e}");
+        match action {
+            Action::Post(r, s) => {
+                let st = &mut ranks[r];
+                let Op::Send { peer, channel, src } = st.sched.steps[s].op else {
+                    unreachable!()
+                };
+                let chunk = reqs[r].chunk;
+                let k = st.progress[s];
+                let (off, len) = (k * chunk, src.len.saturating_sub(k * chunk).min(chunk));
+                let data = st.read(src.sub(off.min(src.len), len)).map_err(|e| fail(r, s, e))?;
+                if data.contains(&POISON) {
+                    return Err(fail(r, s, format!("sends unwritten data from {src:?}")));
+                }
+                if k == 0 {
+                    st.reading.push((s, src));
+                }
+                wires
+                    .entry((r, peer, channel))
+                    .or_default()
+                    .push_back(Fragment {
+                        data,
+                        total: src.len,
+                        know: st.know,
+                    });
+                st.progress[s] += 1;
+                if st.progress[s] == frags(src.len, chunk) {
+                    st.send_q.get_mut(&(peer, channel)).unwrap().pop_front();
+                    st.completing.push(s);
+                }
+            }
+            Action::Complete(r, s) => {
+                let st = &mut ranks[r];
+                st.completing.retain(|&x| x != s);
+                st.reading.retain(|&(x, _)| x != s);
+                st.done[s] = true;
+            }
+            Action::Consume(r, s) => {
+                let Op::Recv {
+                    peer,
+                    channel,
+                    dst,
+                    reduce_with,
+                } = ranks[r].sched.steps[s].op
+                else {
+                    unreachable!()
+                };
+                let frag = wires
+                    .get_mut(&(peer, r, channel))
+                    .and_then(VecDeque::pop_front)
+                    .expect("enabled");
+                let st = &mut ranks[r];
+                if frag.total != dst.len {
+                    return Err(fail(
+                        r,
+                        s,
+                        format!(
+                            "receives {} elements from rank {peer} (channel {channel}), \
+                             which sends {}",
+                            dst.len, frag.total
+                        ),
+                    ));
+                }
+                let chunk = reqs[peer].chunk;
+                let k = st.progress[s];
+                let part = dst.sub((k * chunk).min(dst.len), frag.data.len());
+                let value = match reduce_with {
+                    Some(w) => {
+                        let local = st
+                            .read(w.sub((k * chunk).min(w.len), frag.data.len()))
+                            .map_err(|e| fail(r, s, e))?;
+                        reduce_slices(&local, &frag.data).map_err(|e| fail(r, s, e))?
+                    }
+                    None => frag.data,
+                };
+                st.write(part, &value).map_err(|e| fail(r, s, e))?;
+                st.know |= frag.know;
+                st.progress[s] += 1;
+                if st.progress[s] == frags(dst.len, chunk) {
+                    st.recv_q.get_mut(&(peer, channel)).unwrap().pop_front();
+                    st.done[s] = true;
+                }
+            }
+            Action::Local(r, s) => {
+                let st = &mut ranks[r];
+                match st.sched.steps[s].op {
+                    Op::Copy { src, dst } => {
+                        if src.len != dst.len {
+                            return Err(fail(r, s, format!("copies {src:?} into {dst:?}")));
+                        }
+                        if st.locate(src) != st.locate(dst) {
+                            let data = st.read(src).map_err(|e| fail(r, s, e))?;
+                            st.write(dst, &data).map_err(|e| fail(r, s, e))?;
+                        }
+                    }
+                    Op::Reduce { dst, a, b } => {
+                        let a = st.read(a).map_err(|e| fail(r, s, e))?;
+                        let b = st.read(b).map_err(|e| fail(r, s, e))?;
+                        let v = reduce_slices(&a, &b).map_err(|e| fail(r, s, e))?;
+                        st.write(dst, &v).map_err(|e| fail(r, s, e))?;
+                    }
+                    _ => unreachable!(),
+                }
+                st.locals.retain(|&x| x != s);
+                st.done[s] = true;
+            }
+        }
+    }
+    for (r, st) in ranks.iter().enumerate() {
+        if let Some(s) = st.done.iter().position(|d| !d) {
+            return Err(format!(
+                "deadlock: rank {r} cannot run step {s} ({:?}, deps {:?})",
+                st.sched.steps[s].op, st.sched.steps[s].deps
+            ));
+        }
+    }
+    if let Some(((a, b, c), _)) = wires.iter().find(|(_, w)| !w.is_empty()) {
+        return Err(format!(
+            "rank {a} sent rank {b} (channel {c}) more than it received"
+        ));
+    }
+    check_results(reqs, &ranks)
+}
+
+fn check_results(reqs: &[Request], ranks: &[RankState]) -> Result<(), String> {
+    let n = reqs.len();
+    let full = if n == 64 { u64::MAX } else { (1u64 << n) - 1 };
+    let one = |idx: usize, rank: usize| Sym {
+        idx: idx as u32,
+        mask: 1 << rank,
+    };
+    let all = |idx: usize| Sym {
+        idx: idx as u32,
+        mask: full,
+    };
+    for (r, st) in ranks.iter().enumerate() {
+        let coll = &reqs[r].coll;
+        let out_len = coll.output_len(n, r);
+        let expect: Vec<Sym> = match coll {
+            Collective::Reduce { root, .. } | Collective::Gather { root, .. } if *root != r => {
+                Vec::new()
+            }
+            Collective::AllReduce { count } | Collective::Reduce { count, .. } => {
+                (0..*count).map(all).collect()
+            }
+            Collective::ReduceScatter { count } => (0..*count).map(|i| all(r * count + i)).collect(),
+            Collective::AllGather { count } | Collective::Gather { count, .. } => (0..n)
+                .flat_map(|j| (0..*count).map(move |i| one(i, j)))
+                .collect(),
+            Collective::Broadcast { count, root } => (0..*count).map(|i| one(i, *root)).collect(),
+            Collective::AllToAll { count } => (0..n)
+                .flat_map(|j| (0..*count).map(move |i| one(r * count + i, j)))
+                .collect(),
+            Collective::AllToAllV { .. } => {
+                let mut v = Vec::new();
+                for (j, req) in reqs.iter().enumerate() {
+                    let Collective::AllToAllV { send_counts, .. } = &req.coll else {
+                        return Err(format!("rank {j} runs {}, not all_to_allv", req.coll.name()));
+                    };
+                    let off: usize = send_counts[..r].iter().sum();
+                    v.extend((0..send_counts[r]).map(|i| one(off + i, j)));
+                }
+                v
+            }
+            Collective::Scatter { count, root } => {
+                (0..*count).map(|i| one(r * count + i, *root)).collect()
+            }
+            Collective::Barrier => {
+                if st.know != full {
+                    return Err(format!(
+                        "barrier: rank {r} finished without hearing from ranks {:#x}",
+                        full & !st.know
+                    ));
+                }
+                Vec::new()
+            }
+            Collective::Send { .. } => Vec::new(),
+            Collective::Recv { count, peer } => (0..*count).map(|i| one(i, *peer)).collect(),
+        };
+        if expect.len() != out_len {
+            return Err(format!(
+                "rank {r}: expected {} output elements, the output holds {out_len}",
+                expect.len()
+            ));
+        }
+        let got = st.read(Region::new(Buf::Output, 0, out_len))?;
+        if let Some(i) = (0..out_len).find(|&i| got[i] != expect[i]) {
+            return Err(format!(
+                "rank {r}: {} output element {i} is {:?}, expected {:?}",
+                coll.name(),
+                got[i],
+                expect[i]
+            ));
+        }
+        // The input is read-only (out of place): still the original values.
+        if st.in_place.is_none()
+            && let Some(i) = (0..st.input.len()).find(|&i| st.input[i] != one(i, r))
+        {
+            return Err(format!("rank {r}: input element {i} was modified"));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedule::Algorithm;
+
+    fn colls(n: usize, count: usize, root: usize) -> Vec<(Collective, Vec<Algorithm>)> {
+        use Algorithm::*;
+        vec![
+            (Collective::AllReduce { count }, vec![Ring, RecursiveDoubling]),
+            (Collective::ReduceScatter { count }, vec![Ring]),
+            (Collective::AllGather { count }, vec![Ring]),
+            (Collective::Broadcast { count, root }, vec![Tree, Chain]),
+            (Collective::Reduce { count, root }, vec![Tree, Chain]),
+            (Collective::AllToAll { count }, vec![Direct]),
+            (Collective::Gather { count, root }, vec![Direct]),
+            (Collective::Scatter { count, root }, vec![Direct]),
+            (Collective::Barrier, vec![Dissemination]),
+        ]
+        .into_iter()
+        .filter(|_| n > 0)
+        .collect()
+    }
+
+    fn run(coll: &Collective, n: usize, algo: Algorithm, in_place: bool, chunk: usize, channels: usize, slots: usize, seed: u64) -> Result<(), String> {
+        let reqs: Vec<Request> = (0..n)
+            .map(|rank| Request {
+                coll: coll.clone(),
+                world: n,
+                rank,
+                in_place,
+                algo,
+                chunk,
+                channels,
+            })
+            .collect();
+        verify(&reqs, slots, seed).map_err(|e| {
+            format!("{} n={n} algo={} in_place={in_place} chunk={chunk} channels={channels} slots={slots} seed={seed}: {e}", coll.name(), algo.name())
+        })
+    }
+
+    /// Every collective and algorithm for world sizes `worlds`, counts around the world size,
+    /// in and out of place, one slot and several.
+    fn every_collective(worlds: std::ops::RangeInclusive<usize>) -> usize {
+        let mut cases = 0;
+        for n in worlds {
+            for count in [0, 1, n.saturating_sub(1), n, 2 * n + 3, 61] {
+                let root = (count * 7 + 3) % n;
+                for (coll, algos) in colls(n, count, root) {
+                    for algo in algos {
+                        let in_place_forms = if coll.in_place_offsets(n, 0).is_some() {
+                            vec![false, true]
+                        } else {
+                            vec![false]
+                        };
+                        for in_place in in_place_forms {
+                            for (chunk, channels, slots) in [(1, 1, 1), (3, 2, 2), (64, 3, 4)] {
+                                if chunk == 1 && count > 2 * n + 3 {
+                                    continue;
+                                }
+                                let seed = (n * 1000 + count * 10 + chunk) as u64;
+                                run(&coll, n, algo, in_place, chunk, channels, slots, seed).unwrap();
+                                cases += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        cases
+    }
+
+    #[test]
+    fn every_collective_world_sizes_1_to_8() {
+        assert!(every_collective(1..=8) > 2000);
+    }
+
+    #[test]
+    fn every_collective_world_sizes_9_to_16() {
+        assert!(every_collective(9..=16) > 2000);
+    }
+
+    #[test]
+    fn all_to_allv_and_point_to_point() {
+        for n in 1..=9 {
+            for seed in 0..4u64 {
+                // counts[i][j]: what rank i sends rank j.
+                let counts: Vec<Vec<usize>> = (0..n)
+                    .map(|i| (0..n).map(|j| ((i * 7 + j * 3 + seed as usize) % 5) * (i + 1) % 7).collect())
+                    .collect();
+                let reqs: Vec<Request> = (0..n)
+                    .map(|rank| Request {
+                        coll: Collective::AllToAllV {
+                            send_counts: counts[rank].clone(),
+                            recv_counts: (0..n).map(|j| counts[j][rank]).collect(),
+                        },
+                        world: n,
+                        rank,
+                        in_place: false,
+                        algo: Algorithm::Direct,
+                        chunk: 2,
+                        channels: 1,
+                    })
+                    .collect();
+                verify(&reqs, 1, seed).unwrap();
+            }
+        }
+        let p2p = |rank: usize| Request {
+            coll: if rank == 0 {
+                Collective::Send { count: 9, peer: 1 }
+            } else {
+                Collective::Recv { count: 9, peer: 0 }
+            },
+            world: 2,
+            rank,
+            in_place: false,
+            algo: Algorithm::Direct,
+            chunk: 4,
+            channels: 1,
+        };
+        verify(&[p2p(0), p2p(1)], 1, 1).unwrap();
+    }
+
+    /// The verifier catches what it claims to: a mismatched count, a missing dependency, a
+    /// schedule that deadlocks.
+    #[test]
+    fn verifier_catches_planted_bugs() {
+        let req = |rank: usize, count: usize| Request {
+            coll: Collective::AllReduce { count },
+            world: 3,
+            rank,
+            in_place: false,
+            algo: Algorithm::Ring,
+            chunk: 2,
+            channels: 1,
+        };
+        // One rank with another count.
+        verify(&[req(0, 9), req(1, 9), req(2, 10)], 2, 1).unwrap_err();
+
+        let reqs: Vec<Request> = (0..3).map(|r| Request { in_place: true, ..req(r, 12) }).collect();
+        let good: Vec<Schedule> = reqs.iter().map(|r| build(r).unwrap()).collect();
+        verify_schedules(&reqs, good.clone(), 1, 1).unwrap();
+        // Drop every dependency of one rank: some seed must expose it.
+        let mut bad = good.clone();
+        for s in &mut bad[1].steps {
+            s.deps.clear();
+        }
+        let caught = (0..50).any(|seed| verify_schedules(&reqs, bad.clone(), 2, seed).is_err());
+        assert!(caught, "no seed caught a schedule without dependencies");
+        // Drop one receive: the sender's data is never taken.
+        let mut bad = good.clone();
+        let i = bad[2].steps.iter().rposition(|s| matches!(s.op, Op::Recv { .. })).unwrap();
+        bad[2].steps.remove(i);
+        verify_schedules(&reqs, bad, 4, 1).unwrap_err();
+        // Two ranks that both receive before they send: deadlock.
+        let p = |rank: usize| Request { coll: Collective::Barrier, world: 2, rank, in_place: false, algo: Algorithm::Dissemination, chunk: 1, channels: 1 };
+        let mut dl: Vec<Schedule> = (0..2).map(|r| build(&p(r)).unwrap()).collect();
+        for s in &mut dl {
+            s.steps.swap(0, 1);
+            s.steps[1].deps = vec![0];
+        }
+        let e = verify_schedules(&[p(0), p(1)], dl, 1, 1).unwrap_err();
+        assert!(e.contains("deadlock"), "{e}");
+    }
+
+    #[test]
+    fn schedules_are_deterministic() {
+        let req = Request {
+            coll: Collective::AllReduce { count: 1000 },
+            world: 6,
+            rank: 4,
+            in_place: false,
+            algo: Algorithm::Ring,
+            chunk: 17,
+            channels: 3,
+        };
+        assert_eq!(build(&req), build(&req));
+    }
+}

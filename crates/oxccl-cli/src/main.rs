@@ -8,7 +8,9 @@
 //! - `store`: a standalone rendezvous store for `oxccl-bootstrap` (ranks then set
 //!   `OXCCL_STORE_STANDALONE=1` and `OXCCL_STORE_ADDR`).
 //! - `run`: a local launcher like `torchrun --standalone`: `oxccl run -n N PROGRAM ARGS...`.
+//! - `perf`: collective benchmarks in the nccl-tests format: `oxccl perf all_reduce -n 4`.
 
+mod perf;
 mod run;
 mod verbs_perf;
 
@@ -38,6 +40,9 @@ enum Command {
     VerbsPerf(verbs_perf::Args),
     /// A standalone rendezvous store: serves until killed; refusals are logged to stderr.
     Store(StoreArgs),
+    /// Collective benchmarks in the format of nccl-tests (launches its own ranks unless
+    /// started by a launcher).
+    Perf(perf::Args),
     /// Start N ranks of PROGRAM on this host with torchrun's environment; stop all when one fails.
     Run(run::Args),
 }
@@ -92,6 +97,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::VerbsPerf(args) => verbs_perf::main(args),
         Command::Run(args) => return run::main(args),
+        Command::Perf(args) => return perf::main(args),
         Command::Store(args) => {
             return match store_main(args) {
                 Ok(()) => ExitCode::SUCCESS,

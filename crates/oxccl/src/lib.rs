@@ -1,9 +1,71 @@
 //! # oxccl: collective communication over verbs
+//!
+//! A [`Communicator`] joins the ranks of a job (found through `oxccl_bootstrap`) with
+//! queue pairs: the shm provider between ranks of one host, tcp across hosts. Its collectives
+//! (all-reduce, reduce-scatter, all-gather, broadcast, reduce, all-to-all(v), gather, scatter,
+//! barrier, send/recv) work for every [`DataType`] and [`ReduceOp`], in and out of place, for
+//! any count, blocking or through [`Communicator::submit`].
+//!
+//! Algorithms are data: [`schedule::build`] turns (collective, world size, rank, count,
+//! algorithm) into a per-rank [`schedule::Schedule`] of steps with dependencies, without I/O;
+//! [`verify::verify`] runs every rank's schedule against a symbolic reference; the executor
+//! runs them over verbs with a credit-based slot protocol.
+//!
+//! ```
+//! use std::time::Duration;
+//! use oxccl::{Communicator, Options, ReduceOp};
+//! use oxccl_bootstrap::{Bootstrap, Config, Secret, StoreServer};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let secret = Secret::new("the job's shared secret")?;
+//! let server = StoreServer::bind("127.0.0.1:0", secret.clone())?;
+//! let addr = server.addr().to_string();
+//! let ranks: Vec<_> = (0..3)
+//!     .map(|rank| {
+//!         let mut config = Config::new(rank, 3, addr.clone(), secret.clone());
+//!         config.serve_store = false;
+//!         config.timeout = Duration::from_secs(20);
+//!         std::thread::spawn(move || -> oxccl::Result<Vec<f32>> {
+//!             let comm = Communicator::init(Bootstrap::new(config)?, Options::default())?;
+//!             let mut grad = vec![rank as f32 + 1.0; 1000];
+//!             comm.all_reduce_in_place(&mut grad, ReduceOp::Sum)?;
+//!             comm.destroy()?;
+//!             Ok(grad)
+//!         })
+//!     })
+//!     .collect();
+//! for r in ranks {
+//!     assert!(r.join().unwrap()?.iter().all(|&x| x == 6.0));
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! ## Environment
+//! `OXCCL_TIMEOUT` (seconds), `OXCCL_PROVIDER` (`shm`/`tcp`), `OXCCL_HOST_ID`, `OXCCL_ALGO`,
+//! `OXCCL_NCHANNELS`, `OXCCL_CHUNK_SIZE`, `OXCCL_SLOTS`, `OXCCL_SMALL_BYTES` (see
+//! [`Options`]), and `OXCCL_DEBUG=INFO`, which logs the providers chosen at init and the
+//! algorithm and chunking of each kind of call the first time it runs.
 #![deny(missing_docs)]
 
+mod comm;
 mod dtype;
+mod engine;
+mod error;
 mod reduce;
 pub mod schedule;
 pub mod verify;
 
-pub use dtype::{DataType, Element, ReduceOp};
+pub use comm::{Buffers, Communicator, Options, Work, default_host_id};
+pub use dtype::{DataType, Element, ParseNameError, ReduceOp, as_bytes, as_bytes_mut};
+pub use error::{Error, OpDesc, Result};
+pub use oxccl_verbs::Provider;
+
+/// Whether `OXCCL_DEBUG` asks for INFO lines (`INFO`, `TRACE` or `DEBUG`).
+pub(crate) fn log_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("OXCCL_DEBUG")
+            .map(|v| matches!(v.to_ascii_uppercase().as_str(), "INFO" | "TRACE" | "DEBUG"))
+            .unwrap_or(false)
+    })
+}

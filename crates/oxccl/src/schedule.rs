@@ -232,7 +232,9 @@ impl Collective {
     pub fn reduces(&self) -> bool {
         matches!(
             self,
-            Collective::AllReduce { .. } | Collective::ReduceScatter { .. } | Collective::Reduce { .. }
+            Collective::AllReduce { .. }
+                | Collective::ReduceScatter { .. }
+                | Collective::Reduce { .. }
         )
     }
 
@@ -304,9 +306,13 @@ impl Collective {
             | Collective::Reduce { .. }
             | Collective::AllToAll { .. } => Some((0, 0)),
             Collective::AllGather { count } => Some((rank * count, 0)),
-            Collective::Gather { count, root } => Some((if rank == root { rank * count } else { 0 }, 0)),
+            Collective::Gather { count, root } => {
+                Some((if rank == root { rank * count } else { 0 }, 0))
+            }
             Collective::ReduceScatter { count } => Some((0, rank * count)),
-            Collective::Scatter { count, root } => Some((0, if rank == root { rank * count } else { 0 })),
+            Collective::Scatter { count, root } => {
+                Some((0, if rank == root { rank * count } else { 0 }))
+            }
             _ => None,
         }
     }
@@ -586,6 +592,7 @@ fn channel_part(count: usize, channels: usize, ch: usize) -> (usize, usize) {
     split(count, channels, ch)
 }
 
+#[allow(clippy::needless_range_loop)] // slices index parallel per-step vectors
 fn ring_all_reduce(b: &mut Builder, req: &Request, count: usize) {
     let (n, r) = (req.world, req.rank);
     let next = (r + 1) % n;
@@ -619,7 +626,11 @@ fn ring_all_reduce(b: &mut Builder, req: &Request, count: usize) {
                 } else {
                     Region::new(Buf::Output, so, sl)
                 };
-                let dep = if t == 0 { None } else { Some(rs_recv[t - 1][s]) };
+                let dep = if t == 0 {
+                    None
+                } else {
+                    Some(rs_recv[t - 1][s])
+                };
                 sends.push(b.send(next, c, src, &[dep]));
                 let (ro, rl) = slice(rb, s);
                 recvs.push(b.recv(
@@ -722,6 +733,7 @@ fn ring_reduce_scatter(b: &mut Builder, req: &Request, count: usize) {
     }
 }
 
+#[allow(clippy::needless_range_loop)] // slices index parallel per-step vectors
 fn ring_all_gather(b: &mut Builder, req: &Request, count: usize) {
     let (n, r) = (req.world, req.rank);
     if count == 0 {

@@ -136,10 +136,7 @@ fn combine(a: Sym, b: Sym) -> Result<Sym, String> {
         return Err(format!("reduces an unwritten element ({a:?} ⊕ {b:?})"));
     }
     if a.idx != b.idx {
-        return Err(format!(
-            "reduces element {} with element {}",
-            a.idx, b.idx
-        ));
+        return Err(format!("reduces element {} with element {}", a.idx, b.idx));
     }
     if a.mask & b.mask != 0 {
         return Err(format!(
@@ -330,7 +327,9 @@ pub fn verify_schedules(
                 let chunk = reqs[r].chunk;
                 let k = st.progress[s];
                 let (off, len) = (k * chunk, src.len.saturating_sub(k * chunk).min(chunk));
-                let data = st.read(src.sub(off.min(src.len), len)).map_err(|e| fail(r, s, e))?;
+                let data = st
+                    .read(src.sub(off.min(src.len), len))
+                    .map_err(|e| fail(r, s, e))?;
                 if data.contains(&POISON) {
                     return Err(fail(r, s, format!("sends unwritten data from {src:?}")));
                 }
@@ -465,7 +464,9 @@ fn check_results(reqs: &[Request], ranks: &[RankState]) -> Result<(), String> {
             Collective::AllReduce { count } | Collective::Reduce { count, .. } => {
                 (0..*count).map(all).collect()
             }
-            Collective::ReduceScatter { count } => (0..*count).map(|i| all(r * count + i)).collect(),
+            Collective::ReduceScatter { count } => {
+                (0..*count).map(|i| all(r * count + i)).collect()
+            }
             Collective::AllGather { count } | Collective::Gather { count, .. } => (0..n)
                 .flat_map(|j| (0..*count).map(move |i| one(i, j)))
                 .collect(),
@@ -477,7 +478,10 @@ fn check_results(reqs: &[Request], ranks: &[RankState]) -> Result<(), String> {
                 let mut v = Vec::new();
                 for (j, req) in reqs.iter().enumerate() {
                     let Collective::AllToAllV { send_counts, .. } = &req.coll else {
-                        return Err(format!("rank {j} runs {}, not all_to_allv", req.coll.name()));
+                        return Err(format!(
+                            "rank {j} runs {}, not all_to_allv",
+                            req.coll.name()
+                        ));
                     };
                     let off: usize = send_counts[..r].iter().sum();
                     v.extend((0..send_counts[r]).map(|i| one(off + i, j)));
@@ -532,7 +536,10 @@ mod tests {
     fn colls(n: usize, count: usize, root: usize) -> Vec<(Collective, Vec<Algorithm>)> {
         use Algorithm::*;
         vec![
-            (Collective::AllReduce { count }, vec![Ring, RecursiveDoubling]),
+            (
+                Collective::AllReduce { count },
+                vec![Ring, RecursiveDoubling],
+            ),
             (Collective::ReduceScatter { count }, vec![Ring]),
             (Collective::AllGather { count }, vec![Ring]),
             (Collective::Broadcast { count, root }, vec![Tree, Chain]),
@@ -547,7 +554,17 @@ mod tests {
         .collect()
     }
 
-    fn run(coll: &Collective, n: usize, algo: Algorithm, in_place: bool, chunk: usize, channels: usize, slots: usize, seed: u64) -> Result<(), String> {
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        coll: &Collective,
+        n: usize,
+        algo: Algorithm,
+        in_place: bool,
+        chunk: usize,
+        channels: usize,
+        slots: usize,
+        seed: u64,
+    ) -> Result<(), String> {
         let reqs: Vec<Request> = (0..n)
             .map(|rank| Request {
                 coll: coll.clone(),
@@ -584,7 +601,8 @@ mod tests {
                                     continue;
                                 }
                                 let seed = (n * 1000 + count * 10 + chunk) as u64;
-                                run(&coll, n, algo, in_place, chunk, channels, slots, seed).unwrap();
+                                run(&coll, n, algo, in_place, chunk, channels, slots, seed)
+                                    .unwrap();
                                 cases += 1;
                             }
                         }
@@ -611,7 +629,11 @@ mod tests {
             for seed in 0..4u64 {
                 // counts[i][j]: what rank i sends rank j.
                 let counts: Vec<Vec<usize>> = (0..n)
-                    .map(|i| (0..n).map(|j| ((i * 7 + j * 3 + seed as usize) % 5) * (i + 1) % 7).collect())
+                    .map(|i| {
+                        (0..n)
+                            .map(|j| ((i * 7 + j * 3 + seed as usize) % 5) * (i + 1) % 7)
+                            .collect()
+                    })
                     .collect();
                 let reqs: Vec<Request> = (0..n)
                     .map(|rank| Request {
@@ -662,7 +684,12 @@ mod tests {
         // One rank with another count.
         verify(&[req(0, 9), req(1, 9), req(2, 10)], 2, 1).unwrap_err();
 
-        let reqs: Vec<Request> = (0..3).map(|r| Request { in_place: true, ..req(r, 12) }).collect();
+        let reqs: Vec<Request> = (0..3)
+            .map(|r| Request {
+                in_place: true,
+                ..req(r, 12)
+            })
+            .collect();
         let good: Vec<Schedule> = reqs.iter().map(|r| build(r).unwrap()).collect();
         verify_schedules(&reqs, good.clone(), 1, 1).unwrap();
         // Drop every dependency of one rank: some seed must expose it.
@@ -674,11 +701,23 @@ mod tests {
         assert!(caught, "no seed caught a schedule without dependencies");
         // Drop one receive: the sender's data is never taken.
         let mut bad = good.clone();
-        let i = bad[2].steps.iter().rposition(|s| matches!(s.op, Op::Recv { .. })).unwrap();
+        let i = bad[2]
+            .steps
+            .iter()
+            .rposition(|s| matches!(s.op, Op::Recv { .. }))
+            .unwrap();
         bad[2].steps.remove(i);
         verify_schedules(&reqs, bad, 4, 1).unwrap_err();
         // Two ranks that both receive before they send: deadlock.
-        let p = |rank: usize| Request { coll: Collective::Barrier, world: 2, rank, in_place: false, algo: Algorithm::Dissemination, chunk: 1, channels: 1 };
+        let p = |rank: usize| Request {
+            coll: Collective::Barrier,
+            world: 2,
+            rank,
+            in_place: false,
+            algo: Algorithm::Dissemination,
+            chunk: 1,
+            channels: 1,
+        };
         let mut dl: Vec<Schedule> = (0..2).map(|r| build(&p(r)).unwrap()).collect();
         for s in &mut dl {
             s.steps.swap(0, 1);

@@ -1,0 +1,490 @@
+//! `oxccl perf`: collective benchmarks in the format of nccl-tests (`all_reduce_perf`, ...).
+//!
+//! Started without a launcher, it launches its own `-n` ranks on this host (`oxccl run`);
+//! under a launcher (torchrun, Slurm, `oxccl run`) each process is one rank. Rank 0 prints.
+
+use std::io::Write;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::Parser;
+use oxccl::schedule::Collective;
+use oxccl::{Buffers, Communicator, DataType, Element, ReduceOp, as_bytes, as_bytes_mut};
+
+/// Options of `oxccl perf`.
+#[derive(Debug, Parser)]
+pub struct Args {
+    /// The collective: all_reduce, reduce_scatter, all_gather, broadcast, reduce, all_to_all,
+    /// gather, scatter.
+    collective: String,
+    /// Ranks to launch on this host when not started by a launcher.
+    #[arg(short = 'n', long = "nranks", default_value_t = 2)]
+    nranks: usize,
+    /// Smallest size in bytes (K/M/G suffixes).
+    #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = parse_size)]
+    min_bytes: usize,
+    /// Largest size in bytes.
+    #[arg(short = 'e', long = "maxbytes", default_value = "256M", value_parser = parse_size)]
+    max_bytes: usize,
+    /// Size multiplication factor between steps.
+    #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
+    factor: usize,
+    /// Data type (nccl-tests names: float, half, bfloat16, double, int8, uint8, int32, ...).
+    #[arg(short = 'd', long = "datatype", default_value = "float")]
+    dtype: DataType,
+    /// Reduction operator: sum, prod, min, max, avg.
+    #[arg(short = 'o', long = "op", default_value = "sum")]
+    op: ReduceOp,
+    /// Root rank of rooted collectives.
+    #[arg(short = 'r', long = "root", default_value_t = 0)]
+    root: usize,
+    /// Check every result (1) or not (0).
+    #[arg(short = 'c', long = "check", default_value_t = 1)]
+    check: u8,
+    /// Warm-up iterations per size.
+    #[arg(short = 'w', long = "warmup_iters", default_value_t = 5)]
+    warmup: usize,
+    /// Timed iterations per size.
+    #[arg(short = 'i', long = "iters", default_value_t = 20)]
+    iters: usize,
+    /// Print one JSON document instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let (num, mult) = match t.chars().last() {
+        Some('k' | 'K') => (&t[..t.len() - 1], 1usize << 10),
+        Some('m' | 'M') => (&t[..t.len() - 1], 1 << 20),
+        Some('g' | 'G') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    num.parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("{s:?} is not a size (bytes, with an optional K, M or G suffix)"))
+}
+
+const COLLECTIVES: [&str; 8] = [
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "gather",
+    "scatter",
+];
+
+/// Entry point.
+pub fn main(args: Args) -> ExitCode {
+    let name = args.collective.trim_end_matches("_perf").replace('-', "_");
+    if !COLLECTIVES.contains(&name.as_str()) {
+        eprintln!(
+            "oxccl perf: unknown collective {:?}; one of {}",
+            args.collective,
+            COLLECTIVES.join(", ")
+        );
+        return ExitCode::from(2);
+    }
+    if args.factor < 2 || args.min_bytes > args.max_bytes || args.iters == 0 || args.nranks == 0 {
+        eprintln!(
+            "oxccl perf: need -f ≥ 2, -b ≤ -e, -i ≥ 1 and -n ≥ 1 (got -f {} -b {} -e {} -i {} -n {})",
+            args.factor, args.min_bytes, args.max_bytes, args.iters, args.nranks
+        );
+        return ExitCode::from(2);
+    }
+    if std::env::var_os("RANK").is_none()
+        && std::env::var_os("OXCCL_RANK").is_none()
+        && std::env::var_os("SLURM_PROCID").is_none()
+        && std::env::var_os("OMPI_COMM_WORLD_RANK").is_none()
+        && std::env::var_os("PMI_RANK").is_none()
+    {
+        // Not under a launcher: start our own ranks.
+        let exe = match std::env::current_exe() {
+            Ok(e) => e,
+            Err(e) => {
+                eprintln!("oxccl perf: cannot find this executable to launch ranks: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let own: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+        let opts = crate::run::LaunchOptions {
+            prefix_output: false,
+            ..crate::run::LaunchOptions::new(args.nranks)
+        };
+        return match crate::run::launch(&opts, exe.as_os_str(), &own) {
+            Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+            Err(e) => {
+                eprintln!("oxccl perf: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    match rank_main(&args, &name) {
+        Ok(0) => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("oxccl perf: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn rank_main(args: &Args, name: &str) -> Result<u64, String> {
+    let comm = Communicator::from_env().map_err(|e| e.to_string())?;
+    macro_rules! dispatch {
+        ($($d:ident => $t:ty),*) => {
+            match args.dtype {
+                $(DataType::$d => bench::<$t>(&comm, args, name),)*
+            }
+        };
+    }
+    let wrong = dispatch!(I8 => i8, U8 => u8, I32 => i32, U32 => u32, I64 => i64, U64 => u64,
+        F16 => half::f16, Bf16 => half::bf16, F32 => f32, F64 => f64)?;
+    comm.destroy().map_err(|e| e.to_string())?;
+    Ok(wrong)
+}
+
+fn collective(name: &str, count: usize, root: usize) -> Collective {
+    match name {
+        "all_reduce" => Collective::AllReduce { count },
+        "reduce_scatter" => Collective::ReduceScatter { count },
+        "all_gather" => Collective::AllGather { count },
+        "broadcast" => Collective::Broadcast { count, root },
+        "reduce" => Collective::Reduce { count, root },
+        "all_to_all" => Collective::AllToAll { count },
+        "gather" => Collective::Gather { count, root },
+        _ => Collective::Scatter { count, root },
+    }
+}
+
+/// nccl-tests' bus bandwidth factor.
+fn bus_factor(name: &str, n: usize) -> f64 {
+    let n = n as f64;
+    match name {
+        "all_reduce" => 2.0 * (n - 1.0) / n,
+        "broadcast" | "reduce" => 1.0,
+        _ => (n - 1.0) / n,
+    }
+}
+
+/// Input element `i` of rank `r`: small values whose reduction is exact in every type.
+fn input_value(op: ReduceOp, r: usize, i: usize) -> f64 {
+    match op {
+        ReduceOp::Prod => {
+            if (r + i).is_multiple_of(5) {
+                2.0
+            } else {
+                1.0
+            }
+        }
+        ReduceOp::Min | ReduceOp::Max => ((r * 7 + i) % 13) as f64,
+        _ => ((r + i) % 4) as f64,
+    }
+}
+
+fn reduce_ref(op: ReduceOp, n: usize, i: usize, integer: bool) -> f64 {
+    let vals = (0..n).map(|r| input_value(op, r, i));
+    match op {
+        ReduceOp::Sum => vals.sum(),
+        ReduceOp::Prod => vals.product(),
+        ReduceOp::Min => vals.fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
+        ReduceOp::Avg => {
+            let s: f64 = vals.sum();
+            if integer {
+                (s / n as f64).trunc()
+            } else {
+                s / n as f64
+            }
+        }
+    }
+}
+
+/// What output element `i` of rank `me` must hold.
+fn expected(coll: &Collective, op: ReduceOp, n: usize, me: usize, i: usize, integer: bool) -> f64 {
+    match *coll {
+        Collective::AllReduce { .. } | Collective::Reduce { .. } => reduce_ref(op, n, i, integer),
+        Collective::ReduceScatter { count } => reduce_ref(op, n, me * count + i, integer),
+        Collective::AllGather { count } | Collective::Gather { count, .. } => {
+            input_value(op, i / count, i % count)
+        }
+        Collective::Broadcast { root, .. } => input_value(op, root, i),
+        Collective::AllToAll { count } => input_value(op, i / count, me * count + i % count),
+        Collective::Scatter { count, root } => input_value(op, root, me * count + i),
+        _ => 0.0,
+    }
+}
+
+fn tolerance(d: DataType) -> f64 {
+    match d {
+        DataType::F16 => 1e-2,
+        DataType::Bf16 => 2e-2,
+        DataType::F32 => 1e-5,
+        DataType::F64 => 1e-12,
+        _ => 0.0,
+    }
+}
+
+struct Row {
+    size: usize,
+    count: usize,
+    time_us: [f64; 2],
+    wrong: [u64; 2],
+}
+
+fn bench<T: Element>(comm: &Communicator, args: &Args, name: &str) -> Result<u64, String> {
+    let (n, me) = (comm.world_size(), comm.rank());
+    let es = T::DTYPE.size();
+    let root = args.root;
+    if root >= n {
+        return Err(format!("root {root} is outside a world of {n} ranks"));
+    }
+    // Elements per rank's block, for collectives whose size counts all ranks' blocks.
+    let per_rank = matches!(
+        name,
+        "reduce_scatter" | "all_gather" | "all_to_all" | "gather" | "scatter"
+    );
+    let integer = !T::DTYPE.is_float();
+    let mut rows = Vec::new();
+    let mut size = args.min_bytes;
+    loop {
+        let total = size / es;
+        let count = if per_rank { total / n } else { total };
+        let coll = collective(name, count, root);
+        let shown = if per_rank { count * n * es } else { count * es };
+        let mut row = Row {
+            size: shown,
+            count: shown / es,
+            time_us: [0.0; 2],
+            wrong: [0; 2],
+        };
+        for (k, in_place) in [false, true].into_iter().enumerate() {
+            let in_len = coll.input_len(n, me);
+            let out_len = coll.output_len(n, me);
+            let (io, oo) = coll.in_place_offsets(n, me).unwrap_or((0, 0));
+            let mut input: Vec<T> = vec![T::from_f64(0.0); if in_place { 0 } else { in_len }];
+            let mut output: Vec<T> = vec![T::from_f64(0.0); if in_place { 0 } else { out_len }];
+            let mut buf: Vec<T> = vec![
+                T::from_f64(0.0);
+                if in_place {
+                    (io + in_len).max(oo + out_len)
+                } else {
+                    0
+                }
+            ];
+            let fill = |input: &mut Vec<T>, buf: &mut Vec<T>| {
+                let dst = if in_place {
+                    &mut buf[io..io + in_len]
+                } else {
+                    &mut input[..]
+                };
+                for (i, x) in dst.iter_mut().enumerate() {
+                    *x = T::from_f64(input_value(args.op, me, i));
+                }
+            };
+            fill(&mut input, &mut buf);
+            let once = |input: &Vec<T>, output: &mut Vec<T>, buf: &mut Vec<T>| {
+                let bufs = if in_place {
+                    Buffers::InPlace(as_bytes_mut(buf))
+                } else {
+                    Buffers::OutOfPlace {
+                        input: as_bytes(input),
+                        output: as_bytes_mut(output),
+                    }
+                };
+                comm.run(&coll, T::DTYPE, args.op, bufs)
+                    .map_err(|e| e.to_string())
+            };
+            for _ in 0..args.warmup {
+                once(&input, &mut output, &mut buf)?;
+                if in_place {
+                    fill(&mut input, &mut buf);
+                }
+            }
+            comm.barrier().map_err(|e| e.to_string())?;
+            let t0 = Instant::now();
+            for _ in 0..args.iters {
+                once(&input, &mut output, &mut buf)?;
+            }
+            let mut t = [t0.elapsed().as_secs_f64() * 1e6 / args.iters as f64];
+            comm.all_reduce_in_place(&mut t, ReduceOp::Max)
+                .map_err(|e| e.to_string())?;
+            row.time_us[k] = t[0];
+            if args.check != 0 {
+                fill(&mut input, &mut buf);
+                once(&input, &mut output, &mut buf)?;
+                let result: &[T] = if in_place {
+                    &buf[oo..oo + out_len]
+                } else {
+                    &output
+                };
+                let tol = tolerance(T::DTYPE);
+                let bad = result
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, x)| {
+                        let want = expected(&coll, args.op, n, me, i, integer);
+                        let got = x.to_f64();
+                        (got - want).abs() > tol * want.abs().max(1.0)
+                    })
+                    .count() as u64;
+                let mut w = [bad];
+                comm.all_reduce_in_place(&mut w, ReduceOp::Sum)
+                    .map_err(|e| e.to_string())?;
+                row.wrong[k] = w[0];
+            }
+        }
+        rows.push(row);
+        match size.checked_mul(args.factor) {
+            Some(s) if s <= args.max_bytes => size = s,
+            _ => break,
+        }
+    }
+    let wrong: u64 = rows.iter().map(|r| r.wrong[0] + r.wrong[1]).sum();
+    if me == 0 {
+        print_rows(comm, args, name, &rows).map_err(|e| e.to_string())?;
+    }
+    Ok(wrong)
+}
+
+fn print_rows(comm: &Communicator, args: &Args, name: &str, rows: &[Row]) -> std::io::Result<()> {
+    let n = comm.world_size();
+    let bw = |r: &Row, k: usize| {
+        let algbw = if r.time_us[k] > 0.0 {
+            r.size as f64 / (r.time_us[k] * 1e3)
+        } else {
+            0.0
+        };
+        (algbw, algbw * bus_factor(name, n))
+    };
+    let rooted = matches!(name, "broadcast" | "reduce" | "gather" | "scatter");
+    let root: i64 = if rooted { args.root as i64 } else { -1 };
+    let redop = if matches!(name, "all_reduce" | "reduce_scatter" | "reduce") {
+        args.op.name()
+    } else {
+        "none"
+    };
+    let avg_busbw = rows.iter().map(|r| bw(r, 0).1).sum::<f64>() / rows.len().max(1) as f64;
+    let mut out = std::io::stdout().lock();
+    let provider = comm
+        .providers()
+        .iter()
+        .flatten()
+        .map(|p| p.name())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect::<Vec<_>>()
+        .join("+");
+    if args.json {
+        let rows: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                let side = |k: usize| {
+                    let (a, b) = bw(r, k);
+                    serde_json::json!({"time_us": r.time_us[k], "algbw": a, "busbw": b, "wrong": r.wrong[k]})
+                };
+                serde_json::json!({"size": r.size, "count": r.count, "type": args.dtype.name(),
+                    "redop": redop, "root": root, "oop": side(0), "ip": side(1)})
+            })
+            .collect();
+        let doc = serde_json::json!({"collective": name, "nranks": n, "dtype": args.dtype.name(),
+            "op": args.op.name(), "root": root, "provider": provider, "rows": rows, "avg_busbw": avg_busbw});
+        writeln!(out, "{doc}")?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "# oxccl perf {name}: nranks {n} minBytes {} maxBytes {} step: {}(factor) warmup iters: {} iters: {} validation: {} provider: {}",
+        args.min_bytes,
+        args.max_bytes,
+        args.factor,
+        args.warmup,
+        args.iters,
+        args.check,
+        if provider.is_empty() {
+            "none"
+        } else {
+            &provider
+        }
+    )?;
+    writeln!(out, "#")?;
+    writeln!(
+        out,
+        "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>27}  {:>27}",
+        "", "", "", "", "", "out-of-place", "in-place"
+    )?;
+    writeln!(
+        out,
+        "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}",
+        "size",
+        "count",
+        "type",
+        "redop",
+        "root",
+        "time",
+        "algbw",
+        "busbw",
+        "#wrong",
+        "time",
+        "algbw",
+        "busbw",
+        "#wrong"
+    )?;
+    writeln!(
+        out,
+        "# {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}",
+        "(B)",
+        "(elements)",
+        "",
+        "",
+        "",
+        "(us)",
+        "(GB/s)",
+        "(GB/s)",
+        "",
+        "(us)",
+        "(GB/s)",
+        "(GB/s)",
+        ""
+    )?;
+    for r in rows {
+        let (a0, b0) = bw(r, 0);
+        let (a1, b1) = bw(r, 1);
+        let wrong = |k: usize| {
+            if args.check != 0 {
+                r.wrong[k].to_string()
+            } else {
+                "N/A".into()
+            }
+        };
+        writeln!(
+            out,
+            "  {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7.2}  {:>6.2}  {:>6.2}  {:>6}  {:>7.2}  {:>6.2}  {:>6.2}  {:>6}",
+            r.size,
+            r.count,
+            args.dtype.name(),
+            redop,
+            root,
+            r.time_us[0],
+            a0,
+            b0,
+            wrong(0),
+            r.time_us[1],
+            a1,
+            b1,
+            wrong(1)
+        )?;
+    }
+    let total_wrong: u64 = rows.iter().map(|r| r.wrong[0] + r.wrong[1]).sum();
+    writeln!(
+        out,
+        "# Out of bounds values : {total_wrong} {}",
+        if total_wrong == 0 { "OK" } else { "FAILED" }
+    )?;
+    writeln!(out, "# Avg bus bandwidth    : {avg_busbw:.4} ")?;
+    writeln!(out, "#")?;
+    Ok(())
+}

@@ -1,0 +1,1151 @@
+//! The communicator: connections to the peers, the tuner, and the collective calls.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use oxccl_bootstrap::{Bootstrap, CasOutcome, Store};
+use oxccl_verbs::{Context, Provider, QpConfig, QpEndpoint, RemoteBuffer};
+use serde::{Deserialize, Serialize};
+
+use crate::dtype::{as_bytes, as_bytes_mut};
+use crate::engine::{Bufs, Engine, Geometry, INLINE, Link};
+use crate::error::{Error, OpDesc, Result};
+use crate::schedule::{Algorithm, Collective, Request, Schedule, build};
+use crate::{DataType, Element, ReduceOp, log_enabled};
+
+/// Settings of a communicator; [`Options::from_env`] reads the `OXCCL_*` variables.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// How long one collective may take (`OXCCL_TIMEOUT`, seconds; default 300).
+    pub timeout: Duration,
+    /// Force one provider for every peer (`OXCCL_PROVIDER=shm|tcp`); default: shm between
+    /// ranks of one host, tcp across hosts.
+    pub provider: Option<Provider>,
+    /// This process's host identity (`OXCCL_HOST_ID`); default: the boot id plus the network
+    /// namespace.
+    pub host_id: Option<String>,
+    /// Force an algorithm where it applies (`OXCCL_ALGO`).
+    pub algo: Option<Algorithm>,
+    /// Channels (`OXCCL_NCHANNELS`); default 1 on one host, 2 with tcp peers.
+    pub channels: Option<usize>,
+    /// Bytes per pipelined chunk and slot (`OXCCL_CHUNK_SIZE`; default 128 KiB).
+    pub chunk_size: usize,
+    /// Slots per peer and channel (`OXCCL_SLOTS`; default 8).
+    pub slots: usize,
+    /// Messages up to this many bytes use the latency algorithms (recursive doubling, trees;
+    /// `OXCCL_SMALL_BYTES`, default 64 KiB).
+    pub small_bytes: usize,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            timeout: Duration::from_secs(300),
+            provider: None,
+            host_id: None,
+            algo: None,
+            channels: None,
+            chunk_size: 128 << 10,
+            slots: 8,
+            small_bytes: 64 << 10,
+        }
+    }
+}
+
+fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last()? {
+        (i, 'k' | 'K') => (&s[..i], 1 << 10),
+        (i, 'm' | 'M') => (&s[..i], 1 << 20),
+        (i, 'g' | 'G') => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    num.trim().parse::<usize>().ok()?.checked_mul(mult)
+}
+
+impl Options {
+    /// Defaults overridden by the environment; a malformed variable is an error naming it.
+    pub fn from_env() -> Result<Options> {
+        Options::from_vars(&|k| std::env::var(k).ok())
+    }
+
+    /// [`Options::from_env`] over any variable source.
+    pub fn from_vars(var: &dyn Fn(&str) -> Option<String>) -> Result<Options> {
+        let mut o = Options::default();
+        let bad = |name: &str, v: &str, want: &str| Error::InvalidArgument {
+            rank: usize::MAX,
+            msg: format!("{name}={v:?}: expected {want}"),
+        };
+        if let Some(v) = var("OXCCL_TIMEOUT") {
+            let secs: f64 = v
+                .trim()
+                .parse()
+                .map_err(|_| bad("OXCCL_TIMEOUT", &v, "seconds"))?;
+            if !(secs > 0.0 && secs.is_finite()) {
+                return Err(bad("OXCCL_TIMEOUT", &v, "a positive number of seconds"));
+            }
+            o.timeout = Duration::from_secs_f64(secs);
+        }
+        if let Some(v) = var("OXCCL_PROVIDER") {
+            o.provider = Some(match v.trim() {
+                "shm" => Provider::Shm,
+                "tcp" => Provider::Tcp,
+                _ => return Err(bad("OXCCL_PROVIDER", &v, "shm or tcp")),
+            });
+        }
+        o.host_id = var("OXCCL_HOST_ID").filter(|v| !v.is_empty());
+        if let Some(v) = var("OXCCL_ALGO") {
+            o.algo = Some(Algorithm::from_name(v.trim()).ok_or_else(|| {
+                bad(
+                    "OXCCL_ALGO",
+                    &v,
+                    "ring, rd, tree, chain, direct or dissemination",
+                )
+            })?);
+        }
+        if let Some(v) = var("OXCCL_NCHANNELS") {
+            let c: usize = v
+                .trim()
+                .parse()
+                .map_err(|_| bad("OXCCL_NCHANNELS", &v, "1..=16"))?;
+            if !(1..=16).contains(&c) {
+                return Err(bad("OXCCL_NCHANNELS", &v, "1..=16"));
+            }
+            o.channels = Some(c);
+        }
+        if let Some(v) = var("OXCCL_CHUNK_SIZE") {
+            let c = parse_size(&v)
+                .filter(|c| (4096..=(64 << 20)).contains(c))
+                .ok_or_else(|| bad("OXCCL_CHUNK_SIZE", &v, "bytes (K/M suffixes), 4K..=64M"))?;
+            o.chunk_size = c;
+        }
+        if let Some(v) = var("OXCCL_SLOTS") {
+            o.slots = v
+                .trim()
+                .parse()
+                .ok()
+                .filter(|s| (2..=256).contains(s))
+                .ok_or_else(|| bad("OXCCL_SLOTS", &v, "2..=256"))?;
+        }
+        if let Some(v) = var("OXCCL_SMALL_BYTES") {
+            o.small_bytes = parse_size(&v).ok_or_else(|| bad("OXCCL_SMALL_BYTES", &v, "bytes"))?;
+        }
+        Ok(o)
+    }
+}
+
+/// This host's identity: the kernel's boot id plus the network namespace, so that network
+/// namespaces on one machine count as separate hosts.
+pub fn default_host_id() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown-boot".into());
+    let netns = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "net:[?]".into());
+    format!("{boot}/{netns}")
+}
+
+#[derive(Serialize, Deserialize)]
+struct Hello {
+    host: String,
+    geo: Geometry,
+    comm_id: u64,
+}
+
+#[derive(Serialize, Deserialize, Clone)]
+struct LinkInfo {
+    endpoint: QpEndpoint,
+    region: RemoteBuffer,
+}
+
+/// The caller's memory for one collective.
+pub enum Buffers<'a> {
+    /// Separate input and output (either may be empty where the collective ignores it).
+    OutOfPlace {
+        /// Input bytes.
+        input: &'a [u8],
+        /// Output bytes.
+        output: &'a mut [u8],
+    },
+    /// One buffer; input and output lie in it as [`Collective::in_place_offsets`] says.
+    InPlace(&'a mut [u8]),
+}
+
+struct State {
+    engine: Engine,
+    seq: u64,
+    p2p_seq: HashMap<(usize, bool), u64>,
+    poisoned: Option<String>,
+    cache: HashMap<(Request, u8), Arc<Schedule>>,
+    logged: std::collections::HashSet<(&'static str, Algorithm, usize)>,
+}
+
+struct Inner {
+    rank: usize,
+    world: usize,
+    hosts: Vec<String>,
+    providers: Vec<Option<Provider>>,
+    opts: Options,
+    comm_id: u64,
+    state: Mutex<State>,
+    abort: Arc<AtomicBool>,
+    bootstrap: Arc<Bootstrap>,
+    split_seq: Mutex<u64>,
+    queue: Mutex<Option<mpsc::Sender<Job>>>,
+    pending: (Mutex<usize>, Condvar),
+}
+
+type Job = Box<dyn FnOnce(&Communicator) + Send>;
+
+thread_local! {
+    static ON_WORKER: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// A group of ranks that run collectives together, like an `ncclComm_t`.
+///
+/// Calls are collective: every rank calls the same collectives in the same order with matching
+/// counts, types, operators and roots; a disagreement is reported as [`Error::Mismatch`] on
+/// the ranks that see it (never silently corrupted data). Any error leaves the communicator
+/// unusable (later calls return [`Error::Poisoned`]); make a new one.
+pub struct Communicator {
+    inner: Arc<Inner>,
+}
+
+/// Store access through the parent's bootstrap, for sub-communicators.
+struct SharedStore(Arc<Bootstrap>);
+
+impl Store for SharedStore {
+    fn set(&self, key: &str, value: &[u8]) -> oxccl_bootstrap::Result<()> {
+        self.0.store().set(key, value)
+    }
+    fn multi_get(&self, keys: &[&str], t: Duration) -> oxccl_bootstrap::Result<Vec<Vec<u8>>> {
+        self.0.store().multi_get(keys, t)
+    }
+    fn wait(&self, keys: &[&str], t: Duration) -> oxccl_bootstrap::Result<()> {
+        self.0.store().wait(keys, t)
+    }
+    fn add(&self, key: &str, delta: i64) -> oxccl_bootstrap::Result<i64> {
+        self.0.store().add(key, delta)
+    }
+    fn compare_set(
+        &self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+    ) -> oxccl_bootstrap::Result<CasOutcome> {
+        self.0.store().compare_set(key, expected, desired)
+    }
+    fn delete(&self, key: &str) -> oxccl_bootstrap::Result<bool> {
+        self.0.store().delete(key)
+    }
+    fn location(&self) -> String {
+        self.0.store().location()
+    }
+}
+
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    if getrandom::fill(&mut b).is_err() {
+        return std::process::id() as u64
+            ^ (std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0));
+    }
+    u64::from_le_bytes(b)
+}
+
+impl Communicator {
+    /// Connects this rank to its peers: shm queue pairs to ranks on the same host, tcp to the
+    /// others (or the provider `options` force). Collective over the bootstrap's ranks.
+    pub fn init(bootstrap: Bootstrap, options: Options) -> Result<Communicator> {
+        Communicator::init_shared(Arc::new(bootstrap), options)
+    }
+
+    /// [`Communicator::init`] from the launcher's environment (`Bootstrap::from_env`) and
+    /// [`Options::from_env`].
+    pub fn from_env() -> Result<Communicator> {
+        let opts = Options::from_env()?;
+        Communicator::init(Bootstrap::from_env()?, opts)
+    }
+
+    fn init_shared(bootstrap: Arc<Bootstrap>, mut opts: Options) -> Result<Communicator> {
+        let rank = bootstrap.rank();
+        let world = bootstrap.world_size();
+        let verbs = |what: &str| {
+            let what = what.to_string();
+            move |source| Error::Verbs {
+                rank,
+                what: what.clone(),
+                source,
+            }
+        };
+        let host = opts.host_id.clone().unwrap_or_else(default_host_id);
+        // Geometry is agreed from rank 0's options, so that every rank sizes its slots alike;
+        // a rank whose own settings differ is told.
+        let comm_id = random_u64();
+        let local_geo = Geometry {
+            slot_data: opts.chunk_size,
+            slots: opts.slots,
+            channels: opts.channels.unwrap_or(0),
+        };
+        let hellos: Vec<Hello> = bootstrap.all_gather_serde(
+            "oxccl/hello",
+            &Hello {
+                host: host.clone(),
+                geo: local_geo,
+                comm_id,
+            },
+        )?;
+        for (r, h) in hellos.iter().enumerate() {
+            if h.geo != hellos[0].geo {
+                return Err(Error::InvalidArgument {
+                    rank,
+                    msg: format!(
+                        "rank {r} has OXCCL_CHUNK_SIZE/OXCCL_SLOTS/OXCCL_NCHANNELS {:?}, rank 0 has {:?}: set them alike on every rank",
+                        h.geo, hellos[0].geo
+                    ),
+                });
+            }
+        }
+        let comm_id = hellos[0].comm_id;
+        let hosts: Vec<String> = hellos.into_iter().map(|h| h.host).collect();
+        let providers: Vec<Option<Provider>> = (0..world)
+            .map(|p| {
+                (p != rank).then(|| {
+                    opts.provider.unwrap_or(if hosts[p] == host {
+                        Provider::Shm
+                    } else {
+                        Provider::Tcp
+                    })
+                })
+            })
+            .collect();
+        let any_tcp = (0..world).any(|p| {
+            p != rank
+                && opts.provider.unwrap_or(if hosts[p] == hosts[0] {
+                    Provider::Shm
+                } else {
+                    Provider::Tcp
+                }) == Provider::Tcp
+        }) || hosts.iter().any(|h| h != &hosts[0])
+            || opts.provider == Some(Provider::Tcp);
+        let geo = Geometry {
+            slot_data: local_geo.slot_data,
+            slots: local_geo.slots,
+            channels: opts.channels.unwrap_or(if any_tcp { 2 } else { 1 }),
+        };
+        opts.channels = Some(geo.channels);
+        let kinds: Vec<Provider> = [Provider::Shm, Provider::Tcp]
+            .into_iter()
+            .filter(|k| providers.contains(&Some(*k)))
+            .collect();
+        let mut ctxs = Vec::new();
+        let mut pds = Vec::new();
+        let mut cqs = Vec::new();
+        for k in &kinds {
+            let peers = providers.iter().filter(|p| **p == Some(*k)).count();
+            let ctx =
+                Context::open(*k).map_err(verbs(&format!("opening the {} provider", k.name())))?;
+            let pd = ctx
+                .alloc_pd()
+                .map_err(verbs("allocating a protection domain"))?;
+            let cq = ctx
+                .create_cq(peers * (geo.send_depth() + geo.recv_depth()) as usize + 64)
+                .map_err(verbs("creating a completion queue"))?;
+            ctxs.push(ctx);
+            pds.push(pd);
+            cqs.push(cq);
+        }
+        let qp_cfg = QpConfig {
+            max_send_wr: geo.send_depth(),
+            max_recv_wr: geo.recv_depth(),
+            max_sge: 2,
+            rnr_retry: 7,
+            ..QpConfig::default()
+        };
+        let mut links = Vec::new();
+        let mut link_of = vec![usize::MAX; world];
+        for (p, prov) in providers.iter().enumerate() {
+            let Some(prov) = prov else { continue };
+            let c = kinds.iter().position(|k| k == prov).unwrap();
+            let qp = pds[c]
+                .create_qp(&cqs[c], &cqs[c], &qp_cfg)
+                .map_err(verbs(&format!("creating a queue pair for rank {p}")))?;
+            link_of[p] = links.len();
+            links.push(
+                Link::new(p, *prov, c, &pds[c], qp, &geo)
+                    .map_err(verbs(&format!("allocating slots for rank {p}")))?,
+            );
+        }
+        let mine: Vec<Option<LinkInfo>> = (0..world)
+            .map(|p| {
+                let l = link_of[p];
+                (l != usize::MAX).then(|| LinkInfo {
+                    endpoint: links[l].qp.endpoint(),
+                    region: links[l].local_region(),
+                })
+            })
+            .collect();
+        let all: Vec<Vec<Option<LinkInfo>>> = bootstrap.all_gather_serde("oxccl/links", &mine)?;
+        for p in 0..world {
+            let l = link_of[p];
+            if l == usize::MAX {
+                continue;
+            }
+            let Some(info) = all[p].get(rank).cloned().flatten() else {
+                return Err(Error::InvalidArgument {
+                    rank,
+                    msg: format!("rank {p} published no connection for this rank"),
+                });
+            };
+            links[l].qp.connect(&info.endpoint).map_err(verbs(&format!(
+                "connecting to rank {p} over {}",
+                providers[p].unwrap().name()
+            )))?;
+            links[l]
+                .connect(info.region, &geo, l)
+                .map_err(verbs(&format!("posting receives for rank {p}")))?;
+        }
+        bootstrap.barrier("oxccl/connected", opts.timeout)?;
+        if log_enabled() {
+            let shm = providers
+                .iter()
+                .filter(|p| **p == Some(Provider::Shm))
+                .count();
+            let tcp = providers
+                .iter()
+                .filter(|p| **p == Some(Provider::Tcp))
+                .count();
+            let distinct: std::collections::HashSet<&String> = hosts.iter().collect();
+            eprintln!(
+                "oxccl INFO rank {rank}/{world}: connected {shm} peers over shm, {tcp} over tcp; \
+                 {} hosts; {} channels × {} slots × {} KiB chunks",
+                distinct.len(),
+                geo.channels,
+                geo.slots,
+                geo.slot_data >> 10
+            );
+        }
+        let abort = Arc::new(AtomicBool::new(false));
+        let engine = Engine::new(rank, geo, links, link_of, pds, cqs, abort.clone());
+        drop(ctxs);
+        Ok(Communicator {
+            inner: Arc::new(Inner {
+                rank,
+                world,
+                hosts,
+                providers,
+                opts,
+                comm_id,
+                state: Mutex::new(State {
+                    engine,
+                    seq: 0,
+                    p2p_seq: HashMap::new(),
+                    poisoned: None,
+                    cache: HashMap::new(),
+                    logged: Default::default(),
+                }),
+                abort,
+                bootstrap,
+                split_seq: Mutex::new(0),
+                queue: Mutex::new(None),
+                pending: (Mutex::new(0), Condvar::new()),
+            }),
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.inner.world
+    }
+
+    /// Host identity of every rank.
+    pub fn hosts(&self) -> &[String] {
+        &self.inner.hosts
+    }
+
+    /// The provider used to reach each rank (`None` for this rank).
+    pub fn providers(&self) -> &[Option<Provider>] {
+        &self.inner.providers
+    }
+
+    /// The options in force (channels resolved).
+    pub fn options(&self) -> &Options {
+        &self.inner.opts
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The algorithm, chunk (elements) and channels for a call.
+    fn tune(
+        &self,
+        coll: &Collective,
+        dtype: DataType,
+        geo: &Geometry,
+    ) -> (Algorithm, usize, usize) {
+        let bytes = coll.count() * dtype.size();
+        let small = bytes <= self.inner.opts.small_bytes;
+        let default = match coll {
+            Collective::AllReduce { .. } if small => Algorithm::RecursiveDoubling,
+            Collective::AllReduce { .. }
+            | Collective::ReduceScatter { .. }
+            | Collective::AllGather { .. } => Algorithm::Ring,
+            Collective::Broadcast { .. } | Collective::Reduce { .. } if small => Algorithm::Tree,
+            Collective::Broadcast { .. } | Collective::Reduce { .. } => Algorithm::Chain,
+            Collective::Barrier => Algorithm::Dissemination,
+            _ => Algorithm::Direct,
+        };
+        let algo = self
+            .inner
+            .opts
+            .algo
+            .filter(|a| a.supports(coll))
+            .unwrap_or(default);
+        let chunk = (geo.slot_data / dtype.size()).max(1);
+        // Small messages on one channel; large ones spread over all.
+        let channels = if algo == Algorithm::Ring && bytes > INLINE * self.inner.world {
+            geo.channels
+        } else {
+            1
+        };
+        (algo, chunk, channels)
+    }
+
+    /// Runs one collective on raw bytes of `dtype`: the general entry point the typed calls
+    /// use. Buffer lengths must be exactly what [`Collective::input_len`] and
+    /// [`Collective::output_len`] say (times the element size), except that a buffer the
+    /// collective does not use on this rank may have any length.
+    pub fn run(
+        &self,
+        coll: &Collective,
+        dtype: DataType,
+        op: ReduceOp,
+        bufs: Buffers<'_>,
+    ) -> Result<()> {
+        self.wait_for_queue();
+        let (rank, world) = (self.inner.rank, self.inner.world);
+        let invalid = |msg: String| Error::InvalidArgument {
+            rank,
+            msg: format!("{}: {msg}", coll.name()),
+        };
+        let es = dtype.size();
+        let in_len = coll.input_len(world, rank) * es;
+        let out_len = coll.output_len(world, rank) * es;
+        let (raw, in_place) = match bufs {
+            Buffers::OutOfPlace { input, output } => {
+                if in_len > 0 && input.len() != in_len {
+                    return Err(invalid(format!(
+                        "the input has {} bytes; {} {dtype} elements ({in_len} bytes) expected",
+                        input.len(),
+                        in_len / es
+                    )));
+                }
+                if out_len > 0 && output.len() != out_len {
+                    return Err(invalid(format!(
+                        "the output has {} bytes; {} {dtype} elements ({out_len} bytes) expected",
+                        output.len(),
+                        out_len / es
+                    )));
+                }
+                let (ip, op_) = (input.as_ptr(), output.as_mut_ptr());
+                let overlap = in_len > 0
+                    && out_len > 0
+                    && (ip as usize) < op_ as usize + out_len
+                    && (op_ as usize) < ip as usize + in_len;
+                if overlap {
+                    return Err(invalid(
+                        "input and output overlap; use the in-place form".into(),
+                    ));
+                }
+                (
+                    Bufs {
+                        input: ip,
+                        input_len: input.len(),
+                        output: op_,
+                        output_len: output.len(),
+                    },
+                    None,
+                )
+            }
+            Buffers::InPlace(buf) => {
+                let Some((io, oo)) = coll.in_place_offsets(world, rank) else {
+                    return Err(invalid("has no in-place form".into()));
+                };
+                let need = (io * es + in_len).max(oo * es + out_len);
+                if need > 0 && buf.len() != need {
+                    return Err(invalid(format!(
+                        "the in-place buffer has {} bytes; {need} expected",
+                        buf.len()
+                    )));
+                }
+                (
+                    Bufs {
+                        input: buf.as_ptr(),
+                        input_len: buf.len(),
+                        output: buf.as_mut_ptr(),
+                        output_len: buf.len(),
+                    },
+                    Some((io, oo)),
+                )
+            }
+        };
+        if let Some(root) = coll.root()
+            && root >= world
+        {
+            return Err(invalid(format!(
+                "rank {root} is outside a world of {world} ranks"
+            )));
+        }
+        if let Collective::AllToAllV {
+            send_counts,
+            recv_counts,
+        } = coll
+            && (send_counts.len() != world || recv_counts.len() != world)
+        {
+            return Err(invalid(format!(
+                "{} send and {} receive counts for {world} ranks",
+                send_counts.len(),
+                recv_counts.len()
+            )));
+        }
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        if let Some(first) = &st.poisoned {
+            return Err(Error::Poisoned {
+                rank,
+                first: first.clone(),
+            });
+        }
+        if self.inner.abort.load(Ordering::Relaxed) {
+            return Err(Error::Aborted {
+                rank,
+                op: coll.name().into(),
+                reason: "Communicator::abort was called".into(),
+            });
+        }
+        let seq = match coll {
+            Collective::Send { peer, .. } | Collective::Recv { peer, .. } => {
+                let s = st
+                    .p2p_seq
+                    .entry((*peer, matches!(coll, Collective::Send { .. })))
+                    .or_insert(0);
+                *s += 1;
+                *s
+            }
+            _ => {
+                st.seq += 1;
+                st.seq
+            }
+        };
+        let desc = OpDesc {
+            seq,
+            coll: coll.name(),
+            count: coll.count() as u64,
+            dtype,
+            op,
+            root: coll.root(),
+        };
+        let geo = st.engine.geo;
+        let (algo, chunk, channels) = self.tune(coll, dtype, &geo);
+        let req = Request {
+            coll: coll.clone(),
+            world,
+            rank,
+            in_place: in_place.is_some(),
+            algo,
+            chunk,
+            channels,
+        };
+        let key = (req, es as u8);
+        let sched = match st.cache.get(&key) {
+            Some(s) => s.clone(),
+            None => {
+                let s = Arc::new(build(&key.0).map_err(invalid)?);
+                if st.cache.len() >= 256 {
+                    st.cache.clear();
+                }
+                st.cache.insert(key.clone(), s.clone());
+                s
+            }
+        };
+        if log_enabled() && st.logged.insert((coll.name(), algo, chunk * es)) {
+            eprintln!(
+                "oxccl INFO rank {rank}: {} of {} bytes: algorithm {}, {} channels, {} KiB chunks, {} steps",
+                coll.name(),
+                coll.count() * es,
+                algo.name(),
+                channels,
+                (chunk * es) >> 10,
+                sched.steps.len()
+            );
+        }
+        let r = st.engine.execute(
+            &sched,
+            &desc,
+            dtype,
+            op,
+            &raw,
+            in_place,
+            self.inner.opts.timeout,
+        );
+        if let Err(e) = r {
+            if matches!(e, Error::Aborted { .. }) && self.inner.abort.load(Ordering::Relaxed) {
+                Engine::notify_all(&st.engine.links, 2);
+            }
+            st.poisoned = Some(e.to_string());
+            return Err(e);
+        }
+        drop(guard);
+        if op == ReduceOp::Avg && coll.reduces() && out_len > 0 && world > 1 {
+            let off = in_place.map_or(0, |(_, oo)| oo * es);
+            // SAFETY: `raw.output` is the caller's output buffer (or the in-place buffer) of
+            // `raw.output_len >= off + out_len` bytes, checked above, borrowed mutably for
+            // this call.
+            let out = unsafe { std::slice::from_raw_parts_mut(raw.output.add(off), out_len) };
+            crate::reduce::divide(dtype, out, world);
+        }
+        Ok(())
+    }
+
+    fn typed<T: Element>(
+        &self,
+        coll: Collective,
+        op: ReduceOp,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<()> {
+        self.run(
+            &coll,
+            T::DTYPE,
+            op,
+            Buffers::OutOfPlace {
+                input: as_bytes(input),
+                output: as_bytes_mut(output),
+            },
+        )
+    }
+
+    fn typed_in_place<T: Element>(
+        &self,
+        coll: Collective,
+        op: ReduceOp,
+        buf: &mut [T],
+    ) -> Result<()> {
+        self.run(&coll, T::DTYPE, op, Buffers::InPlace(as_bytes_mut(buf)))
+    }
+
+    /// `output[i] = op over ranks of input[i]`, on every rank.
+    pub fn all_reduce<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.typed(
+            Collective::AllReduce { count: input.len() },
+            op,
+            input,
+            output,
+        )
+    }
+
+    /// [`Communicator::all_reduce`] in place.
+    pub fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.typed_in_place(Collective::AllReduce { count: buf.len() }, op, buf)
+    }
+
+    /// Rank `r` gets block `r` (of `output.len()` elements) of the reduction of every rank's
+    /// `input` (`world · output.len()` elements).
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.typed(
+            Collective::ReduceScatter {
+                count: output.len(),
+            },
+            op,
+            input,
+            output,
+        )
+    }
+
+    /// [`Communicator::reduce_scatter`] in place: the result is block `rank` of `buf`.
+    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let count = buf.len() / self.inner.world.max(1);
+        self.typed_in_place(Collective::ReduceScatter { count }, op, buf)
+    }
+
+    /// Every rank's `input` lands in block `r` of every rank's `output`.
+    pub fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        self.typed(
+            Collective::AllGather { count: input.len() },
+            ReduceOp::Sum,
+            input,
+            output,
+        )
+    }
+
+    /// [`Communicator::all_gather`] in place: this rank's contribution is block `rank` of `buf`.
+    pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        let count = buf.len() / self.inner.world.max(1);
+        self.typed_in_place(Collective::AllGather { count }, ReduceOp::Sum, buf)
+    }
+
+    /// `root`'s `input` lands in every rank's `output` (other ranks' `input` is ignored and
+    /// may be empty).
+    pub fn broadcast<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<()> {
+        let count = output.len();
+        self.typed(
+            Collective::Broadcast { count, root },
+            ReduceOp::Sum,
+            input,
+            output,
+        )
+    }
+
+    /// [`Communicator::broadcast`] in place: `root`'s `buf` is copied to everyone's.
+    pub fn broadcast_in_place<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.typed_in_place(
+            Collective::Broadcast {
+                count: buf.len(),
+                root,
+            },
+            ReduceOp::Sum,
+            buf,
+        )
+    }
+
+    /// The reduction of every rank's `input` lands in `root`'s `output` (other ranks' `output`
+    /// is ignored and may be empty).
+    pub fn reduce<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.typed(
+            Collective::Reduce {
+                count: input.len(),
+                root,
+            },
+            op,
+            input,
+            output,
+        )
+    }
+
+    /// [`Communicator::reduce`] in place.
+    pub fn reduce_in_place<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.typed_in_place(
+            Collective::Reduce {
+                count: buf.len(),
+                root,
+            },
+            op,
+            buf,
+        )
+    }
+
+    /// Block `j` of this rank's `input` goes to rank `j`; block `i` of `output` comes from
+    /// rank `i` (both `world · count` elements).
+    pub fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        let count = input.len() / self.inner.world.max(1);
+        self.typed(Collective::AllToAll { count }, ReduceOp::Sum, input, output)
+    }
+
+    /// [`Communicator::all_to_all`] in place.
+    pub fn all_to_all_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        let count = buf.len() / self.inner.world.max(1);
+        self.typed_in_place(Collective::AllToAll { count }, ReduceOp::Sum, buf)
+    }
+
+    /// All-to-all with per-peer counts: `send_counts[j]` elements (packed in rank order in
+    /// `input`) go to rank `j`; `recv_counts[i]` arrive from rank `i`, packed in `output`.
+    pub fn all_to_allv<T: Element>(
+        &self,
+        input: &[T],
+        send_counts: &[usize],
+        output: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        let coll = Collective::AllToAllV {
+            send_counts: send_counts.to_vec(),
+            recv_counts: recv_counts.to_vec(),
+        };
+        self.typed(coll, ReduceOp::Sum, input, output)
+    }
+
+    /// Every rank's `input` lands in block `r` of `root`'s `output`.
+    pub fn gather<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<()> {
+        self.typed(
+            Collective::Gather {
+                count: input.len(),
+                root,
+            },
+            ReduceOp::Sum,
+            input,
+            output,
+        )
+    }
+
+    /// Block `r` of `root`'s `input` lands in rank `r`'s `output`.
+    pub fn scatter<T: Element>(&self, input: &[T], output: &mut [T], root: usize) -> Result<()> {
+        self.typed(
+            Collective::Scatter {
+                count: output.len(),
+                root,
+            },
+            ReduceOp::Sum,
+            input,
+            output,
+        )
+    }
+
+    /// Returns once every rank has called it.
+    pub fn barrier(&self) -> Result<()> {
+        self.run(
+            &Collective::Barrier,
+            DataType::U8,
+            ReduceOp::Sum,
+            Buffers::OutOfPlace {
+                input: &[],
+                output: &mut [],
+            },
+        )
+    }
+
+    /// Sends `buf` to `peer`, which must call [`Communicator::recv`] with the same count.
+    /// Sends to one peer are received in order.
+    pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<()> {
+        self.typed(
+            Collective::Send {
+                count: buf.len(),
+                peer,
+            },
+            ReduceOp::Sum,
+            buf,
+            &mut [],
+        )
+    }
+
+    /// Receives `buf.len()` elements from `peer`.
+    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<()> {
+        self.typed(
+            Collective::Recv {
+                count: buf.len(),
+                peer,
+            },
+            ReduceOp::Sum,
+            &[],
+            buf,
+        )
+    }
+
+    /// Runs `f` on this communicator's worker thread, after every earlier submitted call, and
+    /// returns a handle; blocking calls made meanwhile wait for submitted work first, so the
+    /// order of collectives is the order of calls. `f` owns its buffers:
+    /// `comm.submit(move |c| c.all_reduce_in_place(&mut v, ReduceOp::Sum).map(|_| v))`.
+    pub fn submit<R, F>(&self, f: F) -> Work<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&Communicator) -> Result<R> + Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel();
+        let job: Job = Box::new(move |c: &Communicator| {
+            let _ = tx.send(f(c));
+        });
+        {
+            let mut p = self
+                .inner
+                .pending
+                .0
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            *p += 1;
+        }
+        let mut q = self.inner.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let sender = q.get_or_insert_with(|| spawn_worker(Arc::downgrade(&self.inner)));
+        if sender.send(job).is_err() {
+            let mut p = self
+                .inner
+                .pending
+                .0
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            *p -= 1;
+        }
+        Work {
+            rx,
+            rank: self.inner.rank,
+            result: None,
+        }
+    }
+
+    /// Non-blocking in-place all-reduce of an owned buffer, returned by [`Work::wait`].
+    pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        self.submit(move |c| c.all_reduce_in_place(&mut buf, op).map(|()| buf))
+    }
+
+    fn wait_for_queue(&self) {
+        let me = Arc::as_ptr(&self.inner) as usize;
+        if ON_WORKER.with(|w| w.get()) == me {
+            return;
+        }
+        let (m, cv) = &self.inner.pending;
+        let mut p = m.lock().unwrap_or_else(|e| e.into_inner());
+        while *p > 0 {
+            p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Stops this communicator: a collective running on another thread returns
+    /// [`Error::Aborted`] within about 50 ms, every peer it can reach is told (their pending
+    /// and later calls fail the same way), and later calls here fail at once.
+    pub fn abort(&self) {
+        self.inner.abort.store(true, Ordering::SeqCst);
+        // If no collective is running, tell the peers now; otherwise the running one does as
+        // it stops.
+        if let Ok(mut st) = self.inner.state.try_lock() {
+            Engine::notify_all(&st.engine.links, 2);
+            st.poisoned.get_or_insert_with(|| "aborted".into());
+        }
+    }
+
+    /// Splits into sub-communicators of the ranks that pass the same `color`, ordered by
+    /// `key` then rank (like `MPI_Comm_split`); `None` opts out and returns `None`.
+    /// Collective over this communicator.
+    pub fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Communicator>> {
+        let mine = [color.map_or(-1i64, i64::from), i64::from(key)];
+        let mut all = vec![0i64; 2 * self.inner.world];
+        self.all_gather(&mine, &mut all)?;
+        let seq = {
+            let mut s = self
+                .inner
+                .split_seq
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            *s += 1;
+            *s
+        };
+        let Some(color) = color else { return Ok(None) };
+        let mut members: Vec<(i64, usize)> = (0..self.inner.world)
+            .filter(|&r| all[2 * r] == i64::from(color))
+            .map(|r| (all[2 * r + 1], r))
+            .collect();
+        members.sort();
+        let new_rank = members
+            .iter()
+            .position(|&(_, r)| r == self.inner.rank)
+            .unwrap();
+        let store = Box::new(SharedStore(self.inner.bootstrap.clone()));
+        let job = format!("{:016x}/split{seq}/color{color}", self.inner.comm_id);
+        let boot = Bootstrap::with_store(
+            new_rank,
+            members.len(),
+            store,
+            &job,
+            self.inner.opts.timeout,
+        )?;
+        let mut opts = self.inner.opts.clone();
+        opts.host_id = Some(self.inner.hosts[self.inner.rank].clone());
+        // The child's store handle holds the parent's bootstrap, so the store outlives both.
+        Communicator::init_shared(Arc::new(boot), opts).map(Some)
+    }
+
+    /// Waits for every rank (a barrier), then releases this communicator. Rank 0, when it
+    /// serves the bootstrap store, also waits for the others to disconnect from it.
+    pub fn destroy(self) -> Result<()> {
+        self.barrier()?;
+        let inner = match Arc::try_unwrap(self.inner) {
+            Ok(i) => i,
+            Err(_) => return Ok(()),
+        };
+        let boot = inner.bootstrap;
+        drop(inner.state);
+        if let Ok(b) = Arc::try_unwrap(boot) {
+            b.close()?;
+        }
+        Ok(())
+    }
+}
+
+fn spawn_worker(inner: Weak<Inner>) -> mpsc::Sender<Job> {
+    let (tx, rx) = mpsc::channel::<Job>();
+    std::thread::Builder::new()
+        .name("oxccl-worker".into())
+        .spawn(move || {
+            while let Ok(job) = rx.recv() {
+                let Some(inner) = inner.upgrade() else { break };
+                let comm = Communicator { inner };
+                ON_WORKER.with(|w| w.set(Arc::as_ptr(&comm.inner) as usize));
+                job(&comm);
+                ON_WORKER.with(|w| w.set(0));
+                let (m, cv) = &comm.inner.pending;
+                let mut p = m.lock().unwrap_or_else(|e| e.into_inner());
+                *p -= 1;
+                cv.notify_all();
+            }
+        })
+        .expect("spawning the oxccl worker thread");
+    tx
+}
+
+/// A non-blocking call's handle (see [`Communicator::submit`]).
+pub struct Work<R> {
+    rx: mpsc::Receiver<Result<R>>,
+    rank: usize,
+    result: Option<Result<R>>,
+}
+
+impl<R> Work<R> {
+    /// Whether the call has finished (successfully or not).
+    pub fn test(&mut self) -> bool {
+        if self.result.is_none()
+            && let Ok(r) = self.rx.try_recv()
+        {
+            self.result = Some(r);
+        }
+        self.result.is_some()
+    }
+
+    /// Waits up to `timeout` for the call: its result, or [`Error::WaitTimeout`] if it has not
+    /// finished (the handle stays usable: wait again).
+    pub fn wait(&mut self, timeout: Duration) -> Result<R> {
+        if let Some(r) = self.result.take() {
+            return r;
+        }
+        match self.rx.recv_timeout(timeout) {
+            Ok(r) => r,
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(Error::WaitTimeout {
+                rank: self.rank,
+                timeout,
+            }),
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(Error::Aborted {
+                rank: self.rank,
+                op: "submitted work".into(),
+                reason: "the communicator was dropped before the work ran, or it panicked".into(),
+            }),
+        }
+    }
+}

@@ -1,0 +1,1285 @@
+//! The executor: runs one rank's [`Schedule`] over verbs.
+//!
+//! Wire protocol, the same for every provider. For each peer and channel the receiver exposes
+//! `slots` slots of `SLOT_HEADER + slot_data` bytes in a registered region. The sender writes a
+//! fragment with WRITE_WITH_IMM (imm = channel and slot): a 64-byte header (the collective's
+//! sequence number and fingerprint, the transfer's length, the fragment's offset) followed by
+//! the data, taken from the user's buffer in place (registered for the call) or, for small
+//! fragments, copied beside the header in a staging region. The receiver checks the header,
+//! reduces or copies straight out of the slot into its destination, and every `slots / 2`
+//! fragments returns a credit: a WRITE_WITH_IMM of its consumed count into a counter word
+//! beside the sender's slots, so a sender waiting for room sleeps on its completion queue.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use oxccl_verbs::{
+    AccessFlags, CompletionQueue, MemoryRegion, ProtectionDomain, Provider, QueuePair, RecvWr,
+    RemoteBuffer, SendWr, Sge, WcStatus, WorkCompletion, WrOp,
+};
+
+use crate::error::{Error, OpDesc, Result};
+use crate::reduce;
+use crate::schedule::{Buf, Op, Region, Schedule};
+use crate::{DataType, ReduceOp};
+
+/// Bytes of the header in front of every fragment.
+pub(crate) const SLOT_HEADER: usize = 64;
+/// Fragments up to this many bytes travel in the staging region (no registration).
+pub(crate) const INLINE: usize = 4096 - SLOT_HEADER;
+const STAGE: usize = SLOT_HEADER + INLINE;
+const MAGIC: u32 = 0x0CC1_C0DE;
+
+const IMM_DATA: u32 = 0;
+const IMM_CREDIT: u32 = 1;
+const IMM_ABORT: u32 = 2;
+const IMM_MISMATCH: u32 = 3;
+
+fn imm(kind: u32, channel: usize, value: u32) -> u32 {
+    kind << 30 | (channel as u32 & 0x3f) << 24 | (value & 0xff_ffff)
+}
+
+// wr_id: kind in the top byte, link index, step.
+const WR_RECV: u64 = 1 << 56;
+const WR_DATA: u64 = 2 << 56;
+const WR_CTRL: u64 = 3 << 56;
+
+/// Slot geometry, the same on every rank (checked at init).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Geometry {
+    /// Data bytes per slot.
+    pub slot_data: usize,
+    /// Slots per (peer, channel).
+    pub slots: usize,
+    /// Channels.
+    pub channels: usize,
+}
+
+impl Geometry {
+    fn slot_bytes(&self) -> usize {
+        SLOT_HEADER + self.slot_data
+    }
+    /// Bytes of the receive region for one peer: slots, then one credit word per channel.
+    pub(crate) fn recv_region(&self) -> usize {
+        self.channels * self.slots * self.slot_bytes() + 8 * self.channels
+    }
+    fn credit_offset(&self, ch: usize) -> usize {
+        self.channels * self.slots * self.slot_bytes() + 8 * ch
+    }
+    fn stage_region(&self) -> usize {
+        self.channels * self.slots * STAGE + 8 * self.channels
+    }
+    /// Receive work requests kept posted per queue pair.
+    pub(crate) fn recv_depth(&self) -> u32 {
+        (2 * self.channels * self.slots + 16) as u32
+    }
+    /// Send work requests per queue pair.
+    pub(crate) fn send_depth(&self) -> u32 {
+        (4 * self.channels * self.slots + 16) as u32
+    }
+}
+
+/// The fragment header, little-endian at the start of each slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+struct Header {
+    magic: u32,
+    coll: u8,
+    dtype: u8,
+    op: u8,
+    has_root: u8,
+    seq: u64,
+    count: u64,
+    root: u32,
+    sender: u32,
+    xfer_len: u64,
+    frag_off: u64,
+    frag_len: u32,
+}
+
+impl Header {
+    fn encode(&self, out: &mut [u8]) {
+        out[0..4].copy_from_slice(&self.magic.to_le_bytes());
+        out[4] = self.coll;
+        out[5] = self.dtype;
+        out[6] = self.op;
+        out[7] = self.has_root;
+        out[8..16].copy_from_slice(&self.seq.to_le_bytes());
+        out[16..24].copy_from_slice(&self.count.to_le_bytes());
+        out[24..28].copy_from_slice(&self.root.to_le_bytes());
+        out[28..32].copy_from_slice(&self.sender.to_le_bytes());
+        out[32..40].copy_from_slice(&self.xfer_len.to_le_bytes());
+        out[40..48].copy_from_slice(&self.frag_off.to_le_bytes());
+        out[48..52].copy_from_slice(&self.frag_len.to_le_bytes());
+    }
+    fn decode(b: &[u8]) -> Header {
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+        Header {
+            magic: u32_at(0),
+            coll: b[4],
+            dtype: b[5],
+            op: b[6],
+            has_root: b[7],
+            seq: u64_at(8),
+            count: u64_at(16),
+            root: u32_at(24),
+            sender: u32_at(28),
+            xfer_len: u64_at(32),
+            frag_off: u64_at(40),
+            frag_len: u32_at(48),
+        }
+    }
+}
+
+fn coll_code(name: &str) -> u8 {
+    const NAMES: [&str; 12] = [
+        "all_reduce",
+        "reduce_scatter",
+        "all_gather",
+        "broadcast",
+        "reduce",
+        "all_to_all",
+        "all_to_allv",
+        "gather",
+        "scatter",
+        "barrier",
+        "send",
+        "recv",
+    ];
+    NAMES.iter().position(|n| *n == name).unwrap_or(255) as u8
+}
+
+fn coll_name(code: u8) -> &'static str {
+    [
+        "all_reduce",
+        "reduce_scatter",
+        "all_gather",
+        "broadcast",
+        "reduce",
+        "all_to_all",
+        "all_to_allv",
+        "gather",
+        "scatter",
+        "barrier",
+        "send",
+        "recv",
+    ]
+    .get(code as usize)
+    .copied()
+    .unwrap_or("unknown")
+}
+
+/// What a receiver expects a sender's header to say.
+fn expected_header(desc: &OpDesc, sender: usize) -> Header {
+    // A send is received by a recv: both carry "send".
+    let coll = if desc.coll == "recv" {
+        "send"
+    } else {
+        desc.coll
+    };
+    let p2p = matches!(desc.coll, "send" | "recv");
+    Header {
+        magic: MAGIC,
+        coll: coll_code(coll),
+        dtype: DataType::ALL
+            .iter()
+            .position(|d| *d == desc.dtype)
+            .unwrap_or(0) as u8,
+        op: ReduceOp::ALL
+            .iter()
+            .position(|o| *o == desc.op)
+            .unwrap_or(0) as u8,
+        has_root: u8::from(desc.root.is_some() && !p2p),
+        seq: desc.seq,
+        count: if desc.coll == "all_to_allv" {
+            0
+        } else {
+            desc.count
+        },
+        root: if p2p {
+            0
+        } else {
+            desc.root.unwrap_or(0) as u32
+        },
+        sender: sender as u32,
+        ..Header::default()
+    }
+}
+
+fn describe(h: &Header) -> String {
+    let dtype = DataType::ALL
+        .get(h.dtype as usize)
+        .map_or("?".into(), |d| d.to_string());
+    let op = ReduceOp::ALL
+        .get(h.op as usize)
+        .map_or("?".into(), |o| o.to_string());
+    let mut s = format!(
+        "{} #{} (count {}, {dtype}, {op}",
+        coll_name(h.coll),
+        h.seq,
+        h.count
+    );
+    if h.has_root != 0 {
+        s += &format!(", root {}", h.root);
+    }
+    s + ")"
+}
+
+#[derive(Default)]
+struct ChanRx {
+    /// Slots that arrived and are not consumed yet, in order.
+    arrived: VecDeque<u32>,
+    consumed: u64,
+    returned: u64,
+}
+
+/// One connected peer.
+pub(crate) struct Link {
+    pub(crate) peer: usize,
+    pub(crate) provider: Provider,
+    pub(crate) qp: QueuePair,
+    /// Index of the provider context ([`Engine::cqs`]) this link belongs to.
+    pub(crate) ctx: usize,
+    /// Where the peer writes to us: slots, then credit words.
+    slots: MemoryRegion,
+    /// Our headers, inline data and credit source words.
+    stage: MemoryRegion,
+    /// The peer's receive region for our fragments.
+    remote: RemoteBuffer,
+    posted: Vec<u64>,
+    rx: Vec<ChanRx>,
+    /// Credits to send that did not fit in the send queue yet.
+    credit_due: Vec<bool>,
+    /// Why the connection failed, once it has.
+    failed: Option<String>,
+}
+
+impl Link {
+    /// Allocates this side's regions; [`Link::connect`] completes it.
+    pub(crate) fn new(
+        peer: usize,
+        provider: Provider,
+        ctx: usize,
+        pd: &ProtectionDomain,
+        qp: QueuePair,
+        geo: &Geometry,
+    ) -> oxccl_verbs::Result<Link> {
+        let slots = pd.alloc_mr(
+            geo.recv_region(),
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+        )?;
+        let stage = pd.alloc_mr(geo.stage_region(), AccessFlags::LOCAL_WRITE)?;
+        Ok(Link {
+            peer,
+            provider,
+            qp,
+            ctx,
+            slots,
+            stage,
+            remote: RemoteBuffer {
+                addr: 0,
+                len: 0,
+                rkey: 0,
+            },
+            posted: vec![0; geo.channels],
+            rx: (0..geo.channels).map(|_| ChanRx::default()).collect(),
+            credit_due: vec![false; geo.channels],
+            failed: None,
+        })
+    }
+
+    /// What the peer needs to write to us.
+    pub(crate) fn local_region(&self) -> RemoteBuffer {
+        self.slots.remote()
+    }
+
+    /// Records the peer's region and posts the receive queue.
+    pub(crate) fn connect(
+        &mut self,
+        remote: RemoteBuffer,
+        geo: &Geometry,
+        index: usize,
+    ) -> oxccl_verbs::Result<()> {
+        self.remote = remote;
+        let wrs: Vec<RecvWr<'_>> = (0..geo.recv_depth())
+            .map(|_| RecvWr::new(WR_RECV | index as u64, &[]))
+            .collect();
+        self.qp.post_recv(&wrs)
+    }
+
+    fn credit_word(&self, ch: usize, geo: &Geometry) -> u64 {
+        self.slots
+            .atomic_u64(geo.credit_offset(ch))
+            .map(|a| a.load(Ordering::Acquire))
+            .unwrap_or(0)
+    }
+}
+
+/// The caller's buffers for one call, as raw memory: the engine is their only user until the
+/// call returns.
+pub(crate) struct Bufs {
+    pub input: *const u8,
+    pub input_len: usize,
+    pub output: *mut u8,
+    pub output_len: usize,
+}
+
+/// Memory registrations of one call's buffers, per provider context, made on first use.
+#[derive(Default)]
+struct CallMrs {
+    mrs: Vec<((u8, usize), MemoryRegion)>,
+}
+
+/// The per-communicator executor.
+pub(crate) struct Engine {
+    pub(crate) rank: usize,
+    pub(crate) geo: Geometry,
+    pub(crate) links: Vec<Link>,
+    /// Link index per rank (`usize::MAX` for ourselves).
+    pub(crate) link_of: Vec<usize>,
+    /// One protection domain and completion queue per provider context.
+    pub(crate) pds: Vec<ProtectionDomain>,
+    pub(crate) cqs: Vec<CompletionQueue>,
+    pub(crate) abort: Arc<AtomicBool>,
+    /// How long an idle call polls without yielding (`OXCCL_SPIN_US`, default 50, as the verbs completion queue).
+    pub(crate) spin_for: Duration,
+    /// How long an idle call polls, yielding the CPU between polls, before it sleeps on the
+    /// completion queue (`OXCCL_YIELD_US`, default 2000): long enough to cover a wake-up
+    /// through the hypervisor, short enough not to burn a core that a peer could use.
+    pub(crate) yield_for: Duration,
+    scratch: Vec<u64>,
+    scratch_mrs: Vec<Option<MemoryRegion>>,
+    wcs: Vec<WorkCompletion>,
+}
+
+/// Per-call progress of each step.
+struct StepState {
+    done: bool,
+    /// Bytes posted (send) or consumed (recv).
+    progress: usize,
+    /// Send completions outstanding.
+    outstanding: u32,
+    /// Whether a send has posted its last fragment.
+    posted_all: bool,
+}
+
+impl Engine {
+    pub(crate) fn new(
+        rank: usize,
+        geo: Geometry,
+        links: Vec<Link>,
+        link_of: Vec<usize>,
+        pds: Vec<ProtectionDomain>,
+        cqs: Vec<CompletionQueue>,
+        abort: Arc<AtomicBool>,
+    ) -> Engine {
+        let n = pds.len();
+        Engine {
+            rank,
+            geo,
+            links,
+            link_of,
+            pds,
+            cqs,
+            abort,
+            spin_for: env_us("OXCCL_SPIN_US", 50),
+            yield_for: env_us("OXCCL_YIELD_US", 2000),
+            scratch: Vec::new(),
+            scratch_mrs: (0..n).map(|_| None).collect(),
+            wcs: vec![WorkCompletion::default(); 64],
+        }
+    }
+
+    /// Posts a control message (abort or mismatch notice) to every peer; best effort.
+    pub(crate) fn notify_all(links: &[Link], kind: u32) {
+        for l in links {
+            let _ = l.qp.post_send(&[SendWr::new(
+                WR_CTRL,
+                WrOp::WriteWithImm {
+                    remote: l.remote.at(0),
+                    imm: imm(kind, 0, 0),
+                },
+                &[],
+            )]);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    /// Runs `sched` on `bufs`. `dtype`/`op` drive reductions (`Avg` reduces as a sum; the
+    /// caller divides afterwards).
+    pub(crate) fn execute(
+        &mut self,
+        sched: &Schedule,
+        desc: &OpDesc,
+        dtype: DataType,
+        op: ReduceOp,
+        bufs: &Bufs,
+        in_place: Option<(usize, usize)>,
+        timeout: Duration,
+    ) -> Result<()> {
+        let esize = dtype.size();
+        let need = sched.scratch * esize;
+        if self.scratch.len() * 8 < need {
+            self.scratch = vec![0u64; need.div_ceil(8)];
+            self.scratch_mrs.iter_mut().for_each(|m| *m = None);
+        }
+        let mut call = Call {
+            eng: self,
+            sched,
+            desc,
+            dtype,
+            op: if op == ReduceOp::Avg {
+                ReduceOp::Sum
+            } else {
+                op
+            },
+            esize,
+            bufs,
+            in_place,
+            st: sched
+                .steps
+                .iter()
+                .map(|_| StepState {
+                    done: false,
+                    progress: 0,
+                    outstanding: 0,
+                    posted_all: false,
+                })
+                .collect(),
+            left: sched.steps.len(),
+            mrs: CallMrs::default(),
+            bytes_in: 0,
+        };
+        let r = call.run(timeout);
+        if r.is_err() {
+            call.quiesce();
+        }
+        r
+    }
+}
+
+struct Call<'a> {
+    eng: &'a mut Engine,
+    sched: &'a Schedule,
+    desc: &'a OpDesc,
+    dtype: DataType,
+    op: ReduceOp,
+    esize: usize,
+    bufs: &'a Bufs,
+    in_place: Option<(usize, usize)>,
+    st: Vec<StepState>,
+    left: usize,
+    mrs: CallMrs,
+    bytes_in: u64,
+}
+
+impl Call<'_> {
+    fn deps_done(&self, s: usize) -> bool {
+        self.sched.steps[s]
+            .deps
+            .iter()
+            .all(|&d| self.st[d as usize].done)
+    }
+
+    fn finish(&mut self, s: usize) {
+        if !self.st[s].done {
+            self.st[s].done = true;
+            self.left -= 1;
+        }
+    }
+
+    fn invalid(&self, msg: String) -> Error {
+        Error::InvalidArgument {
+            rank: self.eng.rank,
+            msg: format!("{}: {msg}", self.desc),
+        }
+    }
+
+    /// Byte address and length of a region, checked against its buffer.
+    fn locate(&self, reg: Region) -> Result<(*mut u8, usize)> {
+        let es = self.esize;
+        let (base, len, off) = match (reg.buf, self.in_place) {
+            (Buf::Scratch, _) => (
+                self.eng.scratch.as_ptr() as *mut u8,
+                self.eng.scratch.len() * 8,
+                reg.offset * es,
+            ),
+            (Buf::Input, Some((io, _))) => (
+                self.bufs.output,
+                self.bufs.output_len,
+                (io + reg.offset) * es,
+            ),
+            (Buf::Output, Some((_, oo))) => (
+                self.bufs.output,
+                self.bufs.output_len,
+                (oo + reg.offset) * es,
+            ),
+            (Buf::Input, None) => (
+                self.bufs.input as *mut u8,
+                self.bufs.input_len,
+                reg.offset * es,
+            ),
+            (Buf::Output, None) => (self.bufs.output, self.bufs.output_len, reg.offset * es),
+        };
+        let bytes = reg.len * es;
+        if off + bytes > len {
+            return Err(self.invalid(format!(
+                "step needs bytes {off}..{} of the {:?} buffer, which has {len}",
+                off + bytes,
+                reg.buf
+            )));
+        }
+        // SAFETY: `off + bytes <= len`, the length of the buffer `base` points to.
+        Ok((unsafe { base.add(off) }, bytes))
+    }
+
+    /// The memory region covering `reg`'s buffer on context `ctx`, registered on first use.
+    fn mr_for(&mut self, reg: Region, ctx: usize) -> Result<(&MemoryRegion, usize)> {
+        let (ptr, _) = self.locate(reg)?;
+        let (base, len) = match (reg.buf, self.in_place) {
+            (Buf::Scratch, _) => (
+                self.eng.scratch.as_ptr() as *mut u8,
+                self.eng.scratch.len() * 8,
+            ),
+            (Buf::Input, None) => (self.bufs.input as *mut u8, self.bufs.input_len),
+            _ => (self.bufs.output, self.bufs.output_len),
+        };
+        let off = ptr as usize - base as usize;
+        let rank = self.eng.rank;
+        if reg.buf == Buf::Scratch {
+            if self.eng.scratch_mrs[ctx].is_none() {
+                // SAFETY: the scratch vector lives in the engine and is only replaced (after
+                // dropping its registrations) when a call needs more.
+                let mr =
+                    unsafe { self.eng.pds[ctx].reg_mr_raw(base, len, AccessFlags::LOCAL_WRITE) }
+                        .map_err(|e| Error::Verbs {
+                            rank,
+                            what: "registering scratch memory".into(),
+                            source: e,
+                        })?;
+                self.eng.scratch_mrs[ctx] = Some(mr);
+            }
+            return Ok((self.eng.scratch_mrs[ctx].as_ref().unwrap(), off));
+        }
+        let key = (u8::from(base == self.bufs.output), ctx);
+        if let Some(i) = self.mrs.mrs.iter().position(|(k, _)| *k == key) {
+            return Ok((&self.mrs.mrs[i].1, off));
+        }
+        // SAFETY: the caller's buffers stay valid and untouched by the caller until the call
+        // returns, and the registration is dropped before it does (`Call::mrs`); the region
+        // is only read locally (no remote access).
+        let mr = unsafe { self.eng.pds[ctx].reg_mr_raw(base, len, AccessFlags::LOCAL_WRITE) }
+            .map_err(|e| Error::Verbs {
+                rank,
+                what: "registering the caller's buffer".into(),
+                source: e,
+            })?;
+        self.mrs.mrs.push((key, mr));
+        Ok((&self.mrs.mrs.last().unwrap().1, off))
+    }
+
+    fn run(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        // Per (link, channel) queues of send and receive steps, in schedule order.
+        let nl = self.eng.links.len();
+        let nch = self.eng.geo.channels;
+        let mut sendq: Vec<VecDeque<usize>> = vec![VecDeque::new(); nl * nch];
+        let mut recvq: Vec<VecDeque<usize>> = vec![VecDeque::new(); nl * nch];
+        let mut locals: Vec<usize> = Vec::new();
+        for (i, step) in self.sched.steps.iter().enumerate() {
+            match step.op {
+                Op::Send { peer, channel, .. } | Op::Recv { peer, channel, .. } => {
+                    let l = *self.eng.link_of.get(peer).unwrap_or(&usize::MAX);
+                    if l == usize::MAX || channel as usize >= nch {
+                        return Err(self.invalid(format!(
+                            "schedule step {i} names peer {peer} channel {channel}"
+                        )));
+                    }
+                    let q = l * nch + channel as usize;
+                    if matches!(step.op, Op::Send { .. }) {
+                        sendq[q].push_back(i);
+                    } else {
+                        recvq[q].push_back(i);
+                    }
+                }
+                _ => locals.push(i),
+            }
+        }
+        for l in 0..nl {
+            let peer = self.eng.links[l].peer;
+            self.check_link(l, peer)?;
+        }
+        let active_send: Vec<usize> = (0..nl * nch).filter(|&q| !sendq[q].is_empty()).collect();
+        let active_recv: Vec<usize> = (0..nl * nch).filter(|&q| !recvq[q].is_empty()).collect();
+        let mut idle_since: Option<Instant> = None;
+        while self.left > 0 {
+            let mut progress = self.poll_cqs()?;
+            for &q in &active_recv {
+                progress |= self.drive_recv(q, &mut recvq[q])?;
+            }
+            for &q in &active_send {
+                progress |= self.drive_send(q, &mut sendq[q])?;
+            }
+            let mut i = 0;
+            while i < locals.len() {
+                let s = locals[i];
+                if self.deps_done(s) {
+                    self.run_local(s)?;
+                    locals.swap_remove(i);
+                    progress = true;
+                } else {
+                    i += 1;
+                }
+            }
+            self.flush_credits();
+            if self.left == 0 {
+                break;
+            }
+            if progress {
+                idle_since = None;
+                continue;
+            }
+            for l in 0..nl {
+                let peer = self.eng.links[l].peer;
+                self.check_link(l, peer)?;
+            }
+            if self.eng.abort.load(Ordering::Relaxed) {
+                return Err(Error::Aborted {
+                    rank: self.eng.rank,
+                    op: self.desc.to_string(),
+                    reason: "Communicator::abort was called".into(),
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(self.timeout_error(timeout, &sendq, &recvq));
+            }
+            let idle = now - *idle_since.get_or_insert(now);
+            if idle < self.eng.spin_for {
+                std::hint::spin_loop();
+                continue;
+            }
+            if idle < self.eng.yield_for {
+                // Poll, and let other runnable threads (more ranks than cores) use the CPU.
+                std::thread::yield_now();
+                continue;
+            }
+            self.wait(deadline.min(now + Duration::from_millis(50)) - now)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for a completion on the provider contexts; handles what arrives.
+    fn wait(&mut self, max: Duration) -> Result<()> {
+        if self.eng.cqs.len() == 1 {
+            let mut wcs = std::mem::take(&mut self.eng.wcs);
+            let r = self.eng.cqs[0].wait(&mut wcs, max);
+            let res = match r {
+                Ok(n) => wcs[..n].iter().try_for_each(|wc| self.handle(wc)),
+                Err(oxccl_verbs::Error::Timeout { .. }) => Ok(()),
+                Err(e) => Err(Error::Verbs {
+                    rank: self.eng.rank,
+                    what: format!("{}: waiting for completions", self.desc),
+                    source: e,
+                }),
+            };
+            self.eng.wcs = wcs;
+            return res;
+        }
+        // Several contexts: poll them in turn, briefly.
+        let end = Instant::now() + max.min(Duration::from_millis(1));
+        while Instant::now() < end {
+            if self.poll_cqs()? {
+                return Ok(());
+            }
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+
+    fn poll_cqs(&mut self) -> Result<bool> {
+        let mut any = false;
+        for c in 0..self.eng.cqs.len() {
+            loop {
+                let mut wcs = std::mem::take(&mut self.eng.wcs);
+                let n = self.eng.cqs[c].poll(&mut wcs);
+                let r = wcs[..n].iter().try_for_each(|wc| self.handle(wc));
+                self.eng.wcs = wcs;
+                r?;
+                any |= n > 0;
+                if n < self.eng.wcs.len() {
+                    break;
+                }
+            }
+        }
+        Ok(any)
+    }
+
+    fn peer_of_qp(&self, qp_num: u32, ctx_hint: Option<usize>) -> Option<usize> {
+        self.eng
+            .links
+            .iter()
+            .position(|l| l.qp.qp_num() == qp_num && ctx_hint.is_none_or(|c| c == l.ctx))
+    }
+
+    fn handle(&mut self, wc: &WorkCompletion) -> Result<()> {
+        let kind = wc.wr_id & (0xff << 56);
+        let link = match kind {
+            WR_RECV => Some((wc.wr_id & 0xffff_ffff) as usize),
+            _ => self.peer_of_qp(wc.qp_num, None),
+        };
+        if wc.status != WcStatus::Success {
+            // The connection is dead: remember why; it fails this call only if the call still
+            // needs that peer (a peer that finished and left is no error).
+            let Some(l) = link else { return Ok(()) };
+            let lk = &mut self.eng.links[l];
+            if lk.failed.is_none() {
+                let d = lk.qp.error_detail().unwrap_or_default();
+                lk.failed = Some(format!(
+                    "{:?} on the {} connection{}{d}",
+                    wc.status,
+                    lk.provider.name(),
+                    if d.is_empty() { "" } else { ": " }
+                ));
+            }
+            let peer = lk.peer;
+            if kind == WR_DATA
+                && let Some(st) = self.st.get_mut((wc.wr_id & 0xffff_ffff) as usize)
+            {
+                st.outstanding = st.outstanding.saturating_sub(1);
+            }
+            let _ = peer;
+            return Ok(());
+        }
+        match kind {
+            WR_RECV => {
+                let l = link.unwrap_or(usize::MAX);
+                let Some(lk) = self.eng.links.get_mut(l) else {
+                    return Ok(());
+                };
+                let _ = lk.qp.post_recv(&[RecvWr::new(WR_RECV | l as u64, &[])]);
+                let Some(v) = wc.imm else { return Ok(()) };
+                let ch = ((v >> 24) & 0x3f) as usize;
+                match v >> 30 {
+                    IMM_DATA if ch < lk.rx.len() => {
+                        lk.rx[ch].arrived.push_back(v & 0xff_ffff);
+                        self.bytes_in += wc.byte_len as u64;
+                    }
+                    IMM_ABORT => {
+                        let peer = lk.peer;
+                        return Err(Error::Aborted {
+                            rank: self.eng.rank,
+                            op: self.desc.to_string(),
+                            reason: format!("rank {peer} aborted the communicator"),
+                        });
+                    }
+                    IMM_MISMATCH => {
+                        let peer = lk.peer;
+                        return Err(Error::Mismatch {
+                            rank: self.eng.rank,
+                            detail: format!(
+                                "rank {peer} found that a collective it received does not match its own; this rank was in {} (see rank {peer}'s error for both sides)",
+                                self.desc
+                            ),
+                        });
+                    }
+                    _ => {}
+                }
+            }
+            WR_DATA => {
+                let s = (wc.wr_id & 0xffff_ffff) as usize;
+                if let Some(st) = self.st.get_mut(s)
+                    && st.outstanding > 0
+                {
+                    st.outstanding -= 1;
+                    if st.outstanding == 0 && st.posted_all {
+                        self.finish(s);
+                    }
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Fails the call if link `l` has failed and a step not yet done involves its peer.
+    fn check_link(&self, l: usize, peer: usize) -> Result<()> {
+        let Some(why) = &self.eng.links[l].failed else {
+            return Ok(());
+        };
+        // Data that arrived before the failure still counts.
+        let nothing_left = self.eng.links[l].rx.iter().all(|rx| rx.arrived.is_empty());
+        let needed = self.sched.steps.iter().zip(&self.st).any(|(step, st)| {
+            !st.done
+                && match step.op {
+                    Op::Send { peer: p, .. } => p == peer,
+                    Op::Recv { peer: p, .. } => p == peer && nothing_left,
+                    _ => false,
+                }
+        });
+        if needed {
+            return Err(Error::PeerFailed {
+                rank: self.eng.rank,
+                op: self.desc.to_string(),
+                peer,
+                detail: why.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Consumes arrived fragments for the receive steps at the front of queue `q`.
+    fn drive_recv(&mut self, q: usize, queue: &mut VecDeque<usize>) -> Result<bool> {
+        let nch = self.eng.geo.channels;
+        let (l, ch) = (q / nch, q % nch);
+        let mut progress = false;
+        while let Some(&s) = queue.front() {
+            if !self.deps_done(s) || self.eng.links[l].rx[ch].arrived.is_empty() {
+                break;
+            }
+            let Op::Recv {
+                dst, reduce_with, ..
+            } = self.sched.steps[s].op
+            else {
+                unreachable!()
+            };
+            let slot = self.eng.links[l].rx[ch].arrived.pop_front().unwrap() as usize;
+            self.consume(s, l, ch, slot, dst, reduce_with)?;
+            progress = true;
+            let rx = &mut self.eng.links[l].rx[ch];
+            rx.consumed += 1;
+            if rx.consumed - rx.returned >= (self.eng.geo.slots as u64 / 2).max(1) {
+                self.eng.links[l].credit_due[ch] = true;
+            }
+            let total = dst.len * self.esize;
+            if self.st[s].progress >= total {
+                queue.pop_front();
+                self.finish(s);
+            }
+        }
+        Ok(progress)
+    }
+
+    fn consume(
+        &mut self,
+        s: usize,
+        l: usize,
+        ch: usize,
+        slot: usize,
+        dst: Region,
+        reduce_with: Option<Region>,
+    ) -> Result<()> {
+        let geo = self.eng.geo;
+        let link = &self.eng.links[l];
+        let peer = link.peer;
+        if slot >= geo.slots {
+            return Err(self.mismatch(peer, format!("a fragment named slot {slot}")));
+        }
+        let base = (ch * geo.slots + slot) * geo.slot_bytes();
+        let mut hb = [0u8; SLOT_HEADER];
+        link.slots.read(base, &mut hb).map_err(|e| Error::Verbs {
+            rank: self.eng.rank,
+            what: "reading a slot".into(),
+            source: e,
+        })?;
+        let h = Header::decode(&hb);
+        let want = expected_header(self.desc, peer);
+        let total = dst.len * self.esize;
+        let fingerprint = |h: &Header| {
+            (
+                h.magic, h.coll, h.dtype, h.op, h.has_root, h.seq, h.count, h.root, h.sender,
+            )
+        };
+        if fingerprint(&h) != fingerprint(&want) {
+            return Err(self.mismatch(
+                peer,
+                format!(
+                    "rank {} is in {}, but rank {peer} sent data for {}",
+                    self.eng.rank,
+                    self.desc,
+                    describe(&h)
+                ),
+            ));
+        }
+        let progress = self.st[s].progress;
+        if h.xfer_len as usize != total || h.frag_off as usize != progress {
+            return Err(self.mismatch(
+                peer,
+                format!(
+                    "in {}, rank {} expects {total} bytes from rank {peer} (at offset {progress}), which sends {} (at offset {})",
+                    self.desc, self.eng.rank, h.xfer_len, h.frag_off
+                ),
+            ));
+        }
+        let len = h.frag_len as usize;
+        if len > geo.slot_data || progress + len > total || (len == 0 && total != 0) {
+            return Err(self.mismatch(
+                peer,
+                format!("a fragment of {len} bytes at offset {progress} of {total}"),
+            ));
+        }
+        if len > 0 {
+            let es = self.esize;
+            let sub = |r: Region| r.sub(progress / es, len / es);
+            let (dp, _) = self.locate(sub(dst))?;
+            let src_ptr = link.slots.as_ptr();
+            // SAFETY: `base + SLOT_HEADER + len` lies inside the slot region (len ≤ slot_data);
+            // the peer does not write this slot again until we return its credit.
+            let slot_data =
+                unsafe { std::slice::from_raw_parts(src_ptr.add(base + SLOT_HEADER), len) };
+            match reduce_with {
+                Some(w) => {
+                    let (wp, _) = self.locate(sub(w))?;
+                    if wp == dp {
+                        // SAFETY: `locate` bounds-checked `dp..dp+len` in a buffer the engine
+                        // alone uses during the call.
+                        let d = unsafe { std::slice::from_raw_parts_mut(dp, len) };
+                        reduce::reduce_in_place(self.dtype, self.op, d, slot_data);
+                    } else {
+                        check_disjoint(dp, wp, len).map_err(|m| self.invalid(m))?;
+                        // SAFETY: both bounds-checked, and disjoint (checked above).
+                        let (d, a) = unsafe {
+                            (
+                                std::slice::from_raw_parts_mut(dp, len),
+                                std::slice::from_raw_parts(wp as *const u8, len),
+                            )
+                        };
+                        reduce::reduce_to(self.dtype, self.op, d, a, slot_data);
+                    }
+                }
+                None => {
+                    // SAFETY: bounds-checked by `locate`; the slot is in another mapping.
+                    let d = unsafe { std::slice::from_raw_parts_mut(dp, len) };
+                    d.copy_from_slice(slot_data);
+                }
+            }
+        }
+        self.st[s].progress += len.max(usize::from(total == 0));
+        Ok(())
+    }
+
+    fn mismatch(&self, peer: usize, detail: String) -> Error {
+        Engine::notify_all(&self.eng.links, IMM_MISMATCH);
+        let _ = peer;
+        Error::Mismatch {
+            rank: self.eng.rank,
+            detail,
+        }
+    }
+
+    /// Posts fragments for the send steps at the front of queue `q` while slots are free.
+    fn drive_send(&mut self, q: usize, queue: &mut VecDeque<usize>) -> Result<bool> {
+        let geo = self.eng.geo;
+        let nch = geo.channels;
+        let (l, ch) = (q / nch, q % nch);
+        let mut progress = false;
+        while let Some(&s) = queue.front() {
+            if !self.deps_done(s) {
+                break;
+            }
+            let Op::Send { src, .. } = self.sched.steps[s].op else {
+                unreachable!()
+            };
+            let total = src.len * self.esize;
+            let frag_max = (geo.slot_data / self.esize) * self.esize;
+            while !self.st[s].posted_all {
+                let link = &self.eng.links[l];
+                let free = geo.slots as u64 - (link.posted[ch] - link.credit_word(ch, &geo));
+                if free == 0 {
+                    return Ok(progress);
+                }
+                let off = self.st[s].progress;
+                let len = (total - off).min(frag_max);
+                self.post_fragment(s, l, ch, src, off, len, total)?;
+                progress = true;
+                self.st[s].progress += len;
+                if self.st[s].progress >= total {
+                    self.st[s].posted_all = true;
+                }
+            }
+            queue.pop_front();
+            if self.st[s].outstanding == 0 {
+                self.finish(s);
+            }
+        }
+        Ok(progress)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn post_fragment(
+        &mut self,
+        s: usize,
+        l: usize,
+        ch: usize,
+        src: Region,
+        off: usize,
+        len: usize,
+        total: usize,
+    ) -> Result<()> {
+        let geo = self.eng.geo;
+        let rank = self.eng.rank;
+        let mut h = expected_header(self.desc, rank);
+        if self.desc.coll == "recv" {
+            unreachable!("a recv does not send");
+        }
+        h.xfer_len = total as u64;
+        h.frag_off = off as u64;
+        h.frag_len = len as u32;
+        let link = &self.eng.links[l];
+        let slot = (link.posted[ch] % geo.slots as u64) as usize;
+        let stage_off = (ch * geo.slots + slot) * STAGE;
+        let mut hb = [0u8; SLOT_HEADER];
+        h.encode(&mut hb);
+        let verbs_err = |what: &str, e| Error::Verbs {
+            rank,
+            what: what.into(),
+            source: e,
+        };
+        link.stage
+            .write(stage_off, &hb)
+            .map_err(|e| verbs_err("staging a header", e))?;
+        let remote = link
+            .remote
+            .at(((ch * geo.slots + slot) * geo.slot_bytes()) as u64);
+        let wr_imm = imm(IMM_DATA, ch, slot as u32);
+        let inline = len <= INLINE;
+        if inline && len > 0 {
+            let es = self.esize;
+            let (p, _) = self.locate(src.sub(off / es, len / es))?;
+            // SAFETY: bounds-checked by `locate`.
+            let data = unsafe { std::slice::from_raw_parts(p as *const u8, len) };
+            link.stage
+                .write(stage_off + SLOT_HEADER, data)
+                .map_err(|e| verbs_err("staging a fragment", e))?;
+        }
+        let wr_id = WR_DATA | s as u64;
+        if inline {
+            let link = &self.eng.links[l];
+            let sge = [Sge::new(&link.stage, stage_off, SLOT_HEADER + len)];
+            link.qp
+                .post_send(&[SendWr::new(
+                    wr_id,
+                    WrOp::WriteWithImm {
+                        remote,
+                        imm: wr_imm,
+                    },
+                    &sge,
+                )])
+                .map_err(|e| self.send_error(l, e))?;
+        } else {
+            let ctx = self.eng.links[l].ctx;
+            let es = self.esize;
+            let (mr, mr_off) = self.mr_for(src.sub(off / es, len / es), ctx)?;
+            // `mr_for` borrowed self mutably; re-borrow the link.
+            let mr_ptr: *const MemoryRegion = mr;
+            let link = &self.eng.links[l];
+            // SAFETY: `mr_ptr` points into `self.mrs` or the engine's scratch registrations,
+            // neither of which changes until this call returns.
+            let mr = unsafe { &*mr_ptr };
+            let sge = [
+                Sge::new(&link.stage, stage_off, SLOT_HEADER),
+                Sge::new(mr, mr_off, len),
+            ];
+            link.qp
+                .post_send(&[SendWr::new(
+                    wr_id,
+                    WrOp::WriteWithImm {
+                        remote,
+                        imm: wr_imm,
+                    },
+                    &sge,
+                )])
+                .map_err(|e| self.send_error(l, e))?;
+            self.st[s].outstanding += 1;
+        }
+        self.eng.links[l].posted[ch] += 1;
+        Ok(())
+    }
+
+    fn send_error(&self, l: usize, e: oxccl_verbs::Error) -> Error {
+        let link = &self.eng.links[l];
+        Error::PeerFailed {
+            rank: self.eng.rank,
+            op: self.desc.to_string(),
+            peer: link.peer,
+            detail: format!(
+                "posting to its {} connection: {e}{}",
+                link.provider.name(),
+                link.qp
+                    .error_detail()
+                    .map(|d| format!(" ({d})"))
+                    .unwrap_or_default()
+            ),
+        }
+    }
+
+    /// Returns credits that are due: the consumed count, written beside the sender's slots.
+    fn flush_credits(&mut self) {
+        let geo = self.eng.geo;
+        for link in &mut self.eng.links {
+            for ch in 0..geo.channels {
+                if !link.credit_due[ch] {
+                    continue;
+                }
+                let consumed = link.rx[ch].consumed;
+                let src_off = geo.channels * geo.slots * STAGE + 8 * ch;
+                if link.stage.write(src_off, &consumed.to_le_bytes()).is_err() {
+                    continue;
+                }
+                let sge = [Sge::new(&link.stage, src_off, 8)];
+                let wr = SendWr::new(
+                    WR_CTRL,
+                    WrOp::WriteWithImm {
+                        remote: link.remote.at(geo.credit_offset(ch) as u64),
+                        imm: imm(IMM_CREDIT, ch, 0),
+                    },
+                    &sge,
+                );
+                if link.qp.post_send(&[wr]).is_ok() {
+                    link.rx[ch].returned = consumed;
+                    link.credit_due[ch] = false;
+                }
+            }
+        }
+    }
+
+    fn run_local(&mut self, s: usize) -> Result<()> {
+        match self.sched.steps[s].op {
+            Op::Copy { src, dst } => {
+                let (sp, n) = self.locate(src)?;
+                let (dp, m) = self.locate(dst)?;
+                if n != m {
+                    return Err(self.invalid(format!("step {s} copies {n} bytes into {m}")));
+                }
+                if sp != dp && n > 0 {
+                    check_disjoint(dp, sp, n).map_err(|m| self.invalid(m))?;
+                    // SAFETY: both bounds-checked by `locate` and disjoint.
+                    unsafe { std::ptr::copy_nonoverlapping(sp as *const u8, dp, n) };
+                }
+            }
+            Op::Reduce { dst, a, b } => {
+                let (dp, n) = self.locate(dst)?;
+                let (ap, _) = self.locate(a)?;
+                let (bp, _) = self.locate(b)?;
+                check_disjoint(dp, bp, n).map_err(|m| self.invalid(m))?;
+                // SAFETY: bounds-checked by `locate`; `dst` and `b` are disjoint, and `a` is
+                // either `dst` itself or disjoint from it.
+                unsafe {
+                    let bs = std::slice::from_raw_parts(bp as *const u8, n);
+                    if ap == dp {
+                        reduce::reduce_in_place(
+                            self.dtype,
+                            self.op,
+                            std::slice::from_raw_parts_mut(dp, n),
+                            bs,
+                        );
+                    } else {
+                        check_disjoint(dp, ap, n).map_err(|m| self.invalid(m))?;
+                        let as_ = std::slice::from_raw_parts(ap as *const u8, n);
+                        reduce::reduce_to(
+                            self.dtype,
+                            self.op,
+                            std::slice::from_raw_parts_mut(dp, n),
+                            as_,
+                            bs,
+                        );
+                    }
+                }
+            }
+            _ => unreachable!(),
+        }
+        self.finish(s);
+        Ok(())
+    }
+
+    fn timeout_error(
+        &self,
+        timeout: Duration,
+        sendq: &[VecDeque<usize>],
+        recvq: &[VecDeque<usize>],
+    ) -> Error {
+        let step = self.st.iter().position(|s| !s.done).unwrap_or(0);
+        let nch = self.eng.geo.channels;
+        let peer_of = |q: usize| self.eng.links[q / nch].peer;
+        let waiting = if let Some(q) = (0..recvq.len()).find(|&q| recvq[q].front() == Some(&step)) {
+            format!(
+                "waiting for data from rank {} (channel {})",
+                peer_of(q),
+                q % nch
+            )
+        } else if let Some(q) = (0..sendq.len()).find(|&q| sendq[q].front() == Some(&step)) {
+            let link = &self.eng.links[q / nch];
+            if self.deps_done(step) {
+                format!(
+                    "waiting for rank {} to free a slot (channel {}, {} fragments posted, {} consumed)",
+                    link.peer,
+                    q % nch,
+                    link.posted[q % nch],
+                    link.credit_word(q % nch, &self.eng.geo)
+                )
+            } else {
+                format!("waiting to send to rank {} after earlier steps", link.peer)
+            }
+        } else if self.st[step].posted_all {
+            let peer = match self.sched.steps[step].op {
+                Op::Send { peer, .. } => peer,
+                _ => usize::MAX,
+            };
+            format!("waiting for the transport to finish a send to rank {peer}")
+        } else {
+            "waiting for earlier steps".to_string()
+        };
+        Error::Timeout {
+            rank: self.eng.rank,
+            op: Box::new(self.desc.clone()),
+            timeout,
+            waiting,
+            step,
+            steps: self.st.len(),
+            bytes: self.bytes_in,
+        }
+    }
+
+    /// After an error: stop every connection (so no transport still reads the caller's
+    /// buffers) and drain what completes, briefly.
+    fn quiesce(&mut self) {
+        for l in &self.eng.links {
+            l.qp.to_error();
+        }
+        let end = Instant::now() + Duration::from_millis(200);
+        while self.st.iter().any(|s| s.outstanding > 0) && Instant::now() < end {
+            let mut wcs = std::mem::take(&mut self.eng.wcs);
+            for cq in &self.eng.cqs {
+                let n = cq.poll(&mut wcs);
+                for wc in &wcs[..n] {
+                    if wc.wr_id & (0xff << 56) == WR_DATA
+                        && let Some(st) = self.st.get_mut((wc.wr_id & 0xffff_ffff) as usize)
+                    {
+                        st.outstanding = st.outstanding.saturating_sub(1);
+                    }
+                }
+            }
+            self.eng.wcs = wcs;
+            std::thread::yield_now();
+        }
+    }
+}
+
+fn env_us(name: &str, default: u64) -> Duration {
+    Duration::from_micros(
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(default),
+    )
+}
+
+fn check_disjoint(a: *mut u8, b: *mut u8, len: usize) -> std::result::Result<(), String> {
+    let (a, b) = (a as usize, b as usize);
+    if a < b + len && b < a + len {
+        return Err(format!("regions overlap ({a:#x} and {b:#x}, {len} bytes)"));
+    }
+    Ok(())
+}

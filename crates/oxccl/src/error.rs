@@ -1,0 +1,141 @@
+//! Errors: every one names the rank it happened on and, for a collective, which one.
+
+use std::time::Duration;
+
+use crate::{DataType, ReduceOp};
+
+/// What a collective call was: its sequence number and fingerprint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpDesc {
+    /// Per-communicator sequence number (for send/recv: per peer and direction).
+    pub seq: u64,
+    /// Collective name.
+    pub coll: &'static str,
+    /// Element count (per rank for reduce-scatter, all-gather, all-to-all, gather, scatter).
+    pub count: u64,
+    /// Data type.
+    pub dtype: DataType,
+    /// Reduction operator (meaningful for reducing collectives).
+    pub op: ReduceOp,
+    /// Root rank (or peer, for send/recv), if any.
+    pub root: Option<usize>,
+}
+
+impl std::fmt::Display for OpDesc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} #{} (count {}, {}",
+            self.coll, self.seq, self.count, self.dtype
+        )?;
+        if matches!(self.coll, "all_reduce" | "reduce_scatter" | "reduce") {
+            write!(f, ", {}", self.op)?;
+        }
+        if let Some(root) = self.root {
+            let what = if matches!(self.coll, "send" | "recv") {
+                "peer"
+            } else {
+                "root"
+            };
+            write!(f, ", {what} {root}")?;
+        }
+        write!(f, ")")
+    }
+}
+
+/// Everything that can go wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A bad argument: buffer sizes, ranks, counts.
+    #[error("rank {rank}: invalid argument: {msg}")]
+    InvalidArgument {
+        /// The calling rank.
+        rank: usize,
+        /// What was wrong.
+        msg: String,
+    },
+    /// The rendezvous failed.
+    #[error("bootstrap: {0}")]
+    Bootstrap(#[from] oxccl_bootstrap::Error),
+    /// A verbs call failed (setting up a connection or registering memory).
+    #[error("rank {rank}: {what}: {source}")]
+    Verbs {
+        /// The calling rank.
+        rank: usize,
+        /// What was being done.
+        what: String,
+        /// The verbs error.
+        source: oxccl_verbs::Error,
+    },
+    /// A collective did not finish in time.
+    #[error(
+        "rank {rank}: {op} timed out after {timeout:?}: {waiting} (step {step} of {steps}; \
+         {bytes} bytes had arrived)"
+    )]
+    Timeout {
+        /// The calling rank.
+        rank: usize,
+        /// The collective.
+        op: Box<OpDesc>,
+        /// The timeout.
+        timeout: Duration,
+        /// What it was waiting for, naming the peer.
+        waiting: String,
+        /// The first unfinished step.
+        step: usize,
+        /// Steps in this rank's schedule.
+        steps: usize,
+        /// Bytes received from peers during the call.
+        bytes: u64,
+    },
+    /// A peer died or its connection failed.
+    #[error("rank {rank}: {op}: peer rank {peer} failed: {detail}")]
+    PeerFailed {
+        /// The calling rank.
+        rank: usize,
+        /// The collective.
+        op: String,
+        /// The peer.
+        peer: usize,
+        /// What the transport said.
+        detail: String,
+    },
+    /// Ranks called different collectives (or the same with other counts, types, operators
+    /// or roots).
+    #[error("rank {rank}: collective mismatch: {detail}")]
+    Mismatch {
+        /// The calling rank.
+        rank: usize,
+        /// Both sides.
+        detail: String,
+    },
+    /// The communicator was aborted, here or by a peer.
+    #[error("rank {rank}: {op} aborted: {reason}")]
+    Aborted {
+        /// The calling rank.
+        rank: usize,
+        /// The collective interrupted, if any.
+        op: String,
+        /// Who aborted.
+        reason: String,
+    },
+    /// [`Work::wait`](crate::Work::wait) gave up; the work is still running.
+    #[error("rank {rank}: submitted work did not finish within {timeout:?}")]
+    WaitTimeout {
+        /// The calling rank.
+        rank: usize,
+        /// How long it waited.
+        timeout: Duration,
+    },
+    /// An earlier error left the communicator unusable.
+    #[error("rank {rank}: the communicator is unusable after an earlier error: {first}")]
+    Poisoned {
+        /// The calling rank.
+        rank: usize,
+        /// The first error.
+        first: String,
+    },
+}
+
+/// `Result` with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

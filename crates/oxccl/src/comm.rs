@@ -11,7 +11,7 @@ use oxccl_verbs::{Context, Provider, QpConfig, QpEndpoint, RemoteBuffer};
 use serde::{Deserialize, Serialize};
 
 use crate::dtype::{as_bytes, as_bytes_mut};
-use crate::engine::{Bufs, Engine, Geometry, INLINE, Link};
+use crate::engine::{Bufs, Engine, Geometry, INLINE, Link, MAILBOX_DATA};
 use crate::error::{Error, OpDesc, Result};
 use crate::schedule::{Algorithm, Collective, Request, Schedule, build};
 use crate::{DataType, Element, ReduceOp, log_enabled};
@@ -181,6 +181,8 @@ struct State {
     p2p_seq: HashMap<(usize, bool), u64>,
     poisoned: Option<String>,
     cache: HashMap<(Request, u8), Arc<Schedule>>,
+    /// The last schedule used: most calls repeat the one before.
+    last: Option<((Request, u8), Arc<Schedule>)>,
     logged: std::collections::HashSet<(&'static str, Algorithm, usize)>,
 }
 
@@ -432,7 +434,14 @@ impl Communicator {
             );
         }
         let abort = Arc::new(AtomicBool::new(false));
-        let engine = Engine::new(rank, geo, links, link_of, pds, cqs, abort.clone());
+        let mut engine = Engine::new(rank, geo, links, link_of, pds, cqs, abort.clone());
+        // More ranks on this host than CPUs: a rank that waits must give its CPU away at once
+        // (spinning would hold off the very peer it waits for), as MPI's yield-when-idle does.
+        let local = hosts.iter().filter(|h| **h == host).count();
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if local > cpus && std::env::var_os("OXCCL_SPIN_US").is_none() {
+            engine.spin_for = Duration::ZERO;
+        }
         drop(ctxs);
         Ok(Communicator {
             inner: Arc::new(Inner {
@@ -448,6 +457,7 @@ impl Communicator {
                     p2p_seq: HashMap::new(),
                     poisoned: None,
                     cache: HashMap::new(),
+                    last: None,
                     logged: Default::default(),
                 }),
                 abort,
@@ -497,7 +507,15 @@ impl Communicator {
     ) -> (Algorithm, usize, usize) {
         let bytes = coll.count() * dtype.size();
         let small = bytes <= self.inner.opts.small_bytes;
+        let all_shm = self
+            .inner
+            .providers
+            .iter()
+            .flatten()
+            .all(|p| *p == Provider::Shm);
         let default = match coll {
+            // One round of mailbox messages between ranks of one host.
+            Collective::AllReduce { .. } if all_shm && bytes <= MAILBOX_DATA => Algorithm::Direct,
             Collective::AllReduce { .. } if small => Algorithm::RecursiveDoubling,
             Collective::AllReduce { .. }
             | Collective::ReduceScatter { .. }
@@ -669,8 +687,12 @@ impl Communicator {
             channels,
         };
         let key = (req, es as u8);
-        let sched = match st.cache.get(&key) {
-            Some(s) => s.clone(),
+        let hit = match &st.last {
+            Some((k, s)) if *k == key => Some(s.clone()),
+            _ => st.cache.get(&key).cloned(),
+        };
+        let sched = match hit {
+            Some(s) => s,
             None => {
                 let s = Arc::new(build(&key.0).map_err(invalid)?);
                 if st.cache.len() >= 256 {
@@ -680,6 +702,9 @@ impl Communicator {
                 s
             }
         };
+        if !matches!(&st.last, Some((k, _)) if *k == key) {
+            st.last = Some((key, sched.clone()));
+        }
         if log_enabled() && st.logged.insert((coll.name(), algo, chunk * es)) {
             eprintln!(
                 "oxccl INFO rank {rank}: {} of {} bytes: algorithm {}, {} channels, {} KiB chunks, {} steps",

@@ -30,6 +30,11 @@ pub(crate) const SLOT_HEADER: usize = 64;
 /// Fragments up to this many bytes travel in the staging region (no registration).
 pub(crate) const INLINE: usize = 4096 - SLOT_HEADER;
 const STAGE: usize = SLOT_HEADER + INLINE;
+/// The mailbox protocol: a message of at most [`MAILBOX_DATA`] bytes lands in one of two
+/// mailboxes per peer (by parity of the message number): an 8-byte stamp, padding, the
+/// 64-byte header, the data.
+pub(crate) const MAILBOX_DATA: usize = 16 << 10;
+const MAILBOX: usize = 2 * SLOT_HEADER + MAILBOX_DATA;
 const MAGIC: u32 = 0x0CC1_C0DE;
 
 const IMM_DATA: u32 = 0;
@@ -61,14 +66,24 @@ impl Geometry {
     fn slot_bytes(&self) -> usize {
         SLOT_HEADER + self.slot_data
     }
-    /// Bytes of the receive region for one peer: slots, then one credit word per channel.
+    /// Bytes of the receive region for one peer: slots, one credit word per channel, then
+    /// two mailboxes.
     pub(crate) fn recv_region(&self) -> usize {
-        self.channels * self.slots * self.slot_bytes() + 8 * self.channels
+        self.mailbox_offset(2)
+    }
+    /// Where mailbox `parity` starts in the receive region.
+    fn mailbox_offset(&self, parity: usize) -> usize {
+        self.channels * self.slots * self.slot_bytes() + 8 * self.channels + parity * MAILBOX
     }
     fn credit_offset(&self, ch: usize) -> usize {
         self.channels * self.slots * self.slot_bytes() + 8 * ch
     }
+    /// Staging: headers and inline data per slot, credit source words, then a mailbox image
+    /// and its stamp.
     fn stage_region(&self) -> usize {
+        self.stage_mailbox() + MAILBOX + 8
+    }
+    fn stage_mailbox(&self) -> usize {
         self.channels * self.slots * STAGE + 8 * self.channels
     }
     /// Receive work requests kept posted per queue pair.
@@ -254,6 +269,9 @@ pub(crate) struct Link {
     credit_due: Vec<bool>,
     /// Why the connection failed, once it has.
     failed: Option<String>,
+    /// Mailbox messages sent to and received from this peer.
+    mbox_sent: u64,
+    mbox_recv: u64,
 }
 
 impl Link {
@@ -287,6 +305,8 @@ impl Link {
             rx: (0..geo.channels).map(|_| ChanRx::default()).collect(),
             credit_due: vec![false; geo.channels],
             failed: None,
+            mbox_sent: 0,
+            mbox_recv: 0,
         })
     }
 
@@ -452,7 +472,11 @@ impl Engine {
             mrs: CallMrs::default(),
             bytes_in: 0,
         };
-        let r = call.run(timeout);
+        let r = if call.mailbox_eligible() {
+            call.run_mailbox(timeout)
+        } else {
+            call.run(timeout)
+        };
         if r.is_err() {
             call.quiesce();
         }
@@ -578,6 +602,240 @@ impl Call<'_> {
             })?;
         self.mrs.mrs.push((key, mr));
         Ok((&self.mrs.mrs.last().unwrap().1, off))
+    }
+
+    /// Whether the mailbox protocol can run this schedule: every peer it talks to is on shm
+    /// and gets exactly one message each way, small enough for a mailbox. (One exchange per
+    /// peer and call is what makes two mailboxes enough: a peer sends its next message only
+    /// after it has read ours of the call before, so it never overwrites one we still read.)
+    fn mailbox_eligible(&self) -> bool {
+        let n = self.eng.link_of.len();
+        let mut sends = vec![0u32; n];
+        let mut recvs = vec![0u32; n];
+        for step in &self.sched.steps {
+            let (peer, len, is_send) = match step.op {
+                Op::Send { peer, src, .. } => (peer, src.len, true),
+                Op::Recv { peer, dst, .. } => (peer, dst.len, false),
+                _ => continue,
+            };
+            let l = *self.eng.link_of.get(peer).unwrap_or(&usize::MAX);
+            if l == usize::MAX
+                || self.eng.links[l].provider != Provider::Shm
+                || len * self.esize > MAILBOX_DATA
+            {
+                return false;
+            }
+            if is_send {
+                sends[peer] += 1;
+            } else {
+                recvs[peer] += 1;
+            }
+        }
+        sends.iter().any(|&c| c > 0) && sends == recvs && sends.iter().all(|&c| c <= 1)
+    }
+
+    /// Runs the schedule with the mailbox protocol: one WRITE of header and data and one of
+    /// the stamp per message, and the receiver polls the stamp in its own memory (RC ordering
+    /// on the queue pair orders the two writes). No completion queue, no credits.
+    fn run_mailbox(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut idle_since: Option<Instant> = None;
+        let mut idle_polls = 0u32;
+        let geo = self.eng.geo;
+        while self.left > 0 {
+            let mut progress = false;
+            for s in 0..self.sched.steps.len() {
+                if self.st[s].done || !self.deps_done(s) {
+                    continue;
+                }
+                match self.sched.steps[s].op {
+                    Op::Send { peer, src, .. } => {
+                        self.mailbox_send(s, peer, src, &geo)?;
+                        self.finish(s);
+                        progress = true;
+                    }
+                    Op::Recv {
+                        peer,
+                        dst,
+                        reduce_with,
+                        ..
+                    } => {
+                        if self.mailbox_recv(peer, dst, reduce_with, &geo)? {
+                            self.finish(s);
+                            progress = true;
+                        }
+                    }
+                    _ => {
+                        self.run_local(s)?;
+                        progress = true;
+                    }
+                }
+            }
+            if self.left == 0 {
+                break;
+            }
+            if progress {
+                idle_since = None;
+                idle_polls = 0;
+                continue;
+            }
+            // Reading the clock costs as much as a poll: look at it every 32 idle passes.
+            idle_polls += 1;
+            if idle_polls % 32 != 0 {
+                if self.eng.spin_for.is_zero() {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            for l in 0..self.eng.links.len() {
+                let link = &self.eng.links[l];
+                if matches!(
+                    link.qp.state(),
+                    oxccl_verbs::QpState::Err | oxccl_verbs::QpState::Destroyed
+                ) && link.failed.is_none()
+                {
+                    let d = link
+                        .qp
+                        .error_detail()
+                        .unwrap_or_else(|| "the connection failed".into());
+                    self.eng.links[l].failed = Some(d);
+                }
+                let peer = self.eng.links[l].peer;
+                self.check_link(l, peer)?;
+            }
+            if self.eng.abort.load(Ordering::Relaxed) {
+                return Err(Error::Aborted {
+                    rank: self.eng.rank,
+                    op: self.desc.to_string(),
+                    reason: "Communicator::abort was called".into(),
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let step = self.st.iter().position(|s| !s.done).unwrap_or(0);
+                let waiting = match self.sched.steps[step].op {
+                    Op::Recv { peer, .. } => {
+                        format!("waiting for rank {peer}'s message in its mailbox")
+                    }
+                    _ => "waiting for earlier steps".into(),
+                };
+                return Err(Error::Timeout {
+                    rank: self.eng.rank,
+                    op: Box::new(self.desc.clone()),
+                    timeout,
+                    waiting,
+                    step,
+                    steps: self.st.len(),
+                    bytes: self.bytes_in,
+                });
+            }
+            let idle = now - *idle_since.get_or_insert(now);
+            if idle < self.eng.spin_for {
+                std::hint::spin_loop();
+            } else if idle < self.eng.yield_for {
+                std::thread::yield_now();
+            } else {
+                // Nothing to sleep on: nap briefly.
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+        Ok(())
+    }
+
+    fn mailbox_send(&mut self, s: usize, peer: usize, src: Region, geo: &Geometry) -> Result<()> {
+        let rank = self.eng.rank;
+        let l = self.eng.link_of[peer];
+        let (p, len) = self.locate(src)?;
+        let mut h = expected_header(self.desc, rank);
+        h.xfer_len = len as u64;
+        h.frag_len = len as u32;
+        let mut hb = [0u8; SLOT_HEADER];
+        h.encode(&mut hb);
+        let link = &self.eng.links[l];
+        let m = link.mbox_sent;
+        let box_off = geo.mailbox_offset((m % 2) as usize);
+        let st_off = geo.stage_mailbox();
+        let verbs_err = |e| Error::Verbs {
+            rank,
+            what: "staging a mailbox message".into(),
+            source: e,
+        };
+        link.stage.write(st_off, &hb).map_err(verbs_err)?;
+        if len > 0 {
+            // SAFETY: bounds-checked by `locate`.
+            let data = unsafe { std::slice::from_raw_parts(p as *const u8, len) };
+            link.stage
+                .write(st_off + SLOT_HEADER, data)
+                .map_err(verbs_err)?;
+        }
+        let stamp_off = st_off + MAILBOX;
+        link.stage
+            .write(stamp_off, &(m + 1).to_le_bytes())
+            .map_err(verbs_err)?;
+        let body = [Sge::new(&link.stage, st_off, SLOT_HEADER + len)];
+        let stamp = [Sge::new(&link.stage, stamp_off, 8)];
+        let wrs = [
+            SendWr::new(
+                WR_CTRL,
+                WrOp::Write {
+                    remote: link.remote.at((box_off + SLOT_HEADER) as u64),
+                },
+                &body,
+            )
+            .unsignaled(),
+            SendWr::new(
+                WR_CTRL,
+                WrOp::Write {
+                    remote: link.remote.at(box_off as u64),
+                },
+                &stamp,
+            )
+            .unsignaled(),
+        ];
+        link.qp.post_send(&wrs).map_err(|e| self.send_error(l, e))?;
+        self.eng.links[l].mbox_sent += 1;
+        let _ = s;
+        Ok(())
+    }
+
+    /// Consumes `peer`'s next mailbox message into `dst` if it has arrived.
+    fn mailbox_recv(
+        &mut self,
+        peer: usize,
+        dst: Region,
+        reduce_with: Option<Region>,
+        geo: &Geometry,
+    ) -> Result<bool> {
+        let l = self.eng.link_of[peer];
+        let link = &self.eng.links[l];
+        let m = link.mbox_recv;
+        let box_off = geo.mailbox_offset((m % 2) as usize);
+        let stamp = link
+            .slots
+            .atomic_u64(box_off)
+            .map(|a| a.load(Ordering::Acquire))
+            .unwrap_or(0);
+        if stamp != m + 1 {
+            return Ok(false);
+        }
+        let mut hb = [0u8; SLOT_HEADER];
+        link.slots
+            .read(box_off + SLOT_HEADER, &mut hb)
+            .map_err(|e| Error::Verbs {
+                rank: self.eng.rank,
+                what: "reading a mailbox".into(),
+                source: e,
+            })?;
+        let h = Header::decode(&hb);
+        self.check_header(&h, peer, dst.len * self.esize, 0)?;
+        let len = h.frag_len as usize;
+        self.bytes_in += len as u64;
+        let base = box_off + 2 * SLOT_HEADER;
+        self.apply(l, base, len, dst, reduce_with, 0)?;
+        self.eng.links[l].mbox_recv += 1;
+        Ok(true)
     }
 
     fn run(&mut self, timeout: Duration) -> Result<()> {
@@ -885,25 +1143,34 @@ impl Call<'_> {
             source: e,
         })?;
         let h = Header::decode(&hb);
+        let progress = self.st[s].progress;
+        self.check_header(&h, peer, dst.len * self.esize, progress)?;
+        let len = h.frag_len as usize;
+        self.apply(l, base + SLOT_HEADER, len, dst, reduce_with, progress)?;
+        self.st[s].progress += len.max(usize::from(dst.len == 0));
+        Ok(())
+    }
+
+    /// Checks a fragment's header against this call: the fingerprint, then where the fragment
+    /// lies in a transfer of `total` bytes of which `progress` have arrived.
+    fn check_header(&self, h: &Header, peer: usize, total: usize, progress: usize) -> Result<()> {
         let want = expected_header(self.desc, peer);
-        let total = dst.len * self.esize;
         let fingerprint = |h: &Header| {
             (
                 h.magic, h.coll, h.dtype, h.op, h.has_root, h.seq, h.count, h.root, h.sender,
             )
         };
-        if fingerprint(&h) != fingerprint(&want) {
+        if fingerprint(h) != fingerprint(&want) {
             return Err(self.mismatch(
                 peer,
                 format!(
                     "rank {} is in {}, but rank {peer} sent data for {}",
                     self.eng.rank,
                     self.desc,
-                    describe(&h)
+                    describe(h)
                 ),
             ));
         }
-        let progress = self.st[s].progress;
         if h.xfer_len as usize != total || h.frag_off as usize != progress {
             return Err(self.mismatch(
                 peer,
@@ -914,49 +1181,69 @@ impl Call<'_> {
             ));
         }
         let len = h.frag_len as usize;
-        if len > geo.slot_data || progress + len > total || (len == 0 && total != 0) {
+        let max = self.eng.geo.slot_data.max(MAILBOX_DATA);
+        if len > max || progress + len > total || (len == 0 && total != 0) || len % self.esize != 0
+        {
             return Err(self.mismatch(
                 peer,
                 format!("a fragment of {len} bytes at offset {progress} of {total}"),
             ));
         }
-        if len > 0 {
-            let es = self.esize;
-            let sub = |r: Region| r.sub(progress / es, len / es);
-            let (dp, _) = self.locate(sub(dst))?;
-            let src_ptr = link.slots.as_ptr();
-            // SAFETY: `base + SLOT_HEADER + len` lies inside the slot region (len ≤ slot_data);
-            // the peer does not write this slot again until we return its credit.
-            let slot_data =
-                unsafe { std::slice::from_raw_parts(src_ptr.add(base + SLOT_HEADER), len) };
-            match reduce_with {
-                Some(w) => {
-                    let (wp, _) = self.locate(sub(w))?;
-                    if wp == dp {
-                        // SAFETY: `locate` bounds-checked `dp..dp+len` in a buffer the engine
-                        // alone uses during the call.
-                        let d = unsafe { std::slice::from_raw_parts_mut(dp, len) };
-                        reduce::reduce_in_place(self.dtype, self.op, d, slot_data);
-                    } else {
-                        check_disjoint(dp, wp, len).map_err(|m| self.invalid(m))?;
-                        // SAFETY: both bounds-checked, and disjoint (checked above).
-                        let (d, a) = unsafe {
-                            (
-                                std::slice::from_raw_parts_mut(dp, len),
-                                std::slice::from_raw_parts(wp as *const u8, len),
-                            )
-                        };
-                        reduce::reduce_to(self.dtype, self.op, d, a, slot_data);
-                    }
-                }
-                None => {
-                    // SAFETY: bounds-checked by `locate`; the slot is in another mapping.
+        Ok(())
+    }
+
+    /// Copies or reduces `len` bytes at `off` in link `l`'s receive region into bytes
+    /// `progress..` of `dst`.
+    fn apply(
+        &self,
+        l: usize,
+        off: usize,
+        len: usize,
+        dst: Region,
+        reduce_with: Option<Region>,
+        progress: usize,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let link = &self.eng.links[l];
+        if off + len > link.slots.len() {
+            return Err(self.invalid(format!(
+                "a fragment beyond the receive region ({off}+{len})"
+            )));
+        }
+        let es = self.esize;
+        let sub = |r: Region| r.sub(progress / es, len / es);
+        let (dp, _) = self.locate(sub(dst))?;
+        // SAFETY: `off + len` lies inside the receive region (checked above); the peer does
+        // not write these bytes again until we return its credit or read its next message.
+        let data = unsafe { std::slice::from_raw_parts(link.slots.as_ptr().add(off), len) };
+        match reduce_with {
+            Some(w) => {
+                let (wp, _) = self.locate(sub(w))?;
+                if wp == dp {
+                    // SAFETY: `locate` bounds-checked `dp..dp+len` in a buffer the engine
+                    // alone uses during the call.
                     let d = unsafe { std::slice::from_raw_parts_mut(dp, len) };
-                    d.copy_from_slice(slot_data);
+                    reduce::reduce_in_place(self.dtype, self.op, d, data);
+                } else {
+                    check_disjoint(dp, wp, len).map_err(|m| self.invalid(m))?;
+                    // SAFETY: both bounds-checked, and disjoint (checked above).
+                    let (d, a) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(dp, len),
+                            std::slice::from_raw_parts(wp as *const u8, len),
+                        )
+                    };
+                    reduce::reduce_to(self.dtype, self.op, d, a, data);
                 }
             }
+            None => {
+                // SAFETY: bounds-checked by `locate`; the receive region is another mapping.
+                let d = unsafe { std::slice::from_raw_parts_mut(dp, len) };
+                d.copy_from_slice(data);
+            }
         }
-        self.st[s].progress += len.max(usize::from(total == 0));
         Ok(())
     }
 

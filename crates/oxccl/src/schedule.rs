@@ -366,7 +366,7 @@ impl Algorithm {
     pub fn supports(self, coll: &Collective) -> bool {
         use Algorithm::*;
         match coll {
-            Collective::AllReduce { .. } => matches!(self, Ring | RecursiveDoubling),
+            Collective::AllReduce { .. } => matches!(self, Ring | RecursiveDoubling | Direct),
             Collective::ReduceScatter { .. } | Collective::AllGather { .. } => self == Ring,
             Collective::Broadcast { .. } | Collective::Reduce { .. } => {
                 matches!(self, Tree | Chain)
@@ -513,6 +513,9 @@ pub fn build(req: &Request) -> Result<Schedule, String> {
             b.copy(input(0, count), output(0, count), &[]);
         }
         (&Collective::AllReduce { count }, Algorithm::Ring) => ring_all_reduce(&mut b, req, count),
+        (&Collective::AllReduce { count }, Algorithm::Direct) => {
+            direct_all_reduce(&mut b, n, r, count, req.in_place)
+        }
         (&Collective::AllReduce { count }, _) => recursive_doubling(&mut b, n, r, count),
         (&Collective::ReduceScatter { count }, _) => ring_reduce_scatter(&mut b, req, count),
         (&Collective::AllGather { count }, _) => ring_all_gather(&mut b, req, count),
@@ -821,6 +824,46 @@ fn recursive_doubling(b: &mut Builder, n: usize, r: usize, count: usize) {
     }
     if r + p < n {
         b.send(r + p, 0, all(Buf::Output), &[last]);
+    }
+}
+
+/// Every rank sends its whole input to every other rank and reduces all of them itself, in
+/// rank order (so every rank computes bit-identical results): one round of messages, for small
+/// messages between ranks of one host. In place, the input first moves to scratch, since the
+/// output is written before every send is done.
+fn direct_all_reduce(b: &mut Builder, n: usize, r: usize, count: usize, in_place: bool) {
+    b.scratch = n * count;
+    let slot = |j: usize| Region::new(Buf::Scratch, j * count, count);
+    let (own, saved) = if in_place {
+        let c = b.copy(Region::new(Buf::Input, 0, count), slot(r), &[]);
+        (slot(r), Some(c))
+    } else {
+        (Region::new(Buf::Input, 0, count), None)
+    };
+    let mut sends = Vec::new();
+    for i in 1..n {
+        sends.push(Some(b.send((r + i) % n, 0, own, &[saved])));
+    }
+    let mut got = vec![None; n];
+    for i in 1..n {
+        let p = (r + n - i) % n;
+        got[p] = Some(b.recv(p, 0, slot(p), None, &[]));
+    }
+    let src = |j: usize| if j == r { own } else { slot(j) };
+    let out = Region::new(Buf::Output, 0, count);
+    // The output may be the input: write it only after every send has read the input.
+    let mut first = sends.clone();
+    first.extend([got[0], saved]);
+    let mut last = b.copy(src(0), out, &first);
+    for j in 1..n {
+        last = b.push(
+            Op::Reduce {
+                dst: out,
+                a: out,
+                b: src(j),
+            },
+            [Some(last), got[j]],
+        );
     }
 }
 

@@ -681,7 +681,7 @@ impl Call<'_> {
             }
             // Reading the clock costs as much as a poll: look at it every 32 idle passes.
             idle_polls += 1;
-            if idle_polls % 32 != 0 {
+            if !idle_polls.is_multiple_of(32) {
                 if self.eng.spin_for.is_zero() {
                     std::thread::yield_now();
                 } else {

@@ -855,14 +855,14 @@ fn direct_all_reduce(b: &mut Builder, n: usize, r: usize, count: usize, in_place
     let mut first = sends.clone();
     first.extend([got[0], saved]);
     let mut last = b.copy(src(0), out, &first);
-    for j in 1..n {
+    for (j, &arrived) in got.iter().enumerate().skip(1) {
         last = b.push(
             Op::Reduce {
                 dst: out,
                 a: out,
                 b: src(j),
             },
-            [Some(last), got[j]],
+            [Some(last), arrived],
         );
     }
 }

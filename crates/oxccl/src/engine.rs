@@ -1182,7 +1182,10 @@ impl Call<'_> {
         }
         let len = h.frag_len as usize;
         let max = self.eng.geo.slot_data.max(MAILBOX_DATA);
-        if len > max || progress + len > total || (len == 0 && total != 0) || len % self.esize != 0
+        if len > max
+            || progress + len > total
+            || (len == 0 && total != 0)
+            || !len.is_multiple_of(self.esize)
         {
             return Err(self.mismatch(
                 peer,

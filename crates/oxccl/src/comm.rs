@@ -29,12 +29,13 @@ pub struct Options {
     pub host_id: Option<String>,
     /// Force an algorithm where it applies (`OXCCL_ALGO`).
     pub algo: Option<Algorithm>,
-    /// Channels (`OXCCL_NCHANNELS`); default 1 on one host, 2 with tcp peers.
+    /// Channels (`OXCCL_NCHANNELS`; default 1).
     pub channels: Option<usize>,
-    /// Bytes per pipelined chunk and slot (`OXCCL_CHUNK_SIZE`; default 128 KiB).
-    pub chunk_size: usize,
-    /// Slots per peer and channel (`OXCCL_SLOTS`; default 8).
-    pub slots: usize,
+    /// Bytes per pipelined chunk and slot (`OXCCL_CHUNK_SIZE`; default 128 KiB on one host,
+    /// 1 MiB when any rank talks tcp).
+    pub chunk_size: Option<usize>,
+    /// Slots per peer and channel (`OXCCL_SLOTS`; default 8 on one host, 4 with tcp).
+    pub slots: Option<usize>,
     /// Messages up to this many bytes use the latency algorithms (recursive doubling, trees;
     /// `OXCCL_SMALL_BYTES`, default 64 KiB).
     pub small_bytes: usize,
@@ -48,8 +49,8 @@ impl Default for Options {
             host_id: None,
             algo: None,
             channels: None,
-            chunk_size: 128 << 10,
-            slots: 8,
+            chunk_size: None,
+            slots: None,
             small_bytes: 64 << 10,
         }
     }
@@ -120,15 +121,16 @@ impl Options {
             let c = parse_size(&v)
                 .filter(|c| (4096..=(64 << 20)).contains(c))
                 .ok_or_else(|| bad("OXCCL_CHUNK_SIZE", &v, "bytes (K/M suffixes), 4K..=64M"))?;
-            o.chunk_size = c;
+            o.chunk_size = Some(c);
         }
         if let Some(v) = var("OXCCL_SLOTS") {
-            o.slots = v
-                .trim()
-                .parse()
-                .ok()
-                .filter(|s| (2..=256).contains(s))
-                .ok_or_else(|| bad("OXCCL_SLOTS", &v, "2..=256"))?;
+            o.slots = Some(
+                v.trim()
+                    .parse()
+                    .ok()
+                    .filter(|s| (2..=256).contains(s))
+                    .ok_or_else(|| bad("OXCCL_SLOTS", &v, "2..=256"))?,
+            );
         }
         if let Some(v) = var("OXCCL_SMALL_BYTES") {
             o.small_bytes = parse_size(&v).ok_or_else(|| bad("OXCCL_SMALL_BYTES", &v, "bytes"))?;
@@ -149,10 +151,18 @@ pub fn default_host_id() -> String {
     format!("{boot}/{netns}")
 }
 
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Settings {
+    chunk: Option<usize>,
+    slots: Option<usize>,
+    channels: Option<usize>,
+    provider: Option<String>,
+}
+
 #[derive(Serialize, Deserialize)]
 struct Hello {
     host: String,
-    geo: Geometry,
+    settings: Settings,
     comm_id: u64,
 }
 
@@ -290,26 +300,29 @@ impl Communicator {
         // Geometry is agreed from rank 0's options, so that every rank sizes its slots alike;
         // a rank whose own settings differ is told.
         let comm_id = random_u64();
-        let local_geo = Geometry {
-            slot_data: opts.chunk_size,
+        // What must agree on every rank: the slot geometry and a forced provider.
+        let settings = Settings {
+            chunk: opts.chunk_size,
             slots: opts.slots,
-            channels: opts.channels.unwrap_or(0),
+            channels: opts.channels,
+            provider: opts.provider.map(|p| p.name().to_string()),
         };
         let hellos: Vec<Hello> = bootstrap.all_gather_serde(
             "oxccl/hello",
             &Hello {
                 host: host.clone(),
-                geo: local_geo,
+                settings: settings.clone(),
                 comm_id,
             },
         )?;
         for (r, h) in hellos.iter().enumerate() {
-            if h.geo != hellos[0].geo {
+            if h.settings != hellos[0].settings {
                 return Err(Error::InvalidArgument {
                     rank,
                     msg: format!(
-                        "rank {r} has OXCCL_CHUNK_SIZE/OXCCL_SLOTS/OXCCL_NCHANNELS {:?}, rank 0 has {:?}: set them alike on every rank",
-                        h.geo, hellos[0].geo
+                        "rank {r} has OXCCL_CHUNK_SIZE/OXCCL_SLOTS/OXCCL_NCHANNELS/OXCCL_PROVIDER \
+                         {:?}, rank 0 has {:?}: set them alike on every rank",
+                        h.settings, hellos[0].settings
                     ),
                 });
             }
@@ -327,20 +340,18 @@ impl Communicator {
                 })
             })
             .collect();
-        let any_tcp = (0..world).any(|p| {
-            p != rank
-                && opts.provider.unwrap_or(if hosts[p] == hosts[0] {
-                    Provider::Shm
-                } else {
-                    Provider::Tcp
-                }) == Provider::Tcp
-        }) || hosts.iter().any(|h| h != &hosts[0])
-            || opts.provider == Some(Provider::Tcp);
+        // Whether any pair of ranks talks over tcp: then larger chunks amortise the per-message
+        // cost of the socket path (every rank computes the same answer).
+        let any_tcp = opts.provider == Some(Provider::Tcp) || hosts.iter().any(|h| h != &hosts[0]);
         let geo = Geometry {
-            slot_data: local_geo.slot_data,
-            slots: local_geo.slots,
-            channels: opts.channels.unwrap_or(if any_tcp { 2 } else { 1 }),
+            slot_data: opts
+                .chunk_size
+                .unwrap_or(if any_tcp { 1 << 20 } else { 128 << 10 }),
+            slots: opts.slots.unwrap_or(if any_tcp { 4 } else { 8 }),
+            channels: opts.channels.unwrap_or(1),
         };
+        opts.chunk_size = Some(geo.slot_data);
+        opts.slots = Some(geo.slots);
         opts.channels = Some(geo.channels);
         let kinds: Vec<Provider> = [Provider::Shm, Provider::Tcp]
             .into_iter()

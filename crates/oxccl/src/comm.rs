@@ -738,7 +738,7 @@ impl Communicator {
         );
         if let Err(e) = r {
             if matches!(e, Error::Aborted { .. }) && self.inner.abort.load(Ordering::Relaxed) {
-                Engine::notify_all(&st.engine.links, 2);
+                st.engine.notify_abort();
             }
             st.poisoned = Some(e.to_string());
             return Err(e);
@@ -1063,7 +1063,7 @@ impl Communicator {
         // If no collective is running, tell the peers now; otherwise the running one does as
         // it stops.
         if let Ok(mut st) = self.inner.state.try_lock() {
-            Engine::notify_all(&st.engine.links, 2);
+            st.engine.notify_abort();
             st.poisoned.get_or_insert_with(|| "aborted".into());
         }
     }

@@ -412,8 +412,13 @@ impl Engine {
         }
     }
 
+    /// Tells every peer this communicator was aborted; best effort.
+    pub(crate) fn notify_abort(&self) {
+        Engine::notify_all(&self.links, IMM_ABORT);
+    }
+
     /// Posts a control message (abort or mismatch notice) to every peer; best effort.
-    pub(crate) fn notify_all(links: &[Link], kind: u32) {
+    fn notify_all(links: &[Link], kind: u32) {
         for l in links {
             let _ = l.qp.post_send(&[SendWr::new(
                 WR_CTRL,
@@ -650,7 +655,7 @@ impl Call<'_> {
                 }
                 match self.sched.steps[s].op {
                     Op::Send { peer, src, .. } => {
-                        self.mailbox_send(s, peer, src, &geo)?;
+                        self.mailbox_send(peer, src, &geo)?;
                         self.finish(s);
                         progress = true;
                     }
@@ -744,7 +749,7 @@ impl Call<'_> {
         Ok(())
     }
 
-    fn mailbox_send(&mut self, s: usize, peer: usize, src: Region, geo: &Geometry) -> Result<()> {
+    fn mailbox_send(&mut self, peer: usize, src: Region, geo: &Geometry) -> Result<()> {
         let rank = self.eng.rank;
         let l = self.eng.link_of[peer];
         let (p, len) = self.locate(src)?;
@@ -796,7 +801,6 @@ impl Call<'_> {
         ];
         link.qp.post_send(&wrs).map_err(|e| self.send_error(l, e))?;
         self.eng.links[l].mbox_sent += 1;
-        let _ = s;
         Ok(())
     }
 
@@ -1002,13 +1006,11 @@ impl Call<'_> {
                     if d.is_empty() { "" } else { ": " }
                 ));
             }
-            let peer = lk.peer;
             if kind == WR_DATA
                 && let Some(st) = self.st.get_mut((wc.wr_id & 0xffff_ffff) as usize)
             {
                 st.outstanding = st.outstanding.saturating_sub(1);
             }
-            let _ = peer;
             return Ok(());
         }
         match kind {
@@ -1133,7 +1135,7 @@ impl Call<'_> {
         let link = &self.eng.links[l];
         let peer = link.peer;
         if slot >= geo.slots {
-            return Err(self.mismatch(peer, format!("a fragment named slot {slot}")));
+            return Err(self.mismatch(format!("a fragment named slot {slot}")));
         }
         let base = (ch * geo.slots + slot) * geo.slot_bytes();
         let mut hb = [0u8; SLOT_HEADER];
@@ -1161,20 +1163,15 @@ impl Call<'_> {
             )
         };
         if fingerprint(h) != fingerprint(&want) {
-            return Err(self.mismatch(
-                peer,
-                format!(
-                    "rank {} is in {}, but rank {peer} sent data for {}",
-                    self.eng.rank,
-                    self.desc,
-                    describe(h)
-                ),
-            ));
+            return Err(self.mismatch(format!(
+                "rank {} is in {}, but rank {peer} sent data for {}",
+                self.eng.rank,
+                self.desc,
+                describe(h)
+            )));
         }
         if h.xfer_len as usize != total || h.frag_off as usize != progress {
-            return Err(self.mismatch(
-                peer,
-                format!(
+            return Err(self.mismatch(format!(
                     "in {}, rank {} expects {total} bytes from rank {peer} (at offset {progress}), which sends {} (at offset {})",
                     self.desc, self.eng.rank, h.xfer_len, h.frag_off
                 ),
@@ -1187,10 +1184,9 @@ impl Call<'_> {
             || (len == 0 && total != 0)
             || !len.is_multiple_of(self.esize)
         {
-            return Err(self.mismatch(
-                peer,
-                format!("a fragment of {len} bytes at offset {progress} of {total}"),
-            ));
+            return Err(self.mismatch(format!(
+                "a fragment of {len} bytes at offset {progress} of {total}"
+            )));
         }
         Ok(())
     }
@@ -1250,9 +1246,9 @@ impl Call<'_> {
         Ok(())
     }
 
-    fn mismatch(&self, peer: usize, detail: String) -> Error {
+    /// A mismatch error; every peer is told, so that its call (or its next) fails too.
+    fn mismatch(&self, detail: String) -> Error {
         Engine::notify_all(&self.eng.links, IMM_MISMATCH);
-        let _ = peer;
         Error::Mismatch {
             rank: self.eng.rank,
             detail,

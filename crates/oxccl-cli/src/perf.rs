@@ -248,6 +248,12 @@ fn bench<T: Element>(comm: &Communicator, args: &Args, name: &str) -> Result<u64
         "reduce_scatter" | "all_gather" | "all_to_all" | "gather" | "scatter"
     );
     let integer = !T::DTYPE.is_float();
+    // Start every rank's engine and caches before the first timed size, as nccl-tests warms up.
+    let mut w = [0u64];
+    for _ in 0..args.warmup.max(1) * 4 {
+        comm.all_reduce_in_place(&mut w, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
+    }
     let mut rows = Vec::new();
     let mut size = args.min_bytes;
     loop {

@@ -11,7 +11,7 @@ use oxccl_verbs::{Context, Provider, QpConfig, QpEndpoint, RemoteBuffer};
 use serde::{Deserialize, Serialize};
 
 use crate::dtype::{as_bytes, as_bytes_mut};
-use crate::engine::{Bufs, Engine, Geometry, INLINE, Link, MAILBOX_DATA};
+use crate::engine::{Bufs, Engine, Geometry, INLINE, Link};
 use crate::error::{Error, OpDesc, Result};
 use crate::schedule::{Algorithm, Collective, Request, Schedule, build};
 use crate::{DataType, Element, ReduceOp, log_enabled};
@@ -525,8 +525,9 @@ impl Communicator {
             .flatten()
             .all(|p| *p == Provider::Shm);
         let default = match coll {
-            // One round of mailbox messages between ranks of one host.
-            Collective::AllReduce { .. } if all_shm && bytes <= MAILBOX_DATA => Algorithm::Direct,
+            // Tiny messages between ranks of one host: one round of mailbox messages. Above,
+            // recursive doubling moves less data (and runs in mailboxes up to their size).
+            Collective::AllReduce { .. } if all_shm && bytes <= 1024 => Algorithm::Direct,
             Collective::AllReduce { .. } if small => Algorithm::RecursiveDoubling,
             Collective::AllReduce { .. }
             | Collective::ReduceScatter { .. }

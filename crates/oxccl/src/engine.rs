@@ -33,7 +33,7 @@ const STAGE: usize = SLOT_HEADER + INLINE;
 /// The mailbox protocol: a message of at most [`MAILBOX_DATA`] bytes lands in one of two
 /// mailboxes per peer (by parity of the message number): an 8-byte stamp, padding, the
 /// 64-byte header, the data.
-pub(crate) const MAILBOX_DATA: usize = 16 << 10;
+pub(crate) const MAILBOX_DATA: usize = 64 << 10;
 const MAILBOX: usize = 2 * SLOT_HEADER + MAILBOX_DATA;
 const MAGIC: u32 = 0x0CC1_C0DE;
 

@@ -1,0 +1,365 @@
+//! Multi-process harness: the test binary re-executes itself as the ranks of a job.
+//!
+//! [`run_ranks`] spawns `n` copies of the current test executable that run only the test
+//! [`ENTRY_TEST`] with `OXCCL_TEST_CHILD=<scenario>` and `OXCCL_TEST_ARGS=<json>` set, plus the
+//! launcher environment a real job has (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`,
+//! `OXCCL_SECRET`, `OXCCL_TIMEOUT`, ...). In the child, that test calls [`child_entry`], which
+//! runs the scenario, prints its result as one JSON line prefixed with [`MARK`] and exits.
+//! The parent collects every child's exit status, output and result, killing any child still
+//! running after a deadline.
+
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Marks a child as a rank: the scenario to run.
+pub const CHILD_ENV: &str = "OXCCL_TEST_CHILD";
+/// The scenario's arguments, as JSON.
+pub const ARGS_ENV: &str = "OXCCL_TEST_ARGS";
+/// The test each child runs (every test binary using this harness defines it).
+pub const ENTRY_TEST: &str = "child_entry";
+/// A directory shared by the ranks of one launch (removed afterwards).
+pub const DIR_ENV: &str = "OXCCL_TEST_DIR";
+/// Prefix of a child's result line on stdout.
+pub const MARK: &str = "@@oxccl-test-result@@";
+/// A child still running after this long is killed and the test fails.
+pub const DEADLINE: Duration = Duration::from_secs(60);
+
+/// What one rank did.
+pub struct RankOutput {
+    pub rank: usize,
+    /// `None` when it was killed at the deadline.
+    pub status: Option<ExitStatus>,
+    pub stdout: String,
+    pub stderr: String,
+    /// Every result line it printed (normally one).
+    pub results: Vec<Value>,
+    /// From spawning to exit (or the kill).
+    pub elapsed: Duration,
+}
+
+impl RankOutput {
+    pub fn ok(&self) -> bool {
+        self.status.is_some_and(|s| s.success()) && self.results.len() == 1
+    }
+
+    /// The single result (panics with every rank's output otherwise: use [`expect_results`]).
+    pub fn result(&self) -> &Value {
+        &self.results[0]
+    }
+}
+
+/// The environment variables a launcher or an earlier test might have left that would change
+/// what a child's `Communicator::from_env` does.
+fn inherited_noise(name: &str) -> bool {
+    name.starts_with("OXCCL_")
+        || name.starts_with("SLURM_")
+        || name.starts_with("OMPI_")
+        || name.starts_with("PMI_")
+        || name.starts_with("PMIX_")
+        || name.starts_with("MPI_LOCAL")
+        || name.starts_with("MASTER_")
+        || name.starts_with("TORCHELASTIC_")
+        || matches!(
+            name,
+            "RANK" | "WORLD_SIZE" | "LOCAL_RANK" | "LOCAL_WORLD_SIZE"
+        )
+}
+
+/// A port nobody listens on now (the kernel's choice for 127.0.0.1:0).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("binding 127.0.0.1:0")
+        .port()
+}
+
+/// 32 random bytes as hex.
+pub fn random_hex() -> String {
+    let mut b = [0u8; 32];
+    getrandom::fill(&mut b).expect("getrandom");
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn reader<R: Read + Send + 'static>(mut r: R) -> JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = r.read_to_end(&mut v);
+        String::from_utf8_lossy(&v).into_owned()
+    })
+}
+
+/// Runs `scenario` with `args` on `n` ranks (child processes) with the bootstrap environment
+/// and `env` (e.g. `[("OXCCL_PROVIDER", "tcp")]`; a value overrides the defaults
+/// `OXCCL_TIMEOUT=30`); returns every rank's output, in rank order. Never panics on a child's
+/// failure: check with [`expect_results`] or by hand.
+pub fn run_ranks(n: usize, env: &[(&str, &str)], scenario: &str, args: &Value) -> Vec<RankOutput> {
+    // Rank 0 binds the store on a port that was free a moment ago; if something took it
+    // meanwhile, try again with another.
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let outs = run_ranks_once(n, env, scenario, args);
+        let port_taken =
+            outs[0].status.is_some_and(|s| !s.success()) && outs[0].stderr.contains("in use");
+        if !port_taken || attempt == 3 {
+            return outs;
+        }
+        eprintln!("{scenario}: the store's port was taken; launching again");
+    }
+}
+
+fn run_ranks_once(n: usize, env: &[(&str, &str)], scenario: &str, args: &Value) -> Vec<RankOutput> {
+    let exe = std::env::current_exe().expect("current_exe");
+    let port = free_port().to_string();
+    let secret = random_hex();
+    let args = args.to_string();
+    let dir = TempDir::new(scenario);
+    let start = Instant::now();
+    let mut children: Vec<(Child, JoinHandle<String>, JoinHandle<String>)> = Vec::new();
+    for rank in 0..n {
+        let mut cmd = Command::new(&exe);
+        cmd.args(["--exact", ENTRY_TEST, "--nocapture", "--test-threads=1"]);
+        for (k, _) in std::env::vars_os() {
+            if k.to_str().is_some_and(inherited_noise) {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.env(CHILD_ENV, scenario)
+            .env(ARGS_ENV, &args)
+            .env(DIR_ENV, &dir.0)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            .env("OXCCL_SECRET", &secret)
+            .env("OXCCL_JOB_ID", format!("test-{scenario}"))
+            .env("OXCCL_TIMEOUT", "30")
+            .env("OXCCL_BOOTSTRAP_TIMEOUT", "30")
+            .env("RUST_BACKTRACE", "1");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                for (c, _, _) in &mut children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                panic!("{scenario}: spawning rank {rank}: {e}");
+            }
+        };
+        let out = reader(child.stdout.take().unwrap());
+        let err = reader(child.stderr.take().unwrap());
+        children.push((child, out, err));
+    }
+    let mut done: Vec<Option<(Option<ExitStatus>, Duration)>> = vec![None; n];
+    loop {
+        for (rank, (child, _, _)) in children.iter_mut().enumerate() {
+            if done[rank].is_none()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                done[rank] = Some((Some(status), start.elapsed()));
+            }
+        }
+        if done.iter().all(Option::is_some) {
+            break;
+        }
+        if start.elapsed() > DEADLINE {
+            for (rank, (child, _, _)) in children.iter_mut().enumerate() {
+                if done[rank].is_none() {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    done[rank] = Some((None, start.elapsed()));
+                }
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    children
+        .into_iter()
+        .zip(done)
+        .enumerate()
+        .map(|(rank, ((_, out, err), done))| {
+            let (status, elapsed) = done.unwrap();
+            let stdout = out.join().unwrap_or_default();
+            let stderr = err.join().unwrap_or_default();
+            let results = stdout
+                .lines()
+                .filter_map(|l| l.find(MARK).map(|at| &l[at + MARK.len()..]))
+                .map(|j| {
+                    serde_json::from_str(j)
+                        .unwrap_or_else(|e| panic!("rank {rank}: bad result line {j:?}: {e}"))
+                })
+                .collect();
+            RankOutput {
+                rank,
+                status,
+                stdout,
+                stderr,
+                results,
+                elapsed,
+            }
+        })
+        .collect()
+}
+
+/// A directory removed on drop.
+pub struct TempDir(pub std::path::PathBuf);
+
+impl TempDir {
+    pub fn new(name: &str) -> TempDir {
+        let p = std::env::temp_dir().join(format!("oxccl-test-{name}-{}", random_hex()));
+        std::fs::create_dir_all(&p).expect("creating a temporary directory");
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The launch's shared directory (in a child).
+pub fn shared_dir() -> std::path::PathBuf {
+    std::env::var_os(DIR_ENV)
+        .expect("OXCCL_TEST_DIR is set in a child")
+        .into()
+}
+
+/// Marks this rank as finished (a file in the shared directory).
+pub fn mark_done() {
+    let (rank, _) = env_rank();
+    let _ = std::fs::write(shared_dir().join(format!("done-{rank}")), b"");
+}
+
+/// Waits (up to 40 s) until every rank has called [`mark_done`]. A rank's process stays alive
+/// meanwhile, as in a job whose ranks handle errors: rank 0 serves the bootstrap store, and a
+/// survivor that exits early is a new failure the others would see.
+pub fn linger() {
+    let (_, n) = env_rank();
+    let dir = shared_dir();
+    let start = Instant::now();
+    while !(0..n).all(|r| dir.join(format!("done-{r}")).exists())
+        && start.elapsed() < Duration::from_secs(40)
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn tail(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut at = s.len() - max;
+    while !s.is_char_boundary(at) {
+        at += 1;
+    }
+    &s[at..]
+}
+
+/// Every rank's exit status and the end of its output, for a failure message.
+pub fn report(outs: &[RankOutput]) -> String {
+    let mut s = String::new();
+    for o in outs {
+        let status = match o.status {
+            Some(st) => st.to_string(),
+            None => format!(
+                "KILLED after {:?} (still running at the deadline)",
+                o.elapsed
+            ),
+        };
+        s += &format!(
+            "\n===== rank {}: {status}, {} result line(s), {:.1} s\n--- stdout (end):\n{}\n--- stderr (end):\n{}\n",
+            o.rank,
+            o.results.len(),
+            o.elapsed.as_secs_f64(),
+            tail(&o.stdout, 4000),
+            tail(&o.stderr, 6000)
+        );
+    }
+    s
+}
+
+/// Asserts that every rank exited successfully with exactly one result; returns the results.
+pub fn expect_results(what: &str, outs: &[RankOutput]) -> Vec<Value> {
+    let bad: Vec<String> = outs
+        .iter()
+        .filter(|o| !o.ok())
+        .map(|o| match o.status {
+            None => format!("rank {} hung (killed after {:?})", o.rank, o.elapsed),
+            Some(s) if !s.success() => format!("rank {} failed ({s})", o.rank),
+            Some(_) => format!("rank {} printed {} results", o.rank, o.results.len()),
+        })
+        .collect();
+    assert!(bad.is_empty(), "{what}: {}{}", bad.join("; "), report(outs));
+    outs.iter().map(|o| o.result().clone()).collect()
+}
+
+/// In a child (`OXCCL_TEST_CHILD` set): runs `dispatch(scenario, args)`, prints the value it
+/// returns as the result line, waits for the other ranks to finish theirs ([`linger`]) and
+/// exits with status 0. Elsewhere: returns at once.
+pub fn child_entry(dispatch: fn(&str, &Value) -> Value) {
+    let Ok(scenario) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let args: Value = std::env::var(ARGS_ENV)
+        .ok()
+        .map(|a| serde_json::from_str(&a).expect("OXCCL_TEST_ARGS is JSON"))
+        .unwrap_or(Value::Null);
+    let result = dispatch(&scenario, &args);
+    emit(&result);
+    mark_done();
+    linger();
+    std::process::exit(0);
+}
+
+/// Prints a result line.
+pub fn emit(v: &Value) {
+    let mut out = std::io::stdout().lock();
+    // A fresh line: libtest may have printed "test child_entry ... " without a newline.
+    let _ = writeln!(out, "\n{MARK}{v}");
+    let _ = out.flush();
+}
+
+/// This child's rank and world size, from the environment [`run_ranks`] set.
+pub fn env_rank() -> (usize, usize) {
+    let get = |k: &str| std::env::var(k).unwrap().parse::<usize>().unwrap();
+    (get("RANK"), get("WORLD_SIZE"))
+}
+
+/// The variant of an error, for reports.
+pub fn error_kind(e: &oxccl::Error) -> &'static str {
+    match e {
+        oxccl::Error::InvalidArgument { .. } => "InvalidArgument",
+        oxccl::Error::Bootstrap(_) => "Bootstrap",
+        oxccl::Error::Verbs { .. } => "Verbs",
+        oxccl::Error::Timeout { .. } => "Timeout",
+        oxccl::Error::PeerFailed { .. } => "PeerFailed",
+        oxccl::Error::Mismatch { .. } => "Mismatch",
+        oxccl::Error::Aborted { .. } => "Aborted",
+        oxccl::Error::WaitTimeout { .. } => "WaitTimeout",
+        oxccl::Error::Poisoned { .. } => "Poisoned",
+    }
+}
+
+/// A 64-bit mix (splitmix64's finaliser) for deterministic inputs.
+pub fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}

@@ -454,7 +454,7 @@ impl Communicator {
             engine.spin_for = Duration::ZERO;
         }
         drop(ctxs);
-        Ok(Communicator {
+        let comm = Communicator {
             inner: Arc::new(Inner {
                 rank,
                 world,
@@ -464,7 +464,8 @@ impl Communicator {
                 comm_id,
                 state: Mutex::new(State {
                     engine,
-                    seq: 0,
+                    // The first call, init's own barrier, gets sequence number 0.
+                    seq: u64::MAX,
                     p2p_seq: HashMap::new(),
                     poisoned: None,
                     cache: HashMap::new(),
@@ -477,7 +478,12 @@ impl Communicator {
                 queue: Mutex::new(None),
                 pending: (Mutex::new(0), Condvar::new()),
             }),
-        })
+        };
+        // A barrier over the new connections: when it returns, every rank is past the store
+        // barrier above, so a rank that now exits (and with rank 0, the store) strands nobody.
+        // (Sequence number 0: users count their calls from 1.)
+        comm.barrier()?;
+        Ok(comm)
     }
 
     /// This rank.
@@ -675,7 +681,7 @@ impl Communicator {
                 *s
             }
             _ => {
-                st.seq += 1;
+                st.seq = st.seq.wrapping_add(1);
                 st.seq
             }
         };
@@ -740,6 +746,13 @@ impl Communicator {
         if let Err(e) = r {
             if matches!(e, Error::Aborted { .. }) && self.inner.abort.load(Ordering::Relaxed) {
                 st.engine.notify_abort();
+            }
+            // Pass a failure on, unless it was passed to us.
+            if let Error::PeerFailed { peer, detail, .. } = &e
+                && *peer < world
+                && !detail.contains("reports that rank")
+            {
+                st.engine.notify_failure(*peer);
             }
             st.poisoned = Some(e.to_string());
             return Err(e);
@@ -1113,17 +1126,20 @@ impl Communicator {
     /// Waits for every rank (a barrier), then releases this communicator. Rank 0, when it
     /// serves the bootstrap store, also waits for the others to disconnect from it.
     pub fn destroy(self) -> Result<()> {
-        self.barrier()?;
+        // A communicator that failed cannot run a barrier; it still waits for the others to
+        // leave the store below.
+        let poisoned = self.lock().poisoned.is_some();
+        let barrier = if poisoned { Ok(()) } else { self.barrier() };
         let inner = match Arc::try_unwrap(self.inner) {
             Ok(i) => i,
-            Err(_) => return Ok(()),
+            Err(_) => return barrier,
         };
         let boot = inner.bootstrap;
         drop(inner.state);
         if let Ok(b) = Arc::try_unwrap(boot) {
             b.close()?;
         }
-        Ok(())
+        barrier
     }
 }
 

@@ -41,6 +41,9 @@ const IMM_DATA: u32 = 0;
 const IMM_CREDIT: u32 = 1;
 const IMM_ABORT: u32 = 2;
 const IMM_MISMATCH: u32 = 3;
+/// The value of an abort notice sent by `Communicator::abort`; any other value names a rank
+/// the sender found dead.
+const ABORTED_BY_USER: u32 = 0xff_ffff;
 
 fn imm(kind: u32, channel: usize, value: u32) -> u32 {
     kind << 30 | (channel as u32 & 0x3f) << 24 | (value & 0xff_ffff)
@@ -230,12 +233,11 @@ fn describe(h: &Header) -> String {
     let op = ReduceOp::ALL
         .get(h.op as usize)
         .map_or("?".into(), |o| o.to_string());
-    let mut s = format!(
-        "{} #{} (count {}, {dtype}, {op}",
-        coll_name(h.coll),
-        h.seq,
-        h.count
-    );
+    let name = coll_name(h.coll);
+    let mut s = format!("{name} #{} (count {}, {dtype}", h.seq, h.count);
+    if matches!(name, "all_reduce" | "reduce_scatter" | "reduce") {
+        s += &format!(", {op}");
+    }
     if h.has_root != 0 {
         s += &format!(", root {}", h.root);
     }
@@ -363,6 +365,11 @@ pub(crate) struct Engine {
     pub(crate) pds: Vec<ProtectionDomain>,
     pub(crate) cqs: Vec<CompletionQueue>,
     pub(crate) abort: Arc<AtomicBool>,
+    /// The last calls, for naming the one a peer reports a mismatch in.
+    recent: VecDeque<OpDesc>,
+    /// A mismatch a peer reported in a call this rank had not reached: (sequence number
+    /// modulo 2^24, the peer).
+    pending_mismatch: Option<(u32, usize)>,
     /// How long an idle call polls without yielding (`OXCCL_SPIN_US`, default 50, as the verbs completion queue).
     pub(crate) spin_for: Duration,
     /// How long an idle call polls, yielding the CPU between polls, before it sleeps on the
@@ -404,6 +411,8 @@ impl Engine {
             pds,
             cqs,
             abort,
+            recent: VecDeque::new(),
+            pending_mismatch: None,
             spin_for: env_us("OXCCL_SPIN_US", 50),
             yield_for: env_us("OXCCL_YIELD_US", 2000),
             scratch: Vec::new(),
@@ -414,17 +423,25 @@ impl Engine {
 
     /// Tells every peer this communicator was aborted; best effort.
     pub(crate) fn notify_abort(&self) {
-        Engine::notify_all(&self.links, IMM_ABORT);
+        Engine::notify_all(&self.links, imm(IMM_ABORT, 0, ABORTED_BY_USER));
     }
 
-    /// Posts a control message (abort or mismatch notice) to every peer; best effort.
-    fn notify_all(links: &[Link], kind: u32) {
+    /// Tells every peer that rank `dead` failed, so that those not connected to it (or not
+    /// waiting on it) fail naming it rather than timing out; best effort.
+    pub(crate) fn notify_failure(&self, dead: usize) {
+        for l in self.links.iter().filter(|l| l.peer != dead) {
+            Engine::notify_all(std::slice::from_ref(l), imm(IMM_ABORT, 0, dead as u32));
+        }
+    }
+
+    /// Posts a control message (an immediate) to every peer; best effort.
+    fn notify_all(links: &[Link], imm: u32) {
         for l in links {
             let _ = l.qp.post_send(&[SendWr::new(
                 WR_CTRL,
                 WrOp::WriteWithImm {
                     remote: l.remote.at(0),
-                    imm: imm(kind, 0, 0),
+                    imm,
                 },
                 &[],
             )]);
@@ -444,6 +461,22 @@ impl Engine {
         in_place: Option<(usize, usize)>,
         timeout: Duration,
     ) -> Result<()> {
+        if self.recent.len() >= 16 {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(desc.clone());
+        if let Some((seq, peer)) = self.pending_mismatch
+            && (desc.seq as u32).wrapping_sub(seq) & 0xff_ffff < 1 << 23
+        {
+            return Err(Error::Mismatch {
+                rank: self.rank,
+                detail: format!(
+                    "rank {peer} found that the data it received in its call #{seq} (modulo \
+                     2^24) does not match its own; this rank is in {desc} (rank {peer}'s error \
+                     names both sides)"
+                ),
+            });
+        }
         let esize = dtype.size();
         let need = sched.scratch * esize;
         if self.scratch.len() * 8 < need {
@@ -477,11 +510,16 @@ impl Engine {
             mrs: CallMrs::default(),
             bytes_in: 0,
         };
-        let r = if call.mailbox_eligible() {
+        let mut r = if call.mailbox_eligible() {
             call.run_mailbox(timeout)
         } else {
             call.run(timeout)
         };
+        // Before returning success, make sure no peer sent this call (or an earlier one) what
+        // it did not take: a disagreement that happened to complete must still be reported.
+        if r.is_ok() {
+            r = call.poll_cqs().and_then(|_| call.check_strays(None, false));
+        }
         if r.is_err() {
             call.quiesce();
         }
@@ -694,6 +732,10 @@ impl Call<'_> {
                 }
                 continue;
             }
+            // Notices (abort, mismatch), failed connections and data that does not belong to
+            // this call arrive through the completion queues.
+            self.poll_cqs()?;
+            self.check_strays(None, true)?;
             for l in 0..self.eng.links.len() {
                 let link = &self.eng.links[l];
                 if matches!(
@@ -907,6 +949,7 @@ impl Call<'_> {
                 let peer = self.eng.links[l].peer;
                 self.check_link(l, peer)?;
             }
+            self.check_strays(Some(&recvq), false)?;
             if self.eng.abort.load(Ordering::Relaxed) {
                 return Err(Error::Aborted {
                     rank: self.eng.rank,
@@ -1027,6 +1070,15 @@ impl Call<'_> {
                         lk.rx[ch].arrived.push_back(v & 0xff_ffff);
                         self.bytes_in += wc.byte_len as u64;
                     }
+                    IMM_ABORT if v & 0xff_ffff != ABORTED_BY_USER => {
+                        let (peer, dead) = (lk.peer, (v & 0xff_ffff) as usize);
+                        return Err(Error::PeerFailed {
+                            rank: self.eng.rank,
+                            op: self.desc.to_string(),
+                            peer: dead,
+                            detail: format!("rank {peer} reports that rank {dead} failed"),
+                        });
+                    }
                     IMM_ABORT => {
                         let peer = lk.peer;
                         return Err(Error::Aborted {
@@ -1037,10 +1089,27 @@ impl Call<'_> {
                     }
                     IMM_MISMATCH => {
                         let peer = lk.peer;
+                        let seq = v & 0xff_ffff;
+                        // A notice about a call this rank has not started (it is behind)
+                        // fails that call when it starts, not this one.
+                        let ahead = seq.wrapping_sub(self.desc.seq as u32) & 0xff_ffff;
+                        if ahead != 0 && ahead < 1 << 23 {
+                            self.eng.pending_mismatch.get_or_insert((seq, peer));
+                            return Ok(());
+                        }
+                        let theirs = self
+                            .eng
+                            .recent
+                            .iter()
+                            .rev()
+                            .find(|d| d.seq & 0xff_ffff == u64::from(seq))
+                            .map_or(format!("call #{seq} (modulo 2^24)"), |d| d.to_string());
                         return Err(Error::Mismatch {
                             rank: self.eng.rank,
                             detail: format!(
-                                "rank {peer} found that a collective it received does not match its own; this rank was in {} (see rank {peer}'s error for both sides)",
+                                "rank {peer} found that what this rank sent in {theirs} does not \
+                                 match its own call; this rank is now in {} (rank {peer}'s error \
+                                 names both sides)",
                                 self.desc
                             ),
                         });
@@ -1246,9 +1315,15 @@ impl Call<'_> {
         Ok(())
     }
 
-    /// A mismatch error; every peer is told, so that its call (or its next) fails too.
+    /// A mismatch error; every peer is told (with this call's sequence number), so that its
+    /// call, or its next, fails too.
     fn mismatch(&self, detail: String) -> Error {
-        Engine::notify_all(&self.eng.links, IMM_MISMATCH);
+        self.mismatch_at(self.desc.seq, detail)
+    }
+
+    /// [`Call::mismatch`] about call `seq` (an earlier call's data can be found late).
+    fn mismatch_at(&self, seq: u64, detail: String) -> Error {
+        Engine::notify_all(&self.eng.links, imm(IMM_MISMATCH, 0, seq as u32));
         Error::Mismatch {
             rank: self.eng.rank,
             detail,
@@ -1531,11 +1606,16 @@ impl Call<'_> {
     /// After an error: stop every connection (so no transport still reads the caller's
     /// buffers) and drain what completes, briefly.
     fn quiesce(&mut self) {
-        for l in &self.eng.links {
-            l.qp.to_error();
-        }
-        let end = Instant::now() + Duration::from_millis(200);
-        while self.st.iter().any(|s| s.outstanding > 0) && Instant::now() < end {
+        // Wait (briefly) for the transport to finish reading the caller's buffers; only links
+        // still busy after that are stopped, so peers are not told that a live rank failed.
+        let end = Instant::now() + Duration::from_millis(500);
+        while self.st.iter().any(|s| s.outstanding > 0) {
+            if Instant::now() >= end {
+                for l in &self.eng.links {
+                    l.qp.to_error();
+                }
+                break;
+            }
             let mut wcs = std::mem::take(&mut self.eng.wcs);
             for cq in &self.eng.cqs {
                 let n = cq.poll(&mut wcs);
@@ -1550,6 +1630,78 @@ impl Call<'_> {
             self.eng.wcs = wcs;
             std::thread::yield_now();
         }
+    }
+
+    /// Data that no step of this call will take: a fragment in a slot with no receive left
+    /// for its (peer, channel), or a message in a mailbox this call does not read. Data for a
+    /// later call (a peer that is ahead) is fine; data for this call or an earlier one means
+    /// the ranks disagree about what they are doing.
+    fn check_strays(&self, recvq: Option<&[VecDeque<usize>]>, mailbox: bool) -> Result<()> {
+        let geo = self.eng.geo;
+        let nch = geo.channels;
+        for (l, link) in self.eng.links.iter().enumerate() {
+            for ch in 0..nch {
+                let waiting = recvq.is_some_and(|q| !q[l * nch + ch].is_empty());
+                let Some(&slot) = link.rx[ch].arrived.front() else {
+                    continue;
+                };
+                if waiting || slot as usize >= geo.slots {
+                    continue;
+                }
+                let mut hb = [0u8; SLOT_HEADER];
+                let base = (ch * geo.slots + slot as usize) * geo.slot_bytes();
+                if link.slots.read(base, &mut hb).is_ok() {
+                    self.stray(&Header::decode(&hb), link.peer)?;
+                }
+            }
+            if !mailbox
+                || !self
+                    .sched
+                    .steps
+                    .iter()
+                    .any(|s| matches!(s.op, Op::Recv { peer, .. } if peer == link.peer))
+            {
+                let m = link.mbox_recv;
+                let off = geo.mailbox_offset((m % 2) as usize);
+                let stamp = link
+                    .slots
+                    .atomic_u64(off)
+                    .map(|a| a.load(Ordering::Acquire))
+                    .unwrap_or(0);
+                if stamp == m + 1 {
+                    let mut hb = [0u8; SLOT_HEADER];
+                    if link.slots.read(off + SLOT_HEADER, &mut hb).is_ok() {
+                        self.stray(&Header::decode(&hb), link.peer)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn stray(&self, h: &Header, peer: usize) -> Result<()> {
+        let p2p = coll_name(h.coll) == "send" || matches!(self.desc.coll, "send" | "recv");
+        if h.magic == MAGIC && (p2p || h.seq > self.desc.seq) {
+            return Ok(());
+        }
+        // Name this rank's own side of the call the data belongs to, when it still knows it.
+        let ours = self
+            .eng
+            .recent
+            .iter()
+            .rev()
+            .find(|d| d.seq == h.seq)
+            .map_or(String::new(), |d| format!(", where this rank ran {d}"));
+        Err(self.mismatch_at(
+            h.seq,
+            format!(
+                "rank {} is in {}, but rank {peer} sent data this call does not expect, for \
+                 {}{ours}",
+                self.eng.rank,
+                self.desc,
+                describe(h)
+            ),
+        ))
     }
 }
 

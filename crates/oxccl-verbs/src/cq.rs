@@ -67,6 +67,17 @@ impl CompletionQueue {
         self.inner.poll(out)
     }
 
+    /// A counter bumped whenever a completion is added to this queue (or a peer of it dies):
+    /// when two reads return the same value, nothing arrived in between, so a caller can skip
+    /// a [`CompletionQueue::poll`] with one memory load.
+    pub fn doorbell(&self) -> u32 {
+        self.inner
+            .ctx
+            .seg
+            .cq_word(self.inner.index, SEQ)
+            .load(Ordering::Acquire)
+    }
+
     /// Waits up to `timeout` for at least one completion and moves what is there into `out`.
     /// Errors with [`Error::Timeout`] naming this queue when nothing arrived in time.
     pub fn wait(&self, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {

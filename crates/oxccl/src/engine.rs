@@ -367,6 +367,8 @@ pub(crate) struct Engine {
     pub(crate) abort: Arc<AtomicBool>,
     /// The last calls, for naming the one a peer reports a mismatch in.
     recent: VecDeque<OpDesc>,
+    /// Each completion queue's doorbell when it was last polled.
+    doorbells: Vec<u32>,
     /// A mismatch a peer reported in a call this rank had not reached: (sequence number
     /// modulo 2^24, the peer).
     pending_mismatch: Option<(u32, usize)>,
@@ -412,6 +414,7 @@ impl Engine {
             cqs,
             abort,
             recent: VecDeque::new(),
+            doorbells: vec![u32::MAX; n],
             pending_mismatch: None,
             spin_for: env_us("OXCCL_SPIN_US", 50),
             yield_for: env_us("OXCCL_YIELD_US", 2000),
@@ -518,7 +521,15 @@ impl Engine {
         // Before returning success, make sure no peer sent this call (or an earlier one) what
         // it did not take: a disagreement that happened to complete must still be reported.
         if r.is_ok() {
-            r = call.poll_cqs().and_then(|_| call.check_strays(None, false));
+            // (Polling only if a completion arrived since the last poll: one load each.)
+            let rang = (0..call.eng.cqs.len())
+                .any(|c| call.eng.cqs[c].doorbell() != call.eng.doorbells[c]);
+            r = if rang {
+                call.poll_cqs().map(drop)
+            } else {
+                Ok(())
+            }
+            .and_then(|()| call.check_strays(None, false));
         }
         if r.is_err() {
             call.quiesce();
@@ -1007,6 +1018,7 @@ impl Call<'_> {
     fn poll_cqs(&mut self) -> Result<bool> {
         let mut any = false;
         for c in 0..self.eng.cqs.len() {
+            self.eng.doorbells[c] = self.eng.cqs[c].doorbell();
             loop {
                 let mut wcs = std::mem::take(&mut self.eng.wcs);
                 let n = self.eng.cqs[c].poll(&mut wcs);
@@ -1690,7 +1702,7 @@ impl Call<'_> {
             .recent
             .iter()
             .rev()
-            .find(|d| d.seq == h.seq)
+            .find(|d| d.seq == h.seq && h.seq != self.desc.seq)
             .map_or(String::new(), |d| format!(", where this rank ran {d}"));
         Err(self.mismatch_at(
             h.seq,

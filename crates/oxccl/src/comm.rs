@@ -11,9 +11,9 @@ use oxccl_verbs::{Context, Provider, QpConfig, QpEndpoint, RemoteBuffer};
 use serde::{Deserialize, Serialize};
 
 use crate::dtype::{as_bytes, as_bytes_mut};
-use crate::engine::{Bufs, Engine, Geometry, INLINE, Link};
+use crate::engine::{Bufs, Engine, Geometry, INLINE, Link, Plan};
 use crate::error::{Error, OpDesc, Result};
-use crate::schedule::{Algorithm, Collective, Request, Schedule, build};
+use crate::schedule::{Algorithm, Collective, Request, build};
 use crate::{DataType, Element, ReduceOp, log_enabled};
 
 /// Settings of a communicator; [`Options::from_env`] reads the `OXCCL_*` variables.
@@ -190,9 +190,9 @@ struct State {
     seq: u64,
     p2p_seq: HashMap<(usize, bool), u64>,
     poisoned: Option<String>,
-    cache: HashMap<(Request, u8), Arc<Schedule>>,
+    cache: HashMap<(Request, u8), Arc<Plan>>,
     /// The last schedule used: most calls repeat the one before.
-    last: Option<((Request, u8), Arc<Schedule>)>,
+    last: Option<((Request, u8), Arc<Plan>)>,
     logged: std::collections::HashSet<(&'static str, Algorithm, usize)>,
 }
 
@@ -712,7 +712,7 @@ impl Communicator {
         let sched = match hit {
             Some(s) => s,
             None => {
-                let s = Arc::new(build(&key.0).map_err(invalid)?);
+                let s = Arc::new(Plan::new(build(&key.0).map_err(invalid)?));
                 if st.cache.len() >= 256 {
                     st.cache.clear();
                 }
@@ -731,7 +731,7 @@ impl Communicator {
                 algo.name(),
                 channels,
                 (chunk * es) >> 10,
-                sched.steps.len()
+                sched.sched.steps.len()
             );
         }
         let r = st.engine.execute(

@@ -151,42 +151,28 @@ impl Header {
     }
 }
 
+/// Collective names as the header codes them (their index).
+const COLL_NAMES: [&str; 12] = [
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "all_to_allv",
+    "gather",
+    "scatter",
+    "barrier",
+    "send",
+    "recv",
+];
+
 fn coll_code(name: &str) -> u8 {
-    const NAMES: [&str; 12] = [
-        "all_reduce",
-        "reduce_scatter",
-        "all_gather",
-        "broadcast",
-        "reduce",
-        "all_to_all",
-        "all_to_allv",
-        "gather",
-        "scatter",
-        "barrier",
-        "send",
-        "recv",
-    ];
-    NAMES.iter().position(|n| *n == name).unwrap_or(255) as u8
+    COLL_NAMES.iter().position(|n| *n == name).unwrap_or(255) as u8
 }
 
 fn coll_name(code: u8) -> &'static str {
-    [
-        "all_reduce",
-        "reduce_scatter",
-        "all_gather",
-        "broadcast",
-        "reduce",
-        "all_to_all",
-        "all_to_allv",
-        "gather",
-        "scatter",
-        "barrier",
-        "send",
-        "recv",
-    ]
-    .get(code as usize)
-    .copied()
-    .unwrap_or("unknown")
+    COLL_NAMES.get(code as usize).copied().unwrap_or("unknown")
 }
 
 /// What a receiver expects a sender's header to say.
@@ -339,6 +325,21 @@ impl Link {
     }
 }
 
+/// A schedule with what the executor learns about it once: whether it runs in mailboxes.
+pub(crate) struct Plan {
+    pub(crate) sched: Schedule,
+    mailbox: std::sync::OnceLock<bool>,
+}
+
+impl Plan {
+    pub(crate) fn new(sched: Schedule) -> Plan {
+        Plan {
+            sched,
+            mailbox: std::sync::OnceLock::new(),
+        }
+    }
+}
+
 /// The caller's buffers for one call, as raw memory: the engine is their only user until the
 /// call returns.
 pub(crate) struct Bufs {
@@ -369,6 +370,8 @@ pub(crate) struct Engine {
     recent: VecDeque<OpDesc>,
     /// Each completion queue's doorbell when it was last polled.
     doorbells: Vec<u32>,
+    /// The step states of the last call, kept for the next (no allocation per call).
+    st_buf: Vec<StepState>,
     /// A mismatch a peer reported in a call this rank had not reached: (sequence number
     /// modulo 2^24, the peer).
     pending_mismatch: Option<(u32, usize)>,
@@ -384,6 +387,7 @@ pub(crate) struct Engine {
 }
 
 /// Per-call progress of each step.
+#[derive(Default)]
 struct StepState {
     done: bool,
     /// Bytes posted (send) or consumed (recv).
@@ -415,6 +419,7 @@ impl Engine {
             abort,
             recent: VecDeque::new(),
             doorbells: vec![u32::MAX; n],
+            st_buf: Vec::new(),
             pending_mismatch: None,
             spin_for: env_us("OXCCL_SPIN_US", 50),
             yield_for: env_us("OXCCL_YIELD_US", 2000),
@@ -456,7 +461,7 @@ impl Engine {
     /// caller divides afterwards).
     pub(crate) fn execute(
         &mut self,
-        sched: &Schedule,
+        plan: &Plan,
         desc: &OpDesc,
         dtype: DataType,
         op: ReduceOp,
@@ -464,6 +469,7 @@ impl Engine {
         in_place: Option<(usize, usize)>,
         timeout: Duration,
     ) -> Result<()> {
+        let sched = &plan.sched;
         if self.recent.len() >= 16 {
             self.recent.pop_front();
         }
@@ -486,6 +492,9 @@ impl Engine {
             self.scratch = vec![0u64; need.div_ceil(8)];
             self.scratch_mrs.iter_mut().for_each(|m| *m = None);
         }
+        let mut st = std::mem::take(&mut self.st_buf);
+        st.clear();
+        st.resize_with(sched.steps.len(), StepState::default);
         let mut call = Call {
             eng: self,
             sched,
@@ -499,21 +508,13 @@ impl Engine {
             esize,
             bufs,
             in_place,
-            st: sched
-                .steps
-                .iter()
-                .map(|_| StepState {
-                    done: false,
-                    progress: 0,
-                    outstanding: 0,
-                    posted_all: false,
-                })
-                .collect(),
+            st,
             left: sched.steps.len(),
             mrs: CallMrs::default(),
             bytes_in: 0,
         };
-        let mut r = if call.mailbox_eligible() {
+        let mailbox = *plan.mailbox.get_or_init(|| call.mailbox_eligible());
+        let mut r = if mailbox {
             call.run_mailbox(timeout)
         } else {
             call.run(timeout)
@@ -534,6 +535,9 @@ impl Engine {
         if r.is_err() {
             call.quiesce();
         }
+        let st = std::mem::take(&mut call.st);
+        drop(call);
+        self.st_buf = st;
         r
     }
 }
@@ -692,7 +696,8 @@ impl Call<'_> {
     /// the stamp per message, and the receiver polls the stamp in its own memory (RC ordering
     /// on the queue pair orders the two writes). No completion queue, no credits.
     fn run_mailbox(&mut self, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+        // The clock is read only once the call idles (most small calls never do).
+        let mut deadline: Option<Instant> = None;
         let mut idle_since: Option<Instant> = None;
         let mut idle_polls = 0u32;
         let geo = self.eng.geo;
@@ -771,7 +776,7 @@ impl Call<'_> {
                 });
             }
             let now = Instant::now();
-            if now >= deadline {
+            if now >= *deadline.get_or_insert(now + timeout) {
                 let step = self.st.iter().position(|s| !s.done).unwrap_or(0);
                 let waiting = match self.sched.steps[step].op {
                     Op::Recv { peer, .. } => {

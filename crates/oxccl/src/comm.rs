@@ -435,14 +435,14 @@ impl Communicator {
                 .filter(|p| **p == Some(Provider::Tcp))
                 .count();
             let distinct: std::collections::HashSet<&String> = hosts.iter().collect();
-            eprintln!(
-                "oxccl INFO rank {rank}/{world}: connected {shm} peers over shm, {tcp} over tcp; \
+            crate::log_line(format!(
+                "rank {rank}/{world}: connected {shm} peers over shm, {tcp} over tcp; \
                  {} hosts; {} channels × {} slots × {} KiB chunks",
                 distinct.len(),
                 geo.channels,
                 geo.slots,
                 geo.slot_data >> 10
-            );
+            ));
         }
         let abort = Arc::new(AtomicBool::new(false));
         let mut engine = Engine::new(rank, geo, links, link_of, pds, cqs, abort.clone());
@@ -724,15 +724,20 @@ impl Communicator {
             st.last = Some((key, sched.clone()));
         }
         if log_enabled() && st.logged.insert((coll.name(), algo, chunk * es)) {
-            eprintln!(
-                "oxccl INFO rank {rank}: {} of {} bytes: algorithm {}, {} channels, {} KiB chunks, {} steps",
+            crate::log_line(format!(
+                "rank {rank}: {} of {} bytes: algorithm {}, protocol {}, {} channels, {} KiB chunks, {} steps",
                 coll.name(),
                 coll.count() * es,
                 algo.name(),
+                if st.engine.uses_mailbox(&sched, es) {
+                    "mailbox"
+                } else {
+                    "slots"
+                },
                 channels,
                 (chunk * es) >> 10,
                 sched.sched.steps.len()
-            );
+            ));
         }
         let r = st.engine.execute(
             &sched,

@@ -429,6 +429,13 @@ impl Engine {
         }
     }
 
+    /// Whether `plan` runs with the mailbox protocol (decided once per plan).
+    pub(crate) fn uses_mailbox(&self, plan: &Plan, esize: usize) -> bool {
+        *plan
+            .mailbox
+            .get_or_init(|| mailbox_eligible(self, &plan.sched, esize))
+    }
+
     /// Tells every peer this communicator was aborted; best effort.
     pub(crate) fn notify_abort(&self) {
         Engine::notify_all(&self.links, imm(IMM_ABORT, 0, ABORTED_BY_USER));
@@ -492,6 +499,7 @@ impl Engine {
             self.scratch = vec![0u64; need.div_ceil(8)];
             self.scratch_mrs.iter_mut().for_each(|m| *m = None);
         }
+        let mailbox = self.uses_mailbox(plan, esize);
         let mut st = std::mem::take(&mut self.st_buf);
         st.clear();
         st.resize_with(sched.steps.len(), StepState::default);
@@ -513,7 +521,6 @@ impl Engine {
             mrs: CallMrs::default(),
             bytes_in: 0,
         };
-        let mailbox = *plan.mailbox.get_or_init(|| call.mailbox_eligible());
         let mut r = if mailbox {
             call.run_mailbox(timeout)
         } else {
@@ -660,36 +667,6 @@ impl Call<'_> {
             })?;
         self.mrs.mrs.push((key, mr));
         Ok((&self.mrs.mrs.last().unwrap().1, off))
-    }
-
-    /// Whether the mailbox protocol can run this schedule: every peer it talks to is on shm
-    /// and gets exactly one message each way, small enough for a mailbox. (One exchange per
-    /// peer and call is what makes two mailboxes enough: a peer sends its next message only
-    /// after it has read ours of the call before, so it never overwrites one we still read.)
-    fn mailbox_eligible(&self) -> bool {
-        let n = self.eng.link_of.len();
-        let mut sends = vec![0u32; n];
-        let mut recvs = vec![0u32; n];
-        for step in &self.sched.steps {
-            let (peer, len, is_send) = match step.op {
-                Op::Send { peer, src, .. } => (peer, src.len, true),
-                Op::Recv { peer, dst, .. } => (peer, dst.len, false),
-                _ => continue,
-            };
-            let l = *self.eng.link_of.get(peer).unwrap_or(&usize::MAX);
-            if l == usize::MAX
-                || self.eng.links[l].provider != Provider::Shm
-                || len * self.esize > MAILBOX_DATA
-            {
-                return false;
-            }
-            if is_send {
-                sends[peer] += 1;
-            } else {
-                recvs[peer] += 1;
-            }
-        }
-        sends.iter().any(|&c| c > 0) && sends == recvs && sends.iter().all(|&c| c <= 1)
     }
 
     /// Runs the schedule with the mailbox protocol: one WRITE of header and data and one of
@@ -1720,6 +1697,33 @@ impl Call<'_> {
             ),
         ))
     }
+}
+
+/// Whether the mailbox protocol can run this schedule: every peer it talks to is on shm
+/// and gets exactly one message each way, small enough for a mailbox. (One exchange per
+/// peer and call is what makes two mailboxes enough: a peer sends its next message only
+/// after it has read ours of the call before, so it never overwrites one we still read.)
+fn mailbox_eligible(eng: &Engine, sched: &Schedule, esize: usize) -> bool {
+    let n = eng.link_of.len();
+    let mut sends = vec![0u32; n];
+    let mut recvs = vec![0u32; n];
+    for step in &sched.steps {
+        let (peer, len, is_send) = match step.op {
+            Op::Send { peer, src, .. } => (peer, src.len, true),
+            Op::Recv { peer, dst, .. } => (peer, dst.len, false),
+            _ => continue,
+        };
+        let l = *eng.link_of.get(peer).unwrap_or(&usize::MAX);
+        if l == usize::MAX || eng.links[l].provider != Provider::Shm || len * esize > MAILBOX_DATA {
+            return false;
+        }
+        if is_send {
+            sends[peer] += 1;
+        } else {
+            recvs[peer] += 1;
+        }
+    }
+    sends.iter().any(|&c| c > 0) && sends == recvs && sends.iter().all(|&c| c <= 1)
 }
 
 fn env_us(name: &str, default: u64) -> Duration {

@@ -69,3 +69,11 @@ pub(crate) fn log_enabled() -> bool {
             .unwrap_or(false)
     })
 }
+
+/// Writes one `OXCCL_DEBUG` line to stderr in a single write, so that lines of ranks sharing
+/// a terminal or pipe do not interleave.
+pub(crate) fn log_line(msg: String) {
+    use std::io::Write;
+    let line = format!("oxccl INFO {msg}\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
+}

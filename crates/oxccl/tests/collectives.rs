@@ -1138,6 +1138,8 @@ fn algorithms(log: &str) -> Vec<(String, u64, String, u64)> {
             let (coll, rest) = rest.split_once(" of ")?;
             let (bytes, rest) = rest.split_once(" bytes: algorithm ")?;
             let (algo, rest) = rest.split_once(", ")?;
+            // "protocol mailbox, " or "protocol slots, " comes next.
+            let rest = rest.split_once("protocol ")?.1.split_once(", ")?.1;
             let (channels, _) = rest.split_once(" channels")?;
             Some((
                 coll.to_string(),

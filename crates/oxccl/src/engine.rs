@@ -1227,10 +1227,11 @@ impl Call<'_> {
         };
         if fingerprint(h) != fingerprint(&want) {
             return Err(self.mismatch(format!(
-                "rank {} is in {}, but rank {peer} sent data for {}",
+                "rank {} is in {}, but rank {peer} sent data for {}{}",
                 self.eng.rank,
                 self.desc,
-                describe(h)
+                describe(h),
+                self.our_side(h)
             )));
         }
         if h.xfer_len as usize != total || h.frag_off as usize != progress {
@@ -1678,24 +1679,28 @@ impl Call<'_> {
         if h.magic == MAGIC && (p2p || h.seq > self.desc.seq) {
             return Ok(());
         }
-        // Name this rank's own side of the call the data belongs to, when it still knows it.
-        let ours = self
-            .eng
-            .recent
-            .iter()
-            .rev()
-            .find(|d| d.seq == h.seq && h.seq != self.desc.seq)
-            .map_or(String::new(), |d| format!(", where this rank ran {d}"));
         Err(self.mismatch_at(
             h.seq,
             format!(
                 "rank {} is in {}, but rank {peer} sent data this call does not expect, for \
-                 {}{ours}",
+                 {}{}",
                 self.eng.rank,
                 self.desc,
-                describe(h)
+                describe(h),
+                self.our_side(h)
             ),
         ))
+    }
+
+    /// This rank's own side of an earlier call a peer's data belongs to, when it still knows
+    /// it: ", where this rank ran broadcast #1 (...)".
+    fn our_side(&self, h: &Header) -> String {
+        self.eng
+            .recent
+            .iter()
+            .rev()
+            .find(|d| d.seq == h.seq && h.seq != self.desc.seq)
+            .map_or(String::new(), |d| format!(", where this rank ran {d}"))
     }
 }
 

@@ -36,6 +36,9 @@ pub struct Options {
     pub chunk_size: Option<usize>,
     /// Slots per peer and channel (`OXCCL_SLOTS`; default 8 on one host, 4 with tcp).
     pub slots: Option<usize>,
+    /// The protocol (`OXCCL_PROTO`): `None` lets each schedule use mailboxes where it can,
+    /// `Some(false)` (`slots`) always uses the slot protocol.
+    pub mailboxes: Option<bool>,
     /// Messages up to this many bytes use the latency algorithms (recursive doubling, trees;
     /// `OXCCL_SMALL_BYTES`, default 64 KiB).
     pub small_bytes: usize,
@@ -52,6 +55,7 @@ impl Default for Options {
             chunk_size: None,
             slots: None,
             small_bytes: 64 << 10,
+            mailboxes: None,
         }
     }
 }
@@ -76,9 +80,8 @@ impl Options {
     /// [`Options::from_env`] over any variable source.
     pub fn from_vars(var: &dyn Fn(&str) -> Option<String>) -> Result<Options> {
         let mut o = Options::default();
-        let bad = |name: &str, v: &str, want: &str| Error::InvalidArgument {
-            rank: usize::MAX,
-            msg: format!("{name}={v:?}: expected {want}"),
+        let bad = |name: &str, v: &str, want: &str| {
+            Error::Config(format!("{name}={v:?}: expected {want}"))
         };
         if let Some(v) = var("OXCCL_TIMEOUT") {
             let secs: f64 = v
@@ -131,6 +134,13 @@ impl Options {
                     .filter(|s| (2..=256).contains(s))
                     .ok_or_else(|| bad("OXCCL_SLOTS", &v, "2..=256"))?,
             );
+        }
+        if let Some(v) = var("OXCCL_PROTO") {
+            o.mailboxes = match v.trim() {
+                "slots" | "simple" => Some(false),
+                "mailbox" | "auto" => None,
+                _ => return Err(bad("OXCCL_PROTO", &v, "slots or mailbox")),
+            };
         }
         if let Some(v) = var("OXCCL_SMALL_BYTES") {
             o.small_bytes = parse_size(&v).ok_or_else(|| bad("OXCCL_SMALL_BYTES", &v, "bytes"))?;
@@ -453,6 +463,7 @@ impl Communicator {
         if local > cpus && std::env::var_os("OXCCL_SPIN_US").is_none() {
             engine.spin_for = Duration::ZERO;
         }
+        engine.mailbox_allowed = opts.mailboxes != Some(false);
         drop(ctxs);
         let comm = Communicator {
             inner: Arc::new(Inner {
@@ -1204,6 +1215,56 @@ impl<R> Work<R> {
                 op: "submitted work".into(),
                 reason: "the communicator was dropped before the work ran, or it panicked".into(),
             }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(vars: &[(&str, &str)]) -> Result<Options> {
+        Options::from_vars(&|k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        })
+    }
+
+    #[test]
+    fn settings_parse_and_bad_ones_are_named() {
+        let o = opts(&[
+            ("OXCCL_TIMEOUT", "2.5"),
+            ("OXCCL_PROVIDER", "tcp"),
+            ("OXCCL_ALGO", "ring"),
+            ("OXCCL_NCHANNELS", "3"),
+            ("OXCCL_CHUNK_SIZE", "512K"),
+            ("OXCCL_SLOTS", "4"),
+            ("OXCCL_PROTO", "slots"),
+            ("OXCCL_SMALL_BYTES", "1M"),
+        ])
+        .unwrap();
+        assert_eq!(o.timeout, Duration::from_millis(2500));
+        assert_eq!(o.provider, Some(Provider::Tcp));
+        assert_eq!(o.algo, Some(Algorithm::Ring));
+        assert_eq!(
+            (o.channels, o.chunk_size, o.slots),
+            (Some(3), Some(512 << 10), Some(4))
+        );
+        assert_eq!((o.mailboxes, o.small_bytes), (Some(false), 1 << 20));
+        let d = opts(&[]).unwrap();
+        assert_eq!((d.provider, d.chunk_size, d.mailboxes), (None, None, None));
+        for (k, v) in [
+            ("OXCCL_TIMEOUT", "-1"),
+            ("OXCCL_PROVIDER", "ib"),
+            ("OXCCL_ALGO", "magic"),
+            ("OXCCL_NCHANNELS", "0"),
+            ("OXCCL_CHUNK_SIZE", "1"),
+            ("OXCCL_SLOTS", "1"),
+            ("OXCCL_PROTO", "ll"),
+        ] {
+            let e = opts(&[(k, v)]).unwrap_err().to_string();
+            assert!(e.contains(k) && e.contains(v), "{k}={v}: {e}");
         }
     }
 }

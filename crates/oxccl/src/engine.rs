@@ -372,6 +372,8 @@ pub(crate) struct Engine {
     doorbells: Vec<u32>,
     /// The step states of the last call, kept for the next (no allocation per call).
     st_buf: Vec<StepState>,
+    /// Whether schedules may run in mailboxes (`OXCCL_PROTO=slots` forbids it).
+    pub(crate) mailbox_allowed: bool,
     /// A mismatch a peer reported in a call this rank had not reached: (sequence number
     /// modulo 2^24, the peer).
     pending_mismatch: Option<(u32, usize)>,
@@ -420,6 +422,7 @@ impl Engine {
             recent: VecDeque::new(),
             doorbells: vec![u32::MAX; n],
             st_buf: Vec::new(),
+            mailbox_allowed: true,
             pending_mismatch: None,
             spin_for: env_us("OXCCL_SPIN_US", 50),
             yield_for: env_us("OXCCL_YIELD_US", 2000),
@@ -433,7 +436,7 @@ impl Engine {
     pub(crate) fn uses_mailbox(&self, plan: &Plan, esize: usize) -> bool {
         *plan
             .mailbox
-            .get_or_init(|| mailbox_eligible(self, &plan.sched, esize))
+            .get_or_init(|| self.mailbox_allowed && mailbox_eligible(self, &plan.sched, esize))
     }
 
     /// Tells every peer this communicator was aborted; best effort.

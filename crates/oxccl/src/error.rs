@@ -43,8 +43,9 @@ impl std::fmt::Display for OpDesc {
     }
 }
 
-/// Everything that can go wrong.
+/// Everything that can go wrong (more variants may come: match with a wildcard arm).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A bad argument: buffer sizes, ranks, counts.
     #[error("rank {rank}: invalid argument: {msg}")]
@@ -54,6 +55,9 @@ pub enum Error {
         /// What was wrong.
         msg: String,
     },
+    /// A malformed setting (an `OXCCL_*` variable).
+    #[error("invalid setting: {0}")]
+    Config(String),
     /// The rendezvous failed.
     #[error("bootstrap: {0}")]
     Bootstrap(#[from] oxccl_bootstrap::Error),

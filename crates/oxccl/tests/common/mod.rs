@@ -353,6 +353,8 @@ pub fn error_kind(e: &oxccl::Error) -> &'static str {
         oxccl::Error::Aborted { .. } => "Aborted",
         oxccl::Error::WaitTimeout { .. } => "WaitTimeout",
         oxccl::Error::Poisoned { .. } => "Poisoned",
+        oxccl::Error::Config(_) => "Config",
+        _ => "other",
     }
 }
 

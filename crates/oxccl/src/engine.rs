@@ -349,6 +349,14 @@ pub(crate) struct Bufs {
     pub output_len: usize,
 }
 
+/// Which registration covers a region: the engine's scratch (per context) or one of the
+/// call's own.
+#[derive(Clone, Copy)]
+enum MrRef {
+    Scratch(usize),
+    Call(usize),
+}
+
 /// Memory registrations of one call's buffers, per provider context, made on first use.
 #[derive(Default)]
 struct CallMrs {
@@ -628,7 +636,7 @@ impl Call<'_> {
     }
 
     /// The memory region covering `reg`'s buffer on context `ctx`, registered on first use.
-    fn mr_for(&mut self, reg: Region, ctx: usize) -> Result<(&MemoryRegion, usize)> {
+    fn mr_for(&mut self, reg: Region, ctx: usize) -> Result<(MrRef, usize)> {
         let (ptr, _) = self.locate(reg)?;
         let (base, len) = match (reg.buf, self.in_place) {
             (Buf::Scratch, _) => (
@@ -653,11 +661,11 @@ impl Call<'_> {
                         })?;
                 self.eng.scratch_mrs[ctx] = Some(mr);
             }
-            return Ok((self.eng.scratch_mrs[ctx].as_ref().unwrap(), off));
+            return Ok((MrRef::Scratch(ctx), off));
         }
         let key = (u8::from(base == self.bufs.output), ctx);
         if let Some(i) = self.mrs.mrs.iter().position(|(k, _)| *k == key) {
-            return Ok((&self.mrs.mrs[i].1, off));
+            return Ok((MrRef::Call(i), off));
         }
         // SAFETY: the caller's buffers stay valid and untouched by the caller until the call
         // returns, and the registration is dropped before it does (`Call::mrs`); the region
@@ -669,7 +677,16 @@ impl Call<'_> {
                 source: e,
             })?;
         self.mrs.mrs.push((key, mr));
-        Ok((&self.mrs.mrs.last().unwrap().1, off))
+        Ok((MrRef::Call(self.mrs.mrs.len() - 1), off))
+    }
+
+    fn mr(&self, r: MrRef) -> &MemoryRegion {
+        match r {
+            MrRef::Scratch(ctx) => self.eng.scratch_mrs[ctx]
+                .as_ref()
+                .expect("registered by mr_for"),
+            MrRef::Call(i) => &self.mrs.mrs[i].1,
+        }
     }
 
     /// Runs the schedule with the mailbox protocol: one WRITE of header and data and one of
@@ -1414,43 +1431,37 @@ impl Call<'_> {
                 .map_err(|e| verbs_err("staging a fragment", e))?;
         }
         let wr_id = WR_DATA | s as u64;
-        if inline {
-            let link = &self.eng.links[l];
-            let sge = [Sge::new(&link.stage, stage_off, SLOT_HEADER + len)];
-            link.qp
-                .post_send(&[SendWr::new(
-                    wr_id,
-                    WrOp::WriteWithImm {
-                        remote,
-                        imm: wr_imm,
-                    },
-                    &sge,
-                )])
-                .map_err(|e| self.send_error(l, e))?;
+        // Inline: header and data from the staging region. Otherwise the header from staging
+        // and the data straight from the caller's (or scratch) memory, registered on first use.
+        let source = if inline {
+            None
         } else {
-            let ctx = self.eng.links[l].ctx;
             let es = self.esize;
-            let (mr, mr_off) = self.mr_for(src.sub(off / es, len / es), ctx)?;
-            // `mr_for` borrowed self mutably; re-borrow the link.
-            let mr_ptr: *const MemoryRegion = mr;
-            let link = &self.eng.links[l];
-            // SAFETY: `mr_ptr` points into `self.mrs` or the engine's scratch registrations,
-            // neither of which changes until this call returns.
-            let mr = unsafe { &*mr_ptr };
-            let sge = [
-                Sge::new(&link.stage, stage_off, SLOT_HEADER),
-                Sge::new(mr, mr_off, len),
-            ];
-            link.qp
-                .post_send(&[SendWr::new(
-                    wr_id,
-                    WrOp::WriteWithImm {
-                        remote,
-                        imm: wr_imm,
-                    },
-                    &sge,
-                )])
-                .map_err(|e| self.send_error(l, e))?;
+            Some(self.mr_for(src.sub(off / es, len / es), self.eng.links[l].ctx)?)
+        };
+        let link = &self.eng.links[l];
+        let head = if inline {
+            SLOT_HEADER + len
+        } else {
+            SLOT_HEADER
+        };
+        let first = Sge::new(&link.stage, stage_off, head);
+        let both;
+        let sges: &[Sge<'_>] = match source {
+            Some((r, mr_off)) => {
+                both = [first, Sge::new(self.mr(r), mr_off, len)];
+                &both
+            }
+            None => std::slice::from_ref(&first),
+        };
+        let op = WrOp::WriteWithImm {
+            remote,
+            imm: wr_imm,
+        };
+        link.qp
+            .post_send(&[SendWr::new(wr_id, op, sges)])
+            .map_err(|e| self.send_error(l, e))?;
+        if !inline {
             self.st[s].outstanding += 1;
         }
         self.eng.links[l].posted[ch] += 1;

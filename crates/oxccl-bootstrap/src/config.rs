@@ -27,6 +27,50 @@ pub enum Launcher {
     Pmi,
 }
 
+/// Each launcher's variables: rank, world size, local rank, local world size ("" for none).
+const LAUNCHERS: [(Launcher, [&str; 4]); 4] = [
+    (
+        Launcher::Torchrun,
+        ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"],
+    ),
+    (
+        Launcher::Slurm,
+        ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", ""],
+    ),
+    (
+        Launcher::OpenMpi,
+        [
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        ],
+    ),
+    (
+        Launcher::Pmi,
+        ["PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"],
+    ),
+];
+
+impl Launcher {
+    /// The launcher whose rank variable this environment carries (`Explicit` for
+    /// `OXCCL_RANK`), or `None` for a process not started by one: tools use it to decide
+    /// whether to start their own ranks.
+    pub fn in_env() -> Option<Launcher> {
+        Launcher::in_vars(&|name| std::env::var(name).ok())
+    }
+
+    /// [`Launcher::in_env`] over any variable source.
+    pub fn in_vars(var: &dyn Fn(&str) -> Option<String>) -> Option<Launcher> {
+        let set = |name: &str| var(name).is_some_and(|v| !v.trim().is_empty());
+        LAUNCHERS
+            .iter()
+            .find(|(_, [rank, ..])| set(rank))
+            .map(|(l, _)| *l)
+            .or_else(|| set("OXCCL_RANK").then_some(Launcher::Explicit))
+    }
+}
+
 impl fmt::Display for Launcher {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
@@ -128,33 +172,9 @@ impl Config {
                     }),
             }
         };
-        // (launcher, rank, world size, local rank, local world size)
-        let launchers: [(Launcher, [&'static str; 4]); 4] = [
-            (
-                Launcher::Torchrun,
-                ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"],
-            ),
-            (
-                Launcher::Slurm,
-                ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", ""],
-            ),
-            (
-                Launcher::OpenMpi,
-                [
-                    "OMPI_COMM_WORLD_RANK",
-                    "OMPI_COMM_WORLD_SIZE",
-                    "OMPI_COMM_WORLD_LOCAL_RANK",
-                    "OMPI_COMM_WORLD_LOCAL_SIZE",
-                ],
-            ),
-            (
-                Launcher::Pmi,
-                ["PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"],
-            ),
-        ];
         let opt_num = |name: &'static str| if name.is_empty() { Ok(None) } else { num(name) };
         let mut found = None;
-        for (launcher, [r, w, lr, lw]) in launchers {
+        for (launcher, [r, w, lr, lw]) in LAUNCHERS {
             if let (Some(rank), Some(world)) = (num(r)?, num(w)?) {
                 found = Some((launcher, rank, world, opt_num(lr)?, opt_num(lw)?));
                 break;
@@ -177,7 +197,7 @@ impl Config {
                 }
                 (None, None, None) => {
                     let mut looked_for = vec!["OXCCL_RANK", "OXCCL_WORLD_SIZE"];
-                    for (_, [r, w, _, _]) in launchers {
+                    for (_, [r, w, _, _]) in LAUNCHERS {
                         looked_for.extend([r, w]);
                     }
                     return Err(Error::NoLauncher { looked_for });
@@ -271,6 +291,36 @@ fn join_host_port(host: &str, port: u16) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn launcher_in_vars_names_the_launcher_or_none() {
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(Launcher::in_vars(&vars(&[])), None);
+        assert_eq!(Launcher::in_vars(&vars(&[("RANK", " ")])), None);
+        assert_eq!(
+            Launcher::in_vars(&vars(&[("RANK", "1")])),
+            Some(Launcher::Torchrun)
+        );
+        assert_eq!(
+            Launcher::in_vars(&vars(&[("SLURM_PROCID", "0")])),
+            Some(Launcher::Slurm)
+        );
+        assert_eq!(
+            Launcher::in_vars(&vars(&[("PMI_RANK", "3")])),
+            Some(Launcher::Pmi)
+        );
+        assert_eq!(
+            Launcher::in_vars(&vars(&[("OXCCL_RANK", "0")])),
+            Some(Launcher::Explicit)
+        );
+    }
+
     use super::*;
     use std::collections::HashMap;
 

@@ -21,10 +21,10 @@ pub struct Args {
     #[arg(short = 'n', long = "nranks", default_value_t = 2)]
     nranks: usize,
     /// Smallest size in bytes (K/M/G suffixes).
-    #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = parse_size)]
+    #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = crate::verbs_perf::parse_size)]
     min_bytes: usize,
     /// Largest size in bytes.
-    #[arg(short = 'e', long = "maxbytes", default_value = "256M", value_parser = parse_size)]
+    #[arg(short = 'e', long = "maxbytes", default_value = "256M", value_parser = crate::verbs_perf::parse_size)]
     max_bytes: usize,
     /// Size multiplication factor between steps.
     #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
@@ -50,20 +50,6 @@ pub struct Args {
     /// Print one JSON document instead of the table.
     #[arg(long)]
     json: bool,
-}
-
-fn parse_size(s: &str) -> Result<usize, String> {
-    let t = s.trim();
-    let (num, mult) = match t.chars().last() {
-        Some('k' | 'K') => (&t[..t.len() - 1], 1usize << 10),
-        Some('m' | 'M') => (&t[..t.len() - 1], 1 << 20),
-        Some('g' | 'G') => (&t[..t.len() - 1], 1 << 30),
-        _ => (t, 1),
-    };
-    num.parse::<usize>()
-        .ok()
-        .and_then(|n| n.checked_mul(mult))
-        .ok_or_else(|| format!("{s:?} is not a size (bytes, with an optional K, M or G suffix)"))
 }
 
 const COLLECTIVES: [&str; 8] = [
@@ -95,12 +81,7 @@ pub fn main(args: Args) -> ExitCode {
         );
         return ExitCode::from(2);
     }
-    if std::env::var_os("RANK").is_none()
-        && std::env::var_os("OXCCL_RANK").is_none()
-        && std::env::var_os("SLURM_PROCID").is_none()
-        && std::env::var_os("OMPI_COMM_WORLD_RANK").is_none()
-        && std::env::var_os("PMI_RANK").is_none()
-    {
+    if oxccl_bootstrap::Launcher::in_env().is_none() {
         // Not under a launcher: start our own ranks.
         let exe = match std::env::current_exe() {
             Ok(e) => e,

@@ -211,6 +211,8 @@ struct Inner {
     world: usize,
     hosts: Vec<String>,
     providers: Vec<Option<Provider>>,
+    /// Every peer is reached over shm (one host).
+    all_shm: bool,
     opts: Options,
     comm_id: u64,
     state: Mutex<State>,
@@ -470,6 +472,7 @@ impl Communicator {
                 rank,
                 world,
                 hosts,
+                all_shm: providers.iter().flatten().all(|p| *p == Provider::Shm),
                 providers,
                 opts,
                 comm_id,
@@ -535,12 +538,7 @@ impl Communicator {
     ) -> (Algorithm, usize, usize) {
         let bytes = coll.count() * dtype.size();
         let small = bytes <= self.inner.opts.small_bytes;
-        let all_shm = self
-            .inner
-            .providers
-            .iter()
-            .flatten()
-            .all(|p| *p == Provider::Shm);
+        let all_shm = self.inner.all_shm;
         let default = match coll {
             // Tiny messages between ranks of one host: one round of mailbox messages. Above,
             // recursive doubling moves less data (and runs in mailboxes up to their size).

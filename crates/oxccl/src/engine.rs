@@ -74,6 +74,10 @@ impl Geometry {
     pub(crate) fn recv_region(&self) -> usize {
         self.mailbox_offset(2)
     }
+    /// Where slot `slot` of channel `ch` starts in the receive region.
+    fn slot_offset(&self, ch: usize, slot: usize) -> usize {
+        (ch * self.slots + slot) * self.slot_bytes()
+    }
     /// Where mailbox `parity` starts in the receive region.
     fn mailbox_offset(&self, parity: usize) -> usize {
         self.channels * self.slots * self.slot_bytes() + 8 * self.channels + parity * MAILBOX
@@ -315,6 +319,21 @@ impl Link {
             .map(|_| RecvWr::new(WR_RECV | index as u64, &[]))
             .collect();
         self.qp.post_recv(&wrs)
+    }
+
+    /// The fragment header at byte `off` of the receive region.
+    fn header_at(&self, off: usize) -> oxccl_verbs::Result<Header> {
+        let mut hb = [0u8; SLOT_HEADER];
+        self.slots.read(off, &mut hb)?;
+        Ok(Header::decode(&hb))
+    }
+
+    /// Where the peer's next mailbox message starts, once its stamp says it has arrived.
+    fn mailbox_arrived(&self, geo: &Geometry) -> Option<usize> {
+        let m = self.mbox_recv;
+        let off = geo.mailbox_offset((m % 2) as usize);
+        let stamp = self.slots.atomic_u64(off).ok()?.load(Ordering::Acquire);
+        (stamp == m + 1).then_some(off)
     }
 
     fn credit_word(&self, ch: usize, geo: &Geometry) -> u64 {
@@ -749,29 +768,7 @@ impl Call<'_> {
             // this call arrive through the completion queues.
             self.poll_cqs()?;
             self.check_strays(None, true)?;
-            for l in 0..self.eng.links.len() {
-                let link = &self.eng.links[l];
-                if matches!(
-                    link.qp.state(),
-                    oxccl_verbs::QpState::Err | oxccl_verbs::QpState::Destroyed
-                ) && link.failed.is_none()
-                {
-                    let d = link
-                        .qp
-                        .error_detail()
-                        .unwrap_or_else(|| "the connection failed".into());
-                    self.eng.links[l].failed = Some(d);
-                }
-                let peer = self.eng.links[l].peer;
-                self.check_link(l, peer)?;
-            }
-            if self.eng.abort.load(Ordering::Relaxed) {
-                return Err(Error::Aborted {
-                    rank: self.eng.rank,
-                    op: self.desc.to_string(),
-                    reason: "Communicator::abort was called".into(),
-                });
-            }
+            self.check_health()?;
             let now = Instant::now();
             if now >= *deadline.get_or_insert(now + timeout) {
                 let step = self.st.iter().position(|s| !s.done).unwrap_or(0);
@@ -869,25 +866,16 @@ impl Call<'_> {
     ) -> Result<bool> {
         let l = self.eng.link_of[peer];
         let link = &self.eng.links[l];
-        let m = link.mbox_recv;
-        let box_off = geo.mailbox_offset((m % 2) as usize);
-        let stamp = link
-            .slots
-            .atomic_u64(box_off)
-            .map(|a| a.load(Ordering::Acquire))
-            .unwrap_or(0);
-        if stamp != m + 1 {
+        let Some(box_off) = link.mailbox_arrived(geo) else {
             return Ok(false);
-        }
-        let mut hb = [0u8; SLOT_HEADER];
-        link.slots
-            .read(box_off + SLOT_HEADER, &mut hb)
+        };
+        let h = link
+            .header_at(box_off + SLOT_HEADER)
             .map_err(|e| Error::Verbs {
                 rank: self.eng.rank,
                 what: "reading a mailbox".into(),
                 source: e,
             })?;
-        let h = Header::decode(&hb);
         self.check_header(&h, peer, dst.len * self.esize, 0)?;
         let len = h.frag_len as usize;
         self.bytes_in += len as u64;
@@ -924,10 +912,7 @@ impl Call<'_> {
                 _ => locals.push(i),
             }
         }
-        for l in 0..nl {
-            let peer = self.eng.links[l].peer;
-            self.check_link(l, peer)?;
-        }
+        self.check_health()?;
         let active_send: Vec<usize> = (0..nl * nch).filter(|&q| !sendq[q].is_empty()).collect();
         let active_recv: Vec<usize> = (0..nl * nch).filter(|&q| !recvq[q].is_empty()).collect();
         let mut idle_since: Option<Instant> = None;
@@ -958,18 +943,8 @@ impl Call<'_> {
                 idle_since = None;
                 continue;
             }
-            for l in 0..nl {
-                let peer = self.eng.links[l].peer;
-                self.check_link(l, peer)?;
-            }
             self.check_strays(Some(&recvq), false)?;
-            if self.eng.abort.load(Ordering::Relaxed) {
-                return Err(Error::Aborted {
-                    rank: self.eng.rank,
-                    op: self.desc.to_string(),
-                    reason: "Communicator::abort was called".into(),
-                });
-            }
+            self.check_health()?;
             let now = Instant::now();
             if now >= deadline {
                 return Err(self.timeout_error(timeout, &sendq, &recvq));
@@ -1147,8 +1122,38 @@ impl Call<'_> {
         Ok(())
     }
 
+    /// Fails the call if a connection it still needs has failed (a queue pair in ERR counts,
+    /// even before a completion says so), or if the communicator was aborted.
+    fn check_health(&mut self) -> Result<()> {
+        for l in 0..self.eng.links.len() {
+            let link = &self.eng.links[l];
+            if link.failed.is_none()
+                && matches!(
+                    link.qp.state(),
+                    oxccl_verbs::QpState::Err | oxccl_verbs::QpState::Destroyed
+                )
+            {
+                let d = link
+                    .qp
+                    .error_detail()
+                    .unwrap_or_else(|| "the connection failed".into());
+                self.eng.links[l].failed = Some(d);
+            }
+            self.check_link(l)?;
+        }
+        if self.eng.abort.load(Ordering::Relaxed) {
+            return Err(Error::Aborted {
+                rank: self.eng.rank,
+                op: self.desc.to_string(),
+                reason: "Communicator::abort was called".into(),
+            });
+        }
+        Ok(())
+    }
+
     /// Fails the call if link `l` has failed and a step not yet done involves its peer.
-    fn check_link(&self, l: usize, peer: usize) -> Result<()> {
+    fn check_link(&self, l: usize) -> Result<()> {
+        let peer = self.eng.links[l].peer;
         let Some(why) = &self.eng.links[l].failed else {
             return Ok(());
         };
@@ -1220,14 +1225,12 @@ impl Call<'_> {
         if slot >= geo.slots {
             return Err(self.mismatch(format!("a fragment named slot {slot}")));
         }
-        let base = (ch * geo.slots + slot) * geo.slot_bytes();
-        let mut hb = [0u8; SLOT_HEADER];
-        link.slots.read(base, &mut hb).map_err(|e| Error::Verbs {
+        let base = geo.slot_offset(ch, slot);
+        let h = link.header_at(base).map_err(|e| Error::Verbs {
             rank: self.eng.rank,
             what: "reading a slot".into(),
             source: e,
         })?;
-        let h = Header::decode(&hb);
         let progress = self.st[s].progress;
         self.check_header(&h, peer, dst.len * self.esize, progress)?;
         let len = h.frag_len as usize;
@@ -1416,9 +1419,7 @@ impl Call<'_> {
         link.stage
             .write(stage_off, &hb)
             .map_err(|e| verbs_err("staging a header", e))?;
-        let remote = link
-            .remote
-            .at(((ch * geo.slots + slot) * geo.slot_bytes()) as u64);
+        let remote = link.remote.at(geo.slot_offset(ch, slot) as u64);
         let wr_imm = imm(IMM_DATA, ch, slot as u32);
         let inline = len <= INLINE;
         if inline && len > 0 {
@@ -1657,32 +1658,22 @@ impl Call<'_> {
                 if waiting || slot as usize >= geo.slots {
                     continue;
                 }
-                let mut hb = [0u8; SLOT_HEADER];
-                let base = (ch * geo.slots + slot as usize) * geo.slot_bytes();
-                if link.slots.read(base, &mut hb).is_ok() {
-                    self.stray(&Header::decode(&hb), link.peer)?;
+                if let Ok(h) = link.header_at(geo.slot_offset(ch, slot as usize)) {
+                    self.stray(&h, link.peer)?;
                 }
             }
-            if !mailbox
-                || !self
+            // In a mailbox call, a message from a peer it receives from is its own.
+            let ours = mailbox
+                && self
                     .sched
                     .steps
                     .iter()
-                    .any(|s| matches!(s.op, Op::Recv { peer, .. } if peer == link.peer))
+                    .any(|s| matches!(s.op, Op::Recv { peer, .. } if peer == link.peer));
+            if !ours
+                && let Some(off) = link.mailbox_arrived(&geo)
+                && let Ok(h) = link.header_at(off + SLOT_HEADER)
             {
-                let m = link.mbox_recv;
-                let off = geo.mailbox_offset((m % 2) as usize);
-                let stamp = link
-                    .slots
-                    .atomic_u64(off)
-                    .map(|a| a.load(Ordering::Acquire))
-                    .unwrap_or(0);
-                if stamp == m + 1 {
-                    let mut hb = [0u8; SLOT_HEADER];
-                    if link.slots.read(off + SLOT_HEADER, &mut hb).is_ok() {
-                        self.stray(&Header::decode(&hb), link.peer)?;
-                    }
-                }
+                self.stray(&h, link.peer)?;
             }
         }
         Ok(())

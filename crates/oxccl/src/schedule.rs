@@ -507,7 +507,8 @@ pub fn build(req: &Request) -> Result<Schedule, String> {
     let output = |off, len| Region::new(Buf::Output, off, len);
     match (&req.coll, req.algo) {
         (Collective::Barrier, _) => dissemination(&mut b, n, r),
-        // Nothing moves for zero elements (all-to-allv can still receive what it doesn't send).
+        // Nothing moves for zero elements (all-to-allv can still receive what it doesn't send);
+        // the builders below may assume count > 0.
         (c, _) if c.count() == 0 && !matches!(c, Collective::AllToAllV { .. }) => {}
         (&Collective::AllReduce { count }, _) if n == 1 => {
             b.copy(input(0, count), output(0, count), &[]);
@@ -675,9 +676,6 @@ fn ring_all_reduce(b: &mut Builder, req: &Request, count: usize) {
 
 fn ring_reduce_scatter(b: &mut Builder, req: &Request, count: usize) {
     let (n, r) = (req.world, req.rank);
-    if count == 0 {
-        return;
-    }
     if n == 1 {
         b.copy(
             Region::new(Buf::Input, 0, count),
@@ -736,9 +734,6 @@ fn ring_reduce_scatter(b: &mut Builder, req: &Request, count: usize) {
 #[allow(clippy::needless_range_loop)] // slices index parallel per-step vectors
 fn ring_all_gather(b: &mut Builder, req: &Request, count: usize) {
     let (n, r) = (req.world, req.rank);
-    if count == 0 {
-        return;
-    }
     b.copy(
         Region::new(Buf::Input, 0, count),
         Region::new(Buf::Output, r * count, count),
@@ -923,7 +918,7 @@ fn tree_reduce(b: &mut Builder, n: usize, r: usize, count: usize, root: usize) {
 
 fn chain_broadcast(b: &mut Builder, req: &Request, count: usize, root: usize) {
     let (n, r) = (req.world, req.rank);
-    if count == 0 || n == 1 {
+    if n == 1 {
         return;
     }
     let v = (r + n - root) % n;
@@ -948,9 +943,6 @@ fn chain_broadcast(b: &mut Builder, req: &Request, count: usize, root: usize) {
 /// arrives from `v+1` and passes it to `v-1`.
 fn chain_reduce(b: &mut Builder, req: &Request, count: usize, root: usize) {
     let (n, r) = (req.world, req.rank);
-    if count == 0 {
-        return;
-    }
     let v = (r + n - root) % n;
     let up = (r + 1) % n; // relative v+1
     let down = (r + n - 1) % n; // relative v-1

@@ -348,6 +348,79 @@ impl Link {
 pub(crate) struct Plan {
     pub(crate) sched: Schedule,
     mailbox: std::sync::OnceLock<bool>,
+    /// The slot protocol's queues, derived on first use.
+    queues: std::sync::OnceLock<std::result::Result<Queues, String>>,
+}
+
+/// A schedule as the slot protocol walks it: per (link, channel) its send and receive steps
+/// in order, its local steps, and the queues that are not empty.
+struct Queues {
+    send: Vec<Vec<usize>>,
+    recv: Vec<Vec<usize>>,
+    locals: Vec<usize>,
+    active_send: Vec<usize>,
+    active_recv: Vec<usize>,
+}
+
+impl Queues {
+    fn new(eng: &Engine, sched: &Schedule) -> std::result::Result<Queues, String> {
+        let nch = eng.geo.channels;
+        let nq = eng.links.len() * nch;
+        let mut send = vec![Vec::new(); nq];
+        let mut recv = vec![Vec::new(); nq];
+        let mut locals = Vec::new();
+        for (i, step) in sched.steps.iter().enumerate() {
+            match step.op {
+                Op::Send { peer, channel, .. } | Op::Recv { peer, channel, .. } => {
+                    let l = *eng.link_of.get(peer).unwrap_or(&usize::MAX);
+                    if l == usize::MAX || channel as usize >= nch {
+                        return Err(format!(
+                            "schedule step {i} names peer {peer} channel {channel}"
+                        ));
+                    }
+                    let q = l * nch + channel as usize;
+                    if matches!(step.op, Op::Send { .. }) {
+                        send[q].push(i);
+                    } else {
+                        recv[q].push(i);
+                    }
+                }
+                _ => locals.push(i),
+            }
+        }
+        let active = |qs: &[Vec<usize>]| (0..nq).filter(|&q| !qs[q].is_empty()).collect();
+        Ok(Queues {
+            active_send: active(&send),
+            active_recv: active(&recv),
+            send,
+            recv,
+            locals,
+        })
+    }
+}
+
+/// A call's position in one queue of [`Queues`].
+struct Cursor<'a> {
+    steps: &'a [usize],
+    next: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn all(queues: &'a [Vec<usize>]) -> Vec<Cursor<'a>> {
+        queues
+            .iter()
+            .map(|steps| Cursor { steps, next: 0 })
+            .collect()
+    }
+    fn front(&self) -> Option<&usize> {
+        self.steps.get(self.next)
+    }
+    fn pop_front(&mut self) {
+        self.next += 1;
+    }
+    fn is_empty(&self) -> bool {
+        self.next >= self.steps.len()
+    }
 }
 
 impl Plan {
@@ -355,6 +428,7 @@ impl Plan {
         Plan {
             sched,
             mailbox: std::sync::OnceLock::new(),
+            queues: std::sync::OnceLock::new(),
         }
     }
 }
@@ -554,7 +628,10 @@ impl Engine {
         let mut r = if mailbox {
             call.run_mailbox(timeout)
         } else {
-            call.run(timeout)
+            match plan.queues.get_or_init(|| Queues::new(call.eng, sched)) {
+                Ok(q) => call.run(q, timeout),
+                Err(e) => Err(call.invalid(e.clone())),
+            }
         };
         // Before returning success, make sure no peer sent this call (or an earlier one) what
         // it did not take: a disagreement that happened to complete must still be reported.
@@ -885,43 +962,18 @@ impl Call<'_> {
         Ok(true)
     }
 
-    fn run(&mut self, timeout: Duration) -> Result<()> {
+    fn run(&mut self, queues: &Queues, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
-        // Per (link, channel) queues of send and receive steps, in schedule order.
-        let nl = self.eng.links.len();
-        let nch = self.eng.geo.channels;
-        let mut sendq: Vec<VecDeque<usize>> = vec![VecDeque::new(); nl * nch];
-        let mut recvq: Vec<VecDeque<usize>> = vec![VecDeque::new(); nl * nch];
-        let mut locals: Vec<usize> = Vec::new();
-        for (i, step) in self.sched.steps.iter().enumerate() {
-            match step.op {
-                Op::Send { peer, channel, .. } | Op::Recv { peer, channel, .. } => {
-                    let l = *self.eng.link_of.get(peer).unwrap_or(&usize::MAX);
-                    if l == usize::MAX || channel as usize >= nch {
-                        return Err(self.invalid(format!(
-                            "schedule step {i} names peer {peer} channel {channel}"
-                        )));
-                    }
-                    let q = l * nch + channel as usize;
-                    if matches!(step.op, Op::Send { .. }) {
-                        sendq[q].push_back(i);
-                    } else {
-                        recvq[q].push_back(i);
-                    }
-                }
-                _ => locals.push(i),
-            }
-        }
+        let (mut sendq, mut recvq) = (Cursor::all(&queues.send), Cursor::all(&queues.recv));
+        let mut locals = queues.locals.clone();
         self.check_health()?;
-        let active_send: Vec<usize> = (0..nl * nch).filter(|&q| !sendq[q].is_empty()).collect();
-        let active_recv: Vec<usize> = (0..nl * nch).filter(|&q| !recvq[q].is_empty()).collect();
         let mut idle_since: Option<Instant> = None;
         while self.left > 0 {
             let mut progress = self.poll_cqs()?;
-            for &q in &active_recv {
+            for &q in &queues.active_recv {
                 progress |= self.drive_recv(q, &mut recvq[q])?;
             }
-            for &q in &active_send {
+            for &q in &queues.active_send {
                 progress |= self.drive_send(q, &mut sendq[q])?;
             }
             let mut i = 0;
@@ -1179,7 +1231,7 @@ impl Call<'_> {
     }
 
     /// Consumes arrived fragments for the receive steps at the front of queue `q`.
-    fn drive_recv(&mut self, q: usize, queue: &mut VecDeque<usize>) -> Result<bool> {
+    fn drive_recv(&mut self, q: usize, queue: &mut Cursor<'_>) -> Result<bool> {
         let nch = self.eng.geo.channels;
         let (l, ch) = (q / nch, q % nch);
         let mut progress = false;
@@ -1349,7 +1401,7 @@ impl Call<'_> {
     }
 
     /// Posts fragments for the send steps at the front of queue `q` while slots are free.
-    fn drive_send(&mut self, q: usize, queue: &mut VecDeque<usize>) -> Result<bool> {
+    fn drive_send(&mut self, q: usize, queue: &mut Cursor<'_>) -> Result<bool> {
         let geo = self.eng.geo;
         let nch = geo.channels;
         let (l, ch) = (q / nch, q % nch);
@@ -1568,8 +1620,8 @@ impl Call<'_> {
     fn timeout_error(
         &self,
         timeout: Duration,
-        sendq: &[VecDeque<usize>],
-        recvq: &[VecDeque<usize>],
+        sendq: &[Cursor<'_>],
+        recvq: &[Cursor<'_>],
     ) -> Error {
         let step = self.st.iter().position(|s| !s.done).unwrap_or(0);
         let nch = self.eng.geo.channels;
@@ -1646,7 +1698,7 @@ impl Call<'_> {
     /// for its (peer, channel), or a message in a mailbox this call does not read. Data for a
     /// later call (a peer that is ahead) is fine; data for this call or an earlier one means
     /// the ranks disagree about what they are doing.
-    fn check_strays(&self, recvq: Option<&[VecDeque<usize>]>, mailbox: bool) -> Result<()> {
+    fn check_strays(&self, recvq: Option<&[Cursor<'_>]>, mailbox: bool) -> Result<()> {
         let geo = self.eng.geo;
         let nch = geo.channels;
         for (l, link) in self.eng.links.iter().enumerate() {

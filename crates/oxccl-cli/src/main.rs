@@ -9,7 +9,10 @@
 //!   `OXCCL_STORE_STANDALONE=1` and `OXCCL_STORE_ADDR`).
 //! - `run`: a local launcher like `torchrun --standalone`: `oxccl run -n N PROGRAM ARGS...`.
 //! - `perf`: collective benchmarks in the nccl-tests format: `oxccl perf all_reduce -n 4`.
+//! - `doctor`: reads the ranks' flight-recorder dumps and says which rank is behind, and on
+//!   what: `oxccl doctor /tmp/dump-*.json`.
 
+mod doctor;
 mod perf;
 mod run;
 mod verbs_perf;
@@ -45,6 +48,9 @@ enum Command {
     Perf(perf::Args),
     /// Start N ranks of PROGRAM on this host with torchrun's environment; stop all when one fails.
     Run(run::Args),
+    /// Read the ranks' flight-recorder dumps (files, directories, logs) and say which rank is
+    /// behind, and on what.
+    Doctor(doctor::Args),
 }
 
 /// Options of `oxccl store`.
@@ -98,6 +104,7 @@ fn main() -> ExitCode {
         Command::VerbsPerf(args) => verbs_perf::main(args),
         Command::Run(args) => return run::main(args),
         Command::Perf(args) => return perf::main(args),
+        Command::Doctor(args) => return doctor::main(args),
         Command::Store(args) => {
             return match store_main(args) {
                 Ok(()) => ExitCode::SUCCESS,

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Bounded fuzzing of oxccl's pure wire decoders with cargo-fuzz (libFuzzer):
+# Bounded fuzzing of oxccl's pure wire decoders and schedule builder with cargo-fuzz (libFuzzer):
 #   tcp_frame       crates/oxccl-verbs/src/tcp/frame.rs (Header::decode, decode_hello)
 #   bootstrap_wire  crates/oxccl-bootstrap/src/wire.rs  (wire::decode)
+#   schedule        crates/oxccl/src/schedule.rs (build) against the reference executor
+#                   crates/oxccl/src/verify.rs (every rank's schedule run together); the input
+#                   format and the checks are in fuzz/src/schedule.rs
 #
 #   scripts/fuzz.sh [SECONDS]     # each target for SECONDS (default 60), one after the other
 #
@@ -11,7 +14,12 @@
 # (under fuzz/artifacts/<target>/) and how to replay it. Regenerate the seeds with
 #   cargo run --manifest-path fuzz/Cargo.toml --example seed_corpus
 #
-# Knobs: FUZZ_SANITIZER=address|none (default address), FUZZ_TARGETS="tcp_frame ..." (default both).
+# Builds carry debug assertions and overflow checks (cargo fuzz -a). After each target, one row
+# is appended to the ledger of executions, fuzz/HISTORY.tsv (date, commit, target, seconds,
+# executions, exec/s, sanitizer, result ok/FINDING); scripts/fuzz-totals.sh sums it per target.
+#
+# Knobs: FUZZ_SANITIZER=address|none (default address), FUZZ_TARGETS="tcp_frame ..." (default
+# all three), FUZZ_LEDGER=path (default fuzz/HISTORY.tsv; empty: no row).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
@@ -21,7 +29,8 @@ if ! [[ $secs =~ ^[0-9]+$ ]] || [ "$secs" -lt 1 ]; then
     echo "usage: $0 [SECONDS]   (SECONDS >= 1, per target)" >&2
     exit 2
 fi
-read -r -a targets <<<"${FUZZ_TARGETS:-tcp_frame bootstrap_wire}"
+read -r -a targets <<<"${FUZZ_TARGETS:-tcp_frame bootstrap_wire schedule}"
+ledger=${FUZZ_LEDGER-fuzz/HISTORY.tsv}
 sanitizer=${FUZZ_SANITIZER:-address}
 
 if ! cargo fuzz --version >/dev/null 2>&1; then
@@ -48,7 +57,7 @@ export CARGO_CACHE_RUSTC_INFO=0
 echo "== building fuzz targets (sanitizer: $sanitizer) =="
 build_start=$(date +%s)
 for t in "${targets[@]}"; do
-    if ! cargo fuzz build -s "$sanitizer" "$t"; then
+    if ! cargo fuzz build -a -s "$sanitizer" "$t"; then
         if [ "$sanitizer" = none ]; then
             echo "error: cargo fuzz build $t failed" >&2
             exit 1
@@ -56,7 +65,7 @@ for t in "${targets[@]}"; do
         echo "warning: the $sanitizer-sanitizer build failed on this toolchain;" \
             "falling back to --sanitizer none (coverage-guided, no ASan)" >&2
         sanitizer=none
-        cargo fuzz build -s none "$t"
+        cargo fuzz build -a -s none "$t"
     fi
 done
 echo "built in $(($(date +%s) - build_start)) s"
@@ -73,7 +82,7 @@ for t in "${targets[@]}"; do
     set +e
     # -timeout: an input that takes 10 s is a finding (a hang); -max_len: inputs up to 8 KiB
     # (room for keys at the 4 KiB cap); -malloc_limit_mb: see above.
-    cargo fuzz run -s "$sanitizer" "$t" "$corpus" -- \
+    cargo fuzz run -a -s "$sanitizer" "$t" "$corpus" -- \
         -max_total_time="$secs" -timeout=10 -max_len=8192 -malloc_limit_mb=64 -print_final_stats=1 2>&1 \
         | tee "$log" | grep -E '^(INFO: seed|#[0-9]+[[:space:]]+(INITED|DONE)|Done |==[0-9]+==|.*panicked|.*Test unit written|SUMMARY)'
     rc=${PIPESTATUS[0]}
@@ -90,9 +99,16 @@ for t in "${targets[@]}"; do
         for a in $artifacts; do
             echo "artifact: $a"
             echo "  bytes: $(od -An -tx1 -v "$a" | tr -d ' \n' | head -c 2048)"
-            echo "  replay: RUSTC_BOOTSTRAP=1 CARGO_CACHE_RUSTC_INFO=0 cargo fuzz run -s $sanitizer $t $a"
-            echo "  minimize: RUSTC_BOOTSTRAP=1 CARGO_CACHE_RUSTC_INFO=0 cargo fuzz tmin -s $sanitizer $t $a"
+            echo "  replay: RUSTC_BOOTSTRAP=1 CARGO_CACHE_RUSTC_INFO=0 cargo fuzz run -a -s $sanitizer $t $a"
+            echo "  minimize: RUSTC_BOOTSTRAP=1 CARGO_CACHE_RUSTC_INFO=0 cargo fuzz tmin -a -s $sanitizer $t $a"
         done
+    fi
+    if [ -n "$ledger" ]; then
+        took=$(sed -n 's/^Done [0-9]* runs in \([0-9]*\) second.*/\1/p' "$log" | tail -1)
+        [ -f "$ledger" ] || printf 'date\tcommit\ttarget\tseconds\texecutions\texec_per_s\tsanitizer\tresult\n' >"$ledger"
+        printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
+            "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" "$t" "${took:-$secs}" \
+            "${runs:-0}" "${rate:-0}" "$sanitizer" "$([ "$rc" -eq 0 ] && echo ok || echo FINDING)" >>"$ledger"
     fi
     summary+=("$line")
 done

@@ -1,5 +1,5 @@
-//! Writes the seed corpus of both fuzz targets under `fuzz/corpus-seed/<target>/`, from the
-//! decoders' own encoders:
+//! Writes the seed corpus of the fuzz targets under `fuzz/corpus-seed/<target>/`, from the
+//! decoders' own encoders and the `schedule` target's input format:
 //!
 //! ```sh
 //! cargo run --manifest-path fuzz/Cargo.toml --example seed_corpus
@@ -8,11 +8,18 @@
 //! `tcp_frame`: a hello, a header of every opcode (with its payload where it has one), a hello
 //! followed by a stream of frames, and malformed headers (one per rejection reason).
 //! `bootstrap_wire`: a frame of every message kind, two frames back to back, and malformed frames.
+//! `schedule`: every collective with every algorithm that supports it, over worlds of 1, 2, 3, 5,
+//! 8 and 16 ranks, in and out of place, with a small count and a large one, pipelined in small
+//! chunks or not; all-to-allv with uneven counts and send/recv pairs; then an unsupported
+//! algorithm per collective and one request per way of breaking it. Every seed is checked as the
+//! target checks it before it is written.
 //! Every file is small (the whole corpus is a few KB); `--check` compares instead of writing, and
 //! fails if the committed corpus is stale.
 
 use std::collections::BTreeMap;
 use std::path::Path;
+
+use oxccl_fuzz::schedule::{self as sched, ALGORITHMS, Input, KINDS, Outcome};
 
 use oxccl_bootstrap::wire::{self, MAX_FRAME_LEN, Msg, NONCE_LEN, PROTOCOL_VERSION};
 use oxccl_verbs::fuzzing::{Header, MAX_PAYLOAD, Opcode, encode_hello};
@@ -164,6 +171,110 @@ fn bootstrap_wire() -> BTreeMap<String, Vec<u8>> {
     out
 }
 
+/// Whether algorithm `a` supports collective `k` (indices into `ALGORITHMS` and `KINDS`).
+fn supports(k: usize, a: usize) -> bool {
+    let case = sched::Case::from_input(&Input {
+        kind: k as u8,
+        world: Input::world_byte(2),
+        count: 1,
+        ..Input::default()
+    });
+    ALGORITHMS[a].supports(&case.reqs[0].coll)
+}
+
+fn schedule() -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut add = |name: String, inp: Input, want: Outcome| {
+        let bytes = inp.encode();
+        let got = sched::check(&bytes);
+        // A valid case too large for the verifier is not worth a seed.
+        if got == Outcome::BuiltOnly && want == Outcome::Verified {
+            return;
+        }
+        assert_eq!(got, want, "seed {name}");
+        out.insert(name, bytes);
+    };
+    for (k, kind) in KINDS.iter().enumerate() {
+        for (a, algo) in ALGORITHMS.iter().enumerate() {
+            if !supports(k, a) {
+                continue;
+            }
+            for n in [1usize, 2, 3, 5, 8, 16] {
+                if *kind == "send_recv" && n == 1 {
+                    continue;
+                }
+                for (size, count, chunk) in [("small", 7, 3), ("large", 1000, 4096)] {
+                    for in_place in [false, true] {
+                        let wide = *kind != "all_reduce" || algo.name() == "direct";
+                        let count: usize = if size == "large" && wide && n > 3 {
+                            60
+                        } else {
+                            count
+                        };
+                        let inp = Input {
+                            kind: k as u8,
+                            world: Input::world_byte(n),
+                            count: Input::count_field(count),
+                            root: (n / 2) as u8,
+                            algo: a as u8,
+                            flags: u8::from(in_place),
+                            chunk,
+                            channels: if size == "large" { 1 } else { 2 },
+                            slots: if size == "large" { 1 } else { 3 },
+                            seed: (n * 131 + k) as u64,
+                            tail: (0..n * n).map(|i| ((i * 7 + 3) % 11) as u16).collect(),
+                        };
+                        let case = sched::Case::from_input(&inp);
+                        if in_place && !case.reqs[0].in_place {
+                            continue;
+                        }
+                        let place = if in_place { "-in_place" } else { "" };
+                        let name = format!("{kind}-{}-n{n}-{size}{place}", algo.name());
+                        add(name, inp, Outcome::Verified);
+                    }
+                }
+            }
+        }
+    }
+    // An algorithm that cannot run the collective, per collective.
+    for (k, kind) in KINDS.iter().enumerate() {
+        let a = (0..ALGORITHMS.len()).find(|&a| !supports(k, a)).unwrap();
+        let inp = Input {
+            kind: k as u8,
+            world: 2,
+            count: 5,
+            algo: a as u8,
+            ..Input::default()
+        };
+        add(format!("bad-algo-{kind}"), inp, Outcome::Refused);
+    }
+    // One per breakage, on a collective it applies to.
+    for (b, kind) in [
+        (10, "all_reduce"),
+        (11, "all_gather"),
+        (12, "broadcast"),
+        (12, "send_recv"),
+        (13, "all_to_allv"),
+        (14, "reduce_scatter"),
+        (15, "barrier"),
+    ] {
+        let k = KINDS.iter().position(|x| *x == kind).unwrap();
+        let a = (0..ALGORITHMS.len()).find(|&a| supports(k, a)).unwrap();
+        let inp = Input {
+            kind: k as u8,
+            world: 2,
+            count: 9,
+            algo: a as u8,
+            flags: (b << 4) as u8,
+            chunk: 4,
+            ..Input::default()
+        };
+        let why = sched::BREAKAGES[b - 10].replace(' ', "_");
+        add(format!("bad-{kind}-{why}"), inp, Outcome::Refused);
+    }
+    out
+}
+
 fn main() {
     let check = std::env::args().any(|a| a == "--check");
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus-seed");
@@ -171,6 +282,7 @@ fn main() {
     for (target, files) in [
         ("tcp_frame", tcp_frame()),
         ("bootstrap_wire", bootstrap_wire()),
+        ("schedule", schedule()),
     ] {
         let dir = root.join(target);
         if check {

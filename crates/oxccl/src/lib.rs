@@ -77,3 +77,14 @@ pub(crate) fn log_line(msg: String) {
     let line = format!("oxccl INFO {msg}\n");
     let _ = std::io::stderr().write_all(line.as_bytes());
 }
+
+/// What the fuzz targets under `fuzz/` drive (feature `fuzzing`; not a stable API): the pure
+/// schedule builder and the symbolic reference executor that checks its schedules.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::schedule::{
+        Algorithm, Buf, Collective, Op, Region, Request, Schedule, Step, build,
+    };
+    pub use crate::verify::{verify, verify_schedules};
+}

@@ -18,24 +18,26 @@
 //!   `chunk` elements through `slots` slots, hazards, deadlocks, symbolic results), is correct.
 //!
 //! Each execution stays well under a millisecond: counts are capped so that the symbolic
-//! buffers of all ranks hold about [`ELEMS`] elements, chunks so that a transfer of `count`
-//! elements moves in at most [`MAX_SLICES`] fragments, and a case whose verification would
-//! cost more than [`MAX_WORK`] (fragments × queues) is built but not run.
+//! buffers of all ranks hold about [`ELEMS`] elements (half the inputs have counts of at most
+//! [`SMALL_COUNT`]), chunks are raised so that a rank's transfers move in about [`MAX_SLICES`]
+//! fragments, and a case whose verification would cost more than [`MAX_WORK`] (fragments ×
+//! queues, plus the elements sent) is built but not run.
 
 use oxccl::fuzzing::{Algorithm, Collective, Op, Request, Schedule, build, verify_schedules};
 
 /// Bytes of the fixed part of an input; the rest is a list of little-endian `u16`s.
 pub const HEADER_LEN: usize = 19;
 /// Roughly the symbolic elements of all ranks' buffers together.
-pub const ELEMS: usize = 20_000;
+pub const ELEMS: usize = 8_000;
 /// The largest of the small counts (see [`Input::count`]).
 pub const SMALL_COUNT: usize = 64;
 /// The largest count.
 pub const MAX_COUNT: usize = 5_000;
-/// A transfer of `count` elements moves in at most this many fragments (chunks are raised).
-pub const MAX_SLICES: usize = 32;
+/// A transfer of `count` elements moves in at most this many fragments divided by the world
+/// size (chunks are raised), so a rank's transfers move in about this many fragments.
+pub const MAX_SLICES: usize = 64;
 /// Cases whose verification would cost more than this (see `work`) are only built.
-pub const MAX_WORK: usize = 10_000;
+pub const MAX_WORK: usize = 12_000;
 
 /// The collectives, in the order [`Input::kind`] selects them (modulo their number).
 pub const KINDS: [&str; 11] = [
@@ -265,9 +267,10 @@ impl Case {
             }
         };
         let in_place = inp.flags & 1 == 1 && colls[0].in_place_offsets(n, 0).is_some();
+        // Ring collectives move n-1 transfers of `largest` per rank, so the bound scales with n.
         let chunk = (inp.chunk as usize)
             .max(1)
-            .max(largest.div_ceil(MAX_SLICES));
+            .max((largest * n).div_ceil(MAX_SLICES));
         let channels = 1 + inp.channels as usize % 4;
         let mut reqs: Vec<Request> = colls
             .into_iter()
@@ -366,15 +369,18 @@ impl Case {
 }
 
 /// The verifier's work, roughly: it picks each of its actions (about three per fragment) among
-/// the heads of every rank's queues, so fragments × (queues + ranks).
+/// the heads of every rank's queues, so fragments × (queues + ranks), and it copies every
+/// element sent a few times.
 fn work(reqs: &[Request], scheds: &[Schedule]) -> usize {
     let mut fragments = 0;
+    let mut moved = 0;
     let mut queues = std::collections::HashSet::new();
     for (r, (s, req)) in scheds.iter().zip(reqs).enumerate() {
         for st in &s.steps {
             match st.op {
                 Op::Send { peer, channel, src } => {
                     fragments += src.len.div_ceil(req.chunk).max(1);
+                    moved += src.len;
                     queues.insert((r, peer, channel, true));
                 }
                 Op::Recv { peer, channel, .. } => {
@@ -384,7 +390,7 @@ fn work(reqs: &[Request], scheds: &[Schedule]) -> usize {
             }
         }
     }
-    fragments * (queues.len() + reqs.len())
+    fragments * (queues.len() + reqs.len()) + moved / 4
 }
 
 /// How a case ended, for the generator and tests (a failure panics instead).

@@ -1,7 +1,7 @@
 //! The communicator: connections to the peers, the tuner, and the collective calls.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::Duration;
@@ -11,8 +11,10 @@ use oxccl_verbs::{Context, Provider, QpConfig, QpEndpoint, RemoteBuffer};
 use serde::{Deserialize, Serialize};
 
 use crate::dtype::{as_bytes, as_bytes_mut};
-use crate::engine::{Bufs, Engine, Geometry, INLINE, Link, Plan};
+use crate::engine::{AbortFlag, Bufs, Engine, Geometry, INLINE, Link, Plan};
 use crate::error::{Error, OpDesc, Result};
+use crate::fault::{Faults, Injector};
+use crate::flight::{self, CallInfo, Probe};
 use crate::schedule::{Algorithm, Collective, Request, build};
 use crate::{DataType, Element, ReduceOp, log_enabled};
 
@@ -42,6 +44,24 @@ pub struct Options {
     /// Messages up to this many bytes use the latency algorithms (recursive doubling, trees;
     /// `OXCCL_SMALL_BYTES`, default 64 KiB).
     pub small_bytes: usize,
+    /// The watchdog (`OXCCL_WATCHDOG=abort|exit`, `1` meaning `abort`; default off): a thread
+    /// that dumps the flight recorder and acts when a call runs longer than
+    /// [`Options::watchdog_timeout`].
+    pub watchdog: Option<WatchdogAction>,
+    /// The watchdog's limit (`OXCCL_WATCHDOG_TIMEOUT`, seconds; default: [`Options::timeout`]).
+    pub watchdog_timeout: Option<Duration>,
+    /// Faults to inject, for tests (`OXCCL_FAULT`; see [`crate::fault`]).
+    pub faults: Option<Faults>,
+}
+
+/// What the watchdog does to a call that runs too long.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WatchdogAction {
+    /// Abort the communicator: the call, and the peers' calls, return [`Error::Aborted`].
+    Abort,
+    /// Abort it, tell the peers, then end the process with `abort()` (for jobs whose launcher
+    /// restarts failed ranks, like torch's `TORCH_NCCL_ASYNC_ERROR_HANDLING=1`).
+    Exit,
 }
 
 impl Default for Options {
@@ -56,6 +76,9 @@ impl Default for Options {
             slots: None,
             small_bytes: 64 << 10,
             mailboxes: None,
+            watchdog: None,
+            watchdog_timeout: None,
+            faults: None,
         }
     }
 }
@@ -83,15 +106,32 @@ impl Options {
         let bad = |name: &str, v: &str, want: &str| {
             Error::Config(format!("{name}={v:?}: expected {want}"))
         };
-        if let Some(v) = var("OXCCL_TIMEOUT") {
-            let secs: f64 = v
-                .trim()
-                .parse()
-                .map_err(|_| bad("OXCCL_TIMEOUT", &v, "seconds"))?;
-            if !(secs > 0.0 && secs.is_finite()) {
-                return Err(bad("OXCCL_TIMEOUT", &v, "a positive number of seconds"));
+        let seconds = |name: &str| -> Result<Option<Duration>> {
+            let Some(v) = var(name) else { return Ok(None) };
+            match v.trim().parse::<f64>() {
+                Ok(secs) if secs > 0.0 && secs.is_finite() && secs < 1e9 => {
+                    Ok(Some(Duration::from_secs_f64(secs)))
+                }
+                _ => Err(bad(name, &v, "a positive number of seconds")),
             }
-            o.timeout = Duration::from_secs_f64(secs);
+        };
+        if let Some(t) = seconds("OXCCL_TIMEOUT")? {
+            o.timeout = t;
+        }
+        o.watchdog_timeout = seconds("OXCCL_WATCHDOG_TIMEOUT")?;
+        if let Some(v) = var("OXCCL_WATCHDOG") {
+            o.watchdog = match v.trim() {
+                "" | "0" | "off" => None,
+                "1" | "abort" | "on" => Some(WatchdogAction::Abort),
+                "exit" => Some(WatchdogAction::Exit),
+                _ => return Err(bad("OXCCL_WATCHDOG", &v, "0, 1 (abort) or exit")),
+            };
+        }
+        if let Some(v) = var("OXCCL_FAULT").filter(|v| !v.trim().is_empty()) {
+            o.faults = Some(
+                v.parse::<Faults>()
+                    .map_err(|e| Error::Config(format!("OXCCL_FAULT={v:?}: {e}")))?,
+            );
         }
         if let Some(v) = var("OXCCL_PROVIDER") {
             o.provider = Some(match v.trim() {
@@ -216,7 +256,11 @@ struct Inner {
     opts: Options,
     comm_id: u64,
     state: Mutex<State>,
-    abort: Arc<AtomicBool>,
+    abort: Arc<AbortFlag>,
+    /// Progress of the running call, for the flight recorder and the watchdog.
+    probe: Arc<Probe>,
+    /// The timeout of later calls, in nanoseconds ([`Communicator::set_timeout`]).
+    timeout_ns: AtomicU64,
     bootstrap: Arc<Bootstrap>,
     split_seq: Mutex<u64>,
     queue: Mutex<Option<mpsc::Sender<Job>>>,
@@ -456,8 +500,23 @@ impl Communicator {
                 geo.slot_data >> 10
             ));
         }
-        let abort = Arc::new(AtomicBool::new(false));
-        let mut engine = Engine::new(rank, geo, links, link_of, pds, cqs, abort.clone());
+        let abort = Arc::new(AbortFlag::default());
+        let probe = Probe::new(comm_id, rank, world);
+        flight::install_signal_handler();
+        let mut engine = Engine::new(
+            rank,
+            geo,
+            links,
+            link_of,
+            pds,
+            cqs,
+            abort.clone(),
+            probe.clone(),
+        );
+        engine.faults = opts
+            .faults
+            .as_ref()
+            .and_then(|f| Injector::for_rank(f, rank));
         // More ranks on this host than CPUs: a rank that waits must give its CPU away at once
         // (spinning would hold off the very peer it waits for), as MPI's yield-when-idle does.
         let local = hosts.iter().filter(|h| **h == host).count();
@@ -467,6 +526,10 @@ impl Communicator {
         }
         engine.mailbox_allowed = opts.mailboxes != Some(false);
         drop(ctxs);
+        let opts_timeout_ns = opts.timeout.as_nanos().min(u64::MAX as u128) as u64;
+        let watchdog = opts
+            .watchdog
+            .map(|a| (a, opts.watchdog_timeout.unwrap_or(opts.timeout)));
         let comm = Communicator {
             inner: Arc::new(Inner {
                 rank,
@@ -487,6 +550,8 @@ impl Communicator {
                     logged: Default::default(),
                 }),
                 abort,
+                probe,
+                timeout_ns: AtomicU64::new(opts_timeout_ns),
                 bootstrap,
                 split_seq: Mutex::new(0),
                 queue: Mutex::new(None),
@@ -497,6 +562,9 @@ impl Communicator {
         // barrier above, so a rank that now exits (and with rank 0, the store) strands nobody.
         // (Sequence number 0: users count their calls from 1.)
         comm.barrier()?;
+        if let Some((action, limit)) = watchdog {
+            spawn_watchdog(Arc::downgrade(&comm.inner), action, limit);
+        }
         Ok(comm)
     }
 
@@ -523,6 +591,18 @@ impl Communicator {
     /// The options in force (channels resolved).
     pub fn options(&self) -> &Options {
         &self.inner.opts
+    }
+
+    /// How long each later call may take ([`Options::timeout`] until changed).
+    pub fn timeout(&self) -> Duration {
+        Duration::from_nanos(self.inner.timeout_ns.load(Ordering::Relaxed))
+    }
+
+    /// Changes the timeout of later calls (every rank should use the same; a call that times
+    /// out breaks the communicator). [`Communicator::run_timeout`] overrides it for one call.
+    pub fn set_timeout(&self, timeout: Duration) {
+        let ns = timeout.as_nanos().clamp(1, u64::MAX as u128) as u64;
+        self.inner.timeout_ns.store(ns, Ordering::Relaxed);
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -578,6 +658,18 @@ impl Communicator {
         dtype: DataType,
         op: ReduceOp,
         bufs: Buffers<'_>,
+    ) -> Result<()> {
+        self.run_timeout(coll, dtype, op, bufs, self.timeout())
+    }
+
+    /// [`Communicator::run`] with its own timeout instead of [`Communicator::timeout`].
+    pub fn run_timeout(
+        &self,
+        coll: &Collective,
+        dtype: DataType,
+        op: ReduceOp,
+        bufs: Buffers<'_>,
+        timeout: Duration,
     ) -> Result<()> {
         self.wait_for_queue();
         let (rank, world) = (self.inner.rank, self.inner.world);
@@ -673,11 +765,11 @@ impl Communicator {
                 first: first.clone(),
             });
         }
-        if self.inner.abort.load(Ordering::Relaxed) {
+        if self.inner.abort.is_set() {
             return Err(Error::Aborted {
                 rank,
                 op: coll.name().into(),
-                reason: "Communicator::abort was called".into(),
+                reason: self.inner.abort.reason().into(),
             });
         }
         let seq = match coll {
@@ -732,43 +824,55 @@ impl Communicator {
         if !matches!(&st.last, Some((k, _)) if *k == key) {
             st.last = Some((key, sched.clone()));
         }
+        let protocol = if st.engine.uses_mailbox(&sched, es) {
+            "mailbox"
+        } else {
+            "slots"
+        };
         if log_enabled() && st.logged.insert((coll.name(), algo, chunk * es)) {
             crate::log_line(format!(
-                "rank {rank}: {} of {} bytes: algorithm {}, protocol {}, {} channels, {} KiB chunks, {} steps",
+                "rank {rank}: {} of {} bytes: algorithm {}, protocol {protocol}, {} channels, {} KiB chunks, {} steps",
                 coll.name(),
                 coll.count() * es,
                 algo.name(),
-                if st.engine.uses_mailbox(&sched, es) {
-                    "mailbox"
-                } else {
-                    "slots"
-                },
                 channels,
                 (chunk * es) >> 10,
                 sched.sched.steps.len()
             ));
         }
-        let r = st.engine.execute(
-            &sched,
-            &desc,
-            dtype,
-            op,
-            &raw,
-            in_place,
-            self.inner.opts.timeout,
+        let probe = &self.inner.probe;
+        let id = flight::start(
+            probe,
+            &CallInfo {
+                desc: &desc,
+                algorithm: algo.name(),
+                protocol,
+                steps: sched.sched.steps.len(),
+            },
         );
+        let r = st
+            .engine
+            .execute(&sched, &desc, dtype, op, &raw, in_place, timeout);
+        flight::end(probe, id, &desc, &r);
         if let Err(e) = r {
-            if matches!(e, Error::Aborted { .. }) && self.inner.abort.load(Ordering::Relaxed) {
-                st.engine.notify_abort();
-            }
-            // Pass a failure on, unless it was passed to us.
-            if let Error::PeerFailed { peer, detail, .. } = &e
-                && *peer < world
-                && !detail.contains("reports that rank")
-            {
-                st.engine.notify_failure(*peer);
+            match &e {
+                Error::Aborted { .. } if self.inner.abort.is_set() => st.engine.notify_abort(),
+                // Pass a failure on, unless it was passed to us.
+                Error::PeerFailed { peer, detail, .. }
+                    if *peer < world && !Engine::is_notice(detail) =>
+                {
+                    st.engine.notify_failure(*peer)
+                }
+                // This rank's own call failed: tell the peers, which would otherwise wait.
+                Error::Verbs { .. } | Error::InvalidArgument { .. } => {
+                    st.engine.notify_failure(rank)
+                }
+                _ => {}
             }
             st.poisoned = Some(e.to_string());
+            drop(guard);
+            crate::log_warn(e.to_string());
+            flight::dump_on_error(probe, &e);
             return Err(e);
         }
         drop(guard);
@@ -1087,12 +1191,24 @@ impl Communicator {
     /// [`Error::Aborted`] within about 50 ms, every peer it can reach is told (their pending
     /// and later calls fail the same way), and later calls here fail at once.
     pub fn abort(&self) {
-        self.inner.abort.store(true, Ordering::SeqCst);
+        self.inner.abort.set("Communicator::abort was called");
         // If no collective is running, tell the peers now; otherwise the running one does as
-        // it stops.
+        // it stops (and dumps the flight recorder).
         if let Ok(mut st) = self.inner.state.try_lock() {
             st.engine.notify_abort();
+            let first = st.poisoned.is_none();
             st.poisoned.get_or_insert_with(|| "aborted".into());
+            drop(st);
+            if first {
+                flight::dump_on_error(
+                    &self.inner.probe,
+                    &Error::Aborted {
+                        rank: self.inner.rank,
+                        op: "no call".into(),
+                        reason: "Communicator::abort was called".into(),
+                    },
+                );
+            }
         }
     }
 
@@ -1154,6 +1270,58 @@ impl Communicator {
             b.close()?;
         }
         barrier
+    }
+}
+
+/// The watchdog: polls the running call's start time; one that runs past `limit` gets the
+/// flight recorder dumped and the communicator aborted (and, with [`WatchdogAction::Exit`],
+/// the process ended). It stops when the communicator is dropped.
+fn spawn_watchdog(inner: Weak<Inner>, action: WatchdogAction, limit: Duration) {
+    let tick = (limit / 4).clamp(Duration::from_millis(10), Duration::from_millis(100));
+    let spawned = std::thread::Builder::new()
+        .name("oxccl-watchdog".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(tick);
+                let Some(inner) = inner.upgrade() else { break };
+                let started = inner.probe.started_ns.load(Ordering::Relaxed);
+                let ran = Duration::from_nanos(flight::now_ns().saturating_sub(started));
+                if started == 0 || ran <= limit || inner.abort.is_set() {
+                    continue;
+                }
+                let seq = inner.probe.last_started.load(Ordering::Relaxed);
+                let why = format!(
+                    "the watchdog stopped it: rank {}'s call (the last collective started is \
+                     #{seq}) ran for {ran:.1?}, more than OXCCL_WATCHDOG_TIMEOUT={limit:?}",
+                    inner.rank
+                );
+                crate::log_warn(why.clone());
+                if let Some(to) = flight::dump("watchdog", &why, Some(&inner.probe)) {
+                    crate::log_warn(format!(
+                        "rank {}: flight recorder dumped to {to} (watchdog)",
+                        inner.rank
+                    ));
+                }
+                inner.probe.dumped.store(true, Ordering::Relaxed);
+                inner.abort.set(&why);
+                if action == WatchdogAction::Exit {
+                    // Let the call return and tell the peers (it polls every 50 ms at most).
+                    let end = std::time::Instant::now() + Duration::from_secs(1);
+                    while inner.probe.started_ns.load(Ordering::Relaxed) == started
+                        && std::time::Instant::now() < end
+                    {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    crate::log_warn(format!(
+                        "rank {}: OXCCL_WATCHDOG=exit: ending the process",
+                        inner.rank
+                    ));
+                    std::process::abort();
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        crate::log_warn(format!("cannot start the oxccl watchdog thread: {e}"));
     }
 }
 

@@ -21,6 +21,8 @@ use oxccl_verbs::{
 };
 
 use crate::error::{Error, OpDesc, Result};
+use crate::fault::Injector;
+use crate::flight::Probe;
 use crate::reduce;
 use crate::schedule::{Buf, Op, Region, Schedule};
 use crate::{DataType, ReduceOp};
@@ -118,7 +120,19 @@ struct Header {
     xfer_len: u64,
     frag_off: u64,
     frag_len: u32,
+    /// Set by `decode` when the checksum does not match (never sent).
+    damaged: bool,
 }
+
+/// FNV-1a over a header's fields: a damaged header is reported as such, not misread.
+fn header_sum(b: &[u8]) -> u32 {
+    b[..HEADER_SUMMED].iter().fold(0x811c_9dc5u32, |h, &x| {
+        (h ^ u32::from(x)).wrapping_mul(0x0100_0193)
+    })
+}
+
+/// Bytes of a header covered by its checksum (which follows them).
+const HEADER_SUMMED: usize = 52;
 
 impl Header {
     fn encode(&self, out: &mut [u8]) {
@@ -134,6 +148,8 @@ impl Header {
         out[32..40].copy_from_slice(&self.xfer_len.to_le_bytes());
         out[40..48].copy_from_slice(&self.frag_off.to_le_bytes());
         out[48..52].copy_from_slice(&self.frag_len.to_le_bytes());
+        let sum = header_sum(out);
+        out[52..56].copy_from_slice(&sum.to_le_bytes());
     }
     fn decode(b: &[u8]) -> Header {
         let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
@@ -151,6 +167,7 @@ impl Header {
             xfer_len: u64_at(32),
             frag_off: u64_at(40),
             frag_len: u32_at(48),
+            damaged: u32_at(52) != header_sum(b),
         }
     }
 }
@@ -456,6 +473,29 @@ struct CallMrs {
     mrs: Vec<((u8, usize), MemoryRegion)>,
 }
 
+/// A communicator's abort switch: set by `Communicator::abort` or the watchdog, with why.
+#[derive(Default)]
+pub(crate) struct AbortFlag {
+    set: AtomicBool,
+    why: std::sync::OnceLock<String>,
+}
+
+impl AbortFlag {
+    /// Sets the switch; the first reason given is kept.
+    pub(crate) fn set(&self, why: &str) {
+        let _ = self.why.set(why.to_string());
+        self.set.store(true, Ordering::SeqCst);
+    }
+
+    pub(crate) fn is_set(&self) -> bool {
+        self.set.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn reason(&self) -> &str {
+        self.why.get().map_or("aborted", String::as_str)
+    }
+}
+
 /// The per-communicator executor.
 pub(crate) struct Engine {
     pub(crate) rank: usize,
@@ -466,7 +506,11 @@ pub(crate) struct Engine {
     /// One protection domain and completion queue per provider context.
     pub(crate) pds: Vec<ProtectionDomain>,
     pub(crate) cqs: Vec<CompletionQueue>,
-    pub(crate) abort: Arc<AtomicBool>,
+    pub(crate) abort: Arc<AbortFlag>,
+    /// Where the running call publishes its progress (for the flight recorder).
+    pub(crate) probe: Arc<Probe>,
+    /// Injected faults (`OXCCL_FAULT`), if this rank has any.
+    pub(crate) faults: Option<Box<Injector>>,
     /// The last calls, for naming the one a peer reports a mismatch in.
     recent: VecDeque<OpDesc>,
     /// Each completion queue's doorbell when it was last polled.
@@ -502,6 +546,7 @@ struct StepState {
 }
 
 impl Engine {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         rank: usize,
         geo: Geometry,
@@ -509,7 +554,8 @@ impl Engine {
         link_of: Vec<usize>,
         pds: Vec<ProtectionDomain>,
         cqs: Vec<CompletionQueue>,
-        abort: Arc<AtomicBool>,
+        abort: Arc<AbortFlag>,
+        probe: Arc<Probe>,
     ) -> Engine {
         let n = pds.len();
         Engine {
@@ -520,6 +566,8 @@ impl Engine {
             pds,
             cqs,
             abort,
+            probe,
+            faults: None,
             recent: VecDeque::new(),
             doorbells: vec![u32::MAX; n],
             st_buf: Vec::new(),
@@ -545,12 +593,16 @@ impl Engine {
         Engine::notify_all(&self.links, imm(IMM_ABORT, 0, ABORTED_BY_USER));
     }
 
-    /// Tells every peer that rank `dead` failed, so that those not connected to it (or not
-    /// waiting on it) fail naming it rather than timing out; best effort.
+    /// Tells every peer that rank `dead` failed (`dead` = this rank: its own call failed), so
+    /// that those not waiting on it fail naming it rather than timing out; best effort. `dead`
+    /// itself is told too: if only the connection failed, it learns who lost it.
     pub(crate) fn notify_failure(&self, dead: usize) {
-        for l in self.links.iter().filter(|l| l.peer != dead) {
-            Engine::notify_all(std::slice::from_ref(l), imm(IMM_ABORT, 0, dead as u32));
-        }
+        Engine::notify_all(&self.links, imm(IMM_ABORT, 0, dead as u32));
+    }
+
+    /// Whether a [`Error::PeerFailed`] detail comes from a peer's notice (not to be passed on).
+    pub(crate) fn is_notice(detail: &str) -> bool {
+        detail.contains(" reports that ") || detail.contains(" lost its connection to this rank")
     }
 
     /// Posts a control message (an immediate) to every peer; best effort.
@@ -585,6 +637,12 @@ impl Engine {
             self.recent.pop_front();
         }
         self.recent.push_back(desc.clone());
+        if let Some(f) = self.faults.as_mut() {
+            f.begin(desc.seq);
+            if f.armed {
+                f.steps_done(0);
+            }
+        }
         if let Some((seq, peer)) = self.pending_mismatch
             && (desc.seq as u32).wrapping_sub(seq) & 0xff_ffff < 1 << 23
         {
@@ -683,6 +741,45 @@ impl Call<'_> {
         if !self.st[s].done {
             self.st[s].done = true;
             self.left -= 1;
+            let done = self.st.len() - self.left;
+            self.eng
+                .probe
+                .steps_done
+                .store(done as u32, Ordering::Relaxed);
+            if let Some(f) = self.eng.faults.as_mut().filter(|f| f.armed) {
+                f.steps_done(done);
+            }
+        }
+    }
+
+    /// Applies the faults injected into a send to `peer` (link `l`): a drop, a delay, a damaged
+    /// header (`hb`).
+    #[cold]
+    fn send_faults(&mut self, l: usize, peer: usize, hb: &mut [u8]) {
+        let Some(f) = self.eng.faults.as_mut() else {
+            return;
+        };
+        let what = f.on_send(peer);
+        if let Some(d) = what.delay {
+            crate::log_warn(format!(
+                "fault injection: rank {} waits {d:?} before sending to rank {peer} in {}",
+                self.eng.rank, self.desc
+            ));
+            std::thread::sleep(d);
+        }
+        if what.corrupt {
+            crate::log_warn(format!(
+                "fault injection: rank {} damages a header sent to rank {peer} in {}",
+                self.eng.rank, self.desc
+            ));
+            hb[8] ^= 0x5a;
+        }
+        if what.drop {
+            crate::log_warn(format!(
+                "fault injection: rank {} drops its connection to rank {peer} in {}",
+                self.eng.rank, self.desc
+            ));
+            self.eng.links[l].qp.to_error();
         }
     }
 
@@ -744,6 +841,20 @@ impl Call<'_> {
         };
         let off = ptr as usize - base as usize;
         let rank = self.eng.rank;
+        if self
+            .eng
+            .faults
+            .as_mut()
+            .is_some_and(|f| f.armed && f.refuse_registration())
+        {
+            return Err(Error::Verbs {
+                rank,
+                what: format!("{}: registering memory", self.desc),
+                source: oxccl_verbs::Error::InvalidArgument(
+                    "refused by fault injection (OXCCL_FAULT=refuse_reg)".into(),
+                ),
+            });
+        }
         if reg.buf == Buf::Scratch {
             if self.eng.scratch_mrs[ctx].is_none() {
                 // SAFETY: the scratch vector lives in the engine and is only replaced (after
@@ -849,17 +960,19 @@ impl Call<'_> {
             let now = Instant::now();
             if now >= *deadline.get_or_insert(now + timeout) {
                 let step = self.st.iter().position(|s| !s.done).unwrap_or(0);
-                let waiting = match self.sched.steps[step].op {
-                    Op::Recv { peer, .. } => {
-                        format!("waiting for rank {peer}'s message in its mailbox")
-                    }
-                    _ => "waiting for earlier steps".into(),
+                let (waiting, peer) = match self.sched.steps[step].op {
+                    Op::Recv { peer, .. } => (
+                        format!("waiting for rank {peer}'s message in its mailbox"),
+                        Some(peer),
+                    ),
+                    _ => ("waiting for earlier steps".into(), None),
                 };
                 return Err(Error::Timeout {
                     rank: self.eng.rank,
                     op: Box::new(self.desc.clone()),
                     timeout,
                     waiting,
+                    peer,
                     step,
                     steps: self.st.len(),
                     bytes: self.bytes_in,
@@ -887,6 +1000,9 @@ impl Call<'_> {
         h.frag_len = len as u32;
         let mut hb = [0u8; SLOT_HEADER];
         h.encode(&mut hb);
+        if self.eng.faults.as_ref().is_some_and(|f| f.armed) {
+            self.send_faults(l, peer, &mut hb);
+        }
         let link = &self.eng.links[l];
         let m = link.mbox_sent;
         let box_off = geo.mailbox_offset((m % 2) as usize);
@@ -1110,14 +1226,32 @@ impl Call<'_> {
                     IMM_DATA if ch < lk.rx.len() => {
                         lk.rx[ch].arrived.push_back(v & 0xff_ffff);
                         self.bytes_in += wc.byte_len as u64;
+                        self.eng
+                            .probe
+                            .bytes_in
+                            .store(self.bytes_in, Ordering::Relaxed);
                     }
                     IMM_ABORT if v & 0xff_ffff != ABORTED_BY_USER => {
                         let (peer, dead) = (lk.peer, (v & 0xff_ffff) as usize);
+                        let (culprit, detail) = if dead == self.eng.rank {
+                            // Our connection to the reporter failed on its side only.
+                            (
+                                peer,
+                                format!("rank {peer} lost its connection to this rank"),
+                            )
+                        } else if dead == peer {
+                            (
+                                peer,
+                                format!("rank {peer} reports that its own call failed"),
+                            )
+                        } else {
+                            (dead, format!("rank {peer} reports that rank {dead} failed"))
+                        };
                         return Err(Error::PeerFailed {
                             rank: self.eng.rank,
                             op: self.desc.to_string(),
-                            peer: dead,
-                            detail: format!("rank {peer} reports that rank {dead} failed"),
+                            peer: culprit,
+                            detail,
                         });
                     }
                     IMM_ABORT => {
@@ -1193,11 +1327,11 @@ impl Call<'_> {
             }
             self.check_link(l)?;
         }
-        if self.eng.abort.load(Ordering::Relaxed) {
+        if self.eng.abort.is_set() {
             return Err(Error::Aborted {
                 rank: self.eng.rank,
                 op: self.desc.to_string(),
-                reason: "Communicator::abort was called".into(),
+                reason: self.eng.abort.reason().to_string(),
             });
         }
         Ok(())
@@ -1294,6 +1428,17 @@ impl Call<'_> {
     /// Checks a fragment's header against this call: the fingerprint, then where the fragment
     /// lies in a transfer of `total` bytes of which `progress` have arrived.
     fn check_header(&self, h: &Header, peer: usize, total: usize, progress: usize) -> Result<()> {
+        if h.damaged {
+            return Err(Error::PeerFailed {
+                rank: self.eng.rank,
+                op: self.desc.to_string(),
+                peer,
+                detail: format!(
+                    "a fragment header from rank {peer} is damaged (checksum mismatch): the \
+                     data was corrupted on the way, so this call cannot trust what it received"
+                ),
+            });
+        }
         let want = expected_header(self.desc, peer);
         let fingerprint = |h: &Header| {
             (
@@ -1463,6 +1608,10 @@ impl Call<'_> {
         let stage_off = (ch * geo.slots + slot) * STAGE;
         let mut hb = [0u8; SLOT_HEADER];
         h.encode(&mut hb);
+        if self.eng.faults.as_ref().is_some_and(|f| f.armed) {
+            self.send_faults(l, self.eng.links[l].peer, &mut hb);
+        }
+        let link = &self.eng.links[l];
         let verbs_err = |what: &str, e| Error::Verbs {
             rank,
             what: what.into(),
@@ -1626,15 +1775,20 @@ impl Call<'_> {
         let step = self.st.iter().position(|s| !s.done).unwrap_or(0);
         let nch = self.eng.geo.channels;
         let peer_of = |q: usize| self.eng.links[q / nch].peer;
-        let waiting = if let Some(q) = (0..recvq.len()).find(|&q| recvq[q].front() == Some(&step)) {
-            format!(
-                "waiting for data from rank {} (channel {})",
-                peer_of(q),
-                q % nch
+        let (waiting, peer) = if let Some(q) =
+            (0..recvq.len()).find(|&q| recvq[q].front() == Some(&step))
+        {
+            (
+                format!(
+                    "waiting for data from rank {} (channel {})",
+                    peer_of(q),
+                    q % nch
+                ),
+                Some(peer_of(q)),
             )
         } else if let Some(q) = (0..sendq.len()).find(|&q| sendq[q].front() == Some(&step)) {
             let link = &self.eng.links[q / nch];
-            if self.deps_done(step) {
+            let what = if self.deps_done(step) {
                 format!(
                     "waiting for rank {} to free a slot (channel {}, {} fragments posted, {} consumed)",
                     link.peer,
@@ -1644,21 +1798,24 @@ impl Call<'_> {
                 )
             } else {
                 format!("waiting to send to rank {} after earlier steps", link.peer)
-            }
-        } else if self.st[step].posted_all {
-            let peer = match self.sched.steps[step].op {
-                Op::Send { peer, .. } => peer,
-                _ => usize::MAX,
             };
-            format!("waiting for the transport to finish a send to rank {peer}")
+            (what, Some(link.peer))
+        } else if let (true, &Op::Send { peer, .. }) =
+            (self.st[step].posted_all, &self.sched.steps[step].op)
+        {
+            (
+                format!("waiting for the transport to finish a send to rank {peer}"),
+                Some(peer),
+            )
         } else {
-            "waiting for earlier steps".to_string()
+            ("waiting for earlier steps".to_string(), None)
         };
         Error::Timeout {
             rank: self.eng.rank,
             op: Box::new(self.desc.clone()),
             timeout,
             waiting,
+            peer,
             step,
             steps: self.st.len(),
             bytes: self.bytes_in,

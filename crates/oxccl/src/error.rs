@@ -85,6 +85,8 @@ pub enum Error {
         timeout: Duration,
         /// What it was waiting for, naming the peer.
         waiting: String,
+        /// The peer it was waiting on, when one.
+        peer: Option<usize>,
         /// The first unfinished step.
         step: usize,
         /// Steps in this rank's schedule.

@@ -51,6 +51,8 @@ mod comm;
 mod dtype;
 mod engine;
 mod error;
+pub mod fault;
+mod flight;
 mod reduce;
 pub mod schedule;
 pub mod verify;
@@ -58,6 +60,8 @@ pub mod verify;
 pub use comm::{Buffers, Communicator, Options, Work, default_host_id};
 pub use dtype::{DataType, Element, ParseNameError, ReduceOp, as_bytes, as_bytes_mut};
 pub use error::{Error, OpDesc, Result};
+pub use fault::{Fault, FaultKind, Faults};
+pub use flight::DUMP_VERSION;
 pub use oxccl_verbs::Provider;
 
 /// Whether `OXCCL_DEBUG` asks for INFO lines (`INFO`, `TRACE` or `DEBUG`).
@@ -68,6 +72,14 @@ pub(crate) fn log_enabled() -> bool {
             .map(|v| matches!(v.to_ascii_uppercase().as_str(), "INFO" | "TRACE" | "DEBUG"))
             .unwrap_or(false)
     })
+}
+
+/// Writes a warning line to stderr whatever `OXCCL_DEBUG` says (failures, dumps, injected
+/// faults), in one write.
+pub(crate) fn log_warn(msg: String) {
+    use std::io::Write;
+    let line = format!("oxccl WARN {msg}\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
 /// Writes one `OXCCL_DEBUG` line to stderr in a single write, so that lines of ranks sharing

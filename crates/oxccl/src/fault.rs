@@ -1,0 +1,296 @@
+//! Fault injection, for tests: `OXCCL_FAULT` (or [`Options::faults`](crate::Options::faults))
+//! makes chosen ranks misbehave at chosen moments, so that every failure path can be driven
+//! on purpose. Off (the default) it costs one branch per call and per fragment.
+//!
+//! The value is a `;`-separated list of faults, each `KIND[:KEY=VALUE,...]`:
+//!
+//! | kind | what happens (once) |
+//! |---|---|
+//! | `kill` | the rank kills itself with `SIGKILL` (a crash, an OOM kill) |
+//! | `stop` | the rank stops itself with `SIGSTOP` (a hung process; `SIGCONT` resumes it) |
+//! | `drop` | the connection to `peer` fails on this side, as if its cable were cut |
+//! | `delay` | the rank sleeps `ms` milliseconds before a send to `peer` (a stalled link) |
+//! | `corrupt` | the next fragment header sent to `peer` is damaged on the way |
+//! | `refuse_reg` | the next memory registration fails |
+//!
+//! Keys: `rank` (which rank misbehaves; default every rank), `seq` (the fault arms at the
+//! call with this sequence number, as errors and the flight recorder number calls; default
+//! 1), `after` (`kill`/`stop`: once this many steps of the call are done; default 0, at its
+//! start), `peer` (`drop`/`delay`/`corrupt`: only sends to this rank; default any), `ms`
+//! (`delay`; default 1000). A fault that finds no chance in its call (no send, no
+//! registration) fires at the first chance in a later one.
+//!
+//! ```
+//! let f: oxccl::Faults = "stop:rank=1,seq=3;delay:rank=0,peer=2,ms=250".parse().unwrap();
+//! assert_eq!(f.len(), 2);
+//! assert!("explode:rank=1".parse::<oxccl::Faults>().is_err());
+//! ```
+
+use std::str::FromStr;
+use std::time::Duration;
+
+/// What a fault does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    /// `SIGKILL` itself.
+    Kill,
+    /// `SIGSTOP` itself.
+    Stop,
+    /// Fail the connection to a peer.
+    Drop,
+    /// Sleep before a send.
+    Delay,
+    /// Damage a fragment header.
+    Corrupt,
+    /// Fail a memory registration.
+    RefuseRegistration,
+}
+
+/// One fault (see the [module docs](self)).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fault {
+    /// What it does.
+    pub kind: FaultKind,
+    /// The rank that misbehaves (`None`: every rank).
+    pub rank: Option<usize>,
+    /// The call it arms at.
+    pub seq: u64,
+    /// `kill`/`stop`: steps of the call done first.
+    pub after: usize,
+    /// `drop`/`delay`/`corrupt`: the peer (`None`: any).
+    pub peer: Option<usize>,
+    /// `delay`: how long.
+    pub delay: Duration,
+}
+
+/// A list of faults, parsed from `OXCCL_FAULT`'s syntax.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Faults(pub Vec<Fault>);
+
+impl Faults {
+    /// Number of faults.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl FromStr for Faults {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Faults, String> {
+        let mut out = Vec::new();
+        for item in s.split(';').map(str::trim).filter(|i| !i.is_empty()) {
+            let (kind, keys) = item.split_once(':').unwrap_or((item, ""));
+            let kind = match kind.trim() {
+                "kill" => FaultKind::Kill,
+                "stop" => FaultKind::Stop,
+                "drop" => FaultKind::Drop,
+                "delay" => FaultKind::Delay,
+                "corrupt" => FaultKind::Corrupt,
+                "refuse_reg" => FaultKind::RefuseRegistration,
+                k => {
+                    return Err(format!(
+                        "unknown fault {k:?} in {item:?} (kill, stop, drop, delay, corrupt, \
+                         refuse_reg)"
+                    ));
+                }
+            };
+            let mut f = Fault {
+                kind,
+                rank: None,
+                seq: 1,
+                after: 0,
+                peer: None,
+                delay: Duration::from_secs(1),
+            };
+            for kv in keys.split(',').map(str::trim).filter(|k| !k.is_empty()) {
+                let (k, v) = kv
+                    .split_once('=')
+                    .ok_or_else(|| format!("{kv:?} in {item:?} is not KEY=VALUE"))?;
+                let n: u64 = v
+                    .trim()
+                    .parse()
+                    .map_err(|_| format!("{k}={v:?} in {item:?}: not a number"))?;
+                match k.trim() {
+                    "rank" => f.rank = Some(n as usize),
+                    "seq" => f.seq = n,
+                    "after" => f.after = n as usize,
+                    "peer" => f.peer = Some(n as usize),
+                    "ms" => f.delay = Duration::from_millis(n),
+                    k => {
+                        return Err(format!(
+                            "unknown key {k:?} in {item:?} (rank, seq, after, peer, ms)"
+                        ));
+                    }
+                }
+            }
+            out.push(f);
+        }
+        Ok(Faults(out))
+    }
+}
+
+/// One rank's faults while it runs: which have fired, which are armed for the current call.
+pub(crate) struct Injector {
+    faults: Vec<(Fault, bool)>,
+    /// Whether some unfired fault is armed for the current call.
+    pub armed: bool,
+    /// The current call's sequence number.
+    current: u64,
+}
+
+/// What a send must do, as the injector decides.
+#[derive(Default)]
+pub(crate) struct SendFault {
+    pub drop: bool,
+    pub delay: Option<Duration>,
+    pub corrupt: bool,
+}
+
+impl Injector {
+    /// The faults of `rank`, or `None` when it has none (the common case: no cost).
+    pub(crate) fn for_rank(faults: &Faults, rank: usize) -> Option<Box<Injector>> {
+        let mine: Vec<(Fault, bool)> = faults
+            .0
+            .iter()
+            .filter(|f| f.rank.is_none_or(|r| r == rank))
+            .map(|f| (f.clone(), false))
+            .collect();
+        (!mine.is_empty()).then(|| {
+            Box::new(Injector {
+                faults: mine,
+                armed: false,
+                current: 0,
+            })
+        })
+    }
+
+    /// At the start of call `seq`; then [`Injector::steps_done`] with 0.
+    pub(crate) fn begin(&mut self, seq: u64) {
+        self.armed = self.faults.iter().any(|(f, fired)| !fired && f.seq <= seq);
+        self.current = seq;
+    }
+
+    fn take(&mut self, pick: impl Fn(&Fault) -> bool) -> Option<Fault> {
+        let seq = self.current;
+        let (f, fired) = self
+            .faults
+            .iter_mut()
+            .find(|(f, fired)| !*fired && f.seq <= seq && pick(f))?;
+        *fired = true;
+        let f = f.clone();
+        self.armed = self.faults.iter().any(|(f, fired)| !fired && f.seq <= seq);
+        Some(f)
+    }
+
+    /// After `done` steps of the call: a `kill` or `stop` due now happens here.
+    pub(crate) fn steps_done(&mut self, done: usize) {
+        let due =
+            |f: &Fault| matches!(f.kind, FaultKind::Kill | FaultKind::Stop) && f.after <= done;
+        while let Some(f) = self.take(due) {
+            let sig = if f.kind == FaultKind::Kill {
+                libc::SIGKILL
+            } else {
+                libc::SIGSTOP
+            };
+            crate::log_warn(format!(
+                "fault injection: {} at call #{} after {done} steps",
+                if f.kind == FaultKind::Kill {
+                    "SIGKILL"
+                } else {
+                    "SIGSTOP"
+                },
+                self.current
+            ));
+            // To this thread (`raise` is `tgkill`), so that it stops before its next
+            // instruction: a signal to the process may be taken by another thread first,
+            // and this one would run on until that thread stops the group.
+            // SAFETY: `raise` has no memory-safety preconditions.
+            unsafe { libc::raise(sig) };
+        }
+    }
+
+    /// Before a send to `peer`.
+    pub(crate) fn on_send(&mut self, peer: usize) -> SendFault {
+        let mut out = SendFault::default();
+        let for_peer =
+            |k: FaultKind| move |f: &Fault| f.kind == k && f.peer.is_none_or(|p| p == peer);
+        if self.take(for_peer(FaultKind::Drop)).is_some() {
+            out.drop = true;
+        }
+        if let Some(f) = self.take(for_peer(FaultKind::Delay)) {
+            out.delay = Some(f.delay);
+        }
+        out.corrupt = self.take(for_peer(FaultKind::Corrupt)).is_some();
+        out
+    }
+
+    /// Before a memory registration: whether to refuse it.
+    pub(crate) fn refuse_registration(&mut self) -> bool {
+        self.take(|f| f.kind == FaultKind::RefuseRegistration)
+            .is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_kind_and_key() {
+        let f: Faults = "kill:rank=2,seq=5,after=3; stop ;drop:peer=1;delay:ms=20;corrupt:rank=0;refuse_reg:seq=9"
+            .parse()
+            .unwrap();
+        assert_eq!(f.len(), 6);
+        assert_eq!(
+            f.0[0],
+            Fault {
+                kind: FaultKind::Kill,
+                rank: Some(2),
+                seq: 5,
+                after: 3,
+                peer: None,
+                delay: Duration::from_secs(1)
+            }
+        );
+        assert_eq!(f.0[1].kind, FaultKind::Stop);
+        assert_eq!(f.0[1].seq, 1);
+        assert_eq!(f.0[2].peer, Some(1));
+        assert_eq!(f.0[3].delay, Duration::from_millis(20));
+        assert_eq!(f.0[5].kind, FaultKind::RefuseRegistration);
+        for bad in ["boom", "kill:rank", "kill:rank=x", "kill:when=3"] {
+            let e = bad.parse::<Faults>().unwrap_err();
+            assert!(e.contains(&format!("{bad:?}")), "{e}");
+        }
+        assert!("".parse::<Faults>().unwrap().is_empty());
+    }
+
+    #[test]
+    fn faults_fire_once_for_their_rank_from_their_call_on() {
+        let f: Faults = "delay:rank=1,seq=3,peer=2,ms=5;corrupt:rank=0;refuse_reg:rank=1,seq=4"
+            .parse()
+            .unwrap();
+        assert!(Injector::for_rank(&f, 2).is_none());
+        let mut i = Injector::for_rank(&f, 1).unwrap();
+        i.begin(2);
+        assert!(!i.armed);
+        assert!(i.on_send(2).delay.is_none());
+        i.begin(3);
+        assert!(i.armed);
+        assert!(i.on_send(0).delay.is_none(), "only sends to peer 2");
+        assert!(!i.refuse_registration(), "not before call 4");
+        assert_eq!(i.on_send(2).delay, Some(Duration::from_millis(5)));
+        assert!(!i.armed);
+        i.begin(5);
+        assert!(i.armed, "a fault that missed its call fires later");
+        assert!(i.refuse_registration());
+        assert!(!i.refuse_registration(), "once");
+        i.begin(6);
+        assert!(!i.armed);
+    }
+}

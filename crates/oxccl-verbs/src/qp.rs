@@ -487,6 +487,18 @@ impl QueuePair {
         self.inner.set_error(Cause::User);
     }
 
+    /// Tears the connection down as a cut cable or an exiting process would: this queue pair
+    /// moves to ERR (outstanding requests are flushed, then it reads as destroyed) and the
+    /// peer's fails too, as "peer gone". Unlike [`QueuePair::to_error`], which the peer does
+    /// not notice (as in InfiniBand). For fault injection and tests.
+    pub fn disconnect(&self) {
+        self.inner.set_error(Cause::User);
+        self.inner.set_state(QpState::Destroyed);
+        if let Some(engine) = &self.inner.ctx.tcp {
+            engine.shared().forget(self.inner.token);
+        }
+    }
+
     /// Posts send-queue requests (`ibv_post_send`). Errors name the request (its index and
     /// `wr_id`) that could not be posted; requests before it were posted.
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {

@@ -338,6 +338,19 @@ impl Link {
         self.qp.post_recv(&wrs)
     }
 
+    /// Records a failure the queue pair shows (ERR, even before a completion says so).
+    fn refresh_failed(&mut self) {
+        if self.failed.is_none()
+            && matches!(
+                self.qp.state(),
+                oxccl_verbs::QpState::Err | oxccl_verbs::QpState::Destroyed
+            )
+        {
+            let d = self.qp.error_detail();
+            self.failed = Some(d.unwrap_or_else(|| "the connection failed".into()));
+        }
+    }
+
     /// The fragment header at byte `off` of the receive region.
     fn header_at(&self, off: usize) -> oxccl_verbs::Result<Header> {
         let mut hb = [0u8; SLOT_HEADER];
@@ -655,6 +668,20 @@ impl Engine {
                 ),
             });
         }
+        // A communicator with a failed member cannot run collectives: say so at once, naming
+        // it, even if this call would not talk to it (as NCCL's and Gloo's communicators,
+        // it is broken as a whole).
+        for link in &mut self.links {
+            link.refresh_failed();
+            if let Some(why) = &link.failed {
+                return Err(Error::PeerFailed {
+                    rank: self.rank,
+                    op: desc.to_string(),
+                    peer: link.peer,
+                    detail: format!("{why} (found before this call started)"),
+                });
+            }
+        }
         let esize = dtype.size();
         let need = sched.scratch * esize;
         if self.scratch.len() * 8 < need {
@@ -779,7 +806,7 @@ impl Call<'_> {
                 "fault injection: rank {} drops its connection to rank {peer} in {}",
                 self.eng.rank, self.desc
             ));
-            self.eng.links[l].qp.to_error();
+            self.eng.links[l].qp.disconnect();
         }
     }
 
@@ -1312,19 +1339,7 @@ impl Call<'_> {
     /// even before a completion says so), or if the communicator was aborted.
     fn check_health(&mut self) -> Result<()> {
         for l in 0..self.eng.links.len() {
-            let link = &self.eng.links[l];
-            if link.failed.is_none()
-                && matches!(
-                    link.qp.state(),
-                    oxccl_verbs::QpState::Err | oxccl_verbs::QpState::Destroyed
-                )
-            {
-                let d = link
-                    .qp
-                    .error_detail()
-                    .unwrap_or_else(|| "the connection failed".into());
-                self.eng.links[l].failed = Some(d);
-            }
+            self.eng.links[l].refresh_failed();
             self.check_link(l)?;
         }
         if self.eng.abort.is_set() {

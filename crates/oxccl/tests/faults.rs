@@ -248,7 +248,12 @@ fn kill_fault(provider: &str, count: usize) {
         json!({ "count": count, "doomed": 2 }),
     );
     for (r, res) in job.results.iter().enumerate().filter(|(r, _)| *r != 2) {
-        assert_eq!(res["call"], 3, "rank {r} failed in another call: {res}");
+        // Small calls may leave a rank one call behind when the news arrives.
+        let call = res["call"].as_u64().unwrap();
+        assert!(
+            call == 3 || (count == SMALL && call == 2),
+            "rank {r} failed in another call: {res}"
+        );
         assert_eq!(res["kind"], "PeerFailed", "rank {r}: {res}");
     }
     // Detection well within the timeout (5 s) plus a second.
@@ -264,7 +269,7 @@ fn kill_fault(provider: &str, count: usize) {
             .iter()
             .rfind(|e| e["coll"] == "all_reduce")
             .unwrap();
-        assert_eq!(e["seq"], 3, "rank {r}: {e}");
+        assert_eq!(e["seq"], job.results[r]["call"], "rank {r}: {e}");
         assert_eq!(e["state"], "failed", "rank {r}: {e}");
         assert_eq!(e["waiting_on"], 2, "rank {r}: {e}");
     }
@@ -388,11 +393,11 @@ fn watchdog_aborts_a_stuck_call_and_dumps() {
 }
 
 /// A cut connection: both ends name each other, the others hear of it.
-#[test]
-fn dropped_connection_is_named_on_both_sides() {
+fn dropped_connection(provider: &str) {
     let job = launch(
         4,
         &[
+            ("OXCCL_PROVIDER", provider),
             ("OXCCL_TIMEOUT", "5"),
             ("OXCCL_FAULT", "drop:rank=1,peer=2,seq=2"),
         ],
@@ -414,6 +419,16 @@ fn dropped_connection_is_named_on_both_sides() {
         assert_eq!(res["ok"], false, "{res}");
         assert!(ms(res) <= 6000, "{res}");
     }
+}
+
+#[test]
+fn dropped_connection_is_named_on_both_sides_shm() {
+    dropped_connection("shm");
+}
+
+#[test]
+fn dropped_connection_is_named_on_both_sides_tcp() {
+    dropped_connection("tcp");
 }
 
 /// A stall shorter than the timeout only delays; a longer one is a timeout naming the peer.

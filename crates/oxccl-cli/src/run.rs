@@ -454,6 +454,9 @@ impl Job {
         if self.kill_at.is_none() {
             for r in ranks.iter().filter(|r| r.status.is_none()) {
                 kill_rank(r.pid, libc::SIGTERM);
+                // A stopped rank (SIGSTOP, a debugger detached) takes the SIGTERM only once
+                // it runs again.
+                kill_rank(r.pid, libc::SIGCONT);
             }
             self.kill_at = Some(Instant::now() + self.grace);
         }

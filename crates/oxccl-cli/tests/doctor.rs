@@ -324,3 +324,61 @@ fn no_dump_is_exit_2() {
     assert_eq!(out.status.code(), Some(2));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// End to end: a real job (`oxccl perf`, 3 ranks) where rank 1 stops itself (`OXCCL_FAULT`)
+/// in its 5th all-reduce; ranks 0 and 2 time out and dump their flight recorders; the doctor,
+/// reading those real dumps, must single out rank 1.
+#[test]
+fn real_dumps_of_a_stalled_job_name_the_stopped_rank() {
+    let dir = temp_dir("real");
+    let prefix = format!("{}/dump-", dir.display());
+    let out = Command::new(env!("CARGO_BIN_EXE_oxccl"))
+        .args(["perf", "all_reduce", "-n", "3", "-b", "1M", "-e", "1M"])
+        .args(["-w", "2", "-i", "20"])
+        .env("OXCCL_FAULT", "stop:rank=1,seq=5")
+        .env("OXCCL_TIMEOUT", "2")
+        .env("OXCCL_DEBUG_DUMP", &prefix)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "the stalled job succeeded");
+    let err = stderr(&out);
+    for r in [0, 2] {
+        assert!(
+            dir.join(format!("dump-{r}.json")).exists(),
+            "rank {r} wrote no dump; stderr:\n{err}"
+        );
+    }
+    assert!(
+        !dir.join("dump-1.json").exists(),
+        "the stopped rank cannot dump"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_oxccl"))
+        .args(["doctor", "--json"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let comm = &report["communicators"][0];
+    assert_eq!(comm["world_size"], 3, "{report}");
+    assert_eq!(comm["missing_ranks"], json!([1]), "{report}");
+    assert_eq!(comm["suspects"][0], 1, "{report}");
+    // Both survivors were in call #5 when they gave up.
+    for r in [0, 2] {
+        let rank = comm["ranks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["rank"] == r)
+            .unwrap_or_else(|| panic!("rank {r} missing in {report}"));
+        assert_eq!(rank["last_started"], 5, "{rank}");
+    }
+    let text = Command::new(env!("CARGO_BIN_EXE_oxccl"))
+        .arg("doctor")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let text = stdout(&text);
+    assert!(text.contains("no dump from rank 1"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -45,6 +45,14 @@
 //! `OXCCL_NCHANNELS`, `OXCCL_CHUNK_SIZE`, `OXCCL_SLOTS`, `OXCCL_SMALL_BYTES` (see
 //! [`Options`]), and `OXCCL_DEBUG=INFO`, which logs the providers chosen at init and the
 //! algorithm and chunking of each kind of call the first time it runs.
+//!
+//! ## Failures
+//! Every call has a timeout ([`Communicator::set_timeout`], [`Communicator::run_timeout`]);
+//! a dead peer is named on every survivor; [`Communicator::abort`] stops everything. The opt-in
+//! watchdog (`OXCCL_WATCHDOG`, [`Options::watchdog`]) aborts calls that run too long. Each
+//! process keeps a flight recorder of the last calls and dumps it as JSON on a timeout, an
+//! abort or `SIGUSR1` (`OXCCL_DEBUG_DUMP`, `OXCCL_FLIGHT_RECORDER`; `oxccl doctor` reads the
+//! dumps). [`fault`] injects failures for tests (`OXCCL_FAULT`).
 #![deny(missing_docs)]
 
 mod comm;
@@ -52,7 +60,7 @@ mod dtype;
 mod engine;
 mod error;
 pub mod fault;
-mod flight;
+pub mod flight;
 mod reduce;
 pub mod schedule;
 pub mod verify;

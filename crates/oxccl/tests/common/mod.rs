@@ -365,3 +365,259 @@ pub fn mix(mut x: u64) -> u64 {
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     x ^ (x >> 31)
 }
+
+// ------------------------------------------------------------------------------------------
+// Jobs a test drives while they run (chaos tests): each rank's pid, signals, files in the
+// shared directory, and a deadline on every wait.
+
+/// `CLOCK_REALTIME` now, in nanoseconds: comparable between processes, also across network
+/// namespaces (they share the clock).
+pub fn realtime_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// One rank of a [`Job`].
+struct JobRank {
+    child: Child,
+    out: Option<JoinHandle<String>>,
+    err: Option<JoinHandle<String>>,
+    /// Its exit status and when it was seen (from the job's start).
+    exit: Option<(ExitStatus, Duration)>,
+}
+
+/// A launch whose ranks run while the test watches them: [`spawn_job`] starts it, the test
+/// signals ranks ([`Job::signal`]) and waits for files they write in the shared directory
+/// ([`Job::wait_until`], always with a deadline), and [`Job::finish`] collects every rank's
+/// output. Dropping a job kills every rank still running, so a failing test leaks no process.
+pub struct Job {
+    pub scenario: String,
+    /// The ranks' shared directory (`OXCCL_TEST_DIR`), removed with the job.
+    pub dir: TempDir,
+    /// The store's port (`MASTER_PORT`).
+    pub port: u16,
+    pub start: Instant,
+    ranks: Vec<JobRank>,
+}
+
+/// Starts `n` ranks running `scenario` with `args`, like [`run_ranks`] (the same environment
+/// and defaults; `env` overrides them, e.g. `MASTER_ADDR`), without waiting for them.
+/// `launch(rank, exe)` makes the command that runs the test executable `exe` for `rank`:
+/// `Command::new(exe)` on this host, or a wrapper such as `Testbed::command(host, exe)`; the
+/// variables it sets itself (e.g. `OXCCL_TCP_ADDR`) are kept.
+pub fn spawn_job(
+    n: usize,
+    env: &[(&str, &str)],
+    scenario: &str,
+    args: &Value,
+    launch: &dyn Fn(usize, &std::path::Path) -> Command,
+) -> Job {
+    let exe = std::env::current_exe().expect("current_exe");
+    let port = free_port();
+    let secret = random_hex();
+    let args = args.to_string();
+    let mut job = Job {
+        scenario: scenario.to_string(),
+        dir: TempDir::new(scenario),
+        port,
+        start: Instant::now(),
+        ranks: Vec::new(),
+    };
+    for rank in 0..n {
+        let mut cmd = launch(rank, &exe);
+        cmd.args(["--exact", ENTRY_TEST, "--nocapture", "--test-threads=1"]);
+        let own: Vec<std::ffi::OsString> = cmd.get_envs().map(|(k, _)| k.to_owned()).collect();
+        for (k, _) in std::env::vars_os() {
+            if k.to_str().is_some_and(inherited_noise) && !own.contains(&k) {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.env(CHILD_ENV, scenario)
+            .env(ARGS_ENV, &args)
+            .env(DIR_ENV, &job.dir.0)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("OXCCL_SECRET", &secret)
+            .env("OXCCL_JOB_ID", format!("test-{scenario}"))
+            .env("OXCCL_TIMEOUT", "30")
+            .env("OXCCL_BOOTSTRAP_TIMEOUT", "30")
+            .env("RUST_BACKTRACE", "1");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        // On failure, dropping `job` kills the ranks already started.
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("{scenario}: spawning rank {rank}: {e}"));
+        let out = Some(reader(child.stdout.take().unwrap()));
+        let err = Some(reader(child.stderr.take().unwrap()));
+        job.ranks.push(JobRank {
+            child,
+            out,
+            err,
+            exit: None,
+        });
+    }
+    job
+}
+
+impl Job {
+    /// The number of ranks.
+    pub fn world(&self) -> usize {
+        self.ranks.len()
+    }
+
+    pub fn pid(&self, rank: usize) -> u32 {
+        self.ranks[rank].child.id()
+    }
+
+    /// Notes the ranks that have exited.
+    pub fn poll(&mut self) {
+        let start = self.start;
+        for r in &mut self.ranks {
+            if r.exit.is_none()
+                && let Ok(Some(st)) = r.child.try_wait()
+            {
+                r.exit = Some((st, start.elapsed()));
+            }
+        }
+    }
+
+    /// The exit status of `rank`, if it has exited.
+    pub fn exited(&mut self, rank: usize) -> Option<ExitStatus> {
+        self.poll();
+        self.ranks[rank].exit.map(|(s, _)| s)
+    }
+
+    /// Sends `sig` to `rank` (a child not yet reaped, so its pid cannot have been reused).
+    pub fn signal(&mut self, rank: usize, sig: i32) -> std::io::Result<()> {
+        self.poll();
+        if self.ranks[rank].exit.is_some() {
+            return Err(std::io::Error::other(format!("rank {rank} has exited")));
+        }
+        // SAFETY: kill(2) has no memory effects; the pid is our unreaped child's.
+        if unsafe { libc::kill(self.pid(rank) as libc::pid_t, sig) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// A file in the shared directory.
+    pub fn path(&self, name: &str) -> std::path::PathBuf {
+        self.dir.0.join(name)
+    }
+
+    /// Creates a file in the shared directory (a signal to the ranks).
+    pub fn touch(&self, name: &str) {
+        std::fs::write(self.path(name), b"").expect("writing to the shared directory");
+    }
+
+    /// The JSON a rank wrote with [`write_json`], if it has.
+    pub fn read_json(&self, name: &str) -> Option<Value> {
+        let s = std::fs::read_to_string(self.path(name)).ok()?;
+        serde_json::from_str(&s).ok()
+    }
+
+    /// Polls `cond` (every 2 ms) until it holds (`true`) or `deadline` passes (`false`).
+    pub fn wait_until(
+        &mut self,
+        deadline: Instant,
+        mut cond: impl FnMut(&mut Job) -> bool,
+    ) -> bool {
+        loop {
+            self.poll();
+            if cond(self) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Waits up to `grace` for every rank to exit, kills those still running (their status is
+    /// then `None`), and returns every rank's output in rank order.
+    pub fn finish(mut self, grace: Duration) -> Vec<RankOutput> {
+        let deadline = Instant::now() + grace;
+        self.wait_until(deadline, |j| j.ranks.iter().all(|r| r.exit.is_some()));
+        let start = self.start;
+        let ranks = std::mem::take(&mut self.ranks);
+        ranks
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut r)| {
+                let (status, elapsed) = match r.exit {
+                    Some((st, at)) => (Some(st), at),
+                    None => {
+                        let _ = r.child.kill();
+                        let _ = r.child.wait();
+                        (None, start.elapsed())
+                    }
+                };
+                let stdout = r.out.take().and_then(|h| h.join().ok()).unwrap_or_default();
+                let stderr = r.err.take().and_then(|h| h.join().ok()).unwrap_or_default();
+                let results = stdout
+                    .lines()
+                    .filter_map(|l| l.find(MARK).map(|at| &l[at + MARK.len()..]))
+                    .filter_map(|j| serde_json::from_str(j).ok())
+                    .collect();
+                RankOutput {
+                    rank,
+                    status,
+                    stdout,
+                    stderr,
+                    results,
+                    elapsed,
+                }
+            })
+            .collect()
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        for r in &mut self.ranks {
+            if r.exit.is_none() {
+                // A stopped process dies of SIGKILL too.
+                let _ = r.child.kill();
+                let _ = r.child.wait();
+            }
+        }
+    }
+}
+
+/// In a child: writes `v` as the file `name` of the shared directory, atomically (the parent
+/// never reads half of it).
+pub fn write_json(name: &str, v: &Value) {
+    let dir = shared_dir();
+    let tmp = dir.join(format!(".{name}.tmp"));
+    std::fs::write(&tmp, v.to_string()).expect("writing to the shared directory");
+    std::fs::rename(&tmp, dir.join(name)).expect("renaming in the shared directory");
+}
+
+/// In a child: creates the file `name` of the shared directory.
+pub fn touch(name: &str) {
+    let _ = std::fs::write(shared_dir().join(name), b"");
+}
+
+/// In a child: waits up to `timeout` for the file `name` of the shared directory.
+pub fn wait_file(name: &str, timeout: Duration) -> bool {
+    let path = shared_dir().join(name);
+    let start = Instant::now();
+    while !path.exists() {
+        if start.elapsed() > timeout {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    true
+}

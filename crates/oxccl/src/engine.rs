@@ -668,20 +668,6 @@ impl Engine {
                 ),
             });
         }
-        // A communicator with a failed member cannot run collectives: say so at once, naming
-        // it, even if this call would not talk to it (as NCCL's and Gloo's communicators,
-        // it is broken as a whole).
-        for link in &mut self.links {
-            link.refresh_failed();
-            if let Some(why) = &link.failed {
-                return Err(Error::PeerFailed {
-                    rank: self.rank,
-                    op: desc.to_string(),
-                    peer: link.peer,
-                    detail: format!("{why} (found before this call started)"),
-                });
-            }
-        }
         let esize = dtype.size();
         let need = sched.scratch * esize;
         if self.scratch.len() * 8 < need {
@@ -710,7 +696,10 @@ impl Engine {
             mrs: CallMrs::default(),
             bytes_in: 0,
         };
-        let mut r = if mailbox {
+        let mut r = call.check_members();
+        r = if r.is_err() {
+            r
+        } else if mailbox {
             call.run_mailbox(timeout)
         } else {
             match plan.queues.get_or_init(|| Queues::new(call.eng, sched)) {
@@ -757,6 +746,32 @@ struct Call<'a> {
 }
 
 impl Call<'_> {
+    /// A communicator with a failed member cannot run collectives: says so at once, naming
+    /// it, even if this call would not talk to it (as NCCL's and Gloo's communicators, it is
+    /// broken as a whole). Notices that arrived before the connection failed (a peer that
+    /// reported a failure, then closed) explain it better and come first.
+    fn check_members(&mut self) -> Result<()> {
+        let mut failed = None;
+        for link in &mut self.eng.links {
+            link.refresh_failed();
+            if failed.is_none() && link.failed.is_some() {
+                failed = Some(link.peer);
+            }
+        }
+        let Some(peer) = failed else { return Ok(()) };
+        self.poll_cqs()?;
+        let l = self.eng.link_of[peer];
+        Err(Error::PeerFailed {
+            rank: self.eng.rank,
+            op: self.desc.to_string(),
+            peer,
+            detail: format!(
+                "{} (found before this call started)",
+                self.eng.links[l].failed.as_deref().unwrap_or("failed")
+            ),
+        })
+    }
+
     fn deps_done(&self, s: usize) -> bool {
         self.sched.steps[s]
             .deps

@@ -124,9 +124,13 @@ fn looped(args: &Value) -> Value {
                         .and_then(|s| s.trim().parse::<u64>().ok())
                         .into();
                 }
+                if args["close_on_error"].as_bool() == Some(true) {
+                    // Drop the communicator at once (the harness waits for the others).
+                    drop(comm);
+                    return out;
+                }
                 // Keep the communicator until every rank has its error, as a job that handles
-                // errors would: closing it now could make a rank still waiting for news of
-                // the failure see this rank's connections close first and blame it.
+                // errors would.
                 common::emit(&out);
                 common::mark_done();
                 common::linger();
@@ -237,7 +241,7 @@ fn assert_all_name(job: &Job, culprit: usize, except: &[usize], limit_ms: u64) {
     }
 }
 
-fn kill_fault(provider: &str, count: usize) {
+fn kill_fault(provider: &str, count: usize, close_on_error: bool) {
     let job = launch(
         4,
         &[
@@ -245,13 +249,13 @@ fn kill_fault(provider: &str, count: usize) {
             ("OXCCL_TIMEOUT", "5"),
             ("OXCCL_FAULT", "kill:rank=2,seq=3,after=1"),
         ],
-        json!({ "count": count, "doomed": 2 }),
+        json!({ "count": count, "doomed": 2, "close_on_error": close_on_error }),
     );
     for (r, res) in job.results.iter().enumerate().filter(|(r, _)| *r != 2) {
-        // Small calls may leave a rank one call behind when the news arrives.
+        // A rank may still be finishing the call before when the news arrives.
         let call = res["call"].as_u64().unwrap();
         assert!(
-            call == 3 || (count == SMALL && call == 2),
+            call == 3 || call == 2,
             "rank {r} failed in another call: {res}"
         );
         assert_eq!(res["kind"], "PeerFailed", "rank {r}: {res}");
@@ -277,17 +281,33 @@ fn kill_fault(provider: &str, count: usize) {
 
 #[test]
 fn kill_fault_names_the_dead_rank_shm() {
-    kill_fault("shm", LARGE);
+    kill_fault("shm", LARGE, false);
+}
+
+/// Survivors that close their communicator as soon as they fail must not be blamed by those
+/// still waiting: the failure notice they sent first is read before their connection closes.
+#[test]
+fn survivors_that_close_at_once_are_not_blamed_tcp() {
+    for _ in 0..3 {
+        kill_fault("tcp", LARGE, true);
+    }
+}
+
+#[test]
+fn survivors_that_close_at_once_are_not_blamed_shm() {
+    for _ in 0..3 {
+        kill_fault("shm", LARGE, true);
+    }
 }
 
 #[test]
 fn kill_fault_names_the_dead_rank_small_shm() {
-    kill_fault("shm", SMALL);
+    kill_fault("shm", SMALL, false);
 }
 
 #[test]
 fn kill_fault_names_the_dead_rank_tcp() {
-    kill_fault("tcp", LARGE);
+    kill_fault("tcp", LARGE, false);
 }
 
 /// A stopped rank: the others time out naming the call, themselves, the peer, the step and

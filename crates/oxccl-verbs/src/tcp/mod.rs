@@ -305,6 +305,9 @@ pub(crate) struct Conn {
     /// Whether the queue pair was told.
     reported: AtomicBool,
     stalled: AtomicBool,
+    /// A send failed (the peer closed or reset the connection): the progress thread reads what
+    /// the peer sent before that, then fails the queue pair.
+    drain_first: AtomicBool,
     /// The peer's RNR budget (how long we may stall its SEND before NAKing it), µs; 0 = forever.
     peer_rnr_us: AtomicU64,
     my_rnr_us: u64,
@@ -348,6 +351,7 @@ impl Shared {
             reason: Mutex::new(None),
             reported: AtomicBool::new(false),
             stalled: AtomicBool::new(false),
+            drain_first: AtomicBool::new(false),
             peer_rnr_us: AtomicU64::new(0),
             my_rnr_us: rnr_us,
             attach_by: Mutex::new(None),
@@ -455,7 +459,7 @@ impl Shared {
             .collect();
         for c in conns {
             if c.dead.load(Ordering::Acquire) {
-                c.report();
+                c.drain_then_report();
                 continue;
             }
             if c.sock.get().is_none() {
@@ -656,7 +660,10 @@ impl Conn {
 
     /// Moves the queue pair to ERR, once, with the recorded reason.
     pub(crate) fn report(&self) {
-        if !self.dead.load(Ordering::Acquire) || self.reported.swap(true, Ordering::AcqRel) {
+        if !self.dead.load(Ordering::Acquire)
+            || self.drain_first.load(Ordering::Acquire)
+            || self.reported.swap(true, Ordering::AcqRel)
+        {
             return;
         }
         let why = self
@@ -704,6 +711,9 @@ impl Conn {
     /// later, by the progress thread or the next poll).
     fn check(&self, r: std::result::Result<(), String>) {
         if let Err(why) = r {
+            // What the peer sent before it closed (its last messages: often why it closed)
+            // is still in the socket: the progress thread delivers it first.
+            self.drain_first.store(true, Ordering::Release);
             self.mark_failed(&why);
         }
     }
@@ -1007,13 +1017,27 @@ impl Conn {
 
     /// Reads and executes frames until the socket would block.
     fn on_readable(&self) {
+        if self.dead.load(Ordering::Acquire) {
+            return;
+        }
+        self.read_frames();
+    }
+
+    /// On the progress thread, after a failed send: executes the frames the peer sent before
+    /// the connection broke, then fails the queue pair.
+    fn drain_then_report(&self) {
+        if self.drain_first.swap(false, Ordering::AcqRel) {
+            self.read_frames();
+        }
+        self.report();
+    }
+
+    /// Reads and executes frames until the socket would block, fails or closes.
+    fn read_frames(&self) {
         let Some(qp) = self.qp.upgrade() else {
             return;
         };
         let Some(sock) = self.sock.get() else { return };
-        if self.dead.load(Ordering::Acquire) {
-            return;
-        }
         let mut rx = self.rx.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             let state = std::mem::replace(&mut rx.state, RxState::Discard { left: 0 });

@@ -44,7 +44,13 @@ fn now_ns() -> u64 {
 /// call took. With `cont_after_timeout`, rank 0 sends `SIGCONT` to the stopped rank (its pid
 /// is in the shared directory) after its own timeout, and every rank that timed out aborts.
 fn looped(args: &Value) -> Value {
-    let comm = Communicator::from_env().unwrap_or_else(|e| panic!("init: {e}"));
+    let mut opts = oxccl::Options::from_env().unwrap();
+    let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+    if args["no_watchdog_rank"].as_u64() == Some(rank as u64) {
+        opts.watchdog = None;
+    }
+    let boot = oxccl_bootstrap::Bootstrap::from_env().unwrap_or_else(|e| panic!("bootstrap: {e}"));
+    let comm = Communicator::init(boot, opts).unwrap_or_else(|e| panic!("init: {e}"));
     let (rank, n) = (comm.rank(), comm.world_size());
     std::fs::write(
         shared_dir().join(format!("pid-{rank}")),
@@ -185,11 +191,16 @@ fn launch(n: usize, env: &[(&str, &str)], args: Value) -> Job {
     let outs = run_ranks(n, &all_env, "loop", &args);
     let doomed = args["doomed"].as_u64().map(|d| d as usize);
     let results = if let Some(d) = doomed {
+        let want = args["doomed_signal"].as_i64().unwrap_or(9) as i32;
         let killed = outs[d].status.is_some_and(|s| {
             use std::os::unix::process::ExitStatusExt;
-            s.signal() == Some(9)
+            s.signal() == Some(want)
         });
-        assert!(killed, "rank {d} was not killed{}", report(&outs));
+        assert!(
+            killed,
+            "rank {d} did not die of signal {want}{}",
+            report(&outs)
+        );
         assert!(
             outs.iter().filter(|o| o.rank != d).all(|o| o.ok()),
             "{env:?} {args}: a survivor failed{}",
@@ -410,6 +421,36 @@ fn watchdog_aborts_a_stuck_call_and_dumps() {
         matches!(res["kind"].as_str(), Some("Aborted" | "PeerFailed")),
         "rank 2: {res}"
     );
+}
+
+/// `OXCCL_WATCHDOG=exit`: the stuck rank's process dumps, tells its peers and ends itself with
+/// `abort()` (SIGABRT), as torch's async error handling does.
+#[test]
+fn watchdog_exit_ends_the_process_after_telling_the_peers() {
+    let job = launch(
+        2,
+        &[
+            ("OXCCL_TIMEOUT", "60"),
+            ("OXCCL_WATCHDOG", "exit"),
+            ("OXCCL_WATCHDOG_TIMEOUT", "1"),
+            ("OXCCL_FAULT", "delay:rank=1,seq=2,ms=3000"),
+        ],
+        json!({ "count": LARGE, "doomed": 0, "doomed_signal": 6, "no_watchdog_rank": 1 }),
+    );
+    let d = job.dumps[0]
+        .as_ref()
+        .expect("the watchdog dumped before exiting");
+    assert_eq!(d["reason"], "watchdog", "{d}");
+    let e = d["entries"].as_array().unwrap().last().unwrap();
+    assert_eq!(
+        (e["seq"].as_u64(), e["coll"].as_str()),
+        (Some(2), Some("all_reduce")),
+        "{e}"
+    );
+    // Rank 1 (no watchdog) hears of it when it wakes.
+    let r1 = &job.results[1];
+    assert_eq!(r1["ok"], false, "{r1}");
+    assert!(ms(r1) <= 4500, "{r1}");
 }
 
 /// A cut connection: both ends name each other, the others hear of it.

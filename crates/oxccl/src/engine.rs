@@ -1114,6 +1114,10 @@ impl Call<'_> {
         self.check_header(&h, peer, dst.len * self.esize, 0)?;
         let len = h.frag_len as usize;
         self.bytes_in += len as u64;
+        self.eng
+            .probe
+            .bytes_in
+            .store(self.bytes_in, Ordering::Relaxed);
         let base = box_off + 2 * SLOT_HEADER;
         self.apply(l, base, len, dst, reduce_with, 0)?;
         self.eng.links[l].mbox_recv += 1;

@@ -248,6 +248,7 @@ fn error_json(e: &Error, t_ns: u64) -> Value {
         op,
         timeout,
         waiting,
+        peer,
         step,
         steps,
         bytes,
@@ -258,18 +259,10 @@ fn error_json(e: &Error, t_ns: u64) -> Value {
             "rank": rank, "seq": op.seq, "coll": op.coll, "count": op.count,
             "timeout_ms": timeout.as_millis() as u64, "waiting": waiting, "step": step,
             "steps": steps, "bytes": bytes,
-            // A field the variant may have (`peer: Option<usize>`), read from its Debug form
-            // so that this compiles with and without it.
-            "peer": debug_field(&format!("{e:?}"), "peer"),
+            "peer": peer,
         });
     }
     v
-}
-
-/// The value of `name: Some(x)` in a Debug string, as a number; `None` otherwise.
-fn debug_field(debug: &str, name: &str) -> Option<u64> {
-    let rest = &debug[debug.find(&format!("{name}: Some("))? + name.len() + 8..];
-    rest[..rest.find(')')?].parse().ok()
 }
 
 /// What a looping rank reports: its iterations, wrong results and the error that ended it,
@@ -797,12 +790,12 @@ fn check_timeout(me: usize, r: &Value, stop_ns: u64, stopped: usize) -> Vec<Stri
             "rank {me}'s Timeout names no peer waited on: {waiting:?}"
         ));
     }
-    if let Some(p) = t["peer"].as_u64()
-        && (p as usize == me || p as usize >= N || !names_rank(waiting, me, p as usize))
-    {
-        f.push(format!(
-            "rank {me}'s Timeout has peer {p}, waiting {waiting:?}"
-        ));
+    // The peer waited on, as a field too.
+    match t["peer"].as_u64().map(|p| p as usize) {
+        Some(p) if p != me && p < N && names_rank(waiting, me, p) => {}
+        other => f.push(format!(
+            "rank {me}'s Timeout has peer {other:?}, waiting {waiting:?}"
+        )),
     }
     if step >= steps {
         f.push(format!("rank {me}'s Timeout: step {step} of {steps}"));

@@ -813,7 +813,8 @@ impl Communicator {
         let sched = match hit {
             Some(s) => s,
             None => {
-                let s = Arc::new(Plan::new(build(&key.0).map_err(invalid)?));
+                let sizes_shared = !matches!(coll, Collective::AllToAllV { .. });
+                let s = Arc::new(Plan::new(build(&key.0).map_err(invalid)?, sizes_shared));
                 if st.cache.len() >= 256 {
                     st.cache.clear();
                 }

@@ -454,13 +454,38 @@ impl<'a> Cursor<'a> {
 }
 
 impl Plan {
-    pub(crate) fn new(sched: Schedule) -> Plan {
+    /// `mailbox_ok`: whether the mailbox protocol may be considered. It must be chosen alike
+    /// at both ends of every link, so never where sizes are known to one end only
+    /// (all_to_allv: a rank knows its own blocks, not its peers').
+    pub(crate) fn new(sched: Schedule, mailbox_ok: bool) -> Plan {
+        let mailbox = std::sync::OnceLock::new();
+        if !mailbox_ok {
+            let _ = mailbox.set(false);
+        }
         Plan {
             sched,
-            mailbox: std::sync::OnceLock::new(),
+            mailbox,
             queues: std::sync::OnceLock::new(),
         }
     }
+}
+
+/// Extra polling a call gets once its time is up, before it reports a timeout: what the
+/// transport already holds (a peer's abort or failure notice, the awaited data itself) comes
+/// first. A process stopped past its deadline (SIGSTOP, a debugger) finds it still unread.
+const TIMEOUT_GRACE: Duration = Duration::from_millis(100);
+
+/// Whether a call's time is up (after one [`TIMEOUT_GRACE`]).
+fn expired(deadline: &mut Instant, graced: &mut bool, now: Instant) -> bool {
+    if now < *deadline {
+        return false;
+    }
+    if !*graced {
+        *graced = true;
+        *deadline = now + TIMEOUT_GRACE;
+        return false;
+    }
+    true
 }
 
 /// The caller's buffers for one call, as raw memory: the engine is their only user until the
@@ -944,6 +969,7 @@ impl Call<'_> {
     fn run_mailbox(&mut self, timeout: Duration) -> Result<()> {
         // The clock is read only once the call idles (most small calls never do).
         let mut deadline: Option<Instant> = None;
+        let mut graced = false;
         let mut idle_since: Option<Instant> = None;
         let mut idle_polls = 0u32;
         let geo = self.eng.geo;
@@ -1000,7 +1026,7 @@ impl Call<'_> {
             self.check_strays(None, true)?;
             self.check_health()?;
             let now = Instant::now();
-            if now >= *deadline.get_or_insert(now + timeout) {
+            if expired(deadline.get_or_insert(now + timeout), &mut graced, now) {
                 let step = self.st.iter().position(|s| !s.done).unwrap_or(0);
                 let (waiting, peer) = match self.sched.steps[step].op {
                     Op::Recv { peer, .. } => (
@@ -1125,7 +1151,8 @@ impl Call<'_> {
     }
 
     fn run(&mut self, queues: &Queues, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+        let mut deadline = Instant::now() + timeout;
+        let mut graced = false;
         let (mut sendq, mut recvq) = (Cursor::all(&queues.send), Cursor::all(&queues.recv));
         let mut locals = queues.locals.clone();
         self.check_health()?;
@@ -1160,7 +1187,7 @@ impl Call<'_> {
             self.check_strays(Some(&recvq), false)?;
             self.check_health()?;
             let now = Instant::now();
-            if now >= deadline {
+            if expired(&mut deadline, &mut graced, now) {
                 return Err(self.timeout_error(timeout, &sendq, &recvq));
             }
             let idle = now - *idle_since.get_or_insert(now);

@@ -342,12 +342,13 @@ fn real_dumps_of_a_stalled_job_name_the_stopped_rank() {
         .unwrap();
     assert!(!out.status.success(), "the stalled job succeeded");
     let err = stderr(&out);
-    for r in [0, 2] {
-        assert!(
-            dir.join(format!("dump-{r}.json")).exists(),
-            "rank {r} wrote no dump; stderr:\n{err}"
-        );
-    }
+    // The first rank to time out asks the others to dump too; the launcher stops the job as
+    // soon as one rank fails, so both dumps are normal, and one is guaranteed.
+    let dumped: Vec<usize> = [0, 2]
+        .into_iter()
+        .filter(|r| dir.join(format!("dump-{r}.json")).exists())
+        .collect();
+    assert!(!dumped.is_empty(), "no survivor dumped; stderr:\n{err}");
     assert!(
         !dir.join("dump-1.json").exists(),
         "the stopped rank cannot dump"
@@ -361,10 +362,12 @@ fn real_dumps_of_a_stalled_job_name_the_stopped_rank() {
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
     let comm = &report["communicators"][0];
     assert_eq!(comm["world_size"], 3, "{report}");
-    assert_eq!(comm["missing_ranks"], json!([1]), "{report}");
     assert_eq!(comm["suspects"][0], 1, "{report}");
-    // Both survivors were in call #5 when they gave up.
-    for r in [0, 2] {
+    let missing = comm["missing_ranks"].as_array().unwrap();
+    assert!(missing.contains(&json!(1)), "{report}");
+    assert_eq!(missing.len(), 3 - dumped.len(), "{report}");
+    // The survivors were in call #5 when they gave up.
+    for r in dumped {
         let rank = comm["ranks"]
             .as_array()
             .unwrap()
@@ -379,6 +382,12 @@ fn real_dumps_of_a_stalled_job_name_the_stopped_rank() {
         .output()
         .unwrap();
     let text = stdout(&text);
-    assert!(text.contains("no dump from rank 1"), "{text}");
+    assert!(
+        text.lines().any(|l| {
+            let l = l.trim_start();
+            l.starts_with("suspects: rank 1") || l.starts_with("suspects: ranks 1,")
+        }),
+        "{text}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

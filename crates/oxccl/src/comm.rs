@@ -868,6 +868,7 @@ impl Communicator {
                 Error::Verbs { .. } | Error::InvalidArgument { .. } => {
                     st.engine.notify_failure(rank)
                 }
+                Error::Timeout { .. } => st.engine.request_dumps(),
                 _ => {}
             }
             st.poisoned = Some(e.to_string());

@@ -43,9 +43,11 @@ const IMM_DATA: u32 = 0;
 const IMM_CREDIT: u32 = 1;
 const IMM_ABORT: u32 = 2;
 const IMM_MISMATCH: u32 = 3;
-/// The value of an abort notice sent by `Communicator::abort`; any other value names a rank
-/// the sender found dead.
+/// The value of an abort notice sent by `Communicator::abort`; any other value but
+/// [`DUMP_REQUEST`] names a rank the sender found dead.
 const ABORTED_BY_USER: u32 = 0xff_ffff;
+/// `IMM_ABORT` value that aborts nothing: "dump your flight recorder" (a peer timed out).
+const DUMP_REQUEST: u32 = 0xff_fffe;
 
 fn imm(kind: u32, channel: usize, value: u32) -> u32 {
     kind << 30 | (channel as u32 & 0x3f) << 24 | (value & 0xff_ffff)
@@ -631,6 +633,12 @@ impl Engine {
         Engine::notify_all(&self.links, imm(IMM_ABORT, 0, ABORTED_BY_USER));
     }
 
+    /// Asks every peer to dump its flight recorder now (this rank timed out: the launcher may
+    /// stop the others before their own timeouts), so that the dumps show every rank.
+    pub(crate) fn request_dumps(&self) {
+        Engine::notify_all(&self.links, imm(IMM_ABORT, 0, DUMP_REQUEST));
+    }
+
     /// Tells every peer that rank `dead` failed (`dead` = this rank: its own call failed), so
     /// that those not waiting on it fail naming it rather than timing out; best effort. `dead`
     /// itself is told too: if only the connection failed, it learns who lost it.
@@ -972,6 +980,7 @@ impl Call<'_> {
         let mut graced = false;
         let mut idle_since: Option<Instant> = None;
         let mut idle_polls = 0u32;
+        let mut napping = false;
         let geo = self.eng.geo;
         while self.left > 0 {
             let mut progress = false;
@@ -1008,11 +1017,13 @@ impl Call<'_> {
             if progress {
                 idle_since = None;
                 idle_polls = 0;
+                napping = false;
                 continue;
             }
             // Reading the clock costs as much as a poll: look at it every 32 idle passes.
             idle_polls += 1;
-            if !idle_polls.is_multiple_of(32) {
+            // (Once napping, every pass is long anyway: look at everything each time.)
+            if !napping && !idle_polls.is_multiple_of(32) {
                 if self.eng.spin_for.is_zero() {
                     std::thread::yield_now();
                 } else {
@@ -1053,6 +1064,7 @@ impl Call<'_> {
                 std::thread::yield_now();
             } else {
                 // Nothing to sleep on: nap briefly.
+                napping = true;
                 std::thread::sleep(Duration::from_micros(100));
             }
         }
@@ -1303,6 +1315,10 @@ impl Call<'_> {
                             .probe
                             .bytes_in
                             .store(self.bytes_in, Ordering::Relaxed);
+                    }
+                    IMM_ABORT if v & 0xff_ffff == DUMP_REQUEST => {
+                        let peer = lk.peer;
+                        crate::flight::dump_on_request(&self.eng.probe, peer);
                     }
                     IMM_ABORT if v & 0xff_ffff != ABORTED_BY_USER => {
                         let (peer, dead) = (lk.peer, (v & 0xff_ffff) as usize);

@@ -10,6 +10,8 @@
 //! A dump is one JSON object (format version 1; `oxccl doctor` reads it). It is written
 //! - when a call times out, is aborted, or the watchdog fires (always), and on other errors
 //!   that break a communicator when `OXCCL_DEBUG_DUMP` is set: once per communicator;
+//! - when a peer times out: it asks every rank to dump (`"reason":"peer_timeout"`), since a
+//!   launcher may stop the others before their own timeouts fire;
 //! - whenever the process receives `SIGUSR1` (the handler is installed with the first
 //!   communicator unless `OXCCL_DUMP_ON_SIGNAL=0`; it chains to any handler installed before).
 //!
@@ -71,6 +73,8 @@ pub(crate) struct Probe {
     pub last_completed: AtomicU64,
     /// Whether this communicator has dumped already after a failure.
     pub dumped: std::sync::atomic::AtomicBool,
+    /// Whether it has dumped at a peer's request.
+    pub requested: std::sync::atomic::AtomicBool,
 }
 
 impl Probe {
@@ -86,6 +90,7 @@ impl Probe {
             last_started: AtomicU64::new(0),
             last_completed: AtomicU64::new(0),
             dumped: Default::default(),
+            requested: Default::default(),
         });
         if let Some(r) = recorder() {
             let mut comms = r.comms.lock().unwrap_or_else(|e| e.into_inner());
@@ -405,6 +410,21 @@ pub(crate) fn dump_on_error(probe: &Probe, err: &Error) {
     if let Some(to) = dump(reason, &err.to_string(), Some(probe)) {
         crate::log_warn(format!(
             "rank {}: flight recorder dumped to {to} ({reason})",
+            probe.rank
+        ));
+    }
+}
+
+/// Dumps because rank `peer` timed out and asked for it (once per communicator; this rank's
+/// own failure, if it follows, dumps again, replacing the file).
+pub(crate) fn dump_on_request(probe: &Probe, peer: usize) {
+    if probe.dumped.load(Ordering::Relaxed) || probe.requested.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    let why = format!("rank {peer} timed out and asked every rank to dump");
+    if let Some(to) = dump("peer_timeout", &why, Some(probe)) {
+        crate::log_warn(format!(
+            "rank {}: flight recorder dumped to {to} ({why})",
             probe.rank
         ));
     }

@@ -696,6 +696,80 @@ fn kill_a_rank_during_every_collective_tcp_netns() {
     // Dropping the bed (also while unwinding) kills what runs in it and deletes it.
 }
 
+/// Seconds of `OXCCL_TIMEOUT` in the link-cut test: above the tcp queue pairs' own timeout
+/// (5 s: `TCP_USER_TIMEOUT` and keepalive), which is what notices a silent link.
+const CUT_TIMEOUT_S: u64 = 10;
+
+/// A host's link cut mid-job (its veth port on the bridge set down: no FIN, no RST, silence):
+/// every rank on the other hosts fails naming the rank behind the cut, within the timeout
+/// plus a second, through the tcp connections' own timeouts and keepalives.
+#[test]
+fn cut_link_is_named_on_every_other_host_tcp_netns() {
+    let name = "cut_link_is_named_on_every_other_host_tcp_netns";
+    if let Err(reason) = Testbed::available() {
+        println!("SKIPPED {name}: {reason}");
+        return;
+    }
+    let _g = serial();
+    let tb = Testbed::new(&[HostSpec::unshaped(); 3]).expect("creating the test bed");
+    let net = Net::Tcp(&tb);
+    // Rank 2 is alone in host 1.
+    let (cut_rank, cut_host) = (2, 1);
+    let args = json!({ "coll": "all_reduce", "count": 200_000 });
+    let mut job =
+        start_ready(&net, CUT_TIMEOUT_S, "kill_loop", &args).unwrap_or_else(|e| panic!("{e}"));
+    std::thread::sleep(Duration::from_millis(100));
+    let cut_ns = realtime_ns();
+    let st = Command::new("ip")
+        .args([
+            "-n",
+            &tb.bridge_netns(),
+            "link",
+            "set",
+            &format!("h{cut_host}"),
+            "down",
+        ])
+        .status()
+        .expect("running ip");
+    assert!(st.success(), "cutting host {cut_host}'s link failed");
+    let others: Vec<usize> = (0..N).filter(|&r| r != cut_rank).collect();
+    let deadline = Instant::now() + Duration::from_secs(CUT_TIMEOUT_S + 15);
+    job.wait_until(deadline, |j| {
+        others
+            .iter()
+            .all(|r| j.path(&format!("result-{r}")).exists())
+    });
+    let results: Vec<Option<Value>> = (0..N)
+        .map(|r| job.read_json(&format!("result-{r}")))
+        .collect();
+    // The rank behind the cut fails too (it names someone it can no longer reach); let it go.
+    job.touch("release");
+    let outs = job.finish(Duration::from_secs(CUT_TIMEOUT_S + 5));
+    let mut fails = Vec::new();
+    let mut worst: f64 = 0.0;
+    for &r in &others {
+        let Some(e) = results[r]
+            .as_ref()
+            .map(|v| &v["error"])
+            .filter(|e| !e.is_null())
+        else {
+            fails.push(format!("rank {r} reported no error"));
+            continue;
+        };
+        let msg = e["msg"].as_str().unwrap();
+        let detect = e["t_ns"].as_u64().unwrap().saturating_sub(cut_ns) as f64 / 1e9;
+        worst = worst.max(detect);
+        if !names_rank(msg, r, cut_rank) {
+            fails.push(format!("rank {r} does not name rank {cut_rank}: {msg}"));
+        }
+        if detect > (CUT_TIMEOUT_S + 1) as f64 {
+            fails.push(format!("rank {r} took {detect:.2} s: {msg}"));
+        }
+    }
+    println!("{name}: the others named rank {cut_rank} within {worst:.2} s of the cut");
+    assert!(fails.is_empty(), "{}{}", fails.join("\n"), report(&outs));
+}
+
 // ------------------------------------------------------------------------------------------
 // SIGSTOP
 

@@ -859,10 +859,12 @@ impl Communicator {
             match &e {
                 Error::Aborted { .. } if self.inner.abort.is_set() => st.engine.notify_abort(),
                 // Pass a failure on, unless it was passed to us.
-                Error::PeerFailed { peer, detail, .. }
-                    if *peer < world && !Engine::is_notice(detail) =>
-                {
-                    st.engine.notify_failure(*peer)
+                Error::PeerFailed { peer, detail, .. } if *peer < world => {
+                    if Engine::is_notice(detail) {
+                        st.engine.remember_failure(*peer)
+                    } else {
+                        st.engine.notify_failure(*peer)
+                    }
                 }
                 // This rank's own call failed: tell the peers, which would otherwise wait.
                 Error::Verbs { .. } | Error::InvalidArgument { .. } => {

@@ -126,15 +126,21 @@ struct Header {
     damaged: bool,
 }
 
-/// FNV-1a over a header's fields: a damaged header is reported as such, not misread.
+/// A checksum of a header's fields (its first 52 bytes), so that a damaged header is
+/// reported as such, not misread: a multiply-rotate hash over 8-byte words (every input bit
+/// reaches the result; a few ns, where a byte-wise FNV took about 70).
 fn header_sum(b: &[u8]) -> u32 {
-    b[..HEADER_SUMMED].iter().fold(0x811c_9dc5u32, |h, &x| {
-        (h ^ u32::from(x)).wrapping_mul(0x0100_0193)
-    })
+    let word = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+    let mut h = 0x9E37_79B9_7F4A_7C15u64;
+    for o in (0..48).step_by(8) {
+        h = (h ^ word(o))
+            .wrapping_mul(0xBF58_476D_1CE4_E5B9)
+            .rotate_left(29);
+    }
+    h ^= u64::from(u32::from_le_bytes(b[48..52].try_into().unwrap()));
+    h = (h ^ (h >> 31)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (h ^ (h >> 32)) as u32
 }
-
-/// Bytes of a header covered by its checksum (which follows them).
-const HEADER_SUMMED: usize = 52;
 
 impl Header {
     fn encode(&self, out: &mut [u8]) {
@@ -551,6 +557,8 @@ pub(crate) struct Engine {
     pub(crate) probe: Arc<Probe>,
     /// Injected faults (`OXCCL_FAULT`), if this rank has any.
     pub(crate) faults: Option<Box<Injector>>,
+    /// The notice to send every peer when closing (why this communicator failed), if any.
+    last_words: Option<u32>,
     /// The last calls, for naming the one a peer reports a mismatch in.
     recent: VecDeque<OpDesc>,
     /// Each completion queue's doorbell when it was last polled.
@@ -571,6 +579,15 @@ pub(crate) struct Engine {
     scratch: Vec<u64>,
     scratch_mrs: Vec<Option<MemoryRegion>>,
     wcs: Vec<WorkCompletion>,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // Before the connections close: on each, the notice precedes the close.
+        if let Some(v) = self.last_words {
+            Engine::notify_all(&self.links, v);
+        }
+    }
 }
 
 /// Per-call progress of each step.
@@ -608,6 +625,7 @@ impl Engine {
             abort,
             probe,
             faults: None,
+            last_words: None,
             recent: VecDeque::new(),
             doorbells: vec![u32::MAX; n],
             st_buf: Vec::new(),
@@ -629,7 +647,8 @@ impl Engine {
     }
 
     /// Tells every peer this communicator was aborted; best effort.
-    pub(crate) fn notify_abort(&self) {
+    pub(crate) fn notify_abort(&mut self) {
+        self.last_words = Some(imm(IMM_ABORT, 0, ABORTED_BY_USER));
         Engine::notify_all(&self.links, imm(IMM_ABORT, 0, ABORTED_BY_USER));
     }
 
@@ -642,8 +661,16 @@ impl Engine {
     /// Tells every peer that rank `dead` failed (`dead` = this rank: its own call failed), so
     /// that those not waiting on it fail naming it rather than timing out; best effort. `dead`
     /// itself is told too: if only the connection failed, it learns who lost it.
-    pub(crate) fn notify_failure(&self, dead: usize) {
+    pub(crate) fn notify_failure(&mut self, dead: usize) {
+        self.remember_failure(dead);
         Engine::notify_all(&self.links, imm(IMM_ABORT, 0, dead as u32));
+    }
+
+    /// Remembers that rank `dead` failed, to say so once more as this communicator closes
+    /// ([`Engine`]'s `Drop`): a peer that sees our connections close then knows why, whatever
+    /// it received from others meanwhile, and does not blame us.
+    pub(crate) fn remember_failure(&mut self, dead: usize) {
+        self.last_words = Some(imm(IMM_ABORT, 0, dead as u32));
     }
 
     /// Whether a [`Error::PeerFailed`] detail comes from a peer's notice (not to be passed on).
@@ -1402,7 +1429,12 @@ impl Call<'_> {
     fn check_health(&mut self) -> Result<()> {
         for l in 0..self.eng.links.len() {
             self.eng.links[l].refresh_failed();
-            self.check_link(l)?;
+            if let Err(e) = self.check_link(l) {
+                // A notice that arrived just before the connection failed (a peer that
+                // reported a failure, then closed) explains it better.
+                self.poll_cqs()?;
+                return Err(e);
+            }
         }
         if self.eng.abort.is_set() {
             return Err(Error::Aborted {

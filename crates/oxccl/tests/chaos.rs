@@ -309,6 +309,15 @@ fn kill_loop(args: &Value) -> Value {
     let (rank, _) = common::env_rank();
     let coll = args["coll"].as_str().unwrap().to_string();
     let count = args["count"].as_u64().unwrap() as usize;
+    // The communicator stays open until the parent has every report.
+    let (_comm, v) = init_and_loop(rank, |_| (&coll, count));
+    release_and_exit(v);
+}
+
+/// In a rank: inits a communicator and runs `call(iter)` = (collective, count) until one fails
+/// (or 120 s pass), marking the rank ready after the first; reports (also an init failure,
+/// which exits) and waits for the parent to collect the report.
+fn init_and_loop<'a>(rank: usize, call: impl Fn(u64) -> (&'a str, usize)) -> (Communicator, Value) {
     let comm = match Communicator::from_env() {
         Ok(c) => c,
         Err(e) => {
@@ -322,7 +331,7 @@ fn kill_loop(args: &Value) -> Value {
     let mut iter = 0u64;
     let error = loop {
         iter += 1;
-        match one(&comm, &coll, count, iter) {
+        match one(&comm, call(iter).0, call(iter).1, iter) {
             Ok(None) => {}
             Ok(Some(w)) => {
                 if wrong.len() < 10 {
@@ -339,7 +348,7 @@ fn kill_loop(args: &Value) -> Value {
         }
     };
     let v = report_and_wait(rank, iter, &wrong, error);
-    release_and_exit(v);
+    (comm, v)
 }
 
 // ------------------------------------------------------------------------------------------
@@ -783,36 +792,7 @@ fn alternate(iter: u64) -> usize {
 /// parent's `abort`, abort, say so; wait for `release`.
 fn stop_loop(_args: &Value) -> Value {
     let (rank, _) = common::env_rank();
-    let comm = match Communicator::from_env() {
-        Ok(c) => c,
-        Err(e) => {
-            let v = report_and_wait(rank, 0, &[], error_json(&e, realtime_ns()));
-            release_and_exit(v);
-        }
-    };
-    note_providers(&comm);
-    let start = Instant::now();
-    let mut wrong = Vec::new();
-    let mut iter = 0u64;
-    let error = loop {
-        iter += 1;
-        match one(&comm, "all_reduce", alternate(iter), iter) {
-            Ok(None) => {}
-            Ok(Some(w)) => {
-                if wrong.len() < 10 {
-                    wrong.push(w);
-                }
-            }
-            Err(e) => break error_json(&e, realtime_ns()),
-        }
-        if iter == 1 {
-            common::touch(&format!("ready-{rank}"));
-        }
-        if start.elapsed() > Duration::from_secs(120) {
-            break Value::Null;
-        }
-    };
-    let v = report_and_wait(rank, iter, &wrong, error);
+    let (comm, v) = init_and_loop(rank, |iter| ("all_reduce", alternate(iter)));
     // The stopped rank, continued, has no `abort` to wait for: the others have aborted.
     if common::wait_file("abort", Duration::from_secs(60)) {
         comm.abort();

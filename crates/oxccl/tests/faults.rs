@@ -168,8 +168,8 @@ fn signal_dump() -> Value {
         std::thread::sleep(Duration::from_millis(10));
     }
     let dump = std::fs::read_to_string(&path).unwrap_or_default();
-    comm.destroy().unwrap();
-    json!({ "dump": dump })
+    let destroyed = comm.destroy().map_err(|e| e.to_string());
+    json!({ "dump": dump, "destroy": format!("{destroyed:?}") })
 }
 
 fn dump_file(dir: &Path, rank: usize) -> PathBuf {
@@ -602,6 +602,7 @@ fn sigusr1_dumps_the_flight_recorder() {
     );
     let results = expect_results("signal_dump", &outs);
     for (r, res) in results.iter().enumerate() {
+        assert_eq!(res["destroy"], "Ok(())", "rank {r}");
         let d: Value = serde_json::from_str(res["dump"].as_str().unwrap())
             .unwrap_or_else(|e| panic!("rank {r}: {e}: {res}"));
         assert_eq!(d["oxccl_flight_recorder"], oxccl::DUMP_VERSION);

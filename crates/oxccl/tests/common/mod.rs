@@ -114,6 +114,46 @@ pub fn run_ranks(n: usize, env: &[(&str, &str)], scenario: &str, args: &Value) -
     }
 }
 
+/// What a rank's environment is made of.
+struct RankEnv<'a> {
+    scenario: &'a str,
+    args: &'a str,
+    dir: &'a std::path::Path,
+    rank: usize,
+    n: usize,
+    port: &'a str,
+    secret: &'a str,
+}
+
+/// Gives `cmd` a rank's environment: the launcher's variables a real job has, the scenario, and
+/// `env` on top. Inherited `OXCCL_*`/launcher variables are removed unless `cmd` sets them
+/// itself (a wrapper such as `Testbed::command`).
+fn rank_env(cmd: &mut Command, r: RankEnv<'_>, env: &[(&str, &str)]) {
+    let own: Vec<std::ffi::OsString> = cmd.get_envs().map(|(k, _)| k.to_owned()).collect();
+    for (k, _) in std::env::vars_os() {
+        if k.to_str().is_some_and(inherited_noise) && !own.contains(&k) {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.env(CHILD_ENV, r.scenario)
+        .env(ARGS_ENV, r.args)
+        .env(DIR_ENV, r.dir)
+        .env("RANK", r.rank.to_string())
+        .env("WORLD_SIZE", r.n.to_string())
+        .env("LOCAL_RANK", r.rank.to_string())
+        .env("LOCAL_WORLD_SIZE", r.n.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", r.port)
+        .env("OXCCL_SECRET", r.secret)
+        .env("OXCCL_JOB_ID", format!("test-{}", r.scenario))
+        .env("OXCCL_TIMEOUT", "30")
+        .env("OXCCL_BOOTSTRAP_TIMEOUT", "30")
+        .env("RUST_BACKTRACE", "1");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+}
+
 fn run_ranks_once(n: usize, env: &[(&str, &str)], scenario: &str, args: &Value) -> Vec<RankOutput> {
     let exe = std::env::current_exe().expect("current_exe");
     let port = free_port().to_string();
@@ -125,28 +165,19 @@ fn run_ranks_once(n: usize, env: &[(&str, &str)], scenario: &str, args: &Value) 
     for rank in 0..n {
         let mut cmd = Command::new(&exe);
         cmd.args(["--exact", ENTRY_TEST, "--nocapture", "--test-threads=1"]);
-        for (k, _) in std::env::vars_os() {
-            if k.to_str().is_some_and(inherited_noise) {
-                cmd.env_remove(k);
-            }
-        }
-        cmd.env(CHILD_ENV, scenario)
-            .env(ARGS_ENV, &args)
-            .env(DIR_ENV, &dir.0)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", n.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", n.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", &port)
-            .env("OXCCL_SECRET", &secret)
-            .env("OXCCL_JOB_ID", format!("test-{scenario}"))
-            .env("OXCCL_TIMEOUT", "30")
-            .env("OXCCL_BOOTSTRAP_TIMEOUT", "30")
-            .env("RUST_BACKTRACE", "1");
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
+        rank_env(
+            &mut cmd,
+            RankEnv {
+                scenario,
+                args: &args,
+                dir: &dir.0,
+                rank,
+                n,
+                port: &port,
+                secret: &secret,
+            },
+            env,
+        );
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -427,29 +458,19 @@ pub fn spawn_job(
     for rank in 0..n {
         let mut cmd = launch(rank, &exe);
         cmd.args(["--exact", ENTRY_TEST, "--nocapture", "--test-threads=1"]);
-        let own: Vec<std::ffi::OsString> = cmd.get_envs().map(|(k, _)| k.to_owned()).collect();
-        for (k, _) in std::env::vars_os() {
-            if k.to_str().is_some_and(inherited_noise) && !own.contains(&k) {
-                cmd.env_remove(k);
-            }
-        }
-        cmd.env(CHILD_ENV, scenario)
-            .env(ARGS_ENV, &args)
-            .env(DIR_ENV, &job.dir.0)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", n.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", n.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .env("OXCCL_SECRET", &secret)
-            .env("OXCCL_JOB_ID", format!("test-{scenario}"))
-            .env("OXCCL_TIMEOUT", "30")
-            .env("OXCCL_BOOTSTRAP_TIMEOUT", "30")
-            .env("RUST_BACKTRACE", "1");
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
+        rank_env(
+            &mut cmd,
+            RankEnv {
+                scenario,
+                args: &args,
+                dir: &job.dir.0,
+                rank,
+                n,
+                port: &port.to_string(),
+                secret: &secret,
+            },
+            env,
+        );
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

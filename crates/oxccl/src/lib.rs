@@ -65,7 +65,7 @@ mod reduce;
 pub mod schedule;
 pub mod verify;
 
-pub use comm::{Buffers, Communicator, Options, Work, default_host_id};
+pub use comm::{Buffers, Communicator, Options, WatchdogAction, Work, default_host_id};
 pub use dtype::{DataType, Element, ParseNameError, ReduceOp, as_bytes, as_bytes_mut};
 pub use error::{Error, OpDesc, Result};
 pub use fault::{Fault, FaultKind, Faults};

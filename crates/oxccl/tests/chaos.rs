@@ -462,6 +462,22 @@ fn names_rank(msg: &str, me: usize, dead: usize) -> bool {
     })
 }
 
+/// Waits up to `wait_s` seconds for every rank but `except` to report, reads every rank's
+/// report, and lets the ranks go (they keep their communicators open until then).
+fn collect_results(job: &mut Job, except: usize, wait_s: u64) -> Vec<Option<Value>> {
+    let deadline = Instant::now() + Duration::from_secs(wait_s);
+    job.wait_until(deadline, |j| {
+        (0..N)
+            .filter(|&r| r != except)
+            .all(|r| j.path(&format!("result-{r}")).exists())
+    });
+    let results = (0..N)
+        .map(|r| job.read_json(&format!("result-{r}")))
+        .collect();
+    job.touch("release");
+    results
+}
+
 /// One kill trial: failures found (empty: passed).
 fn kill_trial(
     net: &Net,
@@ -503,16 +519,7 @@ fn kill_trial(
     }
     stats.trials += 1;
     let survivors: Vec<usize> = (0..N).filter(|&r| r != victim).collect();
-    let deadline = Instant::now() + Duration::from_secs(KILL_TIMEOUT_S + 15);
-    job.wait_until(deadline, |j| {
-        survivors
-            .iter()
-            .all(|r| j.path(&format!("result-{r}")).exists())
-    });
-    let results: Vec<Option<Value>> = (0..N)
-        .map(|r| job.read_json(&format!("result-{r}")))
-        .collect();
-    job.touch("release");
+    let results = collect_results(&mut job, victim, KILL_TIMEOUT_S + 15);
     let outs = job.finish(Duration::from_secs(15));
     let mut fails = Vec::new();
     let limit = (KILL_TIMEOUT_S + 1) as f64;
@@ -742,17 +749,8 @@ fn cut_link_is_named_on_every_other_host_tcp_netns() {
         .expect("running ip");
     assert!(st.success(), "cutting host {cut_host}'s link failed");
     let others: Vec<usize> = (0..N).filter(|&r| r != cut_rank).collect();
-    let deadline = Instant::now() + Duration::from_secs(CUT_TIMEOUT_S + 15);
-    job.wait_until(deadline, |j| {
-        others
-            .iter()
-            .all(|r| j.path(&format!("result-{r}")).exists())
-    });
-    let results: Vec<Option<Value>> = (0..N)
-        .map(|r| job.read_json(&format!("result-{r}")))
-        .collect();
-    // The rank behind the cut fails too (it names someone it can no longer reach); let it go.
-    job.touch("release");
+    // (The rank behind the cut fails too, naming someone it can no longer reach.)
+    let results = collect_results(&mut job, cut_rank, CUT_TIMEOUT_S + 15);
     let outs = job.finish(Duration::from_secs(CUT_TIMEOUT_S + 5));
     let mut fails = Vec::new();
     let mut worst: f64 = 0.0;

@@ -63,6 +63,7 @@ pub mod fault;
 pub mod flight;
 mod reduce;
 pub mod schedule;
+pub mod topology;
 pub mod verify;
 
 pub use comm::{Buffers, Communicator, Options, WatchdogAction, Work, default_host_id};
@@ -71,6 +72,7 @@ pub use error::{Error, OpDesc, Result};
 pub use fault::{Fault, FaultKind, Faults};
 pub use flight::DUMP_VERSION;
 pub use oxccl_verbs::Provider;
+pub use topology::{Host, Topology};
 
 /// Whether `OXCCL_DEBUG` asks for INFO lines (`INFO`, `TRACE` or `DEBUG`).
 pub(crate) fn log_enabled() -> bool {

@@ -55,13 +55,14 @@ pub const KINDS: [&str; 11] = [
 ];
 
 /// The algorithms, in the order [`Input::algo`] selects them (modulo their number).
-pub const ALGORITHMS: [Algorithm; 6] = [
+pub const ALGORITHMS: [Algorithm; 7] = [
     Algorithm::Ring,
     Algorithm::RecursiveDoubling,
     Algorithm::Tree,
     Algorithm::Chain,
     Algorithm::Direct,
     Algorithm::Dissemination,
+    Algorithm::Proportional,
 ];
 
 /// Ways to break a request, selected by `flags >> 4` (0..=9: none).
@@ -272,6 +273,18 @@ impl Case {
             .max(1)
             .max((largest * n).div_ceil(MAX_SLICES));
         let channels = 1 + inp.channels as usize % 4;
+        // Proportional shares from the tail bytes (some zero), never all zero.
+        let weights: Vec<u32> = if algo == Algorithm::Proportional {
+            let mut w: Vec<u32> = (0..n)
+                .map(|i| u32::from(inp.tail.get(i).map_or(1, |&c| c as u8 % 5)))
+                .collect();
+            if w.iter().all(|&x| x == 0) {
+                w[root] = 1;
+            }
+            w
+        } else {
+            Vec::new()
+        };
         let mut reqs: Vec<Request> = colls
             .into_iter()
             .enumerate()
@@ -283,6 +296,7 @@ impl Case {
                 algo,
                 chunk,
                 channels,
+                weights: weights.clone(),
             })
             .collect();
         let mut invalid = None;

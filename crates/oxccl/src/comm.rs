@@ -804,6 +804,12 @@ impl Communicator {
             algo,
             chunk,
             channels,
+            // (Equal shares until the topology's link rates are wired in.)
+            weights: if algo == Algorithm::Proportional {
+                vec![1; world]
+            } else {
+                Vec::new()
+            },
         };
         let key = (req, es as u8);
         let hit = match &st.last {

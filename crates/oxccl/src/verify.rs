@@ -21,6 +21,7 @@
 //!         algo: Algorithm::Ring,
 //!         chunk: 4,
 //!         channels: 2,
+//!         weights: Vec::new(),
 //!     })
 //!     .collect();
 //! oxccl::verify::verify(&reqs, 2, 42).unwrap();
@@ -538,7 +539,7 @@ mod tests {
         vec![
             (
                 Collective::AllReduce { count },
-                vec![Ring, RecursiveDoubling],
+                vec![Ring, RecursiveDoubling, Proportional],
             ),
             (Collective::ReduceScatter { count }, vec![Ring]),
             (Collective::AllGather { count }, vec![Ring]),
@@ -574,6 +575,12 @@ mod tests {
                 algo,
                 chunk,
                 channels,
+                // Uneven shares, some of them zero (never all).
+                weights: if algo == Algorithm::Proportional {
+                    (0..n).map(|i| ((i * 7 + 3) % 5) as u32).collect()
+                } else {
+                    Vec::new()
+                },
             })
             .collect();
         verify(&reqs, slots, seed).map_err(|e| {
@@ -647,6 +654,7 @@ mod tests {
                         algo: Algorithm::Direct,
                         chunk: 2,
                         channels: 1,
+                        weights: Vec::new(),
                     })
                     .collect();
                 verify(&reqs, 1, seed).unwrap();
@@ -664,6 +672,7 @@ mod tests {
             algo: Algorithm::Direct,
             chunk: 4,
             channels: 1,
+            weights: Vec::new(),
         };
         verify(&[p2p(0), p2p(1)], 1, 1).unwrap();
     }
@@ -680,6 +689,7 @@ mod tests {
             algo: Algorithm::Ring,
             chunk: 2,
             channels: 1,
+            weights: Vec::new(),
         };
         // One rank with another count.
         verify(&[req(0, 9), req(1, 9), req(2, 10)], 2, 1).unwrap_err();
@@ -717,6 +727,7 @@ mod tests {
             algo: Algorithm::Dissemination,
             chunk: 1,
             channels: 1,
+            weights: Vec::new(),
         };
         let mut dl: Vec<Schedule> = (0..2).map(|r| build(&p(r)).unwrap()).collect();
         for s in &mut dl {
@@ -737,6 +748,7 @@ mod tests {
             algo: Algorithm::Ring,
             chunk: 17,
             channels: 3,
+            weights: Vec::new(),
         };
         assert_eq!(build(&req), build(&req));
     }

@@ -1210,6 +1210,20 @@ fn forced_recursive_doubling_for_large_all_reduce() {
 }
 
 #[test]
+fn forced_proportional_all_reduce() {
+    // Equal shares until link rates come from the topology; every dtype and op, large and
+    // small, in place and not, through the executor (over the slot protocol: one round per
+    // peer each way, but not the mailbox's single exchange).
+    forced(
+        "OXCCL_ALGO=prop, 3 ranks",
+        3,
+        "prop",
+        &["all_reduce"],
+        &["large", "all_reduce", "nonblocking"],
+    );
+}
+
+#[test]
 fn forced_tree_for_large_broadcast_and_reduce() {
     forced(
         "OXCCL_ALGO=tree, 5 ranks",

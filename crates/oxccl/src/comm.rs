@@ -16,6 +16,7 @@ use crate::error::{Error, OpDesc, Result};
 use crate::fault::{Faults, Injector};
 use crate::flight::{self, CallInfo, Probe};
 use crate::schedule::{Algorithm, Collective, Request, build};
+use crate::topology::Topology;
 use crate::{DataType, Element, ReduceOp, log_enabled};
 
 /// Settings of a communicator; [`Options::from_env`] reads the `OXCCL_*` variables.
@@ -250,6 +251,10 @@ struct Inner {
     rank: usize,
     world: usize,
     hosts: Vec<String>,
+    topology: Topology,
+    /// Each rank's share of a proportional all-reduce, from uneven link rates (empty when
+    /// the rates are equal or unknown).
+    weights: Vec<u32>,
     providers: Vec<Option<Provider>>,
     /// Every peer is reached over shm (one host).
     all_shm: bool,
@@ -313,6 +318,25 @@ impl Store for SharedStore {
     fn location(&self) -> String {
         self.0.store().location()
     }
+}
+
+/// Each rank's share of a proportional all-reduce (parts per million), from the topology's
+/// link rates ([`crate::schedule::proportional_shares`]; ranks on one host share its link);
+/// empty when rates are unknown or equal, or there are fewer than 3 ranks (where every split
+/// takes the same time), so that the tuner keeps the ring.
+fn proportional_weights(topo: &Topology) -> Vec<u32> {
+    let world = topo.world();
+    if world < 3 || topo.is_uniform_rate() || topo.hosts.iter().any(|h| h.link_gbps.is_none()) {
+        return Vec::new();
+    }
+    let rates: Vec<f64> = (0..world)
+        .map(|r| {
+            let h = &topo.hosts[topo.host_of(r)];
+            h.link_gbps.unwrap_or(1.0) / h.ranks.len() as f64
+        })
+        .collect();
+    let (shares, _) = crate::schedule::proportional_shares(&rates);
+    shares.iter().map(|s| (s * 1e6).round() as u32).collect()
 }
 
 fn random_u64() -> u64 {
@@ -385,6 +409,25 @@ impl Communicator {
         }
         let comm_id = hellos[0].comm_id;
         let hosts: Vec<String> = hellos.into_iter().map(|h| h.host).collect();
+        let (topology, note) = Topology::from_env(&hosts).map_err(Error::Config)?;
+        if let Some(note) = note
+            && rank == 0
+        {
+            crate::log_warn(note);
+        }
+        let weights = proportional_weights(&topology);
+        // Every rank must cut all-reduces the same way: same file, same shares.
+        let all_weights: Vec<Vec<u32>> = bootstrap.all_gather_serde("oxccl/topology", &weights)?;
+        if let Some(r) = all_weights.iter().position(|w| *w != weights) {
+            return Err(Error::InvalidArgument {
+                rank,
+                msg: format!(
+                    "rank {r} derives link shares {:?} from its topology, this rank {weights:?}: \
+                     give every rank the same OXCCL_TOPO_FILE",
+                    all_weights[r]
+                ),
+            });
+        }
         let providers: Vec<Option<Provider>> = (0..world)
             .map(|p| {
                 (p != rank).then(|| {
@@ -535,6 +578,8 @@ impl Communicator {
                 rank,
                 world,
                 hosts,
+                topology,
+                weights,
                 all_shm: providers.iter().flatten().all(|p| *p == Provider::Shm),
                 providers,
                 opts,
@@ -583,6 +628,11 @@ impl Communicator {
         &self.inner.hosts
     }
 
+    /// The hosts, their ranks and link rates (detected, or `OXCCL_TOPO_FILE`).
+    pub fn topology(&self) -> &Topology {
+        &self.inner.topology
+    }
+
     /// The provider used to reach each rank (`None` for this rank).
     pub fn providers(&self) -> &[Option<Provider>] {
         &self.inner.providers
@@ -624,6 +674,10 @@ impl Communicator {
             // recursive doubling moves less data (and runs in mailboxes up to their size).
             Collective::AllReduce { .. } if all_shm && bytes <= 1024 => Algorithm::Direct,
             Collective::AllReduce { .. } if small => Algorithm::RecursiveDoubling,
+            // Uneven links: each rank reduces what its link can carry.
+            Collective::AllReduce { .. } if !self.inner.weights.is_empty() => {
+                Algorithm::Proportional
+            }
             Collective::AllReduce { .. }
             | Collective::ReduceScatter { .. }
             | Collective::AllGather { .. } => Algorithm::Ring,
@@ -804,11 +858,10 @@ impl Communicator {
             algo,
             chunk,
             channels,
-            // (Equal shares until the topology's link rates are wired in.)
-            weights: if algo == Algorithm::Proportional {
-                vec![1; world]
-            } else {
-                Vec::new()
+            weights: match algo {
+                Algorithm::Proportional if self.inner.weights.is_empty() => vec![1; world],
+                Algorithm::Proportional => self.inner.weights.clone(),
+                _ => Vec::new(),
             },
         };
         let key = (req, es as u8);

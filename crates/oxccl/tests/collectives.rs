@@ -1223,6 +1223,38 @@ fn forced_proportional_all_reduce() {
     );
 }
 
+/// A topology file with one slow link of four: the tuner runs large all-reduces with shares
+/// proportional to what each link can carry (the slow rank owns none), and every result is
+/// right, for every dtype and op, in place and not.
+#[test]
+fn uneven_links_in_the_topology_file_pick_the_proportional_all_reduce() {
+    let dir = common::TempDir::new("topo-file");
+    let file = dir.0.join("topo.toml");
+    let mut toml = String::new();
+    for (h, rate) in [1.0, 1.0, 1.0, 0.25].iter().enumerate() {
+        toml += &format!("[[hosts]]\nname = \"h{h}\"\nranks = [{h}]\nlink_gbps = {rate}\n");
+    }
+    std::fs::write(&file, toml).unwrap();
+    let mut plan = Plan::full(0x7090).sections(&["large", "all_reduce"]);
+    plan.reduce_pairs = some_pairs();
+    let name = "OXCCL_TOPO_FILE, rates 1, 1, 1, 0.25";
+    let env = [
+        ("OXCCL_PROVIDER", "shm"),
+        ("OXCCL_TOPO_FILE", file.to_str().unwrap()),
+        ("OXCCL_DEBUG", "INFO"),
+    ];
+    let log = run_job(name, 4, &env, plan);
+    assert_used(name, &log, "all_reduce", "prop", None);
+    // Small ones keep the latency algorithms.
+    assert!(
+        algorithms(&log)
+            .iter()
+            .any(|(c, bytes, a, _)| c == "all_reduce" && *bytes <= 1024 && a != "prop"),
+        "{name}: {:?}",
+        algorithms(&log)
+    );
+}
+
 #[test]
 fn forced_tree_for_large_broadcast_and_reduce() {
     forced(

@@ -11,10 +11,13 @@
 //! - `perf`: collective benchmarks in the nccl-tests format: `oxccl perf all_reduce -n 4`.
 //! - `doctor`: reads the ranks' flight-recorder dumps and says which rank is behind, and on
 //!   what: `oxccl doctor /tmp/dump-*.json`.
+//! - `topo`: prints the job's topology (hosts, ranks, link rates), detected or read from a
+//!   file: `oxccl topo -n 4`, `oxccl topo --file hosts.toml --json`.
 
 mod doctor;
 mod perf;
 mod run;
+mod topo;
 mod verbs_perf;
 
 use std::io::Write;
@@ -51,6 +54,9 @@ enum Command {
     /// Read the ranks' flight-recorder dumps (files, directories, logs) and say which rank is
     /// behind, and on what.
     Doctor(doctor::Args),
+    /// Print the job's topology (hosts, ranks, link rates): read from --file or
+    /// OXCCL_TOPO_FILE, or detected (launches its own ranks unless started by a launcher).
+    Topo(topo::Args),
 }
 
 /// Options of `oxccl store`.
@@ -105,6 +111,7 @@ fn main() -> ExitCode {
         Command::Run(args) => return run::main(args),
         Command::Perf(args) => return perf::main(args),
         Command::Doctor(args) => return doctor::main(args),
+        Command::Topo(args) => return topo::main(args),
         Command::Store(args) => {
             return match store_main(args) {
                 Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,337 @@
+//! `oxccl topo`: prints a topology file (JSON or TOML) as a table or JSON, refuses an invalid
+//! one with a message naming the file and the fault, and detects the hosts of a job: its own
+//! ranks on this host are one host; ranks in two network namespaces of a test bed are two.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use oxccl_testbed::{HostSpec, Testbed};
+
+const BIN: &str = env!("CARGO_BIN_EXE_oxccl");
+
+/// Variables of launchers and of oxccl that would change what `oxccl topo` does.
+const CLEARED: [&str; 13] = [
+    "RANK",
+    "WORLD_SIZE",
+    "OXCCL_RANK",
+    "SLURM_PROCID",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_RANK",
+    "OXCCL_TOPO_FILE",
+    "OXCCL_HOST_ID",
+    "OXCCL_PROVIDER",
+    "OXCCL_SECRET_FILE",
+    "OXCCL_TCP_ADDR",
+    "OXCCL_STORE_ADDR",
+    "OXCCL_STORE_STANDALONE",
+];
+
+fn topo_cmd(cmd: &mut Command, args: &[&str]) {
+    cmd.arg("topo").args(args).stdin(Stdio::null());
+    for k in CLEARED {
+        cmd.env_remove(k);
+    }
+    cmd.env("OXCCL_TIMEOUT", "60");
+}
+
+fn topo(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(BIN);
+    topo_cmd(&mut cmd, args);
+    cmd.envs(env.iter().copied());
+    cmd.output().expect("running oxccl topo")
+}
+
+fn stdout_ok(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "oxccl topo failed ({}): {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A directory removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        let d = std::env::temp_dir().join(format!("oxccl-topo-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).expect("temp dir");
+        TempDir(d)
+    }
+
+    fn file(&self, name: &str, text: &str) -> String {
+        let p = self.0.join(name);
+        std::fs::write(&p, text).expect("writing a topology file");
+        p.to_string_lossy().into_owned()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+const TOML: &str = "\
+# two hosts of two ranks, the second one on a slower link
+[[hosts]]
+name = \"h0\"
+ranks = [0, 1]
+link_gbps = 1.0
+
+[[hosts]]
+name = \"h1\"
+ranks = [2, 3]
+link_gbps = 0.25
+";
+
+const JSON: &str = r#"{"hosts": [{"name": "h0", "ranks": [0, 1], "link_gbps": 1.0},
+  {"name": "h1", "ranks": [2, 3], "link_gbps": 0.25}]}"#;
+
+const TABLE: &str = "\
+host  name  ranks  link
+   0  h0    0-1    1 Gbit/s
+   1  h1    2-3    0.25 Gbit/s
+4 ranks on 2 hosts, 2 per host, uneven link rates
+";
+
+const JSON_OUT: &str = "{\"hosts\": [
+  {\"name\":\"h0\",\"ranks\":[0,1],\"link_gbps\":1.0},
+  {\"name\":\"h1\",\"ranks\":[2,3],\"link_gbps\":0.25}
+]}
+";
+
+#[test]
+fn a_file_in_either_format_prints_as_a_table_and_as_json() {
+    let dir = TempDir::new("formats");
+    for (name, text) in [("t.toml", TOML), ("t.json", JSON)] {
+        let path = dir.file(name, text);
+        let out = stdout_ok(&topo(&["--file", &path], &[]));
+        assert_eq!(out, format!("# oxccl topo: from file {path}\n{TABLE}"));
+        let out = stdout_ok(&topo(&["--file", &path, "--json"], &[]));
+        assert_eq!(out, JSON_OUT);
+        // The JSON printed reads back as the same topology.
+        let again = dir.file("again.json", &out);
+        assert_eq!(
+            stdout_ok(&topo(&["--file", &again, "--json"], &[])),
+            JSON_OUT
+        );
+        // OXCCL_TOPO_FILE does what --file does when not under a launcher.
+        let out = stdout_ok(&topo(&[], &[("OXCCL_TOPO_FILE", &path)]));
+        assert!(out.ends_with(TABLE), "{out}");
+    }
+}
+
+#[test]
+fn an_invalid_file_fails_with_a_message_naming_the_file_and_the_fault() {
+    let dir = TempDir::new("invalid");
+    let cases = [
+        (
+            "gap.json",
+            r#"{"hosts":[{"name":"a","ranks":[0,2]}]}"#,
+            "rank 1 ",
+        ),
+        (
+            "twice.toml",
+            "[[hosts]]\nname=\"a\"\nranks=[0,1]\n[[hosts]]\nname=\"b\"\nranks=[1]\n",
+            "rank 1 appears on two hosts",
+        ),
+        (
+            "rate.toml",
+            "[[hosts]]\nname=\"a\"\nranks=[0]\nlink_gbps=-1.0\n",
+            "link_gbps",
+        ),
+        (
+            "empty.json",
+            r#"{"hosts":[{"name":"a","ranks":[0]},{"name":"b","ranks":[]}]}"#,
+            "host 1 (\"b\") has no ranks",
+        ),
+        (
+            "names.json",
+            r#"{"hosts":[{"name":"a","ranks":[0]},{"name":"a","ranks":[1]}]}"#,
+            "same name",
+        ),
+        (
+            "typo.toml",
+            "[[hosts]]\nname=\"a\"\nranks=[0]\nlink_gbs=1.0\n",
+            "link_gbs",
+        ),
+        ("syntax.json", "{\"hosts\": [", "invalid topology JSON"),
+    ];
+    for (name, text, want) in cases {
+        let path = dir.file(name, text);
+        let out = topo(&["--file", &path], &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {err}");
+        assert!(out.stdout.is_empty(), "{name}");
+        assert!(
+            err.starts_with("oxccl topo: error: ") && err.contains(&path) && err.contains(want),
+            "{name}: {err:?} should name the file and say {want:?}"
+        );
+    }
+    let missing = dir.0.join("missing.toml").to_string_lossy().into_owned();
+    let out = topo(&["--file", &missing], &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("cannot read") && err.contains(&missing),
+        "{err}"
+    );
+}
+
+#[test]
+fn self_launched_ranks_on_this_host_are_one_host() {
+    let out = stdout_ok(&topo(&["-n", "3"], &[]));
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 4, "{out}");
+    assert_eq!(lines[0], "# oxccl topo: from host identities of 3 ranks");
+    assert!(lines[1].starts_with("host  name"), "{out}");
+    assert!(
+        lines[2].starts_with("   0  ")
+            && lines[2].contains("  0-2  ")
+            && lines[2].ends_with("unknown"),
+        "{out}"
+    );
+    assert_eq!(lines[3], "3 ranks on 1 host, 3 per host");
+
+    let out = stdout_ok(&topo(&["-n", "3", "--json"], &[]));
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    let hosts = v["hosts"].as_array().expect("hosts");
+    assert_eq!(hosts.len(), 1, "{out}");
+    assert_eq!(hosts[0]["ranks"], serde_json::json!([0, 1, 2]));
+    // The full host identity is kept: boot id / network namespace.
+    assert!(
+        hosts[0]["name"].as_str().unwrap().contains("/net:["),
+        "{out}"
+    );
+    assert!(hosts[0].get("link_gbps").is_none(), "{out}");
+}
+
+#[test]
+fn under_a_launcher_the_file_wins_over_detection_with_a_warning() {
+    let dir = TempDir::new("launcher");
+    let path = dir.file("t.toml", TOML);
+    // `oxccl run -n 4 oxccl topo`: four ranks on one host, the file says two hosts.
+    let mut cmd = Command::new(BIN);
+    cmd.args(["run", "-n", "4", BIN]);
+    topo_cmd(&mut cmd, &[]);
+    cmd.env("OXCCL_TOPO_FILE", &path);
+    let out = cmd.output().expect("running oxccl run");
+    let stdout = stdout_ok(&out);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let want: String = format!("# oxccl topo: from OXCCL_TOPO_FILE={path}\n{TABLE}")
+        .lines()
+        .map(|l| format!("[0] {l}\n"))
+        .collect();
+    assert_eq!(stdout, want);
+    assert!(
+        stderr.contains("groups the ranks as [0-1] [2-3]")
+            && stderr.contains("[0-3]; using the file"),
+        "{stderr}"
+    );
+    // A file that does not fit the job fails every rank, naming the file.
+    let mut cmd = Command::new(BIN);
+    cmd.args(["run", "-n", "3", BIN]);
+    topo_cmd(&mut cmd, &[]);
+    cmd.env("OXCCL_TOPO_FILE", &path);
+    let out = cmd.output().expect("running oxccl run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&path) && stderr.contains("rank 3, but the job has 3 ranks"),
+        "{stderr}"
+    );
+}
+
+/// Kills and reaps the child when dropped.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn ranks_in_two_network_namespaces_are_two_hosts() {
+    if let Err(reason) = Testbed::available() {
+        println!("SKIPPED ranks_in_two_network_namespaces_are_two_hosts: {reason}");
+        return;
+    }
+    let tb =
+        Testbed::new(&[HostSpec::unshaped(), HostSpec::unshaped()]).expect("creating the test bed");
+    // Ranks 0 and 2 in host 0, rank 1 in host 1: host 1 comes second, as its lowest rank.
+    let placement = [0usize, 1, 0];
+    let master = tb.host_addr(0).to_string();
+    let mut ranks: Vec<Killed> = placement
+        .iter()
+        .enumerate()
+        .map(|(rank, &host)| {
+            let mut cmd = tb.command(host, BIN);
+            topo_cmd(&mut cmd, &["--json"]);
+            cmd.env("RANK", rank.to_string())
+                .env("WORLD_SIZE", placement.len().to_string())
+                .env("MASTER_ADDR", &master)
+                .env("MASTER_PORT", "29517")
+                .env("OXCCL_SECRET", "topo-netns-test-secret")
+                .env("OXCCL_TCP_ADDR", tb.host_addr(host).to_string())
+                .env("OXCCL_TIMEOUT", "30")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            Killed(cmd.spawn().expect("starting a rank"))
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while ranks
+        .iter_mut()
+        .any(|r| r.0.try_wait().expect("try_wait").is_none())
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the ranks did not finish in 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let outputs: Vec<Output> = ranks
+        .iter_mut()
+        .map(|r| {
+            let mut out = Output {
+                status: r.0.wait().expect("wait"),
+                stdout: Vec::new(),
+                stderr: Vec::new(),
+            };
+            if let Some(mut s) = r.0.stdout.take() {
+                let _ = std::io::Read::read_to_end(&mut s, &mut out.stdout);
+            }
+            if let Some(mut s) = r.0.stderr.take() {
+                let _ = std::io::Read::read_to_end(&mut s, &mut out.stderr);
+            }
+            out
+        })
+        .collect();
+    for (rank, out) in outputs.iter().enumerate() {
+        assert!(
+            out.status.success(),
+            "rank {rank} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if rank > 0 {
+            assert!(out.stdout.is_empty(), "only rank 0 prints");
+        }
+    }
+    let json = String::from_utf8_lossy(&outputs[0].stdout);
+    let v: serde_json::Value = serde_json::from_str(&json).expect("rank 0 prints JSON");
+    let hosts = v["hosts"].as_array().expect("hosts");
+    assert_eq!(hosts.len(), 2, "{json}");
+    assert_eq!(hosts[0]["ranks"], serde_json::json!([0, 2]), "{json}");
+    assert_eq!(hosts[1]["ranks"], serde_json::json!([1]), "{json}");
+    assert_ne!(hosts[0]["name"], hosts[1]["name"]);
+    println!("ranks in two namespaces:\n{json}");
+}

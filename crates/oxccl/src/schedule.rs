@@ -964,13 +964,19 @@ pub fn proportional_shares(rates: &[f64]) -> (Vec<f64>, f64) {
     (shares, t)
 }
 
+/// The fewest slices [`Algorithm::Proportional`] cuts a block into.
+const PROPORTIONAL_SLICES: usize = 16;
+
 /// See [`Algorithm::Proportional`]: a direct reduce-scatter into weighted blocks, then a
 /// direct all-gather, pipelined in slices (slice `s` of a block is gathered as soon as it is
 /// reduced).
 fn proportional_all_reduce(b: &mut Builder, req: &Request, count: usize) {
     let (n, r) = (req.world, req.rank);
     let blocks = weighted_blocks(count, &req.weights);
-    let k = slices(blocks.iter().map(|b| b.1).max().unwrap_or(0), req.chunk);
+    // At least PROPORTIONAL_SLICES slices: the all-gather of a slice starts once it is
+    // reduced, so the two phases overlap to within one slice of the whole.
+    let largest = blocks.iter().map(|b| b.1).max().unwrap_or(0);
+    let k = slices(largest, req.chunk).max(PROPORTIONAL_SLICES.min(largest.max(1)));
     let slice = |blk: usize, s: usize| {
         let (o, l) = blocks[blk];
         let (so, sl) = split(l, k, s);

@@ -10,6 +10,14 @@ use oxccl_testbed::{HostSpec, Testbed};
 
 const BIN: &str = env!("CARGO_BIN_EXE_oxccl");
 
+/// One test of this file at a time: the jobs they start would otherwise share two cores.
+/// (Under that load the launcher test has twice seen ranks 1 and 2 fail at init with "the
+/// store went away" while rank 0 still ran: not understood yet; see the issue 6 note.)
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Variables of launchers and of oxccl that would change what `oxccl topo` does.
 const CLEARED: [&str; 13] = [
     "RANK",
@@ -28,7 +36,13 @@ const CLEARED: [&str; 13] = [
 ];
 
 fn topo_cmd(cmd: &mut Command, args: &[&str]) {
-    cmd.arg("topo").args(args).stdin(Stdio::null());
+    cmd.arg("topo").args(args);
+    clean_cmd(cmd);
+}
+
+/// No inherited launcher or oxccl variables; no stdin.
+fn clean_cmd(cmd: &mut Command) {
+    cmd.stdin(Stdio::null());
     for k in CLEARED {
         cmd.env_remove(k);
     }
@@ -108,6 +122,7 @@ const JSON_OUT: &str = "{\"hosts\": [
 
 #[test]
 fn a_file_in_either_format_prints_as_a_table_and_as_json() {
+    let _serial = serial();
     let dir = TempDir::new("formats");
     for (name, text) in [("t.toml", TOML), ("t.json", JSON)] {
         let path = dir.file(name, text);
@@ -129,6 +144,7 @@ fn a_file_in_either_format_prints_as_a_table_and_as_json() {
 
 #[test]
 fn an_invalid_file_fails_with_a_message_naming_the_file_and_the_fault() {
+    let _serial = serial();
     let dir = TempDir::new("invalid");
     let cases = [
         (
@@ -186,6 +202,7 @@ fn an_invalid_file_fails_with_a_message_naming_the_file_and_the_fault() {
 
 #[test]
 fn self_launched_ranks_on_this_host_are_one_host() {
+    let _serial = serial();
     let out = stdout_ok(&topo(&["-n", "3"], &[]));
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines.len(), 4, "{out}");
@@ -214,6 +231,7 @@ fn self_launched_ranks_on_this_host_are_one_host() {
 
 #[test]
 fn under_a_launcher_the_file_wins_over_detection_with_a_warning() {
+    let _serial = serial();
     let dir = TempDir::new("launcher");
     let path = dir.file("t.toml", TOML);
     // `oxccl run -n 4 oxccl topo`: four ranks on one host, the file says two hosts.
@@ -258,47 +276,48 @@ impl Drop for Killed {
     }
 }
 
-#[test]
-fn ranks_in_two_network_namespaces_are_two_hosts() {
-    if let Err(reason) = Testbed::available() {
-        println!("SKIPPED ranks_in_two_network_namespaces_are_two_hosts: {reason}");
-        return;
-    }
-    let tb =
-        Testbed::new(&[HostSpec::unshaped(), HostSpec::unshaped()]).expect("creating the test bed");
-    // Ranks 0 and 2 in host 0, rank 1 in host 1: host 1 comes second, as its lowest rank.
-    let placement = [0usize, 1, 0];
+/// Runs `oxccl ARGS` as the ranks of one job in the test bed's hosts (rank `r` in host
+/// `placement[r]`, with the torchrun variables and `env`); every rank's output, within 90 s.
+fn run_in_bed(
+    tb: &Testbed,
+    placement: &[usize],
+    args: &[&str],
+    env: &[(&str, &str)],
+    port: u16,
+) -> Vec<Output> {
     let master = tb.host_addr(0).to_string();
     let mut ranks: Vec<Killed> = placement
         .iter()
         .enumerate()
         .map(|(rank, &host)| {
             let mut cmd = tb.command(host, BIN);
-            topo_cmd(&mut cmd, &["--json"]);
+            clean_cmd(&mut cmd);
+            cmd.args(args);
             cmd.env("RANK", rank.to_string())
                 .env("WORLD_SIZE", placement.len().to_string())
                 .env("MASTER_ADDR", &master)
-                .env("MASTER_PORT", "29517")
+                .env("MASTER_PORT", port.to_string())
                 .env("OXCCL_SECRET", "topo-netns-test-secret")
                 .env("OXCCL_TCP_ADDR", tb.host_addr(host).to_string())
                 .env("OXCCL_TIMEOUT", "30")
+                .envs(env.iter().copied())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
             Killed(cmd.spawn().expect("starting a rank"))
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(90);
     while ranks
         .iter_mut()
         .any(|r| r.0.try_wait().expect("try_wait").is_none())
     {
         assert!(
             Instant::now() < deadline,
-            "the ranks did not finish in 60 s"
+            "the ranks did not finish in 90 s"
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let outputs: Vec<Output> = ranks
+    ranks
         .iter_mut()
         .map(|r| {
             let mut out = Output {
@@ -314,7 +333,21 @@ fn ranks_in_two_network_namespaces_are_two_hosts() {
             }
             out
         })
-        .collect();
+        .collect()
+}
+
+#[test]
+fn ranks_in_two_network_namespaces_are_two_hosts() {
+    let _serial = serial();
+    if let Err(reason) = Testbed::available() {
+        println!("SKIPPED ranks_in_two_network_namespaces_are_two_hosts: {reason}");
+        return;
+    }
+    let tb =
+        Testbed::new(&[HostSpec::unshaped(), HostSpec::unshaped()]).expect("creating the test bed");
+    // Ranks 0 and 2 in host 0, rank 1 in host 1: host 1 comes second, as its lowest rank.
+    let placement = [0usize, 1, 0];
+    let outputs = run_in_bed(&tb, &placement, &["topo", "--json"], &[], 29517);
     for (rank, out) in outputs.iter().enumerate() {
         assert!(
             out.status.success(),
@@ -334,4 +367,82 @@ fn ranks_in_two_network_namespaces_are_two_hosts() {
     assert_eq!(hosts[1]["ranks"], serde_json::json!([1]), "{json}");
     assert_ne!(hosts[0]["name"], hosts[1]["name"]);
     println!("ranks in two namespaces:\n{json}");
+}
+
+/// Uneven shaped links (400, 400, 400 and 100 Mbit/s, one rank per host, the rates in
+/// `OXCCL_TOPO_FILE`): large all-reduces run with the proportional shares, over tcp between
+/// the namespaces, and every result is exact (`oxccl perf -c 1`), for two types and operators.
+/// (How much faster than the ring is for `bench/topology.sh`, not a test.)
+#[test]
+fn proportional_all_reduce_across_shaped_namespaces_is_exact() {
+    let _serial = serial();
+    let name = "proportional_all_reduce_across_shaped_namespaces_is_exact";
+    if let Err(reason) = Testbed::available() {
+        println!("SKIPPED {name}: {reason}");
+        return;
+    }
+    let rates = [400u64, 400, 400, 100];
+    let tb = Testbed::new(&rates.map(HostSpec::mbit)).expect("creating the test bed");
+    let dir = TempDir::new("shaped");
+    let file = dir.0.join("bed.json");
+    let hosts: Vec<serde_json::Value> = rates
+        .iter()
+        .enumerate()
+        .map(|(h, r)| {
+            serde_json::json!({"name": format!("h{h}"), "ranks": [h], "link_gbps": *r as f64 / 1000.0})
+        })
+        .collect();
+    std::fs::write(&file, serde_json::json!({ "hosts": hosts }).to_string()).unwrap();
+    let file = file.to_str().unwrap();
+    for (i, (dtype, op)) in [("float", "sum"), ("int32", "max")].into_iter().enumerate() {
+        let args = [
+            "perf",
+            "all_reduce",
+            "-b",
+            "256K",
+            "-e",
+            "2M",
+            "-f",
+            "8",
+            "-w",
+            "1",
+            "-i",
+            "2",
+            "-c",
+            "1",
+            "-d",
+            dtype,
+            "-o",
+            op,
+        ];
+        let env = [("OXCCL_TOPO_FILE", file), ("OXCCL_DEBUG", "INFO")];
+        let outs = run_in_bed(&tb, &[0, 1, 2, 3], &args, &env, 29531 + i as u16);
+        for (rank, out) in outs.iter().enumerate() {
+            assert!(
+                out.status.success(),
+                "{dtype} {op}: rank {rank} failed ({}): {}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let table = String::from_utf8_lossy(&outs[0].stdout);
+        let rows: Vec<Vec<&str>> = table
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(rows.len(), 2, "{dtype} {op}: sizes 256K and 2M:\n{table}");
+        for row in &rows {
+            // Out-of-place and in-place #wrong.
+            assert_eq!((row[8], row[12]), ("0", "0"), "{dtype} {op}:\n{table}");
+        }
+        let log = String::from_utf8_lossy(&outs[0].stderr);
+        assert!(
+            log.lines()
+                .any(|l| l.contains("all_reduce of 262144 bytes: algorithm prop")),
+            "{dtype} {op}: the large all-reduces did not run the proportional algorithm:\n{log}"
+        );
+        // (The debug log names each kind of call once: the 2 MiB ones ran the same plan kind.)
+    }
 }

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Issue 6's test-bed scenarios: the plain ring against the topology-aware all-reduce, side by
+# side, on hosts that are network namespaces with shaped links (bench/testbed.sh; needs root).
+#
+#   a  4 hosts x 1 rank, links 1, 1, 1, 1 Gbit/s       (ring busbw against the link rate)
+#   b  2 hosts x 2 ranks, links 1, 1 Gbit/s            (hierarchical: not built yet)
+#   c  4 hosts x 1 rank, links 1, 1, 1, 0.25 Gbit/s    (proportional shares)
+#   d  4 hosts x 1 rank, links 2, 1, 1, 0.5 Gbit/s     (proportional shares)
+#
+#   bench/topology.sh [a b c d]      # default: all four
+#
+# Every rank gets OXCCL_TOPO_FILE describing its bed (hosts, ranks, rates), so the tuner sees
+# the rates; the ring run forces OXCCL_ALGO=ring. busbw is computed from the measured time
+# (nccl-tests' all-reduce factor 2(n-1)/n), in MB/s, next to the slowest link's rate in MB/s
+# and the optimum `oxccl::schedule::proportional_shares` derives (the "bound" column: the
+# best time for this algorithm family on these rates, as a busbw).
+#
+# Knobs: SIZES (default "16M 64M"), ITERS (3), WARMUP (1), PORT (first store port, 29700).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR=never
+
+cargo build --release -q -p oxccl-cli -p oxccl-testbed
+BIN=$PWD/target/release/oxccl
+export OXCCL_TESTBED_BIN=$PWD/target/release/oxccl-testbed
+read -r -a scenarios <<<"${*:-a b c d}"
+read -r -a sizes <<<"${SIZES:-16M 64M}"
+iters=${ITERS:-3}
+warmup=${WARMUP:-1}
+port=${PORT:-29700}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# scenario -> "rates(Gbit/s, comma-separated) ranks-per-host"
+spec() {
+    case $1 in
+    a) echo "1,1,1,1 1" ;;
+    b) echo "1,1 2" ;;
+    c) echo "1,1,1,0.25 1" ;;
+    d) echo "2,1,1,0.5 1" ;;
+    *)
+        echo "unknown scenario $1 (a, b, c, d)" >&2
+        exit 2
+        ;;
+    esac
+}
+
+# The topology file of a bed: one [[hosts]] per link, ranks in host order.
+topo_file() {
+    local rates=$1 rph=$2 out=$3 h=0 r=0
+    : >"$out"
+    for rate in ${rates//,/ }; do
+        local ranks=""
+        for ((i = 0; i < rph; i++)); do
+            ranks+="${ranks:+, }$r"
+            r=$((r + 1))
+        done
+        printf '[[hosts]]\nname = "h%d"\nranks = [%s]\nlink_gbps = %s\n' "$h" "$ranks" "$rate" >>"$out"
+        h=$((h + 1))
+    done
+}
+
+# Runs `oxccl perf all_reduce` for one size on the bed; prints "time_us wrong" of rank 0.
+run() {
+    local rates=$1 rph=$2 topo=$3 algo=$4 size=$5
+    local hosts world mbit
+    hosts=$(echo "$rates" | tr ',' '\n' | wc -l)
+    world=$((hosts * rph))
+    mbit=$(echo "$rates" | tr ',' '\n' | awk '{printf "%s%dm", (NR>1?",":""), $1*1000}')
+    port=$((port + 1))
+    local algo_env=""
+    [ "$algo" = ring ] && algo_env="OXCCL_ALGO=ring"
+    bench/testbed.sh --rates "$mbit" -- sh -c "
+        for i in \$(seq 0 $((rph - 1))); do
+            env RANK=\$((OXCCL_TESTBED_HOST * $rph + i)) LOCAL_RANK=\$i LOCAL_WORLD_SIZE=$rph \
+                WORLD_SIZE=$world MASTER_ADDR=10.77.0.1 MASTER_PORT=$port OXCCL_SECRET=topology-bench \
+                OXCCL_TCP_ADDR=\$OXCCL_TESTBED_ADDR OXCCL_TOPO_FILE=$topo OXCCL_TIMEOUT=120 $algo_env \
+                $BIN perf all_reduce -b $size -e $size -w $warmup -i $iters -c 1 &
+        done
+        wait" 2>&1 | awk '/^\[h0\] +[0-9]+ / { print $7, $10; exit }'
+}
+
+for s in "${scenarios[@]}"; do
+    read -r rates rph <<<"$(spec "$s")"
+    topo=$work/topo-$s.toml
+    topo_file "$rates" "$rph" "$topo"
+    hosts=$(echo "$rates" | tr ',' '\n' | wc -l)
+    world=$((hosts * rph))
+    slowest=$(echo "$rates" | tr ',' '\n' | sort -g | head -1)
+    # The derived optimum for one rank per link: T* = max(T_s, N / r_min) (see the docs of
+    # proportional_shares), as a busbw in MB/s.
+    bound=$(echo "$rates" | tr ',' '\n' | awk -v n="$world" '
+        { r[NR] = $1 * 125 }                     # Gbit/s -> MB/s
+        END {
+            m = r[1]; for (i = 2; i <= NR; i++) if (r[i] < m) m = r[i]
+            if (NR < 3) { print m; exit }
+            # smallest T with sum max(0, T r_i - 1) = n - 2 (N = 1 MB), by bisection
+            lo = 0; hi = 1e6
+            for (it = 0; it < 200; it++) {
+                t = (lo + hi) / 2; f = 0
+                for (i = 1; i <= NR; i++) if (t * r[i] > 1) f += t * r[i] - 1
+                if (f >= n - 2) hi = t; else lo = t
+            }
+            t = hi; if (1 / m > t) t = 1 / m
+            printf "%.1f", 2 * (n - 1) / n / t
+        }')
+    echo "== scenario $s: $hosts hosts x $rph rank(s), links $rates Gbit/s (slowest $(awk -v r="$slowest" 'BEGIN{print r*125}') MB/s)"
+    printf '%-10s %12s %12s %7s %10s %12s %6s\n' size ring_MB/s aware_MB/s ratio ring/link bound_MB/s wrong
+    for size in "${sizes[@]}"; do
+        bytes=$(numfmt --from=iec "$size")
+        read -r t_ring w_ring <<<"$(run "$rates" "$rph" "$topo" ring "$size")"
+        read -r t_aware w_aware <<<"$(run "$rates" "$rph" "$topo" aware "$size")"
+        awk -v b="$bytes" -v n="$world" -v tr="$t_ring" -v ta="$t_aware" -v link="$slowest" \
+            -v bound="$bound" -v wr="$w_ring" -v wa="$w_aware" -v sz="$size" -v s="$s" 'BEGIN {
+            f = 2 * (n - 1) / n
+            ring = b / tr * f; aware = b / ta * f      # bytes/us = MB/s
+            printf "%-10s %12.1f %12.1f %6.2fx %9.1f%% %12s %6s\n", sz, ring, aware, aware / ring,
+                100 * ring / (link * 125), (s == "b" ? "-" : bound), wr + wa
+        }'
+    done
+    [ "$s" = b ] && echo "   (b: the hierarchical two-tier all-reduce is not built yet; both columns are the ring)"
+done

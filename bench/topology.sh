@@ -3,7 +3,7 @@
 # side, on hosts that are network namespaces with shaped links (bench/testbed.sh; needs root).
 #
 #   a  4 hosts x 1 rank, links 1, 1, 1, 1 Gbit/s       (ring busbw against the link rate)
-#   b  2 hosts x 2 ranks, links 1, 1 Gbit/s            (hierarchical: not built yet)
+#   b  2 hosts x 2 ranks, links 1, 1 Gbit/s            (hierarchical two-tier)
 #   c  4 hosts x 1 rank, links 1, 1, 1, 0.25 Gbit/s    (proportional shares)
 #   d  4 hosts x 1 rank, links 2, 1, 1, 0.5 Gbit/s     (proportional shares)
 #
@@ -13,7 +13,8 @@
 # the rates; the ring run forces OXCCL_ALGO=ring. busbw is computed from the measured time
 # (nccl-tests' all-reduce factor 2(n-1)/n), in MB/s, next to the slowest link's rate in MB/s
 # and the optimum `oxccl::schedule::proportional_shares` derives (the "bound" column: the
-# best time for this algorithm family on these rates, as a busbw).
+# best time for this algorithm family on these rates, as a busbw; for b, the two-tier bound:
+# each host link carries 2(H-1)/H of the buffer instead of the flat ring's 2(n-1)/n).
 #
 # Knobs: SIZES (default "16M 64M"), ITERS (3), WARMUP (1), PORT (first store port, 29700).
 set -euo pipefail
@@ -104,6 +105,11 @@ for s in "${scenarios[@]}"; do
             t = hi; if (1 / m > t) t = 1 / m
             printf "%.1f", 2 * (n - 1) / n / t
         }')
+    if [ "$rph" -gt 1 ]; then
+        # Two tiers: the host links carry 2(H-1)/H of the buffer.
+        bound=$(awk -v n="$world" -v h="$hosts" -v m="$slowest" \
+            'BEGIN { printf "%.1f", (2 * (n - 1) / n) / (2 * (h - 1) / h) * m * 125 }')
+    fi
     echo "== scenario $s: $hosts hosts x $rph rank(s), links $rates Gbit/s (slowest $(awk -v r="$slowest" 'BEGIN{print r*125}') MB/s)"
     printf '%-10s %12s %12s %7s %10s %12s %6s\n' size ring_MB/s aware_MB/s ratio ring/link bound_MB/s wrong
     for size in "${sizes[@]}"; do
@@ -115,8 +121,7 @@ for s in "${scenarios[@]}"; do
             f = 2 * (n - 1) / n
             ring = b / tr * f; aware = b / ta * f      # bytes/us = MB/s
             printf "%-10s %12.1f %12.1f %6.2fx %9.1f%% %12s %6s\n", sz, ring, aware, aware / ring,
-                100 * ring / (link * 125), (s == "b" ? "-" : bound), wr + wa
+                100 * ring / (link * 125), bound, wr + wa
         }'
     done
-    [ "$s" = b ] && echo "   (b: the hierarchical two-tier all-reduce is not built yet; both columns are the ring)"
 done

@@ -55,7 +55,7 @@ pub const KINDS: [&str; 11] = [
 ];
 
 /// The algorithms, in the order [`Input::algo`] selects them (modulo their number).
-pub const ALGORITHMS: [Algorithm; 7] = [
+pub const ALGORITHMS: [Algorithm; 8] = [
     Algorithm::Ring,
     Algorithm::RecursiveDoubling,
     Algorithm::Tree,
@@ -63,6 +63,7 @@ pub const ALGORITHMS: [Algorithm; 7] = [
     Algorithm::Direct,
     Algorithm::Dissemination,
     Algorithm::Proportional,
+    Algorithm::Hierarchical,
 ];
 
 /// Ways to break a request, selected by `flags >> 4` (0..=9: none).
@@ -285,6 +286,14 @@ impl Case {
         } else {
             Vec::new()
         };
+        // Hosts of equal size (a divisor of n picked by the input), ranks dealt round robin.
+        let hosts: Vec<u32> = if algo == Algorithm::Hierarchical {
+            let divisors: Vec<usize> = (1..=n).filter(|&d| n.is_multiple_of(d)).collect();
+            let h = divisors[inp.root as usize % divisors.len()];
+            (0..n).map(|x| (x % h) as u32).collect()
+        } else {
+            Vec::new()
+        };
         let mut reqs: Vec<Request> = colls
             .into_iter()
             .enumerate()
@@ -293,6 +302,7 @@ impl Case {
                 world: n,
                 rank,
                 in_place,
+                hosts: hosts.clone(),
                 algo,
                 chunk,
                 channels,

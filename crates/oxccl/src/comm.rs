@@ -255,6 +255,9 @@ struct Inner {
     /// Each rank's share of a proportional all-reduce, from uneven link rates (empty when
     /// the rates are equal or unknown).
     weights: Vec<u32>,
+    /// Each rank's host when the tuner should run two-tier all-reduces (several hosts with
+    /// the same number, above one, of ranks each); empty otherwise.
+    host_of: Vec<usize>,
     providers: Vec<Option<Provider>>,
     /// Every peer is reached over shm (one host).
     all_shm: bool,
@@ -578,6 +581,10 @@ impl Communicator {
                 rank,
                 world,
                 hosts,
+                host_of: match topology.ranks_per_host() {
+                    Some(k) if k > 1 && topology.hosts.len() > 1 => topology.host_table(),
+                    _ => Vec::new(),
+                },
                 topology,
                 weights,
                 all_shm: providers.iter().flatten().all(|p| *p == Provider::Shm),
@@ -674,6 +681,11 @@ impl Communicator {
             // recursive doubling moves less data (and runs in mailboxes up to their size).
             Collective::AllReduce { .. } if all_shm && bytes <= 1024 => Algorithm::Direct,
             Collective::AllReduce { .. } if small => Algorithm::RecursiveDoubling,
+            // Several hosts of several ranks: reduce inside each host first, cross the network
+            // once per rail.
+            Collective::AllReduce { .. } if !self.inner.host_of.is_empty() => {
+                Algorithm::Hierarchical
+            }
             // Uneven links: each rank reduces what its link can carry.
             Collective::AllReduce { .. } if !self.inner.weights.is_empty() => {
                 Algorithm::Proportional
@@ -855,6 +867,16 @@ impl Communicator {
             world,
             rank,
             in_place: in_place.is_some(),
+            hosts: if algo == Algorithm::Hierarchical {
+                self.inner
+                    .topology
+                    .host_table()
+                    .iter()
+                    .map(|&h| h as u32)
+                    .collect()
+            } else {
+                Vec::new()
+            },
             algo,
             chunk,
             channels,

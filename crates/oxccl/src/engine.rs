@@ -755,6 +755,7 @@ impl Engine {
             left: sched.steps.len(),
             mrs: CallMrs::default(),
             bytes_in: 0,
+            mailbox,
         };
         let mut r = call.check_members();
         r = if r.is_err() {
@@ -803,6 +804,8 @@ struct Call<'a> {
     left: usize,
     mrs: CallMrs,
     bytes_in: u64,
+    /// Whether the call runs the mailbox protocol.
+    mailbox: bool,
 }
 
 impl Call<'_> {
@@ -1452,8 +1455,11 @@ impl Call<'_> {
         let Some(why) = &self.eng.links[l].failed else {
             return Ok(());
         };
-        // Data that arrived before the failure still counts.
-        let nothing_left = self.eng.links[l].rx.iter().all(|rx| rx.arrived.is_empty());
+        // Data that arrived before the failure still counts: in slots, or a message waiting in
+        // the mailbox (a peer that sent its last message and closed at once).
+        let link = &self.eng.links[l];
+        let nothing_left = link.rx.iter().all(|rx| rx.arrived.is_empty())
+            && !(self.mailbox && link.mailbox_arrived(&self.eng.geo).is_some());
         let needed = self.sched.steps.iter().zip(&self.st).any(|(step, st)| {
             !st.done
                 && match step.op {

@@ -337,6 +337,12 @@ pub enum Algorithm {
     /// distributes) a share of the elements proportional to [`Request::weights`]`[i]`: for links
     /// of unequal rates (see [`proportional_shares`] for the derivation).
     Proportional,
+    /// Two-tier all-reduce over [`Request::hosts`]: a reduce-scatter among the ranks of each
+    /// host, an all-reduce of each rank's slice among the ranks with its local index on every
+    /// host (rail style: every rank of a host drives its own slice across the network), and
+    /// an all-gather inside each host. Across hosts it moves `2(H−1)/H·N` per host link and
+    /// direction where a flat ring moves `2(n−1)/n·N`.
+    Hierarchical,
 }
 
 impl Algorithm {
@@ -350,6 +356,7 @@ impl Algorithm {
             Algorithm::Direct => "direct",
             Algorithm::Dissemination => "dissemination",
             Algorithm::Proportional => "prop",
+            Algorithm::Hierarchical => "hier",
         }
     }
 
@@ -364,6 +371,7 @@ impl Algorithm {
             "direct" => Algorithm::Direct,
             "dissemination" => Algorithm::Dissemination,
             "prop" | "proportional" => Algorithm::Proportional,
+            "hier" | "hierarchical" => Algorithm::Hierarchical,
             _ => return None,
         })
     }
@@ -373,7 +381,10 @@ impl Algorithm {
         use Algorithm::*;
         match coll {
             Collective::AllReduce { .. } => {
-                matches!(self, Ring | RecursiveDoubling | Direct | Proportional)
+                matches!(
+                    self,
+                    Ring | RecursiveDoubling | Direct | Proportional | Hierarchical
+                )
             }
             Collective::ReduceScatter { .. } | Collective::AllGather { .. } => self == Ring,
             Collective::Broadcast { .. } | Collective::Reduce { .. } => {
@@ -408,6 +419,10 @@ pub struct Request {
     /// not all zero; they need not sum to anything). Empty otherwise.
     #[serde(default)]
     pub weights: Vec<u32>,
+    /// [`Algorithm::Hierarchical`]: each rank's host (any numbering; every host with the
+    /// same number of ranks). Empty otherwise.
+    #[serde(default)]
+    pub hosts: Vec<u32>,
 }
 
 /// One rank's schedule.
@@ -512,6 +527,21 @@ pub fn build(req: &Request) -> Result<Schedule, String> {
             req.weights
         ));
     }
+    if req.algo == Algorithm::Hierarchical {
+        if req.hosts.len() != n {
+            return Err(format!(
+                "the hierarchical algorithm needs the host of each of the {n} ranks, got {:?}",
+                req.hosts
+            ));
+        }
+        let per = |h: u32| req.hosts.iter().filter(|&&x| x == h).count();
+        if req.hosts.iter().any(|&h| per(h) != per(req.hosts[0])) {
+            return Err(format!(
+                "the hierarchical algorithm needs as many ranks on every host: {:?}",
+                req.hosts
+            ));
+        }
+    }
     if !req.algo.supports(&req.coll) {
         return Err(format!(
             "algorithm {} cannot run {}",
@@ -539,6 +569,9 @@ pub fn build(req: &Request) -> Result<Schedule, String> {
         }
         (&Collective::AllReduce { count }, Algorithm::Proportional) => {
             proportional_all_reduce(&mut b, req, count)
+        }
+        (&Collective::AllReduce { count }, Algorithm::Hierarchical) => {
+            hierarchical_all_reduce(&mut b, req, count)
         }
         (&Collective::AllReduce { count }, _) => recursive_doubling(&mut b, n, r, count),
         (&Collective::ReduceScatter { count }, _) => ring_reduce_scatter(&mut b, req, count),
@@ -971,55 +1004,167 @@ const PROPORTIONAL_SLICES: usize = 16;
 /// direct all-gather, pipelined in slices (slice `s` of a block is gathered as soon as it is
 /// reduced).
 fn proportional_all_reduce(b: &mut Builder, req: &Request, count: usize) {
-    let (n, r) = (req.world, req.rank);
+    let members: Vec<usize> = (0..req.world).collect();
     let blocks = weighted_blocks(count, &req.weights);
-    // At least PROPORTIONAL_SLICES slices: the all-gather of a slice starts once it is
-    // reduced, so the two phases overlap to within one slice of the whole.
+    let k = phase_slices(&blocks, req.chunk);
+    let rs = direct_reduce_scatter(b, &members, req.rank, &blocks, k, Buf::Input, &[]);
+    let ready: Vec<Vec<Option<u32>>> = rs.reduced.iter().map(|&d| vec![d]).collect();
+    direct_all_gather(b, &members, req.rank, &blocks, k, &ready, &rs.sent);
+}
+
+/// See [`Algorithm::Hierarchical`].
+fn hierarchical_all_reduce(b: &mut Builder, req: &Request, count: usize) {
+    let (n, r) = (req.world, req.rank);
+    let mut host_ids: Vec<u32> = req.hosts.clone();
+    host_ids.sort_unstable();
+    host_ids.dedup();
+    let on = |h: u32| -> Vec<usize> { (0..n).filter(|&x| req.hosts[x] == h).collect() };
+    let locals = on(req.hosts[r]);
+    let li = locals.iter().position(|&x| x == r).expect("on its host");
+    let rail: Vec<usize> = host_ids.iter().map(|&h| on(h)[li]).collect();
+    // 1. Inside the host: reduce-scatter into equal local blocks.
+    let l = locals.len();
+    let lblocks: Vec<(usize, usize)> = (0..l).map(|j| split(count, l, j)).collect();
+    let k1 = phase_slices(&lblocks, req.chunk);
+    let rs1 = direct_reduce_scatter(b, &locals, r, &lblocks, k1, Buf::Input, &[]);
+    let (off, len) = lblocks[li];
+    let mut after: Vec<Option<u32>> = rs1.reduced.clone();
+    if l == 1 && !req.in_place && len > 0 {
+        // No local partner: the output starts as the input.
+        let (i, o) = (
+            Region::new(Buf::Input, off, len),
+            Region::new(Buf::Output, off, len),
+        );
+        after.push(Some(b.copy(i, o, &[])));
+    }
+    // 2. Across hosts, along the rail: all-reduce of this rank's local block.
+    let h = rail.len();
+    let rblocks: Vec<(usize, usize)> = (0..h)
+        .map(|j| {
+            let (o, sl) = split(len, h, j);
+            (off + o, sl)
+        })
+        .collect();
+    let k2 = phase_slices(&rblocks, req.chunk);
+    let rs2 = direct_reduce_scatter(b, &rail, r, &rblocks, k2, Buf::Output, &after);
+    let ready2: Vec<Vec<Option<u32>>> = rs2
+        .reduced
+        .iter()
+        .map(|&d| {
+            let mut v = after.clone();
+            v.push(d);
+            v
+        })
+        .collect();
+    let got2 = direct_all_gather(b, &rail, r, &rblocks, k2, &ready2, &rs2.sent);
+    // 3. Inside the host: all-gather of the local blocks, once this rank's is complete.
+    let mut done: Vec<Option<u32>> = after;
+    done.extend(rs2.reduced.iter().copied());
+    done.extend(got2.iter().map(|&g| Some(g)));
+    let ready3 = vec![done; k1];
+    direct_all_gather(b, &locals, r, &lblocks, k1, &ready3, &rs1.sent);
+}
+
+/// Slices per block of a direct phase: at least [`PROPORTIONAL_SLICES`], so that a block's
+/// gather overlaps its reduction.
+fn phase_slices(blocks: &[(usize, usize)], chunk: usize) -> usize {
     let largest = blocks.iter().map(|b| b.1).max().unwrap_or(0);
-    let k = slices(largest, req.chunk).max(PROPORTIONAL_SLICES.min(largest.max(1)));
+    slices(largest, chunk).max(PROPORTIONAL_SLICES.min(largest.max(1)))
+}
+
+/// What a direct reduce-scatter left: per slice, the step after which this rank's block slice
+/// is reduced (in the output); per member and slice, the send of this rank's contribution.
+struct ReduceScatter {
+    reduced: Vec<Option<u32>>,
+    sent: Vec<Vec<Option<u32>>>,
+}
+
+/// Direct reduce-scatter among `members` (this rank is `me`, one of them; member `j` owns
+/// `blocks[j]`, cut into `k` slices): every contribution is sent from `src` (the input, or
+/// the output holding a partial result) after `after`; the owner folds them into its output
+/// block in one chain per slice.
+fn direct_reduce_scatter(
+    b: &mut Builder,
+    members: &[usize],
+    me: usize,
+    blocks: &[(usize, usize)],
+    k: usize,
+    src: Buf,
+    after: &[Option<u32>],
+) -> ReduceScatter {
+    let m = members.len();
+    let i = members.iter().position(|&x| x == me).expect("a member");
     let slice = |blk: usize, s: usize| {
         let (o, l) = blocks[blk];
         let (so, sl) = split(l, k, s);
         (o + so, sl)
     };
-    let input = |(o, l): (usize, usize)| Region::new(Buf::Input, o, l);
-    let output = |(o, l): (usize, usize)| Region::new(Buf::Output, o, l);
+    let region = |buf: Buf, (o, l): (usize, usize)| Region::new(buf, o, l);
     // Everyone starts with a different peer, so that no owner gets everything at once.
-    let peers: Vec<usize> = (1..n).map(|i| (r + i) % n).collect();
-    // Reduce-scatter: my contribution to every other owner; the others' to my block, folded
-    // in one chain per slice.
-    let mut sent = vec![vec![None; k]; n];
-    let mut reduced = vec![None; k];
+    let peers: Vec<usize> = (1..m).map(|d| (i + d) % m).collect();
+    let mut out = ReduceScatter {
+        reduced: vec![None; k],
+        sent: vec![vec![None; k]; m],
+    };
     for s in 0..k {
-        for &p in &peers {
-            if slice(p, s).1 > 0 {
-                sent[p][s] = Some(b.send(p, 0, input(slice(p, s)), &[]));
+        for &j in &peers {
+            if slice(j, s).1 > 0 {
+                let id = b.send(members[j], 0, region(src, slice(j, s)), after);
+                out.sent[j][s] = Some(id);
             }
         }
-        let mine = slice(r, s);
+        let mine = slice(i, s);
         if mine.1 > 0 {
             let mut last = None;
-            for (i, &p) in peers.iter().rev().enumerate() {
-                let with = if i == 0 { input(mine) } else { output(mine) };
-                last = Some(b.recv(p, 0, output(mine), Some(with), &[last]));
+            for (n, &j) in peers.iter().rev().enumerate() {
+                let with = if n == 0 { src } else { Buf::Output };
+                let mut deps = vec![last];
+                if n == 0 {
+                    deps.extend_from_slice(after);
+                }
+                let dst = region(Buf::Output, mine);
+                last = Some(b.recv(members[j], 0, dst, Some(region(with, mine)), &deps));
             }
-            reduced[s] = last;
+            out.reduced[s] = last;
         }
     }
-    // All-gather: my reduced block to everyone; every other block from its owner (in place,
-    // once my contribution to it has been sent from the same memory).
+    out
+}
+
+/// Direct all-gather among `members`: this rank's block, slice `s` once `ready[s]` is done,
+/// to every other member; every other member's block into the output, slice `s` of member
+/// `j`'s once `war[j][s]` (the last read of that memory) is done. Returns the receives.
+fn direct_all_gather(
+    b: &mut Builder,
+    members: &[usize],
+    me: usize,
+    blocks: &[(usize, usize)],
+    k: usize,
+    ready: &[Vec<Option<u32>>],
+    war: &[Vec<Option<u32>>],
+) -> Vec<u32> {
+    let m = members.len();
+    let i = members.iter().position(|&x| x == me).expect("a member");
+    let slice = |blk: usize, s: usize| {
+        let (o, l) = blocks[blk];
+        let (so, sl) = split(l, k, s);
+        Region::new(Buf::Output, o + so, sl)
+    };
+    let peers: Vec<usize> = (1..m).map(|d| (i + d) % m).collect();
+    let mut got = Vec::new();
     for s in 0..k {
-        if slice(r, s).1 > 0 {
-            for &p in &peers {
-                b.send(p, 0, output(slice(r, s)), &[reduced[s]]);
+        if slice(i, s).len > 0 {
+            for &j in &peers {
+                b.send(members[j], 0, slice(i, s), &ready[s]);
             }
         }
-        for &p in &peers {
-            if slice(p, s).1 > 0 {
-                b.recv(p, 0, output(slice(p, s)), None, &[sent[p][s]]);
+        for &j in &peers {
+            if slice(j, s).len > 0 {
+                got.push(b.recv(members[j], 0, slice(j, s), None, &[war[j][s]]));
             }
         }
     }
+    got
 }
 
 /// Binomial tree on ranks relative to the root: `v`'s parent is `v` without its highest bit;
@@ -1309,6 +1454,7 @@ mod proportional_tests {
                     world: n,
                     rank,
                     in_place,
+                    hosts: Vec::new(),
                     algo: Algorithm::Proportional,
                     chunk,
                     channels: 1,
@@ -1326,6 +1472,7 @@ mod proportional_tests {
             world: 3,
             rank: 0,
             in_place: false,
+            hosts: Vec::new(),
             algo: Algorithm::Proportional,
             chunk: 4,
             channels: 1,
@@ -1334,5 +1481,74 @@ mod proportional_tests {
         assert!(build(&req(vec![0, 0, 0])).is_err());
         assert!(build(&req(vec![1, 1])).is_err());
         assert!(build(&req(vec![1, 0, 2])).is_ok());
+    }
+}
+
+#[cfg(test)]
+mod hierarchical_tests {
+    use super::*;
+
+    /// Random worlds split into hosts of equal size (including one rank per host and one host),
+    /// ranks dealt to hosts in a random order, against the reference executor.
+    #[test]
+    fn hierarchical_all_reduce_verifies_for_random_layouts() {
+        let mut x = 0x5851_f42d_4c95_7f2du64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for case in 0..300 {
+            let n = 1 + (next() % 12) as usize;
+            let divisors: Vec<usize> = (1..=n).filter(|&d| n.is_multiple_of(d)).collect();
+            let h = divisors[(next() % divisors.len() as u64) as usize];
+            // Deal ranks to hosts in a shuffled order; host numbers are arbitrary labels.
+            let mut order: Vec<usize> = (0..n).collect();
+            for i in (1..n).rev() {
+                order.swap(i, (next() % (i as u64 + 1)) as usize);
+            }
+            let mut hosts = vec![0u32; n];
+            for (slot, &rank) in order.iter().enumerate() {
+                hosts[rank] = 100 + 7 * (slot % h) as u32;
+            }
+            let count = (next() % 150) as usize;
+            let in_place = next() & 1 == 1;
+            let chunk = 1 + (next() % 23) as usize;
+            let reqs: Vec<Request> = (0..n)
+                .map(|rank| Request {
+                    coll: Collective::AllReduce { count },
+                    world: n,
+                    rank,
+                    in_place,
+                    hosts: hosts.clone(),
+                    algo: Algorithm::Hierarchical,
+                    chunk,
+                    channels: 1,
+                    weights: Vec::new(),
+                })
+                .collect();
+            let slots = 1 + case % 3;
+            crate::verify::verify(&reqs, slots, next()).unwrap_or_else(|e| {
+                panic!("n={n} hosts={hosts:?} count={count} in_place={in_place} chunk={chunk} slots={slots}: {e}")
+            });
+        }
+        // Uneven hosts are refused.
+        let req = Request {
+            coll: Collective::AllReduce { count: 10 },
+            world: 3,
+            rank: 0,
+            in_place: false,
+            hosts: vec![0, 0, 1],
+            algo: Algorithm::Hierarchical,
+            chunk: 4,
+            channels: 1,
+            weights: Vec::new(),
+        };
+        assert!(
+            build(&req)
+                .unwrap_err()
+                .contains("as many ranks on every host")
+        );
     }
 }

@@ -18,6 +18,7 @@
 //!         world: 5,
 //!         rank,
 //!         in_place: false,
+//!         hosts: Vec::new(),
 //!         algo: Algorithm::Ring,
 //!         chunk: 4,
 //!         channels: 2,
@@ -539,7 +540,7 @@ mod tests {
         vec![
             (
                 Collective::AllReduce { count },
-                vec![Ring, RecursiveDoubling, Proportional],
+                vec![Ring, RecursiveDoubling, Proportional, Hierarchical],
             ),
             (Collective::ReduceScatter { count }, vec![Ring]),
             (Collective::AllGather { count }, vec![Ring]),
@@ -572,6 +573,13 @@ mod tests {
                 world: n,
                 rank,
                 in_place,
+                // Hosts interleaved (rank x on host x mod h), h the smallest proper divisor.
+                hosts: if algo == Algorithm::Hierarchical {
+                    let h = (2..n).find(|&d| n.is_multiple_of(d)).unwrap_or(1);
+                    (0..n).map(|x| (x % h) as u32).collect()
+                } else {
+                    Vec::new()
+                },
                 algo,
                 chunk,
                 channels,
@@ -651,6 +659,7 @@ mod tests {
                         world: n,
                         rank,
                         in_place: false,
+                        hosts: Vec::new(),
                         algo: Algorithm::Direct,
                         chunk: 2,
                         channels: 1,
@@ -669,6 +678,7 @@ mod tests {
             world: 2,
             rank,
             in_place: false,
+            hosts: Vec::new(),
             algo: Algorithm::Direct,
             chunk: 4,
             channels: 1,
@@ -686,6 +696,7 @@ mod tests {
             world: 3,
             rank,
             in_place: false,
+            hosts: Vec::new(),
             algo: Algorithm::Ring,
             chunk: 2,
             channels: 1,
@@ -724,6 +735,7 @@ mod tests {
             world: 2,
             rank,
             in_place: false,
+            hosts: Vec::new(),
             algo: Algorithm::Dissemination,
             chunk: 1,
             channels: 1,
@@ -745,6 +757,7 @@ mod tests {
             world: 6,
             rank: 4,
             in_place: false,
+            hosts: Vec::new(),
             algo: Algorithm::Ring,
             chunk: 17,
             channels: 3,

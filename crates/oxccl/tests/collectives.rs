@@ -1255,6 +1255,29 @@ fn uneven_links_in_the_topology_file_pick_the_proportional_all_reduce() {
     );
 }
 
+/// A topology file of 2 hosts × 2 ranks (interleaved: ranks 0 and 2 on one host): large
+/// all-reduces run two-tier, and every result is right.
+#[test]
+fn two_hosts_of_two_ranks_pick_the_hierarchical_all_reduce() {
+    let dir = common::TempDir::new("topo-hier");
+    let file = dir.0.join("topo.json");
+    std::fs::write(
+        &file,
+        r#"{"hosts": [{"name": "a", "ranks": [0, 2]}, {"name": "b", "ranks": [1, 3]}]}"#,
+    )
+    .unwrap();
+    let mut plan = Plan::full(0x41e2).sections(&["large", "all_reduce", "nonblocking"]);
+    plan.reduce_pairs = some_pairs();
+    let name = "OXCCL_TOPO_FILE, 2 hosts x 2 ranks";
+    let env = [
+        ("OXCCL_PROVIDER", "shm"),
+        ("OXCCL_TOPO_FILE", file.to_str().unwrap()),
+        ("OXCCL_DEBUG", "INFO"),
+    ];
+    let log = run_job(name, 4, &env, plan);
+    assert_used(name, &log, "all_reduce", "hier", None);
+}
+
 #[test]
 fn forced_tree_for_large_broadcast_and_reduce() {
     forced(

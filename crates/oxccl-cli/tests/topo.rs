@@ -446,3 +446,53 @@ fn proportional_all_reduce_across_shaped_namespaces_is_exact() {
         // (The debug log names each kind of call once: the 2 MiB ones ran the same plan kind.)
     }
 }
+
+/// 2 hosts × 2 ranks in namespaces (shm inside a host, tcp between them), the two-tier
+/// algorithm forced for every size from 8 B: exact results. (Small calls once mixed the
+/// mailbox and slot protocols on one link: a rank whose blocks were empty talked only to its
+/// host-mate and chose mailboxes, its host-mate slots.)
+#[test]
+fn hierarchical_collectives_across_namespaces_are_exact_at_every_size() {
+    let _serial = serial();
+    let name = "hierarchical_collectives_across_namespaces_are_exact_at_every_size";
+    if let Err(reason) = Testbed::available() {
+        println!("SKIPPED {name}: {reason}");
+        return;
+    }
+    let tb = Testbed::new(&[HostSpec::unshaped(), HostSpec::unshaped()]).expect("a test bed");
+    let dir = TempDir::new("hier");
+    let file = dir.0.join("bed.json");
+    std::fs::write(
+        &file,
+        r#"{"hosts": [{"name": "h0", "ranks": [0, 1]}, {"name": "h1", "ranks": [2, 3]}]}"#,
+    )
+    .unwrap();
+    let env = [
+        ("OXCCL_TOPO_FILE", file.to_str().unwrap()),
+        ("OXCCL_ALGO", "hier"),
+    ];
+    for (i, coll) in ["all_reduce", "all_gather"].into_iter().enumerate() {
+        let args = [
+            "perf", coll, "-b", "8", "-e", "1M", "-f", "32", "-w", "1", "-i", "2", "-c", "1",
+        ];
+        let outs = run_in_bed(&tb, &[0, 0, 1, 1], &args, &env, 29541 + i as u16);
+        for (rank, out) in outs.iter().enumerate() {
+            assert!(
+                out.status.success(),
+                "{coll}: rank {rank} failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let table = String::from_utf8_lossy(&outs[0].stdout);
+        let rows: Vec<Vec<&str>> = table
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(rows.len(), 4, "{coll}: 8 B to 1 MiB by 32:\n{table}");
+        for row in &rows {
+            assert_eq!((row[8], row[12]), ("0", "0"), "{coll}:\n{table}");
+        }
+    }
+}

@@ -686,6 +686,9 @@ impl Communicator {
             Collective::AllReduce { .. } if !self.inner.host_of.is_empty() => {
                 Algorithm::Hierarchical
             }
+            Collective::AllGather { .. } if !self.inner.host_of.is_empty() => {
+                Algorithm::Hierarchical
+            }
             // Uneven links: each rank reduces what its link can carry.
             Collective::AllReduce { .. } if !self.inner.weights.is_empty() => {
                 Algorithm::Proportional
@@ -894,8 +897,12 @@ impl Communicator {
         let sched = match hit {
             Some(s) => s,
             None => {
-                let sizes_shared = !matches!(coll, Collective::AllToAllV { .. });
-                let s = Arc::new(Plan::new(build(&key.0).map_err(invalid)?, sizes_shared));
+                // The mailbox protocol must be chosen alike at both ends of a link: not where
+                // one end's schedule alone can't tell (all_to_allv's private counts; blocks that
+                // are empty on some ranks only).
+                let mailbox_ok = !matches!(coll, Collective::AllToAllV { .. })
+                    && !matches!(algo, Algorithm::Proportional | Algorithm::Hierarchical);
+                let s = Arc::new(Plan::new(build(&key.0).map_err(invalid)?, mailbox_ok));
                 if st.cache.len() >= 256 {
                     st.cache.clear();
                 }

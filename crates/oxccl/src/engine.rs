@@ -463,8 +463,9 @@ impl<'a> Cursor<'a> {
 
 impl Plan {
     /// `mailbox_ok`: whether the mailbox protocol may be considered. It must be chosen alike
-    /// at both ends of every link, so never where sizes are known to one end only
-    /// (all_to_allv: a rank knows its own blocks, not its peers').
+    /// at both ends of every link, so never where one end's schedule cannot tell what the
+    /// other's is (all_to_allv: a rank knows its own blocks, not its peers'; proportional and
+    /// hierarchical schedules, where a rank with empty blocks talks to fewer peers).
     pub(crate) fn new(sched: Schedule, mailbox_ok: bool) -> Plan {
         let mailbox = std::sync::OnceLock::new();
         if !mailbox_ok {

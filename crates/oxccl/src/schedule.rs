@@ -386,7 +386,8 @@ impl Algorithm {
                     Ring | RecursiveDoubling | Direct | Proportional | Hierarchical
                 )
             }
-            Collective::ReduceScatter { .. } | Collective::AllGather { .. } => self == Ring,
+            Collective::AllGather { .. } => matches!(self, Ring | Hierarchical),
+            Collective::ReduceScatter { .. } => self == Ring,
             Collective::Broadcast { .. } | Collective::Reduce { .. } => {
                 matches!(self, Tree | Chain)
             }
@@ -575,6 +576,9 @@ pub fn build(req: &Request) -> Result<Schedule, String> {
         }
         (&Collective::AllReduce { count }, _) => recursive_doubling(&mut b, n, r, count),
         (&Collective::ReduceScatter { count }, _) => ring_reduce_scatter(&mut b, req, count),
+        (&Collective::AllGather { count }, Algorithm::Hierarchical) => {
+            hierarchical_all_gather(&mut b, req, count)
+        }
         (&Collective::AllGather { count }, _) => ring_all_gather(&mut b, req, count),
         (&Collective::Broadcast { count, root }, algo) => {
             if r == root {
@@ -1012,16 +1016,93 @@ fn proportional_all_reduce(b: &mut Builder, req: &Request, count: usize) {
     direct_all_gather(b, &members, req.rank, &blocks, k, &ready, &rs.sent);
 }
 
+/// The two tiers of [`Request::hosts`]: every host's ranks (hosts in ascending number, ranks
+/// ascending), this rank's host-mates, its index among them, and its rail (the ranks with
+/// that index on every host).
+struct Tiers {
+    hosts: Vec<Vec<usize>>,
+    locals: Vec<usize>,
+    li: usize,
+    rail: Vec<usize>,
+}
+
+fn tiers(req: &Request) -> Tiers {
+    let mut ids: Vec<u32> = req.hosts.clone();
+    ids.sort_unstable();
+    ids.dedup();
+    let hosts: Vec<Vec<usize>> = ids
+        .iter()
+        .map(|&h| (0..req.world).filter(|&x| req.hosts[x] == h).collect())
+        .collect();
+    let mine = ids.binary_search(&req.hosts[req.rank]).expect("its host");
+    let locals = hosts[mine].clone();
+    let li = locals
+        .iter()
+        .position(|&x| x == req.rank)
+        .expect("on its host");
+    let rail = hosts.iter().map(|h| h[li]).collect();
+    Tiers {
+        hosts,
+        locals,
+        li,
+        rail,
+    }
+}
+
+/// See [`Algorithm::Hierarchical`]: across hosts along the rail first (each rank's block to
+/// the ranks with its local index elsewhere), then inside each host (what each rank gathered,
+/// host by host).
+fn hierarchical_all_gather(b: &mut Builder, req: &Request, count: usize) {
+    let r = req.rank;
+    let Tiers {
+        hosts,
+        locals,
+        li,
+        rail,
+    } = tiers(req);
+    let own = b.copy(
+        Region::new(Buf::Input, 0, count),
+        Region::new(Buf::Output, r * count, count),
+        &[],
+    );
+    let block = |x: usize| (x * count, count);
+    let rblocks: Vec<(usize, usize)> = rail.iter().map(|&x| block(x)).collect();
+    let k = phase_slices(&rblocks, req.chunk);
+    let none = |m: usize| vec![vec![None; k]; m];
+    let got = direct_all_gather(
+        b,
+        &rail,
+        r,
+        &rblocks,
+        k,
+        &vec![vec![Some(own)]; k],
+        &none(rail.len()),
+    );
+    // Every block this rank holds now: its own and its rail's.
+    let mut held: Vec<Option<u32>> = vec![Some(own)];
+    held.extend(got.iter().map(|&g| Some(g)));
+    for host in &hosts {
+        // Host-mate `l` holds the block of `host[l]` (its rail's member on that host).
+        let lblocks: Vec<(usize, usize)> = (0..locals.len()).map(|l| block(host[l])).collect();
+        debug_assert_eq!(lblocks[li], block(host[li]));
+        direct_all_gather(
+            b,
+            &locals,
+            r,
+            &lblocks,
+            k,
+            &vec![held.clone(); k],
+            &none(locals.len()),
+        );
+    }
+}
+
 /// See [`Algorithm::Hierarchical`].
 fn hierarchical_all_reduce(b: &mut Builder, req: &Request, count: usize) {
-    let (n, r) = (req.world, req.rank);
-    let mut host_ids: Vec<u32> = req.hosts.clone();
-    host_ids.sort_unstable();
-    host_ids.dedup();
-    let on = |h: u32| -> Vec<usize> { (0..n).filter(|&x| req.hosts[x] == h).collect() };
-    let locals = on(req.hosts[r]);
-    let li = locals.iter().position(|&x| x == r).expect("on its host");
-    let rail: Vec<usize> = host_ids.iter().map(|&h| on(h)[li]).collect();
+    let r = req.rank;
+    let Tiers {
+        locals, li, rail, ..
+    } = tiers(req);
     // 1. Inside the host: reduce-scatter into equal local blocks.
     let l = locals.len();
     let lblocks: Vec<(usize, usize)> = (0..l).map(|j| split(count, l, j)).collect();
@@ -1491,7 +1572,7 @@ mod hierarchical_tests {
     /// Random worlds split into hosts of equal size (including one rank per host and one host),
     /// ranks dealt to hosts in a random order, against the reference executor.
     #[test]
-    fn hierarchical_all_reduce_verifies_for_random_layouts() {
+    fn hierarchical_all_reduce_and_all_gather_verify_for_random_layouts() {
         let mut x = 0x5851_f42d_4c95_7f2du64;
         let mut next = || {
             x ^= x << 13;
@@ -1515,9 +1596,14 @@ mod hierarchical_tests {
             let count = (next() % 150) as usize;
             let in_place = next() & 1 == 1;
             let chunk = 1 + (next() % 23) as usize;
+            let coll = if case % 2 == 0 {
+                Collective::AllReduce { count }
+            } else {
+                Collective::AllGather { count: count / 4 }
+            };
             let reqs: Vec<Request> = (0..n)
                 .map(|rank| Request {
-                    coll: Collective::AllReduce { count },
+                    coll: coll.clone(),
                     world: n,
                     rank,
                     in_place,
@@ -1530,7 +1616,7 @@ mod hierarchical_tests {
                 .collect();
             let slots = 1 + case % 3;
             crate::verify::verify(&reqs, slots, next()).unwrap_or_else(|e| {
-                panic!("n={n} hosts={hosts:?} count={count} in_place={in_place} chunk={chunk} slots={slots}: {e}")
+                panic!("{coll:?} n={n} hosts={hosts:?} in_place={in_place} chunk={chunk} slots={slots}: {e}")
             });
         }
         // Uneven hosts are refused.

@@ -543,7 +543,7 @@ mod tests {
                 vec![Ring, RecursiveDoubling, Proportional, Hierarchical],
             ),
             (Collective::ReduceScatter { count }, vec![Ring]),
-            (Collective::AllGather { count }, vec![Ring]),
+            (Collective::AllGather { count }, vec![Ring, Hierarchical]),
             (Collective::Broadcast { count, root }, vec![Tree, Chain]),
             (Collective::Reduce { count, root }, vec![Tree, Chain]),
             (Collective::AllToAll { count }, vec![Direct]),

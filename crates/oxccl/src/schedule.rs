@@ -337,11 +337,12 @@ pub enum Algorithm {
     /// distributes) a share of the elements proportional to [`Request::weights`]`[i]`: for links
     /// of unequal rates (see [`proportional_shares`] for the derivation).
     Proportional,
-    /// Two-tier all-reduce over [`Request::hosts`]: a reduce-scatter among the ranks of each
+    /// Two tiers over [`Request::hosts`]. All-reduce: a reduce-scatter among the ranks of each
     /// host, an all-reduce of each rank's slice among the ranks with its local index on every
     /// host (rail style: every rank of a host drives its own slice across the network), and
-    /// an all-gather inside each host. Across hosts it moves `2(H−1)/H·N` per host link and
-    /// direction where a flat ring moves `2(n−1)/n·N`.
+    /// an all-gather inside each host; across hosts it moves `2(H−1)/H·N` per host link and
+    /// direction where a flat ring moves `2(n−1)/n·N`. All-gather: along the rails across
+    /// hosts first, then inside each host (`(H−1)/H·N` per host link against `(n−1)/n·N`).
     Hierarchical,
 }
 

@@ -255,9 +255,11 @@ struct Inner {
     /// Each rank's share of a proportional all-reduce, from uneven link rates (empty when
     /// the rates are equal or unknown).
     weights: Vec<u32>,
-    /// Each rank's host when the tuner should run two-tier all-reduces (several hosts with
-    /// the same number, above one, of ranks each); empty otherwise.
-    host_of: Vec<usize>,
+    /// Each rank's host in the topology (what a hierarchical schedule is built from).
+    host_index: Vec<u32>,
+    /// Whether the tuner runs two-tier all-reduces and all-gathers: several hosts with the same
+    /// number, above one, of ranks each.
+    two_tier: bool,
     providers: Vec<Option<Provider>>,
     /// Every peer is reached over shm (one host).
     all_shm: bool,
@@ -581,10 +583,9 @@ impl Communicator {
                 rank,
                 world,
                 hosts,
-                host_of: match topology.ranks_per_host() {
-                    Some(k) if k > 1 && topology.hosts.len() > 1 => topology.host_table(),
-                    _ => Vec::new(),
-                },
+                host_index: topology.host_table().iter().map(|&h| h as u32).collect(),
+                two_tier: topology.hosts.len() > 1
+                    && topology.ranks_per_host().is_some_and(|k| k > 1),
                 topology,
                 weights,
                 all_shm: providers.iter().flatten().all(|p| *p == Provider::Shm),
@@ -683,12 +684,8 @@ impl Communicator {
             Collective::AllReduce { .. } if small => Algorithm::RecursiveDoubling,
             // Several hosts of several ranks: reduce inside each host first, cross the network
             // once per rail.
-            Collective::AllReduce { .. } if !self.inner.host_of.is_empty() => {
-                Algorithm::Hierarchical
-            }
-            Collective::AllGather { .. } if !self.inner.host_of.is_empty() => {
-                Algorithm::Hierarchical
-            }
+            Collective::AllReduce { .. } if self.inner.two_tier => Algorithm::Hierarchical,
+            Collective::AllGather { .. } if self.inner.two_tier => Algorithm::Hierarchical,
             // Uneven links: each rank reduces what its link can carry.
             Collective::AllReduce { .. } if !self.inner.weights.is_empty() => {
                 Algorithm::Proportional
@@ -871,12 +868,7 @@ impl Communicator {
             rank,
             in_place: in_place.is_some(),
             hosts: if algo == Algorithm::Hierarchical {
-                self.inner
-                    .topology
-                    .host_table()
-                    .iter()
-                    .map(|&h| h as u32)
-                    .collect()
+                self.inner.host_index.clone()
             } else {
                 Vec::new()
             },
@@ -947,8 +939,8 @@ impl Communicator {
             match &e {
                 Error::Aborted { .. } if self.inner.abort.is_set() => st.engine.notify_abort(),
                 // Pass a failure on, unless it was passed to us.
-                Error::PeerFailed { peer, detail, .. } if *peer < world => {
-                    if Engine::is_notice(detail) {
+                Error::PeerFailed { peer, .. } if *peer < world => {
+                    if st.engine.failed_by_notice {
                         st.engine.remember_failure(*peer)
                     } else {
                         st.engine.notify_failure(*peer)
@@ -1388,12 +1380,7 @@ fn spawn_watchdog(inner: Weak<Inner>, action: WatchdogAction, limit: Duration) {
                     inner.rank
                 );
                 crate::log_warn(why.clone());
-                if let Some(to) = flight::dump("watchdog", &why, Some(&inner.probe)) {
-                    crate::log_warn(format!(
-                        "rank {}: flight recorder dumped to {to} (watchdog)",
-                        inner.rank
-                    ));
-                }
+                flight::dump("watchdog", &why, Some(&inner.probe));
                 inner.probe.dumped.store(true, Ordering::Relaxed);
                 inner.abort.set(&why);
                 if action == WatchdogAction::Exit {

@@ -571,6 +571,9 @@ pub(crate) struct Engine {
     /// A mismatch a peer reported in a call this rank had not reached: (sequence number
     /// modulo 2^24, the peer).
     pending_mismatch: Option<(u32, usize)>,
+    /// Whether the last call's [`Error::PeerFailed`] came from a peer's notice (so it is not
+    /// passed on again).
+    pub(crate) failed_by_notice: bool,
     /// How long an idle call polls without yielding (`OXCCL_SPIN_US`, default 50, as the verbs completion queue).
     pub(crate) spin_for: Duration,
     /// How long an idle call polls, yielding the CPU between polls, before it sleeps on the
@@ -632,6 +635,7 @@ impl Engine {
             st_buf: Vec::new(),
             mailbox_allowed: true,
             pending_mismatch: None,
+            failed_by_notice: false,
             spin_for: env_us("OXCCL_SPIN_US", 50),
             yield_for: env_us("OXCCL_YIELD_US", 2000),
             scratch: Vec::new(),
@@ -674,11 +678,6 @@ impl Engine {
         self.last_words = Some(imm(IMM_ABORT, 0, dead as u32));
     }
 
-    /// Whether a [`Error::PeerFailed`] detail comes from a peer's notice (not to be passed on).
-    pub(crate) fn is_notice(detail: &str) -> bool {
-        detail.contains(" reports that ") || detail.contains(" lost its connection to this rank")
-    }
-
     /// Posts a control message (an immediate) to every peer; best effort.
     fn notify_all(links: &[Link], imm: u32) {
         for l in links {
@@ -711,6 +710,7 @@ impl Engine {
             self.recent.pop_front();
         }
         self.recent.push_back(desc.clone());
+        self.failed_by_notice = false;
         if let Some(f) = self.faults.as_mut() {
             f.begin(desc.seq);
             if f.armed {
@@ -1367,6 +1367,7 @@ impl Call<'_> {
                         } else {
                             (dead, format!("rank {peer} reports that rank {dead} failed"))
                         };
+                        self.eng.failed_by_notice = true;
                         return Err(Error::PeerFailed {
                             rank: self.eng.rank,
                             op: self.desc.to_string(),

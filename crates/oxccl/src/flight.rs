@@ -372,33 +372,36 @@ pub(crate) fn dump_path(template: &str, rank: usize) -> std::path::PathBuf {
     s.replace("%p", &pid).into()
 }
 
-/// Writes a dump (see the module docs). Returns where it went, for the log.
-pub(crate) fn dump(reason: &str, detail: &str, about: Option<&Probe>) -> Option<String> {
-    let (json, rank) = render(reason, detail, about)?;
-    match std::env::var("OXCCL_DEBUG_DUMP") {
+/// Writes a dump (see the module docs) and logs where it went.
+pub(crate) fn dump(reason: &str, detail: &str, about: Option<&Probe>) {
+    let Some((json, rank)) = render(reason, detail, about) else {
+        return;
+    };
+    let to = match std::env::var("OXCCL_DEBUG_DUMP") {
         Ok(t) if !t.is_empty() => {
             let path = dump_path(&t, rank);
             let tmp = path.with_extension(format!("tmp{}", std::process::id()));
             let written = std::fs::write(&tmp, format!("{json}\n"))
                 .and_then(|()| std::fs::rename(&tmp, &path));
-            match written {
-                Ok(()) => Some(path.display().to_string()),
-                Err(e) => {
-                    let _ = std::fs::remove_file(&tmp);
-                    crate::log_warn(format!(
-                        "rank {rank}: could not write the flight recorder to {}: {e}",
-                        path.display()
-                    ));
-                    None
-                }
+            if let Err(e) = written {
+                let _ = std::fs::remove_file(&tmp);
+                crate::log_warn(format!(
+                    "rank {rank}: could not write the flight recorder to {}: {e}",
+                    path.display()
+                ));
+                return;
             }
+            path.display().to_string()
         }
         _ => {
             use std::io::Write;
             let _ = std::io::stderr().write_all(format!("{json}\n").as_bytes());
-            Some("stderr".into())
+            "stderr".into()
         }
-    }
+    };
+    crate::log_warn(format!(
+        "rank {rank}: flight recorder dumped to {to} ({reason})"
+    ));
 }
 
 /// Dumps once per communicator after the error that broke it: always for a timeout or an
@@ -414,12 +417,7 @@ pub(crate) fn dump_on_error(probe: &Probe, err: &Error) {
     if probe.dumped.swap(true, Ordering::Relaxed) {
         return;
     }
-    if let Some(to) = dump(reason, &err.to_string(), Some(probe)) {
-        crate::log_warn(format!(
-            "rank {}: flight recorder dumped to {to} ({reason})",
-            probe.rank
-        ));
-    }
+    dump(reason, &err.to_string(), Some(probe));
 }
 
 /// Dumps because rank `peer` timed out and asked for it (once per communicator; this rank's
@@ -429,12 +427,7 @@ pub(crate) fn dump_on_request(probe: &Probe, peer: usize) {
         return;
     }
     let why = format!("rank {peer} timed out and asked every rank to dump");
-    if let Some(to) = dump("peer_timeout", &why, Some(probe)) {
-        crate::log_warn(format!(
-            "rank {}: flight recorder dumped to {to} ({why})",
-            probe.rank
-        ));
-    }
+    dump("peer_timeout", &why, Some(probe));
 }
 
 /// Installs the `SIGUSR1` handler (once per process) that dumps the recorder.
@@ -456,9 +449,7 @@ pub(crate) fn install_signal_handler() {
             .name("oxccl-sigusr1".into())
             .spawn(move || {
                 for _ in signals.forever() {
-                    if let Some(to) = dump("signal", "SIGUSR1", None) {
-                        crate::log_warn(format!("flight recorder dumped to {to} (SIGUSR1)"));
-                    }
+                    dump("signal", "SIGUSR1", None);
                 }
             });
         if let Err(e) = spawned {

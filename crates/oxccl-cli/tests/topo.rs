@@ -276,6 +276,35 @@ impl Drop for Killed {
     }
 }
 
+/// Every rank of an `oxccl perf -c 1` job succeeded, and rank 0's table has `sizes` rows,
+/// each with no wrong element out of place or in place.
+fn assert_exact(what: &str, outs: &[Output], sizes: usize) {
+    for (rank, out) in outs.iter().enumerate() {
+        assert!(
+            out.status.success(),
+            "{what}: rank {rank} failed ({}): {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let table = String::from_utf8_lossy(&outs[0].stdout);
+    let rows: Vec<Vec<&str>> = table
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        rows.len(),
+        sizes,
+        "{what}: {sizes} sizes expected:\n{table}"
+    );
+    for row in &rows {
+        // Out-of-place and in-place #wrong.
+        assert_eq!((row[8], row[12]), ("0", "0"), "{what}:\n{table}");
+    }
+}
+
 /// Runs `oxccl ARGS` as the ranks of one job in the test bed's hosts (rank `r` in host
 /// `placement[r]`, with the torchrun variables and `env`); every rank's output, within 90 s.
 fn run_in_bed(
@@ -417,26 +446,7 @@ fn proportional_all_reduce_across_shaped_namespaces_is_exact() {
         ];
         let env = [("OXCCL_TOPO_FILE", file), ("OXCCL_DEBUG", "INFO")];
         let outs = run_in_bed(&tb, &[0, 1, 2, 3], &args, &env, 29531 + i as u16);
-        for (rank, out) in outs.iter().enumerate() {
-            assert!(
-                out.status.success(),
-                "{dtype} {op}: rank {rank} failed ({}): {}\n{}",
-                out.status,
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        let table = String::from_utf8_lossy(&outs[0].stdout);
-        let rows: Vec<Vec<&str>> = table
-            .lines()
-            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-            .map(|l| l.split_whitespace().collect())
-            .collect();
-        assert_eq!(rows.len(), 2, "{dtype} {op}: sizes 256K and 2M:\n{table}");
-        for row in &rows {
-            // Out-of-place and in-place #wrong.
-            assert_eq!((row[8], row[12]), ("0", "0"), "{dtype} {op}:\n{table}");
-        }
+        assert_exact(&format!("{dtype} {op}"), &outs, 2);
         let log = String::from_utf8_lossy(&outs[0].stderr);
         assert!(
             log.lines()
@@ -476,23 +486,6 @@ fn hierarchical_collectives_across_namespaces_are_exact_at_every_size() {
             "perf", coll, "-b", "8", "-e", "1M", "-f", "32", "-w", "1", "-i", "2", "-c", "1",
         ];
         let outs = run_in_bed(&tb, &[0, 0, 1, 1], &args, &env, 29541 + i as u16);
-        for (rank, out) in outs.iter().enumerate() {
-            assert!(
-                out.status.success(),
-                "{coll}: rank {rank} failed ({}): {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        let table = String::from_utf8_lossy(&outs[0].stdout);
-        let rows: Vec<Vec<&str>> = table
-            .lines()
-            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-            .map(|l| l.split_whitespace().collect())
-            .collect();
-        assert_eq!(rows.len(), 4, "{coll}: 8 B to 1 MiB by 32:\n{table}");
-        for row in &rows {
-            assert_eq!((row[8], row[12]), ("0", "0"), "{coll}:\n{table}");
-        }
+        assert_exact(coll, &outs, 4);
     }
 }

@@ -36,7 +36,7 @@ use oxccl_bootstrap::{Secret, TcpStore, wire};
 use oxccl_testbed::{HostSpec, Testbed};
 use serde_json::{Value, json};
 
-use common::{Job, error_kind, mix, realtime_ns, report, spawn_job};
+use common::{COLLECTIVES, Job, error_kind, mix, realtime_ns, report, spawn_job};
 
 /// `OXCCL_TIMEOUT` of the kill trials.
 const KILL_TIMEOUT_S: u64 = 5;
@@ -46,20 +46,6 @@ const STOP_TIMEOUT_S: u64 = 2;
 const N: usize = 4;
 /// Largest message of the small kind (the mailbox protocol's limit).
 const SMALL_BYTES: usize = 64 << 10;
-
-const COLLS: [&str; 11] = [
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
-    "broadcast",
-    "reduce",
-    "all_to_all",
-    "all_to_allv",
-    "gather",
-    "scatter",
-    "barrier",
-    "send_recv",
-];
 
 /// The tests of this file run one at a time: their timing claims assume nobody else in this
 /// binary is loading the two cores.
@@ -648,7 +634,7 @@ fn kill_trials(test: &str, net: &Net) {
     let trials = env_num("OXCCL_CHAOS_TRIALS", 4) as usize;
     let colls: Vec<String> = match std::env::var("OXCCL_CHAOS_COLLS") {
         Ok(s) if !s.trim().is_empty() => s.split(',').map(|c| c.trim().to_string()).collect(),
-        _ => COLLS.iter().map(|c| c.to_string()).collect(),
+        _ => COLLECTIVES.iter().map(|c| c.to_string()).collect(),
     };
     let mut rng = Rng::from_env(test, "OXCCL_CHAOS_SEED");
     let start = Instant::now();

@@ -21,7 +21,7 @@ use oxccl::schedule::Collective;
 use oxccl::{Buffers, Communicator, DataType, Element, ReduceOp, as_bytes_mut};
 use serde_json::{Value, json};
 
-use common::{error_kind, mix, report, spawn_job};
+use common::{COLLECTIVES, error_kind, mix, report, spawn_job};
 
 const N: usize = 4;
 /// Largest RSS growth allowed (see [`Footprint`]).
@@ -40,20 +40,6 @@ fn dispatch(scenario: &str, args: &Value) -> Value {
         other => panic!("unknown scenario {other:?}"),
     }
 }
-
-const KINDS: [&str; 11] = [
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
-    "broadcast",
-    "reduce",
-    "all_to_all",
-    "all_to_allv",
-    "gather",
-    "scatter",
-    "barrier",
-    "send_recv",
-];
 
 /// One call of the sequence: the same on every rank.
 #[derive(Debug)]
@@ -443,7 +429,7 @@ fn soak(args: &Value) -> Value {
         .as_array()
         .unwrap()
         .iter()
-        .map(|k| *KINDS.iter().find(|x| **x == k).expect("a known kind"))
+        .map(|k| *COLLECTIVES.iter().find(|x| **x == k).expect("a known kind"))
         .collect();
     let comm = Communicator::from_env().unwrap_or_else(|e| panic!("init: {e}"));
     assert_eq!(comm.world_size(), N);
@@ -533,10 +519,10 @@ fn soak_random_collectives_shm() {
         });
     let kinds: Vec<String> = match std::env::var("OXCCL_SOAK_KINDS") {
         Ok(k) if !k.trim().is_empty() => k.split(',').map(|s| s.trim().to_string()).collect(),
-        _ => KINDS.iter().map(|k| k.to_string()).collect(),
+        _ => COLLECTIVES.iter().map(|k| k.to_string()).collect(),
     };
-    if let Some(k) = kinds.iter().find(|k| !KINDS.contains(&k.as_str())) {
-        panic!("OXCCL_SOAK_KINDS: unknown kind {k:?} (known: {KINDS:?})");
+    if let Some(k) = kinds.iter().find(|k| !COLLECTIVES.contains(&k.as_str())) {
+        panic!("OXCCL_SOAK_KINDS: unknown kind {k:?} (known: {COLLECTIVES:?})");
     }
     println!("{test}: {calls} calls, seed {seed} (replay with OXCCL_SOAK_SEED={seed})");
     let start = Instant::now();

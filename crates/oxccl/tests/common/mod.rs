@@ -17,6 +17,21 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+/// Every collective the tests exercise, send/recv as one ("send_recv").
+pub const COLLECTIVES: [&str; 11] = [
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "all_to_allv",
+    "gather",
+    "scatter",
+    "barrier",
+    "send_recv",
+];
+
 /// Marks a child as a rank: the scenario to run.
 pub const CHILD_ENV: &str = "OXCCL_TEST_CHILD";
 /// The scenario's arguments, as JSON.

@@ -11,12 +11,13 @@ use oxccl_verbs::{Context, Provider, QpConfig, QpEndpoint, RemoteBuffer};
 use serde::{Deserialize, Serialize};
 
 use crate::dtype::{as_bytes, as_bytes_mut};
-use crate::engine::{AbortFlag, Bufs, Engine, Geometry, INLINE, Link, Plan};
+use crate::engine::{AbortFlag, Bufs, Engine, Geometry, Link, Plan};
 use crate::error::{Error, OpDesc, Result};
 use crate::fault::{Faults, Injector};
 use crate::flight::{self, CallInfo, Probe};
 use crate::schedule::{Algorithm, Collective, Request, build};
 use crate::topology::Topology;
+use crate::tuner::Tuning;
 use crate::{DataType, Element, ReduceOp, log_enabled};
 
 /// Settings of a communicator; [`Options::from_env`] reads the `OXCCL_*` variables.
@@ -252,17 +253,9 @@ struct Inner {
     world: usize,
     hosts: Vec<String>,
     topology: Topology,
-    /// Each rank's share of a proportional all-reduce, from uneven link rates (empty when
-    /// the rates are equal or unknown).
-    weights: Vec<u32>,
-    /// Each rank's host in the topology (what a hierarchical schedule is built from).
-    host_index: Vec<u32>,
-    /// Whether the tuner runs two-tier all-reduces and all-gathers: several hosts with the same
-    /// number, above one, of ranks each.
-    two_tier: bool,
+    /// What the tuner knows of this communicator (shares, hosts, forced settings).
+    tuning: Tuning,
     providers: Vec<Option<Provider>>,
-    /// Every peer is reached over shm (one host).
-    all_shm: bool,
     opts: Options,
     comm_id: u64,
     state: Mutex<State>,
@@ -323,25 +316,6 @@ impl Store for SharedStore {
     fn location(&self) -> String {
         self.0.store().location()
     }
-}
-
-/// Each rank's share of a proportional all-reduce (parts per million), from the topology's
-/// link rates ([`crate::schedule::proportional_shares`]; ranks on one host share its link);
-/// empty when rates are unknown or equal, or there are fewer than 3 ranks (where every split
-/// takes the same time), so that the tuner keeps the ring.
-fn proportional_weights(topo: &Topology) -> Vec<u32> {
-    let world = topo.world();
-    if world < 3 || topo.is_uniform_rate() || topo.hosts.iter().any(|h| h.link_gbps.is_none()) {
-        return Vec::new();
-    }
-    let rates: Vec<f64> = (0..world)
-        .map(|r| {
-            let h = &topo.hosts[topo.host_of(r)];
-            h.link_gbps.unwrap_or(1.0) / h.ranks.len() as f64
-        })
-        .collect();
-    let (shares, _) = crate::schedule::proportional_shares(&rates);
-    shares.iter().map(|s| (s * 1e6).round() as u32).collect()
 }
 
 fn random_u64() -> u64 {
@@ -420,7 +394,7 @@ impl Communicator {
         {
             crate::log_warn(note);
         }
-        let weights = proportional_weights(&topology);
+        let weights = topology.proportional_weights();
         // Every rank must cut all-reduces the same way: same file, same shares.
         let all_weights: Vec<Vec<u32>> = bootstrap.all_gather_serde("oxccl/topology", &weights)?;
         if let Some(r) = all_weights.iter().position(|w| *w != weights) {
@@ -583,12 +557,16 @@ impl Communicator {
                 rank,
                 world,
                 hosts,
-                host_index: topology.host_table().iter().map(|&h| h as u32).collect(),
-                two_tier: topology.hosts.len() > 1
-                    && topology.ranks_per_host().is_some_and(|k| k > 1),
+                tuning: Tuning {
+                    all_shm: providers.iter().flatten().all(|p| *p == Provider::Shm),
+                    small_bytes: opts.small_bytes,
+                    weights,
+                    algo: opts.algo,
+                    chunk_bytes: geo.slot_data,
+                    channels: geo.channels,
+                    ..Tuning::new(&topology, any_tcp)
+                },
                 topology,
-                weights,
-                all_shm: providers.iter().flatten().all(|p| *p == Provider::Shm),
                 providers,
                 opts,
                 comm_id,
@@ -665,53 +643,6 @@ impl Communicator {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The algorithm, chunk (elements) and channels for a call.
-    fn tune(
-        &self,
-        coll: &Collective,
-        dtype: DataType,
-        geo: &Geometry,
-    ) -> (Algorithm, usize, usize) {
-        let bytes = coll.count() * dtype.size();
-        let small = bytes <= self.inner.opts.small_bytes;
-        let all_shm = self.inner.all_shm;
-        let default = match coll {
-            // Tiny messages between ranks of one host: one round of mailbox messages. Above,
-            // recursive doubling moves less data (and runs in mailboxes up to their size).
-            Collective::AllReduce { .. } if all_shm && bytes <= 1024 => Algorithm::Direct,
-            Collective::AllReduce { .. } if small => Algorithm::RecursiveDoubling,
-            // Several hosts of several ranks: reduce inside each host first, cross the network
-            // once per rail.
-            Collective::AllReduce { .. } if self.inner.two_tier => Algorithm::Hierarchical,
-            Collective::AllGather { .. } if self.inner.two_tier => Algorithm::Hierarchical,
-            // Uneven links: each rank reduces what its link can carry.
-            Collective::AllReduce { .. } if !self.inner.weights.is_empty() => {
-                Algorithm::Proportional
-            }
-            Collective::AllReduce { .. }
-            | Collective::ReduceScatter { .. }
-            | Collective::AllGather { .. } => Algorithm::Ring,
-            Collective::Broadcast { .. } | Collective::Reduce { .. } if small => Algorithm::Tree,
-            Collective::Broadcast { .. } | Collective::Reduce { .. } => Algorithm::Chain,
-            Collective::Barrier => Algorithm::Dissemination,
-            _ => Algorithm::Direct,
-        };
-        let algo = self
-            .inner
-            .opts
-            .algo
-            .filter(|a| a.supports(coll))
-            .unwrap_or(default);
-        let chunk = (geo.slot_data / dtype.size()).max(1);
-        // Small messages on one channel; large ones spread over all.
-        let channels = if algo == Algorithm::Ring && bytes > INLINE * self.inner.world {
-            geo.channels
-        } else {
-            1
-        };
-        (algo, chunk, channels)
     }
 
     /// Runs one collective on raw bytes of `dtype`: the general entry point the typed calls
@@ -860,27 +791,11 @@ impl Communicator {
             op,
             root: coll.root(),
         };
-        let geo = st.engine.geo;
-        let (algo, chunk, channels) = self.tune(coll, dtype, &geo);
-        let req = Request {
-            coll: coll.clone(),
-            world,
-            rank,
-            in_place: in_place.is_some(),
-            hosts: if algo == Algorithm::Hierarchical {
-                self.inner.host_index.clone()
-            } else {
-                Vec::new()
-            },
-            algo,
-            chunk,
-            channels,
-            weights: match algo {
-                Algorithm::Proportional if self.inner.weights.is_empty() => vec![1; world],
-                Algorithm::Proportional => self.inner.weights.clone(),
-                _ => Vec::new(),
-            },
-        };
+        let req = self
+            .inner
+            .tuning
+            .request(coll, dtype.size(), rank, in_place.is_some());
+        let (algo, chunk, channels) = (req.algo, req.chunk, req.channels);
         let key = (req, es as u8);
         let hit = match &st.last {
             Some((k, s)) if *k == key => Some(s.clone()),

@@ -30,7 +30,7 @@ use crate::{DataType, ReduceOp};
 /// Bytes of the header in front of every fragment.
 pub(crate) const SLOT_HEADER: usize = 64;
 /// Fragments up to this many bytes travel in the staging region (no registration).
-pub(crate) const INLINE: usize = 4096 - SLOT_HEADER;
+use crate::tuner::INLINE;
 const STAGE: usize = SLOT_HEADER + INLINE;
 /// The mailbox protocol: a message of at most [`MAILBOX_DATA`] bytes lands in one of two
 /// mailboxes per peer (by parity of the message number): an 8-byte stamp, padding, the

@@ -64,6 +64,7 @@ pub mod flight;
 mod reduce;
 pub mod schedule;
 pub mod topology;
+pub mod tuner;
 pub mod verify;
 
 pub use comm::{Buffers, Communicator, Options, WatchdogAction, Work, default_host_id};

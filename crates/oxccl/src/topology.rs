@@ -256,6 +256,31 @@ impl Topology {
         }
     }
 
+    /// Several hosts with the same number, above one, of ranks each: where the tuner runs
+    /// all-reduce, reduce-scatter, all-gather and large broadcasts in two tiers.
+    pub fn is_two_tier(&self) -> bool {
+        self.hosts.len() > 1 && self.ranks_per_host().is_some_and(|k| k > 1)
+    }
+
+    /// Each rank's share of a proportional all-reduce (parts per million), from the link
+    /// rates ([`crate::schedule::proportional_shares`]; ranks on one host share its link);
+    /// empty when rates are unknown or equal, or there are fewer than 3 ranks (where every
+    /// split takes the same time), so that the tuner keeps the ring.
+    pub fn proportional_weights(&self) -> Vec<u32> {
+        let world = self.world();
+        if world < 3 || self.is_uniform_rate() || self.hosts.iter().any(|h| h.link_gbps.is_none()) {
+            return Vec::new();
+        }
+        let rates: Vec<f64> = (0..world)
+            .map(|r| {
+                let h = &self.hosts[self.host_of(r)];
+                h.link_gbps.unwrap_or(1.0) / h.ranks.len() as f64
+            })
+            .collect();
+        let (shares, _) = crate::schedule::proportional_shares(&rates);
+        shares.iter().map(|s| (s * 1e6).round() as u32).collect()
+    }
+
     /// The slowest known link rate in Gbit/s; `None` when no rate is known.
     pub fn min_rate(&self) -> Option<f64> {
         self.hosts

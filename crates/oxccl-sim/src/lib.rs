@@ -1,0 +1,6 @@
+//! # oxccl-sim: a flow-level fabric simulator that runs oxccl's own schedules
+#![deny(missing_docs)]
+
+pub mod fabric;
+
+pub use fabric::{Fabric, Link, Node, NodeKind, Symmetry};

@@ -1,0 +1,156 @@
+//! The tuner: which algorithm, slice size and channels a collective runs with, as a pure
+//! function of the communicator's shape and the call. The communicator asks it for every
+//! call; the fabric simulator (`oxccl-sim`) asks it too, so that a prediction runs the
+//! schedule the runtime would run.
+//!
+//! ```
+//! use oxccl::Topology;
+//! use oxccl::schedule::{Algorithm, Collective};
+//! use oxccl::tuner::Tuning;
+//!
+//! // Two hosts of two ranks, talking tcp across hosts.
+//! let topo = Topology::parse(
+//!     r#"{"hosts": [{"name": "a", "ranks": [0, 1]}, {"name": "b", "ranks": [2, 3]}]}"#,
+//! )?;
+//! let tuning = Tuning::new(&topo, true);
+//! let req = tuning.request(&Collective::AllReduce { count: 1 << 24 }, 4, 2, false);
+//! assert_eq!(req.algo, Algorithm::Hierarchical);
+//! assert_eq!(req.chunk, (1 << 20) / 4);
+//! let small = tuning.request(&Collective::AllReduce { count: 16 }, 4, 2, false);
+//! assert_eq!(small.algo, Algorithm::RecursiveDoubling);
+//! # Ok::<(), String>(())
+//! ```
+
+use crate::Topology;
+use crate::schedule::{Algorithm, Collective, Request};
+
+/// Messages up to this many bytes are sent inline (one slot header's page): below it a
+/// ring runs on one channel.
+pub(crate) const INLINE: usize = 4096 - crate::engine::SLOT_HEADER;
+
+/// Default bytes per slice (and slot) when every peer is on the host.
+pub const CHUNK_SHM: usize = 128 << 10;
+/// Default bytes per slice (and slot) when any pair of ranks talks over the network.
+pub const CHUNK_NET: usize = 1 << 20;
+/// Default [`Tuning::small_bytes`].
+pub const SMALL_BYTES: usize = 64 << 10;
+
+/// What the tuner knows of a communicator.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tuning {
+    /// Number of ranks.
+    pub world: usize,
+    /// Every peer is reached over shm (one host).
+    pub all_shm: bool,
+    /// Messages up to this many bytes use the latency algorithms (`OXCCL_SMALL_BYTES`).
+    pub small_bytes: usize,
+    /// Several hosts with the same number, above one, of ranks each: all-reduces and
+    /// all-gathers run in two tiers.
+    pub two_tier: bool,
+    /// Each rank's share of a proportional all-reduce, from uneven link rates
+    /// ([`Topology::proportional_weights`]; empty when rates are equal or unknown).
+    pub weights: Vec<u32>,
+    /// Each rank's host, for hierarchical schedules.
+    pub host_index: Vec<u32>,
+    /// An algorithm forced by `OXCCL_ALGO` (used where it applies).
+    pub algo: Option<Algorithm>,
+    /// Bytes per pipelined slice (`OXCCL_CHUNK_SIZE`).
+    pub chunk_bytes: usize,
+    /// Channels (`OXCCL_NCHANNELS`).
+    pub channels: usize,
+}
+
+impl Tuning {
+    /// The defaults for a job of `topo`'s shape: `net` says whether any pair of ranks talks
+    /// over the network (which picks the larger default slice).
+    pub fn new(topo: &Topology, net: bool) -> Tuning {
+        Tuning {
+            world: topo.world(),
+            all_shm: !net,
+            small_bytes: SMALL_BYTES,
+            two_tier: topo.is_two_tier(),
+            weights: topo.proportional_weights(),
+            host_index: topo.host_table().iter().map(|&h| h as u32).collect(),
+            algo: None,
+            chunk_bytes: if net { CHUNK_NET } else { CHUNK_SHM },
+            channels: 1,
+        }
+    }
+
+    /// The algorithm, chunk (elements) and channels for `coll` over elements of
+    /// `elem_size` bytes.
+    pub fn choose(&self, coll: &Collective, elem_size: usize) -> (Algorithm, usize, usize) {
+        let bytes = coll.count() * elem_size;
+        let small = bytes <= self.small_bytes;
+        let default = match coll {
+            // Tiny messages between ranks of one host: one round of mailbox messages. Above,
+            // recursive doubling moves less data (and runs in mailboxes up to their size).
+            Collective::AllReduce { .. } if self.all_shm && bytes <= 1024 => Algorithm::Direct,
+            Collective::AllReduce { .. } if small => Algorithm::RecursiveDoubling,
+            // Several hosts of several ranks: reduce inside each host first, cross the network
+            // once per rail.
+            Collective::AllReduce { .. }
+            | Collective::AllGather { .. }
+            | Collective::ReduceScatter { .. }
+                if self.two_tier =>
+            {
+                Algorithm::Hierarchical
+            }
+            Collective::Broadcast { .. } if self.two_tier && !small => Algorithm::Hierarchical,
+            // Uneven links: each rank reduces what its link can carry.
+            Collective::AllReduce { .. } if !self.weights.is_empty() => Algorithm::Proportional,
+            Collective::AllReduce { .. }
+            | Collective::ReduceScatter { .. }
+            | Collective::AllGather { .. } => Algorithm::Ring,
+            Collective::Broadcast { .. } | Collective::Reduce { .. } if small => Algorithm::Tree,
+            Collective::Broadcast { .. } | Collective::Reduce { .. } => Algorithm::Chain,
+            Collective::Barrier => Algorithm::Dissemination,
+            _ => Algorithm::Direct,
+        };
+        let algo = self.algo.filter(|a| a.supports(coll)).unwrap_or(default);
+        let algo = if algo.supports(coll) {
+            algo
+        } else {
+            Algorithm::Ring
+        };
+        let chunk = (self.chunk_bytes / elem_size.max(1)).max(1);
+        // Small messages on one channel; large ones spread over all.
+        let channels = if algo == Algorithm::Ring && bytes > INLINE * self.world {
+            self.channels
+        } else {
+            1
+        };
+        (algo, chunk, channels)
+    }
+
+    /// The schedule request for `rank`'s part of `coll` ([`crate::schedule::build`] turns it
+    /// into steps).
+    pub fn request(
+        &self,
+        coll: &Collective,
+        elem_size: usize,
+        rank: usize,
+        in_place: bool,
+    ) -> Request {
+        let (algo, chunk, channels) = self.choose(coll, elem_size);
+        Request {
+            coll: coll.clone(),
+            world: self.world,
+            rank,
+            in_place,
+            hosts: if algo == Algorithm::Hierarchical {
+                self.host_index.clone()
+            } else {
+                Vec::new()
+            },
+            algo,
+            chunk,
+            channels,
+            weights: match algo {
+                Algorithm::Proportional if self.weights.is_empty() => vec![1; self.world],
+                Algorithm::Proportional => self.weights.clone(),
+                _ => Vec::new(),
+            },
+        }
+    }
+}

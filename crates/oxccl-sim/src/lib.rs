@@ -2,5 +2,7 @@
 #![deny(missing_docs)]
 
 pub mod fabric;
+pub mod run;
 
 pub use fabric::{Fabric, Link, Node, NodeKind, Symmetry};
+pub use run::{Event, Report, Spec, Track, simulate};

@@ -55,7 +55,7 @@ pub const KINDS: [&str; 11] = [
 ];
 
 /// The algorithms, in the order [`Input::algo`] selects them (modulo their number).
-pub const ALGORITHMS: [Algorithm; 8] = [
+pub const ALGORITHMS: [Algorithm; 9] = [
     Algorithm::Ring,
     Algorithm::RecursiveDoubling,
     Algorithm::Tree,
@@ -64,6 +64,7 @@ pub const ALGORITHMS: [Algorithm; 8] = [
     Algorithm::Dissemination,
     Algorithm::Proportional,
     Algorithm::Hierarchical,
+    Algorithm::Aggregation,
 ];
 
 /// Ways to break a request, selected by `flags >> 4` (0..=9: none).

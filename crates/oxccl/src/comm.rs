@@ -144,13 +144,22 @@ impl Options {
         }
         o.host_id = var("OXCCL_HOST_ID").filter(|v| !v.is_empty());
         if let Some(v) = var("OXCCL_ALGO") {
-            o.algo = Some(Algorithm::from_name(v.trim()).ok_or_else(|| {
+            let algo = Algorithm::from_name(v.trim()).ok_or_else(|| {
                 bad(
                     "OXCCL_ALGO",
                     &v,
-                    "ring, rd, tree, chain, direct or dissemination",
+                    "ring, rd, tree, chain, direct, dissemination, prop or hier",
                 )
-            })?);
+            })?;
+            if algo == Algorithm::Aggregation {
+                return Err(bad(
+                    "OXCCL_ALGO",
+                    &v,
+                    "an algorithm this job can run: in-network aggregation needs an aggregator, \
+                     which only the simulator (oxccl sim) has so far",
+                ));
+            }
+            o.algo = Some(algo);
         }
         if let Some(v) = var("OXCCL_NCHANNELS") {
             let c: usize = v

@@ -344,6 +344,13 @@ pub enum Algorithm {
     /// direction where a flat ring moves `2(n−1)/n·N`. All-gather: along the rails across
     /// hosts first, then inside each host (`(H−1)/H·N` per host link against `(n−1)/n·N`).
     Hierarchical,
+    /// All-reduce through an in-network aggregator (SHARP-style): every rank sends its input,
+    /// slice by slice, to the aggregator, which reduces the slices of all ranks and sends the
+    /// result back to every rank. The aggregator is the virtual peer `world`; its own
+    /// schedule comes from [`build_aggregator`]. Each rank moves `N` up and `N` down, half
+    /// the ring's `2(n−1)/n·N` each way. The runtime has no aggregator yet; the fabric
+    /// simulator places it in a switch that can reduce.
+    Aggregation,
 }
 
 impl Algorithm {
@@ -358,6 +365,7 @@ impl Algorithm {
             Algorithm::Dissemination => "dissemination",
             Algorithm::Proportional => "prop",
             Algorithm::Hierarchical => "hier",
+            Algorithm::Aggregation => "agg",
         }
     }
 
@@ -373,6 +381,7 @@ impl Algorithm {
             "dissemination" => Algorithm::Dissemination,
             "prop" | "proportional" => Algorithm::Proportional,
             "hier" | "hierarchical" => Algorithm::Hierarchical,
+            "agg" | "aggregation" | "in-switch" | "sharp" => Algorithm::Aggregation,
             _ => return None,
         })
     }
@@ -384,7 +393,7 @@ impl Algorithm {
             Collective::AllReduce { .. } => {
                 matches!(
                     self,
-                    Ring | RecursiveDoubling | Direct | Proportional | Hierarchical
+                    Ring | RecursiveDoubling | Direct | Proportional | Hierarchical | Aggregation
                 )
             }
             Collective::AllGather { .. } => matches!(self, Ring | Hierarchical),
@@ -575,6 +584,15 @@ pub fn build(req: &Request) -> Result<Schedule, String> {
         (&Collective::AllReduce { count }, Algorithm::Hierarchical) => {
             hierarchical_all_reduce(&mut b, req, count)
         }
+        (&Collective::AllReduce { count }, Algorithm::Aggregation) => {
+            let k = slices(count, req.chunk);
+            for s in 0..k {
+                let (o, l) = split(count, k, s);
+                let sent = b.send(n, 0, input(o, l), &[]);
+                // In place, the result overwrites what the send reads.
+                b.recv(n, 0, output(o, l), None, &[req.in_place.then_some(sent)]);
+            }
+        }
         (&Collective::AllReduce { count }, _) => recursive_doubling(&mut b, n, r, count),
         (&Collective::ReduceScatter { count }, _) => ring_reduce_scatter(&mut b, req, count),
         (&Collective::AllGather { count }, Algorithm::Hierarchical) => {
@@ -641,6 +659,50 @@ pub fn build(req: &Request) -> Result<Schedule, String> {
     }
     Ok(Schedule {
         rank: r,
+        steps: b.steps,
+        scratch: b.scratch,
+    })
+}
+
+/// The aggregator's schedule for an [`Algorithm::Aggregation`] all-reduce of `req` (any
+/// rank's request): its peers are ranks `0..world`; slice by slice it receives every rank's
+/// contribution into scratch, folding them in as they come, then sends the sum to every rank.
+pub fn build_aggregator(req: &Request) -> Result<Schedule, String> {
+    let (n, count) = match req.coll {
+        Collective::AllReduce { count } if req.algo == Algorithm::Aggregation => (req.world, count),
+        _ => {
+            return Err(format!(
+                "an aggregator runs aggregation all-reduces, not {} with {}",
+                req.coll.name(),
+                req.algo.name()
+            ));
+        }
+    };
+    if n == 0 || req.chunk == 0 {
+        return Err(format!("world {n} and chunk {} must be ≥ 1", req.chunk));
+    }
+    let mut b = Builder {
+        steps: Vec::new(),
+        scratch: count,
+    };
+    // One rank copies its input; nothing moves for zero elements.
+    if count > 0 && n > 1 {
+        let k = slices(count, req.chunk);
+        for s in 0..k {
+            let (o, l) = split(count, k, s);
+            let acc = Region::new(Buf::Scratch, o, l);
+            let mut last = None;
+            for p in 0..n {
+                let with = (p > 0).then_some(acc);
+                last = Some(b.recv(p, 0, acc, with, &[last]));
+            }
+            for p in 0..n {
+                b.send(p, 0, acc, &[last]);
+            }
+        }
+    }
+    Ok(Schedule {
+        rank: n,
         steps: b.steps,
         scratch: b.scratch,
     })

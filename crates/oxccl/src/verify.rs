@@ -30,7 +30,9 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::schedule::{Buf, Collective, Op, Region, Request, Schedule, build};
+use crate::schedule::{
+    Algorithm, Buf, Collective, Op, Region, Request, Schedule, build, build_aggregator,
+};
 
 /// A symbolic element: which input element it derives from, and whose contributions it holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -208,7 +210,9 @@ pub fn verify_schedules(
     if slots == 0 {
         return Err("slots must be ≥ 1".into());
     }
-    let mut ranks = Vec::with_capacity(n);
+    // An aggregation all-reduce has one more participant: the aggregator, peer `n`.
+    let agg = reqs[0].algo == Algorithm::Aggregation;
+    let mut ranks = Vec::with_capacity(n + 1);
     for ((r, req), sched) in reqs.iter().enumerate().zip(scheds) {
         if req.rank != r || req.world != n {
             return Err(format!(
@@ -249,7 +253,7 @@ pub fn verify_schedules(
             }
             match step.op {
                 Op::Send { peer, channel, .. } | Op::Recv { peer, channel, .. }
-                    if peer >= n || peer == r =>
+                    if (peer >= n && !(agg && peer == n)) || peer == r =>
                 {
                     return Err(format!(
                         "rank {r} step {i} talks to rank {peer} (channel {channel})"
@@ -284,6 +288,44 @@ pub fn verify_schedules(
             know: 1 << r,
         });
     }
+    if agg {
+        let sched = build_aggregator(&reqs[0]).map_err(|e| format!("aggregator: {e}"))?;
+        let mut send_q: HashMap<(usize, u8), VecDeque<usize>> = HashMap::new();
+        let mut recv_q: HashMap<(usize, u8), VecDeque<usize>> = HashMap::new();
+        for (i, step) in sched.steps.iter().enumerate() {
+            match step.op {
+                Op::Send { peer, channel, .. } if peer < n => {
+                    send_q.entry((peer, channel)).or_default().push_back(i)
+                }
+                Op::Recv { peer, channel, .. } if peer < n => {
+                    recv_q.entry((peer, channel)).or_default().push_back(i)
+                }
+                Op::Copy { .. } | Op::Reduce { .. } => {}
+                _ => return Err(format!("aggregator step {i} talks to itself")),
+            }
+        }
+        let steps = sched.steps.len();
+        let locals = (0..steps)
+            .filter(|&i| matches!(sched.steps[i].op, Op::Copy { .. } | Op::Reduce { .. }))
+            .collect();
+        ranks.push(RankState {
+            locals,
+            scratch: vec![POISON; sched.scratch],
+            sched,
+            input: Vec::new(),
+            output: Vec::new(),
+            in_place: None,
+            done: vec![false; steps],
+            progress: vec![0; steps],
+            completing: Vec::new(),
+            reading: Vec::new(),
+            send_q,
+            recv_q,
+            know: 0,
+        });
+    }
+    // The aggregator moves fragments of the ranks' size.
+    let chunk_of = |r: usize| reqs[r.min(n - 1)].chunk;
     let mut wires: HashMap<(usize, usize, u8), VecDeque<Fragment>> = HashMap::new();
     let mut rng = Rng(seed | 1);
     let frags = |len: usize, chunk: usize| len.div_ceil(chunk).max(1);
@@ -326,7 +368,7 @@ pub fn verify_schedules(
                 let Op::Send { peer, channel, src } = st.sched.steps[s].op else {
                     unreachable!()
                 };
-                let chunk = reqs[r].chunk;
+                let chunk = chunk_of(r);
                 let k = st.progress[s];
                 let (off, len) = (k * chunk, src.len.saturating_sub(k * chunk).min(chunk));
                 let data = st
@@ -384,7 +426,7 @@ pub fn verify_schedules(
                         ),
                     ));
                 }
-                let chunk = reqs[peer].chunk;
+                let chunk = chunk_of(peer);
                 let k = st.progress[s];
                 let part = dst.sub((k * chunk).min(dst.len), frag.data.len());
                 let value = match reduce_with {
@@ -442,7 +484,7 @@ pub fn verify_schedules(
             "rank {a} sent rank {b} (channel {c}) more than it received"
         ));
     }
-    check_results(reqs, &ranks)
+    check_results(reqs, &ranks[..n])
 }
 
 fn check_results(reqs: &[Request], ranks: &[RankState]) -> Result<(), String> {
@@ -540,7 +582,13 @@ mod tests {
         vec![
             (
                 Collective::AllReduce { count },
-                vec![Ring, RecursiveDoubling, Proportional, Hierarchical],
+                vec![
+                    Ring,
+                    RecursiveDoubling,
+                    Proportional,
+                    Hierarchical,
+                    Aggregation,
+                ],
             ),
             (Collective::ReduceScatter { count }, vec![Ring]),
             (Collective::AllGather { count }, vec![Ring, Hierarchical]),

@@ -397,10 +397,9 @@ impl Algorithm {
                 )
             }
             Collective::AllGather { .. } => matches!(self, Ring | Hierarchical),
-            Collective::ReduceScatter { .. } => self == Ring,
-            Collective::Broadcast { .. } | Collective::Reduce { .. } => {
-                matches!(self, Tree | Chain)
-            }
+            Collective::ReduceScatter { .. } => matches!(self, Ring | Hierarchical),
+            Collective::Broadcast { .. } => matches!(self, Tree | Chain | Hierarchical),
+            Collective::Reduce { .. } => matches!(self, Tree | Chain),
             Collective::Barrier => self == Dissemination,
             _ => self == Direct,
         }
@@ -594,6 +593,9 @@ pub fn build(req: &Request) -> Result<Schedule, String> {
             }
         }
         (&Collective::AllReduce { count }, _) => recursive_doubling(&mut b, n, r, count),
+        (&Collective::ReduceScatter { count }, Algorithm::Hierarchical) => {
+            hierarchical_reduce_scatter(&mut b, req, count)
+        }
         (&Collective::ReduceScatter { count }, _) => ring_reduce_scatter(&mut b, req, count),
         (&Collective::AllGather { count }, Algorithm::Hierarchical) => {
             hierarchical_all_gather(&mut b, req, count)
@@ -603,7 +605,9 @@ pub fn build(req: &Request) -> Result<Schedule, String> {
             if r == root {
                 b.copy(input(0, count), output(0, count), &[]);
             }
-            if algo == Algorithm::Chain {
+            if algo == Algorithm::Hierarchical {
+                hierarchical_broadcast(&mut b, req, count, root)
+            } else if algo == Algorithm::Chain {
                 chain_broadcast(&mut b, req, count, root)
             } else {
                 tree_broadcast(&mut b, n, r, count, root)
@@ -719,82 +723,111 @@ fn channel_part(count: usize, channels: usize, ch: usize) -> (usize, usize) {
     split(count, channels, ch)
 }
 
-#[allow(clippy::needless_range_loop)] // slices index parallel per-step vectors
 fn ring_all_reduce(b: &mut Builder, req: &Request, count: usize) {
-    let (n, r) = (req.world, req.rank);
-    let next = (r + 1) % n;
-    let prev = (r + n - 1) % n;
+    let members: Vec<usize> = (0..req.world).collect();
     let channels = req.channels.min(count).max(1);
     for ch in 0..channels {
-        let (poff, plen) = channel_part(count, channels, ch);
-        let block = |i: usize| {
-            let (o, l) = split(plen, n, i % n);
-            (poff + o, l)
-        };
-        let k = slices(plen.div_ceil(n), req.chunk);
-        let slice = |blk: usize, s: usize| {
-            let (o, l) = block(blk);
-            let (so, sl) = split(l, k, s);
-            (o + so, sl)
-        };
+        let part = channel_part(count, channels, ch);
         let c = ch as u8;
-        // Reduce-scatter: at step t send block r-t, receive block r-t-1 and reduce it.
-        let mut rs_recv: Vec<Vec<u32>> = Vec::new();
-        let mut rs_send: Vec<Vec<u32>> = Vec::new();
-        for t in 0..n - 1 {
-            let sb = (r + n - t) % n;
-            let rb = (r + 2 * n - t - 1) % n;
-            let mut sends = Vec::new();
-            let mut recvs = Vec::new();
-            for s in 0..k {
-                let (so, sl) = slice(sb, s);
-                let src = if t == 0 {
-                    Region::new(Buf::Input, so, sl)
-                } else {
-                    Region::new(Buf::Output, so, sl)
-                };
-                let dep = if t == 0 {
-                    None
-                } else {
-                    Some(rs_recv[t - 1][s])
-                };
-                sends.push(b.send(next, c, src, &[dep]));
-                let (ro, rl) = slice(rb, s);
-                recvs.push(b.recv(
-                    prev,
-                    c,
-                    Region::new(Buf::Output, ro, rl),
-                    Some(Region::new(Buf::Input, ro, rl)),
-                    &[],
-                ));
-            }
-            rs_send.push(sends);
-            rs_recv.push(recvs);
+        ring_all_reduce_part(
+            b,
+            &members,
+            req.rank,
+            part,
+            req.chunk,
+            c,
+            Buf::Input,
+            &NOTHING,
+        );
+    }
+}
+
+/// Ring all-reduce of the output's elements `part` (offset, len) among `members` (this rank
+/// is member `i`) on channel `c`, pipelined in slices of at most `chunk`: this rank's
+/// contribution is in `src` (the input, or the output holding a partial result), read once
+/// `after` (given the part read) is done. Returns when each part of the result became final.
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+fn ring_all_reduce_part(
+    b: &mut Builder,
+    members: &[usize],
+    i: usize,
+    (poff, plen): (usize, usize),
+    chunk: usize,
+    c: u8,
+    src: Buf,
+    after: &dyn Fn(usize, usize) -> Vec<Option<u32>>,
+) -> Done {
+    let n = members.len();
+    let r = i;
+    let next = members[(r + 1) % n];
+    let prev = members[(r + n - 1) % n];
+    let block = |i: usize| {
+        let (o, l) = split(plen, n, i % n);
+        (poff + o, l)
+    };
+    let k = slices(plen.div_ceil(n), chunk);
+    let slice = |blk: usize, s: usize| {
+        let (o, l) = block(blk);
+        let (so, sl) = split(l, k, s);
+        (o + so, sl)
+    };
+    let mut done = Done::default();
+    // Reduce-scatter: at step t send block r-t, receive block r-t-1 and reduce it.
+    let mut rs_recv: Vec<Vec<u32>> = Vec::new();
+    let mut rs_send: Vec<Vec<u32>> = Vec::new();
+    for t in 0..n - 1 {
+        let sb = (r + n - t) % n;
+        let rb = (r + 2 * n - t - 1) % n;
+        let mut sends = Vec::new();
+        let mut recvs = Vec::new();
+        for s in 0..k {
+            let (so, sl) = slice(sb, s);
+            let sent = if t == 0 {
+                b.send(next, c, Region::new(src, so, sl), &after(so, sl))
+            } else {
+                let dep = Some(rs_recv[t - 1][s]);
+                b.send(next, c, Region::new(Buf::Output, so, sl), &[dep])
+            };
+            sends.push(sent);
+            let (ro, rl) = slice(rb, s);
+            let (dst, with) = (Region::new(Buf::Output, ro, rl), Region::new(src, ro, rl));
+            recvs.push(b.recv(prev, c, dst, Some(with), &after(ro, rl)));
         }
-        // All-gather: at step t send block r+1-t (reduced), receive block r-t.
-        let mut ag_recv: Vec<u32> = Vec::new();
-        for t in 0..n - 1 {
-            let sb = (r + 1 + n - t) % n;
-            let rb = (r + n - t) % n;
-            let mut recvs = Vec::new();
-            for s in 0..k {
-                let (so, sl) = slice(sb, s);
-                let dep = if t == 0 {
-                    rs_recv[n - 2][s]
-                } else {
-                    ag_recv[s]
-                };
-                b.send(next, c, Region::new(Buf::Output, so, sl), &[Some(dep)]);
-                let (ro, rl) = slice(rb, s);
-                // Block r-t was sent at reduce-scatter step t: that send must be done. (Out of
-                // place at t = 0 it read the input, but dropping this dependency measured
-                // slower at 1 MiB on shm: the receive then competes with the send for the core.)
-                let war = Some(rs_send[t][s]);
-                recvs.push(b.recv(prev, c, Region::new(Buf::Output, ro, rl), None, &[war]));
-            }
-            ag_recv = recvs;
+        rs_send.push(sends);
+        rs_recv.push(recvs);
+    }
+    if n > 1 {
+        for s in 0..k {
+            let (o, l) = slice((r + 1) % n, s);
+            done.add(o, l, Some(rs_recv[n - 2][s]));
         }
     }
+    // All-gather: at step t send block r+1-t (reduced), receive block r-t.
+    let mut ag_recv: Vec<u32> = Vec::new();
+    for t in 0..n - 1 {
+        let sb = (r + 1 + n - t) % n;
+        let rb = (r + n - t) % n;
+        let mut recvs = Vec::new();
+        for s in 0..k {
+            let (so, sl) = slice(sb, s);
+            let dep = if t == 0 {
+                rs_recv[n - 2][s]
+            } else {
+                ag_recv[s]
+            };
+            b.send(next, c, Region::new(Buf::Output, so, sl), &[Some(dep)]);
+            let (ro, rl) = slice(rb, s);
+            // Block r-t was sent at reduce-scatter step t: that send must be done. (Out of
+            // place at t = 0 it read the input, but dropping this dependency measured
+            // slower at 1 MiB on shm: the receive then competes with the send for the core.)
+            let war = Some(rs_send[t][s]);
+            let id = b.recv(prev, c, Region::new(Buf::Output, ro, rl), None, &[war]);
+            done.add(ro, rl, Some(id));
+            recvs.push(id);
+        }
+        ag_recv = recvs;
+    }
+    done
 }
 
 fn ring_reduce_scatter(b: &mut Builder, req: &Request, count: usize) {
@@ -1074,31 +1107,77 @@ fn proportional_all_reduce(b: &mut Builder, req: &Request, count: usize) {
     let members: Vec<usize> = (0..req.world).collect();
     let blocks = weighted_blocks(count, &req.weights);
     let k = phase_slices(&blocks, req.chunk);
-    let rs = direct_reduce_scatter(b, &members, req.rank, &blocks, k, Buf::Input, &[]);
+    let own = (Buf::Output, blocks[req.rank].0);
+    let rs = direct_reduce_scatter(b, &members, req.rank, &blocks, k, Buf::Input, own, &NOTHING);
     let ready: Vec<Vec<Option<u32>>> = rs.reduced.iter().map(|&d| vec![d]).collect();
     direct_all_gather(b, &members, req.rank, &blocks, k, &ready, &rs.sent);
 }
 
+/// The longest rail a hierarchical schedule crosses with direct exchanges (every rank talks
+/// to its rail-mate on every other host); longer rails run a ring.
+pub const RAIL_DIRECT_MAX: usize = 8;
+
+/// Which step last wrote each range of a buffer: what a later phase waits on for exactly the
+/// part it reads, so that the tiers of a hierarchical schedule overlap (a slice crosses the
+/// network as soon as its part of the first tier is done).
+#[derive(Default)]
+struct Done(Vec<(usize, usize, u32)>);
+
+impl Done {
+    fn add(&mut self, off: usize, len: usize, step: Option<u32>) {
+        if let Some(s) = step
+            && len > 0
+        {
+            self.0.push((off, len, s));
+        }
+    }
+
+    fn extend(&mut self, other: Done) {
+        self.0.extend(other.0);
+    }
+
+    /// Sorted by offset, for [`Done::over`].
+    fn sealed(mut self) -> Done {
+        self.0.sort_unstable();
+        self
+    }
+
+    /// The steps that wrote any element of `off..off+len` (the ranges of one phase do not
+    /// overlap one another, and the list is sorted).
+    fn over(&self, off: usize, len: usize) -> Vec<Option<u32>> {
+        let first = self.0.partition_point(|&(o, l, _)| o + l <= off);
+        self.0[first..]
+            .iter()
+            .take_while(|&&(o, _, _)| o < off + len)
+            .map(|&(_, _, s)| Some(s))
+            .collect()
+    }
+}
+
+/// Deps of a phase that reads what nothing earlier wrote.
+const NOTHING: fn(usize, usize) -> Vec<Option<u32>> = |_, _| Vec::new();
+
 /// The two tiers of [`Request::hosts`]: every host's ranks (hosts in ascending number, ranks
-/// ascending), this rank's host-mates, its index among them, and its rail (the ranks with
-/// that index on every host).
+/// ascending), this rank's host-mates, its index among them, its rail (the ranks with that
+/// index on every host) and its host's index (its place on the rail).
 struct Tiers {
     hosts: Vec<Vec<usize>>,
     locals: Vec<usize>,
     li: usize,
     rail: Vec<usize>,
+    ri: usize,
 }
 
 fn tiers(req: &Request) -> Tiers {
     let mut ids: Vec<u32> = req.hosts.clone();
     ids.sort_unstable();
     ids.dedup();
-    let hosts: Vec<Vec<usize>> = ids
-        .iter()
-        .map(|&h| (0..req.world).filter(|&x| req.hosts[x] == h).collect())
-        .collect();
-    let mine = ids.binary_search(&req.hosts[req.rank]).expect("its host");
-    let locals = hosts[mine].clone();
+    let mut hosts: Vec<Vec<usize>> = vec![Vec::new(); ids.len()];
+    for (x, h) in req.hosts.iter().enumerate() {
+        hosts[ids.binary_search(h).expect("listed")].push(x);
+    }
+    let ri = ids.binary_search(&req.hosts[req.rank]).expect("its host");
+    let locals = hosts[ri].clone();
     let li = locals
         .iter()
         .position(|&x| x == req.rank)
@@ -1109,12 +1188,13 @@ fn tiers(req: &Request) -> Tiers {
         locals,
         li,
         rail,
+        ri,
     }
 }
 
 /// See [`Algorithm::Hierarchical`]: across hosts along the rail first (each rank's block to
 /// the ranks with its local index elsewhere), then inside each host (what each rank gathered,
-/// host by host).
+/// host by host, each slice as soon as it arrived).
 fn hierarchical_all_gather(b: &mut Builder, req: &Request, count: usize) {
     let r = req.rank;
     let Tiers {
@@ -1122,6 +1202,7 @@ fn hierarchical_all_gather(b: &mut Builder, req: &Request, count: usize) {
         locals,
         li,
         rail,
+        ri,
     } = tiers(req);
     let own = b.copy(
         Region::new(Buf::Input, 0, count),
@@ -1131,32 +1212,26 @@ fn hierarchical_all_gather(b: &mut Builder, req: &Request, count: usize) {
     let block = |x: usize| (x * count, count);
     let rblocks: Vec<(usize, usize)> = rail.iter().map(|&x| block(x)).collect();
     let k = phase_slices(&rblocks, req.chunk);
-    let none = |m: usize| vec![vec![None; k]; m];
-    let got = direct_all_gather(
-        b,
-        &rail,
-        r,
-        &rblocks,
-        k,
-        &vec![vec![Some(own)]; k],
-        &none(rail.len()),
-    );
-    // Every block this rank holds now: its own and its rail's.
-    let mut held: Vec<Option<u32>> = vec![Some(own)];
-    held.extend(got.iter().map(|&g| Some(g)));
+    let mut held = if rail.len() <= RAIL_DIRECT_MAX {
+        let ready = vec![vec![Some(own)]; k];
+        let war = vec![vec![None; k]; rail.len()];
+        direct_all_gather(b, &rail, r, &rblocks, k, &ready, &war)
+    } else {
+        ring_all_gather_part(b, &rail, ri, &rblocks, req.chunk, Some(own))
+    };
+    held.add(r * count, count, Some(own));
+    let held = held.sealed();
+    let none = vec![vec![None; k]; locals.len()];
     for host in &hosts {
         // Host-mate `l` holds the block of `host[l]` (its rail's member on that host).
-        let lblocks: Vec<(usize, usize)> = (0..locals.len()).map(|l| block(host[l])).collect();
-        debug_assert_eq!(lblocks[li], block(host[li]));
-        direct_all_gather(
-            b,
-            &locals,
-            r,
-            &lblocks,
-            k,
-            &vec![held.clone(); k],
-            &none(locals.len()),
-        );
+        let lblocks: Vec<(usize, usize)> = host.iter().map(|&x| block(x)).collect();
+        let ready: Vec<Vec<Option<u32>>> = (0..k)
+            .map(|s| {
+                let (o, l) = split(count, k, s);
+                held.over(lblocks[li].0 + o, l)
+            })
+            .collect();
+        direct_all_gather(b, &locals, r, &lblocks, k, &ready, &none);
     }
 }
 
@@ -1164,49 +1239,202 @@ fn hierarchical_all_gather(b: &mut Builder, req: &Request, count: usize) {
 fn hierarchical_all_reduce(b: &mut Builder, req: &Request, count: usize) {
     let r = req.rank;
     let Tiers {
-        locals, li, rail, ..
+        locals,
+        li,
+        rail,
+        ri,
+        ..
     } = tiers(req);
     // 1. Inside the host: reduce-scatter into equal local blocks.
     let l = locals.len();
     let lblocks: Vec<(usize, usize)> = (0..l).map(|j| split(count, l, j)).collect();
     let k1 = phase_slices(&lblocks, req.chunk);
-    let rs1 = direct_reduce_scatter(b, &locals, r, &lblocks, k1, Buf::Input, &[]);
     let (off, len) = lblocks[li];
-    let mut after: Vec<Option<u32>> = rs1.reduced.clone();
+    let own = (Buf::Output, off);
+    let rs1 = direct_reduce_scatter(b, &locals, r, &lblocks, k1, Buf::Input, own, &NOTHING);
+    let mut p1 = rs1.done;
     if l == 1 && !req.in_place && len > 0 {
         // No local partner: the output starts as the input.
         let (i, o) = (
             Region::new(Buf::Input, off, len),
             Region::new(Buf::Output, off, len),
         );
-        after.push(Some(b.copy(i, o, &[])));
+        p1.add(off, len, Some(b.copy(i, o, &[])));
     }
-    // 2. Across hosts, along the rail: all-reduce of this rank's local block.
+    let p1 = p1.sealed();
+    let after1 = |o: usize, l: usize| p1.over(o, l);
+    // 2. Across hosts, along the rail: all-reduce of this rank's local block, each part as
+    //    soon as the first tier has reduced it.
     let h = rail.len();
-    let rblocks: Vec<(usize, usize)> = (0..h)
-        .map(|j| {
-            let (o, sl) = split(len, h, j);
-            (off + o, sl)
+    let p2 = if h == 1 {
+        Done::default()
+    } else if h <= RAIL_DIRECT_MAX {
+        let rblocks: Vec<(usize, usize)> = (0..h)
+            .map(|j| {
+                let (o, sl) = split(len, h, j);
+                (off + o, sl)
+            })
+            .collect();
+        let k2 = phase_slices(&rblocks, req.chunk);
+        let own = (Buf::Output, rblocks[ri].0);
+        let rs2 = direct_reduce_scatter(b, &rail, r, &rblocks, k2, Buf::Output, own, &after1);
+        let ready2: Vec<Vec<Option<u32>>> = rs2.reduced.iter().map(|&d| vec![d]).collect();
+        let mut p2 = direct_all_gather(b, &rail, r, &rblocks, k2, &ready2, &rs2.sent);
+        p2.extend(rs2.done);
+        p2
+    } else {
+        ring_all_reduce_part(b, &rail, ri, (off, len), req.chunk, 0, Buf::Output, &after1)
+    }
+    .sealed();
+    // 3. Inside the host: all-gather of the local blocks, each slice once it is complete.
+    let ready3: Vec<Vec<Option<u32>>> = (0..k1)
+        .map(|s| {
+            let (o, sl) = split(len, k1, s);
+            let mut deps = p1.over(off + o, sl);
+            deps.extend(p2.over(off + o, sl));
+            deps
         })
         .collect();
-    let k2 = phase_slices(&rblocks, req.chunk);
-    let rs2 = direct_reduce_scatter(b, &rail, r, &rblocks, k2, Buf::Output, &after);
-    let ready2: Vec<Vec<Option<u32>>> = rs2
-        .reduced
-        .iter()
-        .map(|&d| {
-            let mut v = after.clone();
-            v.push(d);
-            v
-        })
-        .collect();
-    let got2 = direct_all_gather(b, &rail, r, &rblocks, k2, &ready2, &rs2.sent);
-    // 3. Inside the host: all-gather of the local blocks, once this rank's is complete.
-    let mut done: Vec<Option<u32>> = after;
-    done.extend(rs2.reduced.iter().copied());
-    done.extend(got2.iter().map(|&g| Some(g)));
-    let ready3 = vec![done; k1];
     direct_all_gather(b, &locals, r, &lblocks, k1, &ready3, &rs1.sent);
+}
+
+/// See [`Algorithm::Hierarchical`]: inside each host, a reduce-scatter of the blocks bound
+/// for each host (rank `l` of a host sums, for every host, the block of that host's rank
+/// `l`), then a direct reduce-scatter along the rail.
+fn hierarchical_reduce_scatter(b: &mut Builder, req: &Request, count: usize) {
+    let r = req.rank;
+    let Tiers {
+        hosts,
+        locals,
+        rail,
+        ..
+    } = tiers(req);
+    let (l, h) = (locals.len(), hosts.len());
+    let block = |x: usize| (x * count, count);
+    let out = (Buf::Output, 0);
+    if req.world == 1 {
+        let (i, o) = (
+            Region::new(Buf::Input, 0, count),
+            Region::new(Buf::Output, 0, count),
+        );
+        b.copy(i, o, &[]);
+        return;
+    }
+    if l == 1 {
+        // One rank per host: only the rail.
+        let rblocks: Vec<(usize, usize)> = rail.iter().map(|&x| block(x)).collect();
+        let k = phase_slices(&rblocks, req.chunk);
+        direct_reduce_scatter(b, &rail, r, &rblocks, k, Buf::Input, out, &NOTHING);
+        return;
+    }
+    // 1. Inside the host: this rank's sum for host `hb` lands in scratch block `hb`.
+    b.scratch = h * count;
+    let mut p1 = Done::default();
+    for (hb, host) in hosts.iter().enumerate() {
+        let lblocks: Vec<(usize, usize)> = host.iter().map(|&x| block(x)).collect();
+        let k = phase_slices(&lblocks, req.chunk);
+        let to = (Buf::Scratch, hb * count);
+        let rs = direct_reduce_scatter(b, &locals, r, &lblocks, k, Buf::Input, to, &NOTHING);
+        p1.extend(rs.done);
+    }
+    let p1 = p1.sealed();
+    // 2. Along the rail: rail-mate `hb` owns scratch block `hb`, each slice as soon as it is
+    //    summed on this host.
+    if h == 1 {
+        let deps = p1.over(0, count);
+        b.copy(
+            Region::new(Buf::Scratch, 0, count),
+            Region::new(Buf::Output, 0, count),
+            &deps,
+        );
+        return;
+    }
+    let rblocks: Vec<(usize, usize)> = (0..h).map(|hb| (hb * count, count)).collect();
+    let k = phase_slices(&rblocks, req.chunk);
+    let after = |o: usize, l: usize| p1.over(o, l);
+    direct_reduce_scatter(b, &rail, r, &rblocks, k, Buf::Scratch, out, &after);
+}
+
+/// See [`Algorithm::Hierarchical`]: the root hands piece `l` of the buffer to its host-mate
+/// `l`; each piece travels along its rail in a pipelined chain from the root's host; every
+/// host then all-gathers its pieces. Each rank's network link carries one piece in and at
+/// most one out: a host with a NIC per rank moves the buffer `l` times faster than one
+/// chain.
+fn hierarchical_broadcast(b: &mut Builder, req: &Request, count: usize, root: usize) {
+    let r = req.rank;
+    let Tiers {
+        hosts,
+        locals,
+        li,
+        rail,
+        ri,
+    } = tiers(req);
+    let (l, h) = (locals.len(), hosts.len());
+    let ra = hosts
+        .iter()
+        .position(|x| x.contains(&root))
+        .expect("root's host");
+    let pieces: Vec<(usize, usize)> = (0..l).map(|j| split(count, l, j)).collect();
+    let k = phase_slices(&pieces, req.chunk);
+    let slice = |j: usize, s: usize| {
+        let (o, len) = split(pieces[j].1, k, s);
+        Region::new(Buf::Output, pieces[j].0 + o, len)
+    };
+    let mut have = Done::default();
+    // 1. The root (whose copy into its output is step 0) scatters the pieces on its host.
+    let copied = (r == root).then_some(0u32);
+    have.add(0, count, copied);
+    let peers: Vec<usize> = (1..l).map(|d| (li + d) % l).collect();
+    if ri == ra {
+        for s in 0..k {
+            if r == root {
+                for &j in &peers {
+                    b.send(locals[j], 0, slice(j, s), &[copied]);
+                }
+            } else {
+                let got = b.recv(root, 0, slice(li, s), None, &[]);
+                have.add(slice(li, s).offset, slice(li, s).len, Some(got));
+            }
+        }
+    }
+    // 2. Along the rail, a chain from the root's host.
+    let v = (ri + h - ra) % h;
+    let (next, prev) = (rail[(ri + 1) % h], rail[(ri + h - 1) % h]);
+    let mut have = have.sealed();
+    let mut chain = Done::default();
+    for s in 0..k {
+        let part = slice(li, s);
+        if v == 0 {
+            if h > 1 {
+                b.send(next, 0, part, &have.over(part.offset, part.len));
+            }
+        } else {
+            let got = b.recv(prev, 0, part, None, &[]);
+            chain.add(part.offset, part.len, Some(got));
+            if v + 1 < h {
+                b.send(next, 0, part, &[Some(got)]);
+            }
+        }
+    }
+    have.extend(chain);
+    let have = have.sealed();
+    // 3. Inside each host, every rank but the root gathers the other pieces.
+    for s in 0..k {
+        let part = slice(li, s);
+        let ready = have.over(part.offset, part.len);
+        for &j in &peers {
+            if locals[j] != root && part.len > 0 {
+                b.send(locals[j], 0, part, &ready);
+            }
+        }
+        if r != root {
+            for &j in &peers {
+                if slice(j, s).len > 0 {
+                    b.recv(locals[j], 0, slice(j, s), None, &[]);
+                }
+            }
+        }
+    }
 }
 
 /// Slices per block of a direct phase: at least [`PROPORTIONAL_SLICES`], so that a block's
@@ -1217,16 +1445,20 @@ fn phase_slices(blocks: &[(usize, usize)], chunk: usize) -> usize {
 }
 
 /// What a direct reduce-scatter left: per slice, the step after which this rank's block slice
-/// is reduced (in the output); per member and slice, the send of this rank's contribution.
+/// is reduced; per member and slice, the send of this rank's contribution; where the reduced
+/// slices are.
 struct ReduceScatter {
     reduced: Vec<Option<u32>>,
     sent: Vec<Vec<Option<u32>>>,
+    done: Done,
 }
 
 /// Direct reduce-scatter among `members` (this rank is `me`, one of them; member `j` owns
-/// `blocks[j]`, cut into `k` slices): every contribution is sent from `src` (the input, or
-/// the output holding a partial result) after `after`; the owner folds them into its output
-/// block in one chain per slice.
+/// `blocks[j]` of `src`, cut into `k` slices): every contribution is sent from `src` (the
+/// input, or a buffer holding a partial result) once `after` (given the part read) is done;
+/// the owner folds them into its block's destination `own` (a buffer and where the block
+/// starts in it) in one chain per slice.
+#[allow(clippy::too_many_arguments)]
 fn direct_reduce_scatter(
     b: &mut Builder,
     members: &[usize],
@@ -1234,7 +1466,8 @@ fn direct_reduce_scatter(
     blocks: &[(usize, usize)],
     k: usize,
     src: Buf,
-    after: &[Option<u32>],
+    own: (Buf, usize),
+    after: &dyn Fn(usize, usize) -> Vec<Option<u32>>,
 ) -> ReduceScatter {
     let m = members.len();
     let i = members.iter().position(|&x| x == me).expect("a member");
@@ -1243,33 +1476,36 @@ fn direct_reduce_scatter(
         let (so, sl) = split(l, k, s);
         (o + so, sl)
     };
-    let region = |buf: Buf, (o, l): (usize, usize)| Region::new(buf, o, l);
     // Everyone starts with a different peer, so that no owner gets everything at once.
     let peers: Vec<usize> = (1..m).map(|d| (i + d) % m).collect();
     let mut out = ReduceScatter {
         reduced: vec![None; k],
         sent: vec![vec![None; k]; m],
+        done: Done::default(),
     };
     for s in 0..k {
         for &j in &peers {
-            if slice(j, s).1 > 0 {
-                let id = b.send(members[j], 0, region(src, slice(j, s)), after);
+            let (o, l) = slice(j, s);
+            if l > 0 {
+                let id = b.send(members[j], 0, Region::new(src, o, l), &after(o, l));
                 out.sent[j][s] = Some(id);
             }
         }
-        let mine = slice(i, s);
-        if mine.1 > 0 {
+        let (mo, ml) = slice(i, s);
+        if ml > 0 {
+            let dst = Region::new(own.0, own.1 + mo - blocks[i].0, ml);
             let mut last = None;
             for (n, &j) in peers.iter().rev().enumerate() {
-                let with = if n == 0 { src } else { Buf::Output };
-                let mut deps = vec![last];
-                if n == 0 {
-                    deps.extend_from_slice(after);
-                }
-                let dst = region(Buf::Output, mine);
-                last = Some(b.recv(members[j], 0, dst, Some(region(with, mine)), &deps));
+                let (with, mut deps) = if n == 0 {
+                    (Region::new(src, mo, ml), after(mo, ml))
+                } else {
+                    (dst, Vec::new())
+                };
+                deps.push(last);
+                last = Some(b.recv(members[j], 0, dst, Some(with), &deps));
             }
             out.reduced[s] = last;
+            out.done.add(dst.offset, ml, last);
         }
     }
     out
@@ -1286,7 +1522,7 @@ fn direct_all_gather(
     k: usize,
     ready: &[Vec<Option<u32>>],
     war: &[Vec<Option<u32>>],
-) -> Vec<u32> {
+) -> Done {
     let m = members.len();
     let i = members.iter().position(|&x| x == me).expect("a member");
     let slice = |blk: usize, s: usize| {
@@ -1295,7 +1531,7 @@ fn direct_all_gather(
         Region::new(Buf::Output, o + so, sl)
     };
     let peers: Vec<usize> = (1..m).map(|d| (i + d) % m).collect();
-    let mut got = Vec::new();
+    let mut got = Done::default();
     for s in 0..k {
         if slice(i, s).len > 0 {
             for &j in &peers {
@@ -1303,9 +1539,44 @@ fn direct_all_gather(
             }
         }
         for &j in &peers {
-            if slice(j, s).len > 0 {
-                got.push(b.recv(members[j], 0, slice(j, s), None, &[war[j][s]]));
+            let part = slice(j, s);
+            if part.len > 0 {
+                let id = b.recv(members[j], 0, part, None, &[war[j][s]]);
+                got.add(part.offset, part.len, Some(id));
             }
+        }
+    }
+    got
+}
+
+/// Ring all-gather among `members` (this rank is member `i`) of their blocks of the output,
+/// on channel 0, pipelined in slices of at most `chunk`; this rank's own block is sent once
+/// `own` is done. Returns the receives.
+fn ring_all_gather_part(
+    b: &mut Builder,
+    members: &[usize],
+    i: usize,
+    blocks: &[(usize, usize)],
+    chunk: usize,
+    own: Option<u32>,
+) -> Done {
+    let m = members.len();
+    let (next, prev) = (members[(i + 1) % m], members[(i + m - 1) % m]);
+    let k = slices(blocks.iter().map(|x| x.1).max().unwrap_or(0), chunk);
+    let slice = |j: usize, s: usize| {
+        let (o, l) = split(blocks[j].1, k, s);
+        Region::new(Buf::Output, blocks[j].0 + o, l)
+    };
+    let mut got = Done::default();
+    let mut prev_recv: Vec<Option<u32>> = vec![own; k];
+    for t in 0..m - 1 {
+        let sb = (i + m - t) % m;
+        let rb = (i + 2 * m - t - 1) % m;
+        for s in 0..k {
+            b.send(next, 0, slice(sb, s), &[prev_recv[s]]);
+            let id = b.recv(prev, 0, slice(rb, s), None, &[]);
+            got.add(slice(rb, s).offset, slice(rb, s).len, Some(id));
+            prev_recv[s] = Some(id);
         }
     }
     got
@@ -1635,7 +1906,7 @@ mod hierarchical_tests {
     /// Random worlds split into hosts of equal size (including one rank per host and one host),
     /// ranks dealt to hosts in a random order, against the reference executor.
     #[test]
-    fn hierarchical_all_reduce_and_all_gather_verify_for_random_layouts() {
+    fn hierarchical_schedules_verify_for_random_layouts() {
         let mut x = 0x5851_f42d_4c95_7f2du64;
         let mut next = || {
             x ^= x << 13;
@@ -1659,10 +1930,14 @@ mod hierarchical_tests {
             let count = (next() % 150) as usize;
             let in_place = next() & 1 == 1;
             let chunk = 1 + (next() % 23) as usize;
-            let coll = if case % 2 == 0 {
-                Collective::AllReduce { count }
-            } else {
-                Collective::AllGather { count: count / 4 }
+            let coll = match case % 4 {
+                0 => Collective::AllReduce { count },
+                1 => Collective::AllGather { count: count / 4 },
+                2 => Collective::ReduceScatter { count: count / 4 },
+                _ => Collective::Broadcast {
+                    count,
+                    root: (next() % n as u64) as usize,
+                },
             };
             let reqs: Vec<Request> = (0..n)
                 .map(|rank| Request {
@@ -1681,6 +1956,39 @@ mod hierarchical_tests {
             crate::verify::verify(&reqs, slots, next()).unwrap_or_else(|e| {
                 panic!("{coll:?} n={n} hosts={hosts:?} in_place={in_place} chunk={chunk} slots={slots}: {e}")
             });
+        }
+        // Rails longer than RAIL_DIRECT_MAX run rings: 10 hosts × 2 ranks and 9 × 3,
+        // hosts interleaved.
+        for (n, h) in [(20usize, 10usize), (27, 9)] {
+            let hosts: Vec<u32> = (0..n).map(|x| (x % h) as u32).collect();
+            for (i, coll) in [
+                Collective::AllReduce { count: 97 },
+                Collective::AllGather { count: 5 },
+                Collective::ReduceScatter { count: 3 },
+                Collective::Broadcast { count: 61, root: 7 },
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                for in_place in [false, true] {
+                    let reqs: Vec<Request> = (0..n)
+                        .map(|rank| Request {
+                            coll: coll.clone(),
+                            world: n,
+                            rank,
+                            in_place,
+                            hosts: hosts.clone(),
+                            algo: Algorithm::Hierarchical,
+                            chunk: 3,
+                            channels: 1,
+                            weights: Vec::new(),
+                        })
+                        .collect();
+                    crate::verify::verify(&reqs, 2, (n * 10 + i) as u64).unwrap_or_else(|e| {
+                        panic!("{coll:?} n={n} hosts={h} in_place={in_place}: {e}")
+                    });
+                }
+            }
         }
         // Uneven hosts are refused.
         let req = Request {

@@ -22,7 +22,7 @@
 //! ```
 
 use crate::Topology;
-use crate::schedule::{Algorithm, Collective, Request};
+use crate::schedule::{Algorithm, Collective, RAIL_DIRECT_MAX, Request};
 
 /// Messages up to this many bytes are sent inline (one slot header's page): below it a
 /// ring runs on one channel.
@@ -89,10 +89,12 @@ impl Tuning {
             Collective::AllReduce { .. } if small => Algorithm::RecursiveDoubling,
             // Several hosts of several ranks: reduce inside each host first, cross the network
             // once per rail.
-            Collective::AllReduce { .. }
-            | Collective::AllGather { .. }
-            | Collective::ReduceScatter { .. }
-                if self.two_tier =>
+            Collective::AllReduce { .. } | Collective::AllGather { .. } if self.two_tier => {
+                Algorithm::Hierarchical
+            }
+            // Its rail phase is a direct exchange: on short rails only.
+            Collective::ReduceScatter { .. }
+                if self.two_tier && self.hosts() <= RAIL_DIRECT_MAX =>
             {
                 Algorithm::Hierarchical
             }
@@ -108,11 +110,6 @@ impl Tuning {
             _ => Algorithm::Direct,
         };
         let algo = self.algo.filter(|a| a.supports(coll)).unwrap_or(default);
-        let algo = if algo.supports(coll) {
-            algo
-        } else {
-            Algorithm::Ring
-        };
         let chunk = (self.chunk_bytes / elem_size.max(1)).max(1);
         // Small messages on one channel; large ones spread over all.
         let channels = if algo == Algorithm::Ring && bytes > INLINE * self.world {
@@ -121,6 +118,11 @@ impl Tuning {
             1
         };
         (algo, chunk, channels)
+    }
+
+    /// Number of hosts.
+    pub fn hosts(&self) -> usize {
+        self.host_index.iter().max().map_or(1, |&h| h as usize + 1)
     }
 
     /// The schedule request for `rank`'s part of `coll` ([`crate::schedule::build`] turns it

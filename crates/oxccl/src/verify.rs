@@ -590,9 +590,15 @@ mod tests {
                     Aggregation,
                 ],
             ),
-            (Collective::ReduceScatter { count }, vec![Ring]),
+            (
+                Collective::ReduceScatter { count },
+                vec![Ring, Hierarchical],
+            ),
             (Collective::AllGather { count }, vec![Ring, Hierarchical]),
-            (Collective::Broadcast { count, root }, vec![Tree, Chain]),
+            (
+                Collective::Broadcast { count, root },
+                vec![Tree, Chain, Hierarchical],
+            ),
             (Collective::Reduce { count, root }, vec![Tree, Chain]),
             (Collective::AllToAll { count }, vec![Direct]),
             (Collective::Gather { count, root }, vec![Direct]),

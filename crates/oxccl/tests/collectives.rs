@@ -1256,9 +1256,10 @@ fn uneven_links_in_the_topology_file_pick_the_proportional_all_reduce() {
 }
 
 /// A topology file of 2 hosts × 2 ranks (interleaved: ranks 0 and 2 on one host): large
-/// all-reduces and all-gathers run two-tier, and every result is right.
+/// all-reduces, all-gathers, reduce-scatters and broadcasts run two-tier, and every result is
+/// right.
 #[test]
-fn two_hosts_of_two_ranks_pick_the_hierarchical_all_reduce() {
+fn two_hosts_of_two_ranks_pick_the_hierarchical_collectives() {
     let dir = common::TempDir::new("topo-hier");
     let file = dir.0.join("topo.json");
     std::fs::write(
@@ -1266,8 +1267,14 @@ fn two_hosts_of_two_ranks_pick_the_hierarchical_all_reduce() {
         r#"{"hosts": [{"name": "a", "ranks": [0, 2]}, {"name": "b", "ranks": [1, 3]}]}"#,
     )
     .unwrap();
-    let mut plan =
-        Plan::full(0x41e2).sections(&["large", "all_reduce", "all_gather", "nonblocking"]);
+    let mut plan = Plan::full(0x41e2).sections(&[
+        "large",
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "broadcast",
+        "nonblocking",
+    ]);
     plan.reduce_pairs = some_pairs();
     let name = "OXCCL_TOPO_FILE, 2 hosts x 2 ranks";
     let env = [
@@ -1278,6 +1285,8 @@ fn two_hosts_of_two_ranks_pick_the_hierarchical_all_reduce() {
     let log = run_job(name, 4, &env, plan);
     assert_used(name, &log, "all_reduce", "hier", None);
     assert_used(name, &log, "all_gather", "hier", None);
+    assert_used(name, &log, "reduce_scatter", "hier", None);
+    assert_used(name, &log, "broadcast", "hier", None);
 }
 
 #[test]

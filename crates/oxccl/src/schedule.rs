@@ -1552,6 +1552,7 @@ fn direct_all_gather(
 /// Ring all-gather among `members` (this rank is member `i`) of their blocks of the output,
 /// on channel 0, pipelined in slices of at most `chunk`; this rank's own block is sent once
 /// `own` is done. Returns the receives.
+#[allow(clippy::needless_range_loop)] // slices index parallel per-step vectors
 fn ring_all_gather_part(
     b: &mut Builder,
     members: &[usize],

@@ -1,5 +1,29 @@
 //! The modelled network: nodes (ranks and switches), directed links with a rate and a
-//! latency, and routes between nodes. Built from a topology file (see [`Fabric::parse`]).
+//! latency, and routes between nodes. Built from a topology file (see [`Fabric::parse`] and
+//! the format in [`crate::topo_file`]).
+//!
+//! ## Routes
+//! [`Fabric::route`] is O(path length) for the fabrics the topology file builds (a star of
+//! hosts, a rail-optimised leaf-spine cluster, several datacenters): the builder keeps the
+//! link of every rank's up and down hop, every leaf's uplink to every spine and the long-haul
+//! links, and a route is a few table lookups. Routes that start or end at a switch (an
+//! aggregator), and every route of a fabric built by hand (a struct literal with
+//! `layout: Layout::default()`), use a general fallback: shortest paths (fewest hops, ties to
+//! the lowest link index) that never pass through a rank, from breadth-first searches cached
+//! per destination (or per source switch).
+//!
+//! ## ECMP and symmetry
+//! In a leaf-spine cluster a route between leaves crosses one of the spines, picked by a
+//! hash of `key` and of quantities of the pair of ranks that the fabric's symmetry
+//! ([`Fabric::symmetry`]) keeps: their rails, their hosts' places inside their leaf groups,
+//! and the difference of their leaf groups (or of their hosts, or datacenters, depending on
+//! the generator of the symmetry; see [`Fabric::route`]). So for any pair `(a, b)` and key,
+//! `route(π(a), π(b), key)` is the image under `π` of `route(a, b, key)`: the symmetry is an
+//! automorphism of the fabric *with its routing*, as long as the engine gives mapped flows
+//! the same key (a key made of channel, step or slice numbers, not of rank numbers).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// What a node is.
 #[derive(Clone, Debug, PartialEq)]
@@ -60,6 +84,9 @@ pub struct Fabric {
     /// every link's ends, rate and latency, sends ranks to ranks and hosts to hosts. The
     /// simulator uses it to run one representative of each orbit of ranks.
     pub symmetry: Option<Symmetry>,
+    /// How the fabric was built, for fast routes and [`Fabric::topology`];
+    /// `Layout::default()` for a fabric built by hand (general routes).
+    pub layout: Layout,
 }
 
 /// One generator of the fabric's symmetry group (see [`Fabric::symmetry`]).
@@ -71,42 +98,488 @@ pub struct Symmetry {
     pub link_map: Vec<usize>,
 }
 
+/// The structure a topology file built (opaque): the tables of the structured routes, what
+/// [`Fabric::topology`] reports, and a cache of the general routes. `Layout::default()`:
+/// no structure (every route by the general fallback).
+#[derive(Default)]
+pub struct Layout {
+    pub(crate) shape: Shape,
+    /// Scale-out rate of every host in Gbit/s (sum over its NICs); `None` when it has none.
+    pub(crate) host_gbps: Vec<Option<f64>>,
+    /// Each host's datacenter.
+    pub(crate) host_dc: Vec<usize>,
+    /// The tuner sees each datacenter as one host (`tuner_hosts = "datacenters"`).
+    pub(crate) tuner_dcs: bool,
+    /// Long-haul rate in Gbit/s (for the tuner's view of datacenters).
+    pub(crate) wan_gbps: Option<f64>,
+    /// Names of the datacenters.
+    pub(crate) dc_names: Vec<String>,
+    pub(crate) cache: RouteCache,
+}
+
+impl Clone for Layout {
+    fn clone(&self) -> Layout {
+        Layout {
+            shape: self.shape.clone(),
+            host_gbps: self.host_gbps.clone(),
+            host_dc: self.host_dc.clone(),
+            tuner_dcs: self.tuner_dcs,
+            wan_gbps: self.wan_gbps,
+            dc_names: self.dc_names.clone(),
+            cache: RouteCache::default(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let shape = match &self.shape {
+            Shape::General => "general",
+            Shape::Star(_) => "star",
+            Shape::Cluster(_) => "cluster",
+        };
+        f.debug_struct("Layout")
+            .field("shape", &shape)
+            .field("datacenters", &self.dc_names.len().max(1))
+            .finish()
+    }
+}
+
+/// Cached breadth-first trees of the general routes.
+#[derive(Default)]
+pub(crate) struct RouteCache {
+    adj: OnceLock<Adjacency>,
+    /// Per destination node: the next link from every node towards it.
+    to: Mutex<HashMap<usize, Arc<Vec<u32>>>>,
+    /// Per source node: the link into every node on the tree of routes from it.
+    from: Mutex<HashMap<usize, Arc<Vec<u32>>>>,
+}
+
+struct Adjacency {
+    out: Vec<Vec<u32>>,
+    inc: Vec<Vec<u32>>,
+}
+
+const NONE: u32 = u32::MAX;
+
+#[derive(Clone, Default)]
+pub(crate) enum Shape {
+    #[default]
+    General,
+    Star(Star),
+    Cluster(Cluster),
+}
+
+/// Hosts on a switch each (ranks to it at the scale-up rate), host switches to one core per
+/// datacenter, cores joined by long-haul links.
+#[derive(Clone)]
+pub(crate) struct Star {
+    pub(crate) host_of: Vec<u32>,
+    pub(crate) up: Vec<u32>,
+    pub(crate) down: Vec<u32>,
+    /// Per host: host switch -> core, core -> host switch (`NONE` without a core).
+    pub(crate) h_up: Vec<u32>,
+    pub(crate) h_down: Vec<u32>,
+    pub(crate) dcs: usize,
+    /// `wan[a * dcs + b]`: core of a -> core of b.
+    pub(crate) wan: Vec<u32>,
+}
+
+/// How a cluster's ECMP hash sees a pair of ranks (what the symmetry generator keeps).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum HashMode {
+    /// Shift by one leaf group: rails, places in the groups, group difference.
+    Group,
+    /// Shift by one host (one leaf group): rails, host difference.
+    Host,
+    /// Shift by one datacenter: rails, places, groups, datacenter difference.
+    Dc,
+}
+
+/// Hosts of `g` ranks on a scale-up switch; rank `h*g + i` has a NIC into the leaf of rail
+/// `i` of its host's leaf group; every leaf of a datacenter has one link up to and down from
+/// each of its spines; spines of a datacenter meet at its router; routers are joined by
+/// long-haul links.
+#[derive(Clone)]
+pub(crate) struct Cluster {
+    pub(crate) g: usize,
+    pub(crate) hosts: usize,
+    pub(crate) hosts_per_dc: usize,
+    pub(crate) hpl: usize,
+    pub(crate) gpd: usize,
+    pub(crate) dcs: usize,
+    pub(crate) spines: usize,
+    pub(crate) su_up: Vec<u32>,
+    pub(crate) su_down: Vec<u32>,
+    pub(crate) nic_up: Vec<u32>,
+    pub(crate) nic_down: Vec<u32>,
+    /// `[leaf * spines + s]`: leaf -> spine s, spine s -> leaf.
+    pub(crate) ls_up: Vec<u32>,
+    pub(crate) ls_down: Vec<u32>,
+    /// `[dc * spines + s]`: spine -> router, router -> spine.
+    pub(crate) sr_up: Vec<u32>,
+    pub(crate) sr_down: Vec<u32>,
+    /// `wan[a * dcs + b]`: router of a -> router of b.
+    pub(crate) wan: Vec<u32>,
+    pub(crate) mode: HashMode,
+}
+
+impl Cluster {
+    /// (datacenter, group, place in group, rail) of a rank.
+    fn place(&self, r: usize) -> (usize, usize, usize, usize) {
+        let h = r / self.g;
+        let rail = r % self.g;
+        let dc = h / self.hosts_per_dc;
+        let lh = h % self.hosts_per_dc;
+        (dc, lh / self.hpl, lh % self.hpl, rail)
+    }
+
+    pub(crate) fn leaf(&self, dc: usize, grp: usize, rail: usize) -> usize {
+        (dc * self.gpd + grp) * self.g + rail
+    }
+
+    fn spine(&self, a: usize, b: usize, key: u64) -> usize {
+        if self.spines == 1 {
+            return 0;
+        }
+        let (da, ga, pa, ra) = self.place(a);
+        let (db, gb, pb, rb) = self.place(b);
+        let parts: [u64; 6] = match self.mode {
+            HashMode::Group => [
+                ra as u64,
+                rb as u64,
+                pa as u64,
+                pb as u64,
+                ((gb + self.gpd - ga) % self.gpd) as u64,
+                0,
+            ],
+            HashMode::Host => {
+                let (ha, hb) = (a / self.g, b / self.g);
+                [
+                    ra as u64,
+                    rb as u64,
+                    ((hb + self.hosts - ha) % self.hosts) as u64,
+                    0,
+                    0,
+                    0,
+                ]
+            }
+            HashMode::Dc => [
+                ra as u64,
+                rb as u64,
+                (pa * self.gpd + ga) as u64,
+                (pb * self.gpd + gb) as u64,
+                ((db + self.dcs - da) % self.dcs) as u64,
+                1,
+            ],
+        };
+        let mut h = mix(key ^ 0x9e37_79b9_7f4a_7c15);
+        for p in parts {
+            h = mix(h ^ p.wrapping_mul(0xff51_afd7_ed55_8ccd));
+        }
+        (h % self.spines as u64) as usize
+    }
+}
+
+/// splitmix64's finaliser.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 impl Fabric {
     /// Appends to `out` the links of the route from node `from` to node `to`. `key` picks one
-    /// of several equal-cost routes (ECMP), deterministically; routes are loop free.
+    /// of several equal-cost routes (ECMP), deterministically; routes are loop free and never
+    /// pass through a rank.
     ///
-    /// Placeholder: a breadth-first search; the topology builder replaces it with routes of
-    /// the structured fabrics.
+    /// Between two ranks of a built fabric: same host, through the host's (scale-up) switch;
+    /// same leaf (same rail and leaf group), through the leaf; else leaf, spine, leaf, with
+    /// the spine hashed from `key` and orbit-invariant quantities of the pair (see the
+    /// module docs); across datacenters, leaf, spine, router, long-haul link, router, the
+    /// same-numbered spine, leaf. Every other route: the general fallback (see the module
+    /// docs).
+    ///
+    /// # Panics
+    /// When `to` can't be reached from `from`.
     pub fn route(&self, from: usize, to: usize, key: u64, out: &mut Vec<usize>) {
-        let _ = key;
         if from == to {
             return;
         }
-        let mut prev = vec![usize::MAX; self.nodes.len()];
-        let mut queue = std::collections::VecDeque::from([from]);
-        prev[from] = usize::MAX - 1;
-        while let Some(n) = queue.pop_front() {
-            if n == to {
-                break;
+        if from < self.world && to < self.world {
+            match &self.layout.shape {
+                Shape::Star(s) => {
+                    let (ha, hb) = (s.host_of[from] as usize, s.host_of[to] as usize);
+                    out.push(s.up[from] as usize);
+                    if ha != hb {
+                        out.push(s.h_up[ha] as usize);
+                        let (da, db) = (self.layout.host_dc[ha], self.layout.host_dc[hb]);
+                        if da != db {
+                            out.push(s.wan[da * s.dcs + db] as usize);
+                        }
+                        out.push(s.h_down[hb] as usize);
+                    }
+                    out.push(s.down[to] as usize);
+                    return;
+                }
+                Shape::Cluster(c) => {
+                    if from / c.g == to / c.g {
+                        out.push(c.su_up[from] as usize);
+                        out.push(c.su_down[to] as usize);
+                        return;
+                    }
+                    let (da, ga, _, ra) = c.place(from);
+                    let (db, gb, _, rb) = c.place(to);
+                    let (la, lb) = (c.leaf(da, ga, ra), c.leaf(db, gb, rb));
+                    out.push(c.nic_up[from] as usize);
+                    if la != lb {
+                        let s = c.spine(from, to, key);
+                        out.push(c.ls_up[la * c.spines + s] as usize);
+                        if da != db {
+                            out.push(c.sr_up[da * c.spines + s] as usize);
+                            out.push(c.wan[da * c.dcs + db] as usize);
+                            out.push(c.sr_down[db * c.spines + s] as usize);
+                        }
+                        out.push(c.ls_down[lb * c.spines + s] as usize);
+                    }
+                    out.push(c.nic_down[to] as usize);
+                    return;
+                }
+                Shape::General => {}
             }
+        }
+        self.general_route(from, to, out);
+    }
+
+    fn adjacency(&self) -> &Adjacency {
+        self.layout.cache.adj.get_or_init(|| {
+            let mut out = vec![Vec::new(); self.nodes.len()];
+            let mut inc = vec![Vec::new(); self.nodes.len()];
             for (i, l) in self.links.iter().enumerate() {
-                if l.from == n && prev[l.to] == usize::MAX {
-                    prev[l.to] = i;
-                    queue.push_back(l.to);
+                out[l.from].push(i as u32);
+                inc[l.to].push(i as u32);
+            }
+            Adjacency { out, inc }
+        })
+    }
+
+    fn is_rank(&self, n: usize) -> bool {
+        matches!(self.nodes[n].kind, NodeKind::Rank { .. })
+    }
+
+    /// The next link from every node towards `to` (fewest hops, not through ranks).
+    fn to_table(&self, to: usize) -> Arc<Vec<u32>> {
+        if let Some(t) = self.layout.cache.to.lock().unwrap().get(&to) {
+            return t.clone();
+        }
+        let adj = self.adjacency();
+        let mut next = vec![NONE; self.nodes.len()];
+        let mut seen = vec![false; self.nodes.len()];
+        seen[to] = true;
+        let mut queue = VecDeque::from([to]);
+        while let Some(n) = queue.pop_front() {
+            if n != to && self.is_rank(n) {
+                continue;
+            }
+            for &l in &adj.inc[n] {
+                let p = self.links[l as usize].from;
+                if !seen[p] {
+                    seen[p] = true;
+                    next[p] = l;
+                    queue.push_back(p);
                 }
             }
         }
-        let mut path = Vec::new();
-        let mut n = to;
-        while n != from {
-            let l = prev[n];
-            assert!(
-                l < self.links.len(),
-                "no route from node {from} to node {to}"
-            );
-            path.push(l);
-            n = self.links[l].from;
+        let t = Arc::new(next);
+        self.layout.cache.to.lock().unwrap().insert(to, t.clone());
+        t
+    }
+
+    /// The link into every node on the tree of routes from `from` (not through ranks).
+    fn tree_from(&self, from: usize) -> Arc<Vec<u32>> {
+        if let Some(t) = self.layout.cache.from.lock().unwrap().get(&from) {
+            return t.clone();
         }
-        out.extend(path.into_iter().rev());
+        let adj = self.adjacency();
+        let mut prev = vec![NONE; self.nodes.len()];
+        let mut seen = vec![false; self.nodes.len()];
+        seen[from] = true;
+        let mut queue = VecDeque::from([from]);
+        while let Some(n) = queue.pop_front() {
+            if n != from && self.is_rank(n) {
+                continue;
+            }
+            for &l in &adj.out[n] {
+                let q = self.links[l as usize].to;
+                if !seen[q] {
+                    seen[q] = true;
+                    prev[q] = l;
+                    queue.push_back(q);
+                }
+            }
+        }
+        let t = Arc::new(prev);
+        self.layout
+            .cache
+            .from
+            .lock()
+            .unwrap()
+            .insert(from, t.clone());
+        t
+    }
+
+    fn general_route(&self, from: usize, to: usize, out: &mut Vec<usize>) {
+        // From a switch (a few of them: aggregators) to many ranks: the tree from the switch;
+        // everything else: the table towards the destination.
+        if !self.is_rank(from) && self.is_rank(to) {
+            let prev = self.tree_from(from);
+            let start = out.len();
+            let mut n = to;
+            while n != from {
+                let l = prev[n];
+                assert!(l != NONE, "no route from node {from} to node {to}");
+                out.push(l as usize);
+                n = self.links[l as usize].from;
+            }
+            out[start..].reverse();
+            return;
+        }
+        let next = self.to_table(to);
+        let mut n = from;
+        while n != to {
+            let l = next[n];
+            assert!(l != NONE, "no route from node {from} to node {to}");
+            out.push(l as usize);
+            n = self.links[l as usize].to;
+        }
+    }
+
+    /// Whether node `to` can be reached from node `from` (never through a rank).
+    pub fn reaches(&self, from: usize, to: usize) -> bool {
+        from == to || self.to_table(to)[from] != NONE
+    }
+
+    /// The switch a schedule that aggregates in the network ([`oxccl::schedule::Algorithm::Aggregation`])
+    /// targets: the first switch (lowest node index) that can reduce and that every rank
+    /// reaches and is reached from. `None` when no switch of the fabric can.
+    pub fn aggregator(&self) -> Option<usize> {
+        (self.world..self.nodes.len()).find(|&n| {
+            matches!(
+                self.nodes[n].kind,
+                NodeKind::Switch {
+                    reduce_bytes_per_s: Some(_)
+                }
+            ) && {
+                let to = self.to_table(n);
+                let from = self.tree_from(n);
+                (0..self.world).all(|r| to[r] != NONE && from[r] != NONE)
+            }
+        })
+    }
+
+    /// The runtime's view of the fabric, for its tuner: one host per host of the fabric
+    /// (names and ranks as in the file), `link_gbps` the host's scale-out rate in Gbit/s (the
+    /// sum over its NICs; `None` for a host without any). With `tuner_hosts =
+    /// "datacenters"` in the file, one "host" per datacenter, whose rate is the long-haul
+    /// link's, so that the two-tier algorithms reduce inside each datacenter first.
+    pub fn topology(&self) -> oxccl::Topology {
+        if self.layout.tuner_dcs && !self.layout.dc_names.is_empty() {
+            let hosts = self
+                .layout
+                .dc_names
+                .iter()
+                .enumerate()
+                .map(|(d, name)| {
+                    let mut ranks: Vec<usize> = self
+                        .hosts
+                        .iter()
+                        .enumerate()
+                        .filter(|(h, _)| self.layout.host_dc[*h] == d)
+                        .flat_map(|(_, (_, r))| r.iter().copied())
+                        .collect();
+                    ranks.sort_unstable();
+                    oxccl::Host {
+                        name: name.clone(),
+                        ranks,
+                        link_gbps: self.layout.wan_gbps,
+                    }
+                })
+                .collect();
+            return oxccl::Topology { hosts };
+        }
+        let hosts = self
+            .hosts
+            .iter()
+            .enumerate()
+            .map(|(h, (name, ranks))| oxccl::Host {
+                name: name.clone(),
+                ranks: ranks.clone(),
+                link_gbps: self.layout.host_gbps.get(h).copied().flatten(),
+            })
+            .collect();
+        oxccl::Topology { hosts }
+    }
+
+    /// Completes a candidate automorphism given by where each node goes: `None` unless it is
+    /// a permutation other than the identity that sends ranks to ranks, hosts to hosts,
+    /// switches to switches of the same reduce rate, and every link to a link with the
+    /// images of its ends and the same rate and latency.
+    pub fn check_symmetry(&self, node_map: Vec<usize>) -> Option<Symmetry> {
+        let n = self.nodes.len();
+        if node_map.len() != n || node_map.iter().enumerate().all(|(i, &m)| i == m) {
+            return None;
+        }
+        let mut hit = vec![false; n];
+        for &m in &node_map {
+            if m >= n || std::mem::replace(&mut hit[m], true) {
+                return None;
+            }
+        }
+        let mut host_map: Vec<Option<usize>> = vec![None; self.hosts.len()];
+        for (i, node) in self.nodes.iter().enumerate() {
+            let image = &self.nodes[node_map[i]].kind;
+            match (&node.kind, image) {
+                (NodeKind::Rank { host: a }, NodeKind::Rank { host: b }) => match host_map[*a] {
+                    None => host_map[*a] = Some(*b),
+                    Some(x) if x == *b => {}
+                    Some(_) => return None,
+                },
+                (
+                    NodeKind::Switch {
+                        reduce_bytes_per_s: a,
+                    },
+                    NodeKind::Switch {
+                        reduce_bytes_per_s: b,
+                    },
+                ) if a == b => {}
+                _ => return None,
+            }
+        }
+        let mut hosts_hit = vec![false; self.hosts.len()];
+        for m in host_map.iter().flatten() {
+            if std::mem::replace(&mut hosts_hit[*m], true) {
+                return None;
+            }
+        }
+        let index: HashMap<(usize, usize), usize> = self
+            .links
+            .iter()
+            .enumerate()
+            .map(|(i, l)| ((l.from, l.to), i))
+            .collect();
+        if index.len() != self.links.len() {
+            return None; // parallel links: the map between them would be a guess
+        }
+        let mut link_map = Vec::with_capacity(self.links.len());
+        for l in &self.links {
+            let &j = index.get(&(node_map[l.from], node_map[l.to]))?;
+            let m = &self.links[j];
+            if m.bytes_per_s != l.bytes_per_s || m.latency_s != l.latency_s {
+                return None;
+            }
+            link_map.push(j);
+        }
+        Some(Symmetry { node_map, link_map })
     }
 }

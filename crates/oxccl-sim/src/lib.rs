@@ -3,6 +3,7 @@
 
 pub mod fabric;
 pub mod run;
+pub mod topo_file;
 
 pub use fabric::{Fabric, Link, Node, NodeKind, Symmetry};
 pub use run::{Event, Report, Spec, Track, simulate};

@@ -1,0 +1,797 @@
+//! Topology files for the simulator: the runtime's `OXCCL_TOPO_FILE` format
+//! ([`oxccl::topology`]), extended with optional fields. A runtime topology file is a valid
+//! simulator file (a star of hosts); a `[cluster]` table generates a two-tier GPU cluster in a
+//! few lines instead. JSON (first non-blank character `{`) or TOML, the same fields; unknown
+//! fields are refused, and every bad value is an error naming the field and the value.
+//!
+//! Units are in the field names: `_gbps` is Gbit/s (network links, as the runtime's
+//! `link_gbps`), `_gbytes_per_s` is GB/s (10^9 bytes/s: scale-up links, reduce rates), `_us`
+//! microseconds, `_km` kilometres.
+//!
+//! ## A star of hosts (the test bed; any runtime file)
+//! ```toml
+//! [[hosts]]
+//! name = "h0"
+//! ranks = [0, 1]          # or a count: `ranks = 2` (the next ranks in order)
+//! link_gbps = 1.0         # the host's link into the central switch, per direction
+//! # scaleup_gbytes_per_s = 11      # ranks <-> the host's own switch (default: top level's)
+//! # switch_reduce_gbytes_per_s = 3000   # the host switch aggregates (in-switch reduction)
+//! # dc = 0                          # its datacenter (see [wan])
+//!
+//! [[hosts]]
+//! name = "h1"
+//! ranks = [2, 3]
+//! link_gbps = 0.25
+//! ```
+//! Every rank has a link up to and down from its host's switch at the scale-up rate; every
+//! host switch a link up to and down from its datacenter's core switch at `link_gbps`.
+//!
+//! ## A two-tier cluster (generator)
+//! ```toml
+//! [cluster]
+//! hosts = 2048            # hosts of...
+//! gpus_per_host = 8       # ...G ranks on a scale-up switch (rank = host * G + local index)
+//! nic_gbps = 400          # one NIC per rank into the leaf of its rail (default 400)
+//! hosts_per_leaf = 32     # a leaf group: the hosts one leaf per rail serves (default 32)
+//! oversubscription = 1.0  # a leaf's down capacity over its up capacity (default 1)
+//! # spines = 32           # spines per datacenter (default hosts_per_leaf / oversubscription)
+//! # rail_nic_gbps = [400, 400, 400, 400, 400, 400, 400, 200]   # per rail
+//! # nic_overrides = [{hosts = "0-63", gbps = 200}, {hosts = "7", rails = [3], gbps = 100}]
+//! # scaleup_reduce_gbytes_per_s = 3000   # scale-up switches aggregate (NVLS-class)
+//! # spine_reduce_gbytes_per_s = 1000     # spines aggregate (SHARP-class)
+//! scaleup_gbytes_per_s = 900  # top level: per rank and direction (default 900 for a cluster)
+//! ```
+//! Each leaf has `hosts_per_leaf` NIC links down and one link up to and down from each
+//! spine of its datacenter, the up links together carrying `hosts_per_leaf * rate /
+//! oversubscription` (`rate`: its rail's NIC rate).
+//!
+//! ## Several datacenters
+//! ```toml
+//! [wan]
+//! datacenters = 2         # a cluster's hosts are split evenly, in order; a star's hosts say `dc`
+//! distance_km = 1000      # one-way latency 5 us per km (5 ms per 1,000 km), plus link_latency_us
+//! link_gbps = 3200        # long-haul capacity between every pair of datacenters, per direction
+//! ```
+//! A cluster's spines of a datacenter meet at its router (links as fast as all the
+//! datacenter's leaf uplinks together); a star's cores are joined directly.
+//!
+//! ## Top-level fields (all optional)
+//! | field | meaning | star default | cluster default |
+//! |---|---|---|---|
+//! | `reduce_gbytes_per_s` | a rank's reduce rate | 20 | 2000 |
+//! | `per_message_us` | fixed cost per message at its sender | 5 | 2 |
+//! | `scaleup_gbytes_per_s` | rank <-> host switch, per direction | 11 | 900 |
+//! | `scaleup_latency_us` | latency of a scale-up hop | 1 | 0.5 |
+//! | `link_latency_us` | latency of a network hop (each link of a route) | 10 | 1 |
+//! | `link_gbps` | a star host's rate when it gives none | none | - |
+//! | `core_reduce_gbytes_per_s` | a star's core switches aggregate | none | - |
+//! | `tuner_hosts` | `"hosts"`, or `"datacenters"`: the runtime's tuner sees one host per datacenter, so two-tier algorithms reduce inside each datacenter first | hosts | hosts |
+//!
+//! The star defaults describe the test bed (this machine): 11 GB/s is a single thread's
+//! memcpy rate for large buffers, 20 GB/s a reduction working in cache-sized slices;
+//! `bench/sim-validate.sh` measures the link rates and the per-message cost instead.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::fabric::{Cluster, HashMode, Layout, Shape, Star};
+use crate::{Fabric, Link, Node, NodeKind};
+
+/// One-way latency of a long-haul link per kilometre (5 ms per 1,000 km).
+pub const WAN_S_PER_KM: f64 = 5e-6;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    hosts: Option<Vec<HostSpec>>,
+    cluster: Option<ClusterSpec>,
+    wan: Option<WanSpec>,
+    reduce_gbytes_per_s: Option<f64>,
+    per_message_us: Option<f64>,
+    scaleup_gbytes_per_s: Option<f64>,
+    scaleup_latency_us: Option<f64>,
+    link_latency_us: Option<f64>,
+    link_gbps: Option<f64>,
+    core_reduce_gbytes_per_s: Option<f64>,
+    tuner_hosts: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Ranks {
+    List(Vec<usize>),
+    Count(usize),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HostSpec {
+    name: String,
+    ranks: Ranks,
+    link_gbps: Option<f64>,
+    dc: Option<usize>,
+    scaleup_gbytes_per_s: Option<f64>,
+    switch_reduce_gbytes_per_s: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClusterSpec {
+    hosts: usize,
+    gpus_per_host: usize,
+    nic_gbps: Option<f64>,
+    hosts_per_leaf: Option<usize>,
+    oversubscription: Option<f64>,
+    spines: Option<usize>,
+    rail_nic_gbps: Option<Vec<f64>>,
+    nic_overrides: Option<Vec<NicOverride>>,
+    scaleup_reduce_gbytes_per_s: Option<f64>,
+    spine_reduce_gbytes_per_s: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NicOverride {
+    hosts: String,
+    rails: Option<Vec<usize>>,
+    gbps: f64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WanSpec {
+    datacenters: Option<usize>,
+    distance_km: f64,
+    link_gbps: f64,
+}
+
+/// `Some(v)` checked finite and above 0 (or at least 0 with `zero_ok`).
+fn check(field: &str, v: Option<f64>, zero_ok: bool) -> Result<Option<f64>, String> {
+    match v {
+        Some(x) if !(x.is_finite() && (x > 0.0 || zero_ok && x == 0.0)) => Err(format!(
+            "{field} must be a finite number {}, not {x}",
+            if zero_ok { "of at least 0" } else { "above 0" }
+        )),
+        v => Ok(v),
+    }
+}
+
+/// Parses `0-63,128` into host indices below `hosts`.
+fn parse_hosts(field: &str, s: &str, hosts: usize) -> Result<Vec<usize>, String> {
+    let bad = || format!("{field} must be host indices like \"0-63,128\", not {s:?}");
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim) {
+        let (a, b) = match part.split_once('-') {
+            Some((a, b)) => (a.trim(), b.trim()),
+            None => (part, part),
+        };
+        let a: usize = a.parse().map_err(|_| bad())?;
+        let b: usize = b.parse().map_err(|_| bad())?;
+        if a > b {
+            return Err(bad());
+        }
+        if b >= hosts {
+            return Err(format!(
+                "{field}: host {b} is outside the cluster's {hosts} hosts (0-{})",
+                hosts - 1
+            ));
+        }
+        out.extend(a..=b);
+    }
+    Ok(out)
+}
+
+struct Builder {
+    nodes: Vec<Node>,
+    links: Vec<Link>,
+}
+
+impl Builder {
+    fn node(&mut self, name: String, kind: NodeKind) -> usize {
+        self.nodes.push(Node { name, kind });
+        self.nodes.len() - 1
+    }
+
+    fn switch(&mut self, name: String, reduce_gbytes: Option<f64>) -> usize {
+        self.node(
+            name,
+            NodeKind::Switch {
+                reduce_bytes_per_s: reduce_gbytes.map(|g| g * 1e9),
+            },
+        )
+    }
+
+    fn link(&mut self, from: usize, to: usize, bytes_per_s: f64, latency_s: f64) -> u32 {
+        self.links.push(Link {
+            name: format!("{}->{}", self.nodes[from].name, self.nodes[to].name),
+            from,
+            to,
+            bytes_per_s,
+            latency_s,
+        });
+        (self.links.len() - 1) as u32
+    }
+
+    fn duplex(&mut self, a: usize, b: usize, bytes_per_s: f64, latency_s: f64) -> (u32, u32) {
+        (
+            self.link(a, b, bytes_per_s, latency_s),
+            self.link(b, a, bytes_per_s, latency_s),
+        )
+    }
+}
+
+impl Fabric {
+    /// Parses a topology file (JSON or TOML; the format is in [`crate::topo_file`]) and builds
+    /// its fabric.
+    pub fn parse(text: &str) -> Result<Fabric, String> {
+        let file: File = if text.trim_start().starts_with('{') {
+            serde_json::from_str(text).map_err(|e| format!("invalid topology JSON: {e}"))?
+        } else {
+            toml::from_str(text)
+                .map_err(|e| format!("invalid topology TOML: {}", e.to_string().trim_end()))?
+        };
+        build(file)
+    }
+
+    /// Reads a topology file and builds its fabric ([`Fabric::parse`]); errors name the file.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Fabric, String> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read topology file {}: {e}", path.display()))?;
+        Fabric::parse(&text).map_err(|e| format!("topology file {}: {e}", path.display()))
+    }
+}
+
+struct Common {
+    reduce: f64,
+    per_message: f64,
+    scaleup: f64,
+    scaleup_lat: f64,
+    link_lat: f64,
+    tuner_dcs: bool,
+}
+
+fn common(f: &File, cluster: bool) -> Result<Common, String> {
+    let d = |star: f64, cl: f64| if cluster { cl } else { star };
+    let tuner_dcs = match f.tuner_hosts.as_deref() {
+        None | Some("hosts") => false,
+        Some("datacenters") => true,
+        Some(other) => {
+            return Err(format!(
+                "tuner_hosts must be \"hosts\" or \"datacenters\", not {other:?}"
+            ));
+        }
+    };
+    Ok(Common {
+        reduce: check("reduce_gbytes_per_s", f.reduce_gbytes_per_s, false)?
+            .unwrap_or(d(20.0, 2000.0))
+            * 1e9,
+        per_message: check("per_message_us", f.per_message_us, true)?.unwrap_or(d(5.0, 2.0)) * 1e-6,
+        scaleup: check("scaleup_gbytes_per_s", f.scaleup_gbytes_per_s, false)?
+            .unwrap_or(d(11.0, 900.0))
+            * 1e9,
+        scaleup_lat: check("scaleup_latency_us", f.scaleup_latency_us, true)?
+            .unwrap_or(d(1.0, 0.5))
+            * 1e-6,
+        link_lat: check("link_latency_us", f.link_latency_us, true)?.unwrap_or(d(10.0, 1.0)) * 1e-6,
+        tuner_dcs,
+    })
+}
+
+fn wan(f: &File) -> Result<Option<&WanSpec>, String> {
+    if let Some(w) = &f.wan {
+        check("wan.distance_km", Some(w.distance_km), true)?;
+        check("wan.link_gbps", Some(w.link_gbps), false)?;
+        if w.datacenters == Some(0) {
+            return Err("wan.datacenters must be at least 1, not 0".into());
+        }
+    }
+    Ok(f.wan.as_ref())
+}
+
+fn build(f: File) -> Result<Fabric, String> {
+    check("link_gbps", f.link_gbps, false)?;
+    check(
+        "core_reduce_gbytes_per_s",
+        f.core_reduce_gbytes_per_s,
+        false,
+    )?;
+    match (&f.hosts, &f.cluster) {
+        (Some(_), Some(_)) => {
+            Err("give either hosts (a list) or cluster (a generator), not both".into())
+        }
+        (None, None) => Err("the file has neither hosts nor cluster".into()),
+        (Some(_), None) => build_star(f),
+        (None, Some(_)) => {
+            if f.link_gbps.is_some() || f.core_reduce_gbytes_per_s.is_some() {
+                return Err("link_gbps and core_reduce_gbytes_per_s describe a star of hosts; a cluster has nic_gbps and spine_reduce_gbytes_per_s".into());
+            }
+            build_cluster(f)
+        }
+    }
+}
+
+fn build_star(f: File) -> Result<Fabric, String> {
+    let c = common(&f, false)?;
+    let wan = wan(&f)?;
+    let specs = f.hosts.as_ref().expect("hosts");
+    // The runtime's checks first (every rank once, names unique, rates valid).
+    let mut next = 0;
+    let mut topo = oxccl::Topology { hosts: Vec::new() };
+    for (h, s) in specs.iter().enumerate() {
+        let ranks = match &s.ranks {
+            Ranks::List(r) => r.clone(),
+            Ranks::Count(k) => (next..next + k).collect(),
+        };
+        next = next.max(ranks.iter().map(|r| r + 1).max().unwrap_or(0));
+        let name = format!("hosts[{h}] ({:?})", s.name);
+        check(&format!("{name}.link_gbps"), s.link_gbps, false)?;
+        check(
+            &format!("{name}.scaleup_gbytes_per_s"),
+            s.scaleup_gbytes_per_s,
+            false,
+        )?;
+        check(
+            &format!("{name}.switch_reduce_gbytes_per_s"),
+            s.switch_reduce_gbytes_per_s,
+            false,
+        )?;
+        topo.hosts.push(oxccl::Host {
+            name: s.name.clone(),
+            ranks,
+            link_gbps: s.link_gbps.or(f.link_gbps),
+        });
+    }
+    // The job's ranks are 0..=the highest listed: a gap is a rank on no host.
+    let world = next;
+    topo.validate(world)?;
+    let dcs = match wan.and_then(|w| w.datacenters) {
+        Some(d) => d,
+        None => specs.iter().filter_map(|s| s.dc).max().map_or(1, |d| d + 1),
+    };
+    if dcs > 1 && wan.is_none() {
+        return Err(format!(
+            "hosts are in {dcs} datacenters (dc) but there is no [wan] to join them"
+        ));
+    }
+    let host_dc: Vec<usize> = specs.iter().map(|s| s.dc.unwrap_or(0)).collect();
+    for (h, &d) in host_dc.iter().enumerate() {
+        if d >= dcs {
+            return Err(format!(
+                "hosts[{h}] ({:?}).dc must be below wan.datacenters = {dcs}, not {d}",
+                specs[h].name
+            ));
+        }
+    }
+    let hosts_n = specs.len();
+    let core = hosts_n > 1 || dcs > 1;
+    let mut b = Builder {
+        nodes: Vec::new(),
+        links: Vec::new(),
+    };
+    let mut host_of = vec![0u32; world];
+    for (h, host) in topo.hosts.iter().enumerate() {
+        for &r in &host.ranks {
+            host_of[r] = h as u32;
+        }
+    }
+    for (r, &h) in host_of.iter().enumerate() {
+        b.node(
+            format!("{}.r{r}", topo.hosts[h as usize].name),
+            NodeKind::Rank { host: h as usize },
+        );
+    }
+    let sw: Vec<usize> = specs
+        .iter()
+        .map(|s| b.switch(format!("{}.sw", s.name), s.switch_reduce_gbytes_per_s))
+        .collect();
+    let cores: Vec<usize> = if core {
+        (0..dcs)
+            .map(|d| {
+                let name = if dcs > 1 {
+                    format!("dc{d}.core")
+                } else {
+                    "core".into()
+                };
+                b.switch(name, f.core_reduce_gbytes_per_s)
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let (mut up, mut down) = (vec![0u32; world], vec![0u32; world]);
+    for r in 0..world {
+        let h = host_of[r] as usize;
+        let rate = specs[h].scaleup_gbytes_per_s.map_or(c.scaleup, |g| g * 1e9);
+        (up[r], down[r]) = b.duplex(r, sw[h], rate, c.scaleup_lat);
+    }
+    let (mut h_up, mut h_down) = (vec![u32::MAX; hosts_n], vec![u32::MAX; hosts_n]);
+    let mut host_gbps = vec![None; hosts_n];
+    if core {
+        for h in 0..hosts_n {
+            let Some(gbps) = topo.hosts[h].link_gbps else {
+                return Err(format!(
+                    "hosts[{h}] ({:?}) has no link_gbps (nor is there a top-level link_gbps): \
+                     the simulator needs every host's rate",
+                    specs[h].name
+                ));
+            };
+            host_gbps[h] = Some(gbps);
+            (h_up[h], h_down[h]) = b.duplex(sw[h], cores[host_dc[h]], gbps * 1e9 / 8.0, c.link_lat);
+        }
+    }
+    let mut wan_links = vec![u32::MAX; dcs * dcs];
+    if let Some(w) = wan.filter(|_| dcs > 1) {
+        for a in 0..dcs {
+            for z in 0..dcs {
+                if a != z {
+                    wan_links[a * dcs + z] = b.link(
+                        cores[a],
+                        cores[z],
+                        w.link_gbps * 1e9 / 8.0,
+                        c.link_lat + w.distance_km * WAN_S_PER_KM,
+                    );
+                }
+            }
+        }
+    }
+    let mut fabric = Fabric {
+        nodes: b.nodes,
+        links: b.links,
+        world,
+        hosts: topo
+            .hosts
+            .iter()
+            .map(|h| (h.name.clone(), h.ranks.clone()))
+            .collect(),
+        reduce_bytes_per_s: c.reduce,
+        per_message_s: c.per_message,
+        symmetry: None,
+        layout: Layout {
+            shape: Shape::Star(Star {
+                host_of,
+                up,
+                down,
+                h_up,
+                h_down,
+                dcs,
+                wan: wan_links,
+            }),
+            host_gbps,
+            host_dc: host_dc.clone(),
+            tuner_dcs: c.tuner_dcs,
+            wan_gbps: wan.map(|w| w.link_gbps),
+            dc_names: (0..dcs).map(|d| format!("dc{d}")).collect(),
+            ..Layout::default()
+        },
+    };
+    // The candidate symmetry: hosts shift by one (inside one datacenter), by one datacenter,
+    // or, for a single host, its ranks shift by one. check_symmetry decides.
+    let n = fabric.nodes.len();
+    let mut map: Vec<usize> = (0..n).collect();
+    let ranks_of = |h: usize| &fabric.hosts[h].1;
+    let sigma: Option<Vec<usize>> = if hosts_n == 1 {
+        let rs = ranks_of(0);
+        for (i, &r) in rs.iter().enumerate() {
+            map[r] = rs[(i + 1) % rs.len()];
+        }
+        None
+    } else if dcs == 1 {
+        Some((0..hosts_n).map(|h| (h + 1) % hosts_n).collect())
+    } else {
+        let per: Vec<Vec<usize>> = (0..dcs)
+            .map(|d| (0..hosts_n).filter(|&h| host_dc[h] == d).collect())
+            .collect();
+        if per.iter().all(|p| p.len() == per[0].len()) {
+            let mut s = vec![0; hosts_n];
+            for d in 0..dcs {
+                for (j, &h) in per[d].iter().enumerate() {
+                    s[h] = per[(d + 1) % dcs][j];
+                }
+            }
+            for d in 0..dcs {
+                map[cores[d]] = cores[(d + 1) % dcs];
+            }
+            Some(s)
+        } else {
+            map.clear();
+            None
+        }
+    };
+    if let Some(s) = sigma {
+        for h in 0..hosts_n {
+            let (a, z) = (ranks_of(h), ranks_of(s[h]));
+            if a.len() != z.len() {
+                map.clear();
+                break;
+            }
+            for (i, &r) in a.iter().enumerate() {
+                map[r] = z[i];
+            }
+            map[sw[h]] = sw[s[h]];
+        }
+    }
+    fabric.symmetry = fabric.check_symmetry(map);
+    Ok(fabric)
+}
+
+fn build_cluster(f: File) -> Result<Fabric, String> {
+    let c = common(&f, true)?;
+    let wan = wan(&f)?;
+    let cs = f.cluster.as_ref().expect("cluster");
+    let (hn, g) = (cs.hosts, cs.gpus_per_host);
+    if hn == 0 {
+        return Err("cluster.hosts must be at least 1, not 0".into());
+    }
+    if g == 0 {
+        return Err("cluster.gpus_per_host must be at least 1, not 0".into());
+    }
+    let nic = check("cluster.nic_gbps", cs.nic_gbps, false)?.unwrap_or(400.0);
+    let over = check("cluster.oversubscription", cs.oversubscription, false)?.unwrap_or(1.0);
+    check(
+        "cluster.scaleup_reduce_gbytes_per_s",
+        cs.scaleup_reduce_gbytes_per_s,
+        false,
+    )?;
+    check(
+        "cluster.spine_reduce_gbytes_per_s",
+        cs.spine_reduce_gbytes_per_s,
+        false,
+    )?;
+    let dcs = match wan {
+        Some(w) => w.datacenters.unwrap_or(1),
+        None => 1,
+    };
+    if !hn.is_multiple_of(dcs) {
+        return Err(format!(
+            "cluster.hosts ({hn}) must split evenly into wan.datacenters ({dcs})"
+        ));
+    }
+    let hpd = hn / dcs;
+    let hpl = match cs.hosts_per_leaf {
+        Some(0) => return Err("cluster.hosts_per_leaf must be at least 1, not 0".into()),
+        Some(k) => k.min(hpd),
+        None => 32.min(hpd),
+    };
+    let gpd = hpd.div_ceil(hpl);
+    let need_spines = g > 1 || gpd > 1 || dcs > 1;
+    let spines = match cs.spines {
+        Some(0) if need_spines => {
+            return Err("cluster.spines must be at least 1, not 0".into());
+        }
+        Some(s) => s,
+        None if need_spines => ((hpl as f64 / over).ceil() as usize).max(1),
+        None => 0,
+    };
+    let mut rail = vec![nic; g];
+    if let Some(r) = &cs.rail_nic_gbps {
+        if r.len() != g {
+            return Err(format!(
+                "cluster.rail_nic_gbps has {} rates; gpus_per_host is {g} (one rate per rail)",
+                r.len()
+            ));
+        }
+        for (i, &x) in r.iter().enumerate() {
+            check(&format!("cluster.rail_nic_gbps[{i}]"), Some(x), false)?;
+        }
+        rail.clone_from(r);
+    }
+    let world = hn * g;
+    let mut rate: Vec<f64> = (0..world).map(|r| rail[r % g]).collect();
+    for (k, o) in cs.nic_overrides.iter().flatten().enumerate() {
+        let field = format!("cluster.nic_overrides[{k}]");
+        check(&format!("{field}.gbps"), Some(o.gbps), false)?;
+        let hosts = parse_hosts(&format!("{field}.hosts"), &o.hosts, hn)?;
+        let rails: Vec<usize> = match &o.rails {
+            Some(rs) => {
+                if let Some(&bad) = rs.iter().find(|&&x| x >= g) {
+                    return Err(format!(
+                        "{field}.rails: rail {bad} is outside gpus_per_host {g} (0-{})",
+                        g - 1
+                    ));
+                }
+                rs.clone()
+            }
+            None => (0..g).collect(),
+        };
+        for h in hosts {
+            for &i in &rails {
+                rate[h * g + i] = o.gbps;
+            }
+        }
+    }
+    let mut b = Builder {
+        nodes: Vec::with_capacity(world + hn + dcs * gpd * g + dcs * (spines + 1)),
+        links: Vec::new(),
+    };
+    for r in 0..world {
+        b.node(
+            format!("h{}.g{}", r / g, r % g),
+            NodeKind::Rank { host: r / g },
+        );
+    }
+    let su: Vec<usize> = (0..hn)
+        .map(|h| b.switch(format!("h{h}.su"), cs.scaleup_reduce_gbytes_per_s))
+        .collect();
+    let dcp = |d: usize| {
+        if dcs > 1 {
+            format!("dc{d}.")
+        } else {
+            String::new()
+        }
+    };
+    let leaves: Vec<usize> = (0..dcs * gpd * g)
+        .map(|l| {
+            let (d, grp, i) = (l / (gpd * g), l / g % gpd, l % g);
+            b.switch(format!("{}leaf{grp}.rail{i}", dcp(d)), None)
+        })
+        .collect();
+    let spine_nodes: Vec<usize> = (0..dcs * spines)
+        .map(|k| {
+            b.switch(
+                format!("{}spine{}", dcp(k / spines.max(1)), k % spines.max(1)),
+                cs.spine_reduce_gbytes_per_s,
+            )
+        })
+        .collect();
+    let routers: Vec<usize> = if dcs > 1 {
+        (0..dcs)
+            .map(|d| b.switch(format!("dc{d}.router"), None))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let (mut su_up, mut su_down) = (vec![0u32; world], vec![0u32; world]);
+    let (mut nic_up, mut nic_down) = (vec![0u32; world], vec![0u32; world]);
+    let mut host_gbps = vec![Some(0.0); hn];
+    let cl = Cluster {
+        g,
+        hosts: hn,
+        hosts_per_dc: hpd,
+        hpl,
+        gpd,
+        dcs,
+        spines,
+        su_up: Vec::new(),
+        su_down: Vec::new(),
+        nic_up: Vec::new(),
+        nic_down: Vec::new(),
+        ls_up: Vec::new(),
+        ls_down: Vec::new(),
+        sr_up: Vec::new(),
+        sr_down: Vec::new(),
+        wan: Vec::new(),
+        mode: HashMode::Group,
+    };
+    for r in 0..world {
+        let h = r / g;
+        (su_up[r], su_down[r]) = b.duplex(r, su[h], c.scaleup, c.scaleup_lat);
+    }
+    for r in 0..world {
+        let h = r / g;
+        let (d, grp, i) = (h / hpd, h % hpd / hpl, r % g);
+        let leaf = leaves[cl.leaf(d, grp, i)];
+        (nic_up[r], nic_down[r]) = b.duplex(r, leaf, rate[r] * 1e9 / 8.0, c.link_lat);
+        if let Some(x) = host_gbps[h].as_mut() {
+            *x += rate[r];
+        }
+    }
+    let n_leaves = leaves.len();
+    let (mut ls_up, mut ls_down) = (vec![0u32; n_leaves * spines], vec![0u32; n_leaves * spines]);
+    let mut spine_down_bps = vec![0.0; dcs * spines];
+    for (l, &leaf) in leaves.iter().enumerate() {
+        let d = l / (gpd * g);
+        let uplink = hpl as f64 * rail[l % g] * 1e9 / 8.0 / over / spines.max(1) as f64;
+        for s in 0..spines {
+            (ls_up[l * spines + s], ls_down[l * spines + s]) =
+                b.duplex(leaf, spine_nodes[d * spines + s], uplink, c.link_lat);
+            spine_down_bps[d * spines + s] += uplink;
+        }
+    }
+    let (mut sr_up, mut sr_down) = (Vec::new(), Vec::new());
+    let mut wan_links = Vec::new();
+    if let Some(w) = wan.filter(|_| dcs > 1) {
+        for k in 0..dcs * spines {
+            let (u, dn) = b.duplex(
+                spine_nodes[k],
+                routers[k / spines],
+                spine_down_bps[k],
+                c.link_lat,
+            );
+            sr_up.push(u);
+            sr_down.push(dn);
+        }
+        wan_links = vec![u32::MAX; dcs * dcs];
+        for a in 0..dcs {
+            for z in 0..dcs {
+                if a != z {
+                    wan_links[a * dcs + z] = b.link(
+                        routers[a],
+                        routers[z],
+                        w.link_gbps * 1e9 / 8.0,
+                        c.link_lat + w.distance_km * WAN_S_PER_KM,
+                    );
+                }
+            }
+        }
+    }
+    // The symmetry's generator, and the ECMP hash that commutes with it.
+    let n = b.nodes.len();
+    let mut map: Vec<usize> = (0..n).collect();
+    let host_shift = |map: &mut [usize], by: usize| {
+        for (r, m) in map.iter_mut().take(world).enumerate() {
+            *m = (r + by * g) % world;
+        }
+        for h in 0..hn {
+            map[su[h]] = su[(h + by) % hn];
+        }
+    };
+    let mode = if dcs > 1 {
+        host_shift(&mut map, hpd);
+        for l in 0..n_leaves {
+            map[leaves[l]] = leaves[(l + gpd * g) % n_leaves];
+        }
+        for k in 0..dcs * spines {
+            map[spine_nodes[k]] = spine_nodes[(k + spines) % (dcs * spines)];
+        }
+        for d in 0..dcs {
+            map[routers[d]] = routers[(d + 1) % dcs];
+        }
+        HashMode::Dc
+    } else if gpd > 1 {
+        if hpd.is_multiple_of(hpl) {
+            host_shift(&mut map, hpl);
+            for l in 0..n_leaves {
+                map[leaves[l]] = leaves[(l + g) % n_leaves];
+            }
+        }
+        HashMode::Group
+    } else if hn > 1 {
+        host_shift(&mut map, 1);
+        HashMode::Host
+    } else {
+        // One host: its ranks (and their rails' leaves) shift by one.
+        for (r, m) in map.iter_mut().take(world).enumerate() {
+            *m = (r + 1) % world;
+        }
+        for l in 0..n_leaves {
+            map[leaves[l]] = leaves[(l + 1) % n_leaves];
+        }
+        HashMode::Group
+    };
+    let mut fabric = Fabric {
+        nodes: b.nodes,
+        links: b.links,
+        world,
+        hosts: (0..hn)
+            .map(|h| (format!("h{h}"), (h * g..(h + 1) * g).collect()))
+            .collect(),
+        reduce_bytes_per_s: c.reduce,
+        per_message_s: c.per_message,
+        symmetry: None,
+        layout: Layout {
+            shape: Shape::Cluster(Cluster {
+                su_up,
+                su_down,
+                nic_up,
+                nic_down,
+                ls_up,
+                ls_down,
+                sr_up,
+                sr_down,
+                wan: wan_links,
+                mode,
+                ..cl
+            }),
+            host_gbps,
+            host_dc: (0..hn).map(|h| h / hpd).collect(),
+            tuner_dcs: c.tuner_dcs,
+            wan_gbps: wan.map(|w| w.link_gbps),
+            dc_names: (0..dcs).map(|d| format!("dc{d}")).collect(),
+            ..Layout::default()
+        },
+    };
+    fabric.symmetry = fabric.check_symmetry(map);
+    Ok(fabric)
+}

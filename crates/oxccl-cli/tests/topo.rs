@@ -481,11 +481,73 @@ fn hierarchical_collectives_across_namespaces_are_exact_at_every_size() {
         ("OXCCL_TOPO_FILE", file.to_str().unwrap()),
         ("OXCCL_ALGO", "hier"),
     ];
-    for (i, coll) in ["all_reduce", "all_gather"].into_iter().enumerate() {
+    let colls = ["all_reduce", "all_gather", "reduce_scatter", "broadcast"];
+    for (i, coll) in colls.into_iter().enumerate() {
         let args = [
             "perf", coll, "-b", "8", "-e", "1M", "-f", "32", "-w", "1", "-i", "2", "-c", "1",
         ];
         let outs = run_in_bed(&tb, &[0, 0, 1, 1], &args, &env, 29541 + i as u16);
         assert_exact(coll, &outs, 4);
     }
+}
+
+/// `OXCCL_TOPO_PROBE=1` on shaped links of 400, 200, 200 and 100 Mbit/s (one rank per host,
+/// no rates given): every rank measures the same rates, each within 20% of its link's (the
+/// fastest host needs the incast pass: its pairwise best is only 200), and the tuner then runs
+/// large all-reduces with proportional shares.
+#[test]
+fn the_link_probe_measures_shaped_links() {
+    let _serial = serial();
+    let name = "the_link_probe_measures_shaped_links";
+    if let Err(reason) = Testbed::available() {
+        println!("SKIPPED {name}: {reason}");
+        return;
+    }
+    let rates = [400u64, 200, 200, 100];
+    let tb = Testbed::new(&rates.map(HostSpec::mbit)).expect("creating the test bed");
+    let env = [("OXCCL_TOPO_PROBE", "1M"), ("OXCCL_DEBUG", "INFO")];
+    let outs = run_in_bed(&tb, &[0, 1, 2, 3], &["topo", "--json"], &env, 29551);
+    for (rank, out) in outs.iter().enumerate() {
+        assert!(
+            out.status.success(),
+            "rank {rank} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let json = String::from_utf8_lossy(&outs[0].stdout);
+    let v: serde_json::Value = serde_json::from_str(&json).expect("rank 0 prints JSON");
+    let hosts = v["hosts"].as_array().expect("hosts");
+    assert_eq!(hosts.len(), 4, "{json}");
+    for (h, want) in rates.iter().enumerate() {
+        let got = hosts[h]["link_gbps"].as_f64().expect("a probed rate") * 1000.0;
+        let want = *want as f64;
+        assert!(
+            (got - want).abs() <= 0.2 * want,
+            "host {h}: probed {got:.0} Mbit/s, shaped {want} Mbit/s\n{json}"
+        );
+    }
+    println!("{name}: {json}");
+    let args = [
+        "perf",
+        "all_reduce",
+        "-b",
+        "1M",
+        "-e",
+        "1M",
+        "-w",
+        "1",
+        "-i",
+        "1",
+        "-c",
+        "1",
+    ];
+    let outs = run_in_bed(&tb, &[0, 1, 2, 3], &args, &env, 29552);
+    assert_exact("all_reduce after the probe", &outs, 1);
+    let log = String::from_utf8_lossy(&outs[0].stderr);
+    assert!(
+        log.lines()
+            .any(|l| l.contains("all_reduce of 1048576 bytes: algorithm prop")),
+        "the probed rates did not pick the proportional all-reduce:\n{log}"
+    );
 }

@@ -20,6 +20,11 @@ use crate::topology::Topology;
 use crate::tuner::Tuning;
 use crate::{DataType, Element, ReduceOp, log_enabled};
 
+/// Bytes each host sends per measurement of `OXCCL_TOPO_PROBE=1`.
+const PROBE_BYTES: usize = 4 << 20;
+/// Times each link-probe measurement is repeated (the best is kept).
+const PROBE_REPEAT: usize = 2;
+
 /// Settings of a communicator; [`Options::from_env`] reads the `OXCCL_*` variables.
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -54,6 +59,10 @@ pub struct Options {
     pub watchdog_timeout: Option<Duration>,
     /// Faults to inject, for tests (`OXCCL_FAULT`; see [`crate::fault`]).
     pub faults: Option<Faults>,
+    /// Measure each host's link rate at init (`OXCCL_TOPO_PROBE=1`, or a size: the bytes each
+    /// host sends per measurement; default off, 4 MiB when on). See
+    /// [`Communicator::topology`]; a topology file's rates win.
+    pub topo_probe: Option<usize>,
 }
 
 /// What the watchdog does to a call that runs too long.
@@ -81,6 +90,7 @@ impl Default for Options {
             watchdog: None,
             watchdog_timeout: None,
             faults: None,
+            topo_probe: None,
         }
     }
 }
@@ -195,6 +205,19 @@ impl Options {
         }
         if let Some(v) = var("OXCCL_SMALL_BYTES") {
             o.small_bytes = parse_size(&v).ok_or_else(|| bad("OXCCL_SMALL_BYTES", &v, "bytes"))?;
+        }
+        if let Some(v) = var("OXCCL_TOPO_PROBE") {
+            o.topo_probe = match v.trim() {
+                "0" | "" | "off" => None,
+                "1" | "on" => Some(PROBE_BYTES),
+                x => Some(
+                    parse_size(x)
+                        .filter(|b| (64 << 10..=1 << 30).contains(b))
+                        .ok_or_else(|| {
+                            bad("OXCCL_TOPO_PROBE", &v, "0, 1 or bytes per probe (64K..=1G)")
+                        })?,
+                ),
+            };
         }
         Ok(o)
     }
@@ -602,6 +625,10 @@ impl Communicator {
         // barrier above, so a rank that now exits (and with rank 0, the store) strands nobody.
         // (Sequence number 0: users count their calls from 1.)
         comm.barrier()?;
+        let mut comm = comm;
+        if let Some(bytes) = comm.inner.opts.topo_probe {
+            comm.probe_topology(bytes)?;
+        }
         if let Some((action, limit)) = watchdog {
             spawn_watchdog(Arc::downgrade(&comm.inner), action, limit);
         }
@@ -623,9 +650,138 @@ impl Communicator {
         &self.inner.hosts
     }
 
-    /// The hosts, their ranks and link rates (detected, or `OXCCL_TOPO_FILE`).
+    /// The hosts, their ranks and link rates (detected, or `OXCCL_TOPO_FILE`; with
+    /// `OXCCL_TOPO_PROBE`, rates measured at init).
     pub fn topology(&self) -> &Topology {
         &self.inner.topology
+    }
+
+    /// `OXCCL_TOPO_PROBE`: measures the hosts' link rates, then derives the proportional
+    /// shares from them as from a file's. Runs in init, before anything else holds the
+    /// communicator.
+    fn probe_topology(&mut self, bytes: usize) -> Result<()> {
+        let topo = &self.inner.topology;
+        if topo.hosts.len() < 2 {
+            return Ok(());
+        }
+        if topo.hosts.iter().all(|h| h.link_gbps.is_some()) {
+            if self.inner.rank == 0 {
+                crate::log_warn(
+                    "OXCCL_TOPO_PROBE: the topology file gives every link rate; not probing".into(),
+                );
+            }
+            return Ok(());
+        }
+        let rates = self.probe_link_rates(bytes)?;
+        let rank = self.inner.rank;
+        let inner = Arc::get_mut(&mut self.inner).ok_or_else(|| Error::InvalidArgument {
+            rank,
+            msg: "the communicator was shared before its link probe".into(),
+        })?;
+        for (h, r) in inner.topology.hosts.iter_mut().zip(&rates) {
+            h.link_gbps = Some(*r);
+        }
+        inner.tuning.weights = inner.topology.proportional_weights();
+        if rank == 0 && log_enabled() {
+            crate::log_line(format!(
+                "OXCCL_TOPO_PROBE: link rates {:?} Gbit/s; proportional shares {:?}",
+                rates, inner.tuning.weights
+            ));
+        }
+        Ok(())
+    }
+
+    /// Measures each host's link rate into the network (Gbit/s, per direction) between the
+    /// hosts' lowest ranks, `bytes` per transfer:
+    /// 1. every pair of hosts exchanges `bytes` both ways, in `H−1` rounds of disjoint pairs
+    ///    (a round-robin tournament): pair `(i, j)` moves at `min(rate_i, rate_j)`, so host
+    ///    `i`'s estimate is the best rate it reached with any partner;
+    /// 2. that underestimates a host faster than all its partners: each host whose estimate
+    ///    is the highest then receives from all others at once, each sending in proportion to
+    ///    its estimate (so that all finish together), which measures `min(rate_i, Σ others)`.
+    ///
+    /// Every measurement is taken [`PROBE_REPEAT`] times, keeping the best. Rates within 20%
+    /// of one another are taken as equal (their mean): the probe's own spread on equal links
+    /// is about 15%, and the ring is the best algorithm for equal links.
+    fn probe_link_rates(&self, bytes: usize) -> Result<Vec<f64>> {
+        let topo = &self.inner.topology;
+        let (n, me) = (self.inner.world, self.inner.rank);
+        let leaders: Vec<usize> = topo.hosts.iter().map(|h| h.ranks[0]).collect();
+        let h = leaders.len();
+        let mine = leaders.iter().position(|&l| l == me);
+        // One timed all-to-allv where `plan[i][j]` bytes go from host i's leader to host j's.
+        let exchange = |plan: &dyn Fn(usize, usize) -> usize| -> Result<f64> {
+            let (mut send, mut recv) = (vec![0usize; n], vec![0usize; n]);
+            if let Some(i) = mine {
+                for j in 0..h {
+                    send[leaders[j]] = plan(i, j);
+                    recv[leaders[j]] = plan(j, i);
+                }
+            }
+            let input = vec![0xa5u8; send.iter().sum()];
+            let mut output = vec![0u8; recv.iter().sum()];
+            self.barrier()?;
+            let t0 = std::time::Instant::now();
+            self.all_to_allv(&input, &send, &mut output, &recv)?;
+            Ok(t0.elapsed().as_secs_f64().max(1e-9))
+        };
+        let gbps = |b: usize, secs: f64| b as f64 * 8.0 / secs / 1e9;
+        // 1. Round-robin pairs (circle method; with an odd count, one host sits out a round).
+        let slots = h + h % 2;
+        let mut best = 0.0f64;
+        for round in (0..PROBE_REPEAT * (slots - 1)).map(|x| x % (slots - 1)) {
+            let partner = |x: usize| -> Option<usize> {
+                let p = if x == slots - 1 {
+                    round
+                } else if x == round {
+                    slots - 1
+                } else {
+                    (2 * round + slots - 1 - x) % (slots - 1)
+                };
+                Some(p).filter(|&p| p < h && p != x)
+            };
+            let secs = exchange(&|i, j| if partner(i) == Some(j) { bytes } else { 0 })?;
+            if mine.is_some_and(|i| partner(i).is_some()) {
+                best = best.max(gbps(bytes, secs));
+            }
+        }
+        let tag = format!("oxccl/probe/{:x}", self.inner.comm_id);
+        let all: Vec<f64> = self.inner.bootstrap.all_gather_serde(&tag, &best)?;
+        let mut rates: Vec<f64> = leaders.iter().map(|&l| all[l]).collect();
+        // 2. Incast into each of the fastest hosts.
+        let top = rates.iter().cloned().fold(0.0, f64::max);
+        for t in 0..h {
+            if rates[t] < top * 0.85 {
+                continue;
+            }
+            let amount = |j: usize| (bytes as f64 * rates[j] / top).ceil() as usize;
+            let plan = |i: usize, j: usize| if j == t && i != t { amount(i) } else { 0 };
+            let total: usize = (0..h).map(|i| plan(i, t)).sum();
+            let mut got = 0.0f64;
+            for _ in 0..PROBE_REPEAT {
+                let secs = exchange(&plan)?;
+                if mine == Some(t) {
+                    got = got.max(gbps(total, secs));
+                }
+            }
+            let all: Vec<f64> = self
+                .inner
+                .bootstrap
+                .all_gather_serde(&format!("{tag}/{t}"), &got)?;
+            rates[t] = rates[t].max(all[leaders[t]]);
+        }
+        let (lo, hi) = rates
+            .iter()
+            .fold((f64::MAX, 0.0f64), |(a, b), &r| (a.min(r), b.max(r)));
+        if hi <= lo * 1.2 {
+            let mean = rates.iter().sum::<f64>() / h as f64;
+            rates.iter_mut().for_each(|r| *r = mean);
+        }
+        // Three significant digits: every rank derives the same shares from the same text.
+        Ok(rates
+            .into_iter()
+            .map(|r| format!("{r:.3e}").parse().unwrap_or(r))
+            .collect())
     }
 
     /// The provider used to reach each rank (`None` for this rank).

@@ -175,7 +175,7 @@ fn a_single_host_scale_up_domain_aggregates_in_its_switch() {
     assert_eq!(
         f.nodes[agg].kind,
         NodeKind::Switch {
-            reduce_bytes_per_s: Some(20000e9)
+            reduce_bytes_per_s: Some(64800e9)
         }
     );
     for r in 0..72 {

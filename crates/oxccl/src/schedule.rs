@@ -552,6 +552,12 @@ pub fn build(req: &Request) -> Result<Schedule, String> {
             ));
         }
     }
+    if req.algo == Algorithm::Ring && !req.hosts.is_empty() && req.hosts.len() != n {
+        return Err(format!(
+            "a ring ordered by host needs the host of each of the {n} ranks, got {:?}",
+            req.hosts
+        ));
+    }
     if !req.algo.supports(&req.coll) {
         return Err(format!(
             "algorithm {} cannot run {}",
@@ -723,22 +729,29 @@ fn channel_part(count: usize, channels: usize, ch: usize) -> (usize, usize) {
     split(count, channels, ch)
 }
 
+/// The ring's order: ranks in order, or with [`Request::hosts`] host by host (hosts in order
+/// of their lowest rank), so that the ring crosses each host's link once each way; and this
+/// rank's place in it.
+fn ring_order(req: &Request) -> (Vec<usize>, usize) {
+    let mut members: Vec<usize> = (0..req.world).collect();
+    if !req.hosts.is_empty() {
+        let first = |h: u32| req.hosts.iter().position(|&x| x == h).unwrap_or(0);
+        members.sort_by_key(|&x| (first(req.hosts[x]), x));
+    }
+    let i = members
+        .iter()
+        .position(|&x| x == req.rank)
+        .expect("a member");
+    (members, i)
+}
+
 fn ring_all_reduce(b: &mut Builder, req: &Request, count: usize) {
-    let members: Vec<usize> = (0..req.world).collect();
+    let (members, i) = ring_order(req);
     let channels = req.channels.min(count).max(1);
     for ch in 0..channels {
         let part = channel_part(count, channels, ch);
         let c = ch as u8;
-        ring_all_reduce_part(
-            b,
-            &members,
-            req.rank,
-            part,
-            req.chunk,
-            c,
-            Buf::Input,
-            &NOTHING,
-        );
+        ring_all_reduce_part(b, &members, i, part, req.chunk, c, Buf::Input, &NOTHING);
     }
 }
 
@@ -831,7 +844,9 @@ fn ring_all_reduce_part(
 }
 
 fn ring_reduce_scatter(b: &mut Builder, req: &Request, count: usize) {
-    let (n, r) = (req.world, req.rank);
+    let n = req.world;
+    // Positions on the ring; position p's block is that of rank members[p].
+    let (members, r) = ring_order(req);
     if n == 1 {
         b.copy(
             Region::new(Buf::Input, 0, count),
@@ -840,8 +855,8 @@ fn ring_reduce_scatter(b: &mut Builder, req: &Request, count: usize) {
         );
         return;
     }
-    let next = (r + 1) % n;
-    let prev = (r + n - 1) % n;
+    let next = members[(r + 1) % n];
+    let prev = members[(r + n - 1) % n];
     let channels = req.channels.min(count).max(1);
     // Partials travel through two scratch blocks, used alternately.
     b.scratch = 2 * count;
@@ -858,8 +873,8 @@ fn ring_reduce_scatter(b: &mut Builder, req: &Request, count: usize) {
         let mut sends: Vec<Vec<u32>> = Vec::new();
         for t in 0..n - 1 {
             // Send block r-t-1, receive block r-t-2; the last receive is block r.
-            let sb = (r + 2 * n - t - 1) % n;
-            let rb = (r + 2 * n - t - 2) % n;
+            let sb = members[(r + 2 * n - t - 1) % n];
+            let rb = members[(r + 2 * n - t - 2) % n];
             let mut step_sends = Vec::new();
             let mut recvs = Vec::new();
             for s in 0..k {
@@ -889,17 +904,19 @@ fn ring_reduce_scatter(b: &mut Builder, req: &Request, count: usize) {
 
 #[allow(clippy::needless_range_loop)] // slices index parallel per-step vectors
 fn ring_all_gather(b: &mut Builder, req: &Request, count: usize) {
-    let (n, r) = (req.world, req.rank);
+    let n = req.world;
     b.copy(
         Region::new(Buf::Input, 0, count),
-        Region::new(Buf::Output, r * count, count),
+        Region::new(Buf::Output, req.rank * count, count),
         &[],
     );
     if n == 1 {
         return;
     }
-    let next = (r + 1) % n;
-    let prev = (r + n - 1) % n;
+    // Positions on the ring; position p's block is that of rank members[p].
+    let (members, r) = ring_order(req);
+    let next = members[(r + 1) % n];
+    let prev = members[(r + n - 1) % n];
     let channels = req.channels.min(count).max(1);
     for ch in 0..channels {
         let (poff, plen) = channel_part(count, channels, ch);
@@ -911,8 +928,8 @@ fn ring_all_gather(b: &mut Builder, req: &Request, count: usize) {
         let c = ch as u8;
         let mut prev_recv: Vec<u32> = Vec::new();
         for t in 0..n - 1 {
-            let sb = (r + n - t) % n;
-            let rb = (r + 2 * n - t - 1) % n;
+            let sb = members[(r + n - t) % n];
+            let rb = members[(r + 2 * n - t - 1) % n];
             let mut recvs = Vec::new();
             for s in 0..k {
                 let (so, sl) = slice(s);
@@ -1940,23 +1957,29 @@ mod hierarchical_tests {
                     root: (next() % n as u64) as usize,
                 },
             };
-            let reqs: Vec<Request> = (0..n)
-                .map(|rank| Request {
-                    coll: coll.clone(),
-                    world: n,
-                    rank,
-                    in_place,
-                    hosts: hosts.clone(),
-                    algo: Algorithm::Hierarchical,
-                    chunk,
-                    channels: 1,
-                    weights: Vec::new(),
-                })
-                .collect();
-            let slots = 1 + case % 3;
-            crate::verify::verify(&reqs, slots, next()).unwrap_or_else(|e| {
-                panic!("{coll:?} n={n} hosts={hosts:?} in_place={in_place} chunk={chunk} slots={slots}: {e}")
-            });
+            // The same layouts order rings host by host.
+            for algo in [Algorithm::Hierarchical, Algorithm::Ring] {
+                if !algo.supports(&coll) {
+                    continue;
+                }
+                let reqs: Vec<Request> = (0..n)
+                    .map(|rank| Request {
+                        coll: coll.clone(),
+                        world: n,
+                        rank,
+                        in_place,
+                        hosts: hosts.clone(),
+                        algo,
+                        chunk,
+                        channels: 1 + case % 2,
+                        weights: Vec::new(),
+                    })
+                    .collect();
+                let slots = 1 + case % 3;
+                crate::verify::verify(&reqs, slots, next()).unwrap_or_else(|e| {
+                    panic!("{coll:?} {algo:?} n={n} hosts={hosts:?} in_place={in_place} chunk={chunk} slots={slots}: {e}")
+                });
+            }
         }
         // Rails longer than RAIL_DIRECT_MAX run rings: 10 hosts × 2 ranks and 9 × 3,
         // hosts interleaved.
@@ -1991,6 +2014,37 @@ mod hierarchical_tests {
                 }
             }
         }
+        // A ring ordered by host crosses the host links half as much as one in rank order
+        // when two hosts' ranks alternate.
+        let crossing = |hosts: Vec<u32>| -> usize {
+            let layout = [0u32, 1, 0, 1, 0, 1];
+            (0..6)
+                .map(|rank| {
+                    let req = Request {
+                        coll: Collective::AllReduce { count: 600 },
+                        world: 6,
+                        rank,
+                        in_place: false,
+                        hosts: hosts.clone(),
+                        algo: Algorithm::Ring,
+                        chunk: 1000,
+                        channels: 1,
+                        weights: Vec::new(),
+                    };
+                    build(&req)
+                        .unwrap()
+                        .steps
+                        .iter()
+                        .map(|st| match st.op {
+                            Op::Send { peer, src, .. } if layout[peer] != layout[rank] => src.len,
+                            _ => 0,
+                        })
+                        .sum::<usize>()
+                })
+                .sum()
+        };
+        assert_eq!(crossing(Vec::new()), 6 * 10 * 100);
+        assert_eq!(crossing(vec![0, 1, 0, 1, 0, 1]), 2 * 10 * 100);
         // Uneven hosts are refused.
         let req = Request {
             coll: Collective::AllReduce { count: 10 },

@@ -50,8 +50,11 @@ pub struct Tuning {
     /// Each rank's share of a proportional all-reduce, from uneven link rates
     /// ([`Topology::proportional_weights`]; empty when rates are equal or unknown).
     pub weights: Vec<u32>,
-    /// Each rank's host, for hierarchical schedules.
+    /// Each rank's host, for hierarchical schedules and host-ordered rings.
     pub host_index: Vec<u32>,
+    /// The ranks of some host are not consecutive: rings are ordered host by host (so that
+    /// they cross each host's link once each way instead of once per rank).
+    pub interleaved: bool,
     /// An algorithm forced by `OXCCL_ALGO` (used where it applies).
     pub algo: Option<Algorithm>,
     /// Bytes per pipelined slice (`OXCCL_CHUNK_SIZE`).
@@ -71,6 +74,10 @@ impl Tuning {
             two_tier: topo.is_two_tier(),
             weights: topo.proportional_weights(),
             host_index: topo.host_table().iter().map(|&h| h as u32).collect(),
+            interleaved: {
+                let t = topo.host_table();
+                t.windows(2).filter(|w| w[0] != w[1]).count() + 1 > topo.hosts.len()
+            },
             algo: None,
             chunk_bytes: if net { CHUNK_NET } else { CHUNK_SHM },
             channels: 1,
@@ -140,7 +147,9 @@ impl Tuning {
             world: self.world,
             rank,
             in_place,
-            hosts: if algo == Algorithm::Hierarchical {
+            hosts: if algo == Algorithm::Hierarchical
+                || (algo == Algorithm::Ring && self.interleaved)
+            {
                 self.host_index.clone()
             } else {
                 Vec::new()

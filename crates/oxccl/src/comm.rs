@@ -682,6 +682,7 @@ impl Communicator {
             h.link_gbps = Some(*r);
         }
         inner.tuning.weights = inner.topology.proportional_weights();
+        inner.tuning.rail_weights = inner.topology.rail_weights();
         if rank == 0 && log_enabled() {
             crate::log_line(format!(
                 "OXCCL_TOPO_PROBE: link rates {:?} Gbit/s; proportional shares {:?}",

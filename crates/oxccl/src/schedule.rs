@@ -343,6 +343,13 @@ pub enum Algorithm {
     /// an all-gather inside each host; across hosts it moves `2(H−1)/H·N` per host link and
     /// direction where a flat ring moves `2(n−1)/n·N`. All-gather: along the rails across
     /// hosts first, then inside each host (`(H−1)/H·N` per host link against `(n−1)/n·N`).
+    /// Reduce-scatter: inside each host first (rank `l` sums the blocks bound for every
+    /// host's rank `l`), then along the rail. Broadcast: the root scatters pieces on its host,
+    /// each piece goes down its rail in a chain, every host all-gathers them. The tiers
+    /// overlap: each part crosses the network as soon as its part of the first tier is done.
+    /// Rails of up to [`RAIL_DIRECT_MAX`] hosts exchange directly (an all-reduce's rail blocks
+    /// in proportion to [`Request::weights`] when given: uneven host links), longer ones
+    /// run rings.
     Hierarchical,
     /// All-reduce through an in-network aggregator (SHARP-style): every rank sends its input,
     /// slice by slice, to the aggregator, which reduces the slices of all ranks and sends the
@@ -426,7 +433,8 @@ pub struct Request {
     /// Independent channels (rings) the data is split over (≥ 1).
     pub channels: usize,
     /// [`Algorithm::Proportional`]: each rank's share of the elements it owns (one per rank,
-    /// not all zero; they need not sum to anything). Empty otherwise.
+    /// not all zero; they need not sum to anything). [`Algorithm::Hierarchical`] all-reduce:
+    /// optionally each rank's share of its rail's blocks. Empty otherwise.
     #[serde(default)]
     pub weights: Vec<u32>,
     /// [`Algorithm::Hierarchical`]: each rank's host (any numbering; every host with the
@@ -542,6 +550,12 @@ pub fn build(req: &Request) -> Result<Schedule, String> {
             return Err(format!(
                 "the hierarchical algorithm needs the host of each of the {n} ranks, got {:?}",
                 req.hosts
+            ));
+        }
+        if !req.weights.is_empty() && req.weights.len() != n {
+            return Err(format!(
+                "the hierarchical algorithm takes no weights or one per rank ({n}), got {:?}",
+                req.weights
             ));
         }
         let per = |h: u32| req.hosts.iter().filter(|&&x| x == h).count();
@@ -1286,12 +1300,24 @@ fn hierarchical_all_reduce(b: &mut Builder, req: &Request, count: usize) {
     let p2 = if h == 1 {
         Done::default()
     } else if h <= RAIL_DIRECT_MAX {
-        let rblocks: Vec<(usize, usize)> = (0..h)
-            .map(|j| {
-                let (o, sl) = split(len, h, j);
-                (off + o, sl)
-            })
+        // Shares by the rail's link rates, if given (and not all zero), else equal.
+        let w: Vec<u32> = rail
+            .iter()
+            .map(|&x| req.weights.get(x).copied().unwrap_or(0))
             .collect();
+        let rblocks: Vec<(usize, usize)> = if w.iter().any(|&x| x > 0) {
+            weighted_blocks(len, &w)
+                .into_iter()
+                .map(|(o, sl)| (off + o, sl))
+                .collect()
+        } else {
+            (0..h)
+                .map(|j| {
+                    let (o, sl) = split(len, h, j);
+                    (off + o, sl)
+                })
+                .collect()
+        };
         let k2 = phase_slices(&rblocks, req.chunk);
         let own = (Buf::Output, rblocks[ri].0);
         let rs2 = direct_reduce_scatter(b, &rail, r, &rblocks, k2, Buf::Output, own, &after1);
@@ -1972,7 +1998,12 @@ mod hierarchical_tests {
                         algo,
                         chunk,
                         channels: 1 + case % 2,
-                        weights: Vec::new(),
+                        // Uneven rail shares, some zero, on some all-reduces.
+                        weights: if algo == Algorithm::Hierarchical && case % 8 == 0 {
+                            hosts.iter().map(|&x| (x % 3) * 2).collect()
+                        } else {
+                            Vec::new()
+                        },
                     })
                     .collect();
                 let slots = 1 + case % 3;

@@ -281,6 +281,29 @@ impl Topology {
         shares.iter().map(|s| (s * 1e6).round() as u32).collect()
     }
 
+    /// Each rank's share of its rail's blocks in a two-tier all-reduce (parts per million):
+    /// its host's share of [`crate::schedule::proportional_shares`] over the host link rates.
+    /// All rails of a host share its link alike, so each rail meets the one-rank-per-host
+    /// problem on rates `rate_h / ranks_per_host`, whose shares are those of the host rates.
+    /// Empty when rates are unknown or equal, or there are fewer than 3 hosts.
+    pub fn rail_weights(&self) -> Vec<u32> {
+        if self.hosts.len() < 3
+            || self.is_uniform_rate()
+            || self.hosts.iter().any(|h| h.link_gbps.is_none())
+        {
+            return Vec::new();
+        }
+        let rates: Vec<f64> = self
+            .hosts
+            .iter()
+            .map(|h| h.link_gbps.unwrap_or(1.0))
+            .collect();
+        let (shares, _) = crate::schedule::proportional_shares(&rates);
+        (0..self.world())
+            .map(|r| (shares[self.host_of(r)] * 1e6).round() as u32)
+            .collect()
+    }
+
     /// The slowest known link rate in Gbit/s; `None` when no rate is known.
     pub fn min_rate(&self) -> Option<f64> {
         self.hosts

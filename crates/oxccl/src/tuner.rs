@@ -50,6 +50,9 @@ pub struct Tuning {
     /// Each rank's share of a proportional all-reduce, from uneven link rates
     /// ([`Topology::proportional_weights`]; empty when rates are equal or unknown).
     pub weights: Vec<u32>,
+    /// Each rank's share of its rail in a two-tier all-reduce, from uneven host link rates
+    /// ([`Topology::rail_weights`]; empty when rates are equal or unknown).
+    pub rail_weights: Vec<u32>,
     /// Each rank's host, for hierarchical schedules and host-ordered rings.
     pub host_index: Vec<u32>,
     /// The ranks of some host are not consecutive: rings are ordered host by host (so that
@@ -73,6 +76,7 @@ impl Tuning {
             small_bytes: SMALL_BYTES,
             two_tier: topo.is_two_tier(),
             weights: topo.proportional_weights(),
+            rail_weights: topo.rail_weights(),
             host_index: topo.host_table().iter().map(|&h| h as u32).collect(),
             interleaved: {
                 let t = topo.host_table();
@@ -160,8 +164,79 @@ impl Tuning {
             weights: match algo {
                 Algorithm::Proportional if self.weights.is_empty() => vec![1; self.world],
                 Algorithm::Proportional => self.weights.clone(),
+                Algorithm::Hierarchical if matches!(coll, Collective::AllReduce { .. }) => {
+                    self.rail_weights.clone()
+                }
                 _ => Vec::new(),
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn topo(text: &str) -> Topology {
+        Topology::parse(text).unwrap()
+    }
+
+    #[test]
+    fn choices_follow_the_topology() {
+        let big = Collective::AllReduce { count: 1 << 24 };
+        // One host: the ring, on the configured channels.
+        let one = topo(r#"{"hosts": [{"name": "a", "ranks": [0, 1, 2]}]}"#);
+        let mut t = Tuning::new(&one, false);
+        t.channels = 4;
+        assert_eq!(t.choose(&big, 4), (Algorithm::Ring, CHUNK_SHM / 4, 4));
+        assert_eq!(
+            t.choose(&Collective::AllReduce { count: 8 }, 4).0,
+            Algorithm::Direct
+        );
+        // Uneven links, one rank per host: proportional shares, the slow host owns nothing.
+        let uneven = topo(
+            r#"{"hosts": [{"name": "a", "ranks": [0], "link_gbps": 1.0},
+                          {"name": "b", "ranks": [1], "link_gbps": 1.0},
+                          {"name": "c", "ranks": [2], "link_gbps": 1.0},
+                          {"name": "d", "ranks": [3], "link_gbps": 0.25}]}"#,
+        );
+        let req = Tuning::new(&uneven, true).request(&big, 4, 3, false);
+        assert_eq!(req.algo, Algorithm::Proportional);
+        assert_eq!(req.weights[3], 0);
+        assert!(req.weights[..3].iter().all(|&w| w > 300_000));
+        // Two tiers with uneven hosts: hierarchical, rail shares by host, host-mates alike.
+        let two = topo(
+            r#"{"hosts": [{"name": "a", "ranks": [0, 3], "link_gbps": 1.0},
+                          {"name": "b", "ranks": [1, 4], "link_gbps": 1.0},
+                          {"name": "c", "ranks": [2, 5], "link_gbps": 0.25}]}"#,
+        );
+        let t = Tuning::new(&two, true);
+        assert!(t.interleaved);
+        let req = t.request(&big, 4, 0, false);
+        assert_eq!(req.algo, Algorithm::Hierarchical);
+        assert_eq!(req.hosts, vec![0, 1, 2, 0, 1, 2]);
+        assert_eq!(req.weights[2], 0);
+        assert_eq!(req.weights[0], req.weights[3]);
+        // Its all-gather has no shares; a mid-size ring there is ordered by host.
+        let ag = t.request(&Collective::AllGather { count: 1 << 20 }, 4, 0, false);
+        assert_eq!(
+            (ag.algo, ag.weights.is_empty()),
+            (Algorithm::Hierarchical, true)
+        );
+        let mut forced = t.clone();
+        forced.algo = Some(Algorithm::Ring);
+        let ring = forced.request(&big, 4, 0, false);
+        assert_eq!((ring.algo, ring.hosts.len()), (Algorithm::Ring, 6));
+        // A forced algorithm that can't run the collective is ignored.
+        let b = forced.request(
+            &Collective::Broadcast {
+                count: 1 << 20,
+                root: 0,
+            },
+            4,
+            0,
+            false,
+        );
+        assert_eq!(b.algo, Algorithm::Hierarchical);
     }
 }

@@ -119,7 +119,9 @@ if [ "$exact" = 1 ]; then
         for dt in float half bfloat16 double int8 uint8 int32 uint32 int64 uint64; do
             for size in 1M 65539; do
                 for algo in ring aware; do
-                    read -r _ w <<<"$(iters=1 warmup=0 run "$rates" "$rph" "$topo" $algo $size $dt)"
+                    read -r t w <<<"$(iters=1 warmup=0 run "$rates" "$rph" "$topo" $algo $size $dt)"
+                    # No time: the job failed (no table), which is not a pass.
+                    [ "$t" = nan ] && w="FAILED"
                     printf '%-9s %-9s %-10s %-6s %s\n' "$s" "$dt" "$size" "$algo" "$w"
                     [ "$w" = 0 ] || bad=1
                 done

@@ -17,6 +17,7 @@
 //! # scaleup_gbytes_per_s = 11      # ranks <-> the host's own switch (default: top level's)
 //! # switch_reduce_gbytes_per_s = 3000   # the host switch aggregates (in-switch reduction)
 //! # dc = 0                          # its datacenter (see [wan])
+//! # link_efficiency = 0.93          # payload share of link_gbps (default: top level's, 1)
 //!
 //! [[hosts]]
 //! name = "h1"
@@ -65,6 +66,7 @@
 //! | `link_latency_us` | latency of a network hop (each link of a route) | 10 | 1 |
 //! | `link_gbps` | a star host's rate when it gives none | none | - |
 //! | `core_reduce_gbytes_per_s` | a star's core switches aggregate | none | - |
+//! | `link_efficiency` | the share of a network link's nominal rate its payload gets (a star's host links, a cluster's NICs; a star host may override it); the runtime's tuner still sees the nominal rates | 1 | 1 |
 //! | `tuner_hosts` | `"hosts"`, or `"datacenters"`: the runtime's tuner sees one host per datacenter, so two-tier algorithms reduce inside each datacenter first | hosts | hosts |
 //!
 //! The star defaults describe the test bed (this machine): 11 GB/s is a single thread's
@@ -95,6 +97,7 @@ struct File {
     link_gbps: Option<f64>,
     core_reduce_gbytes_per_s: Option<f64>,
     tuner_hosts: Option<String>,
+    link_efficiency: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -113,6 +116,7 @@ struct HostSpec {
     dc: Option<usize>,
     scaleup_gbytes_per_s: Option<f64>,
     switch_reduce_gbytes_per_s: Option<f64>,
+    link_efficiency: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -152,6 +156,16 @@ fn check(field: &str, v: Option<f64>, zero_ok: bool) -> Result<Option<f64>, Stri
         Some(x) if !(x.is_finite() && (x > 0.0 || zero_ok && x == 0.0)) => Err(format!(
             "{field} must be a finite number {}, not {x}",
             if zero_ok { "of at least 0" } else { "above 0" }
+        )),
+        v => Ok(v),
+    }
+}
+
+/// `Some(e)` checked in (0, 1].
+fn efficiency(field: &str, v: Option<f64>) -> Result<Option<f64>, String> {
+    match v {
+        Some(x) if !(x.is_finite() && x > 0.0 && x <= 1.0) => Err(format!(
+            "{field} must be a share of the nominal rate, above 0 and at most 1, not {x}"
         )),
         v => Ok(v),
     }
@@ -250,6 +264,7 @@ struct Common {
     scaleup_lat: f64,
     link_lat: f64,
     tuner_dcs: bool,
+    efficiency: f64,
 }
 
 fn common(f: &File, cluster: bool) -> Result<Common, String> {
@@ -276,6 +291,7 @@ fn common(f: &File, cluster: bool) -> Result<Common, String> {
             * 1e-6,
         link_lat: check("link_latency_us", f.link_latency_us, true)?.unwrap_or(d(10.0, 1.0)) * 1e-6,
         tuner_dcs,
+        efficiency: efficiency("link_efficiency", f.link_efficiency)?.unwrap_or(1.0),
     })
 }
 
@@ -337,6 +353,7 @@ fn build_star(f: File) -> Result<Fabric, String> {
             s.switch_reduce_gbytes_per_s,
             false,
         )?;
+        efficiency(&format!("{name}.link_efficiency"), s.link_efficiency)?;
         topo.hosts.push(oxccl::Host {
             name: s.name.clone(),
             ranks,
@@ -418,7 +435,9 @@ fn build_star(f: File) -> Result<Fabric, String> {
                 ));
             };
             host_gbps[h] = Some(gbps);
-            (h_up[h], h_down[h]) = b.duplex(sw[h], cores[host_dc[h]], gbps * 1e9 / 8.0, c.link_lat);
+            let eff = specs[h].link_efficiency.unwrap_or(c.efficiency);
+            (h_up[h], h_down[h]) =
+                b.duplex(sw[h], cores[host_dc[h]], gbps * eff * 1e9 / 8.0, c.link_lat);
         }
     }
     let mut wan_links = vec![u32::MAX; dcs * dcs];
@@ -672,7 +691,8 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
         let h = r / g;
         let (d, grp, i) = (h / hpd, h % hpd / hpl, r % g);
         let leaf = leaves[cl.leaf(d, grp, i)];
-        (nic_up[r], nic_down[r]) = b.duplex(r, leaf, rate[r] * 1e9 / 8.0, c.link_lat);
+        (nic_up[r], nic_down[r]) =
+            b.duplex(r, leaf, rate[r] * c.efficiency * 1e9 / 8.0, c.link_lat);
         if let Some(x) = host_gbps[h].as_mut() {
             *x += rate[r];
         }

@@ -164,6 +164,16 @@ fn overrides_and_defaults_of_a_star() {
     assert!((f.links[r[1]].latency_s - 50e-6).abs() < 1e-12);
     assert_eq!(f.topology().hosts[0].link_gbps, Some(2.0));
     assert!(f.symmetry.is_none(), "scale-up rates differ");
+    // A payload share of the nominal rate: the links carry less, the tuner sees the rate.
+    let f = Fabric::parse(
+        "link_efficiency = 0.9\nlink_gbps = 1\n[[hosts]]\nname = \"a\"\nranks = 1\n\
+         [[hosts]]\nname = \"b\"\nranks = 1\nlink_efficiency = 0.5\n",
+    )
+    .unwrap();
+    let r = check_route(&f, 0, 1, 0);
+    assert_eq!(f.links[r[1]].bytes_per_s, 0.9e9 / 8.0);
+    assert_eq!(f.links[r[2]].bytes_per_s, 0.5e9 / 8.0);
+    assert_eq!(f.topology().hosts[1].link_gbps, Some(1.0));
 }
 
 #[test]
@@ -475,6 +485,10 @@ fn bad_files_are_refused_with_the_field_and_value() {
             "not both",
         ),
         ("", "neither hosts nor cluster"),
+        (
+            "link_efficiency = 1.2\n[[hosts]]\nname = \"a\"\nranks = 1\n",
+            "link_efficiency must be a share of the nominal rate, above 0 and at most 1, not 1.2",
+        ),
         (
             "{\"hosts\": [{\"name\": \"a\", \"ranks\": [0], \"dc\": 1}]}",
             "no [wan]",

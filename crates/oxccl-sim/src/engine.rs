@@ -1,0 +1,389 @@
+//! The flow-level network: link classes with a capacity, flows that cross them with a
+//! weight, and max-min fair rates by progressive filling (water-filling).
+//!
+//! A *class* is one directed link, or (in a symmetric run) one orbit of links that carry the
+//! same load; a flow crosses a class with a *weight*: 1 for each hop over a plain link, and
+//! `m·h/|O|` for a representative flow standing for an orbit of `m` flows that makes `h` hops
+//! in a link orbit of `|O|` links (see [`crate::run`]). A flow at rate `x` loads a class by
+//! `weight·x`; a class's load never exceeds its capacity.
+//!
+//! Rates are recomputed only where something changed: after flows start or end, the
+//! connected component of classes and flows around them (classes sharing a flow, flows
+//! sharing a class) is water-filled again; the rest keep their rates. Every loop runs over
+//! vectors in index order, so results are deterministic.
+
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+
+/// Identifies a flow of a [`Net`].
+pub type FlowId = u32;
+
+/// A flow's state.
+#[derive(Clone, Debug)]
+struct Flow {
+    /// Classes crossed and the weight on each.
+    path: Vec<(u32, f64)>,
+    /// Bytes not yet transmitted at `last`.
+    remaining: f64,
+    /// Current rate, bytes per second.
+    rate: f64,
+    /// When `remaining` was last brought up to date.
+    last: f64,
+    /// Bumped whenever the predicted drain time changes (stale heap entries are skipped).
+    version: u32,
+    active: bool,
+    /// Scratch: visited by the current component search / frozen by the current fill.
+    mark: u32,
+    frozen: bool,
+}
+
+/// A class's state.
+#[derive(Clone, Debug)]
+struct Class {
+    cap: f64,
+    /// Active flows crossing it (any order).
+    flows: Vec<FlowId>,
+    mark: u32,
+    /// Scratch of the fill: capacity left and weight of unfrozen flows.
+    left: f64,
+    wsum: f64,
+    ver: u32,
+    /// Since when it carries a flow (when it does).
+    busy_since: f64,
+    /// Seconds it carried at least one flow.
+    busy: f64,
+    /// Bytes·weight that crossed it.
+    bytes: f64,
+    /// Busy intervals, when recorded.
+    intervals: Vec<(f64, f64)>,
+}
+
+/// A min-heap key: (share, class, class version).
+#[derive(PartialEq)]
+struct Share(f64, u32, u32);
+
+impl Eq for Share {}
+impl PartialOrd for Share {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Share {
+    fn cmp(&self, other: &Self) -> Ordering {
+        // Reversed: BinaryHeap is a max-heap.
+        other
+            .0
+            .total_cmp(&self.0)
+            .then_with(|| other.1.cmp(&self.1))
+    }
+}
+
+/// Links (classes) and the flows crossing them. See the module docs.
+#[derive(Debug)]
+pub struct Net {
+    classes: Vec<Class>,
+    flows: Vec<Flow>,
+    free: Vec<FlowId>,
+    /// Classes touched since the last [`Net::settle`].
+    dirty: Vec<u32>,
+    epoch: u32,
+    record: bool,
+    /// Scratch of settle.
+    comp_flows: Vec<FlowId>,
+    comp_classes: Vec<u32>,
+}
+
+impl Net {
+    /// A network of classes with these capacities (bytes per second; may be infinite);
+    /// `record`: keep each class's busy intervals.
+    pub fn new(caps: &[f64], record: bool) -> Net {
+        Net {
+            classes: caps
+                .iter()
+                .map(|&cap| Class {
+                    cap,
+                    flows: Vec::new(),
+                    mark: 0,
+                    left: 0.0,
+                    wsum: 0.0,
+                    ver: 0,
+                    busy_since: 0.0,
+                    busy: 0.0,
+                    bytes: 0.0,
+                    intervals: Vec::new(),
+                })
+                .collect(),
+            flows: Vec::new(),
+            free: Vec::new(),
+            dirty: Vec::new(),
+            epoch: 0,
+            record,
+            comp_flows: Vec::new(),
+            comp_classes: Vec::new(),
+        }
+    }
+
+    /// Starts a flow of `bytes` (> 0) over `path` (classes and weights, non-empty) at `now`.
+    /// Its rate is set by the next [`Net::settle`].
+    pub fn add(&mut self, now: f64, path: &[(u32, f64)], bytes: f64) -> FlowId {
+        let flow = Flow {
+            path: path.to_vec(),
+            remaining: bytes,
+            rate: 0.0,
+            last: now,
+            version: 0,
+            active: true,
+            mark: 0,
+            frozen: false,
+        };
+        let id = match self.free.pop() {
+            Some(id) => {
+                let v = self.flows[id as usize].version;
+                self.flows[id as usize] = Flow {
+                    version: v.wrapping_add(1),
+                    ..flow
+                };
+                id
+            }
+            None => {
+                self.flows.push(flow);
+                (self.flows.len() - 1) as FlowId
+            }
+        };
+        for &(c, w) in path {
+            let class = &mut self.classes[c as usize];
+            if class.flows.is_empty() {
+                class.busy_since = now;
+            }
+            class.flows.push(id);
+            class.bytes += bytes * w;
+            self.dirty.push(c);
+        }
+        id
+    }
+
+    /// Whether heap entry `(id, version)` still predicts `id`'s drain.
+    pub fn current(&self, id: FlowId, version: u32) -> bool {
+        let f = &self.flows[id as usize];
+        f.active && f.version == version
+    }
+
+    /// Ends flow `id` (drained) at `now`.
+    pub fn remove(&mut self, now: f64, id: FlowId) {
+        let f = &mut self.flows[id as usize];
+        f.active = false;
+        f.version = f.version.wrapping_add(1);
+        let path = std::mem::take(&mut f.path);
+        for &(c, _) in &path {
+            let class = &mut self.classes[c as usize];
+            let pos = class.flows.iter().position(|&x| x == id).expect("on it");
+            class.flows.swap_remove(pos);
+            if class.flows.is_empty() {
+                class.busy += now - class.busy_since;
+                if self.record {
+                    class.intervals.push((class.busy_since, now));
+                }
+            }
+            self.dirty.push(c);
+        }
+        self.flows[id as usize].path = path;
+        self.free.push(id);
+    }
+
+    /// Recomputes the rates of the flows around what changed since the last call, and calls
+    /// `drain(time, flow, version)` for every flow whose predicted drain time changed.
+    pub fn settle(&mut self, now: f64, mut drain: impl FnMut(f64, FlowId, u32)) {
+        if self.dirty.is_empty() {
+            return;
+        }
+        self.epoch = self.epoch.wrapping_add(1);
+        let epoch = self.epoch;
+        // The component: breadth first from the dirty classes.
+        let mut cflows = std::mem::take(&mut self.comp_flows);
+        let mut cclasses = std::mem::take(&mut self.comp_classes);
+        cflows.clear();
+        cclasses.clear();
+        let dirty = std::mem::take(&mut self.dirty);
+        for &c in &dirty {
+            if self.classes[c as usize].mark != epoch {
+                self.classes[c as usize].mark = epoch;
+                cclasses.push(c);
+            }
+        }
+        let mut i = 0;
+        while i < cclasses.len() {
+            let c = cclasses[i] as usize;
+            i += 1;
+            for k in 0..self.classes[c].flows.len() {
+                let f = self.classes[c].flows[k];
+                let flow = &mut self.flows[f as usize];
+                if flow.mark == epoch {
+                    continue;
+                }
+                flow.mark = epoch;
+                cflows.push(f);
+                for &(c2, _) in &flow.path {
+                    let class = &mut self.classes[c2 as usize];
+                    if class.mark != epoch {
+                        class.mark = epoch;
+                        cclasses.push(c2);
+                    }
+                }
+            }
+        }
+        self.dirty = dirty;
+        self.dirty.clear();
+        // Deterministic order whatever the search found first.
+        cflows.sort_unstable();
+        cclasses.sort_unstable();
+        // Water-filling.
+        let mut heap = BinaryHeap::with_capacity(cclasses.len());
+        for &c in &cclasses {
+            let class = &mut self.classes[c as usize];
+            class.left = class.cap;
+            class.wsum = 0.0;
+        }
+        for &f in &cflows {
+            let flow = &mut self.flows[f as usize];
+            flow.frozen = false;
+            for &(c, w) in &flow.path {
+                self.classes[c as usize].wsum += w;
+            }
+        }
+        for &c in &cclasses {
+            let class = &mut self.classes[c as usize];
+            class.ver = class.ver.wrapping_add(1);
+            if class.wsum > 0.0 {
+                heap.push(Share(class.left / class.wsum, c, class.ver));
+            }
+        }
+        let mut new_rate: Vec<(FlowId, f64)> = Vec::with_capacity(cflows.len());
+        while let Some(Share(share, c, ver)) = heap.pop() {
+            if self.classes[c as usize].ver != ver {
+                continue;
+            }
+            let share = share.max(0.0);
+            // Freeze every unfrozen flow on c at `share`.
+            for k in 0..self.classes[c as usize].flows.len() {
+                let f = self.classes[c as usize].flows[k];
+                if self.flows[f as usize].frozen {
+                    continue;
+                }
+                self.flows[f as usize].frozen = true;
+                new_rate.push((f, share));
+                for j in 0..self.flows[f as usize].path.len() {
+                    let (c2, w) = self.flows[f as usize].path[j];
+                    let class = &mut self.classes[c2 as usize];
+                    if share.is_finite() {
+                        class.left = (class.left - w * share).max(0.0);
+                    }
+                    class.wsum -= w;
+                    if c2 != c {
+                        class.ver = class.ver.wrapping_add(1);
+                        if class.wsum > 1e-12 {
+                            heap.push(Share(class.left / class.wsum, c2, class.ver));
+                        }
+                    }
+                }
+            }
+            let class = &mut self.classes[c as usize];
+            class.ver = class.ver.wrapping_add(1);
+        }
+        // Flows on no constrained class (cannot happen with non-empty paths) stay as they are.
+        new_rate.sort_unstable_by_key(|&(f, _)| f);
+        for &(f, rate) in &new_rate {
+            let flow = &mut self.flows[f as usize];
+            if flow.rate == rate && flow.last <= now && flow.rate > 0.0 {
+                continue;
+            }
+            if flow.rate > 0.0 && flow.rate.is_finite() {
+                flow.remaining = (flow.remaining - flow.rate * (now - flow.last)).max(0.0);
+            } else if flow.rate.is_infinite() {
+                flow.remaining = 0.0;
+            }
+            flow.last = now;
+            flow.rate = rate;
+            flow.version = flow.version.wrapping_add(1);
+            let t = if rate.is_infinite() || flow.remaining <= 0.0 {
+                now
+            } else if rate > 0.0 {
+                now + flow.remaining / rate
+            } else {
+                f64::INFINITY
+            };
+            if t.is_finite() {
+                drain(t, f, flow.version);
+            }
+        }
+        self.comp_flows = cflows;
+        self.comp_classes = cclasses;
+    }
+
+    /// The current rate of a flow.
+    pub fn rate(&self, id: FlowId) -> f64 {
+        self.flows[id as usize].rate
+    }
+
+    /// Per class: bytes·weight carried, seconds busy (closing open intervals at `now`).
+    pub fn usage(&self, now: f64) -> Vec<(f64, f64)> {
+        self.classes
+            .iter()
+            .map(|c| {
+                let open = if c.flows.is_empty() {
+                    0.0
+                } else {
+                    now - c.busy_since
+                };
+                (c.bytes, c.busy + open)
+            })
+            .collect()
+    }
+
+    /// A class's recorded busy intervals.
+    pub fn intervals(&self, class: u32) -> &[(f64, f64)] {
+        &self.classes[class as usize].intervals
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn drains(net: &mut Net, now: f64) -> Vec<(f64, FlowId)> {
+        let mut v = Vec::new();
+        net.settle(now, |t, f, _| v.push((t, f)));
+        v
+    }
+
+    #[test]
+    fn one_flow_takes_the_link() {
+        let mut net = Net::new(&[10.0], false);
+        let f = net.add(0.0, &[(0, 1.0)], 100.0);
+        assert_eq!(drains(&mut net, 0.0), vec![(10.0, f)]);
+    }
+
+    #[test]
+    fn bottleneck_and_leftover() {
+        // Flow a crosses links 0 (cap 10) and 1 (cap 4); flow b crosses link 0 only: a gets 4
+        // (limited by link 1), b the 6 left on link 0.
+        let mut net = Net::new(&[10.0, 4.0], false);
+        let a = net.add(0.0, &[(0, 1.0), (1, 1.0)], 8.0);
+        let b = net.add(0.0, &[(0, 1.0)], 60.0);
+        let d = drains(&mut net, 0.0);
+        assert_eq!(net.rate(a), 4.0);
+        assert_eq!(net.rate(b), 6.0);
+        assert_eq!(d, vec![(2.0, a), (10.0, b)]);
+        net.remove(2.0, a);
+        // b has 48 left at 2 s, now at 10/s.
+        assert_eq!(drains(&mut net, 2.0), vec![(6.8, b)]);
+    }
+
+    #[test]
+    fn weights_scale_the_load() {
+        // A representative flow standing for 4 flows over a 2-link orbit: weight 2.
+        let mut net = Net::new(&[10.0], false);
+        let f = net.add(0.0, &[(0, 2.0)], 10.0);
+        drains(&mut net, 0.0);
+        assert_eq!(net.rate(f), 5.0);
+    }
+}

@@ -1,0 +1,394 @@
+//! The simulator against closed forms, itself (determinism) and its unsymmetrised run.
+
+mod common;
+
+use common::{Params, cluster, rel};
+use oxccl::schedule::{Algorithm, Collective};
+use oxccl_sim::{Options, Report, Spec, simulate, simulate_with};
+
+fn close(a: f64, b: f64) {
+    assert!(rel(a, b) < 1e-9, "{a} vs {b} (rel {})", rel(a, b));
+}
+
+fn spec(coll: Collective, algo: Algorithm, chunk: usize) -> Spec {
+    Spec {
+        algo: Some(algo),
+        chunk_bytes: Some(chunk),
+        ..Spec::new(coll, 4)
+    }
+}
+
+#[test]
+fn single_flow_on_one_path() {
+    // Broadcast from rank 0 to rank 1 over a star: one message of N bytes, rank -> switch ->
+    // rank. Time = fragments·o + N/B + 2·latency (the root's copy costs nothing: infinite
+    // reduce rate).
+    let p = Params {
+        reduce: f64::INFINITY,
+        ..Params::star(2)
+    };
+    let f = cluster(p);
+    let count = 1 << 20;
+    let n = (count * 4) as f64;
+    let r = simulate(
+        &f,
+        &spec(
+            Collective::Broadcast { count, root: 0 },
+            Algorithm::Tree,
+            count * 4,
+        ),
+    )
+    .unwrap();
+    close(r.time_s, p.o + n / p.nic + 2.0 * p.lat);
+    assert_eq!(r.flows, 1);
+    // In fragments of 64 KiB: 64 per-message costs.
+    let r = simulate(
+        &f,
+        &spec(
+            Collective::Broadcast { count, root: 0 },
+            Algorithm::Tree,
+            64 << 10,
+        ),
+    )
+    .unwrap();
+    close(r.time_s, 64.0 * p.o + n / p.nic + 2.0 * p.lat);
+    // The link carried N bytes, busy N/B.
+    let up0 = f.links.iter().position(|l| l.name == "r0->core").unwrap();
+    close(r.link_bytes[up0], n);
+    close(r.link_busy_s[up0], n / p.nic);
+}
+
+#[test]
+fn two_flows_share_a_link() {
+    // Rank 0 broadcasts to ranks 1 and 2 (binomial tree, larger subtree first: rank 2, then
+    // rank 1). Both flows cross rank 0's uplink. The first leaves at o, alone at B until the
+    // second leaves at 2o; then each gets B/2; the first drains at 2N/B, after which the
+    // second, with B·o left, runs at B again and drains at 2N/B + o.
+    let p = Params {
+        reduce: f64::INFINITY,
+        o: 1e-4,
+        ..Params::star(3)
+    };
+    let f = cluster(p);
+    let count = 1 << 20;
+    let n = (count * 4) as f64;
+    let r = simulate(
+        &f,
+        &spec(
+            Collective::Broadcast { count, root: 0 },
+            Algorithm::Tree,
+            count * 4,
+        ),
+    )
+    .unwrap();
+    let b = p.nic;
+    close(r.rank_done_s[2], 2.0 * n / b + 2.0 * p.lat);
+    close(r.rank_done_s[1], 2.0 * n / b + p.o + 2.0 * p.lat);
+    close(r.rank_done_s[0], 2.0 * n / b + p.o);
+    close(r.time_s, 2.0 * n / b + p.o + 2.0 * p.lat);
+}
+
+/// The ring all-reduce on a star of P ranks with uniform links (rate B, latency l per hop,
+/// two hops per message), per-message cost o, reduce rate R, one slice per block (b = N/P
+/// bytes): each of the P−1 reduce-scatter steps takes o + b/B + 2l + b/R (post, transmit,
+/// arrive, reduce) and each of the P−1 all-gather steps o + b/B + 2l, so
+/// T = 2(P−1)/P·N/B + 2(P−1)(o + 2l) + (P−1)·b/R.
+#[test]
+fn ring_all_reduce_closed_form() {
+    for ranks in [2, 3, 8, 16] {
+        let p = Params::star(ranks);
+        let f = cluster(p);
+        let count = ranks * (1 << 18);
+        let n = (count * 4) as f64;
+        let block = n / ranks as f64;
+        for symmetry in [false, true] {
+            let s = Spec {
+                symmetry,
+                ..spec(
+                    Collective::AllReduce { count },
+                    Algorithm::Ring,
+                    block as usize,
+                )
+            };
+            let r = simulate(&f, &s).unwrap();
+            let pm1 = (ranks - 1) as f64;
+            let t = 2.0 * pm1 / ranks as f64 * n / p.nic
+                + 2.0 * pm1 * (p.o + 2.0 * p.lat)
+                + pm1 * block / p.reduce;
+            close(r.time_s, t);
+            assert_eq!(r.algo, Algorithm::Ring);
+            assert_eq!(r.symmetric, symmetry && ranks > 1);
+            // Every uplink carried 2(P−1) blocks.
+            let up0 = f.links.iter().position(|l| l.name == "r0->core").unwrap();
+            close(r.link_bytes[up0], 2.0 * pm1 * block);
+        }
+    }
+}
+
+#[test]
+fn aggregation_closed_form() {
+    // Every rank sends N to the core switch, which receives them in rank order, folding
+    // each in at its rate Rs (P−1 reductions; the first is a plain receive), then sends
+    // the sum to every rank: T = o + 2N/B + 2l + (P−1)·N/Rs.
+    let ranks = 6;
+    let rs = 2e10;
+    let p = Params {
+        core_reduce: Some(rs),
+        ..Params::star(ranks)
+    };
+    let f = cluster(p);
+    let count = 1 << 20;
+    let n = (count * 4) as f64;
+    let r = simulate(
+        &f,
+        &spec(
+            Collective::AllReduce { count },
+            Algorithm::Aggregation,
+            count * 4,
+        ),
+    )
+    .unwrap();
+    assert_eq!(r.algo, Algorithm::Aggregation);
+    assert!(!r.symmetric);
+    close(
+        r.time_s,
+        p.o + 2.0 * n / p.nic + 2.0 * p.lat + (ranks - 1) as f64 * n / rs,
+    );
+    // Without an aggregating switch it says so.
+    let e = simulate(
+        &cluster(Params::star(ranks)),
+        &spec(
+            Collective::AllReduce { count },
+            Algorithm::Aggregation,
+            count * 4,
+        ),
+    )
+    .unwrap_err();
+    assert!(e.contains("switch that can reduce"), "{e}");
+}
+
+fn assert_same(a: &Report, b: &Report) {
+    assert_eq!(a.algo, b.algo);
+    close(a.time_s, b.time_s);
+    for (x, y) in a.rank_done_s.iter().zip(&b.rank_done_s) {
+        close(*x, *y);
+    }
+    for (x, y) in a.link_bytes.iter().zip(&b.link_bytes) {
+        close(*x, *y);
+    }
+    for (x, y) in a.link_busy_s.iter().zip(&b.link_busy_s) {
+        close(*x, *y);
+    }
+}
+
+#[test]
+fn symmetry_gives_the_unsymmetrised_result() {
+    let hosts = |h: usize, per: usize| Params {
+        hosts: h,
+        per,
+        ..Params::star(1)
+    };
+    let cases: Vec<(Params, Collective, Algorithm, usize)> = vec![
+        (
+            Params::star(12),
+            Collective::AllReduce { count: 3 << 20 },
+            Algorithm::Ring,
+            1 << 20,
+        ),
+        (
+            Params::star(12),
+            Collective::AllReduce { count: 3 << 20 },
+            Algorithm::Ring,
+            64 << 10,
+        ),
+        (
+            hosts(6, 4),
+            Collective::AllReduce { count: 6 << 20 },
+            Algorithm::Ring,
+            1 << 20,
+        ),
+        (
+            hosts(6, 4),
+            Collective::AllReduce { count: 6 << 20 },
+            Algorithm::Ring,
+            256 << 10,
+        ),
+        (
+            hosts(4, 2),
+            Collective::AllGather { count: 1 << 20 },
+            Algorithm::Ring,
+            1 << 20,
+        ),
+        (
+            hosts(4, 2),
+            Collective::ReduceScatter { count: 1 << 20 },
+            Algorithm::Ring,
+            1 << 20,
+        ),
+    ];
+    for (p, coll, algo, chunk) in cases {
+        let f = cluster(p);
+        let base = Spec {
+            algo: Some(algo),
+            chunk_bytes: Some(chunk),
+            ..Spec::new(coll.clone(), 4)
+        };
+        let full = simulate(
+            &f,
+            &Spec {
+                symmetry: false,
+                ..base.clone()
+            },
+        )
+        .unwrap();
+        let sym = simulate(&f, &base).unwrap();
+        assert!(
+            sym.symmetric && !sym.approximate,
+            "{coll:?} {algo:?}: symmetry not used"
+        );
+        assert!(!full.symmetric);
+        assert!(sym.simulated_ranks < full.simulated_ranks);
+        assert_same(&full, &sym);
+    }
+}
+
+#[test]
+fn schedules_not_invariant_run_in_full_or_flagged_approximate() {
+    // The hierarchical all-reduce overlaps its tiers: what a rank sends first along the rail
+    // depends on its host's place, so shifting hosts is not a symmetry of the schedules.
+    let f = cluster(Params {
+        hosts: 16,
+        per: 4,
+        nic: 50e9,
+        up: 900e9,
+        o: 2e-6,
+        reduce: 200e9,
+        ..Params::star(1)
+    });
+    let s = Spec {
+        algo: Some(Algorithm::Hierarchical),
+        ..Spec::new(Collective::AllReduce { count: 1 << 26 }, 4)
+    };
+    let full = simulate(&f, &s).unwrap();
+    assert!(!full.symmetric);
+    let nosym = simulate(
+        &f,
+        &Spec {
+            symmetry: false,
+            ..s.clone()
+        },
+    )
+    .unwrap();
+    assert_eq!(full, nosym);
+    // Forced: flagged approximate, close for the all-reduce (1.5 % measured).
+    let approx = simulate_with(
+        &f,
+        &s,
+        &Options {
+            approximate_above_steps: 0,
+        },
+    )
+    .unwrap();
+    assert!(approx.symmetric && approx.approximate);
+    assert!(
+        rel(approx.time_s, full.time_s) < 0.05,
+        "{} vs {}",
+        approx.time_s,
+        full.time_s
+    );
+}
+
+#[test]
+fn uneven_counts_fall_back_to_the_full_run() {
+    // 1,000,003 elements over 12 ranks: blocks of unequal length break the invariance.
+    let f = cluster(Params::star(12));
+    let s = spec(
+        Collective::AllReduce { count: 1_000_003 },
+        Algorithm::Ring,
+        1 << 20,
+    );
+    let r = simulate(&f, &s).unwrap();
+    assert!(!r.symmetric);
+    assert_eq!(r.simulated_ranks, 12);
+}
+
+#[test]
+fn deterministic() {
+    let f = cluster(Params {
+        hosts: 4,
+        per: 4,
+        ..Params::star(1)
+    });
+    for sym in [false, true] {
+        let s = Spec {
+            trace: true,
+            symmetry: sym,
+            ..Spec::new(Collective::AllReduce { count: 4 << 20 }, 4)
+        };
+        let a = simulate(&f, &s).unwrap();
+        let b = simulate(&f, &s).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(a.algo, Algorithm::Hierarchical);
+        let trace = a.trace.unwrap();
+        assert!(
+            trace
+                .iter()
+                .all(|e| e.end_s >= e.start_s && e.start_s >= 0.0)
+        );
+        assert!(
+            trace
+                .iter()
+                .any(|e| matches!(e.track, oxccl_sim::Track::Link(_)))
+        );
+    }
+}
+
+#[test]
+fn every_collective_runs() {
+    let f = cluster(Params {
+        hosts: 3,
+        per: 2,
+        ..Params::star(1)
+    });
+    let colls = [
+        Collective::AllReduce { count: 1000 },
+        Collective::AllReduce { count: 1 << 20 },
+        Collective::ReduceScatter { count: 1 << 16 },
+        Collective::AllGather { count: 1 << 16 },
+        Collective::Broadcast {
+            count: 1 << 20,
+            root: 1,
+        },
+        Collective::Reduce {
+            count: 1 << 20,
+            root: 2,
+        },
+        Collective::AllToAll { count: 1 << 12 },
+        Collective::Gather {
+            count: 1 << 12,
+            root: 0,
+        },
+        Collective::Scatter {
+            count: 1 << 12,
+            root: 3,
+        },
+        Collective::Barrier,
+        Collective::AllReduce { count: 0 },
+    ];
+    for c in colls {
+        for in_place in [false, true] {
+            let s = Spec {
+                in_place,
+                ..Spec::new(c.clone(), 4)
+            };
+            if in_place && c.in_place_offsets(6, 0).is_none() {
+                continue;
+            }
+            let r = simulate(&f, &s).unwrap_or_else(|e| panic!("{c:?}: {e}"));
+            assert!(r.time_s.is_finite() && r.time_s >= 0.0, "{c:?}");
+            if c.count() > 0 || c == Collective::Barrier {
+                assert!(r.time_s > 0.0, "{c:?}");
+            }
+        }
+    }
+}

@@ -13,11 +13,14 @@
 //! per destination (or per source switch).
 //!
 //! ## ECMP and symmetry
-//! In a leaf-spine cluster a route between leaves crosses one of the spines, picked by a
-//! hash of `key` and of quantities of the pair of ranks that the fabric's symmetry
-//! ([`Fabric::symmetry`]) keeps: their rails, their hosts' places inside their leaf groups,
-//! and the difference of their leaf groups (or of their hosts, or datacenters, depending on
-//! the generator of the symmetry; see [`Fabric::route`]). So for any pair `(a, b)` and key,
+//! In a leaf-spine cluster a route between leaves crosses one of the spines: a hash of `key`
+//! and of quantities of the pair of ranks that the fabric's symmetry ([`Fabric::symmetry`])
+//! keeps (their rails; across datacenters also their groups and the difference of their
+//! datacenters), plus the source host's place in its leaf group, modulo
+//! the spines. The hosts of a leaf group that send the same way thus take distinct spines
+//! (as adaptive routing or a well-spread flow hash would): with a plain hash of the flows, a
+//! 16,384-rank ring's cross-host hops collided on spines and ran at a third of the NIC
+//! rate, an artefact of this model's few, long-lived flows. So for any pair `(a, b)` and key,
 //! `route(π(a), π(b), key)` is the image under `π` of `route(a, b, key)`: the symmetry is an
 //! automorphism of the fabric *with its routing*, as long as the engine gives mapped flows
 //! the same key (a key made of channel, step or slice numbers, not of rank numbers).
@@ -188,11 +191,10 @@ pub(crate) struct Star {
 /// How a cluster's ECMP hash sees a pair of ranks (what the symmetry generator keeps).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum HashMode {
-    /// Shift by one leaf group: rails, places in the groups, group difference.
+    /// Shift by one leaf group: rails (and the source's place).
     Group,
-    /// Shift by one host (one leaf group): rails, host difference.
-    Host,
-    /// Shift by one datacenter: rails, places, groups, datacenter difference.
+    /// Shift by one datacenter: rails, groups, datacenter difference (and the source's
+    /// place).
     Dc,
 }
 
@@ -203,7 +205,6 @@ pub(crate) enum HashMode {
 #[derive(Clone)]
 pub(crate) struct Cluster {
     pub(crate) g: usize,
-    pub(crate) hosts: usize,
     pub(crate) hosts_per_dc: usize,
     pub(crate) hpl: usize,
     pub(crate) gpd: usize,
@@ -243,41 +244,25 @@ impl Cluster {
             return 0;
         }
         let (da, ga, pa, ra) = self.place(a);
-        let (db, gb, pb, rb) = self.place(b);
-        let parts: [u64; 6] = match self.mode {
-            HashMode::Group => [
-                ra as u64,
-                rb as u64,
-                pa as u64,
-                pb as u64,
-                ((gb + self.gpd - ga) % self.gpd) as u64,
-                0,
-            ],
-            HashMode::Host => {
-                let (ha, hb) = (a / self.g, b / self.g);
-                [
-                    ra as u64,
-                    rb as u64,
-                    ((hb + self.hosts - ha) % self.hosts) as u64,
-                    0,
-                    0,
-                    0,
-                ]
-            }
+        let (db, gb, _, rb) = self.place(b);
+        let parts: [u64; 5] = match self.mode {
+            // Not the groups: a ring's hop into the next group then lands on the spine
+            // after the last host's of its group, not on one of theirs.
+            HashMode::Group => [ra as u64, rb as u64, 0, 0, 0],
             HashMode::Dc => [
                 ra as u64,
                 rb as u64,
-                (pa * self.gpd + ga) as u64,
-                (pb * self.gpd + gb) as u64,
-                ((db + self.dcs - da) % self.dcs) as u64,
-                1,
+                ga as u64,
+                gb as u64,
+                ((db + self.dcs - da) % self.dcs) as u64 + 1,
             ],
         };
         let mut h = mix(key ^ 0x9e37_79b9_7f4a_7c15);
         for p in parts {
             h = mix(h ^ p.wrapping_mul(0xff51_afd7_ed55_8ccd));
         }
-        (h % self.spines as u64) as usize
+        // Spread: the hosts of a leaf group going the same way take consecutive spines.
+        ((h % self.spines as u64) as usize + pa) % self.spines
     }
 }
 

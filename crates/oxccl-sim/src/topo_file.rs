@@ -666,7 +666,6 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
     let mut host_gbps = vec![Some(0.0); hn];
     let cl = Cluster {
         g,
-        hosts: hn,
         hosts_per_dc: hpd,
         hpl,
         gpd,
@@ -768,8 +767,9 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
         }
         HashMode::Group
     } else if hn > 1 {
-        host_shift(&mut map, 1);
-        HashMode::Host
+        // One leaf group: moving hosts would change their places in it, which spread the
+        // routes over the spines. No symmetry (at most hosts_per_leaf hosts: small).
+        HashMode::Group
     } else {
         // One host: its ranks (and their rails' leaves) shift by one.
         for (r, m) in map.iter_mut().take(world).enumerate() {

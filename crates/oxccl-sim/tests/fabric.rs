@@ -271,6 +271,12 @@ fn ecmp_spreads_over_the_spines() {
     assert_eq!(spines.len(), 32);
     // The ring's cross-host hop (rank 8h+7 to 8h+8) for every host and channel.
     let mut count = vec![0usize; f.nodes.len()];
+    // Inside a leaf group, one channel's hops from the group's hosts take distinct spines.
+    let mut seen = std::collections::HashSet::new();
+    for h in 0..31 {
+        let r = check_route(&f, h * 8 + 7, h * 8 + 8, 0);
+        assert!(seen.insert(f.links[r[1]].to), "host {h} collides");
+    }
     for h in 0..127 {
         for ch in 0..8 {
             let r = check_route(&f, h * 8 + 7, h * 8 + 8, ch);
@@ -288,10 +294,17 @@ fn ecmp_spreads_over_the_spines() {
 }
 
 #[test]
-fn one_leaf_group_shifts_by_one_host() {
+fn small_clusters() {
+    // One leaf group: no symmetry (a host's place in its group spreads its routes).
     let f = Fabric::parse("[cluster]\nhosts = 4\ngpus_per_host = 2\nspines = 3\n").unwrap();
-    assert_eq!(f.symmetry.as_ref().unwrap().node_map[0], 2);
+    assert!(f.symmetry.is_none());
+    // Two groups of 2 hosts: shift by one group.
+    let f =
+        Fabric::parse("[cluster]\nhosts = 4\ngpus_per_host = 2\nspines = 3\nhosts_per_leaf = 2\n")
+            .unwrap();
+    assert_eq!(f.symmetry.as_ref().unwrap().node_map[0], 4);
     check_symmetry(&f, 2000, 13);
+    // One host: its ranks and their rails shift by one.
     let f = Fabric::parse("[cluster]\nhosts = 1\ngpus_per_host = 4\n").unwrap();
     assert_eq!(f.symmetry.as_ref().unwrap().node_map[0], 1);
     check_symmetry(&f, 200, 13);

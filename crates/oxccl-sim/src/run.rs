@@ -347,8 +347,8 @@ pub fn simulate_with(fabric: &Fabric, spec: &Spec, opts: &Options) -> Result<Rep
             relaxed &= r;
             reps.push(part);
         }
-        let full_steps = reps[0].kind.len() as u128 * world as u128;
-        first_len = Some(reps[0].kind.len());
+        let full_steps = reps[0].st.len() as u128 * world as u128;
+        first_len = Some(reps[0].st.len());
         if exact || (relaxed && full_steps > opts.approximate_above_steps) {
             mode = if exact {
                 Mode::Exact
@@ -480,21 +480,32 @@ const REDUCE: u8 = 5;
 const ARRIVED: u8 = 1;
 const STARTED: u8 = 2;
 
+/// A step in compact form (one cache line holds two).
+#[derive(Clone, Copy, Debug)]
+struct St {
+    /// Elements moved, reduced or copied.
+    elems: u64,
+    /// Its queue (send or receive; `NO_Q` for a local step).
+    queue: u32,
+    /// Its place in its queue.
+    qpos: u32,
+    /// Its dependents: `dep_list[dep_a..dep_b]`.
+    dep_a: u32,
+    dep_b: u32,
+    /// Dependencies not done yet.
+    ndeps: u32,
+    kind: u8,
+    flags: u8,
+}
+
 /// A simulated participant (a rank or the aggregator), its schedule in compact form.
 struct Part {
     rank: usize,
     node: usize,
-    kind: Vec<u8>,
-    elems: Vec<u64>,
-    flags: Vec<u8>,
-    ndeps: Vec<u32>,
-    /// Dependents, CSR.
-    dep_at: Vec<u32>,
+    /// The steps.
+    st: Vec<St>,
+    /// Dependents of every step (`St::dep_a..St::dep_b`).
     dep_list: Vec<u32>,
-    /// Each step's queue (send or receive; `NO_Q` for a local step).
-    queue: Vec<u32>,
-    /// Each step's place in its queue.
-    qpos: Vec<u32>,
     sendq: Vec<SendQ>,
     recvq: Vec<RecvQ>,
     recv_index: HashMap<(usize, u8), u32>,
@@ -538,10 +549,18 @@ impl Part {
                 fill[d as usize] += 1;
             }
         }
-        let mut kind = vec![0u8; n];
-        let mut elems = vec![0u64; n];
-        let mut queue = vec![NO_Q; n];
-        let mut qpos = vec![0u32; n];
+        let mut st: Vec<St> = (0..n)
+            .map(|i| St {
+                elems: 0,
+                queue: NO_Q,
+                qpos: 0,
+                dep_a: dep_at[i],
+                dep_b: dep_at[i + 1],
+                ndeps: ndeps[i],
+                kind: 0,
+                flags: 0,
+            })
+            .collect();
         let mut sendq: Vec<SendQ> = Vec::new();
         let mut recvq: Vec<RecvQ> = Vec::new();
         let mut send_index: HashMap<(usize, u8), u32> = HashMap::new();
@@ -568,10 +587,10 @@ impl Part {
                         });
                         (sendq.len() - 1) as u32
                     });
-                    kind[s] = SEND;
-                    elems[s] = src.len as u64;
-                    queue[s] = q;
-                    qpos[s] = sendq[q as usize].steps.len() as u32;
+                    st[s].kind = SEND;
+                    st[s].elems = src.len as u64;
+                    st[s].queue = q;
+                    st[s].qpos = sendq[q as usize].steps.len() as u32;
                     sendq[q as usize].steps.push(s as u32);
                 }
                 Op::Recv {
@@ -592,24 +611,24 @@ impl Part {
                         });
                         (recvq.len() - 1) as u32
                     });
-                    kind[s] = if reduce_with.is_some() {
+                    st[s].kind = if reduce_with.is_some() {
                         RECV_REDUCE
                     } else {
                         RECV
                     };
-                    elems[s] = dst.len as u64;
-                    queue[s] = q;
-                    qpos[s] = recvq[q as usize].steps.len() as u32;
+                    st[s].elems = dst.len as u64;
+                    st[s].queue = q;
+                    st[s].qpos = recvq[q as usize].steps.len() as u32;
                     recvq[q as usize].steps.push(s as u32);
                 }
                 Op::Copy { src, dst } => {
                     let same = copy_skipped(&spec.coll, world, rank, spec.in_place, src, dst);
-                    kind[s] = if same { COPY_SKIPPED } else { COPY };
-                    elems[s] = src.len as u64;
+                    st[s].kind = if same { COPY_SKIPPED } else { COPY };
+                    st[s].elems = src.len as u64;
                 }
                 Op::Reduce { dst, .. } => {
-                    kind[s] = REDUCE;
-                    elems[s] = dst.len as u64;
+                    st[s].kind = REDUCE;
+                    st[s].elems = dst.len as u64;
                 }
             }
         }
@@ -617,14 +636,8 @@ impl Part {
         Ok(Part {
             rank,
             node: rank,
-            kind,
-            elems,
-            flags: vec![0; n],
-            ndeps,
-            dep_at,
+            st,
             dep_list,
-            queue,
-            qpos,
             sendq,
             recvq,
             recv_index,
@@ -807,8 +820,8 @@ impl<'a> Sim<'a> {
 
     fn run(&mut self) -> Result<(), String> {
         for p in 0..self.parts.len() {
-            for s in 0..self.parts[p].kind.len() {
-                if self.parts[p].ndeps[s] == 0 {
+            for s in 0..self.parts[p].st.len() {
+                if self.parts[p].st[s].ndeps == 0 {
                     self.work.push_back(Act::DepsDone(p as u32, s as u32));
                 }
             }
@@ -829,12 +842,12 @@ impl<'a> Sim<'a> {
         }
         for p in &self.parts {
             if p.left > 0 {
-                let s = (0..p.kind.len())
-                    .find(|&s| p.flags[s] & STARTED == 0 || p.ndeps[s] > 0)
+                let s = (0..p.st.len())
+                    .find(|&s| p.st[s].flags & STARTED == 0 || p.st[s].ndeps > 0)
                     .unwrap_or(0);
-                let what = match p.queue[s] {
+                let what = match p.st[s].queue {
                     NO_Q => "a local step".to_string(),
-                    q if p.kind[s] == SEND => format!(
+                    q if p.st[s].kind == SEND => format!(
                         "a send to rank {} on channel {}",
                         p.sendq[q as usize].peer, p.sendq[q as usize].ch
                     ),
@@ -875,7 +888,7 @@ impl<'a> Sim<'a> {
             }
             Ev::Drained(p, s) => self.work.push_back(Act::Drained(p, s)),
             Ev::Arrive(p, s) => {
-                self.parts[p as usize].flags[s as usize] |= ARRIVED;
+                self.parts[p as usize].st[s as usize].flags |= ARRIVED;
                 self.try_recv(p, s);
             }
         }
@@ -896,9 +909,9 @@ impl<'a> Sim<'a> {
     fn deps_done(&mut self, p: u32, s: u32) {
         let part = &mut self.parts[p as usize];
         let i = s as usize;
-        match part.kind[i] {
+        match part.st[i].kind {
             SEND => {
-                let q = part.queue[i];
+                let q = part.st[i].queue;
                 self.try_post(p, q);
             }
             RECV | RECV_REDUCE => self.try_recv(p, s),
@@ -909,7 +922,7 @@ impl<'a> Sim<'a> {
                 let cost = if k == COPY_SKIPPED {
                     0.0
                 } else {
-                    (part.elems[i] * self.elem as u64) as f64 / part.reduce_rate
+                    (part.st[i].elems * self.elem as u64) as f64 / part.reduce_rate
                 };
                 self.cpu(p, s, cost);
             }
@@ -920,7 +933,7 @@ impl<'a> Sim<'a> {
     fn cpu(&mut self, p: u32, s: u32, cost: f64) {
         let now = self.now;
         let part = &mut self.parts[p as usize];
-        part.flags[s as usize] |= STARTED;
+        part.st[s as usize].flags |= STARTED;
         if cost <= 0.0 {
             self.work.push_back(Act::CpuDone(p, s));
             return;
@@ -938,14 +951,14 @@ impl<'a> Sim<'a> {
             return;
         }
         let s = sq.steps[sq.post];
-        if part.ndeps[s as usize] > 0 {
+        if part.st[s as usize].ndeps > 0 {
             return;
         }
         sq.posting = true;
         if self.trace {
             part.begin[s as usize] = self.now;
         }
-        let frags = part.elems[s as usize].div_ceil(self.chunk).max(1);
+        let frags = part.st[s as usize].elems.div_ceil(self.chunk).max(1);
         let cost = frags as f64 * part.per_message_s;
         self.cpu(p, s, cost);
     }
@@ -953,10 +966,10 @@ impl<'a> Sim<'a> {
     fn try_recv(&mut self, p: u32, s: u32) {
         let part = &mut self.parts[p as usize];
         let i = s as usize;
-        if part.flags[i] & STARTED != 0 || part.ndeps[i] > 0 {
+        if part.st[i].flags & STARTED != 0 || part.st[i].ndeps > 0 {
             return;
         }
-        let rq = &part.recvq[part.queue[i] as usize];
+        let rq = &part.recvq[part.st[i].queue as usize];
         if rq.steps.get(rq.head) != Some(&s) {
             return;
         }
@@ -964,11 +977,11 @@ impl<'a> Sim<'a> {
             // The span starts when it could first consume.
             part.begin[i] = self.now;
         }
-        if part.flags[i] & ARRIVED == 0 {
+        if part.st[i].flags & ARRIVED == 0 {
             return;
         }
-        let cost = if part.kind[i] == RECV_REDUCE {
-            (part.elems[i] * self.elem as u64) as f64 / part.reduce_rate
+        let cost = if part.st[i].kind == RECV_REDUCE {
+            (part.st[i].elems * self.elem as u64) as f64 / part.reduce_rate
         } else {
             0.0
         };
@@ -978,9 +991,9 @@ impl<'a> Sim<'a> {
     fn cpu_done(&mut self, p: u32, s: u32) {
         let part = &mut self.parts[p as usize];
         let i = s as usize;
-        match part.kind[i] {
+        match part.st[i].kind {
             SEND => {
-                let q = part.queue[i];
+                let q = part.st[i].queue;
                 let sq = &mut part.sendq[q as usize];
                 sq.posting = false;
                 sq.post += 1;
@@ -989,7 +1002,7 @@ impl<'a> Sim<'a> {
                 self.try_post(p, q);
             }
             RECV | RECV_REDUCE => {
-                let q = part.queue[i] as usize;
+                let q = part.st[i].queue as usize;
                 part.recvq[q].head += 1;
                 let next = part.recvq[q].steps.get(part.recvq[q].head).copied();
                 self.step_done(p, s);
@@ -1011,7 +1024,7 @@ impl<'a> Sim<'a> {
         sq.xmit += 1;
         sq.busy = true;
         let r = sq.route as usize;
-        let bytes = (part.elems[s as usize] * self.elem as u64) as f64;
+        let bytes = (part.st[s as usize].elems * self.elem as u64) as f64;
         self.flows += 1;
         if bytes <= 0.0 || self.route_list[r].path.is_empty() {
             self.push(self.now, Ev::Drained(p, s));
@@ -1068,9 +1081,9 @@ impl<'a> Sim<'a> {
     fn drained(&mut self, p: u32, s: u32) -> Result<(), String> {
         let part = &mut self.parts[p as usize];
         let i = s as usize;
-        let q = part.queue[i];
-        let n = part.qpos[i] as usize;
-        let elems = part.elems[i];
+        let q = part.st[i].queue;
+        let n = part.st[i].qpos as usize;
+        let elems = part.st[i].elems;
         let sq = &mut part.sendq[q as usize];
         sq.busy = false;
         let latency = self.route_list[sq.route as usize].latency;
@@ -1088,10 +1101,10 @@ impl<'a> Sim<'a> {
                 tpart.recvq[rq as usize].steps.len()
             ));
         };
-        if tpart.elems[ts as usize] != elems {
+        if tpart.st[ts as usize].elems != elems {
             return Err(format!(
                 "rank {} sends {elems} elements to rank {} (message {n}), which receives {}",
-                self.parts[p as usize].rank, tpart.rank, tpart.elems[ts as usize]
+                self.parts[p as usize].rank, tpart.rank, tpart.st[ts as usize].elems
             ));
         }
         self.push(self.now + latency, Ev::Arrive(tp, ts));
@@ -1114,11 +1127,11 @@ impl<'a> Sim<'a> {
                 bytes,
             });
         }
-        let (a, b) = (part.dep_at[i] as usize, part.dep_at[i + 1] as usize);
+        let (a, b) = (part.st[i].dep_a as usize, part.st[i].dep_b as usize);
         for k in a..b {
             let d = part.dep_list[k];
-            part.ndeps[d as usize] -= 1;
-            if part.ndeps[d as usize] == 0 {
+            part.st[d as usize].ndeps -= 1;
+            if part.st[d as usize].ndeps == 0 {
                 self.work.push_back(Act::DepsDone(p, d));
             }
         }
@@ -1167,7 +1180,7 @@ impl<'a> Sim<'a> {
             simulated_ranks: self.parts.iter().filter(|p| p.rank < world).count(),
             symmetric: mode != Mode::Full,
             approximate: mode == Mode::Approximate,
-            steps: self.parts.iter().map(|p| p.kind.len() as u64).sum(),
+            steps: self.parts.iter().map(|p| p.st.len() as u64).sum(),
             flows: self.flows,
         }
     }
@@ -1176,17 +1189,17 @@ impl<'a> Sim<'a> {
 /// A step's trace name and bytes.
 fn step_name(part: &Part, i: usize, elem: usize) -> (String, u64) {
     let rank = part.rank;
-    let b = part.elems[i] * elem as u64;
-    match part.kind[i] {
+    let b = part.st[i].elems * elem as u64;
+    match part.st[i].kind {
         SEND => {
-            let sq = &part.sendq[part.queue[i] as usize];
+            let sq = &part.sendq[part.st[i].queue as usize];
             (
                 format!("send {rank}->{} ch{} {}", sq.peer, sq.ch, human(b)),
                 b,
             )
         }
         k @ (RECV | RECV_REDUCE) => {
-            let rq = &part.recvq[part.queue[i] as usize];
+            let rq = &part.recvq[part.st[i].queue as usize];
             let what = if k == RECV_REDUCE {
                 "recv+reduce"
             } else {

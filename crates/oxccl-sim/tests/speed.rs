@@ -80,9 +80,16 @@ fn speed_1024_ranks_without_symmetry() {
 
 #[test]
 #[ignore]
-fn speed_16k_ranks() {
-    let f = fabric("cluster-2048x8.toml", 2048);
-    for algo in [Algorithm::Ring, Algorithm::Hierarchical] {
-        run(&f, algo, true);
-    }
+fn speed_16k_ranks_ring() {
+    run(&fabric("cluster-2048x8.toml", 2048), Algorithm::Ring, true);
+}
+
+#[test]
+#[ignore]
+fn speed_16k_ranks_hierarchical() {
+    run(
+        &fabric("cluster-2048x8.toml", 2048),
+        Algorithm::Hierarchical,
+        true,
+    );
 }

@@ -15,8 +15,7 @@
 //! ## ECMP and symmetry
 //! In a leaf-spine cluster a route between leaves crosses one of the spines: a hash of `key`
 //! and of quantities of the pair of ranks that the fabric's symmetry ([`Fabric::symmetry`])
-//! keeps (their rails; across datacenters also their groups and the difference of their
-//! datacenters), plus the source host's place in its leaf group, modulo
+//! keeps (their rails), plus the source host's place in its leaf group, modulo
 //! the spines. The hosts of a leaf group that send the same way thus take distinct spines
 //! (as adaptive routing or a well-spread flow hash would): with a plain hash of the flows, a
 //! 16,384-rank ring's cross-host hops collided on spines and ran at a third of the NIC
@@ -188,16 +187,6 @@ pub(crate) struct Star {
     pub(crate) wan: Vec<u32>,
 }
 
-/// How a cluster's ECMP hash sees a pair of ranks (what the symmetry generator keeps).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum HashMode {
-    /// Shift by one leaf group: rails (and the source's place).
-    Group,
-    /// Shift by one datacenter: rails, groups, datacenter difference (and the source's
-    /// place).
-    Dc,
-}
-
 /// Hosts of `g` ranks on a scale-up switch; rank `h*g + i` has a NIC into the leaf of rail
 /// `i` of its host's leaf group; every leaf of a datacenter has one link up to and down from
 /// each of its spines; spines of a datacenter meet at its router; routers are joined by
@@ -222,7 +211,6 @@ pub(crate) struct Cluster {
     pub(crate) sr_down: Vec<u32>,
     /// `wan[a * dcs + b]`: router of a -> router of b.
     pub(crate) wan: Vec<u32>,
-    pub(crate) mode: HashMode,
 }
 
 impl Cluster {
@@ -243,20 +231,12 @@ impl Cluster {
         if self.spines == 1 {
             return 0;
         }
-        let (da, ga, pa, ra) = self.place(a);
-        let (db, gb, _, rb) = self.place(b);
-        let parts: [u64; 5] = match self.mode {
-            // Not the groups: a ring's hop into the next group then lands on the spine
-            // after the last host's of its group, not on one of theirs.
-            HashMode::Group => [ra as u64, rb as u64, 0, 0, 0],
-            HashMode::Dc => [
-                ra as u64,
-                rb as u64,
-                ga as u64,
-                gb as u64,
-                ((db + self.dcs - da) % self.dcs) as u64 + 1,
-            ],
-        };
+        let (_, _, pa, ra) = self.place(a);
+        let rb = b % self.g;
+        // Not the groups nor the datacenters: a ring's hop into the next group (or
+        // datacenter) then lands on the spine after the last host's of its group, not on
+        // one of theirs.
+        let parts: [u64; 2] = [ra as u64, rb as u64];
         let mut h = mix(key ^ 0x9e37_79b9_7f4a_7c15);
         for p in parts {
             h = mix(h ^ p.wrapping_mul(0xff51_afd7_ed55_8ccd));

@@ -77,7 +77,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::fabric::{Cluster, HashMode, Layout, Shape, Star};
+use crate::fabric::{Cluster, Layout, Shape, Star};
 use crate::{Fabric, Link, Node, NodeKind};
 
 /// One-way latency of a long-haul link per kilometre (5 ms per 1,000 km).
@@ -680,7 +680,6 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
         sr_up: Vec::new(),
         sr_down: Vec::new(),
         wan: Vec::new(),
-        mode: HashMode::Group,
     };
     for r in 0..world {
         let h = r / g;
@@ -735,7 +734,7 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
             }
         }
     }
-    // The symmetry's generator, and the ECMP hash that commutes with it.
+    // The symmetry's generator (the ECMP hash commutes with it: see crate::fabric).
     let n = b.nodes.len();
     let mut map: Vec<usize> = (0..n).collect();
     let host_shift = |map: &mut [usize], by: usize| {
@@ -746,7 +745,7 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
             map[su[h]] = su[(h + by) % hn];
         }
     };
-    let mode = if dcs > 1 {
+    if dcs > 1 {
         host_shift(&mut map, hpd);
         for l in 0..n_leaves {
             map[leaves[l]] = leaves[(l + gpd * g) % n_leaves];
@@ -757,7 +756,6 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
         for d in 0..dcs {
             map[routers[d]] = routers[(d + 1) % dcs];
         }
-        HashMode::Dc
     } else if gpd > 1 {
         if hpd.is_multiple_of(hpl) {
             host_shift(&mut map, hpl);
@@ -765,12 +763,7 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
                 map[leaves[l]] = leaves[(l + g) % n_leaves];
             }
         }
-        HashMode::Group
-    } else if hn > 1 {
-        // One leaf group: moving hosts would change their places in it, which spread the
-        // routes over the spines. No symmetry (at most hosts_per_leaf hosts: small).
-        HashMode::Group
-    } else {
+    } else if hn == 1 {
         // One host: its ranks (and their rails' leaves) shift by one.
         for (r, m) in map.iter_mut().take(world).enumerate() {
             *m = (r + 1) % world;
@@ -778,8 +771,9 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
         for l in 0..n_leaves {
             map[leaves[l]] = leaves[(l + 1) % n_leaves];
         }
-        HashMode::Group
-    };
+    }
+    // (One leaf group of several hosts: moving hosts would change their places in it, which
+    // spread the routes over the spines. No symmetry: at most hosts_per_leaf hosts.)
     let mut fabric = Fabric {
         nodes: b.nodes,
         links: b.links,
@@ -801,7 +795,6 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
                 sr_up,
                 sr_down,
                 wan: wan_links,
-                mode,
                 ..cl
             }),
             host_gbps,

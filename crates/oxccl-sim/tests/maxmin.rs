@@ -6,6 +6,7 @@ use proptest::prelude::*;
 
 /// Progressive filling, the naive way: raise every unfrozen flow by the largest amount no
 /// link forbids, freeze the flows of the links that are then full, repeat.
+#[allow(clippy::needless_range_loop)] // links index caps and loads alike
 fn reference(caps: &[f64], flows: &[Vec<(u32, f64)>]) -> Vec<f64> {
     let mut rate = vec![0.0; flows.len()];
     let mut frozen = vec![false; flows.len()];

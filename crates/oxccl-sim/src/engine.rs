@@ -18,6 +18,8 @@ use std::collections::BinaryHeap;
 /// Identifies a flow of a [`Net`].
 pub type FlowId = u32;
 
+const NOT_QUEUED: u32 = u32::MAX;
+
 /// A flow's state.
 #[derive(Clone, Debug)]
 struct Flow {
@@ -29,8 +31,10 @@ struct Flow {
     rate: f64,
     /// When `remaining` was last brought up to date.
     last: f64,
-    /// Bumped whenever the predicted drain time changes (stale heap entries are skipped).
-    version: u32,
+    /// Predicted drain time.
+    due: f64,
+    /// Place in the drain heap (`NOT_QUEUED` when not in it).
+    hpos: u32,
     active: bool,
     /// Scratch: visited by the current component search / frozen by the current fill.
     mark: u32,
@@ -86,6 +90,8 @@ pub struct Net {
     free: Vec<FlowId>,
     /// Classes touched since the last [`Net::settle`].
     dirty: Vec<u32>,
+    /// Active flows with a finite drain time, a binary min-heap on (due, id).
+    dheap: Vec<FlowId>,
     epoch: u32,
     record: bool,
     /// Scratch of settle.
@@ -116,6 +122,7 @@ impl Net {
             flows: Vec::new(),
             free: Vec::new(),
             dirty: Vec::new(),
+            dheap: Vec::new(),
             epoch: 0,
             record,
             comp_flows: Vec::new(),
@@ -131,18 +138,15 @@ impl Net {
             remaining: bytes,
             rate: 0.0,
             last: now,
-            version: 0,
+            due: f64::INFINITY,
+            hpos: NOT_QUEUED,
             active: true,
             mark: 0,
             frozen: false,
         };
         let id = match self.free.pop() {
             Some(id) => {
-                let v = self.flows[id as usize].version;
-                self.flows[id as usize] = Flow {
-                    version: v.wrapping_add(1),
-                    ..flow
-                };
+                self.flows[id as usize] = flow;
                 id
             }
             None => {
@@ -162,17 +166,102 @@ impl Net {
         id
     }
 
-    /// Whether heap entry `(id, version)` still predicts `id`'s drain.
-    pub fn current(&self, id: FlowId, version: u32) -> bool {
-        let f = &self.flows[id as usize];
-        f.active && f.version == version
+    /// The flow that drains first and when (ties: the lowest id), if any flow is active
+    /// with a positive rate.
+    pub fn next_drain(&self) -> Option<(f64, FlowId)> {
+        self.dheap.first().map(|&f| (self.flows[f as usize].due, f))
+    }
+
+    fn before(&self, a: FlowId, b: FlowId) -> bool {
+        let (x, y) = (&self.flows[a as usize], &self.flows[b as usize]);
+        x.due < y.due || (x.due == y.due && a < b)
+    }
+
+    fn place(&mut self, i: usize) {
+        let f = self.dheap[i];
+        self.flows[f as usize].hpos = i as u32;
+    }
+
+    fn sift_up(&mut self, mut i: usize) {
+        while i > 0 {
+            let parent = (i - 1) / 2;
+            if !self.before(self.dheap[i], self.dheap[parent]) {
+                break;
+            }
+            self.dheap.swap(i, parent);
+            self.place(i);
+            i = parent;
+        }
+        self.place(i);
+    }
+
+    fn sift_down(&mut self, mut i: usize) {
+        let n = self.dheap.len();
+        loop {
+            let (l, r) = (2 * i + 1, 2 * i + 2);
+            let mut m = i;
+            if l < n && self.before(self.dheap[l], self.dheap[m]) {
+                m = l;
+            }
+            if r < n && self.before(self.dheap[r], self.dheap[m]) {
+                m = r;
+            }
+            if m == i {
+                break;
+            }
+            self.dheap.swap(i, m);
+            self.place(i);
+            i = m;
+        }
+        self.place(i);
+    }
+
+    /// Sets flow `f`'s drain time (infinite: not queued).
+    fn set_due(&mut self, f: FlowId, due: f64) {
+        let pos = self.flows[f as usize].hpos;
+        self.flows[f as usize].due = due;
+        if pos == NOT_QUEUED {
+            if due.is_finite() {
+                self.dheap.push(f);
+                let i = self.dheap.len() - 1;
+                self.sift_up(i);
+            }
+            return;
+        }
+        let i = pos as usize;
+        if !due.is_finite() {
+            self.unqueue(f);
+            return;
+        }
+        self.sift_up(i);
+        let i = self.flows[f as usize].hpos as usize;
+        self.sift_down(i);
+    }
+
+    fn unqueue(&mut self, f: FlowId) {
+        let pos = self.flows[f as usize].hpos;
+        if pos == NOT_QUEUED {
+            return;
+        }
+        let i = pos as usize;
+        let last = self.dheap.len() - 1;
+        self.dheap.swap(i, last);
+        self.dheap.pop();
+        self.flows[f as usize].hpos = NOT_QUEUED;
+        if i < self.dheap.len() {
+            let moved = self.dheap[i];
+            self.place(i);
+            self.sift_up(i);
+            let j = self.flows[moved as usize].hpos as usize;
+            self.sift_down(j);
+        }
     }
 
     /// Ends flow `id` (drained) at `now`.
     pub fn remove(&mut self, now: f64, id: FlowId) {
+        self.unqueue(id);
         let f = &mut self.flows[id as usize];
         f.active = false;
-        f.version = f.version.wrapping_add(1);
         let path = std::mem::take(&mut f.path);
         for &(c, _) in &path {
             let class = &mut self.classes[c as usize];
@@ -190,9 +279,9 @@ impl Net {
         self.free.push(id);
     }
 
-    /// Recomputes the rates of the flows around what changed since the last call, and calls
-    /// `drain(time, flow, version)` for every flow whose predicted drain time changed.
-    pub fn settle(&mut self, now: f64, mut drain: impl FnMut(f64, FlowId, u32)) {
+    /// Recomputes the rates of the flows around what changed since the last call, and their
+    /// drain times ([`Net::next_drain`]).
+    pub fn settle(&mut self, now: f64) {
         if self.dirty.is_empty() {
             return;
         }
@@ -303,7 +392,6 @@ impl Net {
             }
             flow.last = now;
             flow.rate = rate;
-            flow.version = flow.version.wrapping_add(1);
             let t = if rate.is_infinite() || flow.remaining <= 0.0 {
                 now
             } else if rate > 0.0 {
@@ -311,9 +399,7 @@ impl Net {
             } else {
                 f64::INFINITY
             };
-            if t.is_finite() {
-                drain(t, f, flow.version);
-            }
+            self.set_due(f, t);
         }
         self.comp_flows = cflows;
         self.comp_classes = cclasses;
@@ -349,9 +435,16 @@ impl Net {
 mod tests {
     use super::*;
 
+    /// Drain times of every active flow, in drain order.
     fn drains(net: &mut Net, now: f64) -> Vec<(f64, FlowId)> {
-        let mut v = Vec::new();
-        net.settle(now, |t, f, _| v.push((t, f)));
+        net.settle(now);
+        let mut v: Vec<(f64, FlowId)> = net
+            .dheap
+            .iter()
+            .map(|&f| (net.flows[f as usize].due, f))
+            .collect();
+        v.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        assert_eq!(net.next_drain(), v.first().copied());
         v
     }
 

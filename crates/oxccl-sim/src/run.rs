@@ -55,7 +55,7 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use oxccl::schedule::{Algorithm, Buf, Collective, Op, Region, Schedule};
 use oxccl::tuner::Tuning;
 
-use crate::engine::{FlowId, Net};
+use crate::engine::Net;
 use crate::sym::{self, Cycles};
 use crate::{Fabric, NodeKind};
 
@@ -659,8 +659,6 @@ impl Part {
 enum Ev {
     /// A participant's thread finished work on a step.
     Cpu(u32, u32),
-    /// A flow of the network drained (if still current).
-    Drain(FlowId, u32),
     /// A send with no flow (no bytes, or no link) drained.
     Drained(u32, u32),
     /// A receive's data arrived.
@@ -719,7 +717,6 @@ struct Sim<'a> {
     flow_info: Vec<(u32, u32)>,
     flows: u64,
     events: Vec<crate::Event>,
-    pending: Vec<(f64, FlowId, u32)>,
 }
 
 impl<'a> Sim<'a> {
@@ -809,7 +806,6 @@ impl<'a> Sim<'a> {
             flow_info: Vec::new(),
             flows: 0,
             events: Vec::new(),
-            pending: Vec::new(),
         })
     }
 
@@ -827,18 +823,34 @@ impl<'a> Sim<'a> {
             }
         }
         self.drain_work()?;
-        self.settle();
-        while let Some(Timed(t, _, ev)) = self.heap.pop() {
+        self.net.settle(self.now);
+        loop {
+            let next_ev = self.heap.peek().map(|e| e.0);
+            let next_drain = self.net.next_drain().map(|d| d.0);
+            let t = match (next_ev, next_drain) {
+                (None, None) => break,
+                (Some(a), None) => a,
+                (None, Some(b)) => b,
+                (Some(a), Some(b)) => a.min(b),
+            };
             self.now = t;
-            self.event(ev)?;
-            while let Some(Timed(t2, _, _)) = self.heap.peek() {
-                if *t2 != t {
+            // Everything due at t: events first, then drains, then rates once.
+            loop {
+                if self.heap.peek().is_some_and(|e| e.0 == t) {
+                    let Timed(_, _, ev) = self.heap.pop().expect("peeked");
+                    self.event(ev)?;
+                } else if let Some((d, f)) = self.net.next_drain()
+                    && d == t
+                {
+                    self.net.remove(t, f);
+                    let (p, s) = self.flow_info[f as usize];
+                    self.work.push_back(Act::Drained(p, s));
+                    self.drain_work()?;
+                } else {
                     break;
                 }
-                let Timed(_, _, ev) = self.heap.pop().expect("peeked");
-                self.event(ev)?;
             }
-            self.settle();
+            self.net.settle(t);
         }
         for p in &self.parts {
             if p.left > 0 {
@@ -865,27 +877,9 @@ impl<'a> Sim<'a> {
         Ok(())
     }
 
-    fn settle(&mut self) {
-        let mut pending = std::mem::take(&mut self.pending);
-        self.net.settle(self.now, |t, f, v| pending.push((t, f, v)));
-        for &(t, f, v) in &pending {
-            self.push(t, Ev::Drain(f, v));
-        }
-        pending.clear();
-        self.pending = pending;
-    }
-
     fn event(&mut self, ev: Ev) -> Result<(), String> {
         match ev {
             Ev::Cpu(p, s) => self.work.push_back(Act::CpuDone(p, s)),
-            Ev::Drain(f, v) => {
-                if !self.net.current(f, v) {
-                    return Ok(());
-                }
-                self.net.remove(self.now, f);
-                let (p, s) = self.flow_info[f as usize];
-                self.work.push_back(Act::Drained(p, s));
-            }
             Ev::Drained(p, s) => self.work.push_back(Act::Drained(p, s)),
             Ev::Arrive(p, s) => {
                 self.parts[p as usize].st[s as usize].flags |= ARRIVED;

@@ -99,7 +99,7 @@ proptest! {
                     }
                 }
             }
-            net.settle(now, |_, _, _| {});
+            net.settle(now);
             let paths: Vec<Vec<(u32, f64)>> = active.iter().map(|a| a.1.clone()).collect();
             let want = reference(&caps, &paths);
             for ((id, _), w) in active.iter().zip(&want) {

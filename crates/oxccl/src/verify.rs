@@ -75,6 +75,61 @@ struct RankState {
 }
 
 impl RankState {
+    /// Participant `r` of `parts` (the ranks, then the aggregator if any) with its schedule
+    /// and buffers, after checking that every step depends on earlier ones and talks to
+    /// another participant.
+    fn new(
+        r: usize,
+        parts: usize,
+        sched: Schedule,
+        input: Vec<Sym>,
+        output: Vec<Sym>,
+        in_place: Option<(usize, usize)>,
+    ) -> Result<RankState, String> {
+        let mut send_q: HashMap<(usize, u8), VecDeque<usize>> = HashMap::new();
+        let mut recv_q: HashMap<(usize, u8), VecDeque<usize>> = HashMap::new();
+        for (i, step) in sched.steps.iter().enumerate() {
+            if step.deps.iter().any(|&d| d as usize >= i) {
+                return Err(format!("rank {r} step {i} depends on a later step"));
+            }
+            match step.op {
+                Op::Send { peer, channel, .. } | Op::Recv { peer, channel, .. }
+                    if peer >= parts || peer == r =>
+                {
+                    return Err(format!(
+                        "rank {r} step {i} talks to rank {peer} (channel {channel})"
+                    ));
+                }
+                Op::Send { peer, channel, .. } => {
+                    send_q.entry((peer, channel)).or_default().push_back(i)
+                }
+                Op::Recv { peer, channel, .. } => {
+                    recv_q.entry((peer, channel)).or_default().push_back(i)
+                }
+                _ => {}
+            }
+        }
+        let steps = sched.steps.len();
+        let locals = (0..steps)
+            .filter(|&i| matches!(sched.steps[i].op, Op::Copy { .. } | Op::Reduce { .. }))
+            .collect();
+        Ok(RankState {
+            locals,
+            scratch: vec![POISON; sched.scratch],
+            sched,
+            input,
+            output,
+            in_place,
+            done: vec![false; steps],
+            progress: vec![0; steps],
+            completing: Vec::new(),
+            reading: Vec::new(),
+            send_q,
+            recv_q,
+            know: 1u64.checked_shl(r as u32).unwrap_or(0),
+        })
+    }
+
     /// Physical location of a region: (buffer id, offset); buffer 0 = input, 1 = output,
     /// 2 = scratch; in place, input and output are buffer 1 at their offsets.
     fn locate(&self, reg: Region) -> (u8, usize) {
@@ -245,84 +300,21 @@ pub fn verify_schedules(
             }
             None => (input, vec![POISON; out_len]),
         };
-        let mut send_q: HashMap<(usize, u8), VecDeque<usize>> = HashMap::new();
-        let mut recv_q: HashMap<(usize, u8), VecDeque<usize>> = HashMap::new();
-        for (i, step) in sched.steps.iter().enumerate() {
-            if step.deps.iter().any(|&d| d as usize >= i) {
-                return Err(format!("rank {r} step {i} depends on a later step"));
-            }
-            match step.op {
-                Op::Send { peer, channel, .. } | Op::Recv { peer, channel, .. }
-                    if (peer >= n && !(agg && peer == n)) || peer == r =>
-                {
-                    return Err(format!(
-                        "rank {r} step {i} talks to rank {peer} (channel {channel})"
-                    ));
-                }
-                Op::Send { peer, channel, .. } => {
-                    send_q.entry((peer, channel)).or_default().push_back(i)
-                }
-                Op::Recv { peer, channel, .. } => {
-                    recv_q.entry((peer, channel)).or_default().push_back(i)
-                }
-                _ => {}
-            }
-        }
-        let steps = sched.steps.len();
-        let locals = (0..steps)
-            .filter(|&i| matches!(sched.steps[i].op, Op::Copy { .. } | Op::Reduce { .. }))
-            .collect();
-        ranks.push(RankState {
-            locals,
-            scratch: vec![POISON; sched.scratch],
+        ranks.push(RankState::new(
+            r,
+            n + usize::from(agg),
             sched,
             input,
             output,
             in_place,
-            done: vec![false; steps],
-            progress: vec![0; steps],
-            completing: Vec::new(),
-            reading: Vec::new(),
-            send_q,
-            recv_q,
-            know: 1 << r,
-        });
+        )?);
     }
     if agg {
         let sched = build_aggregator(&reqs[0]).map_err(|e| format!("aggregator: {e}"))?;
-        let mut send_q: HashMap<(usize, u8), VecDeque<usize>> = HashMap::new();
-        let mut recv_q: HashMap<(usize, u8), VecDeque<usize>> = HashMap::new();
-        for (i, step) in sched.steps.iter().enumerate() {
-            match step.op {
-                Op::Send { peer, channel, .. } if peer < n => {
-                    send_q.entry((peer, channel)).or_default().push_back(i)
-                }
-                Op::Recv { peer, channel, .. } if peer < n => {
-                    recv_q.entry((peer, channel)).or_default().push_back(i)
-                }
-                Op::Copy { .. } | Op::Reduce { .. } => {}
-                _ => return Err(format!("aggregator step {i} talks to itself")),
-            }
-        }
-        let steps = sched.steps.len();
-        let locals = (0..steps)
-            .filter(|&i| matches!(sched.steps[i].op, Op::Copy { .. } | Op::Reduce { .. }))
-            .collect();
-        ranks.push(RankState {
-            locals,
-            scratch: vec![POISON; sched.scratch],
-            sched,
-            input: Vec::new(),
-            output: Vec::new(),
-            in_place: None,
-            done: vec![false; steps],
-            progress: vec![0; steps],
-            completing: Vec::new(),
-            reading: Vec::new(),
-            send_q,
-            recv_q,
-            know: 0,
-        });
+        let mut aggregator = RankState::new(n, n + 1, sched, Vec::new(), Vec::new(), None)?;
+        // It holds no contribution of its own.
+        aggregator.know = 0;
+        ranks.push(aggregator);
     }
     // The aggregator moves fragments of the ranks' size.
     let chunk_of = |r: usize| reqs[r.min(n - 1)].chunk;

@@ -13,10 +13,13 @@
 //!   what: `oxccl doctor /tmp/dump-*.json`.
 //! - `topo`: prints the job's topology (hosts, ranks, link rates), detected or read from a
 //!   file: `oxccl topo -n 4`, `oxccl topo --file hosts.toml --json`.
+//! - `sim`: predicts a collective on a modelled fabric (`oxccl-sim`) in `perf`'s table:
+//!   `oxccl sim --topo examples/topologies/testbed-b.toml all_reduce -b 1M -e 64M`.
 
 mod doctor;
 mod perf;
 mod run;
+mod sim;
 mod topo;
 mod verbs_perf;
 
@@ -57,6 +60,9 @@ enum Command {
     /// Print the job's topology (hosts, ranks, link rates): read from --file or
     /// OXCCL_TOPO_FILE, or detected (launches its own ranks unless started by a launcher).
     Topo(topo::Args),
+    /// Predict a collective's time on a modelled fabric (a topology file), in the table of
+    /// `perf`; a per-link summary and a Perfetto trace on request.
+    Sim(sim::Args),
 }
 
 /// Options of `oxccl store`.
@@ -112,6 +118,7 @@ fn main() -> ExitCode {
         Command::Perf(args) => return perf::main(args),
         Command::Doctor(args) => return doctor::main(args),
         Command::Topo(args) => return topo::main(args),
+        Command::Sim(args) => return sim::main(args),
         Command::Store(args) => {
             return match store_main(args) {
                 Ok(()) => ExitCode::SUCCESS,

@@ -52,7 +52,7 @@ pub struct Args {
     json: bool,
 }
 
-const COLLECTIVES: [&str; 8] = [
+pub(crate) const COLLECTIVES: [&str; 8] = [
     "all_reduce",
     "reduce_scatter",
     "all_gather",
@@ -128,7 +128,7 @@ fn rank_main(args: &Args, name: &str) -> Result<u64, String> {
     Ok(wrong)
 }
 
-fn collective(name: &str, count: usize, root: usize) -> Collective {
+pub(crate) fn collective(name: &str, count: usize, root: usize) -> Collective {
     match name {
         "all_reduce" => Collective::AllReduce { count },
         "reduce_scatter" => Collective::ReduceScatter { count },
@@ -141,8 +141,29 @@ fn collective(name: &str, count: usize, root: usize) -> Collective {
     }
 }
 
+/// The collective `oxccl perf` runs for a size of `size` bytes of `es`-byte elements on `n`
+/// ranks, and the size its table shows: collectives whose size counts all ranks' blocks
+/// (reduce-scatter, all-gather, all-to-all, gather, scatter) get `size / es / n` elements per
+/// rank.
+pub(crate) fn sized(
+    name: &str,
+    size: usize,
+    es: usize,
+    n: usize,
+    root: usize,
+) -> (Collective, usize) {
+    let per_rank = matches!(
+        name,
+        "reduce_scatter" | "all_gather" | "all_to_all" | "gather" | "scatter"
+    );
+    let total = size / es;
+    let count = if per_rank { total / n } else { total };
+    let shown = if per_rank { count * n * es } else { count * es };
+    (collective(name, count, root), shown)
+}
+
 /// nccl-tests' bus bandwidth factor.
-fn bus_factor(name: &str, n: usize) -> f64 {
+pub(crate) fn bus_factor(name: &str, n: usize) -> f64 {
     let n = n as f64;
     match name {
         "all_reduce" => 2.0 * (n - 1.0) / n,
@@ -209,11 +230,12 @@ fn tolerance(d: DataType) -> f64 {
     }
 }
 
-struct Row {
-    size: usize,
-    count: usize,
-    time_us: [f64; 2],
-    wrong: [u64; 2],
+/// One size's results: out of place (`[0]`) and in place (`[1]`).
+pub(crate) struct Row {
+    pub(crate) size: usize,
+    pub(crate) count: usize,
+    pub(crate) time_us: [f64; 2],
+    pub(crate) wrong: [u64; 2],
 }
 
 fn bench<T: Element>(comm: &Communicator, args: &Args, name: &str) -> Result<u64, String> {
@@ -223,11 +245,6 @@ fn bench<T: Element>(comm: &Communicator, args: &Args, name: &str) -> Result<u64
     if root >= n {
         return Err(format!("root {root} is outside a world of {n} ranks"));
     }
-    // Elements per rank's block, for collectives whose size counts all ranks' blocks.
-    let per_rank = matches!(
-        name,
-        "reduce_scatter" | "all_gather" | "all_to_all" | "gather" | "scatter"
-    );
     let integer = !T::DTYPE.is_float();
     // Start every rank's engine and caches before the first timed size, as nccl-tests warms up.
     let mut w = [0u64];
@@ -238,10 +255,7 @@ fn bench<T: Element>(comm: &Communicator, args: &Args, name: &str) -> Result<u64
     let mut rows = Vec::new();
     let mut size = args.min_bytes;
     loop {
-        let total = size / es;
-        let count = if per_rank { total / n } else { total };
-        let coll = collective(name, count, root);
-        let shown = if per_rank { count * n * es } else { count * es };
+        let (coll, shown) = sized(name, size, es, n, root);
         let mut row = Row {
             size: shown,
             count: shown / es,
@@ -339,23 +353,6 @@ fn bench<T: Element>(comm: &Communicator, args: &Args, name: &str) -> Result<u64
 
 fn print_rows(comm: &Communicator, args: &Args, name: &str, rows: &[Row]) -> std::io::Result<()> {
     let n = comm.world_size();
-    let bw = |r: &Row, k: usize| {
-        let algbw = if r.time_us[k] > 0.0 {
-            r.size as f64 / (r.time_us[k] * 1e3)
-        } else {
-            0.0
-        };
-        (algbw, algbw * bus_factor(name, n))
-    };
-    let rooted = matches!(name, "broadcast" | "reduce" | "gather" | "scatter");
-    let root: i64 = if rooted { args.root as i64 } else { -1 };
-    let redop = if matches!(name, "all_reduce" | "reduce_scatter" | "reduce") {
-        args.op.name()
-    } else {
-        "none"
-    };
-    let avg_busbw = rows.iter().map(|r| bw(r, 0).1).sum::<f64>() / rows.len().max(1) as f64;
-    let mut out = std::io::stdout().lock();
     let provider = comm
         .providers()
         .iter()
@@ -365,7 +362,75 @@ fn print_rows(comm: &Communicator, args: &Args, name: &str, rows: &[Row]) -> std
         .into_iter()
         .collect::<Vec<_>>()
         .join("+");
-    if args.json {
+    let table = Table {
+        name,
+        nranks: n,
+        dtype: args.dtype,
+        op: args.op,
+        root: args.root,
+        check: args.check != 0,
+        in_place: true,
+        title: format!(
+            "oxccl perf {name}: nranks {n} minBytes {} maxBytes {} step: {}(factor) warmup iters: {} iters: {} validation: {} provider: {}",
+            args.min_bytes,
+            args.max_bytes,
+            args.factor,
+            args.warmup,
+            args.iters,
+            args.check,
+            if provider.is_empty() {
+                "none"
+            } else {
+                &provider
+            }
+        ),
+        json: serde_json::Map::from_iter([("provider".to_string(), provider.clone().into())]),
+    };
+    write_table(&mut std::io::stdout().lock(), &table, rows, args.json)
+}
+
+/// What a results table says besides its rows (shared by `oxccl perf` and `oxccl sim`).
+pub(crate) struct Table<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) nranks: usize,
+    pub(crate) dtype: DataType,
+    pub(crate) op: ReduceOp,
+    pub(crate) root: usize,
+    /// Results were checked (else `#wrong` reads N/A).
+    pub(crate) check: bool,
+    /// The rows have in-place results (else those columns read N/A).
+    pub(crate) in_place: bool,
+    /// The first header line, after `# `.
+    pub(crate) title: String,
+    /// More top-level fields of the JSON document.
+    pub(crate) json: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Writes rows in the nccl-tests format (or one JSON document).
+pub(crate) fn write_table(
+    out: &mut dyn Write,
+    t: &Table,
+    rows: &[Row],
+    json: bool,
+) -> std::io::Result<()> {
+    let (name, n) = (t.name, t.nranks);
+    let bw = |r: &Row, k: usize| {
+        let algbw = if r.time_us[k] > 0.0 {
+            r.size as f64 / (r.time_us[k] * 1e3)
+        } else {
+            0.0
+        };
+        (algbw, algbw * bus_factor(name, n))
+    };
+    let rooted = matches!(name, "broadcast" | "reduce" | "gather" | "scatter");
+    let root: i64 = if rooted { t.root as i64 } else { -1 };
+    let redop = if matches!(name, "all_reduce" | "reduce_scatter" | "reduce") {
+        t.op.name()
+    } else {
+        "none"
+    };
+    let avg_busbw = rows.iter().map(|r| bw(r, 0).1).sum::<f64>() / rows.len().max(1) as f64;
+    if json {
         let rows: Vec<serde_json::Value> = rows
             .iter()
             .map(|r| {
@@ -373,30 +438,23 @@ fn print_rows(comm: &Communicator, args: &Args, name: &str, rows: &[Row]) -> std
                     let (a, b) = bw(r, k);
                     serde_json::json!({"time_us": r.time_us[k], "algbw": a, "busbw": b, "wrong": r.wrong[k]})
                 };
-                serde_json::json!({"size": r.size, "count": r.count, "type": args.dtype.name(),
-                    "redop": redop, "root": root, "oop": side(0), "ip": side(1)})
+                let mut row = serde_json::json!({"size": r.size, "count": r.count, "type": t.dtype.name(),
+                    "redop": redop, "root": root, "oop": side(0)});
+                if t.in_place {
+                    row["ip"] = side(1);
+                }
+                row
             })
             .collect();
-        let doc = serde_json::json!({"collective": name, "nranks": n, "dtype": args.dtype.name(),
-            "op": args.op.name(), "root": root, "provider": provider, "rows": rows, "avg_busbw": avg_busbw});
+        let mut doc = serde_json::json!({"collective": name, "nranks": n, "dtype": t.dtype.name(),
+            "op": t.op.name(), "root": root, "rows": rows, "avg_busbw": avg_busbw});
+        for (k, v) in &t.json {
+            doc[k] = v.clone();
+        }
         writeln!(out, "{doc}")?;
         return Ok(());
     }
-    writeln!(
-        out,
-        "# oxccl perf {name}: nranks {n} minBytes {} maxBytes {} step: {}(factor) warmup iters: {} iters: {} validation: {} provider: {}",
-        args.min_bytes,
-        args.max_bytes,
-        args.factor,
-        args.warmup,
-        args.iters,
-        args.check,
-        if provider.is_empty() {
-            "none"
-        } else {
-            &provider
-        }
-    )?;
+    writeln!(out, "# {}", t.title)?;
     writeln!(out, "#")?;
     writeln!(
         out,
@@ -441,28 +499,38 @@ fn print_rows(comm: &Communicator, args: &Args, name: &str, rows: &[Row]) -> std
         let (a0, b0) = bw(r, 0);
         let (a1, b1) = bw(r, 1);
         let wrong = |k: usize| {
-            if args.check != 0 {
+            if t.check {
                 r.wrong[k].to_string()
             } else {
                 "N/A".into()
             }
         };
+        let ip: [String; 4] = if t.in_place {
+            [
+                format!("{:.2}", r.time_us[1]),
+                format!("{a1:.2}"),
+                format!("{b1:.2}"),
+                wrong(1),
+            ]
+        } else {
+            ["N/A", "N/A", "N/A", "N/A"].map(String::from)
+        };
         writeln!(
             out,
-            "  {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7.2}  {:>6.2}  {:>6.2}  {:>6}  {:>7.2}  {:>6.2}  {:>6.2}  {:>6}",
+            "  {:>10}  {:>12}  {:>8}  {:>6}  {:>6}  {:>7.2}  {:>6.2}  {:>6.2}  {:>6}  {:>7}  {:>6}  {:>6}  {:>6}",
             r.size,
             r.count,
-            args.dtype.name(),
+            t.dtype.name(),
             redop,
             root,
             r.time_us[0],
             a0,
             b0,
             wrong(0),
-            r.time_us[1],
-            a1,
-            b1,
-            wrong(1)
+            ip[0],
+            ip[1],
+            ip[2],
+            ip[3]
         )?;
     }
     let total_wrong: u64 = rows.iter().map(|r| r.wrong[0] + r.wrong[1]).sum();

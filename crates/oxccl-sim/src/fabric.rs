@@ -22,7 +22,13 @@
 //! rate, an artefact of this model's few, long-lived flows. So for any pair `(a, b)` and key,
 //! `route(π(a), π(b), key)` is the image under `π` of `route(a, b, key)`: the symmetry is an
 //! automorphism of the fabric *with its routing*, as long as the engine gives mapped flows
-//! the same key (a key made of channel, step or slice numbers, not of rank numbers).
+//! the same key (a key made of channel, step or slice numbers, not of rank numbers). The
+//! generators (built in [`crate::topo_file`], each checked link by link by
+//! [`Fabric::check_symmetry`]): a star of identical hosts shifts by one host (several
+//! datacenters: by one datacenter); a single host's ranks shift by one; a cluster shifts by
+//! one leaf group (several datacenters: by one datacenter). A cluster of one leaf group and
+//! several hosts has none: moving its hosts would move their places in the group, which the
+//! spine choice depends on.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock};

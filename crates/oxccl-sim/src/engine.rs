@@ -322,6 +322,19 @@ impl Net {
         }
         self.dirty = dirty;
         self.dirty.clear();
+        if cflows.len() == 1 {
+            // One flow alone on its links: the tightest of them.
+            let f = cflows[0];
+            let rate = self.flows[f as usize]
+                .path
+                .iter()
+                .map(|&(c, w)| self.classes[c as usize].cap / w)
+                .fold(f64::INFINITY, f64::min);
+            self.set_rate(now, f, rate);
+            self.comp_flows = cflows;
+            self.comp_classes = cclasses;
+            return;
+        }
         // Deterministic order whatever the search found first.
         cflows.sort_unstable();
         cclasses.sort_unstable();
@@ -381,28 +394,33 @@ impl Net {
         // Flows on no constrained class (cannot happen with non-empty paths) stay as they are.
         new_rate.sort_unstable_by_key(|&(f, _)| f);
         for &(f, rate) in &new_rate {
-            let flow = &mut self.flows[f as usize];
-            if flow.rate == rate && flow.last <= now && flow.rate > 0.0 {
-                continue;
-            }
-            if flow.rate > 0.0 && flow.rate.is_finite() {
-                flow.remaining = (flow.remaining - flow.rate * (now - flow.last)).max(0.0);
-            } else if flow.rate.is_infinite() {
-                flow.remaining = 0.0;
-            }
-            flow.last = now;
-            flow.rate = rate;
-            let t = if rate.is_infinite() || flow.remaining <= 0.0 {
-                now
-            } else if rate > 0.0 {
-                now + flow.remaining / rate
-            } else {
-                f64::INFINITY
-            };
-            self.set_due(f, t);
+            self.set_rate(now, f, rate);
         }
         self.comp_flows = cflows;
         self.comp_classes = cclasses;
+    }
+
+    /// Gives flow `f` `rate` from `now` (its bytes so far at the old rate), and its drain time.
+    fn set_rate(&mut self, now: f64, f: FlowId, rate: f64) {
+        let flow = &mut self.flows[f as usize];
+        if flow.rate == rate && flow.rate > 0.0 {
+            return;
+        }
+        if flow.rate > 0.0 && flow.rate.is_finite() {
+            flow.remaining = (flow.remaining - flow.rate * (now - flow.last)).max(0.0);
+        } else if flow.rate.is_infinite() {
+            flow.remaining = 0.0;
+        }
+        flow.last = now;
+        flow.rate = rate;
+        let t = if rate.is_infinite() || flow.remaining <= 0.0 {
+            now
+        } else if rate > 0.0 {
+            now + flow.remaining / rate
+        } else {
+            f64::INFINITY
+        };
+        self.set_due(f, t);
     }
 
     /// The current rate of a flow.

@@ -38,21 +38,33 @@ fn fabric(file: &str, hosts: usize) -> Fabric {
     }
 }
 
+/// CPU seconds this process has used (user + system), from /proc (0 elsewhere): on a shared
+/// machine, wall time alone overstates what the simulator needs.
+fn cpu_s() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let after = stat.rsplit(')').next().unwrap_or("");
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let tick = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
+    // Fields 14 and 15 of the file (utime, stime), in clock ticks of 1/100 s.
+    (tick(11) + tick(12)) / 100.0
+}
+
 fn run(f: &Fabric, algo: Algorithm, symmetry: bool) {
     let spec = Spec {
         algo: Some(algo),
         symmetry,
         ..Spec::new(Collective::AllReduce { count: 1 << 28 }, 4)
     };
-    let t = Instant::now();
+    let (t, c) = (Instant::now(), cpu_s());
     let r = simulate(f, &spec).unwrap();
-    let wall = t.elapsed().as_secs_f64();
+    let (wall, cpu) = (t.elapsed().as_secs_f64(), cpu_s() - c);
     println!(
-        "{} ranks, 1 GiB all-reduce, {:?}: predicted {:.3} ms, wall {:.3} s ({} simulated ranks, symmetric {}, {} steps, {} flows)",
+        "{} ranks, 1 GiB all-reduce, {:?}: predicted {:.3} ms, wall {:.3} s, cpu {:.2} s ({} simulated ranks, symmetric {}, {} steps, {} flows)",
         f.world,
         r.algo,
         r.time_s * 1e3,
         wall,
+        cpu,
         r.simulated_ranks,
         r.symmetric,
         r.steps,

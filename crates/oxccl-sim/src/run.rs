@@ -48,7 +48,18 @@
 //! the orbits. A receive at a representative from a sender `gʲ(a)` (`a` a representative)
 //! waits for the matching send of `a` to `g⁻ʲ` of the receiver. This gives the unsymmetrised
 //! run's result when routes are equivariant (`route(g(a), g(b)) = g(route(a, b))`, as the
-//! structured fabrics' routes are). Runs with an aggregator are never symmetrised.
+//! structured fabrics' routes are; a flow's route key is its channel, the same for every
+//! flow of an orbit). Runs with an aggregator are never symmetrised.
+//!
+//! Schedules that are invariant except for some dependencies (the hierarchical algorithms,
+//! whose tiers overlap by offsets that depend on the host's place on its rail) are run in
+//! full when that is at most [`Options::approximate_above_steps`] steps (default
+//! [`APPROXIMATE_ABOVE_STEPS`]); above, symmetrised as if every rank ran its
+//! representative's schedule, and [`Report::approximate`] says so (a 1 GiB hierarchical
+//! all-reduce on 128 hosts of 8: 6 % slower than the full run; 64 MiB: 0.2 %).
+//!
+//! Costs: schedules are built on two threads and kept in a compact form (one 32-byte record
+//! per step); the event loop is sequential.
 
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 

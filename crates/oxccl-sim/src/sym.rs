@@ -6,9 +6,10 @@
 //! The run simulates one representative per rank orbit, its lowest rank, when the schedule
 //! of `g(r)` is the schedule of `r` with every peer mapped by `g`: the same steps in the same
 //! order, kinds, channels, lengths and dependencies (offsets may differ). This is checked
-//! for every representative `r`, which makes the schedules invariant under `g` along every
-//! orbit when each schedule is a function of the rank's position relative to its peers
-//! (as the library's are); it is not a proof for arbitrary schedules.
+//! for every representative `r` (for 64 of them, evenly spread, when there are more), which
+//! makes the schedules invariant under `g` along every orbit when each schedule is a
+//! function of the rank's position relative to its peers (as the library's are); it is not a
+//! proof for arbitrary schedules.
 
 use oxccl::schedule::{Op, Region, Schedule};
 

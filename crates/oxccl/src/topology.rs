@@ -3,8 +3,14 @@
 //!
 //! A [`Topology`] is detected at init from the host identity of every rank
 //! ([`Topology::from_host_ids`], over [`Communicator::hosts`](crate::Communicator::hosts)),
-//! or read from a file named by `OXCCL_TOPO_FILE` ([`Topology::from_env`]). `oxccl topo` prints
-//! it.
+//! or read from a file named by `OXCCL_TOPO_FILE` ([`Topology::from_env`]). With
+//! `OXCCL_TOPO_PROBE=1` a communicator measures the link rates a file does not give at init
+//! (see [`Options::topo_probe`](crate::Options::topo_probe)). `oxccl topo` prints it.
+//!
+//! The tuner ([`crate::tuner`]) reads it: several hosts of several ranks run two-tier
+//! (hierarchical) collectives; uneven link rates give all-reduces shares in proportion
+//! ([`Topology::proportional_weights`], [`Topology::rail_weights`]); rings over hosts whose
+//! ranks interleave are ordered host by host.
 //!
 //! ## File format
 //! JSON (when the first non-blank character is `{`) or TOML, with the same fields:

@@ -63,7 +63,7 @@ struct Class {
 }
 
 /// A min-heap key: (share, class, class version).
-#[derive(PartialEq)]
+#[derive(Debug, PartialEq)]
 struct Share(f64, u32, u32);
 
 impl Eq for Share {}
@@ -97,6 +97,8 @@ pub struct Net {
     /// Scratch of settle.
     comp_flows: Vec<FlowId>,
     comp_classes: Vec<u32>,
+    fill_heap: BinaryHeap<Share>,
+    new_rate: Vec<(FlowId, f64)>,
 }
 
 impl Net {
@@ -127,6 +129,8 @@ impl Net {
             record,
             comp_flows: Vec::new(),
             comp_classes: Vec::new(),
+            fill_heap: BinaryHeap::new(),
+            new_rate: Vec::new(),
         }
     }
 
@@ -335,11 +339,10 @@ impl Net {
             self.comp_classes = cclasses;
             return;
         }
-        // Deterministic order whatever the search found first.
-        cflows.sort_unstable();
-        cclasses.sort_unstable();
-        // Water-filling.
-        let mut heap = BinaryHeap::with_capacity(cclasses.len());
+        // Water-filling (the search's order is deterministic; the result does not depend on
+        // it but for rounding).
+        let mut heap = std::mem::take(&mut self.fill_heap);
+        heap.clear();
         for &c in &cclasses {
             let class = &mut self.classes[c as usize];
             class.left = class.cap;
@@ -359,7 +362,8 @@ impl Net {
                 heap.push(Share(class.left / class.wsum, c, class.ver));
             }
         }
-        let mut new_rate: Vec<(FlowId, f64)> = Vec::with_capacity(cflows.len());
+        let mut new_rate = std::mem::take(&mut self.new_rate);
+        new_rate.clear();
         while let Some(Share(share, c, ver)) = heap.pop() {
             if self.classes[c as usize].ver != ver {
                 continue;
@@ -392,10 +396,11 @@ impl Net {
             class.ver = class.ver.wrapping_add(1);
         }
         // Flows on no constrained class (cannot happen with non-empty paths) stay as they are.
-        new_rate.sort_unstable_by_key(|&(f, _)| f);
         for &(f, rate) in &new_rate {
             self.set_rate(now, f, rate);
         }
+        self.new_rate = new_rate;
+        self.fill_heap = heap;
         self.comp_flows = cflows;
         self.comp_classes = cclasses;
     }

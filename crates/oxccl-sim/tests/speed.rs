@@ -59,7 +59,7 @@ fn run(f: &Fabric, algo: Algorithm, symmetry: bool) {
     let r = simulate(f, &spec).unwrap();
     let (wall, cpu) = (t.elapsed().as_secs_f64(), cpu_s() - c);
     println!(
-        "{} ranks, 1 GiB all-reduce, {:?}: predicted {:.3} ms, wall {:.3} s, cpu {:.2} s ({} simulated ranks, symmetric {}, {} steps, {} flows)",
+        "{} ranks, 1 GiB all-reduce, {:?}: predicted {:.3} ms, wall {:.3} s, cpu {:.2} s ({} simulated ranks, symmetric {}, approximate {}, {} steps, {} flows)",
         f.world,
         r.algo,
         r.time_s * 1e3,
@@ -67,6 +67,7 @@ fn run(f: &Fabric, algo: Algorithm, symmetry: bool) {
         cpu,
         r.simulated_ranks,
         r.symmetric,
+        r.approximate,
         r.steps,
         r.flows
     );

@@ -372,7 +372,11 @@ pub fn simulate_with(fabric: &Fabric, spec: &Spec, opts: &Options) -> Result<Rep
         }
     }
     if mode == Mode::Full {
-        let est = first_len.unwrap_or(0) as u128 * world as u128;
+        let first = match first_len {
+            Some(n) => n,
+            None => build(0)?.steps.len(),
+        };
+        let est = first as u128 * world as u128;
         if est > FULL_MAX_STEPS {
             return Err(format!(
                 "about {est} steps to simulate ({world} ranks) and no usable symmetry: the \

@@ -429,3 +429,18 @@ fn symmetry_of_a_structured_cluster_gives_the_unsymmetrised_result() {
         assert_same(&full, &sym);
     }
 }
+
+#[test]
+fn a_huge_run_without_symmetry_is_refused() {
+    let f = cluster(Params {
+        symmetric: false,
+        ..Params::star(4096)
+    });
+    let s = spec(
+        Collective::AllReduce { count: 1 << 26 },
+        Algorithm::Ring,
+        4096,
+    );
+    let e = simulate(&f, &s).unwrap_err();
+    assert!(e.contains("no usable symmetry"), "{e}");
+}

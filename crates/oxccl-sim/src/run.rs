@@ -240,8 +240,9 @@ pub fn tuning(fabric: &Fabric, spec: &Spec) -> Tuning {
     t
 }
 
-/// Without usable symmetry, runs of more steps than this (all ranks together) are refused.
-const FULL_MAX_STEPS: u128 = 400_000_000;
+/// Without usable symmetry, runs of more steps than this (all ranks together) are refused
+/// (about 4 GB of steps and a minute of simulation).
+const FULL_MAX_STEPS: u128 = 100_000_000;
 /// Schedules invariant under the symmetry except for their dependencies are run
 /// symmetrised (approximately, [`Report::approximate`]) when the full run would simulate
 /// more steps than this.

@@ -226,11 +226,12 @@ fn symmetry_gives_the_unsymmetrised_result() {
             1 << 20,
         ),
     ];
-    for (p, coll, algo, chunk) in cases {
+    for ((p, coll, algo, chunk), channels) in cases.into_iter().zip([1, 2].into_iter().cycle()) {
         let f = cluster(p);
         let base = Spec {
             algo: Some(algo),
             chunk_bytes: Some(chunk),
+            channels: Some(channels),
             ..Spec::new(coll.clone(), 4)
         };
         let full = simulate(

@@ -681,13 +681,35 @@ enum Ev {
     Arrive(u32, u32),
 }
 
-struct Timed(f64, u64, Ev);
-impl PartialEq for Timed {
-    fn eq(&self, o: &Self) -> bool {
-        self.0 == o.0 && self.1 == o.1
+/// An event at a time, packed in 16 bytes for the queue: the time's bits (times are never
+/// negative, so their bits order as the times do), then the event's kind, participant and
+/// step (which break ties, deterministically).
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Timed(u64, u64);
+
+impl Timed {
+    fn new(t: f64, ev: Ev) -> Timed {
+        debug_assert!(t >= 0.0);
+        let (k, p, s) = match ev {
+            Ev::Cpu(p, s) => (0u64, p, s),
+            Ev::Drained(p, s) => (1, p, s),
+            Ev::Arrive(p, s) => (2, p, s),
+        };
+        Timed((t + 0.0).to_bits(), k << 62 | (p as u64) << 32 | s as u64)
+    }
+    fn time(&self) -> f64 {
+        f64::from_bits(self.0)
+    }
+    fn ev(&self) -> Ev {
+        let (p, s) = (((self.1 >> 32) & 0x3fff_ffff) as u32, self.1 as u32);
+        match self.1 >> 62 {
+            0 => Ev::Cpu(p, s),
+            1 => Ev::Drained(p, s),
+            _ => Ev::Arrive(p, s),
+        }
     }
 }
-impl Eq for Timed {}
+
 impl PartialOrd for Timed {
     fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
         Some(self.cmp(o))
@@ -695,7 +717,8 @@ impl PartialOrd for Timed {
 }
 impl Ord for Timed {
     fn cmp(&self, o: &Self) -> std::cmp::Ordering {
-        o.0.total_cmp(&self.0).then_with(|| o.1.cmp(&self.1))
+        // Reversed: BinaryHeap is a max-heap.
+        (o.0, o.1).cmp(&(self.0, self.1))
     }
 }
 
@@ -725,7 +748,6 @@ struct Sim<'a> {
     links: Cycles,
     net: Net,
     heap: BinaryHeap<Timed>,
-    seq: u64,
     now: f64,
     work: VecDeque<Act>,
     route_list: Vec<Route>,
@@ -815,7 +837,6 @@ impl<'a> Sim<'a> {
             links,
             net: Net::new(&caps, spec.trace),
             heap: BinaryHeap::new(),
-            seq: 0,
             now: 0.0,
             work: VecDeque::new(),
             route_list,
@@ -826,8 +847,7 @@ impl<'a> Sim<'a> {
     }
 
     fn push(&mut self, t: f64, ev: Ev) {
-        self.seq += 1;
-        self.heap.push(Timed(t, self.seq, ev));
+        self.heap.push(Timed::new(t, ev));
     }
 
     fn run(&mut self) -> Result<(), String> {
@@ -841,7 +861,7 @@ impl<'a> Sim<'a> {
         self.drain_work()?;
         self.net.settle(self.now);
         loop {
-            let next_ev = self.heap.peek().map(|e| e.0);
+            let next_ev = self.heap.peek().map(|e| e.time());
             let next_drain = self.net.next_drain().map(|d| d.0);
             let t = match (next_ev, next_drain) {
                 (None, None) => break,
@@ -852,8 +872,8 @@ impl<'a> Sim<'a> {
             self.now = t;
             // Everything due at t: events first, then drains, then rates once.
             loop {
-                if self.heap.peek().is_some_and(|e| e.0 == t) {
-                    let Timed(_, _, ev) = self.heap.pop().expect("peeked");
+                if self.heap.peek().is_some_and(|e| e.time() == t) {
+                    let ev = self.heap.pop().expect("peeked").ev();
                     self.event(ev)?;
                 } else if let Some((d, f)) = self.net.next_drain()
                     && d == t

@@ -372,22 +372,31 @@ pub fn simulate_with(fabric: &Fabric, spec: &Spec, opts: &Options) -> Result<Rep
             links = lc;
         }
     }
-    if mode == Mode::Full {
-        let first = match first_len {
-            Some(n) => n,
-            None => build(0)?.steps.len(),
-        };
-        let est = first as u128 * world as u128;
-        if est > FULL_MAX_STEPS {
-            return Err(format!(
-                "about {est} steps to simulate ({world} ranks) and no usable symmetry: the \
-                 fabric has none, or the schedules are not invariant under it"
-            ));
+    if mode != Mode::Full {
+        // A symmetric run that fails (a schedule the sampled check did not see break the
+        // matching) falls back to the full run.
+        let mut sim = Sim::new(fabric, spec, &tuning, parts, ranks, links, None)?;
+        if sim.run().is_ok() {
+            return Ok(sim.report(algo, mode));
         }
-        parts = par_map(world, |r| compact(r, build(r)?))
-            .into_iter()
-            .collect::<Result<Vec<_>, _>>()?;
+        ranks = Cycles::identity(world);
+        links = Cycles::identity(fabric.links.len());
+        mode = Mode::Full;
     }
+    let first = match first_len {
+        Some(n) => n,
+        None => build(0)?.steps.len(),
+    };
+    let est = first as u128 * world as u128;
+    if est > FULL_MAX_STEPS {
+        return Err(format!(
+            "about {est} steps to simulate ({world} ranks) and no usable symmetry: the \
+             fabric has none, or the schedules are not invariant under it"
+        ));
+    }
+    parts = par_map(world, |r| compact(r, build(r)?))
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?;
     if agg_node.is_some() {
         let s = oxccl::schedule::build_aggregator(&req0)?;
         parts.push(compact(world, s)?);

@@ -51,7 +51,8 @@ struct Class {
     /// Scratch of the fill: capacity left and weight of unfrozen flows.
     left: f64,
     wsum: f64,
-    ver: u32,
+    /// Scratch of the fill: unfrozen flows crossing it.
+    nfree: u32,
     /// Since when it carries a flow (when it does).
     busy_since: f64,
     /// Seconds it carried at least one flow.
@@ -62,9 +63,9 @@ struct Class {
     intervals: Vec<(f64, f64)>,
 }
 
-/// A min-heap key: (share, class, class version).
+/// A min-heap key: (share, class).
 #[derive(Debug, PartialEq)]
-struct Share(f64, u32, u32);
+struct Share(f64, u32);
 
 impl Eq for Share {}
 impl PartialOrd for Share {
@@ -114,7 +115,7 @@ impl Net {
                     mark: 0,
                     left: 0.0,
                     wsum: 0.0,
-                    ver: 0,
+                    nfree: 0,
                     busy_since: 0.0,
                     busy: 0.0,
                     bytes: 0.0,
@@ -347,28 +348,42 @@ impl Net {
             let class = &mut self.classes[c as usize];
             class.left = class.cap;
             class.wsum = 0.0;
+            class.nfree = 0;
         }
         for &f in &cflows {
             let flow = &mut self.flows[f as usize];
             flow.frozen = false;
             for &(c, w) in &flow.path {
-                self.classes[c as usize].wsum += w;
+                let class = &mut self.classes[c as usize];
+                class.wsum += w;
+                class.nfree += 1;
             }
         }
         for &c in &cclasses {
-            let class = &mut self.classes[c as usize];
-            class.ver = class.ver.wrapping_add(1);
-            if class.wsum > 0.0 {
-                heap.push(Share(class.left / class.wsum, c, class.ver));
+            let class = &self.classes[c as usize];
+            if class.nfree > 0 {
+                heap.push(Share(class.left / class.wsum, c));
             }
         }
         let mut new_rate = std::mem::take(&mut self.new_rate);
         new_rate.clear();
-        while let Some(Share(share, c, ver)) = heap.pop() {
-            if self.classes[c as usize].ver != ver {
+        // Lazy keys: freezing flows at the smallest share only raises the other classes'
+        // shares, so a key is a lower bound of its class's share; a popped class whose share
+        // has grown goes back with its new share, else its share is the smallest of all.
+        while let Some(Share(key, c)) = heap.pop() {
+            let class = &self.classes[c as usize];
+            if class.nfree == 0 {
                 continue;
             }
-            let share = share.max(0.0);
+            let share = if class.wsum > 0.0 {
+                (class.left / class.wsum).max(0.0)
+            } else {
+                f64::INFINITY
+            };
+            if share > key {
+                heap.push(Share(share, c));
+                continue;
+            }
             // Freeze every unfrozen flow on c at `share`.
             for k in 0..self.classes[c as usize].flows.len() {
                 let f = self.classes[c as usize].flows[k];
@@ -384,16 +399,9 @@ impl Net {
                         class.left = (class.left - w * share).max(0.0);
                     }
                     class.wsum -= w;
-                    if c2 != c {
-                        class.ver = class.ver.wrapping_add(1);
-                        if class.wsum > 1e-12 {
-                            heap.push(Share(class.left / class.wsum, c2, class.ver));
-                        }
-                    }
+                    class.nfree -= 1;
                 }
             }
-            let class = &mut self.classes[c as usize];
-            class.ver = class.ver.wrapping_add(1);
         }
         // Flows on no constrained class (cannot happen with non-empty paths) stay as they are.
         for &(f, rate) in &new_rate {

@@ -138,24 +138,34 @@ impl Net {
     /// Starts a flow of `bytes` (> 0) over `path` (classes and weights, non-empty) at `now`.
     /// Its rate is set by the next [`Net::settle`].
     pub fn add(&mut self, now: f64, path: &[(u32, f64)], bytes: f64) -> FlowId {
-        let flow = Flow {
-            path: path.to_vec(),
-            remaining: bytes,
-            rate: 0.0,
-            last: now,
-            due: f64::INFINITY,
-            hpos: NOT_QUEUED,
-            active: true,
-            mark: 0,
-            frozen: false,
-        };
         let id = match self.free.pop() {
             Some(id) => {
-                self.flows[id as usize] = flow;
+                // Reuse the slot and its path's allocation.
+                let f = &mut self.flows[id as usize];
+                f.path.clear();
+                f.path.extend_from_slice(path);
+                f.remaining = bytes;
+                f.rate = 0.0;
+                f.last = now;
+                f.due = f64::INFINITY;
+                f.hpos = NOT_QUEUED;
+                f.active = true;
+                f.mark = 0;
+                f.frozen = false;
                 id
             }
             None => {
-                self.flows.push(flow);
+                self.flows.push(Flow {
+                    path: path.to_vec(),
+                    remaining: bytes,
+                    rate: 0.0,
+                    last: now,
+                    due: f64::INFINITY,
+                    hpos: NOT_QUEUED,
+                    active: true,
+                    mark: 0,
+                    frozen: false,
+                });
                 (self.flows.len() - 1) as FlowId
             }
         };

@@ -234,7 +234,13 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
         })
         .collect();
     let rep = &largest.report;
-    let sym = if rep.symmetric {
+    let sym = if rep.symmetric && rep.approximate {
+        format!(
+            "symmetry: APPROXIMATE, {} of {n} ranks simulated as if every rank ran its \
+             representative's schedule (--no-symmetry runs them all)",
+            rep.simulated_ranks
+        )
+    } else if rep.symmetric {
         format!("symmetry: {} of {n} ranks simulated", rep.simulated_ranks)
     } else {
         "symmetry: none".to_string()
@@ -249,6 +255,7 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
         "sim".into(),
         json!({
             "simulated_ranks": rep.simulated_ranks, "symmetric": rep.symmetric,
+            "approximate": rep.approximate,
             "steps": rep.steps, "flows": rep.flows,
             "wall_s": results.iter().map(|s| s.wall_s).collect::<Vec<_>>(),
         }),

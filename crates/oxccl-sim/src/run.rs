@@ -51,12 +51,13 @@
 //! structured fabrics' routes are; a flow's route key is its channel, the same for every
 //! flow of an orbit). Runs with an aggregator are never symmetrised.
 //!
-//! Schedules that are invariant except for some dependencies (the hierarchical algorithms,
-//! whose tiers overlap by offsets that depend on the host's place on its rail) are run in
-//! full when that is at most [`Options::approximate_above_steps`] steps (default
+//! The hierarchical all-reduce cuts its tiers on rail blocks taken in order from the host's
+//! own place on the rail, so that shifting hosts is an exact symmetry of its schedules.
+//! Schedules that are invariant except for some dependencies (the hierarchical all-gather,
+//! which gathers inside the host in host order, each slice once its rail copy arrived) are
+//! run in full when that is at most [`Options::approximate_above_steps`] steps (default
 //! [`APPROXIMATE_ABOVE_STEPS`]); above, symmetrised as if every rank ran its
-//! representative's schedule, and [`Report::approximate`] says so (a 1 GiB hierarchical
-//! all-reduce on 128 hosts of 8: 6 % slower than the full run; 64 MiB: 0.2 %).
+//! representative's schedule, and [`Report::approximate`] says so.
 //!
 //! Costs: schedules are built on two threads and kept in a compact form (one 32-byte record
 //! per step); the event loop is sequential.

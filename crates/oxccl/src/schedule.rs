@@ -558,8 +558,10 @@ pub fn build(req: &Request) -> Result<Schedule, String> {
                 req.weights
             ));
         }
-        let per = |h: u32| req.hosts.iter().filter(|&&x| x == h).count();
-        if req.hosts.iter().any(|&h| per(h) != per(req.hosts[0])) {
+        let mut ids = req.hosts.clone();
+        ids.sort_unstable();
+        let per: Vec<usize> = ids.chunk_by(|a, b| a == b).map(<[u32]>::len).collect();
+        if per.iter().any(|&c| c != per[0]) {
             return Err(format!(
                 "the hierarchical algorithm needs as many ranks on every host: {:?}",
                 req.hosts
@@ -1139,9 +1141,7 @@ fn proportional_all_reduce(b: &mut Builder, req: &Request, count: usize) {
     let blocks = weighted_blocks(count, &req.weights);
     let k = phase_slices(&blocks, req.chunk);
     let own = (Buf::Output, blocks[req.rank].0);
-    let rs = direct_reduce_scatter(b, &members, req.rank, &blocks, k, Buf::Input, own, &NOTHING);
-    let ready: Vec<Vec<Option<u32>>> = rs.reduced.iter().map(|&d| vec![d]).collect();
-    direct_all_gather(b, &members, req.rank, &blocks, k, &ready, &rs.sent);
+    direct_all_reduce_part(b, &members, req.rank, &blocks, k, Buf::Input, own, &NOTHING);
 }
 
 /// The longest rail a hierarchical schedule crosses with direct exchanges (every rank talks
@@ -1246,7 +1246,7 @@ fn hierarchical_all_gather(b: &mut Builder, req: &Request, count: usize) {
     let mut held = if rail.len() <= RAIL_DIRECT_MAX {
         let ready = vec![vec![Some(own)]; k];
         let war = vec![vec![None; k]; rail.len()];
-        direct_all_gather(b, &rail, r, &rblocks, k, &ready, &war)
+        direct_all_gather(b, &rail, r, (k, &even_cut(&rblocks, k)), &ready, &war)
     } else {
         ring_all_gather_part(b, &rail, ri, &rblocks, req.chunk, Some(own))
     };
@@ -1262,7 +1262,7 @@ fn hierarchical_all_gather(b: &mut Builder, req: &Request, count: usize) {
                 held.over(lblocks[li].0 + o, l)
             })
             .collect();
-        direct_all_gather(b, &locals, r, &lblocks, k, &ready, &none);
+        direct_all_gather(b, &locals, r, (k, &even_cut(&lblocks, k)), &ready, &none);
     }
 }
 
@@ -1270,19 +1270,55 @@ fn hierarchical_all_gather(b: &mut Builder, req: &Request, count: usize) {
 fn hierarchical_all_reduce(b: &mut Builder, req: &Request, count: usize) {
     let r = req.rank;
     let Tiers {
+        hosts,
         locals,
         li,
         rail,
         ri,
-        ..
     } = tiers(req);
-    // 1. Inside the host: reduce-scatter into equal local blocks.
-    let l = locals.len();
+    let (l, h) = (locals.len(), rail.len());
     let lblocks: Vec<(usize, usize)> = (0..l).map(|j| split(count, l, j)).collect();
-    let k1 = phase_slices(&lblocks, req.chunk);
+    // How local block `j` splits along its rail (relative offsets): in proportion to the
+    // rail's weights when given, else evenly (rings ignore weights).
+    let rail_split = |j: usize| -> Vec<(usize, usize)> {
+        let len = lblocks[j].1;
+        let w: Vec<u32> = hosts
+            .iter()
+            .map(|host| req.weights.get(host[j]).copied().unwrap_or(0))
+            .collect();
+        if h <= RAIL_DIRECT_MAX && w.iter().any(|&x| x > 0) {
+            weighted_blocks(len, &w)
+        } else {
+            (0..h).map(|q| split(len, h, q)).collect()
+        }
+    };
+    let splits: Vec<Vec<(usize, usize)>> = (0..l).map(rail_split).collect();
+    // The first and last tiers cut every local block on its rail blocks, `ks` slices each,
+    // taking the rail blocks in the order the rail uses them from this host (its own rail
+    // index first, then downwards): a slice's steps sit at the same place on every host,
+    // so the schedule looks the same from every host (the simulator's symmetry), and the
+    // rail starts on what the first tier finishes first.
+    let ks = phase_slices(&lblocks, req.chunk).div_ceil(h).max(1);
+    let k1 = h * ks;
+    let cut = |j: usize, s: usize| {
+        let q = (ri + h - s / ks) % h;
+        let (qo, ql) = splits[j][q];
+        let (so, sl) = split(ql, ks, s % ks);
+        (lblocks[j].0 + qo + so, sl)
+    };
+    // 1. Inside the host: reduce-scatter into the local blocks.
     let (off, len) = lblocks[li];
     let own = (Buf::Output, off);
-    let rs1 = direct_reduce_scatter(b, &locals, r, &lblocks, k1, Buf::Input, own, &NOTHING);
+    let rs1 = direct_reduce_scatter(
+        b,
+        &locals,
+        r,
+        &lblocks,
+        (k1, &cut),
+        Buf::Input,
+        own,
+        &NOTHING,
+    );
     let mut p1 = rs1.done;
     if l == 1 && !req.in_place && len > 0 {
         // No local partner: the output starts as the input.
@@ -1296,35 +1332,14 @@ fn hierarchical_all_reduce(b: &mut Builder, req: &Request, count: usize) {
     let after1 = |o: usize, l: usize| p1.over(o, l);
     // 2. Across hosts, along the rail: all-reduce of this rank's local block, each part as
     //    soon as the first tier has reduced it.
-    let h = rail.len();
     let p2 = if h == 1 {
         Done::default()
     } else if h <= RAIL_DIRECT_MAX {
-        // Shares by the rail's link rates, if given (and not all zero), else equal.
-        let w: Vec<u32> = rail
-            .iter()
-            .map(|&x| req.weights.get(x).copied().unwrap_or(0))
-            .collect();
-        let rblocks: Vec<(usize, usize)> = if w.iter().any(|&x| x > 0) {
-            weighted_blocks(len, &w)
-                .into_iter()
-                .map(|(o, sl)| (off + o, sl))
-                .collect()
-        } else {
-            (0..h)
-                .map(|j| {
-                    let (o, sl) = split(len, h, j);
-                    (off + o, sl)
-                })
-                .collect()
-        };
+        let rblocks: Vec<(usize, usize)> =
+            splits[li].iter().map(|&(o, sl)| (off + o, sl)).collect();
         let k2 = phase_slices(&rblocks, req.chunk);
         let own = (Buf::Output, rblocks[ri].0);
-        let rs2 = direct_reduce_scatter(b, &rail, r, &rblocks, k2, Buf::Output, own, &after1);
-        let ready2: Vec<Vec<Option<u32>>> = rs2.reduced.iter().map(|&d| vec![d]).collect();
-        let mut p2 = direct_all_gather(b, &rail, r, &rblocks, k2, &ready2, &rs2.sent);
-        p2.extend(rs2.done);
-        p2
+        direct_all_reduce_part(b, &rail, r, &rblocks, k2, Buf::Output, own, &after1)
     } else {
         ring_all_reduce_part(b, &rail, ri, (off, len), req.chunk, 0, Buf::Output, &after1)
     }
@@ -1332,13 +1347,13 @@ fn hierarchical_all_reduce(b: &mut Builder, req: &Request, count: usize) {
     // 3. Inside the host: all-gather of the local blocks, each slice once it is complete.
     let ready3: Vec<Vec<Option<u32>>> = (0..k1)
         .map(|s| {
-            let (o, sl) = split(len, k1, s);
-            let mut deps = p1.over(off + o, sl);
-            deps.extend(p2.over(off + o, sl));
+            let (o, sl) = cut(li, s);
+            let mut deps = p1.over(o, sl);
+            deps.extend(p2.over(o, sl));
             deps
         })
         .collect();
-    direct_all_gather(b, &locals, r, &lblocks, k1, &ready3, &rs1.sent);
+    direct_all_gather(b, &locals, r, (k1, &cut), &ready3, &rs1.sent);
 }
 
 /// See [`Algorithm::Hierarchical`]: inside each host, a reduce-scatter of the blocks bound
@@ -1367,7 +1382,8 @@ fn hierarchical_reduce_scatter(b: &mut Builder, req: &Request, count: usize) {
         // One rank per host: only the rail.
         let rblocks: Vec<(usize, usize)> = rail.iter().map(|&x| block(x)).collect();
         let k = phase_slices(&rblocks, req.chunk);
-        direct_reduce_scatter(b, &rail, r, &rblocks, k, Buf::Input, out, &NOTHING);
+        let cut = (k, &even_cut(&rblocks, k) as Cut);
+        direct_reduce_scatter(b, &rail, r, &rblocks, cut, Buf::Input, out, &NOTHING);
         return;
     }
     // 1. Inside the host: this rank's sum for host `hb` lands in scratch block `hb`.
@@ -1377,7 +1393,8 @@ fn hierarchical_reduce_scatter(b: &mut Builder, req: &Request, count: usize) {
         let lblocks: Vec<(usize, usize)> = host.iter().map(|&x| block(x)).collect();
         let k = phase_slices(&lblocks, req.chunk);
         let to = (Buf::Scratch, hb * count);
-        let rs = direct_reduce_scatter(b, &locals, r, &lblocks, k, Buf::Input, to, &NOTHING);
+        let cut = (k, &even_cut(&lblocks, k) as Cut);
+        let rs = direct_reduce_scatter(b, &locals, r, &lblocks, cut, Buf::Input, to, &NOTHING);
         p1.extend(rs.done);
     }
     let p1 = p1.sealed();
@@ -1395,7 +1412,8 @@ fn hierarchical_reduce_scatter(b: &mut Builder, req: &Request, count: usize) {
     let rblocks: Vec<(usize, usize)> = (0..h).map(|hb| (hb * count, count)).collect();
     let k = phase_slices(&rblocks, req.chunk);
     let after = |o: usize, l: usize| p1.over(o, l);
-    direct_reduce_scatter(b, &rail, r, &rblocks, k, Buf::Scratch, out, &after);
+    let cut = (k, &even_cut(&rblocks, k) as Cut);
+    direct_reduce_scatter(b, &rail, r, &rblocks, cut, Buf::Scratch, out, &after);
 }
 
 /// See [`Algorithm::Hierarchical`]: the root hands piece `l` of the buffer to its host-mate
@@ -1487,6 +1505,90 @@ fn phase_slices(blocks: &[(usize, usize)], chunk: usize) -> usize {
     slices(largest, chunk).max(PROPORTIONAL_SLICES.min(largest.max(1)))
 }
 
+/// Direct all-reduce among `members` (a reduce-scatter into `blocks` of `src`, this rank's
+/// block folded into `own`, then an all-gather into the output), emitted slice by slice:
+/// slice `s`'s gather follows its reduction in every (peer, channel) queue, so that no
+/// gathered slice waits behind the reduce-scatter of later slices (which, with a slow
+/// contributor, would hold every gather until its last byte). Returns where the output
+/// became final.
+#[allow(clippy::too_many_arguments)]
+fn direct_all_reduce_part(
+    b: &mut Builder,
+    members: &[usize],
+    me: usize,
+    blocks: &[(usize, usize)],
+    k: usize,
+    src: Buf,
+    own: (Buf, usize),
+    after: &dyn Fn(usize, usize) -> Vec<Option<u32>>,
+) -> Done {
+    let m = members.len();
+    let i = members.iter().position(|&x| x == me).expect("a member");
+    let slice = |blk: usize, s: usize| {
+        let (o, l) = blocks[blk];
+        let (so, sl) = split(l, k, s);
+        (o + so, sl)
+    };
+    let peers: Vec<usize> = (1..m).map(|d| (i + d) % m).collect();
+    let mut done = Done::default();
+    for s in 0..k {
+        // Reduce-scatter of slice s.
+        let mut sent = vec![None; m];
+        for &j in &peers {
+            let (o, l) = slice(j, s);
+            if l > 0 {
+                sent[j] = Some(b.send(members[j], 0, Region::new(src, o, l), &after(o, l)));
+            }
+        }
+        let (mo, ml) = slice(i, s);
+        let mut reduced = None;
+        if ml > 0 {
+            let dst = Region::new(own.0, own.1 + mo - blocks[i].0, ml);
+            for (n, &j) in peers.iter().rev().enumerate() {
+                let (with, mut deps) = if n == 0 {
+                    (Region::new(src, mo, ml), after(mo, ml))
+                } else {
+                    (dst, Vec::new())
+                };
+                deps.push(reduced);
+                reduced = Some(b.recv(members[j], 0, dst, Some(with), &deps));
+            }
+            done.add(dst.offset, ml, reduced);
+            // All-gather of slice s: this rank's reduced slice to every other member.
+            let out = Region::new(Buf::Output, mo, ml);
+            for &j in &peers {
+                b.send(members[j], 0, out, &[reduced]);
+            }
+        }
+        for &j in &peers {
+            let (o, l) = slice(j, s);
+            if l > 0 {
+                let id = b.recv(
+                    members[j],
+                    0,
+                    Region::new(Buf::Output, o, l),
+                    None,
+                    &[sent[j]],
+                );
+                done.add(o, l, Some(id));
+            }
+        }
+    }
+    done
+}
+
+/// How a direct phase cuts its blocks: slice `s` of block `j` as (offset, len).
+type Cut<'a> = &'a dyn Fn(usize, usize) -> (usize, usize);
+
+/// Each block cut into `k` nearly equal slices.
+fn even_cut(blocks: &[(usize, usize)], k: usize) -> impl Fn(usize, usize) -> (usize, usize) + '_ {
+    move |j, s| {
+        let (o, l) = blocks[j];
+        let (so, sl) = split(l, k, s);
+        (o + so, sl)
+    }
+}
+
 /// What a direct reduce-scatter left: per slice, the step after which this rank's block slice
 /// is reduced; per member and slice, the send of this rank's contribution; where the reduced
 /// slices are.
@@ -1507,18 +1609,13 @@ fn direct_reduce_scatter(
     members: &[usize],
     me: usize,
     blocks: &[(usize, usize)],
-    k: usize,
+    (k, slice): (usize, Cut<'_>),
     src: Buf,
     own: (Buf, usize),
     after: &dyn Fn(usize, usize) -> Vec<Option<u32>>,
 ) -> ReduceScatter {
     let m = members.len();
     let i = members.iter().position(|&x| x == me).expect("a member");
-    let slice = |blk: usize, s: usize| {
-        let (o, l) = blocks[blk];
-        let (so, sl) = split(l, k, s);
-        (o + so, sl)
-    };
     // Everyone starts with a different peer, so that no owner gets everything at once.
     let peers: Vec<usize> = (1..m).map(|d| (i + d) % m).collect();
     let mut out = ReduceScatter {
@@ -1561,17 +1658,15 @@ fn direct_all_gather(
     b: &mut Builder,
     members: &[usize],
     me: usize,
-    blocks: &[(usize, usize)],
-    k: usize,
+    (k, cut): (usize, Cut<'_>),
     ready: &[Vec<Option<u32>>],
     war: &[Vec<Option<u32>>],
 ) -> Done {
     let m = members.len();
     let i = members.iter().position(|&x| x == me).expect("a member");
     let slice = |blk: usize, s: usize| {
-        let (o, l) = blocks[blk];
-        let (so, sl) = split(l, k, s);
-        Region::new(Buf::Output, o + so, sl)
+        let (o, l) = cut(blk, s);
+        Region::new(Buf::Output, o, l)
     };
     let peers: Vec<usize> = (1..m).map(|d| (i + d) % m).collect();
     let mut got = Done::default();

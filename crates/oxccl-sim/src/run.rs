@@ -26,8 +26,12 @@
 //! - A receive completes once its dependencies are done, it is at the head of its queue and
 //!   its flow has fully arrived, after its reduction (`bytes / reduce_bytes_per_s`) when it
 //!   reduces (`reduce_with`); a plain receive costs nothing more (the data is written in
-//!   place). Windows of receive slots (flow control) are not modelled: a sender never waits
-//!   for credits.
+//!   place).
+//! - Flow control as the executor's receive slots: a queue's messages take
+//!   `⌈elements / chunk⌉` slots each, and a message leaves only while the messages sent but
+//!   not yet received (consumed) on that queue hold fewer than [`Tuning::slots`] slots with
+//!   it (one message always may). A consumed message returns its slots at once (the credit's
+//!   own latency is not modelled).
 //! - Local steps run when their dependencies are done: a reduce costs
 //!   `bytes / reduce_bytes_per_s`, and so does a copy (a copy is memory bound like a
 //!   reduction), except a copy between the same memory (skipped, as the executor skips it).
@@ -481,6 +485,8 @@ struct SendQ {
     route: u32,
     /// The receiving participant and its receive queue, once known.
     target: Option<(u32, u32)>,
+    /// Slots held by messages that left and are not received yet.
+    inflight: u64,
 }
 
 /// A receive queue.
@@ -490,6 +496,8 @@ struct RecvQ {
     ch: u8,
     steps: Vec<u32>,
     head: usize,
+    /// The send queue (participant, queue) whose messages it receives: where its credits go.
+    source: Option<(u32, u32)>,
 }
 
 const NO_Q: u32 = u32::MAX;
@@ -610,6 +618,7 @@ impl Part {
                             busy: false,
                             route: 0,
                             target: None,
+                            inflight: 0,
                         });
                         (sendq.len() - 1) as u32
                     });
@@ -634,6 +643,7 @@ impl Part {
                             ch: channel,
                             steps: Vec::new(),
                             head: 0,
+                            source: None,
                         });
                         (recvq.len() - 1) as u32
                     });
@@ -749,6 +759,8 @@ struct Sim<'a> {
     fabric: &'a Fabric,
     elem: usize,
     chunk: u64,
+    /// Receive slots per queue (flow control).
+    slots: u64,
     trace: bool,
     parts: Vec<Part>,
     /// Each rank's participant (`u32::MAX` for a rank that is not simulated); the aggregator
@@ -840,6 +852,7 @@ impl<'a> Sim<'a> {
             fabric,
             elem: spec.elem_size,
             chunk,
+            slots: tuning.slots.max(1) as u64,
             trace: spec.trace,
             parts,
             part_of,
@@ -861,6 +874,20 @@ impl<'a> Sim<'a> {
     }
 
     fn run(&mut self) -> Result<(), String> {
+        // Every send queue's receiving queue, and back, for the credits.
+        for p in 0..self.parts.len() {
+            for q in 0..self.parts[p].sendq.len() {
+                let (tp, rq) = self.target(p as u32, q as u32)?;
+                let source = &mut self.parts[tp as usize].recvq[rq as usize].source;
+                if source.is_some_and(|x| x != (p as u32, q as u32)) {
+                    return Err(format!(
+                        "two send queues feed rank {}'s receive queue {rq}",
+                        self.parts[tp as usize].rank
+                    ));
+                }
+                *source = Some((p as u32, q as u32));
+            }
+        }
         for p in 0..self.parts.len() {
             for s in 0..self.parts[p].st.len() {
                 if self.parts[p].st[s].ndeps == 0 {
@@ -1045,7 +1072,15 @@ impl<'a> Sim<'a> {
                 let q = part.st[i].queue as usize;
                 part.recvq[q].head += 1;
                 let next = part.recvq[q].steps.get(part.recvq[q].head).copied();
+                let frags = part.st[i].elems.div_ceil(self.chunk).max(1);
+                let source = part.recvq[q].source;
                 self.step_done(p, s);
+                // The message's slots go back to its sender.
+                if let Some((sp, sq)) = source {
+                    let send = &mut self.parts[sp as usize].sendq[sq as usize];
+                    send.inflight = send.inflight.saturating_sub(frags);
+                    self.try_xmit(sp, sq);
+                }
                 if let Some(n) = next {
                     self.try_recv(p, n);
                 }
@@ -1061,6 +1096,12 @@ impl<'a> Sim<'a> {
             return;
         }
         let s = sq.steps[sq.xmit];
+        // Flow control: the receiver's slots (one message may always go).
+        let frags = part.st[s as usize].elems.div_ceil(self.chunk).max(1);
+        if sq.inflight > 0 && sq.inflight + frags > self.slots {
+            return;
+        }
+        sq.inflight += frags;
         sq.xmit += 1;
         sq.busy = true;
         let r = sq.route as usize;

@@ -462,3 +462,39 @@ fn a_huge_run_without_symmetry_is_refused() {
     let e = simulate(&f, &s).unwrap_err();
     assert!(e.contains("no usable symmetry"), "{e}");
 }
+
+#[test]
+fn a_sender_waits_for_the_receivers_slots() {
+    // A chain reduce of 3 ranks (rank 2 -> 1 -> 0) in k = 16 slices of c bytes, rank 1
+    // reducing at R far below the link rate B. Rank 2 may have 4 slices (the network's
+    // slots) unreceived at rank 1: its last slice can leave only once rank 1 has reduced
+    // slice k - 5, at about (k - 4)·c/R; without flow control it would be done at k·c/B.
+    let p = Params {
+        reduce: 1e7,
+        o: 0.0,
+        ..Params::star(3)
+    };
+    let f = cluster(p);
+    let (k, c) = (16usize, 4096usize);
+    let r = simulate(
+        &f,
+        &spec(
+            Collective::Reduce {
+                count: k * c / 4,
+                root: 0,
+            },
+            Algorithm::Chain,
+            c,
+        ),
+    )
+    .unwrap();
+    let paced = (k - 4) as f64 * c as f64 / p.reduce;
+    assert!(
+        r.rank_done_s[2] >= paced * 0.99,
+        "rank 2 done at {} s, slots allow {paced} s at the earliest",
+        r.rank_done_s[2]
+    );
+    // And no later than one more slice.
+    assert!(r.rank_done_s[2] <= paced + 2.0 * c as f64 / p.reduce);
+    assert!((k * c) as f64 / p.nic < paced / 10.0);
+}

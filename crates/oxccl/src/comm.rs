@@ -457,7 +457,11 @@ impl Communicator {
             slot_data: opts
                 .chunk_size
                 .unwrap_or(if any_tcp { 1 << 20 } else { 128 << 10 }),
-            slots: opts.slots.unwrap_or(if any_tcp { 4 } else { 8 }),
+            slots: opts.slots.unwrap_or(if any_tcp {
+                crate::tuner::SLOTS_NET
+            } else {
+                crate::tuner::SLOTS_SHM
+            }),
             channels: opts.channels.unwrap_or(1),
         };
         opts.chunk_size = Some(geo.slot_data);
@@ -596,6 +600,7 @@ impl Communicator {
                     algo: opts.algo,
                     chunk_bytes: geo.slot_data,
                     channels: geo.channels,
+                    slots: geo.slots,
                     ..Tuning::new(&topology, any_tcp)
                 },
                 topology,

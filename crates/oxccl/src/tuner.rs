@@ -32,6 +32,10 @@ pub(crate) const INLINE: usize = 4096 - crate::engine::SLOT_HEADER;
 pub const CHUNK_SHM: usize = 128 << 10;
 /// Default bytes per slice (and slot) when any pair of ranks talks over the network.
 pub const CHUNK_NET: usize = 1 << 20;
+/// Default receive slots per (peer, channel) when every peer is on the host.
+pub const SLOTS_SHM: usize = 8;
+/// Default receive slots per (peer, channel) when any pair of ranks talks over the network.
+pub const SLOTS_NET: usize = 4;
 /// Default [`Tuning::small_bytes`].
 pub const SMALL_BYTES: usize = 64 << 10;
 
@@ -64,6 +68,9 @@ pub struct Tuning {
     pub chunk_bytes: usize,
     /// Channels (`OXCCL_NCHANNELS`).
     pub channels: usize,
+    /// Receive slots per (peer, channel) (`OXCCL_SLOTS`): a sender has at most this many
+    /// fragments of `chunk_bytes` in flight to one peer before it waits for credits.
+    pub slots: usize,
 }
 
 impl Tuning {
@@ -85,6 +92,7 @@ impl Tuning {
             algo: None,
             chunk_bytes: if net { CHUNK_NET } else { CHUNK_SHM },
             channels: 1,
+            slots: if net { SLOTS_NET } else { SLOTS_SHM },
         }
     }
 

@@ -14,7 +14,8 @@
 # the scenarios use, a bed of 2 hosts on links of that rate runs `oxccl verbs-perf` over the
 # tcp provider (the collectives' data path):
 #   - write_lat's typical one-way time of an 8-byte message is the per-message overhead
-#     (per_message_us, the median over the rates; link latencies are 0);
+#     (per_message_us, the median over the rates; link latencies are 0), and the same over
+#     the shm provider that of a message inside a host (scaleup_per_message_us);
 #   - write_bw's rate with 4 MiB messages (the best of two runs), as a share of the nominal
 #     rate, is the link's payload efficiency (link_efficiency: TCP/IP headers over MTU
 #     9000, tbf).
@@ -168,6 +169,13 @@ done
 per_msg=$(printf '%s\n' "${lats[@]}" | sort -g | awk '{ v[NR] = $1 } END {
     printf "%.1f", (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }')
 echo "per_message_us = $per_msg (median of the one-way 8-byte latencies); link_latency_us = 0"
+# Inside a host (shm, the scale-up path): the same measurement over the shm provider.
+shm_msg=$("$BIN" verbs-perf write_lat -s 8 -n 2000 --provider shm --json | field t_typical_usec)
+if [ -z "$shm_msg" ]; then
+    echo "sim-validate.sh: the shm calibration failed" >&2
+    exit 1
+fi
+echo "scaleup_per_message_us = $shm_msg (one-way 8-byte latency over shm)"
 echo
 
 # --- Scenarios ----------------------------------------------------------------------------
@@ -181,7 +189,8 @@ for s in "${scenarios[@]}"; do
     st=$work/sim-$s.toml
     topo_file "$rates" "$rph" "$work/hosts-$s.toml" "$effs"
     {
-        printf 'per_message_us = %s\nlink_latency_us = 0\n\n' "$per_msg"
+        printf 'per_message_us = %s\nscaleup_per_message_us = %s\nlink_latency_us = 0\n\n' \
+            "$per_msg" "$shm_msg"
         cat "$work/hosts-$s.toml"
     } >"$st"
     echo "== scenario $s: $hosts hosts x $rph rank(s), links $rates Gbit/s"

@@ -12,7 +12,9 @@
 //! of the collective's time they were busy, the rate they achieved while busy against their
 //! capacity). `--trace FILE` writes the largest size's timeline as a Chrome/Perfetto trace:
 //! process 1 holds one track per rank, process 2 one per link (a track that carries
-//! overlapping spans is split into lanes, `rank 3`, `rank 3 #2`, ...).
+//! overlapping spans is split into lanes, `rank 3`, `rank 3 #2`, ...). The traced run
+//! simulates every rank up to [`TRACE_ALL`] ranks; above, only the representatives of the
+//! fabric's symmetry have tracks.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -191,7 +193,10 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
                 chunk_bytes: args.chunk,
                 channels: args.channels,
                 trace: last && !in_place && args.trace.is_some(),
-                symmetry: !args.no_symmetry,
+                // A trace has a track for every rank: the traced run simulates them all,
+                // where that is affordable.
+                symmetry: !args.no_symmetry
+                    && !(last && !in_place && args.trace.is_some() && fabric.world <= TRACE_ALL),
             };
             let t0 = std::time::Instant::now();
             let report = simulate(&fabric, &spec)
@@ -408,6 +413,9 @@ fn busiest(fabric: &Fabric, report: &Report, k: usize) -> Vec<LinkUse> {
         })
         .collect()
 }
+
+/// Up to this many ranks, a traced run simulates every rank (without the symmetry).
+pub const TRACE_ALL: usize = 1024;
 
 /// Chrome trace-event JSON: process 1 "ranks" (a thread per rank), process 2 "links" (a
 /// thread per link that carried anything); complete events (`ph: X`) in microseconds.

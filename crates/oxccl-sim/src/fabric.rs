@@ -88,6 +88,8 @@ pub struct Fabric {
     pub reduce_bytes_per_s: f64,
     /// Fixed cost of every message at its sender, in seconds (software overhead).
     pub per_message_s: f64,
+    /// The same for a message to a rank of the same host (over the scale-up path: shm).
+    pub scaleup_per_message_s: f64,
     /// An automorphism of the fabric, when it has one: a map of nodes and links that keeps
     /// every link's ends, rate and latency, sends ranks to ranks and hosts to hosts. The
     /// simulator uses it to run one representative of each orbit of ranks.

@@ -37,6 +37,7 @@
 //!     hosts: (0..p).map(|r| (format!("h{r}"), vec![r])).collect(),
 //!     reduce_bytes_per_s: reduce,
 //!     per_message_s: o,
+//!     scaleup_per_message_s: o,
 //!     symmetry: None,
 //!     layout: Default::default(),
 //! };

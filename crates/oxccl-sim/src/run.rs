@@ -13,7 +13,8 @@
 //!   order. The `n`-th send from `a` to `b` on channel `c` is received by the `n`-th receive
 //!   at `b` from `a` on `c`.
 //! - A send starts when its dependencies are done and it is at the head of its queue. The
-//!   rank first *posts* it: `fragments × per_message_s` of the rank's time, where a transfer
+//!   rank first *posts* it: `fragments × per_message_s` of the rank's time
+//!   (`scaleup_per_message_s` to a rank of its own host), where a transfer
 //!   moves in fragments of `chunk` elements (at least one); then the next send of the queue
 //!   may be posted. A posted send's bytes leave as one *flow* over
 //!   `fabric.route(a, b, channel)` once the previous flow of its queue has left (a queue is
@@ -487,6 +488,8 @@ struct SendQ {
     target: Option<(u32, u32)>,
     /// Slots held by messages that left and are not received yet.
     inflight: u64,
+    /// Cost of posting one fragment (the network's or the host's).
+    per_message_s: f64,
 }
 
 /// A receive queue.
@@ -619,6 +622,7 @@ impl Part {
                             route: 0,
                             target: None,
                             inflight: 0,
+                            per_message_s: 0.0,
                         });
                         (sendq.len() - 1) as u32
                     });
@@ -819,8 +823,19 @@ impl<'a> Sim<'a> {
             } else {
                 1.0
             };
+            let host_of = |n: usize| match fabric.nodes[n].kind {
+                NodeKind::Rank { host } => Some(host),
+                NodeKind::Switch { .. } => None,
+            };
             for sq in &mut part.sendq {
                 let (from, to) = (part.node, node_of(sq.peer).expect("checked"));
+                sq.per_message_s = if part.per_message_s == 0.0 {
+                    0.0
+                } else if host_of(from).is_some() && host_of(from) == host_of(to) {
+                    fabric.scaleup_per_message_s
+                } else {
+                    part.per_message_s
+                };
                 sq.route = *routes.entry((from, to, sq.ch)).or_insert_with(|| {
                     scratch.clear();
                     // The key: the channel (a queue is one connection), the same for every
@@ -1026,7 +1041,7 @@ impl<'a> Sim<'a> {
             part.begin[s as usize] = self.now;
         }
         let frags = part.st[s as usize].elems.div_ceil(self.chunk).max(1);
-        let cost = frags as f64 * part.per_message_s;
+        let cost = frags as f64 * sq.per_message_s;
         self.cpu(p, s, cost);
     }
 

@@ -428,6 +428,7 @@ fn a_fabric_built_by_hand_routes_by_shortest_paths() {
         hosts: vec![("a".into(), vec![0, 1]), ("b".into(), vec![2])],
         reduce_bytes_per_s: 1e9,
         per_message_s: 0.0,
+        scaleup_per_message_s: 0.0,
         symmetry: None,
         layout: Layout::default(),
     };

@@ -101,6 +101,7 @@ pub fn cluster(p: Params) -> Fabric {
             .collect(),
         reduce_bytes_per_s: p.reduce,
         per_message_s: p.o,
+        scaleup_per_message_s: p.o,
         symmetry: None,
         layout: Default::default(),
     };

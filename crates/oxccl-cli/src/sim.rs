@@ -185,6 +185,7 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
             if in_place && args.oop_only {
                 break;
             }
+            let traced = last && !in_place && args.trace.is_some();
             let spec = Spec {
                 coll: coll.clone(),
                 elem_size: es,
@@ -192,11 +193,10 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
                 algo,
                 chunk_bytes: args.chunk,
                 channels: args.channels,
-                trace: last && !in_place && args.trace.is_some(),
+                trace: traced,
                 // A trace has a track for every rank: the traced run simulates them all,
                 // where that is affordable.
-                symmetry: !args.no_symmetry
-                    && !(last && !in_place && args.trace.is_some() && fabric.world <= TRACE_ALL),
+                symmetry: !(args.no_symmetry || traced && fabric.world <= TRACE_ALL),
             };
             let t0 = std::time::Instant::now();
             let report = simulate(&fabric, &spec)

@@ -70,6 +70,10 @@ pub struct Args {
     /// Channels [default: the tuner's].
     #[arg(long)]
     channels: Option<usize>,
+    /// Receive slots per peer and channel, as OXCCL_SLOTS [default: the runtime's, 4 across
+    /// hosts, 8 on one].
+    #[arg(long)]
+    slots: Option<usize>,
     /// Print one JSON document instead of the table.
     #[arg(long)]
     json: bool,
@@ -193,6 +197,7 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
                 algo,
                 chunk_bytes: args.chunk,
                 channels: args.channels,
+                slots: args.slots,
                 trace: traced,
                 // A trace has a track for every rank: the traced run simulates them all,
                 // where that is affordable.

@@ -91,6 +91,8 @@ pub struct Spec {
     pub chunk_bytes: Option<usize>,
     /// Channels (else the tuner's default).
     pub channels: Option<usize>,
+    /// Receive slots per (peer, channel), as `OXCCL_SLOTS` (else the runtime's default).
+    pub slots: Option<usize>,
     /// Record the events of a trace in [`Report::trace`].
     pub trace: bool,
     /// Use the fabric's symmetry where the schedules allow it.
@@ -108,6 +110,7 @@ impl Spec {
             algo: None,
             chunk_bytes: None,
             channels: None,
+            slots: None,
             trace: false,
             symmetry: true,
         }
@@ -242,6 +245,9 @@ pub fn tuning(fabric: &Fabric, spec: &Spec) -> Tuning {
     }
     if let Some(c) = spec.channels {
         t.channels = c.max(1);
+    }
+    if let Some(c) = spec.slots {
+        t.slots = c.max(1);
     }
     t
 }

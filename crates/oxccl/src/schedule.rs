@@ -1505,12 +1505,18 @@ fn phase_slices(blocks: &[(usize, usize)], chunk: usize) -> usize {
     slices(largest, chunk).max(PROPORTIONAL_SLICES.min(largest.max(1)))
 }
 
+/// How many slices a direct all-reduce's reduce-scatter runs ahead of its all-gather in a
+/// peer's queue (see [`direct_all_reduce_part`]).
+const DIRECT_LEAD: usize = 4;
+
 /// Direct all-reduce among `members` (a reduce-scatter into `blocks` of `src`, this rank's
-/// block folded into `own`, then an all-gather into the output), emitted slice by slice:
-/// slice `s`'s gather follows its reduction in every (peer, channel) queue, so that no
-/// gathered slice waits behind the reduce-scatter of later slices (which, with a slow
-/// contributor, would hold every gather until its last byte). Returns where the output
-/// became final.
+/// block folded into `own`, then an all-gather into the output), emitted slice by slice,
+/// the reduce-scatter [`DIRECT_LEAD`] slices ahead: slice `s`'s gather follows the
+/// reduce-scatter of slice `s + DIRECT_LEAD` in every (peer, channel) queue. No gathered
+/// slice waits behind the reduce-scatter of all later slices (which, with one slow
+/// contributor, held every gather until its last byte), and no reduce-scatter slice waits
+/// for a gather a whole round trip away (which, over long links, cost a round trip per
+/// slice). Returns where the output became final.
 #[allow(clippy::too_many_arguments)]
 fn direct_all_reduce_part(
     b: &mut Builder,
@@ -1531,17 +1537,20 @@ fn direct_all_reduce_part(
     };
     let peers: Vec<usize> = (1..m).map(|d| (i + d) % m).collect();
     let mut done = Done::default();
-    for s in 0..k {
-        // Reduce-scatter of slice s.
-        let mut sent = vec![None; m];
+    // Per slice: this rank's sends of its contributions, and the step after which its own
+    // block's slice is reduced.
+    let mut sent: Vec<Vec<Option<u32>>> = Vec::with_capacity(k);
+    let mut reduced: Vec<Option<u32>> = Vec::with_capacity(k);
+    let reduce_scatter = |b: &mut Builder, done: &mut Done, s: usize| {
+        let mut out = vec![None; m];
         for &j in &peers {
             let (o, l) = slice(j, s);
             if l > 0 {
-                sent[j] = Some(b.send(members[j], 0, Region::new(src, o, l), &after(o, l)));
+                out[j] = Some(b.send(members[j], 0, Region::new(src, o, l), &after(o, l)));
             }
         }
         let (mo, ml) = slice(i, s);
-        let mut reduced = None;
+        let mut last = None;
         if ml > 0 {
             let dst = Region::new(own.0, own.1 + mo - blocks[i].0, ml);
             for (n, &j) in peers.iter().rev().enumerate() {
@@ -1550,28 +1559,39 @@ fn direct_all_reduce_part(
                 } else {
                     (dst, Vec::new())
                 };
-                deps.push(reduced);
-                reduced = Some(b.recv(members[j], 0, dst, Some(with), &deps));
+                deps.push(last);
+                last = Some(b.recv(members[j], 0, dst, Some(with), &deps));
             }
-            done.add(dst.offset, ml, reduced);
-            // All-gather of slice s: this rank's reduced slice to every other member.
+            done.add(dst.offset, ml, last);
+        }
+        (out, last)
+    };
+    for s in 0..k.min(DIRECT_LEAD) {
+        let (o, r) = reduce_scatter(b, &mut done, s);
+        sent.push(o);
+        reduced.push(r);
+    }
+    for s in 0..k {
+        // All-gather of slice s: this rank's reduced slice to every other member.
+        let (mo, ml) = slice(i, s);
+        if ml > 0 {
             let out = Region::new(Buf::Output, mo, ml);
             for &j in &peers {
-                b.send(members[j], 0, out, &[reduced]);
+                b.send(members[j], 0, out, &[reduced[s]]);
             }
         }
         for &j in &peers {
             let (o, l) = slice(j, s);
             if l > 0 {
-                let id = b.recv(
-                    members[j],
-                    0,
-                    Region::new(Buf::Output, o, l),
-                    None,
-                    &[sent[j]],
-                );
+                let part = Region::new(Buf::Output, o, l);
+                let id = b.recv(members[j], 0, part, None, &[sent[s][j]]);
                 done.add(o, l, Some(id));
             }
+        }
+        if s + DIRECT_LEAD < k {
+            let (o, r) = reduce_scatter(b, &mut done, s + DIRECT_LEAD);
+            sent.push(o);
+            reduced.push(r);
         }
     }
     done

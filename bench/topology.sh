@@ -46,34 +46,8 @@ port=${PORT:-29700}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# scenario -> "rates(Gbit/s, comma-separated) ranks-per-host"
-spec() {
-    case $1 in
-    a) echo "1,1,1,1 1" ;;
-    b) echo "1,1 2" ;;
-    c) echo "1,1,1,0.25 1" ;;
-    d) echo "2,1,1,0.5 1" ;;
-    *)
-        echo "unknown scenario $1 (a, b, c, d)" >&2
-        exit 2
-        ;;
-    esac
-}
-
-# The topology file of a bed: one [[hosts]] per link, ranks in host order.
-topo_file() {
-    local rates=$1 rph=$2 out=$3 h=0 r=0
-    : >"$out"
-    for rate in ${rates//,/ }; do
-        local ranks=""
-        for ((i = 0; i < rph; i++)); do
-            ranks+="${ranks:+, }$r"
-            r=$((r + 1))
-        done
-        printf '[[hosts]]\nname = "h%d"\nranks = [%s]\nlink_gbps = %s\n' "$h" "$ranks" "$rate" >>"$out"
-        h=$((h + 1))
-    done
-}
+# shellcheck source=bench/scenarios.sh
+source bench/scenarios.sh
 
 # Runs `oxccl perf $coll` for one size on the bed; prints "time_us wrong" of rank 0 (wrong:
 # the most any rank reported).

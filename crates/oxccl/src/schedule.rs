@@ -1609,11 +1609,9 @@ fn even_cut(blocks: &[(usize, usize)], k: usize) -> impl Fn(usize, usize) -> (us
     }
 }
 
-/// What a direct reduce-scatter left: per slice, the step after which this rank's block slice
-/// is reduced; per member and slice, the send of this rank's contribution; where the reduced
-/// slices are.
+/// What a direct reduce-scatter left: per member and slice, the send of this rank's
+/// contribution; where this rank's reduced slices are, and after which steps.
 struct ReduceScatter {
-    reduced: Vec<Option<u32>>,
     sent: Vec<Vec<Option<u32>>>,
     done: Done,
 }
@@ -1639,7 +1637,6 @@ fn direct_reduce_scatter(
     // Everyone starts with a different peer, so that no owner gets everything at once.
     let peers: Vec<usize> = (1..m).map(|d| (i + d) % m).collect();
     let mut out = ReduceScatter {
-        reduced: vec![None; k],
         sent: vec![vec![None; k]; m],
         done: Done::default(),
     };
@@ -1664,7 +1661,6 @@ fn direct_reduce_scatter(
                 deps.push(last);
                 last = Some(b.recv(members[j], 0, dst, Some(with), &deps));
             }
-            out.reduced[s] = last;
             out.done.add(dst.offset, ml, last);
         }
     }

@@ -55,17 +55,7 @@ pub const KINDS: [&str; 11] = [
 ];
 
 /// The algorithms, in the order [`Input::algo`] selects them (modulo their number).
-pub const ALGORITHMS: [Algorithm; 9] = [
-    Algorithm::Ring,
-    Algorithm::RecursiveDoubling,
-    Algorithm::Tree,
-    Algorithm::Chain,
-    Algorithm::Direct,
-    Algorithm::Dissemination,
-    Algorithm::Proportional,
-    Algorithm::Hierarchical,
-    Algorithm::Aggregation,
-];
+pub const ALGORITHMS: [Algorithm; 9] = Algorithm::ALL;
 
 /// Ways to break a request, selected by `flags >> 4` (0..=9: none).
 pub const BREAKAGES: [&str; 6] = [

@@ -154,21 +154,11 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
         if let Some(a) = algo
             && !a.supports(&coll)
         {
-            let can: Vec<&str> = [
-                Algorithm::Ring,
-                Algorithm::RecursiveDoubling,
-                Algorithm::Tree,
-                Algorithm::Chain,
-                Algorithm::Direct,
-                Algorithm::Dissemination,
-                Algorithm::Proportional,
-                Algorithm::Hierarchical,
-                Algorithm::Aggregation,
-            ]
-            .into_iter()
-            .filter(|x| x.supports(&coll))
-            .map(Algorithm::name)
-            .collect();
+            let can: Vec<&str> = Algorithm::ALL
+                .into_iter()
+                .filter(|x| x.supports(&coll))
+                .map(Algorithm::name)
+                .collect();
             return Err(usage(format!(
                 "algorithm {} can't run {name}; it runs with {}",
                 a.name(),

@@ -229,6 +229,24 @@ impl Builder {
         (self.links.len() - 1) as u32
     }
 
+    /// Long-haul links between every ordered pair of `ends` (one per datacenter): the
+    /// table `[a * n + z]` of the link from `a` to `z` (`u32::MAX` where `a == z`).
+    fn wan_mesh(&mut self, ends: &[usize], w: &WanSpec, link_lat: f64) -> Vec<u32> {
+        let n = ends.len();
+        let mut table = vec![u32::MAX; n * n];
+        for a in 0..n {
+            for z in (0..n).filter(|&z| z != a) {
+                table[a * n + z] = self.link(
+                    ends[a],
+                    ends[z],
+                    w.link_gbps * 1e9 / 8.0,
+                    link_lat + w.distance_km * WAN_S_PER_KM,
+                );
+            }
+        }
+        table
+    }
+
     fn duplex(&mut self, a: usize, b: usize, bytes_per_s: f64, latency_s: f64) -> (u32, u32) {
         (
             self.link(a, b, bytes_per_s, latency_s),
@@ -446,21 +464,10 @@ fn build_star(f: File) -> Result<Fabric, String> {
                 b.duplex(sw[h], cores[host_dc[h]], gbps * eff * 1e9 / 8.0, c.link_lat);
         }
     }
-    let mut wan_links = vec![u32::MAX; dcs * dcs];
-    if let Some(w) = wan.filter(|_| dcs > 1) {
-        for a in 0..dcs {
-            for z in 0..dcs {
-                if a != z {
-                    wan_links[a * dcs + z] = b.link(
-                        cores[a],
-                        cores[z],
-                        w.link_gbps * 1e9 / 8.0,
-                        c.link_lat + w.distance_km * WAN_S_PER_KM,
-                    );
-                }
-            }
-        }
-    }
+    let wan_links = match wan.filter(|_| dcs > 1) {
+        Some(w) => b.wan_mesh(&cores[..dcs], w, c.link_lat),
+        None => vec![u32::MAX; dcs * dcs],
+    };
     let mut fabric = Fabric {
         nodes: b.nodes,
         links: b.links,
@@ -727,19 +734,7 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
             sr_up.push(u);
             sr_down.push(dn);
         }
-        wan_links = vec![u32::MAX; dcs * dcs];
-        for a in 0..dcs {
-            for z in 0..dcs {
-                if a != z {
-                    wan_links[a * dcs + z] = b.link(
-                        routers[a],
-                        routers[z],
-                        w.link_gbps * 1e9 / 8.0,
-                        c.link_lat + w.distance_km * WAN_S_PER_KM,
-                    );
-                }
-            }
-        }
+        wan_links = b.wan_mesh(&routers[..dcs], w, c.link_lat);
     }
     // The symmetry's generator (the ECMP hash commutes with it: see crate::fabric).
     let n = b.nodes.len();

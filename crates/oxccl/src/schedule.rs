@@ -361,6 +361,19 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
+    /// Every algorithm.
+    pub const ALL: [Algorithm; 9] = [
+        Algorithm::Ring,
+        Algorithm::RecursiveDoubling,
+        Algorithm::Tree,
+        Algorithm::Chain,
+        Algorithm::Direct,
+        Algorithm::Dissemination,
+        Algorithm::Proportional,
+        Algorithm::Hierarchical,
+        Algorithm::Aggregation,
+    ];
+
     /// Lower-case name, as `OXCCL_ALGO` spells it.
     pub fn name(self) -> &'static str {
         match self {

@@ -50,23 +50,8 @@ struct Plan {
     large: usize,
 }
 
-const ALL_SECTIONS: [&str; 15] = [
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
-    "broadcast",
-    "reduce",
-    "all_to_all",
-    "all_to_allv",
-    "gather",
-    "scatter",
-    "barrier",
-    "send_recv",
-    "large",
-    "unaligned",
-    "nonblocking",
-    "split",
-];
+/// The plan's sections besides one per collective (`common::COLLECTIVES`).
+const MORE_SECTIONS: [&str; 4] = ["large", "unaligned", "nonblocking", "split"];
 
 fn all_pairs() -> Vec<(DataType, ReduceOp)> {
     DataType::ALL
@@ -96,7 +81,11 @@ impl Plan {
     fn full(seed: u64) -> Plan {
         Plan {
             seed,
-            sections: ALL_SECTIONS.iter().map(|s| s.to_string()).collect(),
+            sections: common::COLLECTIVES
+                .iter()
+                .chain(&MORE_SECTIONS)
+                .map(|s| s.to_string())
+                .collect(),
             reduce_pairs: all_pairs(),
             move_dtypes: DataType::ALL.to_vec(),
             counts: vec![0, 1, 7, 1000],

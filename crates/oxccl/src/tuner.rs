@@ -59,6 +59,8 @@ pub struct Tuning {
     pub rail_weights: Vec<u32>,
     /// Each rank's host, for hierarchical schedules and host-ordered rings.
     pub host_index: Vec<u32>,
+    /// Number of hosts.
+    pub hosts: usize,
     /// The ranks of some host are not consecutive: rings are ordered host by host (so that
     /// they cross each host's link once each way instead of once per rank).
     pub interleaved: bool,
@@ -85,6 +87,7 @@ impl Tuning {
             weights: topo.proportional_weights(),
             rail_weights: topo.rail_weights(),
             host_index: topo.host_table().iter().map(|&h| h as u32).collect(),
+            hosts: topo.hosts.len(),
             interleaved: {
                 let t = topo.host_table();
                 t.windows(2).filter(|w| w[0] != w[1]).count() + 1 > topo.hosts.len()
@@ -112,9 +115,7 @@ impl Tuning {
                 Algorithm::Hierarchical
             }
             // Its rail phase is a direct exchange: on short rails only.
-            Collective::ReduceScatter { .. }
-                if self.two_tier && self.hosts() <= RAIL_DIRECT_MAX =>
-            {
+            Collective::ReduceScatter { .. } if self.two_tier && self.hosts <= RAIL_DIRECT_MAX => {
                 Algorithm::Hierarchical
             }
             Collective::Broadcast { .. } if self.two_tier && !small => Algorithm::Hierarchical,
@@ -137,11 +138,6 @@ impl Tuning {
             1
         };
         (algo, chunk, channels)
-    }
-
-    /// Number of hosts.
-    pub fn hosts(&self) -> usize {
-        self.host_index.iter().max().map_or(1, |&h| h as usize + 1)
     }
 
     /// The schedule request for `rank`'s part of `coll` ([`crate::schedule::build`] turns it

@@ -683,8 +683,9 @@ impl Communicator {
             rank,
             msg: "the communicator was shared before its link probe".into(),
         })?;
+        // A rate the file gives wins over the measured one.
         for (h, r) in inner.topology.hosts.iter_mut().zip(&rates) {
-            h.link_gbps = Some(*r);
+            h.link_gbps.get_or_insert(*r);
         }
         inner.tuning.weights = inner.topology.proportional_weights();
         inner.tuning.rail_weights = inner.topology.rail_weights();

@@ -572,6 +572,7 @@ impl QpInner {
 
     fn complete_send(&self, wr_id: u64, op: &WrOp, status: WcStatus, len: u32, signaled: bool) {
         if signaled || status != WcStatus::Success {
+            self.failing_before_completion(status);
             self.send_cq.push(WorkCompletion {
                 wr_id,
                 status,
@@ -776,6 +777,23 @@ impl QpInner {
 
     /// Moves to ERR and flushes: pending sends and unclaimed receives complete as flushed (the
     /// first of each as `RetryExceeded` when the peer is gone).
+    /// An error completion is about to become visible: the queue pair reads ERR first, so that
+    /// a poller that sees the completion also sees ERR (as in InfiniBand, where the QP is in
+    /// ERR when its error completion is generated). [`QpInner::set_error`], called after the
+    /// completion is pushed, then flushes the rest; a destroyed queue pair stays destroyed.
+    fn failing_before_completion(&self, status: WcStatus) {
+        if status == WcStatus::Success {
+            return;
+        }
+        let _ =
+            self.seg
+                .atomic_u32(H_STATE)
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |s| {
+                    (s != QpState::Destroyed as u32 && s != QpState::Err as u32)
+                        .then_some(QpState::Err as u32)
+                });
+    }
+
     fn set_error(&self, cause: Cause) {
         if cause == Cause::PeerGone
             && !self.gone.swap(true, Ordering::AcqRel)
@@ -1058,6 +1076,8 @@ impl QpInner {
 
     /// A request was NAKed: the queue pair fails.
     pub(crate) fn tcp_request_failed(&self) {
+        #[cfg(test)]
+        crate::tests::hooks::between_error_completion_and_flush();
         self.set_error(Cause::Request);
     }
 
@@ -1071,6 +1091,7 @@ impl QpInner {
         signaled: bool,
     ) {
         if signaled || status != WcStatus::Success {
+            self.failing_before_completion(status);
             self.send_cq.push(WorkCompletion {
                 wr_id,
                 status,

@@ -336,3 +336,88 @@ fn tcp_context_dropped_under_the_progress_thread() {
         "the progress thread panicked"
     );
 }
+
+/// Test-only hooks the providers call at chosen points, to force interleavings.
+pub(crate) mod hooks {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::Duration;
+
+    /// How long the tcp provider pauses between pushing a request's error completion and
+    /// flushing the queue pair (0: no pause).
+    pub(crate) static ERROR_FLUSH_PAUSE_MS: AtomicU64 = AtomicU64::new(0);
+
+    pub(crate) fn between_error_completion_and_flush() {
+        let ms = ERROR_FLUSH_PAUSE_MS.load(Ordering::Relaxed);
+        if ms > 0 {
+            std::thread::sleep(Duration::from_millis(ms));
+        }
+    }
+}
+
+/// The race of issue 13: a NAKed WRITE_WITH_IMM's `RemoteAccessError` could be polled while
+/// the queue pair still read RTS, because the progress thread pushed the completion before
+/// moving the queue pair to ERR. The hook holds the progress thread in exactly that window for
+/// 300 ms; the queue pair must read ERR as soon as the completion is polled.
+#[test]
+fn tcp_error_completion_is_polled_with_the_qp_in_err() {
+    use std::sync::atomic::Ordering;
+    hooks::ERROR_FLUSH_PAUSE_MS.store(300, Ordering::Relaxed);
+    let ctx = Device::by_name("tcp").unwrap().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let (a, b) = (
+        pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap(),
+        pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap(),
+    );
+    let (ea, eb) = (a.endpoint(), b.endpoint());
+    a.connect(&eb).unwrap();
+    b.connect(&ea).unwrap();
+    b.post_recv(&[RecvWr::new(7, &[])]).unwrap();
+    let src = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
+    let dst = pd.alloc_mr(4096, AccessFlags::ALL).unwrap();
+    let mut bad = dst.remote();
+    bad.rkey ^= 0x5a5a_0000_0000;
+    let sge = [Sge::new(&src, 0, 64)];
+    let op = WrOp::WriteWithImm {
+        remote: bad.at(0),
+        imm: 1,
+    };
+    a.post_send(&[SendWr::new(1, op, &sge)]).unwrap();
+    let mut wc = [WorkCompletion::default(); 4];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let got = loop {
+        let n = cq.poll(&mut wc);
+        if let Some(w) = wc[..n].iter().find(|w| w.wr_id == 1) {
+            break *w;
+        }
+        assert!(Instant::now() < deadline, "no completion for the bad write");
+    };
+    let state = a.state();
+    hooks::ERROR_FLUSH_PAUSE_MS.store(0, Ordering::Relaxed);
+    assert_eq!(got.status, WcStatus::RemoteAccessError, "{got:?}");
+    assert_eq!(
+        state,
+        QpState::Err,
+        "queue pair state when its error was polled"
+    );
+    // Nothing was written, and the queue pair flushes what comes after.
+    let mut seen = [0xffu8; 64];
+    dst.read(0, &mut seen).unwrap();
+    assert!(seen.iter().all(|&x| x == 0), "the target was touched");
+    a.post_send(&[SendWr::new(
+        2,
+        WrOp::Write {
+            remote: dst.remote().at(0),
+        },
+        &sge,
+    )])
+    .unwrap();
+    let n = cq.wait(&mut wc, Duration::from_secs(5)).unwrap();
+    assert!(
+        wc[..n]
+            .iter()
+            .any(|w| w.wr_id == 2 && w.status == WcStatus::WorkRequestFlushed),
+        "{:?}",
+        &wc[..n]
+    );
+}

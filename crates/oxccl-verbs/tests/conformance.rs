@@ -27,6 +27,29 @@ fn post(qp: &QueuePair, wr_id: u64, op: WrOp, sg: &[Sge<'_>]) {
     qp.post_send(&[SendWr::new(wr_id, op, sg)]).unwrap();
 }
 
+/// Waits for one completion, which must be the error `status`; the queue pair must read ERR
+/// as soon as the error is polled (not some time later), on every provider.
+fn expect_failed(l: &Local, qp: &QueuePair, status: WcStatus) -> WorkCompletion {
+    let wc = l.wait_one();
+    let state = qp.state();
+    assert_eq!(wc.status, status, "{wc:?}");
+    assert_eq!(state, QpState::Err, "state when {status:?} was polled");
+    wc
+}
+
+/// Collects `n` completions one poll at a time; after every failed one, `qp` must read ERR.
+fn wait_n_checked(l: &Local, qp: &QueuePair, n: usize) -> Vec<WorkCompletion> {
+    (0..n)
+        .map(|_| {
+            let wc = l.wait_one();
+            if wc.status != WcStatus::Success {
+                assert_eq!(qp.state(), QpState::Err, "state when {wc:?} was polled");
+            }
+            wc
+        })
+        .collect()
+}
+
 fn expect_ok(wc: WorkCompletion, wr_id: u64, opcode: WcOpcode) {
     assert_eq!(
         (wc.wr_id, wc.status, wc.opcode),
@@ -417,7 +440,7 @@ pub fn rnr(p: &str) {
     let t = Instant::now();
     post(&qp, 1, WrOp::Send, &sge(&src, 0, 64));
     post(&qp, 2, WrOp::Send, &sge(&src, 0, 64));
-    let wcs = l.wait_n(2);
+    let wcs = wait_n_checked(&l, &qp, 2);
     assert_eq!(
         (wcs[0].wr_id, wcs[0].status),
         (1, WcStatus::RnrRetryExceeded)
@@ -631,7 +654,7 @@ pub fn access_errors(p: &str) {
         qp.post_recv(&[RecvWr::new(500, &sge(&rbuf, 0, 64))])
             .unwrap();
         post(&qp, 1, op(rb), &sge(&src, 0, len));
-        let wcs = l.wait_n(2);
+        let wcs = wait_n_checked(&l, &qp, 2);
         let mine = wcs.iter().find(|w| w.wr_id == 1).unwrap();
         assert_eq!(mine.status, status, "{name}: {wcs:?}");
         let flushed = wcs.iter().find(|w| w.wr_id == 500).unwrap();
@@ -686,18 +709,18 @@ pub fn use_after_deregistration(p: &str) {
     expect_ok(l.wait_one(), 1, WcOpcode::Write);
     peer.ok(Cmd::Dereg { id });
     post(&qp, 2, WrOp::Write { remote: rb.at(0) }, &sge(&src, 0, 8));
-    assert_eq!(l.wait_one().status, WcStatus::RemoteAccessError);
+    expect_failed(&l, &qp, WcStatus::RemoteAccessError);
     // A new region may reuse the table slot: the old rkey still fails.
     let qp = l.connect(&mut peer, 1, &QpSpec::default());
     let (_, rb2) = peer.alloc(64, RW);
     assert_ne!(rb2.rkey, rb.rkey);
     post(&qp, 3, WrOp::Read { remote: rb.at(0) }, &sge(&src, 0, 8));
-    assert_eq!(l.wait_one().status, WcStatus::RemoteAccessError);
+    expect_failed(&l, &qp, WcStatus::RemoteAccessError);
     // Local use after deregistration.
     let qp = l.connect(&mut peer, 2, &QpSpec::default());
     src.deregister();
     post(&qp, 4, WrOp::Write { remote: rb2.at(0) }, &sge(&src, 0, 8));
-    assert_eq!(l.wait_one().status, WcStatus::LocalProtectionError);
+    expect_failed(&l, &qp, WcStatus::LocalProtectionError);
 }
 
 pub fn local_errors(p: &str) {
@@ -708,11 +731,11 @@ pub fn local_errors(p: &str) {
     // READ into a buffer without LOCAL_WRITE.
     let qp = l.connect(&mut peer, 0, &QpSpec::default());
     post(&qp, 1, WrOp::Read { remote: rb.at(0) }, &sge(&ro, 0, 8));
-    assert_eq!(l.wait_one().status, WcStatus::LocalProtectionError);
+    expect_failed(&l, &qp, WcStatus::LocalProtectionError);
     // Local SGE out of bounds.
     let qp = l.connect(&mut peer, 1, &QpSpec::default());
     post(&qp, 2, WrOp::Write { remote: rb.at(0) }, &sge(&ro, 60, 8));
-    assert_eq!(l.wait_one().status, WcStatus::LocalProtectionError);
+    expect_failed(&l, &qp, WcStatus::LocalProtectionError);
     // Region of another protection domain.
     let other_pd = l.ctx.alloc_pd().unwrap();
     let foreign = other_pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
@@ -723,7 +746,7 @@ pub fn local_errors(p: &str) {
         WrOp::Write { remote: rb.at(0) },
         &sge(&foreign, 0, 8),
     );
-    assert_eq!(l.wait_one().status, WcStatus::LocalProtectionError);
+    expect_failed(&l, &qp, WcStatus::LocalProtectionError);
     // SEND longer than the receive: receiver LocalLengthError, sender RemoteInvalidRequest.
     let qp = l.connect(&mut peer, 3, &QpSpec::default());
     peer.ok(Cmd::PostRecv {
@@ -733,7 +756,7 @@ pub fn local_errors(p: &str) {
     });
     let big = l.pd.alloc_mr(64, AccessFlags::NONE).unwrap();
     post(&qp, 5, WrOp::Send, &sge(&big, 0, 17));
-    assert_eq!(l.wait_one().status, WcStatus::RemoteInvalidRequest);
+    expect_failed(&l, &qp, WcStatus::RemoteInvalidRequest);
     let wcs = peer.poll(1, 5000);
     assert_eq!(
         (wcs[0].wr_id, wcs[0].status),
@@ -752,7 +775,7 @@ pub fn local_errors(p: &str) {
         },
         &sge(&res, 0, 16),
     );
-    assert_eq!(l.wait_one().status, WcStatus::LocalLengthError);
+    expect_failed(&l, &qp, WcStatus::LocalLengthError);
 }
 
 /// The peer is killed mid-stream: the initiator's requests and a receive waiter return
@@ -878,7 +901,7 @@ pub fn peer_qp_destroyed(p: &str) {
     let src = l.pd.alloc_mr(64, AccessFlags::NONE).unwrap();
     peer.setup(0, &QpSpec::default()); // replaces (destroys) the old one
     post(&qp, 1, WrOp::Write { remote: rb.at(0) }, &sge(&src, 0, 8));
-    assert_eq!(l.wait_one().status, WcStatus::RetryExceeded);
+    expect_failed(&l, &qp, WcStatus::RetryExceeded);
 }
 
 /// Several queue pairs, each driven by its own thread with its own CQ, to several peer processes.
@@ -1033,7 +1056,7 @@ pub fn user_memory(p: &str) {
         },
         &sge(&src, 0, 11),
     );
-    assert_eq!(l.wait_one().status, WcStatus::RemoteAccessError);
+    expect_failed(&l, &qp, WcStatus::RemoteAccessError);
 }
 
 trait NoAtomic {

@@ -368,8 +368,10 @@ fn run_in_bed(
 #[test]
 fn ranks_in_two_network_namespaces_are_two_hosts() {
     let _serial = serial();
-    if let Err(reason) = Testbed::available() {
-        println!("SKIPPED ranks_in_two_network_namespaces_are_two_hosts: {reason}");
+    if !oxccl_testbed::require(
+        "ranks_in_two_network_namespaces_are_two_hosts",
+        Testbed::available(),
+    ) {
         return;
     }
     let tb =
@@ -406,8 +408,7 @@ fn ranks_in_two_network_namespaces_are_two_hosts() {
 fn proportional_all_reduce_across_shaped_namespaces_is_exact() {
     let _serial = serial();
     let name = "proportional_all_reduce_across_shaped_namespaces_is_exact";
-    if let Err(reason) = Testbed::available() {
-        println!("SKIPPED {name}: {reason}");
+    if !oxccl_testbed::require(name, Testbed::available()) {
         return;
     }
     let rates = [400u64, 400, 400, 100];
@@ -465,8 +466,7 @@ fn proportional_all_reduce_across_shaped_namespaces_is_exact() {
 fn hierarchical_collectives_across_namespaces_are_exact_at_every_size() {
     let _serial = serial();
     let name = "hierarchical_collectives_across_namespaces_are_exact_at_every_size";
-    if let Err(reason) = Testbed::available() {
-        println!("SKIPPED {name}: {reason}");
+    if !oxccl_testbed::require(name, Testbed::available()) {
         return;
     }
     let tb = Testbed::new(&[HostSpec::unshaped(), HostSpec::unshaped()]).expect("a test bed");
@@ -499,8 +499,7 @@ fn hierarchical_collectives_across_namespaces_are_exact_at_every_size() {
 fn the_link_probe_measures_shaped_links() {
     let _serial = serial();
     let name = "the_link_probe_measures_shaped_links";
-    if let Err(reason) = Testbed::available() {
-        println!("SKIPPED {name}: {reason}");
+    if !oxccl_testbed::require(name, Testbed::available()) {
         return;
     }
     let rates = [400u64, 200, 200, 100];

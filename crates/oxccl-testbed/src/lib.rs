@@ -4,8 +4,9 @@
 //! ```no_run
 //! use oxccl_testbed::{HostSpec, Testbed};
 //!
-//! if let Err(reason) = Testbed::available() {
-//!     println!("SKIPPED my_test: {reason}");
+//! // Prints `SKIPPED my_test: <reason>` and returns when this machine cannot host a bed
+//! // (under CI=true it fails instead: nothing skips in CI).
+//! if !oxccl_testbed::require("my_test", Testbed::available()) {
 //!     return;
 //! }
 //! // Three hosts at 1 Gbit/s and one at 250 Mbit/s, both directions of every link shaped.
@@ -369,11 +370,41 @@ static COUNTER: AtomicU32 = AtomicU32::new(0);
 /// shared `/run/netns` mount on first use and is not safe to race with itself).
 static SETUP: Mutex<()> = Mutex::new(());
 
+/// Whether CI runs this (`CI` set to `true` or `1`): then nothing may skip.
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| matches!(v.trim(), "true" | "1"))
+}
+
+/// Whether test `test` can run, given whether its prerequisite is met: `true` when it is.
+/// When it is not, a developer's machine prints `SKIPPED <test>: <reason>` and gets `false`
+/// (the test returns), but under `CI=true` the test fails here: CI runs as root with every
+/// prerequisite installed, so a missing one is a hole, not a skip.
+///
+/// ```no_run
+/// # fn main() {
+/// if !oxccl_testbed::require("my_test", oxccl_testbed::Testbed::available()) {
+///     return;
+/// }
+/// # }
+/// ```
+pub fn require(test: &str, prerequisite: Result<(), String>) -> bool {
+    match prerequisite {
+        Ok(()) => true,
+        Err(reason) if in_ci() => {
+            panic!("{test}: prerequisite missing under CI=true (nothing may skip in CI): {reason}")
+        }
+        Err(reason) => {
+            println!("SKIPPED {test}: {reason}");
+            false
+        }
+    }
+}
+
 impl Testbed {
     /// Whether this machine can host a test bed: `Ok(())`, or why not (not Linux, not root,
     /// `ip` or `tc` missing, namespaces, veth, bridges or tbf unsupported). Probes once per
-    /// process by building a throw-away namespace. Tests print `SKIPPED <name>: <reason>` and
-    /// return when this fails.
+    /// process by building a throw-away namespace. Tests pass it to [`require`], which skips
+    /// with the reason (or fails, under `CI=true`).
     pub fn available() -> Result<(), String> {
         static PROBE: OnceLock<Result<(), String>> = OnceLock::new();
         PROBE.get_or_init(probe).clone()

@@ -688,8 +688,7 @@ fn kill_a_rank_during_every_collective_shm() {
 #[test]
 fn kill_a_rank_during_every_collective_tcp_netns() {
     let name = "kill_a_rank_during_every_collective_tcp_netns";
-    if let Err(reason) = Testbed::available() {
-        println!("SKIPPED {name}: {reason}");
+    if !oxccl_testbed::require(name, Testbed::available()) {
         return;
     }
     let _g = serial();
@@ -708,8 +707,7 @@ const CUT_TIMEOUT_S: u64 = 10;
 #[test]
 fn cut_link_is_named_on_every_other_host_tcp_netns() {
     let name = "cut_link_is_named_on_every_other_host_tcp_netns";
-    if let Err(reason) = Testbed::available() {
-        println!("SKIPPED {name}: {reason}");
+    if !oxccl_testbed::require(name, Testbed::available()) {
         return;
     }
     let _g = serial();

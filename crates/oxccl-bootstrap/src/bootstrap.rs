@@ -32,6 +32,13 @@ impl Member {
     }
 }
 
+/// A rank's error after the join, published so that the others stop waiting for it.
+#[derive(Debug, Serialize, Deserialize)]
+struct Failed {
+    rank: usize,
+    message: String,
+}
+
 /// The first world size registered, and by whom.
 #[derive(Debug, Serialize, Deserialize)]
 struct WorldSize {
@@ -140,6 +147,9 @@ impl Keys {
     }
     fn abort(&self) -> String {
         format!("{}join/abort", self.prefix)
+    }
+    fn failed(&self) -> String {
+        format!("{}failed", self.prefix)
     }
     fn member(&self, rank: usize) -> String {
         format!("{}join/rank/{rank}", self.prefix)
@@ -480,11 +490,16 @@ impl Bootstrap {
         self.store.set(&key(self.rank), data)?;
         let keys: Vec<String> = (0..self.world_size).map(key).collect();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        let result = if fetch {
-            self.store.multi_get(&refs, timeout)
-        } else {
-            self.store.wait(&refs, timeout).map(|()| Vec::new())
-        };
+        let deadline = Instant::now() + timeout;
+        let result = self.wait_watching(&keys, deadline).and_then(|()| {
+            if fetch {
+                let left = deadline.saturating_duration_since(Instant::now());
+                self.store
+                    .multi_get(&refs, left.max(Duration::from_secs(1)))
+            } else {
+                Ok(Vec::new())
+            }
+        });
         let values = result.map_err(|e| match e {
             Error::Timeout { missing, .. } => Error::RanksMissing {
                 what: format!(
@@ -505,6 +520,72 @@ impl Bootstrap {
                 .delete(&self.keys.collective(kind, tag, generation - 1, self.rank));
         }
         Ok(values)
+    }
+
+    /// Waits until every key of `keys` exists, in growing slices, watching for a rank's
+    /// failure notice ([`Bootstrap::fail`]): a rank that gave up fails the wait at once.
+    fn wait_watching(&self, keys: &[String], deadline: Instant) -> Result<()> {
+        let mut missing: Vec<String> = keys.to_vec();
+        let mut slice = Duration::from_millis(20);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let refs: Vec<&str> = missing.iter().map(String::as_str).collect();
+            match self.store.wait(&refs, slice.min(left)) {
+                Ok(()) => return Ok(()),
+                Err(Error::Timeout { missing: m, .. }) if !left.is_zero() => {
+                    missing = m;
+                    slice = (slice * 2).min(Duration::from_millis(500));
+                }
+                Err(e) => return Err(e),
+            }
+            if let Some(f) = self.failure()? {
+                return Err(Error::RankFailed {
+                    rank: f.rank,
+                    message: f.message,
+                });
+            }
+        }
+    }
+
+    /// The failure notice in the store, if a rank published one.
+    fn failure(&self) -> Result<Option<Failed>> {
+        match self.store.multi_get(&[&self.keys.failed()], Duration::ZERO) {
+            Ok(mut v) => Ok(Some(from_json(
+                || "the failure notice in the store".into(),
+                &v.pop().unwrap_or_default(),
+            )?)),
+            Err(Error::Timeout { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Tells the other ranks that this one gave up with `message` (the first notice
+    /// published wins): their bootstrap waits ([`Bootstrap::all_gather`],
+    /// [`Bootstrap::barrier`]) then fail at once with [`Error::RankFailed`] instead of timing
+    /// out. On the rank that serves the store, waits (up to 5 s) for the others to read it and
+    /// disconnect, since the store goes away with this process.
+    pub fn fail(&self, message: &str) {
+        let notice = Failed {
+            rank: self.rank,
+            message: message.to_owned(),
+        };
+        if let Ok(bytes) = serde_json::to_vec(&notice) {
+            let _ = self.store.compare_set(&self.keys.failed(), None, &bytes);
+        }
+        if let Some(server) = &self.server {
+            server.wait_for_clients_to_leave(self.timeout.min(Duration::from_secs(5)));
+        }
+    }
+
+    /// The IP address of this host's interface that routes to the store: the local address
+    /// of this rank's store connection, or, on the rank that serves the store, the source
+    /// address the kernel picks for the store's own address. `None` when neither is known
+    /// (a store handed in without a network connection).
+    pub fn route_addr(&self) -> Option<std::net::IpAddr> {
+        if let Some(a) = self.store.local_addr() {
+            return Some(a.ip());
+        }
+        route_to(&self.store_addr)
     }
 
     /// Every rank contributes `data`; returns all contributions in rank order.
@@ -618,6 +699,23 @@ impl Bootstrap {
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
     }
+}
+
+/// The source address this host uses towards `addr` (`host:port`): a UDP socket connected
+/// there (which sends nothing) reads it off the routing table.
+pub fn route_to(addr: &str) -> Option<std::net::IpAddr> {
+    let dest = addr.to_socket_addrs().ok()?.next()?;
+    if dest.ip().is_unspecified() {
+        return None;
+    }
+    let any: std::net::SocketAddr = if dest.is_ipv4() {
+        ([0, 0, 0, 0], 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let sock = std::net::UdpSocket::bind(any).ok()?;
+    sock.connect(dest).ok()?;
+    Some(sock.local_addr().ok()?.ip())
 }
 
 fn publish_abort(store: &dyn Store, keys: &Keys, abort: &Abort) {
@@ -761,6 +859,43 @@ mod tests {
                 r => panic!("{r:?}"),
             }
         }
+    }
+
+    #[test]
+    fn a_failed_rank_stops_the_others_waiting() {
+        let t0 = Instant::now();
+        let results = spawn_ranks(&[(0, 3), (1, 3), (2, 3)], T, |b| {
+            if b.rank() == 2 {
+                std::thread::sleep(Duration::from_millis(100));
+                b.fail("cannot connect to rank 1 at 10.0.0.2:4000 (eth0): refused");
+                return Ok(());
+            }
+            b.barrier("connected", Duration::from_secs(60))
+        });
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+        for r in &results[..2] {
+            match r.as_ref().unwrap() {
+                Err(Error::RankFailed { rank: 2, message }) => {
+                    assert!(message.contains("10.0.0.2:4000 (eth0)"), "{message}")
+                }
+                r => panic!("{r:?}"),
+            }
+        }
+        let e = results[0].as_ref().unwrap().as_ref().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "rank 2 failed: cannot connect to rank 1 at 10.0.0.2:4000 (eth0): refused"
+        );
+    }
+
+    #[test]
+    fn route_to_finds_the_source_address() {
+        assert_eq!(
+            route_to("127.0.0.1:9"),
+            Some(std::net::IpAddr::from([127, 0, 0, 1]))
+        );
+        assert_eq!(route_to("0.0.0.0:9"), None);
+        assert_eq!(route_to("not an address"), None);
     }
 
     #[test]

@@ -304,6 +304,10 @@ impl Store for TcpStore {
     fn location(&self) -> String {
         self.addr.clone()
     }
+
+    fn local_addr(&self) -> Option<SocketAddr> {
+        self.lock().stream.local_addr().ok()
+    }
 }
 
 fn connect_retrying(addr: &str, deadline: Instant, timeout: Duration) -> Result<TcpStream> {

@@ -175,6 +175,15 @@ pub enum Error {
         /// Why it cannot be used.
         reason: String,
     },
+    /// Another rank gave up (its init failed) and told the others through the store, so that
+    /// nobody waits out a timeout for a rank that will never come.
+    #[error("rank {rank} failed: {message}")]
+    RankFailed {
+        /// The rank that failed.
+        rank: usize,
+        /// Its error.
+        message: String,
+    },
     /// Some required configuration is missing.
     #[error("{0}")]
     Config(String),

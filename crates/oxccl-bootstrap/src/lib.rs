@@ -66,7 +66,7 @@ mod server;
 mod store;
 pub mod wire;
 
-pub use bootstrap::Bootstrap;
+pub use bootstrap::{Bootstrap, route_to};
 pub use client::{ClientOptions, TcpStore};
 pub use config::{Config, DEFAULT_PORT, DEFAULT_TIMEOUT, Launcher};
 pub use error::{Error, Result};

@@ -50,6 +50,12 @@ pub trait Store: Send + Sync {
     /// Where the store is, for messages (an address, or "in-process store").
     fn location(&self) -> String;
 
+    /// The local address of this process's connection to the store, when it has one: the
+    /// address of the interface that routes to the store, which peers can most likely reach.
+    fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        None
+    }
+
     /// Waits up to `timeout` for `key`, then returns its value.
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         let mut v = self.multi_get(&[key], timeout)?;

@@ -80,25 +80,81 @@ const REQ_CTX: u64 = 1;
 const REQ_QP: u64 = 2;
 const REQ_MR: u64 = 3;
 
-/// Tunables shared by a context's queues, from the environment.
+/// Tunables shared by a context's queues.
 #[derive(Clone, Debug)]
 pub(crate) struct Tuning {
     /// How long a waiter spins before it yields and then sleeps.
     pub spin: Duration,
 }
 
-impl Tuning {
-    fn from_env() -> Self {
-        let us = |name: &str, default: u64| {
-            std::env::var(name)
-                .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .unwrap_or(default)
-        };
-        Tuning {
-            spin: Duration::from_micros(us("OXCCL_SPIN_US", 50)),
+/// How a context is set up, given when it is opened ([`Device::open_with`]): providers never
+/// read the environment themselves. [`DeviceConfig::from_env`] reads the `OXCCL_*` variables
+/// for tools and tests; the communicator fills it in from its own options.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceConfig {
+    /// tcp: the address the listener binds and advertises to peers (port 0: any free port).
+    /// Default `127.0.0.1:0`, which only this host can reach.
+    pub tcp_addr: std::net::SocketAddr,
+    /// tcp: the progress thread busy-polls instead of blocking in `epoll_wait` (latency mode).
+    pub tcp_busy_poll: bool,
+    /// How long a completion-queue wait spins before it yields and then sleeps.
+    pub spin: Duration,
+}
+
+impl Default for DeviceConfig {
+    fn default() -> DeviceConfig {
+        DeviceConfig {
+            tcp_addr: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            tcp_busy_poll: false,
+            spin: Duration::from_micros(50),
         }
     }
+}
+
+impl DeviceConfig {
+    /// The defaults overridden by `OXCCL_TCP_ADDR` (`IP` or `IP:port`), `OXCCL_TCP_POLL=busy`
+    /// and `OXCCL_SPIN_US`; a malformed value is an error naming the variable.
+    pub fn from_env() -> Result<DeviceConfig> {
+        DeviceConfig::from_vars(&|k| std::env::var(k).ok())
+    }
+
+    /// [`DeviceConfig::from_env`] over any variable source.
+    pub fn from_vars(var: &dyn Fn(&str) -> Option<String>) -> Result<DeviceConfig> {
+        let mut c = DeviceConfig::default();
+        let get = |k: &str| {
+            var(k)
+                .map(|v| v.trim().to_owned())
+                .filter(|v| !v.is_empty())
+        };
+        if let Some(a) = get("OXCCL_TCP_ADDR") {
+            c.tcp_addr = parse_ip_or_sockaddr(&a).ok_or_else(|| {
+                Error::arg(format!(
+                    "OXCCL_TCP_ADDR={a:?} is not an IP address or IP:port"
+                ))
+            })?;
+        }
+        c.tcp_busy_poll = get("OXCCL_TCP_POLL").is_some_and(|v| v == "busy");
+        if let Some(v) = get("OXCCL_SPIN_US") {
+            let us: u64 = v.parse().map_err(|_| {
+                Error::arg(format!(
+                    "OXCCL_SPIN_US={v:?} is not a number of microseconds"
+                ))
+            })?;
+            c.spin = Duration::from_micros(us);
+        }
+        Ok(c)
+    }
+}
+
+/// `IP` (port 0) or `IP:port`, IPv6 bracketed with a port (`[::1]:0`) or bare (`::1`).
+pub fn parse_ip_or_sockaddr(a: &str) -> Option<std::net::SocketAddr> {
+    a.parse::<std::net::SocketAddr>().ok().or_else(|| {
+        a.trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<std::net::IpAddr>()
+            .ok()
+            .map(|ip| std::net::SocketAddr::new(ip, 0))
+    })
 }
 
 /// The verbs providers this build contains.
@@ -175,9 +231,15 @@ impl Device {
         self.provider
     }
 
-    /// Opens a context on this device (`ibv_open_device`).
+    /// Opens a context on this device (`ibv_open_device`), configured from the environment
+    /// ([`DeviceConfig::from_env`]).
     pub fn open(&self) -> Result<Context> {
-        Context::open(self.provider)
+        Context::open_with(self.provider, &DeviceConfig::from_env()?)
+    }
+
+    /// Opens a context on this device with the given configuration.
+    pub fn open_with(&self, config: &DeviceConfig) -> Result<Context> {
+        Context::open_with(self.provider, config)
     }
 }
 
@@ -232,8 +294,14 @@ pub(crate) struct Registry {
 }
 
 impl Context {
-    /// Opens a context for `provider` (same as `Device { provider }.open()`).
+    /// Opens a context for `provider` (same as `Device { provider }.open()`), configured from
+    /// the environment.
     pub fn open(provider: Provider) -> Result<Context> {
+        Context::open_with(provider, &DeviceConfig::from_env()?)
+    }
+
+    /// Opens a context for `provider` with the given configuration.
+    pub fn open_with(provider: Provider, config: &DeviceConfig) -> Result<Context> {
         let seg = Arc::new(Segment::create("oxccl-ctx", CTX_SEG_LEN)?);
         let pid = std::process::id();
         let token = random_u64();
@@ -275,7 +343,11 @@ impl Context {
                 .map_err(|e| Error::os("spawning the segment service thread", e))?
         };
         let tcp = match provider {
-            Provider::Tcp => Some(crate::tcp::Engine::start(registry.regions.clone())?),
+            Provider::Tcp => Some(crate::tcp::Engine::start(
+                registry.regions.clone(),
+                config.tcp_addr,
+                config.tcp_busy_poll,
+            )?),
             Provider::Shm => None,
         };
         Ok(Context {
@@ -286,7 +358,7 @@ impl Context {
                 pid,
                 host: host_id(),
                 sock_name,
-                tuning: Tuning::from_env(),
+                tuning: Tuning { spin: config.spin },
                 tcp,
                 registry,
                 tables: Mutex::new(Tables {
@@ -306,6 +378,12 @@ impl Context {
     /// The provider this context runs.
     pub fn provider(&self) -> Provider {
         self.inner.provider
+    }
+
+    /// The address of a tcp context's listener, which its queue pairs advertise (`None` for
+    /// other providers).
+    pub fn tcp_addr(&self) -> Option<std::net::SocketAddr> {
+        self.inner.tcp.as_ref().map(|t| t.shared().addr)
     }
 
     /// Allocates a protection domain (`ibv_alloc_pd`).

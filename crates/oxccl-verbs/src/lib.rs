@@ -53,7 +53,9 @@ mod types;
 #[cfg(test)]
 mod tests;
 
-pub use context::{Context, Device, ProtectionDomain, Provider};
+pub use context::{
+    Context, Device, DeviceConfig, ProtectionDomain, Provider, parse_ip_or_sockaddr,
+};
 pub use cq::CompletionQueue;
 pub use error::{Error, Result};
 pub use mr::MemoryRegion;

@@ -452,8 +452,14 @@ impl QueuePair {
                     .clone()
                     .ok_or_else(|| fail("no tcp connection".into()))?;
                 conn.set_remote(*qp_token, qp.cfg.timeout);
-                // The side with the smaller token connects; the other one accepts.
-                if qp.token < *qp_token {
+                // The side with the smaller token connects, unless the caller chose; the
+                // other one accepts.
+                let active = match qp.cfg.connect {
+                    ConnectRole::Auto => qp.token < *qp_token,
+                    ConnectRole::Active => true,
+                    ConnectRole::Passive => false,
+                };
+                if active {
                     conn.connect_to(sa, qp.cfg.timeout)
                         .map_err(|e| fail(e.to_string()))?;
                 }

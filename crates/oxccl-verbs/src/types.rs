@@ -441,6 +441,24 @@ pub struct QpConfig {
     /// How long a peer may be unreachable or not ready before requests fail with `RetryExceeded`;
     /// a dead peer is noticed within this time.
     pub timeout: Duration,
+    /// tcp: which end opens the connection. Both ends of a pair must agree; the default lets
+    /// the endpoints decide (the one with the smaller token connects), which is fine when
+    /// every address is reachable from every host. A caller that knows an order (ranks)
+    /// makes the choice deterministic, so that an unreachable address fails the same way
+    /// every time.
+    pub connect: ConnectRole,
+}
+
+/// Which end of a tcp queue pair opens the connection ([`QpConfig::connect`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ConnectRole {
+    /// The end whose endpoint token is smaller connects.
+    #[default]
+    Auto,
+    /// This end connects to the peer's advertised address.
+    Active,
+    /// This end waits for the peer to connect.
+    Passive,
 }
 
 impl Default for QpConfig {
@@ -452,6 +470,7 @@ impl Default for QpConfig {
             rnr_retry: 7,
             rnr_timer: Duration::from_millis(1),
             timeout: Duration::from_secs(5),
+            connect: ConnectRole::Auto,
         }
     }
 }

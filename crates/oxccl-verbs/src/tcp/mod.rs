@@ -20,8 +20,9 @@
 //! death, TCP user timeout) moves the queue pair to ERR: the first outstanding request of each queue
 //! completes with `RetryExceeded`, the rest are flushed.
 //!
-//! `OXCCL_TCP_POLL=busy` makes the progress thread busy-poll (latency mode); the default blocks in
-//! `epoll_wait`.
+//! [`DeviceConfig::tcp_busy_poll`](crate::DeviceConfig) makes the progress thread busy-poll
+//! (latency mode); the default blocks in `epoll_wait`. The listener binds
+//! [`DeviceConfig::tcp_addr`](crate::DeviceConfig), which is also the address peers are given.
 
 pub mod frame;
 
@@ -71,19 +72,15 @@ pub(crate) struct Shared {
 }
 
 impl Engine {
-    /// Starts the engine: a listener on `OXCCL_TCP_ADDR` (default 127.0.0.1, any port) and the
-    /// progress thread.
-    pub(crate) fn start(regions: Arc<Mutex<HashMap<u32, Weak<MrInner>>>>) -> Result<Engine> {
-        let bind = match std::env::var("OXCCL_TCP_ADDR") {
-            Ok(a) if !a.trim().is_empty() => parse_bind(a.trim())?,
-            _ => SocketAddr::from(([127, 0, 0, 1], 0)),
-        };
-        let listener = TcpListener::bind(bind).map_err(|e| {
-            Error::os(
-                format!("binding the tcp provider's listener on {bind} (OXCCL_TCP_ADDR)"),
-                e,
-            )
-        })?;
+    /// Starts the engine: a listener on `bind` (port 0: any) and the progress thread, which
+    /// busy-polls when `busy`.
+    pub(crate) fn start(
+        regions: Arc<Mutex<HashMap<u32, Weak<MrInner>>>>,
+        bind: SocketAddr,
+        busy: bool,
+    ) -> Result<Engine> {
+        let listener = TcpListener::bind(bind)
+            .map_err(|e| Error::os(format!("binding the tcp provider's listener on {bind}"), e))?;
         listener
             .set_nonblocking(true)
             .map_err(|e| Error::os("listener", e))?;
@@ -105,7 +102,6 @@ impl Engine {
             )
             .map_err(|e| Error::os("registering the tcp engine's descriptors with epoll", e))?;
         }
-        let busy = std::env::var("OXCCL_TCP_POLL").is_ok_and(|v| v.trim() == "busy");
         let shared = Arc::new(Shared {
             epoll: ep,
             wake,
@@ -155,19 +151,6 @@ impl Drop for Engine {
             c.shutdown();
         }
     }
-}
-
-fn parse_bind(a: &str) -> Result<SocketAddr> {
-    if let Ok(sa) = a.parse::<SocketAddr>() {
-        return Ok(sa);
-    }
-    a.parse::<std::net::IpAddr>()
-        .map(|ip| SocketAddr::new(ip, 0))
-        .map_err(|_| {
-            Error::arg(format!(
-                "OXCCL_TCP_ADDR={a:?} is not an IP address or IP:port"
-            ))
-        })
 }
 
 /// A raw byte range that a frame is sent from or received into.

@@ -67,7 +67,7 @@ perf_rows() {
             for i in \$(seq 0 $((rph - 1))); do
                 env RANK=\$((OXCCL_TESTBED_HOST * $rph + i)) LOCAL_RANK=\$i LOCAL_WORLD_SIZE=$rph \
                     WORLD_SIZE=$world MASTER_ADDR=10.77.0.1 MASTER_PORT=\$(($port + rep)) \
-                    OXCCL_SECRET=sim-validate OXCCL_TCP_ADDR=\$OXCCL_TESTBED_ADDR \
+                    OXCCL_SECRET=sim-validate \
                     OXCCL_TOPO_FILE=$topo OXCCL_TIMEOUT=300 $algo_env \
                     $BIN perf $coll -b $b -e $e -f $f -w $warmup -i $iters -c 0 &
             done

@@ -65,7 +65,7 @@ run() {
         for i in \$(seq 0 $((rph - 1))); do
             env RANK=\$((OXCCL_TESTBED_HOST * $rph + i)) LOCAL_RANK=\$i LOCAL_WORLD_SIZE=$rph \
                 WORLD_SIZE=$world MASTER_ADDR=10.77.0.1 MASTER_PORT=$port OXCCL_SECRET=topology-bench \
-                OXCCL_TCP_ADDR=\$OXCCL_TESTBED_ADDR OXCCL_TIMEOUT=120 $algo_env \
+                OXCCL_TIMEOUT=120 $algo_env \
                 $BIN perf $coll -b $size -e $size -d $dt -w $warmup -i $iters -c 1 &
         done
         wait" 2>&1 | awk '

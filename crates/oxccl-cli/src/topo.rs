@@ -5,7 +5,8 @@
 //! - Under a launcher (torchrun, Slurm, `oxccl run`): every process is a rank; they form a
 //!   communicator, whose topology comes from every rank's host identity (or from
 //!   `OXCCL_TOPO_FILE`, which wins, with a warning on stderr when it disagrees), and rank 0
-//!   prints it.
+//!   prints it, then (in the table) the address, interface and reason of each rank that
+//!   talks tcp.
 //! - Otherwise: launches its own `-n` ranks on this host, as `oxccl perf` does, and rank 0 of
 //!   them prints.
 //!
@@ -84,7 +85,19 @@ fn rank_main(args: &Args) -> Result<(), String> {
             Ok(p) if !p.trim().is_empty() => format!("{TOPO_FILE_VAR}={p}"),
             _ => format!("host identities of {} ranks", comm.world_size()),
         };
-        print(args, comm.topology(), &source)
+        let addrs: Vec<String> = comm
+            .tcp_addrs()
+            .iter()
+            .enumerate()
+            .filter_map(|(r, a)| a.as_ref().map(|a| format!("#   rank {r}: {a}")))
+            .collect();
+        print(args, comm.topology(), &source).and_then(|()| {
+            if args.json || addrs.is_empty() {
+                return Ok(());
+            }
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "# tcp addresses:\n{}", addrs.join("\n")).map_err(|e| e.to_string())
+        })
     } else {
         Ok(())
     };

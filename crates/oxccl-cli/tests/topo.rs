@@ -3,50 +3,16 @@
 //! ranks on this host are one host; ranks in two network namespaces of a test bed are two.
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
 
 use oxccl_testbed::{HostSpec, Testbed};
 
-const BIN: &str = env!("CARGO_BIN_EXE_oxccl");
-
-/// One test of this file at a time: the jobs they start would otherwise share two cores.
-/// (Under that load the launcher test has twice seen ranks 1 and 2 fail at init with "the
-/// store went away" while rank 0 still ran: not understood yet; see the issue 6 note.)
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Variables of launchers and of oxccl that would change what `oxccl topo` does.
-const CLEARED: [&str; 13] = [
-    "RANK",
-    "WORLD_SIZE",
-    "OXCCL_RANK",
-    "SLURM_PROCID",
-    "OMPI_COMM_WORLD_RANK",
-    "PMI_RANK",
-    "OXCCL_TOPO_FILE",
-    "OXCCL_HOST_ID",
-    "OXCCL_PROVIDER",
-    "OXCCL_SECRET_FILE",
-    "OXCCL_TCP_ADDR",
-    "OXCCL_STORE_ADDR",
-    "OXCCL_STORE_STANDALONE",
-];
+mod common;
+use common::{BIN, assert_exact, clean_cmd, run_in_bed, serial};
 
 fn topo_cmd(cmd: &mut Command, args: &[&str]) {
     cmd.arg("topo").args(args);
     clean_cmd(cmd);
-}
-
-/// No inherited launcher or oxccl variables; no stdin.
-fn clean_cmd(cmd: &mut Command) {
-    cmd.stdin(Stdio::null());
-    for k in CLEARED {
-        cmd.env_remove(k);
-    }
-    cmd.env("OXCCL_TIMEOUT", "60");
 }
 
 fn topo(args: &[&str], env: &[(&str, &str)]) -> Output {
@@ -264,105 +230,6 @@ fn under_a_launcher_the_file_wins_over_detection_with_a_warning() {
         stderr.contains(&path) && stderr.contains("rank 3, but the job has 3 ranks"),
         "{stderr}"
     );
-}
-
-/// Kills and reaps the child when dropped.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Every rank of an `oxccl perf -c 1` job succeeded, and rank 0's table has `sizes` rows,
-/// each with no wrong element out of place or in place.
-fn assert_exact(what: &str, outs: &[Output], sizes: usize) {
-    for (rank, out) in outs.iter().enumerate() {
-        assert!(
-            out.status.success(),
-            "{what}: rank {rank} failed ({}): {}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let table = String::from_utf8_lossy(&outs[0].stdout);
-    let rows: Vec<Vec<&str>> = table
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
-        .map(|l| l.split_whitespace().collect())
-        .collect();
-    assert_eq!(
-        rows.len(),
-        sizes,
-        "{what}: {sizes} sizes expected:\n{table}"
-    );
-    for row in &rows {
-        // Out-of-place and in-place #wrong.
-        assert_eq!((row[8], row[12]), ("0", "0"), "{what}:\n{table}");
-    }
-}
-
-/// Runs `oxccl ARGS` as the ranks of one job in the test bed's hosts (rank `r` in host
-/// `placement[r]`, with the torchrun variables and `env`); every rank's output, within 90 s.
-fn run_in_bed(
-    tb: &Testbed,
-    placement: &[usize],
-    args: &[&str],
-    env: &[(&str, &str)],
-    port: u16,
-) -> Vec<Output> {
-    let master = tb.host_addr(0).to_string();
-    let mut ranks: Vec<Killed> = placement
-        .iter()
-        .enumerate()
-        .map(|(rank, &host)| {
-            let mut cmd = tb.command(host, BIN);
-            clean_cmd(&mut cmd);
-            cmd.args(args);
-            cmd.env("RANK", rank.to_string())
-                .env("WORLD_SIZE", placement.len().to_string())
-                .env("MASTER_ADDR", &master)
-                .env("MASTER_PORT", port.to_string())
-                .env("OXCCL_SECRET", "topo-netns-test-secret")
-                .env("OXCCL_TCP_ADDR", tb.host_addr(host).to_string())
-                .env("OXCCL_TIMEOUT", "30")
-                .envs(env.iter().copied())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            Killed(cmd.spawn().expect("starting a rank"))
-        })
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(90);
-    while ranks
-        .iter_mut()
-        .any(|r| r.0.try_wait().expect("try_wait").is_none())
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the ranks did not finish in 90 s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    ranks
-        .iter_mut()
-        .map(|r| {
-            let mut out = Output {
-                status: r.0.wait().expect("wait"),
-                stdout: Vec::new(),
-                stderr: Vec::new(),
-            };
-            if let Some(mut s) = r.0.stdout.take() {
-                let _ = std::io::Read::read_to_end(&mut s, &mut out.stdout);
-            }
-            if let Some(mut s) = r.0.stderr.take() {
-                let _ = std::io::Read::read_to_end(&mut s, &mut out.stderr);
-            }
-            out
-        })
-        .collect()
 }
 
 #[test]

@@ -7,7 +7,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use oxccl_bootstrap::{Bootstrap, CasOutcome, Store};
-use oxccl_verbs::{Context, Provider, QpConfig, QpEndpoint, RemoteBuffer};
+use oxccl_verbs::{ConnectRole, Context, Provider, QpConfig, QpEndpoint, RemoteBuffer};
 use serde::{Deserialize, Serialize};
 
 use crate::dtype::{as_bytes, as_bytes_mut};
@@ -15,6 +15,7 @@ use crate::engine::{AbortFlag, Bufs, Engine, Geometry, Link, Plan};
 use crate::error::{Error, OpDesc, Result};
 use crate::fault::{Faults, Injector};
 use crate::flight::{self, CallInfo, Probe};
+use crate::netif::Chosen;
 use crate::schedule::{Algorithm, Collective, Request, build};
 use crate::topology::Topology;
 use crate::tuner::Tuning;
@@ -63,6 +64,15 @@ pub struct Options {
     /// host sends per measurement; default off, 4 MiB when on). See
     /// [`Communicator::topology`]; a topology file's rates win.
     pub topo_probe: Option<usize>,
+    /// The address the tcp provider binds and advertises (`OXCCL_TCP_ADDR`, `IP` or
+    /// `IP:port`); default: chosen as [`crate::netif`] says.
+    pub tcp_addr: Option<std::net::SocketAddr>,
+    /// Which interfaces tcp may use (`OXCCL_SOCKET_IFNAME`, `NCCL_SOCKET_IFNAME`'s syntax:
+    /// `eth0`, `eth,ens`, `=eth0`, `^docker,lo`).
+    pub socket_ifname: Option<crate::netif::IfnameFilter>,
+    /// The providers' own settings (`OXCCL_SPIN_US`, `OXCCL_TCP_POLL`); the tcp address in
+    /// it is replaced by the chosen one.
+    pub device: oxccl_verbs::DeviceConfig,
 }
 
 /// What the watchdog does to a call that runs too long.
@@ -91,6 +101,9 @@ impl Default for Options {
             watchdog_timeout: None,
             faults: None,
             topo_probe: None,
+            tcp_addr: None,
+            socket_ifname: None,
+            device: oxccl_verbs::DeviceConfig::default(),
         }
     }
 }
@@ -219,6 +232,17 @@ impl Options {
                 ),
             };
         }
+        o.device =
+            oxccl_verbs::DeviceConfig::from_vars(var).map_err(|e| Error::Config(e.to_string()))?;
+        if var("OXCCL_TCP_ADDR").is_some_and(|v| !v.trim().is_empty()) {
+            o.tcp_addr = Some(o.device.tcp_addr);
+        }
+        if let Some(v) = var("OXCCL_SOCKET_IFNAME").filter(|v| !v.trim().is_empty()) {
+            o.socket_ifname = Some(
+                v.parse()
+                    .map_err(|e| Error::Config(format!("OXCCL_SOCKET_IFNAME: {e}")))?,
+            );
+        }
         Ok(o)
     }
 }
@@ -248,12 +272,22 @@ struct Hello {
     host: String,
     settings: Settings,
     comm_id: u64,
+    /// This rank's address towards the store ([`Bootstrap::route_addr`]).
+    route: Option<std::net::IpAddr>,
 }
 
 #[derive(Serialize, Deserialize, Clone)]
 struct LinkInfo {
     endpoint: QpEndpoint,
     region: RemoteBuffer,
+}
+
+/// What each rank publishes to connect: its tcp address (when it talks tcp) and, per peer,
+/// the queue pair and region to reach it.
+#[derive(Serialize, Deserialize)]
+struct Links {
+    tcp: Option<Chosen>,
+    peers: Vec<Option<LinkInfo>>,
 }
 
 /// The caller's memory for one collective.
@@ -288,6 +322,8 @@ struct Inner {
     /// What the tuner knows of this communicator (shares, hosts, forced settings).
     tuning: Tuning,
     providers: Vec<Option<Provider>>,
+    /// The address each rank's tcp listener advertises, for the ranks that talk tcp.
+    tcp_addrs: Vec<Option<Chosen>>,
     opts: Options,
     comm_id: u64,
     state: Mutex<State>,
@@ -348,6 +384,9 @@ impl Store for SharedStore {
     fn location(&self) -> String {
         self.0.store().location()
     }
+    fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        self.0.store().local_addr()
+    }
 }
 
 fn random_u64() -> u64 {
@@ -360,6 +399,216 @@ fn random_u64() -> u64 {
                 .unwrap_or(0));
     }
     u64::from_le_bytes(b)
+}
+
+/// Every rank's host, settings and route to the store; checks that the settings agree.
+/// Returns rank 0's communicator id, the hosts and the routes.
+fn exchange_hello(
+    bootstrap: &Bootstrap,
+    opts: &Options,
+    host: &str,
+) -> Result<(u64, Vec<String>, Vec<Option<std::net::IpAddr>>)> {
+    let rank = bootstrap.rank();
+    // What must agree on every rank: the slot geometry and a forced provider (geometry is
+    // agreed from rank 0's options, so that every rank sizes its slots alike).
+    let settings = Settings {
+        chunk: opts.chunk_size,
+        slots: opts.slots,
+        channels: opts.channels,
+        provider: opts.provider.map(|p| p.name().to_string()),
+    };
+    let hellos: Vec<Hello> = bootstrap.all_gather_serde(
+        "oxccl/hello",
+        &Hello {
+            host: host.to_owned(),
+            settings,
+            comm_id: random_u64(),
+            route: bootstrap.route_addr(),
+        },
+    )?;
+    for (r, h) in hellos.iter().enumerate() {
+        if h.settings != hellos[0].settings {
+            return Err(Error::InvalidArgument {
+                rank,
+                msg: format!(
+                    "rank {r} has OXCCL_CHUNK_SIZE/OXCCL_SLOTS/OXCCL_NCHANNELS/OXCCL_PROVIDER \
+                     {:?}, rank 0 has {:?}: set them alike on every rank",
+                    h.settings, hellos[0].settings
+                ),
+            });
+        }
+    }
+    let comm_id = hellos[0].comm_id;
+    let routes = hellos.iter().map(|h| h.route).collect();
+    Ok((
+        comm_id,
+        hellos.into_iter().map(|h| h.host).collect(),
+        routes,
+    ))
+}
+
+/// The address this rank's tcp listener binds and advertises ([`crate::netif`]).
+fn choose_tcp_addr(
+    opts: &Options,
+    rank: usize,
+    route: Option<std::net::IpAddr>,
+    others: &[std::net::IpAddr],
+) -> Result<Chosen> {
+    let ifaces = crate::netif::interfaces().map_err(|e| {
+        Error::Config(format!(
+            "rank {rank}: cannot list this host's network interfaces: {e}"
+        ))
+    })?;
+    crate::netif::choose(
+        &ifaces,
+        &crate::netif::Want {
+            tcp_addr: opts.tcp_addr,
+            ifname: opts.socket_ifname.as_ref(),
+            route,
+            others,
+        },
+    )
+    .map_err(|e| Error::Config(format!("rank {rank}: {e}")))
+}
+
+type Connected = (
+    Vec<Link>,
+    Vec<usize>,
+    Vec<oxccl_verbs::ProtectionDomain>,
+    Vec<oxccl_verbs::CompletionQueue>,
+    Vec<Option<Chosen>>,
+);
+
+/// Opens a context per provider in use, makes a queue pair and slots per peer, exchanges
+/// them through the store and connects every link. A peer that cannot be reached is named
+/// with its address, its interface and how it chose it.
+fn connect_links(
+    bootstrap: &Bootstrap,
+    opts: &Options,
+    providers: &[Option<Provider>],
+    geo: &Geometry,
+    tcp: Option<Chosen>,
+) -> Result<Connected> {
+    let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
+    let verbs = |what: &str| {
+        let what = what.to_string();
+        move |source| Error::Verbs {
+            rank,
+            what: what.clone(),
+            source,
+        }
+    };
+    let kinds: Vec<Provider> = [Provider::Shm, Provider::Tcp]
+        .into_iter()
+        .filter(|k| providers.contains(&Some(*k)))
+        .collect();
+    let (mut ctxs, mut pds, mut cqs) = (Vec::new(), Vec::new(), Vec::new());
+    let mut tcp = tcp;
+    for k in &kinds {
+        let peers = providers.iter().filter(|p| **p == Some(*k)).count();
+        let mut config = opts.device.clone();
+        if let (Provider::Tcp, Some(c)) = (k, &tcp) {
+            config.tcp_addr = std::net::SocketAddr::new(c.ip, c.port);
+        }
+        let ctx = Context::open_with(*k, &config).map_err(|e| match (k, &tcp) {
+            (Provider::Tcp, Some(c)) => Error::Config(format!(
+                "rank {rank}: cannot listen for tcp peers on {c}: {e}"
+            )),
+            _ => verbs(&format!("opening the {} provider", k.name()))(e),
+        })?;
+        if let (Provider::Tcp, Some(c)) = (k, &mut tcp)
+            && let Some(a) = ctx.tcp_addr()
+        {
+            c.port = a.port();
+        }
+        let pd = ctx
+            .alloc_pd()
+            .map_err(verbs("allocating a protection domain"))?;
+        let cq = ctx
+            .create_cq(peers * (geo.send_depth() + geo.recv_depth()) as usize + 64)
+            .map_err(verbs("creating a completion queue"))?;
+        ctxs.push(ctx);
+        pds.push(pd);
+        cqs.push(cq);
+    }
+    let qp_cfg = QpConfig {
+        max_send_wr: geo.send_depth(),
+        max_recv_wr: geo.recv_depth(),
+        max_sge: 2,
+        rnr_retry: 7,
+        ..QpConfig::default()
+    };
+    let mut links = Vec::new();
+    let mut link_of = vec![usize::MAX; world];
+    for (p, prov) in providers.iter().enumerate() {
+        let Some(prov) = prov else { continue };
+        let c = kinds.iter().position(|k| k == prov).unwrap_or(0);
+        // The lower rank opens each tcp connection: an address that some peer cannot reach
+        // then fails the same pairs on every run.
+        let cfg = QpConfig {
+            connect: if rank < p {
+                ConnectRole::Active
+            } else {
+                ConnectRole::Passive
+            },
+            ..qp_cfg.clone()
+        };
+        let qp = pds[c]
+            .create_qp(&cqs[c], &cqs[c], &cfg)
+            .map_err(verbs(&format!("creating a queue pair for rank {p}")))?;
+        link_of[p] = links.len();
+        links.push(
+            Link::new(p, *prov, c, &pds[c], qp, geo)
+                .map_err(verbs(&format!("allocating slots for rank {p}")))?,
+        );
+    }
+    let mine = Links {
+        tcp: tcp.clone(),
+        peers: (0..world)
+            .map(|p| {
+                let l = link_of[p];
+                (l != usize::MAX).then(|| LinkInfo {
+                    endpoint: links[l].qp.endpoint(),
+                    region: links[l].local_region(),
+                })
+            })
+            .collect(),
+    };
+    let all: Vec<Links> = bootstrap.all_gather_serde("oxccl/links", &mine)?;
+    for p in 0..world {
+        let l = link_of[p];
+        if l == usize::MAX {
+            continue;
+        }
+        let Some(info) = all[p].peers.get(rank).cloned().flatten() else {
+            return Err(Error::InvalidArgument {
+                rank,
+                msg: format!("rank {p} published no connection for this rank"),
+            });
+        };
+        let prov = providers[p].unwrap_or(Provider::Shm);
+        links[l]
+            .qp
+            .connect(&info.endpoint)
+            .map_err(|e| match (&all[p].tcp, &tcp) {
+                (Some(theirs), Some(ours)) if prov == Provider::Tcp => Error::Unreachable {
+                    rank,
+                    peer: p,
+                    detail: format!(
+                        "it listens on {theirs}, this rank on {ours}: {e}. If that address is \
+                         not reachable from this host, choose rank {p}'s interface with \
+                         OXCCL_SOCKET_IFNAME or its address with OXCCL_TCP_ADDR"
+                    ),
+                },
+                _ => verbs(&format!("connecting to rank {p} over {}", prov.name()))(e),
+            })?;
+        links[l]
+            .connect(info.region, geo, l)
+            .map_err(verbs(&format!("posting receives for rank {p}")))?;
+    }
+    drop(ctxs);
+    let addrs = all.into_iter().map(|l| l.tcp).collect();
+    Ok((links, link_of, pds, cqs, addrs))
 }
 
 impl Communicator {
@@ -376,50 +625,18 @@ impl Communicator {
         Communicator::init(Bootstrap::from_env()?, opts)
     }
 
-    fn init_shared(bootstrap: Arc<Bootstrap>, mut opts: Options) -> Result<Communicator> {
+    fn init_shared(bootstrap: Arc<Bootstrap>, opts: Options) -> Result<Communicator> {
+        // Tell the others, so that they fail now rather than wait out a timeout for this rank
+        // (the first notice wins: a rank that fails on another's notice does not replace it,
+        // but the rank serving the store still lets the others read it before leaving).
+        Communicator::init_inner(&bootstrap, opts).inspect_err(|e| bootstrap.fail(&e.to_string()))
+    }
+
+    fn init_inner(bootstrap: &Arc<Bootstrap>, mut opts: Options) -> Result<Communicator> {
         let rank = bootstrap.rank();
         let world = bootstrap.world_size();
-        let verbs = |what: &str| {
-            let what = what.to_string();
-            move |source| Error::Verbs {
-                rank,
-                what: what.clone(),
-                source,
-            }
-        };
         let host = opts.host_id.clone().unwrap_or_else(default_host_id);
-        // Geometry is agreed from rank 0's options, so that every rank sizes its slots alike;
-        // a rank whose own settings differ is told.
-        let comm_id = random_u64();
-        // What must agree on every rank: the slot geometry and a forced provider.
-        let settings = Settings {
-            chunk: opts.chunk_size,
-            slots: opts.slots,
-            channels: opts.channels,
-            provider: opts.provider.map(|p| p.name().to_string()),
-        };
-        let hellos: Vec<Hello> = bootstrap.all_gather_serde(
-            "oxccl/hello",
-            &Hello {
-                host: host.clone(),
-                settings: settings.clone(),
-                comm_id,
-            },
-        )?;
-        for (r, h) in hellos.iter().enumerate() {
-            if h.settings != hellos[0].settings {
-                return Err(Error::InvalidArgument {
-                    rank,
-                    msg: format!(
-                        "rank {r} has OXCCL_CHUNK_SIZE/OXCCL_SLOTS/OXCCL_NCHANNELS/OXCCL_PROVIDER \
-                         {:?}, rank 0 has {:?}: set them alike on every rank",
-                        h.settings, hellos[0].settings
-                    ),
-                });
-            }
-        }
-        let comm_id = hellos[0].comm_id;
-        let hosts: Vec<String> = hellos.into_iter().map(|h| h.host).collect();
+        let (comm_id, hosts, routes) = exchange_hello(bootstrap, &opts, &host)?;
         let (topology, note) = Topology::from_env(&hosts).map_err(Error::Config)?;
         if let Some(note) = note
             && rank == 0
@@ -467,91 +684,30 @@ impl Communicator {
         opts.chunk_size = Some(geo.slot_data);
         opts.slots = Some(geo.slots);
         opts.channels = Some(geo.channels);
-        let kinds: Vec<Provider> = [Provider::Shm, Provider::Tcp]
-            .into_iter()
-            .filter(|k| providers.contains(&Some(*k)))
-            .collect();
-        let mut ctxs = Vec::new();
-        let mut pds = Vec::new();
-        let mut cqs = Vec::new();
-        for k in &kinds {
-            let peers = providers.iter().filter(|p| **p == Some(*k)).count();
-            let ctx =
-                Context::open(*k).map_err(verbs(&format!("opening the {} provider", k.name())))?;
-            let pd = ctx
-                .alloc_pd()
-                .map_err(verbs("allocating a protection domain"))?;
-            let cq = ctx
-                .create_cq(peers * (geo.send_depth() + geo.recv_depth()) as usize + 64)
-                .map_err(verbs("creating a completion queue"))?;
-            ctxs.push(ctx);
-            pds.push(pd);
-            cqs.push(cq);
-        }
-        let qp_cfg = QpConfig {
-            max_send_wr: geo.send_depth(),
-            max_recv_wr: geo.recv_depth(),
-            max_sge: 2,
-            rnr_retry: 7,
-            ..QpConfig::default()
+        let tcp = if providers.contains(&Some(Provider::Tcp)) {
+            let others: Vec<std::net::IpAddr> = (0..world)
+                .filter(|&p| hosts[p] != host)
+                .filter_map(|p| routes[p])
+                .collect();
+            Some(choose_tcp_addr(&opts, rank, routes[rank], &others)?)
+        } else {
+            None
         };
-        let mut links = Vec::new();
-        let mut link_of = vec![usize::MAX; world];
-        for (p, prov) in providers.iter().enumerate() {
-            let Some(prov) = prov else { continue };
-            let c = kinds.iter().position(|k| k == prov).unwrap();
-            let qp = pds[c]
-                .create_qp(&cqs[c], &cqs[c], &qp_cfg)
-                .map_err(verbs(&format!("creating a queue pair for rank {p}")))?;
-            link_of[p] = links.len();
-            links.push(
-                Link::new(p, *prov, c, &pds[c], qp, &geo)
-                    .map_err(verbs(&format!("allocating slots for rank {p}")))?,
-            );
-        }
-        let mine: Vec<Option<LinkInfo>> = (0..world)
-            .map(|p| {
-                let l = link_of[p];
-                (l != usize::MAX).then(|| LinkInfo {
-                    endpoint: links[l].qp.endpoint(),
-                    region: links[l].local_region(),
-                })
-            })
-            .collect();
-        let all: Vec<Vec<Option<LinkInfo>>> = bootstrap.all_gather_serde("oxccl/links", &mine)?;
-        for p in 0..world {
-            let l = link_of[p];
-            if l == usize::MAX {
-                continue;
-            }
-            let Some(info) = all[p].get(rank).cloned().flatten() else {
-                return Err(Error::InvalidArgument {
-                    rank,
-                    msg: format!("rank {p} published no connection for this rank"),
-                });
-            };
-            links[l].qp.connect(&info.endpoint).map_err(verbs(&format!(
-                "connecting to rank {p} over {}",
-                providers[p].unwrap().name()
-            )))?;
-            links[l]
-                .connect(info.region, &geo, l)
-                .map_err(verbs(&format!("posting receives for rank {p}")))?;
-        }
+        let (links, link_of, pds, cqs, tcp_addrs) =
+            connect_links(bootstrap, &opts, &providers, &geo, tcp)?;
+        let chosen = tcp_addrs[rank].clone();
         bootstrap.barrier("oxccl/connected", opts.timeout)?;
         if log_enabled() {
-            let shm = providers
-                .iter()
-                .filter(|p| **p == Some(Provider::Shm))
-                .count();
-            let tcp = providers
-                .iter()
-                .filter(|p| **p == Some(Provider::Tcp))
-                .count();
+            let count = |k| providers.iter().filter(|p| **p == Some(k)).count();
             let distinct: std::collections::HashSet<&String> = hosts.iter().collect();
             crate::log_line(format!(
-                "rank {rank}/{world}: connected {shm} peers over shm, {tcp} over tcp; \
+                "rank {rank}/{world}: connected {} peers over shm, {} over tcp{}; \
                  {} hosts; {} channels × {} slots × {} KiB chunks",
+                count(Provider::Shm),
+                count(Provider::Tcp),
+                chosen
+                    .as_ref()
+                    .map_or_else(String::new, |c| format!(" from {c}")),
                 distinct.len(),
                 geo.channels,
                 geo.slots,
@@ -583,7 +739,6 @@ impl Communicator {
             engine.spin_for = Duration::ZERO;
         }
         engine.mailbox_allowed = opts.mailboxes != Some(false);
-        drop(ctxs);
         let opts_timeout_ns = opts.timeout.as_nanos().min(u64::MAX as u128) as u64;
         let watchdog = opts
             .watchdog
@@ -605,6 +760,7 @@ impl Communicator {
                 },
                 topology,
                 providers,
+                tcp_addrs,
                 opts,
                 comm_id,
                 state: Mutex::new(State {
@@ -620,7 +776,7 @@ impl Communicator {
                 abort,
                 probe,
                 timeout_ns: AtomicU64::new(opts_timeout_ns),
-                bootstrap,
+                bootstrap: bootstrap.clone(),
                 split_seq: Mutex::new(0),
                 queue: Mutex::new(None),
                 pending: (Mutex::new(0), Condvar::new()),
@@ -789,6 +945,12 @@ impl Communicator {
             .into_iter()
             .map(|r| format!("{r:.3e}").parse().unwrap_or(r))
             .collect())
+    }
+
+    /// The address each rank's tcp listener advertises to its peers, with its interface and
+    /// why it was chosen (`None` for a rank that reaches no peer over tcp).
+    pub fn tcp_addrs(&self) -> &[Option<Chosen>] {
+        &self.inner.tcp_addrs
     }
 
     /// The provider used to reach each rank (`None` for this rank).

@@ -106,6 +106,16 @@ pub enum Error {
         /// What the transport said.
         detail: String,
     },
+    /// A peer's advertised address could not be reached while connecting.
+    #[error("rank {rank} cannot reach rank {peer}: {detail}")]
+    Unreachable {
+        /// The calling rank.
+        rank: usize,
+        /// The peer.
+        peer: usize,
+        /// Both ends' addresses, their interfaces, and what the transport said.
+        detail: String,
+    },
     /// Ranks called different collectives (or the same with other counts, types, operators
     /// or roots).
     #[error("rank {rank}: collective mismatch: {detail}")]

@@ -61,6 +61,7 @@ mod engine;
 mod error;
 pub mod fault;
 pub mod flight;
+pub mod netif;
 mod reduce;
 pub mod schedule;
 pub mod topology;

@@ -382,11 +382,10 @@ impl Net<'_> {
                     ("OXCCL_TIMEOUT", &timeout),
                     ("MASTER_ADDR", &master),
                 ];
+                // No OXCCL_TCP_ADDR: each rank finds its address itself (the route to the
+                // store), as a user's job would.
                 spawn_job(N, &env, scenario, args, &|rank, exe| {
-                    let host = Net::host(rank);
-                    let mut c = tb.command(host, exe);
-                    c.env("OXCCL_TCP_ADDR", tb.host_addr(host).to_string());
-                    c
+                    tb.command(Net::host(rank), exe)
                 })
             }
         }

@@ -91,7 +91,7 @@ fn rank_main(args: &Args) -> Result<(), String> {
             .enumerate()
             .filter_map(|(r, a)| a.as_ref().map(|a| format!("#   rank {r}: {a}")))
             .collect();
-        print(args, comm.topology(), &source).and_then(|()| {
+        print(args, &comm.topology(), &source).and_then(|()| {
             if args.json || addrs.is_empty() {
                 return Ok(());
             }

@@ -23,6 +23,7 @@ use oxccl_verbs::{
 use crate::error::{Error, OpDesc, Result};
 use crate::fault::Injector;
 use crate::flight::Probe;
+use crate::meter::{Delivered, EgressMeter, LinkMeter};
 use crate::reduce;
 use crate::schedule::{Buf, Op, Region, Schedule};
 use crate::{DataType, ReduceOp};
@@ -289,6 +290,8 @@ pub(crate) struct Link {
     /// Mailbox messages sent to and received from this peer.
     mbox_sent: u64,
     mbox_recv: u64,
+    /// What our data fragments to this peer delivered (tcp links only; see [`crate::meter`]).
+    pub(crate) meter: Option<LinkMeter>,
 }
 
 impl Link {
@@ -324,6 +327,7 @@ impl Link {
             failed: None,
             mbox_sent: 0,
             mbox_recv: 0,
+            meter: (provider == Provider::Tcp).then(LinkMeter::default),
         })
     }
 
@@ -583,6 +587,10 @@ pub(crate) struct Engine {
     scratch: Vec<u64>,
     scratch_mrs: Vec<Option<MemoryRegion>>,
     wcs: Vec<WorkCompletion>,
+    /// Whether the running call meters its tcp links ([`crate::meter`]).
+    pub(crate) metering: bool,
+    /// This rank's aggregate rate over its metered links.
+    egress: EgressMeter,
 }
 
 impl Drop for Engine {
@@ -641,6 +649,8 @@ impl Engine {
             scratch: Vec::new(),
             scratch_mrs: (0..n).map(|_| None).collect(),
             wcs: vec![WorkCompletion::default(); 64],
+            metering: false,
+            egress: EgressMeter::default(),
         }
     }
 
@@ -784,11 +794,26 @@ impl Engine {
         }
         if r.is_err() {
             call.quiesce();
+            for m in call.eng.links.iter_mut().filter_map(|l| l.meter.as_mut()) {
+                m.reset_in_flight();
+            }
+            call.eng.egress.reset_in_flight();
         }
         let st = std::mem::take(&mut call.st);
         drop(call);
         self.st_buf = st;
         r
+    }
+
+    /// What each metered (tcp) link delivered since the last time this was called, with the
+    /// peer it leads to, and this rank's best aggregate window (kbit/s); resets the meters.
+    pub(crate) fn take_delivered(&mut self) -> (Vec<(usize, Delivered)>, u64) {
+        let links = self
+            .links
+            .iter_mut()
+            .filter_map(|l| Some((l.peer, l.meter.as_mut()?.take())))
+            .collect();
+        (links, self.egress.take())
     }
 }
 
@@ -1415,6 +1440,19 @@ impl Call<'_> {
             }
             WR_DATA => {
                 let s = (wc.wr_id & 0xffff_ffff) as usize;
+                if let Some(&Op::Send { peer, .. }) = self.sched.steps.get(s).map(|st| &st.op)
+                    && let Some(m) = self
+                        .eng
+                        .link_of
+                        .get(peer)
+                        .and_then(|&l| self.eng.links.get_mut(l))
+                        .and_then(|l| l.meter.as_mut())
+                {
+                    let now = Instant::now();
+                    if let Some(len) = m.completed(now) {
+                        self.eng.egress.completed(len, now);
+                    }
+                }
                 if let Some(st) = self.st.get_mut(s)
                     && st.outstanding > 0
                 {
@@ -1783,7 +1821,15 @@ impl Call<'_> {
         if !inline {
             self.st[s].outstanding += 1;
         }
-        self.eng.links[l].posted[ch] += 1;
+        let link = &mut self.eng.links[l];
+        link.posted[ch] += 1;
+        if self.eng.metering
+            && let Some(m) = &mut link.meter
+        {
+            let now = Instant::now();
+            m.posted(SLOT_HEADER + len, now);
+            self.eng.egress.posted(now);
+        }
         Ok(())
     }
 

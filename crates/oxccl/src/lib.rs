@@ -61,6 +61,8 @@ mod engine;
 mod error;
 pub mod fault;
 pub mod flight;
+mod learn;
+mod meter;
 pub mod netif;
 mod reduce;
 pub mod schedule;
@@ -84,6 +86,12 @@ pub(crate) fn log_enabled() -> bool {
             .map(|v| matches!(v.to_ascii_uppercase().as_str(), "INFO" | "TRACE" | "DEBUG"))
             .unwrap_or(false)
     })
+}
+
+/// Whether `OXCCL_DEBUG=TRACE` asks for the detailed lines too (each rank's link meters).
+pub(crate) fn trace_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("OXCCL_DEBUG").is_ok_and(|v| v.eq_ignore_ascii_case("TRACE")))
 }
 
 /// Writes a warning line to stderr whatever `OXCCL_DEBUG` says (failures, dumps, injected

@@ -7,13 +7,12 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use oxccl_bootstrap::{Bootstrap, CasOutcome, Store};
-use oxccl_verbs::{ConnectRole, Context, Provider, QpConfig, QpEndpoint, RemoteBuffer};
-use serde::{Deserialize, Serialize};
+use oxccl_verbs::Provider;
 
 use crate::dtype::{as_bytes, as_bytes_mut};
-use crate::engine::{AbortFlag, Bufs, Engine, Geometry, Link, Plan};
+use crate::engine::{AbortFlag, Bufs, Engine, Plan};
 use crate::error::{Error, OpDesc, Result};
-use crate::fault::{Faults, Injector};
+use crate::fault::Faults;
 use crate::flight::{self, CallInfo, Probe};
 use crate::netif::Chosen;
 use crate::schedule::{Algorithm, Collective, Request, build};
@@ -21,10 +20,11 @@ use crate::topology::Topology;
 use crate::tuner::Tuning;
 use crate::{DataType, Element, ReduceOp, log_enabled};
 
-/// Bytes each host sends per measurement of `OXCCL_TOPO_PROBE=1`.
-const PROBE_BYTES: usize = 4 << 20;
-/// Times each link-probe measurement is repeated (the best is kept).
-const PROBE_REPEAT: usize = 2;
+mod init;
+mod rates;
+
+/// Bytes each host sends per measurement of the link probe at init (`OXCCL_TOPO_PROBE`).
+pub const PROBE_BYTES: usize = 1 << 20;
 
 /// Settings of a communicator; [`Options::from_env`] reads the `OXCCL_*` variables.
 #[derive(Clone, Debug)]
@@ -60,10 +60,16 @@ pub struct Options {
     pub watchdog_timeout: Option<Duration>,
     /// Faults to inject, for tests (`OXCCL_FAULT`; see [`crate::fault`]).
     pub faults: Option<Faults>,
-    /// Measure each host's link rate at init (`OXCCL_TOPO_PROBE=1`, or a size: the bytes each
-    /// host sends per measurement; default off, 4 MiB when on). See
-    /// [`Communicator::topology`]; a topology file's rates win.
+    /// Measure each host's link rate at init (`OXCCL_TOPO_PROBE`): `None` (the default) does
+    /// it for jobs of several hosts whose rates are not all given, with [`PROBE_BYTES`] per
+    /// transfer; `Some(0)` (`0`) never; `Some(bytes)` (`1` for the default size, or a size)
+    /// with that size. See [`Communicator::topology`]; a topology file's rates win.
     pub topo_probe: Option<usize>,
+    /// Learn link rates from what every tcp link delivers while large collectives run, and
+    /// agree on new rates and shares every this many of them (`OXCCL_TOPO_LEARN`: `0` off,
+    /// `1` on, or the interval; default on, every [`crate::learn::DEFAULT_INTERVAL`]). Only
+    /// jobs of several hosts learn.
+    pub learn_interval: usize,
     /// The address the tcp provider binds and advertises (`OXCCL_TCP_ADDR`, `IP` or
     /// `IP:port`); default: chosen as [`crate::netif`] says.
     pub tcp_addr: Option<std::net::SocketAddr>,
@@ -101,6 +107,7 @@ impl Default for Options {
             watchdog_timeout: None,
             faults: None,
             topo_probe: None,
+            learn_interval: crate::learn::DEFAULT_INTERVAL,
             tcp_addr: None,
             socket_ifname: None,
             device: oxccl_verbs::DeviceConfig::default(),
@@ -219,9 +226,27 @@ impl Options {
         if let Some(v) = var("OXCCL_SMALL_BYTES") {
             o.small_bytes = parse_size(&v).ok_or_else(|| bad("OXCCL_SMALL_BYTES", &v, "bytes"))?;
         }
+        if let Some(v) = var("OXCCL_TOPO_LEARN") {
+            o.learn_interval = match v.trim() {
+                "0" | "off" => 0,
+                "" | "1" | "on" => crate::learn::DEFAULT_INTERVAL,
+                x => x
+                    .parse()
+                    .ok()
+                    .filter(|n| (2..=1_000_000).contains(n))
+                    .ok_or_else(|| {
+                        bad(
+                            "OXCCL_TOPO_LEARN",
+                            &v,
+                            "0 (off), 1 (on) or calls per round (2..)",
+                        )
+                    })?,
+            };
+        }
         if let Some(v) = var("OXCCL_TOPO_PROBE") {
             o.topo_probe = match v.trim() {
-                "0" | "" | "off" => None,
+                "" => None,
+                "0" | "off" => Some(0),
                 "1" | "on" => Some(PROBE_BYTES),
                 x => Some(
                     parse_size(x)
@@ -259,37 +284,6 @@ pub fn default_host_id() -> String {
     format!("{boot}/{netns}")
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-struct Settings {
-    chunk: Option<usize>,
-    slots: Option<usize>,
-    channels: Option<usize>,
-    provider: Option<String>,
-}
-
-#[derive(Serialize, Deserialize)]
-struct Hello {
-    host: String,
-    settings: Settings,
-    comm_id: u64,
-    /// This rank's address towards the store ([`Bootstrap::route_addr`]).
-    route: Option<std::net::IpAddr>,
-}
-
-#[derive(Serialize, Deserialize, Clone)]
-struct LinkInfo {
-    endpoint: QpEndpoint,
-    region: RemoteBuffer,
-}
-
-/// What each rank publishes to connect: its tcp address (when it talks tcp) and, per peer,
-/// the queue pair and region to reach it.
-#[derive(Serialize, Deserialize)]
-struct Links {
-    tcp: Option<Chosen>,
-    peers: Vec<Option<LinkInfo>>,
-}
-
 /// The caller's memory for one collective.
 pub enum Buffers<'a> {
     /// Separate input and output (either may be empty where the collective ignores it).
@@ -312,15 +306,30 @@ struct State {
     /// The last schedule used: most calls repeat the one before.
     last: Option<((Request, u8), Arc<Plan>)>,
     logged: std::collections::HashSet<(&'static str, Algorithm, usize)>,
+    /// The hosts, their ranks and link rates as this communicator knows them now (detected
+    /// or from a file, then probed and learned).
+    topology: Topology,
+    /// What the tuner knows of this communicator (shares, hosts, forced settings).
+    tuning: Tuning,
+    /// Learns link rates from what the links deliver (`None`: off, or one host).
+    learner: Option<crate::learn::Learner>,
+}
+
+impl State {
+    /// Derives the tuner's shares from the topology's rates (after a probe or a round of
+    /// learning).
+    fn retune(&mut self) {
+        self.tuning.weights = self.topology.proportional_weights();
+        self.tuning.rail_weights = self.topology.rail_weights();
+    }
 }
 
 struct Inner {
     rank: usize,
     world: usize,
     hosts: Vec<String>,
-    topology: Topology,
-    /// What the tuner knows of this communicator (shares, hosts, forced settings).
-    tuning: Tuning,
+    /// Each rank's host (an index into the topology's hosts).
+    host_of: Vec<usize>,
     providers: Vec<Option<Provider>>,
     /// The address each rank's tcp listener advertises, for the ranks that talk tcp.
     tcp_addrs: Vec<Option<Chosen>>,
@@ -401,216 +410,6 @@ fn random_u64() -> u64 {
     u64::from_le_bytes(b)
 }
 
-/// Every rank's host, settings and route to the store; checks that the settings agree.
-/// Returns rank 0's communicator id, the hosts and the routes.
-fn exchange_hello(
-    bootstrap: &Bootstrap,
-    opts: &Options,
-    host: &str,
-) -> Result<(u64, Vec<String>, Vec<Option<std::net::IpAddr>>)> {
-    let rank = bootstrap.rank();
-    // What must agree on every rank: the slot geometry and a forced provider (geometry is
-    // agreed from rank 0's options, so that every rank sizes its slots alike).
-    let settings = Settings {
-        chunk: opts.chunk_size,
-        slots: opts.slots,
-        channels: opts.channels,
-        provider: opts.provider.map(|p| p.name().to_string()),
-    };
-    let hellos: Vec<Hello> = bootstrap.all_gather_serde(
-        "oxccl/hello",
-        &Hello {
-            host: host.to_owned(),
-            settings,
-            comm_id: random_u64(),
-            route: bootstrap.route_addr(),
-        },
-    )?;
-    for (r, h) in hellos.iter().enumerate() {
-        if h.settings != hellos[0].settings {
-            return Err(Error::InvalidArgument {
-                rank,
-                msg: format!(
-                    "rank {r} has OXCCL_CHUNK_SIZE/OXCCL_SLOTS/OXCCL_NCHANNELS/OXCCL_PROVIDER \
-                     {:?}, rank 0 has {:?}: set them alike on every rank",
-                    h.settings, hellos[0].settings
-                ),
-            });
-        }
-    }
-    let comm_id = hellos[0].comm_id;
-    let routes = hellos.iter().map(|h| h.route).collect();
-    Ok((
-        comm_id,
-        hellos.into_iter().map(|h| h.host).collect(),
-        routes,
-    ))
-}
-
-/// The address this rank's tcp listener binds and advertises ([`crate::netif`]).
-fn choose_tcp_addr(
-    opts: &Options,
-    rank: usize,
-    route: Option<std::net::IpAddr>,
-    others: &[std::net::IpAddr],
-) -> Result<Chosen> {
-    let ifaces = crate::netif::interfaces().map_err(|e| {
-        Error::Config(format!(
-            "rank {rank}: cannot list this host's network interfaces: {e}"
-        ))
-    })?;
-    crate::netif::choose(
-        &ifaces,
-        &crate::netif::Want {
-            tcp_addr: opts.tcp_addr,
-            ifname: opts.socket_ifname.as_ref(),
-            route,
-            others,
-        },
-    )
-    .map_err(|e| Error::Config(format!("rank {rank}: {e}")))
-}
-
-type Connected = (
-    Vec<Link>,
-    Vec<usize>,
-    Vec<oxccl_verbs::ProtectionDomain>,
-    Vec<oxccl_verbs::CompletionQueue>,
-    Vec<Option<Chosen>>,
-);
-
-/// Opens a context per provider in use, makes a queue pair and slots per peer, exchanges
-/// them through the store and connects every link. A peer that cannot be reached is named
-/// with its address, its interface and how it chose it.
-fn connect_links(
-    bootstrap: &Bootstrap,
-    opts: &Options,
-    providers: &[Option<Provider>],
-    geo: &Geometry,
-    tcp: Option<Chosen>,
-) -> Result<Connected> {
-    let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
-    let verbs = |what: &str| {
-        let what = what.to_string();
-        move |source| Error::Verbs {
-            rank,
-            what: what.clone(),
-            source,
-        }
-    };
-    let kinds: Vec<Provider> = [Provider::Shm, Provider::Tcp]
-        .into_iter()
-        .filter(|k| providers.contains(&Some(*k)))
-        .collect();
-    let (mut ctxs, mut pds, mut cqs) = (Vec::new(), Vec::new(), Vec::new());
-    let mut tcp = tcp;
-    for k in &kinds {
-        let peers = providers.iter().filter(|p| **p == Some(*k)).count();
-        let mut config = opts.device.clone();
-        if let (Provider::Tcp, Some(c)) = (k, &tcp) {
-            config.tcp_addr = std::net::SocketAddr::new(c.ip, c.port);
-        }
-        let ctx = Context::open_with(*k, &config).map_err(|e| match (k, &tcp) {
-            (Provider::Tcp, Some(c)) => Error::Config(format!(
-                "rank {rank}: cannot listen for tcp peers on {c}: {e}"
-            )),
-            _ => verbs(&format!("opening the {} provider", k.name()))(e),
-        })?;
-        if let (Provider::Tcp, Some(c)) = (k, &mut tcp)
-            && let Some(a) = ctx.tcp_addr()
-        {
-            c.port = a.port();
-        }
-        let pd = ctx
-            .alloc_pd()
-            .map_err(verbs("allocating a protection domain"))?;
-        let cq = ctx
-            .create_cq(peers * (geo.send_depth() + geo.recv_depth()) as usize + 64)
-            .map_err(verbs("creating a completion queue"))?;
-        ctxs.push(ctx);
-        pds.push(pd);
-        cqs.push(cq);
-    }
-    let qp_cfg = QpConfig {
-        max_send_wr: geo.send_depth(),
-        max_recv_wr: geo.recv_depth(),
-        max_sge: 2,
-        rnr_retry: 7,
-        ..QpConfig::default()
-    };
-    let mut links = Vec::new();
-    let mut link_of = vec![usize::MAX; world];
-    for (p, prov) in providers.iter().enumerate() {
-        let Some(prov) = prov else { continue };
-        let c = kinds.iter().position(|k| k == prov).unwrap_or(0);
-        // The lower rank opens each tcp connection: an address that some peer cannot reach
-        // then fails the same pairs on every run.
-        let cfg = QpConfig {
-            connect: if rank < p {
-                ConnectRole::Active
-            } else {
-                ConnectRole::Passive
-            },
-            ..qp_cfg.clone()
-        };
-        let qp = pds[c]
-            .create_qp(&cqs[c], &cqs[c], &cfg)
-            .map_err(verbs(&format!("creating a queue pair for rank {p}")))?;
-        link_of[p] = links.len();
-        links.push(
-            Link::new(p, *prov, c, &pds[c], qp, geo)
-                .map_err(verbs(&format!("allocating slots for rank {p}")))?,
-        );
-    }
-    let mine = Links {
-        tcp: tcp.clone(),
-        peers: (0..world)
-            .map(|p| {
-                let l = link_of[p];
-                (l != usize::MAX).then(|| LinkInfo {
-                    endpoint: links[l].qp.endpoint(),
-                    region: links[l].local_region(),
-                })
-            })
-            .collect(),
-    };
-    let all: Vec<Links> = bootstrap.all_gather_serde("oxccl/links", &mine)?;
-    for p in 0..world {
-        let l = link_of[p];
-        if l == usize::MAX {
-            continue;
-        }
-        let Some(info) = all[p].peers.get(rank).cloned().flatten() else {
-            return Err(Error::InvalidArgument {
-                rank,
-                msg: format!("rank {p} published no connection for this rank"),
-            });
-        };
-        let prov = providers[p].unwrap_or(Provider::Shm);
-        links[l]
-            .qp
-            .connect(&info.endpoint)
-            .map_err(|e| match (&all[p].tcp, &tcp) {
-                (Some(theirs), Some(ours)) if prov == Provider::Tcp => Error::Unreachable {
-                    rank,
-                    peer: p,
-                    detail: format!(
-                        "it listens on {theirs}, this rank on {ours}: {e}. If that address is \
-                         not reachable from this host, choose rank {p}'s interface with \
-                         OXCCL_SOCKET_IFNAME or its address with OXCCL_TCP_ADDR"
-                    ),
-                },
-                _ => verbs(&format!("connecting to rank {p} over {}", prov.name()))(e),
-            })?;
-        links[l]
-            .connect(info.region, geo, l)
-            .map_err(verbs(&format!("posting receives for rank {p}")))?;
-    }
-    drop(ctxs);
-    let addrs = all.into_iter().map(|l| l.tcp).collect();
-    Ok((links, link_of, pds, cqs, addrs))
-}
-
 impl Communicator {
     /// Connects this rank to its peers: shm queue pairs to ranks on the same host, tcp to the
     /// others (or the provider `options` force). Collective over the bootstrap's ranks.
@@ -632,170 +431,6 @@ impl Communicator {
         Communicator::init_inner(&bootstrap, opts).inspect_err(|e| bootstrap.fail(&e.to_string()))
     }
 
-    fn init_inner(bootstrap: &Arc<Bootstrap>, mut opts: Options) -> Result<Communicator> {
-        let rank = bootstrap.rank();
-        let world = bootstrap.world_size();
-        let host = opts.host_id.clone().unwrap_or_else(default_host_id);
-        let (comm_id, hosts, routes) = exchange_hello(bootstrap, &opts, &host)?;
-        let (topology, note) = Topology::from_env(&hosts).map_err(Error::Config)?;
-        if let Some(note) = note
-            && rank == 0
-        {
-            crate::log_warn(note);
-        }
-        let weights = topology.proportional_weights();
-        // Every rank must cut all-reduces the same way: same file, same shares.
-        let all_weights: Vec<Vec<u32>> = bootstrap.all_gather_serde("oxccl/topology", &weights)?;
-        if let Some(r) = all_weights.iter().position(|w| *w != weights) {
-            return Err(Error::InvalidArgument {
-                rank,
-                msg: format!(
-                    "rank {r} derives link shares {:?} from its topology, this rank {weights:?}: \
-                     give every rank the same OXCCL_TOPO_FILE",
-                    all_weights[r]
-                ),
-            });
-        }
-        let providers: Vec<Option<Provider>> = (0..world)
-            .map(|p| {
-                (p != rank).then(|| {
-                    opts.provider.unwrap_or(if hosts[p] == host {
-                        Provider::Shm
-                    } else {
-                        Provider::Tcp
-                    })
-                })
-            })
-            .collect();
-        // Whether any pair of ranks talks over tcp: then larger chunks amortise the per-message
-        // cost of the socket path (every rank computes the same answer).
-        let any_tcp = opts.provider == Some(Provider::Tcp) || hosts.iter().any(|h| h != &hosts[0]);
-        let geo = Geometry {
-            slot_data: opts
-                .chunk_size
-                .unwrap_or(if any_tcp { 1 << 20 } else { 128 << 10 }),
-            slots: opts.slots.unwrap_or(if any_tcp {
-                crate::tuner::SLOTS_NET
-            } else {
-                crate::tuner::SLOTS_SHM
-            }),
-            channels: opts.channels.unwrap_or(1),
-        };
-        opts.chunk_size = Some(geo.slot_data);
-        opts.slots = Some(geo.slots);
-        opts.channels = Some(geo.channels);
-        let tcp = if providers.contains(&Some(Provider::Tcp)) {
-            let others: Vec<std::net::IpAddr> = (0..world)
-                .filter(|&p| hosts[p] != host)
-                .filter_map(|p| routes[p])
-                .collect();
-            Some(choose_tcp_addr(&opts, rank, routes[rank], &others)?)
-        } else {
-            None
-        };
-        let (links, link_of, pds, cqs, tcp_addrs) =
-            connect_links(bootstrap, &opts, &providers, &geo, tcp)?;
-        let chosen = tcp_addrs[rank].clone();
-        bootstrap.barrier("oxccl/connected", opts.timeout)?;
-        if log_enabled() {
-            let count = |k| providers.iter().filter(|p| **p == Some(k)).count();
-            let distinct: std::collections::HashSet<&String> = hosts.iter().collect();
-            crate::log_line(format!(
-                "rank {rank}/{world}: connected {} peers over shm, {} over tcp{}; \
-                 {} hosts; {} channels × {} slots × {} KiB chunks",
-                count(Provider::Shm),
-                count(Provider::Tcp),
-                chosen
-                    .as_ref()
-                    .map_or_else(String::new, |c| format!(" from {c}")),
-                distinct.len(),
-                geo.channels,
-                geo.slots,
-                geo.slot_data >> 10
-            ));
-        }
-        let abort = Arc::new(AbortFlag::default());
-        let probe = Probe::new(comm_id, rank, world);
-        flight::install_signal_handler();
-        let mut engine = Engine::new(
-            rank,
-            geo,
-            links,
-            link_of,
-            pds,
-            cqs,
-            abort.clone(),
-            probe.clone(),
-        );
-        engine.faults = opts
-            .faults
-            .as_ref()
-            .and_then(|f| Injector::for_rank(f, rank));
-        // More ranks on this host than CPUs: a rank that waits must give its CPU away at once
-        // (spinning would hold off the very peer it waits for), as MPI's yield-when-idle does.
-        let local = hosts.iter().filter(|h| **h == host).count();
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        if local > cpus && std::env::var_os("OXCCL_SPIN_US").is_none() {
-            engine.spin_for = Duration::ZERO;
-        }
-        engine.mailbox_allowed = opts.mailboxes != Some(false);
-        let opts_timeout_ns = opts.timeout.as_nanos().min(u64::MAX as u128) as u64;
-        let watchdog = opts
-            .watchdog
-            .map(|a| (a, opts.watchdog_timeout.unwrap_or(opts.timeout)));
-        let comm = Communicator {
-            inner: Arc::new(Inner {
-                rank,
-                world,
-                hosts,
-                tuning: Tuning {
-                    all_shm: providers.iter().flatten().all(|p| *p == Provider::Shm),
-                    small_bytes: opts.small_bytes,
-                    weights,
-                    algo: opts.algo,
-                    chunk_bytes: geo.slot_data,
-                    channels: geo.channels,
-                    slots: geo.slots,
-                    ..Tuning::new(&topology, any_tcp)
-                },
-                topology,
-                providers,
-                tcp_addrs,
-                opts,
-                comm_id,
-                state: Mutex::new(State {
-                    engine,
-                    // The first call, init's own barrier, gets sequence number 0.
-                    seq: u64::MAX,
-                    p2p_seq: HashMap::new(),
-                    poisoned: None,
-                    cache: HashMap::new(),
-                    last: None,
-                    logged: Default::default(),
-                }),
-                abort,
-                probe,
-                timeout_ns: AtomicU64::new(opts_timeout_ns),
-                bootstrap: bootstrap.clone(),
-                split_seq: Mutex::new(0),
-                queue: Mutex::new(None),
-                pending: (Mutex::new(0), Condvar::new()),
-            }),
-        };
-        // A barrier over the new connections: when it returns, every rank is past the store
-        // barrier above, so a rank that now exits (and with rank 0, the store) strands nobody.
-        // (Sequence number 0: users count their calls from 1.)
-        comm.barrier()?;
-        let mut comm = comm;
-        if let Some(bytes) = comm.inner.opts.topo_probe {
-            comm.probe_topology(bytes)?;
-        }
-        if let Some((action, limit)) = watchdog {
-            spawn_watchdog(Arc::downgrade(&comm.inner), action, limit);
-        }
-        Ok(comm)
-    }
-
     /// This rank.
     pub fn rank(&self) -> usize {
         self.inner.rank
@@ -811,140 +446,11 @@ impl Communicator {
         &self.inner.hosts
     }
 
-    /// The hosts, their ranks and link rates (detected, or `OXCCL_TOPO_FILE`; with
-    /// `OXCCL_TOPO_PROBE`, rates measured at init).
-    pub fn topology(&self) -> &Topology {
-        &self.inner.topology
-    }
-
-    /// `OXCCL_TOPO_PROBE`: measures the hosts' link rates, then derives the proportional
-    /// shares from them as from a file's. Runs in init, before anything else holds the
-    /// communicator.
-    fn probe_topology(&mut self, bytes: usize) -> Result<()> {
-        let topo = &self.inner.topology;
-        if topo.hosts.len() < 2 {
-            return Ok(());
-        }
-        if topo.hosts.iter().all(|h| h.link_gbps.is_some()) {
-            if self.inner.rank == 0 {
-                crate::log_warn(
-                    "OXCCL_TOPO_PROBE: the topology file gives every link rate; not probing".into(),
-                );
-            }
-            return Ok(());
-        }
-        let rates = self.probe_link_rates(bytes)?;
-        let rank = self.inner.rank;
-        let inner = Arc::get_mut(&mut self.inner).ok_or_else(|| Error::InvalidArgument {
-            rank,
-            msg: "the communicator was shared before its link probe".into(),
-        })?;
-        // A rate the file gives wins over the measured one.
-        for (h, r) in inner.topology.hosts.iter_mut().zip(&rates) {
-            h.link_gbps.get_or_insert(*r);
-        }
-        inner.tuning.weights = inner.topology.proportional_weights();
-        inner.tuning.rail_weights = inner.topology.rail_weights();
-        if rank == 0 && log_enabled() {
-            crate::log_line(format!(
-                "OXCCL_TOPO_PROBE: link rates {:?} Gbit/s; proportional shares {:?}",
-                rates, inner.tuning.weights
-            ));
-        }
-        Ok(())
-    }
-
-    /// Measures each host's link rate into the network (Gbit/s, per direction) between the
-    /// hosts' lowest ranks, `bytes` per transfer:
-    /// 1. every pair of hosts exchanges `bytes` both ways, in `H−1` rounds of disjoint pairs
-    ///    (a round-robin tournament): pair `(i, j)` moves at `min(rate_i, rate_j)`, so host
-    ///    `i`'s estimate is the best rate it reached with any partner;
-    /// 2. that underestimates a host faster than all its partners: each host whose estimate
-    ///    is the highest then receives from all others at once, each sending in proportion to
-    ///    its estimate (so that all finish together), which measures `min(rate_i, Σ others)`.
-    ///
-    /// Every measurement is taken [`PROBE_REPEAT`] times, keeping the best. Rates within 20%
-    /// of one another are taken as equal (their mean): the probe's own spread on equal links
-    /// is about 15%, and the ring is the best algorithm for equal links.
-    fn probe_link_rates(&self, bytes: usize) -> Result<Vec<f64>> {
-        let topo = &self.inner.topology;
-        let (n, me) = (self.inner.world, self.inner.rank);
-        let leaders: Vec<usize> = topo.hosts.iter().map(|h| h.ranks[0]).collect();
-        let h = leaders.len();
-        let mine = leaders.iter().position(|&l| l == me);
-        // One timed all-to-allv where `plan[i][j]` bytes go from host i's leader to host j's.
-        let exchange = |plan: &dyn Fn(usize, usize) -> usize| -> Result<f64> {
-            let (mut send, mut recv) = (vec![0usize; n], vec![0usize; n]);
-            if let Some(i) = mine {
-                for j in 0..h {
-                    send[leaders[j]] = plan(i, j);
-                    recv[leaders[j]] = plan(j, i);
-                }
-            }
-            let input = vec![0xa5u8; send.iter().sum()];
-            let mut output = vec![0u8; recv.iter().sum()];
-            self.barrier()?;
-            let t0 = std::time::Instant::now();
-            self.all_to_allv(&input, &send, &mut output, &recv)?;
-            Ok(t0.elapsed().as_secs_f64().max(1e-9))
-        };
-        let gbps = |b: usize, secs: f64| b as f64 * 8.0 / secs / 1e9;
-        // 1. Round-robin pairs (circle method; with an odd count, one host sits out a round).
-        let slots = h + h % 2;
-        let mut best = 0.0f64;
-        for round in (0..PROBE_REPEAT * (slots - 1)).map(|x| x % (slots - 1)) {
-            let partner = |x: usize| -> Option<usize> {
-                let p = if x == slots - 1 {
-                    round
-                } else if x == round {
-                    slots - 1
-                } else {
-                    (2 * round + slots - 1 - x) % (slots - 1)
-                };
-                Some(p).filter(|&p| p < h && p != x)
-            };
-            let secs = exchange(&|i, j| if partner(i) == Some(j) { bytes } else { 0 })?;
-            if mine.is_some_and(|i| partner(i).is_some()) {
-                best = best.max(gbps(bytes, secs));
-            }
-        }
-        let tag = format!("oxccl/probe/{:x}", self.inner.comm_id);
-        let all: Vec<f64> = self.inner.bootstrap.all_gather_serde(&tag, &best)?;
-        let mut rates: Vec<f64> = leaders.iter().map(|&l| all[l]).collect();
-        // 2. Incast into each of the fastest hosts.
-        let top = rates.iter().cloned().fold(0.0, f64::max);
-        for t in 0..h {
-            if rates[t] < top * 0.85 {
-                continue;
-            }
-            let amount = |j: usize| (bytes as f64 * rates[j] / top).ceil() as usize;
-            let plan = |i: usize, j: usize| if j == t && i != t { amount(i) } else { 0 };
-            let total: usize = (0..h).map(|i| plan(i, t)).sum();
-            let mut got = 0.0f64;
-            for _ in 0..PROBE_REPEAT {
-                let secs = exchange(&plan)?;
-                if mine == Some(t) {
-                    got = got.max(gbps(total, secs));
-                }
-            }
-            let all: Vec<f64> = self
-                .inner
-                .bootstrap
-                .all_gather_serde(&format!("{tag}/{t}"), &got)?;
-            rates[t] = rates[t].max(all[leaders[t]]);
-        }
-        let (lo, hi) = rates
-            .iter()
-            .fold((f64::MAX, 0.0f64), |(a, b), &r| (a.min(r), b.max(r)));
-        if hi <= lo * 1.2 {
-            let mean = rates.iter().sum::<f64>() / h as f64;
-            rates.iter_mut().for_each(|r| *r = mean);
-        }
-        // Three significant digits: every rank derives the same shares from the same text.
-        Ok(rates
-            .into_iter()
-            .map(|r| format!("{r:.3e}").parse().unwrap_or(r))
-            .collect())
+    /// The hosts, their ranks and link rates as the tuner sees them now: detected, or
+    /// `OXCCL_TOPO_FILE`; rates from the file, measured at init (`OXCCL_TOPO_PROBE`) and
+    /// learned from what the links deliver (`OXCCL_TOPO_LEARN`).
+    pub fn topology(&self) -> Topology {
+        self.lock().topology.clone()
     }
 
     /// The address each rank's tcp listener advertises to its peers, with its interface and
@@ -1090,6 +596,50 @@ impl Communicator {
         }
         let mut guard = self.lock();
         let st = &mut *guard;
+        let metered = st.learner.is_some()
+            && crate::learn::eligible(coll, &st.tuning, es, in_len.max(out_len));
+        let r = self.run_locked(st, coll, dtype, op, &raw, in_place, timeout, metered);
+        let r = r.and_then(|()| {
+            if metered {
+                self.learn_after_call(st, timeout)
+            } else {
+                Ok(())
+            }
+        });
+        drop(guard);
+        r?;
+        if op == ReduceOp::Avg && coll.reduces() && out_len > 0 && world > 1 {
+            let off = in_place.map_or(0, |(_, oo)| oo * es);
+            // SAFETY: `raw.output` is the caller's output buffer (or the in-place buffer) of
+            // `raw.output_len >= off + out_len` bytes, checked above, borrowed mutably for
+            // this call.
+            let out = unsafe { std::slice::from_raw_parts_mut(raw.output.add(off), out_len) };
+            crate::reduce::divide(dtype, out, world);
+        }
+        Ok(())
+    }
+
+    /// Runs one call on checked buffers under the state lock: its sequence number, its
+    /// schedule (cached), the flight recorder, the engine; on failure, tells the peers and
+    /// poisons the communicator. `metered`: the links' meters run during it.
+    #[allow(clippy::too_many_arguments)]
+    fn run_locked(
+        &self,
+        st: &mut State,
+        coll: &Collective,
+        dtype: DataType,
+        op: ReduceOp,
+        raw: &Bufs,
+        in_place: Option<(usize, usize)>,
+        timeout: Duration,
+        metered: bool,
+    ) -> Result<()> {
+        let (rank, world) = (self.inner.rank, self.inner.world);
+        let es = dtype.size();
+        let invalid = |msg: String| Error::InvalidArgument {
+            rank,
+            msg: format!("{}: {msg}", coll.name()),
+        };
         if let Some(first) = &st.poisoned {
             return Err(Error::Poisoned {
                 rank,
@@ -1125,8 +675,7 @@ impl Communicator {
             op,
             root: coll.root(),
         };
-        let req = self
-            .inner
+        let req = st
             .tuning
             .request(coll, dtype.size(), rank, in_place.is_some());
         let (algo, chunk, channels) = (req.algo, req.chunk, req.channels);
@@ -1180,9 +729,11 @@ impl Communicator {
                 steps: sched.sched.steps.len(),
             },
         );
+        st.engine.metering = metered;
         let r = st
             .engine
-            .execute(&sched, &desc, dtype, op, &raw, in_place, timeout);
+            .execute(&sched, &desc, dtype, op, raw, in_place, timeout);
+        st.engine.metering = false;
         flight::end(probe, id, &desc, &r);
         if let Err(e) = r {
             match &e {
@@ -1203,19 +754,9 @@ impl Communicator {
                 _ => {}
             }
             st.poisoned = Some(e.to_string());
-            drop(guard);
             crate::log_warn(e.to_string());
             flight::dump_on_error(probe, &e);
             return Err(e);
-        }
-        drop(guard);
-        if op == ReduceOp::Avg && coll.reduces() && out_len > 0 && world > 1 {
-            let off = in_place.map_or(0, |(_, oo)| oo * es);
-            // SAFETY: `raw.output` is the caller's output buffer (or the in-place buffer) of
-            // `raw.output_len >= off + out_len` bytes, checked above, borrowed mutably for
-            // this call.
-            let out = unsafe { std::slice::from_raw_parts_mut(raw.output.add(off), out_len) };
-            crate::reduce::divide(dtype, out, world);
         }
         Ok(())
     }

@@ -1,0 +1,435 @@
+//! Communicator init: the hello (hosts, settings, routes to the store), the tcp address,
+//! the connections to every peer, and the engine that drives them.
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use oxccl_bootstrap::Bootstrap;
+use oxccl_verbs::{ConnectRole, Context, Provider, QpConfig, QpEndpoint, RemoteBuffer};
+use serde::{Deserialize, Serialize};
+
+use super::{Communicator, Inner, Options, State, default_host_id, random_u64, spawn_watchdog};
+use crate::engine::{AbortFlag, Engine, Geometry, Link};
+use crate::error::{Error, Result};
+use crate::fault::Injector;
+use crate::flight::{self, Probe};
+use crate::log_enabled;
+use crate::netif::Chosen;
+use crate::topology::Topology;
+use crate::tuner::Tuning;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Settings {
+    chunk: Option<usize>,
+    slots: Option<usize>,
+    channels: Option<usize>,
+    provider: Option<String>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Hello {
+    host: String,
+    settings: Settings,
+    comm_id: u64,
+    /// This rank's address towards the store ([`Bootstrap::route_addr`]).
+    route: Option<std::net::IpAddr>,
+}
+
+#[derive(Serialize, Deserialize, Clone)]
+struct LinkInfo {
+    endpoint: QpEndpoint,
+    region: RemoteBuffer,
+}
+
+/// What each rank publishes to connect: its tcp address (when it talks tcp) and, per peer,
+/// the queue pair and region to reach it.
+#[derive(Serialize, Deserialize)]
+struct Links {
+    tcp: Option<Chosen>,
+    peers: Vec<Option<LinkInfo>>,
+}
+
+/// Every rank's host, settings and route to the store; checks that the settings agree.
+/// Returns rank 0's communicator id, the hosts and the routes.
+fn exchange_hello(
+    bootstrap: &Bootstrap,
+    opts: &Options,
+    host: &str,
+) -> Result<(u64, Vec<String>, Vec<Option<std::net::IpAddr>>)> {
+    let rank = bootstrap.rank();
+    // What must agree on every rank: the slot geometry and a forced provider (geometry is
+    // agreed from rank 0's options, so that every rank sizes its slots alike).
+    let settings = Settings {
+        chunk: opts.chunk_size,
+        slots: opts.slots,
+        channels: opts.channels,
+        provider: opts.provider.map(|p| p.name().to_string()),
+    };
+    let hellos: Vec<Hello> = bootstrap.all_gather_serde(
+        "oxccl/hello",
+        &Hello {
+            host: host.to_owned(),
+            settings,
+            comm_id: random_u64(),
+            route: bootstrap.route_addr(),
+        },
+    )?;
+    for (r, h) in hellos.iter().enumerate() {
+        if h.settings != hellos[0].settings {
+            return Err(Error::InvalidArgument {
+                rank,
+                msg: format!(
+                    "rank {r} has OXCCL_CHUNK_SIZE/OXCCL_SLOTS/OXCCL_NCHANNELS/OXCCL_PROVIDER \
+                     {:?}, rank 0 has {:?}: set them alike on every rank",
+                    h.settings, hellos[0].settings
+                ),
+            });
+        }
+    }
+    let comm_id = hellos[0].comm_id;
+    let routes = hellos.iter().map(|h| h.route).collect();
+    Ok((
+        comm_id,
+        hellos.into_iter().map(|h| h.host).collect(),
+        routes,
+    ))
+}
+
+/// The address this rank's tcp listener binds and advertises ([`crate::netif`]).
+fn choose_tcp_addr(
+    opts: &Options,
+    rank: usize,
+    route: Option<std::net::IpAddr>,
+    others: &[std::net::IpAddr],
+) -> Result<Chosen> {
+    let ifaces = crate::netif::interfaces().map_err(|e| {
+        Error::Config(format!(
+            "rank {rank}: cannot list this host's network interfaces: {e}"
+        ))
+    })?;
+    crate::netif::choose(
+        &ifaces,
+        &crate::netif::Want {
+            tcp_addr: opts.tcp_addr,
+            ifname: opts.socket_ifname.as_ref(),
+            route,
+            others,
+        },
+    )
+    .map_err(|e| Error::Config(format!("rank {rank}: {e}")))
+}
+
+type Connected = (
+    Vec<Link>,
+    Vec<usize>,
+    Vec<oxccl_verbs::ProtectionDomain>,
+    Vec<oxccl_verbs::CompletionQueue>,
+    Vec<Option<Chosen>>,
+);
+
+/// Opens a context per provider in use, makes a queue pair and slots per peer, exchanges
+/// them through the store and connects every link. A peer that cannot be reached is named
+/// with its address, its interface and how it chose it.
+fn connect_links(
+    bootstrap: &Bootstrap,
+    opts: &Options,
+    providers: &[Option<Provider>],
+    geo: &Geometry,
+    tcp: Option<Chosen>,
+) -> Result<Connected> {
+    let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
+    let verbs = |what: &str| {
+        let what = what.to_string();
+        move |source| Error::Verbs {
+            rank,
+            what: what.clone(),
+            source,
+        }
+    };
+    let kinds: Vec<Provider> = [Provider::Shm, Provider::Tcp]
+        .into_iter()
+        .filter(|k| providers.contains(&Some(*k)))
+        .collect();
+    let (mut ctxs, mut pds, mut cqs) = (Vec::new(), Vec::new(), Vec::new());
+    let mut tcp = tcp;
+    for k in &kinds {
+        let peers = providers.iter().filter(|p| **p == Some(*k)).count();
+        let mut config = opts.device.clone();
+        if let (Provider::Tcp, Some(c)) = (k, &tcp) {
+            config.tcp_addr = std::net::SocketAddr::new(c.ip, c.port);
+        }
+        let ctx = Context::open_with(*k, &config).map_err(|e| match (k, &tcp) {
+            (Provider::Tcp, Some(c)) => Error::Config(format!(
+                "rank {rank}: cannot listen for tcp peers on {c}: {e}"
+            )),
+            _ => verbs(&format!("opening the {} provider", k.name()))(e),
+        })?;
+        if let (Provider::Tcp, Some(c)) = (k, &mut tcp)
+            && let Some(a) = ctx.tcp_addr()
+        {
+            c.port = a.port();
+        }
+        let pd = ctx
+            .alloc_pd()
+            .map_err(verbs("allocating a protection domain"))?;
+        let cq = ctx
+            .create_cq(peers * (geo.send_depth() + geo.recv_depth()) as usize + 64)
+            .map_err(verbs("creating a completion queue"))?;
+        ctxs.push(ctx);
+        pds.push(pd);
+        cqs.push(cq);
+    }
+    let qp_cfg = QpConfig {
+        max_send_wr: geo.send_depth(),
+        max_recv_wr: geo.recv_depth(),
+        max_sge: 2,
+        rnr_retry: 7,
+        ..QpConfig::default()
+    };
+    let mut links = Vec::new();
+    let mut link_of = vec![usize::MAX; world];
+    for (p, prov) in providers.iter().enumerate() {
+        let Some(prov) = prov else { continue };
+        let c = kinds.iter().position(|k| k == prov).unwrap_or(0);
+        // The lower rank opens each tcp connection: an address that some peer cannot reach
+        // then fails the same pairs on every run.
+        let cfg = QpConfig {
+            connect: if rank < p {
+                ConnectRole::Active
+            } else {
+                ConnectRole::Passive
+            },
+            ..qp_cfg.clone()
+        };
+        let qp = pds[c]
+            .create_qp(&cqs[c], &cqs[c], &cfg)
+            .map_err(verbs(&format!("creating a queue pair for rank {p}")))?;
+        link_of[p] = links.len();
+        links.push(
+            Link::new(p, *prov, c, &pds[c], qp, geo)
+                .map_err(verbs(&format!("allocating slots for rank {p}")))?,
+        );
+    }
+    let mine = Links {
+        tcp: tcp.clone(),
+        peers: (0..world)
+            .map(|p| {
+                let l = link_of[p];
+                (l != usize::MAX).then(|| LinkInfo {
+                    endpoint: links[l].qp.endpoint(),
+                    region: links[l].local_region(),
+                })
+            })
+            .collect(),
+    };
+    let all: Vec<Links> = bootstrap.all_gather_serde("oxccl/links", &mine)?;
+    for p in 0..world {
+        let l = link_of[p];
+        if l == usize::MAX {
+            continue;
+        }
+        let Some(info) = all[p].peers.get(rank).cloned().flatten() else {
+            return Err(Error::InvalidArgument {
+                rank,
+                msg: format!("rank {p} published no connection for this rank"),
+            });
+        };
+        let prov = providers[p].unwrap_or(Provider::Shm);
+        links[l]
+            .qp
+            .connect(&info.endpoint)
+            .map_err(|e| match (&all[p].tcp, &tcp) {
+                (Some(theirs), Some(ours)) if prov == Provider::Tcp => Error::Unreachable {
+                    rank,
+                    peer: p,
+                    detail: format!(
+                        "it listens on {theirs}, this rank on {ours}: {e}. If that address is \
+                         not reachable from this host, choose rank {p}'s interface with \
+                         OXCCL_SOCKET_IFNAME or its address with OXCCL_TCP_ADDR"
+                    ),
+                },
+                _ => verbs(&format!("connecting to rank {p} over {}", prov.name()))(e),
+            })?;
+        links[l]
+            .connect(info.region, geo, l)
+            .map_err(verbs(&format!("posting receives for rank {p}")))?;
+    }
+    drop(ctxs);
+    let addrs = all.into_iter().map(|l| l.tcp).collect();
+    Ok((links, link_of, pds, cqs, addrs))
+}
+
+impl Communicator {
+    pub(super) fn init_inner(
+        bootstrap: &Arc<Bootstrap>,
+        mut opts: Options,
+    ) -> Result<Communicator> {
+        let rank = bootstrap.rank();
+        let world = bootstrap.world_size();
+        let host = opts.host_id.clone().unwrap_or_else(default_host_id);
+        let (comm_id, hosts, routes) = exchange_hello(bootstrap, &opts, &host)?;
+        let (topology, note) = Topology::from_env(&hosts).map_err(Error::Config)?;
+        if let Some(note) = note
+            && rank == 0
+        {
+            crate::log_warn(note);
+        }
+        let weights = topology.proportional_weights();
+        // Every rank must cut all-reduces the same way: same file, same shares.
+        let all_weights: Vec<Vec<u32>> = bootstrap.all_gather_serde("oxccl/topology", &weights)?;
+        if let Some(r) = all_weights.iter().position(|w| *w != weights) {
+            return Err(Error::InvalidArgument {
+                rank,
+                msg: format!(
+                    "rank {r} derives link shares {:?} from its topology, this rank {weights:?}: \
+                     give every rank the same OXCCL_TOPO_FILE",
+                    all_weights[r]
+                ),
+            });
+        }
+        let providers: Vec<Option<Provider>> = (0..world)
+            .map(|p| {
+                (p != rank).then(|| {
+                    opts.provider.unwrap_or(if hosts[p] == host {
+                        Provider::Shm
+                    } else {
+                        Provider::Tcp
+                    })
+                })
+            })
+            .collect();
+        // Whether any pair of ranks talks over tcp: then larger chunks amortise the per-message
+        // cost of the socket path (every rank computes the same answer).
+        let any_tcp = opts.provider == Some(Provider::Tcp) || hosts.iter().any(|h| h != &hosts[0]);
+        let geo = Geometry {
+            slot_data: opts
+                .chunk_size
+                .unwrap_or(if any_tcp { 1 << 20 } else { 128 << 10 }),
+            slots: opts.slots.unwrap_or(if any_tcp {
+                crate::tuner::SLOTS_NET
+            } else {
+                crate::tuner::SLOTS_SHM
+            }),
+            channels: opts.channels.unwrap_or(1),
+        };
+        opts.chunk_size = Some(geo.slot_data);
+        opts.slots = Some(geo.slots);
+        opts.channels = Some(geo.channels);
+        let tcp = if providers.contains(&Some(Provider::Tcp)) {
+            let others: Vec<std::net::IpAddr> = (0..world)
+                .filter(|&p| hosts[p] != host)
+                .filter_map(|p| routes[p])
+                .collect();
+            Some(choose_tcp_addr(&opts, rank, routes[rank], &others)?)
+        } else {
+            None
+        };
+        let (links, link_of, pds, cqs, tcp_addrs) =
+            connect_links(bootstrap, &opts, &providers, &geo, tcp)?;
+        let chosen = tcp_addrs[rank].clone();
+        bootstrap.barrier("oxccl/connected", opts.timeout)?;
+        if log_enabled() {
+            let count = |k| providers.iter().filter(|p| **p == Some(k)).count();
+            let distinct: std::collections::HashSet<&String> = hosts.iter().collect();
+            crate::log_line(format!(
+                "rank {rank}/{world}: connected {} peers over shm, {} over tcp{}; \
+                 {} hosts; {} channels × {} slots × {} KiB chunks",
+                count(Provider::Shm),
+                count(Provider::Tcp),
+                chosen
+                    .as_ref()
+                    .map_or_else(String::new, |c| format!(" from {c}")),
+                distinct.len(),
+                geo.channels,
+                geo.slots,
+                geo.slot_data >> 10
+            ));
+        }
+        let abort = Arc::new(AbortFlag::default());
+        let probe = Probe::new(comm_id, rank, world);
+        flight::install_signal_handler();
+        let mut engine = Engine::new(
+            rank,
+            geo,
+            links,
+            link_of,
+            pds,
+            cqs,
+            abort.clone(),
+            probe.clone(),
+        );
+        engine.faults = opts
+            .faults
+            .as_ref()
+            .and_then(|f| Injector::for_rank(f, rank));
+        // More ranks on this host than CPUs: a rank that waits must give its CPU away at once
+        // (spinning would hold off the very peer it waits for), as MPI's yield-when-idle does.
+        let local = hosts.iter().filter(|h| **h == host).count();
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if local > cpus && std::env::var_os("OXCCL_SPIN_US").is_none() {
+            engine.spin_for = Duration::ZERO;
+        }
+        engine.mailbox_allowed = opts.mailboxes != Some(false);
+        let tuning = Tuning {
+            all_shm: providers.iter().flatten().all(|p| *p == Provider::Shm),
+            small_bytes: opts.small_bytes,
+            weights,
+            algo: opts.algo,
+            chunk_bytes: geo.slot_data,
+            channels: geo.channels,
+            slots: geo.slots,
+            ..Tuning::new(&topology, any_tcp)
+        };
+        let learner = (opts.learn_interval > 0 && any_tcp && topology.hosts.len() > 1)
+            .then(|| crate::learn::Learner::new(opts.learn_interval));
+        let opts_timeout_ns = opts.timeout.as_nanos().min(u64::MAX as u128) as u64;
+        let watchdog = opts
+            .watchdog
+            .map(|a| (a, opts.watchdog_timeout.unwrap_or(opts.timeout)));
+        let comm = Communicator {
+            inner: Arc::new(Inner {
+                rank,
+                world,
+                hosts,
+                host_of: topology.host_table(),
+                providers,
+                tcp_addrs,
+                opts,
+                comm_id,
+                state: Mutex::new(State {
+                    engine,
+                    // The first call, init's own barrier, gets sequence number 0.
+                    seq: u64::MAX,
+                    p2p_seq: HashMap::new(),
+                    poisoned: None,
+                    cache: HashMap::new(),
+                    last: None,
+                    logged: Default::default(),
+                    tuning,
+                    learner,
+                    topology,
+                }),
+                abort,
+                probe,
+                timeout_ns: AtomicU64::new(opts_timeout_ns),
+                bootstrap: bootstrap.clone(),
+                split_seq: Mutex::new(0),
+                queue: Mutex::new(None),
+                pending: (Mutex::new(0), Condvar::new()),
+            }),
+        };
+        // A barrier over the new connections: when it returns, every rank is past the store
+        // barrier above, so a rank that now exits (and with rank 0, the store) strands nobody.
+        // (Sequence number 0: users count their calls from 1.)
+        comm.probe_at_init()?;
+        // The probe's calls are init's own: the barrier is call 0 whether or not it ran.
+        comm.lock().seq = u64::MAX;
+        comm.barrier()?;
+        if let Some((action, limit)) = watchdog {
+            spawn_watchdog(Arc::downgrade(&comm.inner), action, limit);
+        }
+        Ok(comm)
+    }
+}

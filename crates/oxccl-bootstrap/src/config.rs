@@ -167,8 +167,8 @@ impl Config {
     ///     `SLURM_NODELIST`), where task 0 runs; rank 0 checks that it is its own node
     ///     (`SLURMD_NODENAME`) and listens on every interface (`0.0.0.0`);
     ///   - Open MPI 4's mpirun: the first IPv4 address (else IPv6) of mpirun's host in
-    ///     `OMPI_MCA_orte_hnp_uri`; rank 0 checks that it runs there (its
-    ///     `OMPI_MCA_orte_local_daemon_uri` is mpirun's);
+    ///     `OMPI_MCA_orte_hnp_uri`; rank 0 checks that it runs there (its local daemon's
+    ///     `OMPI_MCA_orte_local_daemon_uri` lists that address);
     ///
     ///   and the port is `MASTER_PORT`, else one that every rank derives alike, from 20000 to
     ///   29499 (below Linux's ephemeral ports and torchrun's 29500): under Slurm `20000 +
@@ -463,13 +463,11 @@ fn infer_slurm(
     }))
 }
 
-/// The address to reach mpirun's host at, from its out-of-band URI
-/// `JOBID.VPID;tcp://IP,IP,...:PORT;tcp6://[IP],...:PORT`: the first IPv4 address listed
-/// (Open MPI lists the interfaces `oob_tcp_if_include` allows, loopback only when it has no
-/// other), else the first IPv6 address that is not link-local.
-fn hnp_address(uri: &str) -> std::result::Result<std::net::IpAddr, String> {
-    use std::net::IpAddr;
-    let mut v6 = None;
+/// The addresses in an Open MPI 4 daemon's out-of-band URI,
+/// `JOBID.VPID;tcp://IP,IP,...:PORT;tcp6://[IP],...:PORT`, in order: the host's interfaces
+/// that `oob_tcp_if_include` allows (loopback only when it has no other).
+fn uri_addresses(uri: &str) -> std::result::Result<Vec<std::net::IpAddr>, String> {
+    let mut out = Vec::new();
     for part in uri.split(';').skip(1) {
         let Some((scheme, rest)) = part.trim().split_once("://") else {
             continue;
@@ -482,21 +480,33 @@ fn hnp_address(uri: &str) -> std::result::Result<std::net::IpAddr, String> {
         };
         for ip in ips.split(',') {
             let ip = ip.trim().trim_start_matches('[').trim_end_matches(']');
-            match ip.parse::<IpAddr>() {
-                Ok(IpAddr::V4(a)) => return Ok(IpAddr::V4(a)),
-                Ok(IpAddr::V6(a)) if v6.is_none() && (a.segments()[0] & 0xffc0) != 0xfe80 => {
-                    v6 = Some(IpAddr::V6(a));
-                }
-                Ok(_) => {}
-                Err(_) => return Err(format!("{ip:?} in {part:?} is not an IP address")),
-            }
+            out.push(
+                ip.parse()
+                    .map_err(|_| format!("{ip:?} in {part:?} is not an IP address"))?,
+            );
         }
     }
-    v6.ok_or_else(|| "it lists no tcp:// or tcp6:// address".into())
+    Ok(out)
+}
+
+/// The address to reach mpirun's host at: the first IPv4 address of its URI, else the first
+/// IPv6 address that is not link-local.
+fn hnp_address(uri: &str) -> std::result::Result<std::net::IpAddr, String> {
+    use std::net::IpAddr;
+    let all = uri_addresses(uri)?;
+    all.iter()
+        .find(|a| a.is_ipv4())
+        .or_else(|| {
+            all.iter()
+                .find(|a| matches!(a, IpAddr::V6(v6) if (v6.segments()[0] & 0xffc0) != 0xfe80))
+        })
+        .copied()
+        .ok_or_else(|| "it lists no tcp:// or tcp6:// address".into())
 }
 
 /// Open MPI 4 (ORTE): mpirun's host, which `OMPI_MCA_orte_hnp_uri` names; a port from its job
-/// id. Rank 0 must run there: it does when its local daemon is mpirun itself.
+/// id. Rank 0 must run there: its local daemon (mpirun itself, or an orted that mpirun started
+/// on its own host) lists that address.
 fn infer_open_mpi(
     rank: usize,
     master_port: Option<u16>,
@@ -535,14 +545,15 @@ fn infer_open_mpi(
     let source = format!("mpirun's host in {HNP}={uri:?} and {port_source}");
     if rank == 0
         && let Some(local) = get("OMPI_MCA_orte_local_daemon_uri")
-        && local.trim() != uri.trim()
+        && let Ok(here) = uri_addresses(&local)
+        && !here.contains(&ip)
     {
         let me = get("PMIX_HOSTNAME").unwrap_or_else(|| "another host".into());
         return Err(Error::Config(format!(
-            "rank 0 runs on {me}, not on mpirun's host {ip} (its daemon \
-             OMPI_MCA_orte_local_daemon_uri={local:?} is not mpirun, {HNP}={uri:?}); rank 0 \
-             serves the store, so it must run there. Pass rank 0's host: mpirun -x \
-             MASTER_ADDR=<rank 0's host> -x MASTER_PORT=<port> ..., or set OXCCL_STORE_ADDR"
+            "rank 0 runs on {me}, not on mpirun's host {ip} (its daemon's \
+             OMPI_MCA_orte_local_daemon_uri={local:?} does not list {ip}, which {HNP}={uri:?} \
+             names); rank 0 serves the store, so it must run there. Pass rank 0's host: mpirun \
+             -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=<port> ..., or set OXCCL_STORE_ADDR"
         )));
     }
     Ok(Ok(Inferred {
@@ -980,6 +991,23 @@ mod tests {
         )
         .unwrap();
         assert!(c.store_addr.starts_with("[fd00::7]:"), "{}", c.store_addr);
+        // Rank 0 under an orted that mpirun started on its own host (as `mpirun --host a,b`
+        // run on a does when it does not know a for itself): the same address.
+        let c = with(
+            OMPI_RANK0,
+            &[
+                (
+                    "OMPI_MCA_orte_hnp_uri",
+                    Some("712114176.0;tcp://10.77.0.1:55961"),
+                ),
+                (
+                    "OMPI_MCA_orte_local_daemon_uri",
+                    Some("712114176.1;tcp://10.77.0.1:44523"),
+                ),
+            ],
+        )
+        .unwrap();
+        assert!(c.store_addr.starts_with("10.77.0.1:"), "{}", c.store_addr);
         // Rank 1 on another host (its daemon is not mpirun) does not check.
         let c = with(
             OMPI_RANK0,

@@ -3,6 +3,7 @@
 //! but `OXCCL_SECRET` and what the launcher sets itself: the store's address comes from the
 //! launcher's own variables (Slurm's node list, Open MPI's `OMPI_MCA_orte_hnp_uri`).
 //!
+//! One test puts mpirun's ranks on two hosts (network namespaces, `oxccl-testbed`).
 //! Slurm runs as a one-node cluster that `scripts/slurm-local.sh` configures, starts and
 //! stops around the test. Needs Debian's `openmpi-bin`, and for Slurm root, `slurmctld`,
 //! `slurmd` and `slurm-client`; without them each test prints `SKIPPED <name>: <reason>` and
@@ -345,6 +346,102 @@ fn mpirun_np2_without_master_addr() {
 #[test]
 fn mpirun_np4_without_master_addr() {
     mpirun_runs_perf_and_the_collective_checks("mpirun_np4_without_master_addr", 4);
+}
+
+/// Writes an executable shell script into a fresh file under the temporary directory.
+fn script(name: &str, body: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::temp_dir().join(format!("oxccl-{name}-{}.sh", std::process::id()));
+    std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).expect("writing a script");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    path
+}
+
+/// mpirun in host 0 of a two-host test bed (network namespaces) starts 2 ranks on each host,
+/// reaching host 1 through an rsh agent that enters its namespace, as ssh would enter a
+/// node: the ranks on host 1 find the store at host 0's address in `OMPI_MCA_orte_hnp_uri`.
+/// Then with rank 0 on host 1 (`--host h1,h0`): rank 0 refuses at once, saying why.
+#[test]
+fn mpirun_across_two_namespace_hosts_without_master_addr() {
+    use oxccl_testbed::{HostSpec, Testbed};
+    let test = "mpirun_across_two_namespace_hosts_without_master_addr";
+    if let Some(reason) = missing(true, &["mpirun"]) {
+        return skip_or_fail(test, &reason);
+    }
+    if let Err(reason) = Testbed::available() {
+        return skip_or_fail(test, &reason);
+    }
+    let program = check_collectives();
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let tb = Testbed::new(&[HostSpec::unshaped(), HostSpec::unshaped()]).expect("a test bed");
+    let agent = script(
+        "rsh-netns",
+        "# mpirun's rsh agent: `agent HOST COMMAND...` runs COMMAND in namespace HOST.\n\
+         ns=$1; shift\nexec ip netns exec \"$ns\" sh -c \"$*\"",
+    );
+    // Until tcp advertises the address that routes to the store by itself (issue 13, item 1),
+    // each rank names its host's address: the one variable besides the secret.
+    let rank = script(
+        "rank-addr",
+        "PATH=$PATH:/usr/sbin:/sbin\n\
+         OXCCL_TCP_ADDR=$(ip -4 -o addr show dev eth0 | awk '{sub(\"/.*\", \"\", $4); print $4}')\n\
+         export OXCCL_TCP_ADDR\nexec \"$@\"",
+    );
+    let (h0, h1) = (tb.host_netns(0), tb.host_netns(1));
+    let secret = secret();
+    let mpirun = |hosts: &str, rank_program: &[String]| {
+        let mut cmd = clean("ip", &[("OXCCL_SECRET", &secret)]);
+        cmd.args([
+            "netns",
+            "exec",
+            &h0,
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+        ])
+        .args(["--mca", "plm_rsh_agent"])
+        .arg(&agent)
+        .args(["--host", hosts, "-np", "4", "-x", "OXCCL_SECRET"])
+        .arg(&rank)
+        .args(rank_program);
+        cmd
+    };
+    let hosts = format!("{h0}:2,{h1}:2");
+    let what = "mpirun -np 4 over two hosts: oxccl perf all_reduce";
+    let out = run_bounded(
+        mpirun(&hosts, &each_rank_reports(&oxccl(), PERF_ARGS)),
+        what,
+    );
+    assert_perf_table(&assert_all_ranks_succeeded(&out, 4, what), 4);
+    let what = "mpirun -np 4 over two hosts: check_collectives";
+    let args = ["--counts", "0,7,1001"];
+    let out = run_bounded(mpirun(&hosts, &each_rank_reports(&program, &args)), what);
+    assert_checks_passed(&assert_all_ranks_succeeded(&out, 4, what), 4);
+
+    let what = "mpirun -np 4 with rank 0 on the other host";
+    let t0 = Instant::now();
+    let out = run_bounded(
+        mpirun(
+            &format!("{h1}:2,{h0}:2"),
+            &each_rank_reports(&oxccl(), PERF_ARGS),
+        ),
+        what,
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{what} succeeded: {stderr}");
+    assert!(
+        stderr.contains(&format!("not on mpirun's host {}", tb.host_addr(0)))
+            && stderr.contains("-x MASTER_ADDR"),
+        "{what}: rank 0 must say where the store should be and how to fix it: {stderr}"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(30),
+        "{what} took {:?}",
+        t0.elapsed()
+    );
+    for p in [agent, rank] {
+        let _ = std::fs::remove_file(p);
+    }
 }
 
 /// A one-node Slurm cluster for the life of the value (`scripts/slurm-local.sh`).

@@ -152,7 +152,7 @@ EOF
 
     local deadline=$((SECONDS + wait_s)) state=""
     while :; do
-        state=$(sinfo -h -N -n "$host" -o '%T' 2>/dev/null || true)
+        state=$(timeout 3 sinfo -h -N -n "$host" -o '%T' 2>/dev/null || true)
         [ "$state" = idle ] && break
         if [ "$SECONDS" -ge "$deadline" ]; then
             show_logs

@@ -15,6 +15,9 @@
 #                          first free pair from 16817)
 #   OXCCL_SLURM_WAIT       seconds `start` waits for the node to be idle (default 30)
 #   OXCCL_SLURM_KEEP=1     `stop` keeps the directory (logs) instead of removing it
+#   OXCCL_SLURM_FIRST_JOB_ID  the first job's id (default: random below 10^6, so that two
+#                          clusters on one machine do not number their jobs alike, and
+#                          programs that derive a port from the job id get different ones)
 #
 # The node is this host, under its real short hostname, with the CPU layout `slurmd -C`
 # reads, reached over 127.0.0.1; no munge (AuthType=auth/none and CredType=cred/none, which
@@ -106,10 +109,12 @@ start() {
     # "NodeName=vm CPUs=2 Boards=1 SocketsPerBoard=1 CoresPerSocket=2 ThreadsPerCore=1 RealMemory=..."
     hw=$(slurmd -C | head -n 1 | sed -e 's/^NodeName=[^ ]* //' -e 's/ RealMemory=[0-9]*//')
     [[ $hw == CPUs=* ]] || die "cannot read this host's CPUs from \`slurmd -C\`: $hw"
+    local first_job=${OXCCL_SLURM_FIRST_JOB_ID:-$(((RANDOM << 15 | RANDOM) % 1000000 + 1))}
 
     cat >"$conf" <<EOF
 # Written by scripts/slurm-local.sh: a one-node cluster in $dir.
 ClusterName=oxccl-local
+FirstJobId=$first_job
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$port
 SlurmdPort=$((port + 1))

@@ -59,6 +59,7 @@ mod bootstrap;
 mod client;
 mod config;
 mod error;
+pub mod hostlist;
 #[cfg(test)]
 mod net_tests;
 mod secret;

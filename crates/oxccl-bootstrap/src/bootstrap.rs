@@ -209,6 +209,14 @@ fn bind_store(config: &Config, secret: &Secret) -> Result<StoreServer> {
         Err(Error::Bind { addr, source })
             if source.kind() == std::io::ErrorKind::AddrNotAvailable =>
         {
+            // An address worked out from the launcher must be rank 0's own: serving on every
+            // interface here would leave the others knocking at another host.
+            if let Some(from) = &config.store_addr_inferred {
+                return Err(Error::Config(format!(
+                    "rank 0 is not on the store's host {addr} (inferred from {from}): set \
+                     MASTER_ADDR (and MASTER_PORT) to rank 0's host"
+                )));
+            }
             let any = addr
                 .to_socket_addrs()
                 .ok()
@@ -290,7 +298,8 @@ impl Bootstrap {
                 let store = server.store().with_location(&shown);
                 (Box::new(store), Some(server), shown)
             } else {
-                let client = TcpStore::connect_with(&config.store_addr, &secret, &opts)?;
+                let client = TcpStore::connect_with(&config.store_addr, &secret, &opts)
+                    .map_err(|e| with_inferred_hint(e, &config))?;
                 (Box::new(client), None, config.store_addr.clone())
             };
         let b = Bootstrap {
@@ -307,7 +316,10 @@ impl Bootstrap {
             store,
             server,
         };
-        if let Err(e) = b.join(pid, host) {
+        if let Err(e) = b
+            .join(pid, host)
+            .map_err(|e| with_inferred_hint(e, &config))
+        {
             if let Some(server) = &b.server {
                 // The store goes away with this process: first let the ranks still joining
                 // learn why (they watch the abort record), so that they report the same
@@ -701,6 +713,41 @@ impl Bootstrap {
     }
 }
 
+/// A failure to reach the store, or ranks missing from it, when its address was worked out
+/// from the launcher's variables: says so, and how to give it.
+fn with_inferred_hint(e: Error, config: &Config) -> Error {
+    let Some(from) = &config.store_addr_inferred else {
+        return e;
+    };
+    let hint = format!(
+        " (the store's address was inferred from {from}; if rank 0 does not run there, set \
+         MASTER_ADDR and MASTER_PORT)"
+    );
+    match e {
+        Error::Connect {
+            addr,
+            timeout,
+            reason,
+        } => Error::Connect {
+            addr,
+            timeout,
+            reason: reason + &hint,
+        },
+        Error::RanksMissing {
+            what,
+            missing,
+            world_size,
+            timeout,
+        } => Error::RanksMissing {
+            what: what + &hint,
+            missing,
+            world_size,
+            timeout,
+        },
+        e => e,
+    }
+}
+
 /// The source address this host uses towards `addr` (`host:port`): a UDP socket connected
 /// there (which sends nothing) reads it off the routing table.
 pub fn route_to(addr: &str) -> Option<std::net::IpAddr> {
@@ -885,6 +932,37 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "rank 2 failed: cannot connect to rank 1 at 10.0.0.2:4000 (eth0): refused"
+        );
+    }
+
+    #[test]
+    fn an_inferred_store_address_must_be_rank_0s_own() {
+        let secret = Secret::new("inferred-store-test-secret").unwrap();
+        let mut config = Config::new(0, 2, "192.0.2.1:29999", secret.clone());
+        // Given by the user: rank 0 serves on every interface (the address may be a NAT's).
+        let server = bind_store(&config, &secret).unwrap();
+        assert_eq!(server.addr().ip().to_string(), "0.0.0.0");
+        drop(server);
+        config.store_addr_inferred = Some("the first node of SLURM_JOB_NODELIST=\"n[1-2]\"".into());
+        let e = bind_store(&config, &secret).unwrap_err().to_string();
+        assert!(
+            e.contains(
+                "rank 0 is not on the store's host 192.0.2.1:29999 (inferred from the first node"
+            ) && e.contains("set MASTER_ADDR"),
+            "{e}"
+        );
+        let e = with_inferred_hint(
+            Error::Connect {
+                addr: "192.0.2.1:29999".into(),
+                timeout: Duration::from_secs(1),
+                reason: "refused".into(),
+            },
+            &config,
+        );
+        assert!(
+            e.to_string()
+                .contains("refused (the store's address was inferred from"),
+            "{e}"
         );
     }
 

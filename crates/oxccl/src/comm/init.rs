@@ -423,8 +423,12 @@ impl Communicator {
         // A barrier over the new connections: when it returns, every rank is past the store
         // barrier above, so a rank that now exits (and with rank 0, the store) strands nobody.
         // (Sequence number 0: users count their calls from 1.)
+        // The probe's calls are init's own: they are numbered just below 0 (2^20 of them at
+        // most), so that the barrier is call 0 whether or not it ran, and a peer's fragment of
+        // call 0 that arrives while this rank still finishes the probe's last call counts as
+        // a later call's (sequence numbers compare modulo 2^24), not an earlier one's.
+        comm.lock().seq = u64::MAX - (1 << 20);
         comm.probe_at_init()?;
-        // The probe's calls are init's own: the barrier is call 0 whether or not it ran.
         comm.lock().seq = u64::MAX;
         comm.barrier()?;
         if let Some((action, limit)) = watchdog {

@@ -207,11 +207,11 @@ pub fn view(
     let mut v = if let Some(t) = torch(py)
         && obj.is_instance(t.tensor.bind(py))?
     {
-        tensor_view(py, obj, t).map_err(bad)?
+        tensor_view(py, obj, t, dtype).map_err(bad)?
     } else if is_buffer(obj) {
-        buffer_view(obj).map_err(bad)?
+        buffer_view(obj, dtype).map_err(bad)?
     } else if obj.hasattr("__dlpack__")? {
-        dlpack_view(py, obj).map_err(bad)?
+        dlpack_view(py, obj, dtype).map_err(bad)?
     } else {
         return Err(errors::type_error(format!(
             "{}: a {} is not a buffer (numpy array, bytearray, memoryview), a CPU torch tensor \
@@ -241,7 +241,15 @@ fn is_buffer(obj: &Bound<'_, PyAny>) -> bool {
     unsafe { pyo3::ffi::PyObject_CheckBuffer(obj.as_ptr()) != 0 }
 }
 
-fn buffer_view(obj: &Bound<'_, PyAny>) -> Result<View, String> {
+/// The element type: `wanted` (a reinterpretation of the bytes) when given, else `native`.
+fn pick(native: Result<DataType, String>, wanted: Option<DataType>) -> Result<DataType, String> {
+    match wanted {
+        Some(d) => Ok(d),
+        None => native,
+    }
+}
+
+fn buffer_view(obj: &Bound<'_, PyAny>, wanted: Option<DataType>) -> Result<View, String> {
     let buf = PyUntypedBuffer::get(obj).map_err(|e| format!("cannot export its buffer: {e}"))?;
     if !buf.is_c_contiguous() {
         return Err(format!(
@@ -252,7 +260,7 @@ fn buffer_view(obj: &Bound<'_, PyAny>) -> Result<View, String> {
         ));
     }
     let format = buf.format().to_string_lossy().into_owned();
-    let dtype = dtype_of_format(&format, buf.item_size())?;
+    let dtype = pick(dtype_of_format(&format, buf.item_size()), wanted)?;
     Ok(View {
         ptr: buf.buf_ptr().cast(),
         len: buf.len_bytes(),
@@ -262,20 +270,26 @@ fn buffer_view(obj: &Bound<'_, PyAny>) -> Result<View, String> {
     })
 }
 
-fn tensor_view(py: Python<'_>, t: &Bound<'_, PyAny>, torch: &Torch) -> Result<View, String> {
+fn tensor_view(
+    py: Python<'_>,
+    t: &Bound<'_, PyAny>,
+    torch: &Torch,
+    wanted: Option<DataType>,
+) -> Result<View, String> {
     let e = |e: PyErr| e.to_string();
     let dt = t.getattr("dtype").map_err(e)?;
-    let Some(dtype) = torch
+    let native = torch
         .dtypes
         .iter()
         .find(|(d, _)| d.bind(py).is(&dt))
         .map(|(_, d)| *d)
-    else {
-        return Err(format!(
-            "dtype {dt} is not supported (oxccl reduces int8, uint8, int32, uint32, int64, \
-             uint64, float16, bfloat16, float32, float64)"
-        ));
-    };
+        .ok_or_else(|| {
+            format!(
+                "dtype {dt} is not supported (oxccl reduces int8, uint8, int32, uint32, int64, \
+                 uint64, float16, bfloat16, float32, float64)"
+            )
+        });
+    let dtype = pick(native, wanted)?;
     if !t.getattr("layout").map_err(e)?.is(torch.strided.bind(py)) {
         return Err(format!(
             "is a {} tensor; oxccl needs a dense (strided) one",
@@ -405,14 +419,18 @@ fn dl_dtype(d: &DlDataType) -> Result<DataType, String> {
 /// # Safety
 /// `t` must be a valid `DLTensor` whose `shape` (and `strides`, when not null) point to `ndim`
 /// integers, as the DLPack producer guarantees while the capsule lives.
-unsafe fn dl_extent(t: &DlTensor) -> Result<(*mut u8, usize, DataType), String> {
+unsafe fn dl_extent(
+    t: &DlTensor,
+    wanted: Option<DataType>,
+) -> Result<(*mut u8, usize, DataType), String> {
     if t.device.device_type != DL_CPU && t.device.device_type != DL_CUDA_HOST {
         return Err(format!(
             "is on DLPack device type {} (id {}); oxccl moves CPU memory",
             t.device.device_type, t.device.device_id
         ));
     }
-    let dtype = dl_dtype(&t.dtype)?;
+    let dtype = pick(dl_dtype(&t.dtype), wanted)?;
+    let bits = usize::from(t.dtype.bits) * usize::from(t.dtype.lanes);
     let ndim = usize::try_from(t.ndim).map_err(|_| "a negative ndim".to_string())?;
     // SAFETY: per this function's contract, `shape` holds `ndim` values.
     let shape: &[i64] = if ndim == 0 {
@@ -440,7 +458,7 @@ unsafe fn dl_extent(t: &DlTensor) -> Result<(*mut u8, usize, DataType), String> 
             want *= s;
         }
     }
-    let bytes = count * dtype.size();
+    let bytes = (count * bits).div_ceil(8);
     let ptr = if t.data.is_null() {
         std::ptr::NonNull::<u8>::dangling().as_ptr()
     } else {
@@ -450,7 +468,11 @@ unsafe fn dl_extent(t: &DlTensor) -> Result<(*mut u8, usize, DataType), String> 
     Ok((ptr, bytes, dtype))
 }
 
-fn dlpack_view(py: Python<'_>, obj: &Bound<'_, PyAny>) -> Result<View, String> {
+fn dlpack_view(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    wanted: Option<DataType>,
+) -> Result<View, String> {
     let e = |e: PyErr| format!("__dlpack__ failed: {e}");
     let kwargs = PyDict::new(py);
     kwargs
@@ -480,7 +502,7 @@ fn dlpack_view(py: Python<'_>, obj: &Bound<'_, PyAny>) -> Result<View, String> {
             ));
         }
         // SAFETY: the producer's tensor description, valid while the capsule lives.
-        let (ptr, len, dtype) = unsafe { dl_extent(&m.dl_tensor)? };
+        let (ptr, len, dtype) = unsafe { dl_extent(&m.dl_tensor, wanted)? };
         (ptr, len, dtype, m.flags & DL_FLAG_READ_ONLY == 0)
     } else if cap.is_valid_checked(Some(c"dltensor")) {
         let p = cap
@@ -490,7 +512,7 @@ fn dlpack_view(py: Python<'_>, obj: &Bound<'_, PyAny>) -> Result<View, String> {
         // destructor runs; we keep the capsule alive in the view.
         let m = unsafe { &*p.as_ptr().cast::<DlManagedTensor>() };
         // SAFETY: as above.
-        let (ptr, len, dtype) = unsafe { dl_extent(&m.dl_tensor)? };
+        let (ptr, len, dtype) = unsafe { dl_extent(&m.dl_tensor, wanted)? };
         (ptr, len, dtype, true)
     } else {
         return Err(
@@ -552,7 +574,7 @@ mod tests {
             byte_offset: 4,
         };
         // SAFETY: shape and strides hold ndim values and outlive the calls.
-        let (p, len, dt) = unsafe { dl_extent(&t) }.unwrap();
+        let (p, len, dt) = unsafe { dl_extent(&t, None) }.unwrap();
         assert_eq!(
             (p as usize - data.as_ptr() as usize, len, dt),
             (4, 24, DataType::F32)
@@ -561,14 +583,14 @@ mod tests {
         t.strides = strides.as_mut_ptr();
         // SAFETY: as above.
         assert!(
-            unsafe { dl_extent(&t) }
+            unsafe { dl_extent(&t, None) }
                 .unwrap_err()
                 .contains("not contiguous")
         );
         t.device.device_type = 2;
         // SAFETY: as above.
         assert!(
-            unsafe { dl_extent(&t) }
+            unsafe { dl_extent(&t, None) }
                 .unwrap_err()
                 .contains("device type 2")
         );

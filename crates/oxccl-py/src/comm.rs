@@ -7,6 +7,7 @@
 //! come from the buffers' sizes; `async_op=True` returns an `oxccl.Work`, otherwise the call
 //! blocks (with the GIL released) and returns the output object.
 
+use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -344,9 +345,11 @@ impl PyCommunicator {
     /// object with their methods) as `rank` of `world_size`; without a store, from the
     /// launcher's environment (as `Communicator.from_env()`). `timeout` (seconds) bounds the
     /// join and every later call (default `OXCCL_TIMEOUT`, 300 s); `job_id` namespaces the
-    /// keys in the store. Collective over the ranks; the GIL is released meanwhile.
+    /// keys in the store; `options` (`{"OXCCL_CHUNK_SIZE": "2M", ...}`) overrides the
+    /// `OXCCL_*` environment for this communicator. Collective over the ranks; the GIL is
+    /// released meanwhile.
     #[new]
-    #[pyo3(signature = (store=None, rank=None, world_size=None, *, timeout=None, job_id="py"))]
+    #[pyo3(signature = (store=None, rank=None, world_size=None, *, timeout=None, job_id="py", options=None))]
     fn new(
         py: Python<'_>,
         store: Option<&Bound<'_, PyAny>>,
@@ -354,13 +357,26 @@ impl PyCommunicator {
         world_size: Option<usize>,
         timeout: Option<f64>,
         job_id: &str,
+        options: Option<HashMap<String, String>>,
     ) -> PyResult<PyCommunicator> {
         let timeout = parse_timeout(timeout)?;
+        let options = options.unwrap_or_default();
+        if let Some(k) = options.keys().find(|k| !k.starts_with("OXCCL_")) {
+            return Err(errors::value_error(format!(
+                "options: {k:?} is not an OXCCL_* setting"
+            )));
+        }
         let Some(store) = store else {
             if rank.is_some() || world_size.is_some() {
                 return Err(errors::value_error(
                     "rank and world_size need a store; without one, the launcher's environment \
                      says them (Communicator.from_env())"
+                        .into(),
+                ));
+            }
+            if !options.is_empty() {
+                return Err(errors::value_error(
+                    "options= needs a store; under a launcher set OXCCL_* in the environment"
                         .into(),
                 ));
             }
@@ -374,7 +390,9 @@ impl PyCommunicator {
         let store = PyStore::new(store)?;
         let job = job_id.to_string();
         let r = py.detach(move || -> oxccl::Result<Communicator> {
-            let mut opts = Options::from_env()?;
+            // `options` wins over the environment.
+            let mut opts =
+                Options::from_vars(&|k| options.get(k).cloned().or_else(|| std::env::var(k).ok()))?;
             if let Some(t) = timeout {
                 opts.timeout = t;
             }

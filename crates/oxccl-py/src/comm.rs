@@ -1,0 +1,981 @@
+//! [`PyCommunicator`] (`oxccl.Communicator`): joining a job, and every collective on Python
+//! buffers.
+//!
+//! Conventions, the same for every call: the input comes first; leaving the output out runs
+//! the call in place (the one buffer laid out as NCCL's in-place calls want: all-gather's input
+//! is this rank's block of it, reduce-scatter's result is this rank's block); element counts
+//! come from the buffers' sizes; `async_op=True` returns an `oxccl.Work`, otherwise the call
+//! blocks (with the GIL released) and returns the output object.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use oxccl::schedule::Collective;
+use oxccl::{Buffers, Communicator, DataType, Options, ReduceOp};
+use oxccl_bootstrap::Bootstrap;
+use pyo3::prelude::*;
+
+use crate::PyReduceOp;
+use crate::buffer::{Role, View, view};
+use crate::errors;
+use crate::store::PyStore;
+use crate::work::{PyWork, Shared};
+
+/// Where a call's views go.
+#[derive(Clone, Copy, Debug)]
+enum Layout {
+    /// No buffers (barrier).
+    Empty,
+    /// One buffer, `views[0]`.
+    InPlace,
+    /// Separate buffers: the input (when present) is `views[0]`, then the output.
+    Out { input: bool, output: bool },
+}
+
+/// Runs one collective on `views`.
+fn run_views(
+    c: &Communicator,
+    coll: &Collective,
+    dtype: DataType,
+    op: ReduceOp,
+    layout: Layout,
+    views: &[View],
+    timeout: Option<Duration>,
+) -> oxccl::Result<()> {
+    // SAFETY (every slice below): the views are alive for this call; `check_overlap` refused
+    // out-of-place views that share memory, so the input slice and the output slice do not
+    // alias; outputs were checked writable when their views were made.
+    let bufs = match layout {
+        Layout::Empty => Buffers::OutOfPlace {
+            input: &[],
+            output: &mut [],
+        },
+        Layout::InPlace => Buffers::InPlace(unsafe { views[0].bytes_mut() }),
+        Layout::Out { input, output } => {
+            let (i, rest) = if input {
+                (unsafe { views[0].bytes() }, &views[1..])
+            } else {
+                (&[][..], views)
+            };
+            let o: &mut [u8] = if output {
+                unsafe { rest[0].bytes_mut() }
+            } else {
+                &mut []
+            };
+            Buffers::OutOfPlace {
+                input: i,
+                output: o,
+            }
+        }
+    };
+    match timeout {
+        Some(t) => c.run_timeout(coll, dtype, op, bufs, t),
+        None => c.run(coll, dtype, op, bufs),
+    }
+}
+
+fn parse_op(op: Option<&Bound<'_, PyAny>>) -> PyResult<ReduceOp> {
+    let Some(op) = op else {
+        return Ok(ReduceOp::Sum);
+    };
+    if let Ok(o) = op.extract::<PyReduceOp>() {
+        return Ok(o.into());
+    }
+    if let Ok(s) = op.extract::<String>() {
+        return ReduceOp::from_str(&s.to_ascii_lowercase())
+            .map_err(|e| errors::value_error(format!("op={s:?}: {e} (sum, prod, min, max, avg)")));
+    }
+    Err(errors::type_error(format!(
+        "op must be an oxccl.ReduceOp or a string (sum, prod, min, max, avg), not {}",
+        op.get_type().name()?
+    )))
+}
+
+fn parse_dtype(dtype: Option<&str>) -> PyResult<Option<DataType>> {
+    dtype
+        .map(|d| {
+            DataType::from_str(d).map_err(|e| errors::value_error(format!("dtype={d:?}: {e}")))
+        })
+        .transpose()
+}
+
+fn parse_timeout(t: Option<f64>) -> PyResult<Option<Duration>> {
+    match t {
+        None => Ok(None),
+        Some(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Some(Duration::from_secs_f64(s))),
+        Some(s) => Err(errors::value_error(format!(
+            "timeout={s}: expected a positive number of seconds"
+        ))),
+    }
+}
+
+/// One call being prepared: its views, layout and output object.
+struct Prepared {
+    coll: Collective,
+    dtype: DataType,
+    op: ReduceOp,
+    layout: Layout,
+    views: Vec<View>,
+    output: Option<Py<PyAny>>,
+}
+
+/// A group of ranks that run collectives together (`oxccl.Communicator`).
+#[pyclass(frozen, module = "oxccl._oxccl", name = "Communicator")]
+pub struct PyCommunicator {
+    comm: Mutex<Option<Arc<Communicator>>>,
+    rank: usize,
+    world: usize,
+}
+
+impl PyCommunicator {
+    fn wrap(c: Communicator) -> PyCommunicator {
+        PyCommunicator {
+            rank: c.rank(),
+            world: c.world_size(),
+            comm: Mutex::new(Some(Arc::new(c))),
+        }
+    }
+
+    fn get(&self, py: Python<'_>) -> PyResult<Arc<Communicator>> {
+        self.comm
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| {
+                errors::make(
+                    py,
+                    errors::Kind::Error,
+                    format!("rank {}: the communicator was destroyed", self.rank),
+                    Some(self.rank),
+                    None,
+                )
+            })
+    }
+
+    fn view(
+        &self,
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        what: &str,
+        write: bool,
+        dtype: Option<DataType>,
+    ) -> PyResult<View> {
+        view(py, obj, Role { what, write }, dtype, Some(self.rank))
+    }
+
+    fn invalid(&self, py: Python<'_>, msg: String) -> PyErr {
+        errors::invalid(py, Some(self.rank), format!("rank {}: {msg}", self.rank))
+    }
+
+    /// `count` split in `world` equal blocks, or an error naming the collective.
+    fn blocks(&self, py: Python<'_>, name: &str, v: &View) -> PyResult<usize> {
+        if !v.count().is_multiple_of(self.world) {
+            return Err(self.invalid(
+                py,
+                format!(
+                    "{name}: the buffer's {} elements do not split into {} equal blocks",
+                    v.count(),
+                    self.world
+                ),
+            ));
+        }
+        Ok(v.count() / self.world)
+    }
+
+    /// Input and output views of one call: checks their types agree and they do not share
+    /// memory; the same memory twice becomes an in-place call where `same_ok`.
+    #[allow(clippy::too_many_arguments)]
+    fn pair(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        input: Option<&Bound<'_, PyAny>>,
+        output: Option<&Bound<'_, PyAny>>,
+        dtype: Option<DataType>,
+        same_ok: bool,
+    ) -> PyResult<(Layout, Vec<View>, Option<DataType>)> {
+        let i = input
+            .map(|o| self.view(py, o, &format!("{name}: the input"), false, dtype))
+            .transpose()?;
+        let o = output
+            .map(|o| self.view(py, o, &format!("{name}: the output"), true, dtype))
+            .transpose()?;
+        if let (Some(iv), Some(ov)) = (&i, &o) {
+            if iv.dtype() != ov.dtype() {
+                return Err(self.invalid(
+                    py,
+                    format!(
+                        "{name}: the input is {} and the output {}; they must be of one type",
+                        iv.dtype(),
+                        ov.dtype()
+                    ),
+                ));
+            }
+            let overlap = !iv.is_empty()
+                && !ov.is_empty()
+                && iv.addr() < ov.addr() + ov.len()
+                && ov.addr() < iv.addr() + iv.len();
+            if overlap {
+                if same_ok && iv.addr() == ov.addr() && iv.len() == ov.len() {
+                    let dt = ov.dtype();
+                    return Ok((Layout::InPlace, o.into_iter().collect(), Some(dt)));
+                }
+                return Err(self.invalid(
+                    py,
+                    format!(
+                        "{name}: the input and the output share memory; for an in-place call \
+                         leave the output out"
+                    ),
+                ));
+            }
+        }
+        let dt = i.as_ref().or(o.as_ref()).map(View::dtype);
+        let layout = Layout::Out {
+            input: i.is_some(),
+            output: o.is_some(),
+        };
+        Ok((layout, i.into_iter().chain(o).collect(), dt))
+    }
+
+    /// Runs `p`: blocking (returns the output object) or submitted (returns a Work).
+    fn execute(
+        &self,
+        py: Python<'_>,
+        p: Prepared,
+        async_op: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Py<PyAny>> {
+        let timeout = parse_timeout(timeout)?;
+        let comm = self.get(py)?;
+        let Prepared {
+            coll,
+            dtype,
+            op,
+            layout,
+            views,
+            output,
+        } = p;
+        if !async_op {
+            let r = py.detach(|| run_views(&comm, &coll, dtype, op, layout, &views, timeout));
+            drop(views);
+            return match r {
+                Ok(()) => Ok(output.unwrap_or_else(|| py.None())),
+                Err(e) => Err(errors::to_py(py, &e)),
+            };
+        }
+        let what = format!("{} of {} {dtype} elements", coll.name(), coll.count());
+        let shared = Shared::new(
+            what,
+            self.rank,
+            timeout.unwrap_or_else(|| comm.timeout()),
+            views,
+            output,
+        );
+        let s = shared.clone();
+        drop(comm.submit(move |c| {
+            s.run(|views| run_views(c, &coll, dtype, op, layout, views, timeout));
+            Ok(())
+        }));
+        Ok(Py::new(py, PyWork::new(shared))?.into_any())
+    }
+
+    /// A call on one buffer, in place, or on an input and an output.
+    #[allow(clippy::too_many_arguments)]
+    fn simple(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        buf: &Bound<'_, PyAny>,
+        out: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&str>,
+        op: ReduceOp,
+        coll: impl FnOnce(&View) -> PyResult<Collective>,
+        same_ok: bool,
+    ) -> PyResult<Prepared> {
+        let dtype = parse_dtype(dtype)?;
+        match out {
+            None => {
+                let v = self.view(py, buf, &format!("{name}: the buffer"), true, dtype)?;
+                Ok(Prepared {
+                    coll: coll(&v)?,
+                    dtype: v.dtype(),
+                    op,
+                    layout: Layout::InPlace,
+                    views: vec![v],
+                    output: Some(buf.clone().unbind()),
+                })
+            }
+            Some(o) => {
+                let (layout, views, dt) =
+                    self.pair(py, name, Some(buf), Some(o), dtype, same_ok)?;
+                let c = coll(&views[0])?;
+                let output = Some(if matches!(layout, Layout::InPlace) {
+                    buf
+                } else {
+                    o
+                });
+                Ok(Prepared {
+                    coll: c,
+                    dtype: dt.expect("two views"),
+                    op,
+                    layout,
+                    views,
+                    output: output.map(|o| o.clone().unbind()),
+                })
+            }
+        }
+    }
+
+    fn check_rank(&self, py: Python<'_>, what: &str, r: usize) -> PyResult<()> {
+        if r >= self.world {
+            return Err(self.invalid(
+                py,
+                format!("{what} {r} is outside a world of {} ranks", self.world),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl PyCommunicator {
+    /// Joins a job over `store` (torch's `TCPStore`, `FileStore`, `PrefixStore`, ... or any
+    /// object with their methods) as `rank` of `world_size`; without a store, from the
+    /// launcher's environment (as `Communicator.from_env()`). `timeout` (seconds) bounds the
+    /// join and every later call (default `OXCCL_TIMEOUT`, 300 s); `job_id` namespaces the
+    /// keys in the store; `options` (`{"OXCCL_CHUNK_SIZE": "2M", ...}`) overrides the
+    /// `OXCCL_*` environment for this communicator. Collective over the ranks; the GIL is
+    /// released meanwhile.
+    #[new]
+    #[pyo3(signature = (store=None, rank=None, world_size=None, *, timeout=None, job_id="py", options=None))]
+    fn new(
+        py: Python<'_>,
+        store: Option<&Bound<'_, PyAny>>,
+        rank: Option<usize>,
+        world_size: Option<usize>,
+        timeout: Option<f64>,
+        job_id: &str,
+        options: Option<HashMap<String, String>>,
+    ) -> PyResult<PyCommunicator> {
+        let timeout = parse_timeout(timeout)?;
+        let options = options.unwrap_or_default();
+        if let Some(k) = options.keys().find(|k| !k.starts_with("OXCCL_")) {
+            return Err(errors::value_error(format!(
+                "options: {k:?} is not an OXCCL_* setting"
+            )));
+        }
+        let Some(store) = store else {
+            if rank.is_some() || world_size.is_some() {
+                return Err(errors::value_error(
+                    "rank and world_size need a store; without one, the launcher's environment \
+                     says them (Communicator.from_env())"
+                        .into(),
+                ));
+            }
+            if !options.is_empty() {
+                return Err(errors::value_error(
+                    "options= needs a store; under a launcher set OXCCL_* in the environment"
+                        .into(),
+                ));
+            }
+            return Self::from_env(py, timeout.map(|t| t.as_secs_f64()));
+        };
+        let (Some(rank), Some(world)) = (rank, world_size) else {
+            return Err(errors::value_error(
+                "a store needs rank= and world_size=".into(),
+            ));
+        };
+        let store = PyStore::new(store)?;
+        let job = job_id.to_string();
+        let r = py.detach(move || -> oxccl::Result<Communicator> {
+            // `options` wins over the environment.
+            let mut opts =
+                Options::from_vars(&|k| options.get(k).cloned().or_else(|| std::env::var(k).ok()))?;
+            if let Some(t) = timeout {
+                opts.timeout = t;
+            }
+            let boot = Bootstrap::with_store(rank, world, Box::new(store), &job, opts.timeout)?;
+            Communicator::init(boot, opts)
+        });
+        r.map(PyCommunicator::wrap)
+            .map_err(|e| errors::to_py(py, &e))
+    }
+
+    /// Joins the job the launcher describes (torchrun's, Slurm's, Open MPI's or oxccl run's
+    /// environment; `OXCCL_SECRET` must be set alike on every rank).
+    #[staticmethod]
+    #[pyo3(signature = (timeout=None))]
+    fn from_env(py: Python<'_>, timeout: Option<f64>) -> PyResult<PyCommunicator> {
+        let timeout = parse_timeout(timeout)?;
+        let r = py.detach(move || -> oxccl::Result<Communicator> {
+            let mut opts = Options::from_env()?;
+            if let Some(t) = timeout {
+                opts.timeout = t;
+            }
+            let mut boot = Bootstrap::from_env()?;
+            if timeout.is_some() {
+                boot.set_timeout(opts.timeout);
+            }
+            Communicator::init(boot, opts)
+        });
+        r.map(PyCommunicator::wrap)
+            .map_err(|e| errors::to_py(py, &e))
+    }
+
+    /// This rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// Number of ranks (as torch's `size()`).
+    fn size(&self) -> usize {
+        self.world
+    }
+
+    /// The host identity of every rank.
+    #[getter]
+    fn hosts(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        Ok(self.get(py)?.hosts().to_vec())
+    }
+
+    /// The provider used to reach each rank ("shm", "tcp"; None for this rank).
+    #[getter]
+    fn providers(&self, py: Python<'_>) -> PyResult<Vec<Option<&'static str>>> {
+        Ok(self
+            .get(py)?
+            .providers()
+            .iter()
+            .map(|p| p.map(|p| p.name()))
+            .collect())
+    }
+
+    /// Seconds each later call may take.
+    #[getter]
+    fn get_timeout(&self, py: Python<'_>) -> PyResult<f64> {
+        Ok(self.get(py)?.timeout().as_secs_f64())
+    }
+
+    /// Changes the timeout of later calls (use the same on every rank).
+    #[setter]
+    fn set_timeout(&self, py: Python<'_>, seconds: f64) -> PyResult<()> {
+        let t = parse_timeout(Some(seconds))?.expect("some");
+        self.get(py)?.set_timeout(t);
+        Ok(())
+    }
+
+    /// `tensor = op over ranks of tensor`, in place; with `out`, the result goes there.
+    #[pyo3(signature = (tensor, op=None, *, out=None, dtype=None, async_op=false, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        op: Option<&Bound<'_, PyAny>>,
+        out: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&str>,
+        async_op: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Py<PyAny>> {
+        let op = parse_op(op)?;
+        let p = self.simple(
+            py,
+            "all_reduce",
+            tensor,
+            out,
+            dtype,
+            op,
+            |v| Ok(Collective::AllReduce { count: v.count() }),
+            true,
+        )?;
+        self.execute(py, p, async_op, timeout)
+    }
+
+    /// Rank r gets block r of the reduction of every rank's `input` (world · n elements);
+    /// without `output`, in place: the result is block `rank` of `input`.
+    #[pyo3(signature = (input, output=None, op=None, *, dtype=None, async_op=false, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        input: &Bound<'_, PyAny>,
+        output: Option<&Bound<'_, PyAny>>,
+        op: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&str>,
+        async_op: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Py<PyAny>> {
+        let op = parse_op(op)?;
+        let in_place = output.is_none();
+        let p = self.simple(
+            py,
+            "reduce_scatter",
+            input,
+            output,
+            dtype,
+            op,
+            |v| {
+                let count = if in_place {
+                    self.blocks(py, "reduce_scatter", v)?
+                } else {
+                    0
+                };
+                Ok(Collective::ReduceScatter { count })
+            },
+            false,
+        )?;
+        let p = if in_place {
+            p
+        } else {
+            // The count is the output's.
+            let count = p.views.get(1).map_or(0, View::count);
+            Prepared {
+                coll: Collective::ReduceScatter { count },
+                ..p
+            }
+        };
+        self.execute(py, p, async_op, timeout)
+    }
+
+    /// Every rank's `input` lands in block r of every rank's `output` (world · n elements);
+    /// without `output`, in place: `input` is the whole output, this rank's block filled.
+    #[pyo3(signature = (input, output=None, *, dtype=None, async_op=false, timeout=None))]
+    fn all_gather(
+        &self,
+        py: Python<'_>,
+        input: &Bound<'_, PyAny>,
+        output: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&str>,
+        async_op: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Py<PyAny>> {
+        let in_place = output.is_none();
+        let p = self.simple(
+            py,
+            "all_gather",
+            input,
+            output,
+            dtype,
+            ReduceOp::Sum,
+            |v| {
+                let count = if in_place {
+                    self.blocks(py, "all_gather", v)?
+                } else {
+                    v.count()
+                };
+                Ok(Collective::AllGather { count })
+            },
+            false,
+        )?;
+        self.execute(py, p, async_op, timeout)
+    }
+
+    /// `root`'s `tensor` is copied into every rank's (in place), or into `out`.
+    #[pyo3(signature = (tensor, root=0, *, out=None, dtype=None, async_op=false, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        root: usize,
+        out: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&str>,
+        async_op: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Py<PyAny>> {
+        self.check_rank(py, "broadcast: root", root)?;
+        let has_out = out.is_some();
+        let p = self.simple(
+            py,
+            "broadcast",
+            tensor,
+            out,
+            dtype,
+            ReduceOp::Sum,
+            |v| {
+                Ok(Collective::Broadcast {
+                    count: v.count(),
+                    root,
+                })
+            },
+            true,
+        )?;
+        let p = if has_out && matches!(p.layout, Layout::Out { .. }) {
+            let count = p.views[1].count();
+            Prepared {
+                coll: Collective::Broadcast { count, root },
+                ..p
+            }
+        } else {
+            p
+        };
+        self.execute(py, p, async_op, timeout)
+    }
+
+    /// The reduction of every rank's `tensor` lands in `root`'s (in place), or in `root`'s
+    /// `out` (other ranks may leave it out).
+    #[pyo3(signature = (tensor, root=0, op=None, *, out=None, dtype=None, async_op=false, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        root: usize,
+        op: Option<&Bound<'_, PyAny>>,
+        out: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&str>,
+        async_op: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Py<PyAny>> {
+        self.check_rank(py, "reduce: root", root)?;
+        let op = parse_op(op)?;
+        let p = self.simple(
+            py,
+            "reduce",
+            tensor,
+            out,
+            dtype,
+            op,
+            |v| {
+                Ok(Collective::Reduce {
+                    count: v.count(),
+                    root,
+                })
+            },
+            true,
+        )?;
+        self.execute(py, p, async_op, timeout)
+    }
+
+    /// Block j of this rank's `input` goes to rank j; block i of `output` comes from rank i
+    /// (both world · n elements); without `output`, in place.
+    #[pyo3(signature = (input, output=None, *, dtype=None, async_op=false, timeout=None))]
+    fn all_to_all(
+        &self,
+        py: Python<'_>,
+        input: &Bound<'_, PyAny>,
+        output: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&str>,
+        async_op: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Py<PyAny>> {
+        let p = self.simple(
+            py,
+            "all_to_all",
+            input,
+            output,
+            dtype,
+            ReduceOp::Sum,
+            |v| {
+                Ok(Collective::AllToAll {
+                    count: self.blocks(py, "all_to_all", v)?,
+                })
+            },
+            true,
+        )?;
+        self.execute(py, p, async_op, timeout)
+    }
+
+    /// All-to-all with counts per peer: `send_counts[j]` elements of `input` (packed in rank
+    /// order) go to rank j; `recv_counts[i]` elements from rank i land in `output`, packed.
+    #[pyo3(signature = (input, send_counts, output, recv_counts, *, dtype=None, async_op=false, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_to_allv(
+        &self,
+        py: Python<'_>,
+        input: &Bound<'_, PyAny>,
+        send_counts: Vec<usize>,
+        output: &Bound<'_, PyAny>,
+        recv_counts: Vec<usize>,
+        dtype: Option<&str>,
+        async_op: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Py<PyAny>> {
+        let dtype = parse_dtype(dtype)?;
+        let (layout, views, dt) =
+            self.pair(py, "all_to_allv", Some(input), Some(output), dtype, false)?;
+        let p = Prepared {
+            coll: Collective::AllToAllV {
+                send_counts,
+                recv_counts,
+            },
+            dtype: dt.expect("two views"),
+            op: ReduceOp::Sum,
+            layout,
+            views,
+            output: Some(output.clone().unbind()),
+        };
+        self.execute(py, p, async_op, timeout)
+    }
+
+    /// Every rank's `input` lands in block r of `root`'s `output` (world · n elements; other
+    /// ranks may leave it out).
+    #[pyo3(signature = (input, output=None, root=0, *, dtype=None, async_op=false, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn gather(
+        &self,
+        py: Python<'_>,
+        input: &Bound<'_, PyAny>,
+        output: Option<&Bound<'_, PyAny>>,
+        root: usize,
+        dtype: Option<&str>,
+        async_op: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Py<PyAny>> {
+        self.check_rank(py, "gather: root", root)?;
+        if root == self.rank && output.is_none() {
+            return Err(self.invalid(
+                py,
+                format!("gather: the root (rank {root}) needs an output"),
+            ));
+        }
+        let dtype = parse_dtype(dtype)?;
+        let (layout, views, dt) = self.pair(py, "gather", Some(input), output, dtype, false)?;
+        let p = Prepared {
+            coll: Collective::Gather {
+                count: views[0].count(),
+                root,
+            },
+            dtype: dt.expect("an input"),
+            op: ReduceOp::Sum,
+            layout,
+            views,
+            output: output.map(|o| o.clone().unbind()),
+        };
+        self.execute(py, p, async_op, timeout)
+    }
+
+    /// Block r of `root`'s `input` (world · n elements) lands in rank r's `output`; other
+    /// ranks pass None as `input`.
+    #[pyo3(signature = (input, output, root=0, *, dtype=None, async_op=false, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn scatter(
+        &self,
+        py: Python<'_>,
+        input: Option<&Bound<'_, PyAny>>,
+        output: &Bound<'_, PyAny>,
+        root: usize,
+        dtype: Option<&str>,
+        async_op: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Py<PyAny>> {
+        self.check_rank(py, "scatter: root", root)?;
+        if root == self.rank && input.is_none() {
+            return Err(self.invalid(
+                py,
+                format!("scatter: the root (rank {root}) needs an input"),
+            ));
+        }
+        let dtype = parse_dtype(dtype)?;
+        let (layout, views, dt) = self.pair(py, "scatter", input, Some(output), dtype, false)?;
+        let count = views.last().map_or(0, View::count);
+        let p = Prepared {
+            coll: Collective::Scatter { count, root },
+            dtype: dt.expect("an output"),
+            op: ReduceOp::Sum,
+            layout,
+            views,
+            output: Some(output.clone().unbind()),
+        };
+        self.execute(py, p, async_op, timeout)
+    }
+
+    /// Returns once every rank has called it.
+    #[pyo3(signature = (*, async_op=false, timeout=None))]
+    fn barrier(&self, py: Python<'_>, async_op: bool, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
+        let p = Prepared {
+            coll: Collective::Barrier,
+            dtype: DataType::U8,
+            op: ReduceOp::Sum,
+            layout: Layout::Empty,
+            views: Vec::new(),
+            output: None,
+        };
+        self.execute(py, p, async_op, timeout)
+    }
+
+    /// Sends `tensor` to `peer`, which receives it with `recv` (same count); sends to one peer
+    /// arrive in order.
+    #[pyo3(signature = (tensor, peer, *, dtype=None, async_op=false, timeout=None))]
+    fn send(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        peer: usize,
+        dtype: Option<&str>,
+        async_op: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Py<PyAny>> {
+        self.check_rank(py, "send: peer", peer)?;
+        let dtype = parse_dtype(dtype)?;
+        let v = self.view(py, tensor, "send: the buffer", false, dtype)?;
+        let p = Prepared {
+            coll: Collective::Send {
+                count: v.count(),
+                peer,
+            },
+            dtype: v.dtype(),
+            op: ReduceOp::Sum,
+            layout: Layout::Out {
+                input: true,
+                output: false,
+            },
+            views: vec![v],
+            output: None,
+        };
+        self.execute(py, p, async_op, timeout)
+    }
+
+    /// Receives `peer`'s next `send` into `tensor`.
+    #[pyo3(signature = (tensor, peer, *, dtype=None, async_op=false, timeout=None))]
+    fn recv(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        peer: usize,
+        dtype: Option<&str>,
+        async_op: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Py<PyAny>> {
+        self.check_rank(py, "recv: peer", peer)?;
+        let dtype = parse_dtype(dtype)?;
+        let v = self.view(py, tensor, "recv: the buffer", true, dtype)?;
+        let p = Prepared {
+            coll: Collective::Recv {
+                count: v.count(),
+                peer,
+            },
+            dtype: v.dtype(),
+            op: ReduceOp::Sum,
+            layout: Layout::Out {
+                input: false,
+                output: true,
+            },
+            views: vec![v],
+            output: Some(tensor.clone().unbind()),
+        };
+        self.execute(py, p, async_op, timeout)
+    }
+
+    /// Splits into sub-communicators of the ranks passing the same `color`, ordered by `key`
+    /// then rank; `color=None` opts out and returns None. Collective.
+    #[pyo3(signature = (color, key=0))]
+    fn split(
+        &self,
+        py: Python<'_>,
+        color: Option<u32>,
+        key: u32,
+    ) -> PyResult<Option<PyCommunicator>> {
+        let comm = self.get(py)?;
+        let r = py.detach(|| comm.split(color, key));
+        match r {
+            Ok(c) => Ok(c.map(PyCommunicator::wrap)),
+            Err(e) => Err(errors::to_py(py, &e)),
+        }
+    }
+
+    /// Stops the communicator: calls running here (on any thread) and on the peers raise
+    /// `oxccl.Aborted` promptly; later calls raise at once.
+    fn abort(&self, py: Python<'_>) -> PyResult<()> {
+        if let Ok(c) = self.get(py) {
+            py.detach(|| c.abort());
+        }
+        Ok(())
+    }
+
+    /// Waits for every rank (a barrier), then releases the communicator; later calls raise.
+    /// A no-op when already destroyed.
+    fn destroy(&self, py: Python<'_>) -> PyResult<()> {
+        let Some(arc) = self.comm.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+            return Ok(());
+        };
+        // Calls running on other threads hold the communicator for their duration.
+        let rank = self.rank;
+        let r = py.detach(move || {
+            let end = Instant::now() + Duration::from_secs(5);
+            let mut arc = arc;
+            loop {
+                match Arc::try_unwrap(arc) {
+                    Ok(c) => return c.destroy().map_err(|e| e.to_string()),
+                    Err(a) if Instant::now() < end => {
+                        arc = a;
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    Err(_) => {
+                        return Err(format!(
+                            "rank {rank}: destroy(): calls on other threads still use the \
+                             communicator after 5 s; it is released when they end"
+                        ));
+                    }
+                }
+            }
+        });
+        r.map_err(|m| errors::make(py, errors::Kind::Error, m, Some(rank), None))
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Leaving a `with` block destroys the communicator; leaving it by an exception aborts
+    /// it instead (the peers may be elsewhere), then releases it.
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        if exc_type.is_some_and(|t| !t.is_none()) {
+            self.abort(py)?;
+            drop(self.comm.lock().unwrap_or_else(|e| e.into_inner()).take());
+        } else {
+            self.destroy(py)?;
+        }
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        let alive = self
+            .comm
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some();
+        format!(
+            "<oxccl.Communicator rank {} of {}{}>",
+            self.rank,
+            self.world,
+            if alive { "" } else { ", destroyed" }
+        )
+    }
+
+    /// For benchmarks: `iters` blocking calls of `coll` ("all_reduce", float32 sum) on
+    /// `nbytes` from Rust, with no Python in the loop (the GIL released); returns the mean
+    /// seconds per call, the Rust side of the Python layer's overhead.
+    #[pyo3(signature = (coll, nbytes, iters))]
+    fn _rust_loop(&self, py: Python<'_>, coll: &str, nbytes: usize, iters: usize) -> PyResult<f64> {
+        if coll != "all_reduce" {
+            return Err(errors::value_error(format!(
+                "_rust_loop: {coll:?} is not all_reduce"
+            )));
+        }
+        let comm = self.get(py)?;
+        let r = py.detach(|| {
+            let mut buf = vec![1f32; nbytes.div_ceil(4)];
+            let t = Instant::now();
+            for _ in 0..iters {
+                comm.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+            }
+            Ok::<f64, oxccl::Error>(t.elapsed().as_secs_f64() / iters.max(1) as f64)
+        });
+        r.map_err(|e| errors::to_py(py, &e))
+    }
+}

@@ -1,0 +1,113 @@
+"""Failures through torch.distributed: a killed rank is named on every survivor within the
+timeout; ranks that disagree on a shape get an error naming both; bad arguments (a
+non-contiguous tensor, an unsupported dtype or operator, a tag) raise clear errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import launch
+
+TIMEOUT = 30
+
+
+def worker_killed():
+    import torch
+    import torch.distributed as dist
+
+    import oxccl
+    import oxccl.torch  # noqa: F401
+
+    dist.init_process_group("oxccl")
+    rank = dist.get_rank()
+    t = torch.ones(1 << 12)
+    dist.all_reduce(t)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        for _ in range(1000):
+            dist.all_reduce(t)
+            time.sleep(0.01)
+        launch.report({"raised": None})
+    except Exception as e:  # noqa: BLE001
+        launch.report({
+            "raised": type(e).__name__,
+            "oxccl_error": isinstance(e, oxccl.Error),
+            "peer": getattr(e, "peer", None),
+            "message": str(e),
+            "seconds": time.monotonic() - t0,
+        })
+    os._exit(0)  # the group is broken; do not wait on it at exit
+
+
+def test_killed_rank_is_named_on_every_survivor(torch_available):
+    ranks = launch.run("test_failures", "worker_killed", 3, timeout=120,
+                       env={"OXCCL_TIMEOUT": str(TIMEOUT)})
+    assert ranks[2].returncode == -signal.SIGKILL, launch.explain(ranks)
+    for r in ranks[:2]:
+        assert r.returncode == 0 and r.result, launch.explain(ranks)
+        res = r.result
+        assert res["raised"] == "PeerFailed" and res["oxccl_error"], res
+        assert res["peer"] == 2 and "rank 2" in res["message"], res
+        assert res["seconds"] < TIMEOUT, res
+
+
+def worker_mismatch_and_bad_args():
+    import torch
+    import torch.distributed as dist
+
+    import oxccl
+    import oxccl.torch  # noqa: F401
+
+    dist.init_process_group("oxccl")
+    rank = dist.get_rank()
+    out = {}
+
+    def catch(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001
+            out[name] = [type(e).__name__, str(e)]
+
+    catch("non_contiguous", lambda: dist.all_reduce(torch.ones(4, 4).t()))
+    catch("int16", lambda: dist.all_reduce(torch.ones(4, dtype=torch.int16)))
+    catch("bool", lambda: dist.all_reduce(torch.ones(4, dtype=torch.bool)))
+    catch("band", lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.BAND))
+    catch("premul", lambda: dist.all_reduce(torch.ones(4), op=dist._make_nccl_premul_sum(2.0)))
+    catch("tag", lambda: dist.send(torch.ones(1), 1 - rank, tag=7))
+    # The group is still usable after argument errors.
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    out["usable"] = t.tolist()
+    # Shapes that differ across ranks: rank 0 has 4 elements, rank 1 has 5.
+    catch("mismatch", lambda: dist.all_reduce(torch.ones(4 + rank)))
+    launch.report(out)
+    os._exit(0)
+
+
+def test_mismatch_and_bad_arguments(torch_available):
+    ranks = launch.run("test_failures", "worker_mismatch_and_bad_args", 2, timeout=90,
+                       env={"OXCCL_TIMEOUT": str(TIMEOUT)})
+    assert all(r.returncode == 0 and r.result for r in ranks), launch.explain(ranks)
+    for r in ranks:
+        o = r.result
+        assert o["usable"] == [2.0] * 3, o
+        want = {
+            "non_contiguous": "not contiguous",
+            "int16": "torch.int16",
+            "bool": "torch.bool",
+            "band": "BAND",
+            "premul": "PREMUL_SUM",
+            "tag": "tag 7",
+        }
+        for case, words in want.items():
+            assert o[case] is not None, (case, o)
+            assert o[case][0] == "InvalidArgument" and words in o[case][1], (case, o[case])
+        kind, msg = o["mismatch"]
+        assert kind == "Mismatch", o["mismatch"]
+        # Both sides are named: the two ranks and both counts.
+        assert "rank 0" in msg and "rank 1" in msg and "4" in msg and "5" in msg, msg

@@ -578,11 +578,10 @@ pub(crate) struct Engine {
     /// Whether the last call's [`Error::PeerFailed`] came from a peer's notice (so it is not
     /// passed on again).
     pub(crate) failed_by_notice: bool,
-    /// How long an idle call polls without yielding (`OXCCL_SPIN_US`, default 50, as the verbs completion queue).
+    /// How long an idle call polls without yielding ([`crate::Options::idle_spin`]).
     pub(crate) spin_for: Duration,
-    /// How long an idle call polls, yielding the CPU between polls, before it sleeps on the
-    /// completion queue (`OXCCL_YIELD_US`, default 2000): long enough to cover a wake-up
-    /// through the hypervisor, short enough not to burn a core that a peer could use.
+    /// How long an idle call then polls, yielding the CPU between polls, before it sleeps on
+    /// the completion queue ([`crate::Options::idle_yield`]).
     pub(crate) yield_for: Duration,
     scratch: Vec<u64>,
     scratch_mrs: Vec<Option<MemoryRegion>>,
@@ -644,8 +643,8 @@ impl Engine {
             mailbox_allowed: true,
             pending_mismatch: None,
             failed_by_notice: false,
-            spin_for: env_us("OXCCL_SPIN_US", 50),
-            yield_for: env_us("OXCCL_YIELD_US", 2000),
+            spin_for: Duration::from_micros(50),
+            yield_for: Duration::from_millis(2),
             scratch: Vec::new(),
             scratch_mrs: (0..n).map(|_| None).collect(),
             wcs: vec![WorkCompletion::default(); 64],
@@ -2109,15 +2108,6 @@ fn mailbox_eligible(eng: &Engine, sched: &Schedule, esize: usize) -> bool {
         }
     }
     sends.iter().any(|&c| c > 0) && sends == recvs && sends.iter().all(|&c| c <= 1)
-}
-
-fn env_us(name: &str, default: u64) -> Duration {
-    Duration::from_micros(
-        std::env::var(name)
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(default),
-    )
 }
 
 fn check_disjoint(a: *mut u8, b: *mut u8, len: usize) -> std::result::Result<(), String> {

@@ -269,8 +269,16 @@ impl Communicator {
         let rank = bootstrap.rank();
         let world = bootstrap.world_size();
         let host = opts.host_id.clone().unwrap_or_else(default_host_id);
-        let (comm_id, hosts, routes) = exchange_hello(bootstrap, &opts, &host)?;
-        let (topology, note) = Topology::from_env(&hosts).map_err(Error::Config)?;
+        // Until every rank is past the store barrier below, a failure here is posted in the
+        // store, so that the others (waiting there) fail at once instead of timing out.
+        let tell = |e: Error| {
+            bootstrap.fail(&e.to_string());
+            e
+        };
+        let (comm_id, hosts, routes) = exchange_hello(bootstrap, &opts, &host).map_err(tell)?;
+        let (topology, note) = Topology::from_env(&hosts)
+            .map_err(Error::Config)
+            .map_err(tell)?;
         if let Some(note) = note
             && rank == 0
         {
@@ -278,16 +286,18 @@ impl Communicator {
         }
         let weights = topology.proportional_weights();
         // Every rank must cut all-reduces the same way: same file, same shares.
-        let all_weights: Vec<Vec<u32>> = bootstrap.all_gather_serde("oxccl/topology", &weights)?;
+        let all_weights: Vec<Vec<u32>> = bootstrap
+            .all_gather_serde("oxccl/topology", &weights)
+            .map_err(|e| tell(e.into()))?;
         if let Some(r) = all_weights.iter().position(|w| *w != weights) {
-            return Err(Error::InvalidArgument {
+            return Err(tell(Error::InvalidArgument {
                 rank,
                 msg: format!(
                     "rank {r} derives link shares {:?} from its topology, this rank {weights:?}: \
                      give every rank the same OXCCL_TOPO_FILE",
                     all_weights[r]
                 ),
-            });
+            }));
         }
         let providers: Vec<Option<Provider>> = (0..world)
             .map(|p| {
@@ -322,14 +332,18 @@ impl Communicator {
                 .filter(|&p| hosts[p] != host)
                 .filter_map(|p| routes[p])
                 .collect();
-            Some(choose_tcp_addr(&opts, rank, routes[rank], &others)?)
+            Some(choose_tcp_addr(&opts, rank, routes[rank], &others).map_err(tell)?)
         } else {
             None
         };
         let (links, link_of, pds, cqs, tcp_addrs) =
-            connect_links(bootstrap, &opts, &providers, &geo, tcp)?;
+            connect_links(bootstrap, &opts, &providers, &geo, tcp).map_err(tell)?;
         let chosen = tcp_addrs[rank].clone();
-        bootstrap.barrier("oxccl/connected", opts.timeout)?;
+        bootstrap
+            .barrier("oxccl/connected", opts.timeout)
+            .map_err(|e| tell(e.into()))?;
+        // From here on every rank has left the store's waits: failures travel over the
+        // connections (a dead peer, an abort notice).
         if log_enabled() {
             let count = |k| providers.iter().filter(|p| **p == Some(k)).count();
             let distinct: std::collections::HashSet<&String> = hosts.iter().collect();
@@ -368,9 +382,12 @@ impl Communicator {
         // (spinning would hold off the very peer it waits for), as MPI's yield-when-idle does.
         let local = hosts.iter().filter(|h| **h == host).count();
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        if local > cpus && std::env::var_os("OXCCL_SPIN_US").is_none() {
-            engine.spin_for = Duration::ZERO;
-        }
+        engine.spin_for = opts.idle_spin.unwrap_or(if local > cpus {
+            Duration::ZERO
+        } else {
+            Duration::from_micros(50)
+        });
+        engine.yield_for = opts.idle_yield;
         engine.mailbox_allowed = opts.mailboxes != Some(false);
         let tuning = Tuning {
             all_shm: providers.iter().flatten().all(|p| *p == Provider::Shm),

@@ -79,6 +79,13 @@ pub struct Options {
     /// The providers' own settings (`OXCCL_SPIN_US`, `OXCCL_TCP_POLL`); the tcp address in
     /// it is replaced by the chosen one.
     pub device: oxccl_verbs::DeviceConfig,
+    /// How long an idle call polls without yielding (`OXCCL_SPIN_US`); `None`: 50 µs, or 0
+    /// when this host runs more ranks than it has CPUs.
+    pub idle_spin: Option<Duration>,
+    /// How long an idle call then polls, yielding the CPU between polls, before it sleeps on
+    /// the completion queue (`OXCCL_YIELD_US`, default 2 ms: long enough to cover a wake-up
+    /// through the hypervisor, short enough not to burn a core a peer could use).
+    pub idle_yield: Duration,
 }
 
 /// What the watchdog does to a call that runs too long.
@@ -111,6 +118,8 @@ impl Default for Options {
             tcp_addr: None,
             socket_ifname: None,
             device: oxccl_verbs::DeviceConfig::default(),
+            idle_spin: None,
+            idle_yield: Duration::from_millis(2),
         }
     }
 }
@@ -259,6 +268,19 @@ impl Options {
         }
         o.device =
             oxccl_verbs::DeviceConfig::from_vars(var).map_err(|e| Error::Config(e.to_string()))?;
+        let micros = |name: &str| -> Result<Option<Duration>> {
+            let Some(v) = var(name).filter(|v| !v.trim().is_empty()) else {
+                return Ok(None);
+            };
+            v.trim()
+                .parse::<u64>()
+                .map(|us| Some(Duration::from_micros(us)))
+                .map_err(|_| bad(name, &v, "microseconds"))
+        };
+        o.idle_spin = micros("OXCCL_SPIN_US")?;
+        if let Some(y) = micros("OXCCL_YIELD_US")? {
+            o.idle_yield = y;
+        }
         if var("OXCCL_TCP_ADDR").is_some_and(|v| !v.trim().is_empty()) {
             o.tcp_addr = Some(o.device.tcp_addr);
         }
@@ -424,11 +446,8 @@ impl Communicator {
         Communicator::init(Bootstrap::from_env()?, opts)
     }
 
-    fn init_shared(bootstrap: Arc<Bootstrap>, opts: Options) -> Result<Communicator> {
-        // Tell the others, so that they fail now rather than wait out a timeout for this rank
-        // (the first notice wins: a rank that fails on another's notice does not replace it,
-        // but the rank serving the store still lets the others read it before leaving).
-        Communicator::init_inner(&bootstrap, opts).inspect_err(|e| bootstrap.fail(&e.to_string()))
+    fn init_shared(bootstrap: Arc<Bootstrap>, options: Options) -> Result<Communicator> {
+        Communicator::init_inner(&bootstrap, options)
     }
 
     /// This rank.

@@ -781,14 +781,15 @@ impl QpInner {
         }
     }
 
-    /// Moves to ERR and flushes: pending sends and unclaimed receives complete as flushed (the
-    /// first of each as `RetryExceeded` when the peer is gone).
     /// An error completion is about to become visible: the queue pair reads ERR first, so that
     /// a poller that sees the completion also sees ERR (as in InfiniBand, where the QP is in
     /// ERR when its error completion is generated). [`QpInner::set_error`], called after the
     /// completion is pushed, then flushes the rest; a destroyed queue pair stays destroyed.
+    /// A flushed request changes nothing: it is flushed because the queue pair is failing,
+    /// and the failure itself (a peer found gone, which makes the next flushed request
+    /// `RetryExceeded`) is `set_error`'s to record.
     fn failing_before_completion(&self, status: WcStatus) {
-        if status == WcStatus::Success {
+        if matches!(status, WcStatus::Success | WcStatus::WorkRequestFlushed) {
             return;
         }
         let _ =
@@ -800,6 +801,8 @@ impl QpInner {
                 });
     }
 
+    /// Moves to ERR and flushes: pending sends and unclaimed receives complete as flushed (the
+    /// first of each as `RetryExceeded` when the peer is gone).
     fn set_error(&self, cause: Cause) {
         if cause == Cause::PeerGone
             && !self.gone.swap(true, Ordering::AcqRel)

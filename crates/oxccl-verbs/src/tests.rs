@@ -421,3 +421,51 @@ fn tcp_error_completion_is_polled_with_the_qp_in_err() {
         &wc[..n]
     );
 }
+
+/// A request flushed while its frame is half-sent: the frame is finished (the stream stays
+/// framed) from the frame's own copy, not from the source buffer, which the caller may reuse
+/// or free as soon as the flushed completion is polled (the engine's failed calls did: the tcp
+/// provider then read freed memory, `EFAULT`, or sent what the buffer held next).
+#[test]
+fn tcp_flushed_half_sent_frame_does_not_read_the_source_again() {
+    const LEN: usize = 32 << 20;
+    let ctx = Device::by_name("tcp").unwrap().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let (a, b) = (
+        pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap(),
+        pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap(),
+    );
+    let (ea, eb) = (a.endpoint(), b.endpoint());
+    a.connect(&eb).unwrap();
+    b.connect(&ea).unwrap();
+    let src = pd.alloc_mr(LEN, AccessFlags::LOCAL_WRITE).unwrap();
+    let dst = pd.alloc_mr(LEN, AccessFlags::ALL).unwrap();
+    src.write(0, &vec![0xaa; LEN]).unwrap();
+    let sge = [Sge::new(&src, 0, LEN)];
+    let op = WrOp::Write {
+        remote: dst.remote().at(0),
+    };
+    a.post_send(&[SendWr::new(1, op, &sge)]).unwrap();
+    // 32 MiB do not fit in the socket: the frame is being sent when the queue pair fails.
+    a.to_error();
+    let mut wc = [WorkCompletion::default(); 4];
+    let n = cq.wait(&mut wc, Duration::from_secs(10)).unwrap();
+    assert_eq!(
+        (wc[0].wr_id, wc[0].status),
+        (1, WcStatus::WorkRequestFlushed),
+        "{:?}",
+        &wc[..n]
+    );
+    // The caller reuses its buffer at once.
+    src.write(0, &vec![0x55; LEN]).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let mut got = vec![0u8; LEN];
+    dst.read(0, &mut got).unwrap();
+    let reused = got.iter().filter(|&&x| x == 0x55).count();
+    assert_eq!(
+        reused, 0,
+        "{reused} bytes of the reused buffer reached the target"
+    );
+    assert!(got.iter().all(|&x| x == 0 || x == 0xaa));
+}

@@ -164,6 +164,8 @@ struct TxFrame {
     hdr: [u8; HEADER_LEN],
     payload: Vec<Span>,
     _keep: Vec<Arc<MrInner>>,
+    /// The payload's own copy, once [`TxFrame::detach`] made one (the spans point into it).
+    owned: Vec<u8>,
     sent: usize,
 }
 
@@ -174,8 +176,29 @@ impl TxFrame {
             hdr,
             payload: Vec::new(),
             _keep: Vec::new(),
+            owned: Vec::new(),
             sent: 0,
         }
+    }
+
+    /// Copies the payload into the frame itself, so that it no longer reads the memory it was
+    /// posted from: a frame that must still be finished (to keep the stream framed) after its
+    /// request was flushed would otherwise read a buffer its owner may free or reuse as soon
+    /// as the flush is reported (a user buffer registered for the call that failed).
+    fn detach(&mut self) {
+        if !self.owned.is_empty() || self.payload.is_empty() {
+            return;
+        }
+        let mut owned = Vec::with_capacity(self.payload.iter().map(|s| s.1).sum());
+        for s in &self.payload {
+            // SAFETY: the span lies in a registered region kept alive by `_keep`, and its
+            // owner has not been told that the request ended (this runs in the flush that
+            // tells it), so the memory is still the caller's buffer.
+            owned.extend_from_slice(unsafe { std::slice::from_raw_parts(s.0, s.1) });
+        }
+        self.payload = vec![Span(owned.as_mut_ptr(), owned.len())];
+        self.owned = owned;
+        self._keep.clear();
     }
 
     fn total(&self) -> usize {
@@ -870,6 +893,7 @@ impl Conn {
             hdr: h.encode(),
             payload,
             _keep: keep,
+            owned: Vec::new(),
             sent: 0,
         };
         let r = self.push_locked(&mut tx, frame);
@@ -897,8 +921,10 @@ impl Conn {
     ) {
         let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         tx.flushed = true;
-        // Frames not yet started are never sent; one half-sent stays to keep the stream framed.
+        // Frames not yet started are never sent; one half-sent stays to keep the stream framed,
+        // with its own copy of what it has left to send.
         tx.frames.retain(|f| f.sent > 0 && f.sent < f.total());
+        tx.frames.iter_mut().for_each(TxFrame::detach);
         let drained: Vec<Outstanding> = self
             .out
             .lock()
@@ -1359,6 +1385,7 @@ impl Conn {
                     hdr: Header::new(Opcode::ReadResp, h.seq, h.len).encode(),
                     payload: vec![Span(p, h.len as usize)],
                     _keep: vec![mr],
+                    owned: Vec::new(),
                     sent: 0,
                 });
                 rx.state = header_next;

@@ -19,7 +19,9 @@
 # Knobs: SIZES (default "16M 64M"), ITERS (3), WARMUP (1), PORT (first store port, 29700),
 # COLL (the collective, default all_reduce; busbw uses nccl-tests' factor for it), DTYPE
 # (default float), PROBE=1 (the topology-aware run gets no rates from the file: the ranks
-# measure them at init with OXCCL_TOPO_PROBE=1).
+# measure them at init with OXCCL_TOPO_PROBE=1), PROBE=default (no topology file and no
+# variable at all, for either run: what a new user gets, the rates probed at init and
+# learned as the job runs).
 #
 #   bench/topology.sh exact [a b c d]   # every dtype at 1 MiB and 64 KiB + 3 B, both
 #                                       # algorithms, -c 1: prints #wrong per run
@@ -59,6 +61,7 @@ run() {
     mbit=$(echo "$rates" | tr ',' '\n' | awk '{printf "%s%dm", (NR>1?",":""), $1*1000}')
     port=$((port + 1))
     local algo_env="OXCCL_TOPO_FILE=$topo"
+    [ "$probe" = default ] && algo_env=""
     [ "$algo" = ring ] && algo_env="$algo_env OXCCL_ALGO=ring"
     [ "$algo" != ring ] && [ "$probe" = 1 ] && algo_env="OXCCL_TOPO_PROBE=1"
     bench/testbed.sh --rates "$mbit" -- sh -c "
@@ -135,7 +138,7 @@ for s in "${scenarios[@]}"; do
             'BEGIN { printf "%.1f", (2 * (n - 1) / n) / (2 * (h - 1) / h) * m * 125 }')
     fi
     [ "$coll" = all_reduce ] || bound="-"
-    echo "== scenario $s: $coll, $dtype, $hosts hosts x $rph rank(s), links $rates Gbit/s (slowest $(awk -v r="$slowest" 'BEGIN{print r*125}') MB/s)$([ "$probe" = 1 ] && echo ", rates probed")"
+    echo "== scenario $s: $coll, $dtype, $hosts hosts x $rph rank(s), links $rates Gbit/s (slowest $(awk -v r="$slowest" 'BEGIN{print r*125}') MB/s)$([ "$probe" = 1 ] && echo ", rates probed")$([ "$probe" = default ] && echo ", no file and no variable: the default")"
     printf '%-10s %12s %12s %7s %10s %12s %6s\n' size ring_MB/s aware_MB/s ratio ring/link bound_MB/s wrong
     for size in "${sizes[@]}"; do
         bytes=$(numfmt --from=iec "$size")

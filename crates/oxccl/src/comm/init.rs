@@ -26,6 +26,9 @@ struct Settings {
     slots: Option<usize>,
     channels: Option<usize>,
     provider: Option<String>,
+    /// The link probe and learning run collective calls: every rank must do the same.
+    probe: Option<usize>,
+    learn: usize,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -66,6 +69,8 @@ fn exchange_hello(
         slots: opts.slots,
         channels: opts.channels,
         provider: opts.provider.map(|p| p.name().to_string()),
+        probe: opts.topo_probe,
+        learn: opts.learn_interval,
     };
     let hellos: Vec<Hello> = bootstrap.all_gather_serde(
         "oxccl/hello",
@@ -81,8 +86,9 @@ fn exchange_hello(
             return Err(Error::InvalidArgument {
                 rank,
                 msg: format!(
-                    "rank {r} has OXCCL_CHUNK_SIZE/OXCCL_SLOTS/OXCCL_NCHANNELS/OXCCL_PROVIDER \
-                     {:?}, rank 0 has {:?}: set them alike on every rank",
+                    "rank {r} has OXCCL_CHUNK_SIZE/OXCCL_SLOTS/OXCCL_NCHANNELS/OXCCL_PROVIDER/\
+                     OXCCL_TOPO_PROBE/OXCCL_TOPO_LEARN {:?}, rank 0 has {:?}: set them alike on \
+                     every rank",
                     h.settings, hellos[0].settings
                 ),
             });
@@ -119,6 +125,23 @@ fn choose_tcp_addr(
         },
     )
     .map_err(|e| Error::Config(format!("rank {rank}: {e}")))
+}
+
+/// What init has once every rank is connected.
+struct Established {
+    comm_id: u64,
+    host: String,
+    hosts: Vec<String>,
+    topology: Topology,
+    weights: Vec<u32>,
+    providers: Vec<Option<Provider>>,
+    any_tcp: bool,
+    geo: Geometry,
+    links: Vec<Link>,
+    link_of: Vec<usize>,
+    pds: Vec<oxccl_verbs::ProtectionDomain>,
+    cqs: Vec<oxccl_verbs::CompletionQueue>,
+    tcp_addrs: Vec<Option<Chosen>>,
 }
 
 type Connected = (
@@ -262,23 +285,13 @@ fn connect_links(
 }
 
 impl Communicator {
-    pub(super) fn init_inner(
-        bootstrap: &Arc<Bootstrap>,
-        mut opts: Options,
-    ) -> Result<Communicator> {
+    /// Init up to the store barrier that ends it: hello, topology, addresses, connections.
+    fn establish(bootstrap: &Bootstrap, opts: &mut Options) -> Result<Established> {
         let rank = bootstrap.rank();
         let world = bootstrap.world_size();
         let host = opts.host_id.clone().unwrap_or_else(default_host_id);
-        // Until every rank is past the store barrier below, a failure here is posted in the
-        // store, so that the others (waiting there) fail at once instead of timing out.
-        let tell = |e: Error| {
-            bootstrap.fail(&e.to_string());
-            e
-        };
-        let (comm_id, hosts, routes) = exchange_hello(bootstrap, &opts, &host).map_err(tell)?;
-        let (topology, note) = Topology::from_env(&hosts)
-            .map_err(Error::Config)
-            .map_err(tell)?;
+        let (comm_id, hosts, routes) = exchange_hello(bootstrap, opts, &host)?;
+        let (topology, note) = Topology::from_env(&hosts).map_err(Error::Config)?;
         if let Some(note) = note
             && rank == 0
         {
@@ -286,18 +299,16 @@ impl Communicator {
         }
         let weights = topology.proportional_weights();
         // Every rank must cut all-reduces the same way: same file, same shares.
-        let all_weights: Vec<Vec<u32>> = bootstrap
-            .all_gather_serde("oxccl/topology", &weights)
-            .map_err(|e| tell(e.into()))?;
+        let all_weights: Vec<Vec<u32>> = bootstrap.all_gather_serde("oxccl/topology", &weights)?;
         if let Some(r) = all_weights.iter().position(|w| *w != weights) {
-            return Err(tell(Error::InvalidArgument {
+            return Err(Error::InvalidArgument {
                 rank,
                 msg: format!(
                     "rank {r} derives link shares {:?} from its topology, this rank {weights:?}: \
                      give every rank the same OXCCL_TOPO_FILE",
                     all_weights[r]
                 ),
-            }));
+            });
         }
         let providers: Vec<Option<Provider>> = (0..world)
             .map(|p| {
@@ -332,18 +343,56 @@ impl Communicator {
                 .filter(|&p| hosts[p] != host)
                 .filter_map(|p| routes[p])
                 .collect();
-            Some(choose_tcp_addr(&opts, rank, routes[rank], &others).map_err(tell)?)
+            Some(choose_tcp_addr(opts, rank, routes[rank], &others)?)
         } else {
             None
         };
         let (links, link_of, pds, cqs, tcp_addrs) =
-            connect_links(bootstrap, &opts, &providers, &geo, tcp).map_err(tell)?;
+            connect_links(bootstrap, opts, &providers, &geo, tcp)?;
+        bootstrap.barrier("oxccl/connected", opts.timeout)?;
+        Ok(Established {
+            comm_id,
+            host,
+            hosts,
+            topology,
+            weights,
+            providers,
+            any_tcp,
+            geo,
+            links,
+            link_of,
+            pds,
+            cqs,
+            tcp_addrs,
+        })
+    }
+
+    pub(super) fn init_inner(
+        bootstrap: &Arc<Bootstrap>,
+        mut opts: Options,
+    ) -> Result<Communicator> {
+        let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
+        // Until every rank is past the store barrier that ends `establish`, a failure is
+        // posted in the store, so that the others (waiting there) fail at once instead of
+        // timing out. From then on failures travel over the connections (a dead peer, an
+        // abort notice).
+        let Established {
+            comm_id,
+            host,
+            hosts,
+            topology,
+            weights,
+            providers,
+            any_tcp,
+            geo,
+            links,
+            link_of,
+            pds,
+            cqs,
+            tcp_addrs,
+        } = Communicator::establish(bootstrap, &mut opts)
+            .inspect_err(|e| bootstrap.fail(&e.to_string()))?;
         let chosen = tcp_addrs[rank].clone();
-        bootstrap
-            .barrier("oxccl/connected", opts.timeout)
-            .map_err(|e| tell(e.into()))?;
-        // From here on every rank has left the store's waits: failures travel over the
-        // connections (a dead peer, an abort notice).
         if log_enabled() {
             let count = |k| providers.iter().filter(|p| **p == Some(k)).count();
             let distinct: std::collections::HashSet<&String> = hosts.iter().collect();

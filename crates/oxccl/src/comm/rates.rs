@@ -17,8 +17,10 @@ const PROBE_REPEAT: usize = 2;
 /// tournament up to 5 hosts; above, a sample (every host meets this many partners), so that
 /// its cost does not grow with the number of hosts. Learning refines what the sample missed.
 const PROBE_ROUNDS: usize = 4;
-/// Most hosts the probe's incast pass measures (the fastest ones).
-const PROBE_INCASTS: usize = 2;
+/// Most hosts the probe's incast pass measures above 8 hosts (the fastest ones); up to 8
+/// hosts, every host within 15% of the fastest is measured (pairwise readings cannot tell
+/// which of them is faster than all its partners).
+const PROBE_INCASTS: usize = 4;
 
 impl Communicator {
     /// The link probe at init ([`crate::Options::topo_probe`]): by default when the job spans
@@ -75,8 +77,9 @@ impl Communicator {
     ///    round-robin tournament, at most [`PROBE_ROUNDS`] rounds): pair `(i, j)` moves at
     ///    `min(rate_i, rate_j)`, so host `i`'s estimate is the best rate it reached with any
     ///    partner;
-    /// 2. that underestimates a host faster than all its partners: the (at most
-    ///    [`PROBE_INCASTS`]) hosts whose estimate is the highest then receive from all others
+    /// 2. that underestimates a host faster than all its partners: the hosts whose estimate
+    ///    is the highest (all within 15% of it up to 8 hosts, else the [`PROBE_INCASTS`]
+    ///    fastest) then receive from all others
     ///    at once, each sending in proportion to its estimate (so that all finish together),
     ///    which measures `min(rate_i, Σ others)`.
     ///
@@ -140,7 +143,8 @@ impl Communicator {
         let top = rates.iter().cloned().fold(0.0, f64::max);
         let mut order: Vec<usize> = (0..h).filter(|&t| rates[t] >= top * 0.85).collect();
         order.sort_by(|&a, &b| rates[b].total_cmp(&rates[a]).then(a.cmp(&b)));
-        for &t in order.iter().take(PROBE_INCASTS) {
+        let incasts = if h <= 8 { h } else { PROBE_INCASTS };
+        for &t in order.iter().take(incasts) {
             let amount = |j: usize| (bytes as f64 * rates[j] / top).ceil() as usize;
             let plan = |i: usize, j: usize| if j == t && i != t { amount(i) } else { 0 };
             let total: usize = (0..h).map(|i| plan(i, t)).sum();

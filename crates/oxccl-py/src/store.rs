@@ -16,6 +16,9 @@ use pyo3::types::{PyBytes, PyList};
 pub struct PyStore {
     store: Py<PyAny>,
     location: String,
+    /// `host:port` of the TCP store at the bottom of it (a `TCPStore`, under any
+    /// `PrefixStore`s), when it has one.
+    endpoint: Option<String>,
 }
 
 impl PyStore {
@@ -33,6 +36,7 @@ impl PyStore {
         }
         Ok(PyStore {
             location: describe(store),
+            endpoint: endpoint(store),
             store: store.clone().unbind(),
         })
     }
@@ -86,6 +90,21 @@ impl PyStore {
 }
 
 /// "torch TCPStore at host:port", "torch PrefixStore 'default_pg/' over ...", "MyStore".
+/// `host:port` of a store with `host` and `port` attributes (torch's `TCPStore`), looking
+/// through `underlying_store` (`PrefixStore`).
+fn endpoint(store: &Bound<'_, PyAny>) -> Option<String> {
+    if let (Ok(h), Ok(p)) = (store.getattr("host"), store.getattr("port"))
+        && let (Ok(h), Ok(p)) = (h.extract::<String>(), p.extract::<u16>())
+    {
+        return Some(if h.contains(':') && !h.starts_with('[') {
+            format!("[{h}]:{p}")
+        } else {
+            format!("{h}:{p}")
+        });
+    }
+    endpoint(&store.getattr("underlying_store").ok()?)
+}
+
 fn describe(store: &Bound<'_, PyAny>) -> String {
     let name = store
         .get_type()
@@ -215,6 +234,13 @@ impl Store for PyStore {
 
     fn location(&self) -> String {
         self.location.clone()
+    }
+
+    /// The source address this host uses towards a TCP store (the connection itself is
+    /// torch's): what the communicator advertises to peers on other hosts by default.
+    fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        let ip = oxccl_bootstrap::route_to(self.endpoint.as_deref()?)?;
+        Some(std::net::SocketAddr::new(ip, 0))
     }
 
     fn check(&self, keys: &[&str]) -> Result<bool> {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # examples/train_ddp.py across 4 hosts (network namespaces, links shaped to RATE, default
 # 1 Gbit/s), one rank per host under torchrun (--nnodes 4, one torchrun per host, only its
-# own rendezvous variables; no OXCCL_* variable but the secret), on oxccl then Gloo from the
+# own rendezvous variables; no OXCCL_* variable but the secret; Gloo gets GLOO_SOCKET_IFNAME,
+# without which it advertises 127.0.0.1 here), on oxccl then Gloo from the
 # same seeds: each run's summary (median step, compute alone, communication share, the share
 # of the link the gradients used while communicating) and the step-time ratio. Raw output in
 # bench/results/ddp-netns.txt. Needs root. Extra arguments go to the example.
@@ -12,7 +13,7 @@ RATE=${RATE:-1g}
 STEPS=${STEPS:-20}
 venv=$(scripts/python-env.sh)
 cargo build --release -q -p oxccl-testbed
-(cd python && "$venv/bin/maturin" develop --release --quiet) >/dev/null
+(cd python && VIRTUAL_ENV="$venv" "$venv/bin/maturin" develop --release --quiet) >/dev/null
 TB=$root/target/release/oxccl-testbed
 trap '"$TB" down --owner $$ >/dev/null 2>&1 || true' EXIT
 BED=$("$TB" up --rates "$RATE,$RATE,$RATE,$RATE" --owner-pid $$)
@@ -25,7 +26,10 @@ tmp=$(mktemp -d)
     for b in oxccl gloo; do
         pids=()
         for h in 0 1 2 3; do
+            # Gloo advertises the address its host name resolves to (127.0.0.1 here), so it
+            # needs GLOO_SOCKET_IFNAME across hosts; oxccl finds its address by itself.
             "$TB" exec "$BED" "$h" -- env OXCCL_SECRET=ddp-netns OMP_NUM_THREADS=1 \
+                GLOO_SOCKET_IFNAME=eth0 \
                 "$venv/bin/torchrun" --nnodes 4 --nproc-per-node 1 --node-rank "$h" \
                 --master-addr 10.77.0.1 --master-port "$port" \
                 examples/train_ddp.py --backend "$b" --steps "$STEPS" --link-gbps "$gbps" \

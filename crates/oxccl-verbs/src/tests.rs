@@ -337,6 +337,27 @@ fn tcp_context_dropped_under_the_progress_thread() {
     );
 }
 
+/// Two connected tcp queue pairs of one context, sharing a completion queue.
+fn tcp_pair() -> (
+    Context,
+    ProtectionDomain,
+    CompletionQueue,
+    QueuePair,
+    QueuePair,
+) {
+    let ctx = Device::by_name("tcp").unwrap().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let (a, b) = (
+        pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap(),
+        pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap(),
+    );
+    let (ea, eb) = (a.endpoint(), b.endpoint());
+    a.connect(&eb).unwrap();
+    b.connect(&ea).unwrap();
+    (ctx, pd, cq, a, b)
+}
+
 /// Test-only hooks the providers call at chosen points, to force interleavings.
 pub(crate) mod hooks {
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -362,16 +383,7 @@ pub(crate) mod hooks {
 fn tcp_error_completion_is_polled_with_the_qp_in_err() {
     use std::sync::atomic::Ordering;
     hooks::ERROR_FLUSH_PAUSE_MS.store(300, Ordering::Relaxed);
-    let ctx = Device::by_name("tcp").unwrap().open().unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(64).unwrap();
-    let (a, b) = (
-        pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap(),
-        pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap(),
-    );
-    let (ea, eb) = (a.endpoint(), b.endpoint());
-    a.connect(&eb).unwrap();
-    b.connect(&ea).unwrap();
+    let (_ctx, pd, cq, a, b) = tcp_pair();
     b.post_recv(&[RecvWr::new(7, &[])]).unwrap();
     let src = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
     let dst = pd.alloc_mr(4096, AccessFlags::ALL).unwrap();
@@ -429,16 +441,7 @@ fn tcp_error_completion_is_polled_with_the_qp_in_err() {
 #[test]
 fn tcp_flushed_half_sent_frame_does_not_read_the_source_again() {
     const LEN: usize = 32 << 20;
-    let ctx = Device::by_name("tcp").unwrap().open().unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(64).unwrap();
-    let (a, b) = (
-        pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap(),
-        pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap(),
-    );
-    let (ea, eb) = (a.endpoint(), b.endpoint());
-    a.connect(&eb).unwrap();
-    b.connect(&ea).unwrap();
+    let (_ctx, pd, cq, a, _b) = tcp_pair();
     let src = pd.alloc_mr(LEN, AccessFlags::LOCAL_WRITE).unwrap();
     let dst = pd.alloc_mr(LEN, AccessFlags::ALL).unwrap();
     src.write(0, &vec![0xaa; LEN]).unwrap();

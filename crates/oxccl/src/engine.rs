@@ -250,7 +250,11 @@ fn describe(h: &Header) -> String {
         .get(h.op as usize)
         .map_or("?".into(), |o| o.to_string());
     let name = coll_name(h.coll);
-    let mut s = format!("{name} #{} (count {}, {dtype}", h.seq, h.count);
+    let mut s = format!(
+        "{name} #{} (count {}, {dtype}",
+        crate::error::seq_text(h.seq),
+        h.count
+    );
     if matches!(name, "all_reduce" | "reduce_scatter" | "reduce") {
         s += &format!(", {op}");
     }

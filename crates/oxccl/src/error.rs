@@ -21,12 +21,21 @@ pub struct OpDesc {
     pub root: Option<usize>,
 }
 
+/// A call's sequence number as users read it: init's own calls before its closing barrier
+/// (#0) are numbered below 0 (`#-5`: the link probe), the user's from 1.
+pub(crate) fn seq_text(seq: u64) -> String {
+    (seq as i64).to_string()
+}
+
 impl std::fmt::Display for OpDesc {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
             "{} #{} (count {}, {}",
-            self.coll, self.seq, self.count, self.dtype
+            self.coll,
+            seq_text(self.seq),
+            self.count,
+            self.dtype
         )?;
         if matches!(self.coll, "all_reduce" | "reduce_scatter" | "reduce") {
             write!(f, ", {}", self.op)?;

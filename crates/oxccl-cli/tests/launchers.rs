@@ -172,6 +172,26 @@ fn run_bounded(mut cmd: Command, what: &str) -> Output {
     out
 }
 
+/// Open MPI's own start-up failing (its daemons could not reach `mpirun` in time, which two
+/// namespace hosts on a loaded 2-core machine sometimes see), before any rank ran.
+fn open_mpi_did_not_start(out: &Output) -> bool {
+    let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+    !text.contains("launcher-test: rank")
+        && (text.contains("unable to complete a TCP connection")
+            || text.contains("ORTE was unable to reliably start one or more daemons"))
+}
+
+/// [`run_bounded`], once more when Open MPI itself did not start the job (never when a rank
+/// ran: what oxccl does is never retried).
+fn run_mpirun(mk: impl Fn() -> Command, what: &str) -> Output {
+    let out = run_bounded(mk(), what);
+    if open_mpi_did_not_start(&out) {
+        println!("{what}: Open MPI did not start its daemons; launching once more");
+        return run_bounded(mk(), what);
+    }
+    out
+}
+
 /// The rank program wrapped so that each rank reports its own exit status:
 /// `sh -c 'PROGRAM ARGS; report'`.
 fn each_rank_reports(program: &Path, args: &[&str]) -> Vec<String> {
@@ -418,23 +438,25 @@ fn mpirun_across_two_namespace_hosts_without_master_addr() {
     };
     let hosts = format!("{h0}:2,{h1}:2");
     let what = "mpirun -np 4 over two hosts: oxccl perf all_reduce";
-    let out = run_bounded(
-        mpirun(&hosts, &each_rank_reports(&oxccl(), PERF_ARGS)),
+    let out = run_mpirun(
+        || mpirun(&hosts, &each_rank_reports(&oxccl(), PERF_ARGS)),
         what,
     );
     assert_perf_table(&assert_all_ranks_succeeded(&out, 4, what), 4);
     let what = "mpirun -np 4 over two hosts: check_collectives";
     let args = ["--counts", "0,7,1001"];
-    let out = run_bounded(mpirun(&hosts, &each_rank_reports(&program, &args)), what);
+    let out = run_mpirun(|| mpirun(&hosts, &each_rank_reports(&program, &args)), what);
     assert_checks_passed(&assert_all_ranks_succeeded(&out, 4, what), 4);
 
     let what = "mpirun -np 4 with rank 0 on the other host";
     let t0 = Instant::now();
-    let out = run_bounded(
-        mpirun(
-            &format!("{h1}:2,{h0}:2"),
-            &each_rank_reports(&oxccl(), PERF_ARGS),
-        ),
+    let out = run_mpirun(
+        || {
+            mpirun(
+                &format!("{h1}:2,{h0}:2"),
+                &each_rank_reports(&oxccl(), PERF_ARGS),
+            )
+        },
         what,
     );
     let stderr = String::from_utf8_lossy(&out.stderr);

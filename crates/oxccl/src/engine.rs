@@ -1475,11 +1475,13 @@ impl Call<'_> {
     fn check_health(&mut self) -> Result<()> {
         for l in 0..self.eng.links.len() {
             self.eng.links[l].refresh_failed();
-            if let Err(e) = self.check_link(l) {
-                // A notice that arrived just before the connection failed (a peer that
-                // reported a failure, then closed) explains it better.
+            if self.check_link(l).is_err() {
+                // What arrived before the connection failed comes first: a notice (a peer that
+                // reported a failure, then closed) explains it better, and the last data of a
+                // peer that finished this call and left (its completions may still wait in
+                // the completion queue) means the link is no longer needed.
                 self.poll_cqs()?;
-                return Err(e);
+                self.check_link(l)?;
             }
         }
         if self.eng.abort.is_set() {

@@ -472,3 +472,48 @@ fn tcp_flushed_half_sent_frame_does_not_read_the_source_again() {
     );
     assert!(got.iter().all(|&x| x == 0 || x == 0xaa));
 }
+
+/// A request NAKed on its header while its payload is still being sent (a bad rkey on a
+/// 32 MiB WRITE): once the error is polled the caller frees the source; what is left of the
+/// frame is sent from the frame's own copy, not from the freed memory (which gave `EFAULT`,
+/// "sending to the peer failed: Bad address").
+#[test]
+fn tcp_naked_frame_does_not_read_freed_memory() {
+    const LEN: usize = 32 << 20;
+    let (_ctx, pd, cq, a, _b) = tcp_pair();
+    // SAFETY: a fresh anonymous private mapping of LEN bytes, unmapped below only after the
+    // request that reads it has completed (as reg_mr_raw requires).
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            LEN,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(base, libc::MAP_FAILED);
+    // SAFETY: as above.
+    let src = unsafe { pd.reg_mr_raw(base.cast(), LEN, AccessFlags::LOCAL_WRITE) }.unwrap();
+    let dst = pd.alloc_mr(4096, AccessFlags::ALL).unwrap();
+    let mut bad = dst.remote();
+    bad.rkey ^= 0x77_0000_0000;
+    let sge = [Sge::new(&src, 0, LEN)];
+    let op = WrOp::Write { remote: bad.at(0) };
+    a.post_send(&[SendWr::new(1, op, &sge)]).unwrap();
+    let mut wc = [WorkCompletion::default(); 4];
+    let n = cq.wait(&mut wc, Duration::from_secs(10)).unwrap();
+    assert_eq!(
+        (wc[0].wr_id, wc[0].status),
+        (1, WcStatus::RemoteAccessError),
+        "{:?}",
+        &wc[..n]
+    );
+    drop(src);
+    // SAFETY: the request completed; nothing of ours uses the mapping any more.
+    assert_eq!(unsafe { libc::munmap(base, LEN) }, 0);
+    std::thread::sleep(Duration::from_millis(500));
+    let detail = a.error_detail().unwrap_or_default();
+    assert!(!detail.contains("Bad address"), "{detail}");
+}

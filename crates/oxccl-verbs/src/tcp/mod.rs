@@ -942,6 +942,12 @@ impl Conn {
         drop(tx);
     }
 
+    /// Gives every frame still queued its own copy of its payload ([`TxFrame::detach`]).
+    fn detach_queued(&self) {
+        let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        tx.frames.iter_mut().for_each(TxFrame::detach);
+    }
+
     /// Completes outstanding requests up to `seq` (inclusive) as successful.
     fn complete_upto(&self, qp: &QpInner, seq: u64) {
         let mut done = Vec::new();
@@ -1443,6 +1449,10 @@ impl Conn {
                 let Some(o) = failed else {
                     return Err(format!("NAK for request {} that is not outstanding", h.seq));
                 };
+                // The target NAKs on a request's header: its payload (and what follows it)
+                // may still be on its way out, and once the failure is polled the caller may
+                // free the buffers it is sent from.
+                self.detach_queued();
                 qp.tcp_complete(o.wr_id, o.opcode, status, 0, true);
                 qp.tcp_request_failed();
                 rx.state = header_next;

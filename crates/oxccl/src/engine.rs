@@ -54,10 +54,25 @@ fn imm(kind: u32, channel: usize, value: u32) -> u32 {
     kind << 30 | (channel as u32 & 0x3f) << 24 | (value & 0xff_ffff)
 }
 
-// wr_id: kind in the top byte, link index, step.
+// wr_id: kind in the top byte; then, for data, the call (the engine's count of calls, modulo
+// 2^24) and the step; for receives, the link index.
 const WR_RECV: u64 = 1 << 56;
 const WR_DATA: u64 = 2 << 56;
 const WR_CTRL: u64 = 3 << 56;
+
+/// The wr_id of a fragment that step `step` of the engine's call number `call` sends.
+fn data_wr_id(call: u64, step: usize) -> u64 {
+    WR_DATA | (call & 0xff_ffff) << 32 | (step as u64 & 0xffff_ffff)
+}
+
+/// The step a data completion belongs to, if it belongs to call number `call`: a call does
+/// not wait for the completions of its inline fragments (their data was copied), so one may
+/// still arrive during a later call, whose step with the same index it must not count. (The
+/// engine's own count, not the call's sequence number: point-to-point calls number theirs
+/// per peer, so two calls in a row may share one.)
+fn data_wr_step(wr_id: u64, call: u64) -> Option<usize> {
+    ((wr_id >> 32) & 0xff_ffff == call & 0xff_ffff).then_some((wr_id & 0xffff_ffff) as usize)
+}
 
 /// Slot geometry, the same on every rank (checked at init).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -594,6 +609,8 @@ pub(crate) struct Engine {
     pub(crate) metering: bool,
     /// This rank's aggregate rate over its metered links.
     egress: EgressMeter,
+    /// Calls executed so far: tags the data requests of each (see [`data_wr_id`]).
+    calls: u64,
 }
 
 impl Drop for Engine {
@@ -615,6 +632,9 @@ struct StepState {
     outstanding: u32,
     /// Whether a send has posted its last fragment.
     posted_all: bool,
+    /// A send request of this step completed with an error: its data may not have arrived,
+    /// so the step never counts as done (the failed link fails the call).
+    failed: bool,
 }
 
 impl Engine {
@@ -654,6 +674,7 @@ impl Engine {
             wcs: vec![WorkCompletion::default(); 64],
             metering: false,
             egress: EgressMeter::default(),
+            calls: 0,
         }
     }
 
@@ -749,6 +770,8 @@ impl Engine {
             self.scratch_mrs.iter_mut().for_each(|m| *m = None);
         }
         let mailbox = self.uses_mailbox(plan, esize);
+        self.calls = self.calls.wrapping_add(1);
+        let tag = self.calls;
         let mut st = std::mem::take(&mut self.st_buf);
         st.clear();
         st.resize_with(sched.steps.len(), StepState::default);
@@ -770,6 +793,7 @@ impl Engine {
             mrs: CallMrs::default(),
             bytes_in: 0,
             mailbox,
+            tag,
         };
         let mut r = call.check_members();
         r = if r.is_err() {
@@ -835,6 +859,8 @@ struct Call<'a> {
     bytes_in: u64,
     /// Whether the call runs the mailbox protocol.
     mailbox: bool,
+    /// This call's number ([`Engine::calls`]): its data requests carry it.
+    tag: u64,
 }
 
 impl Call<'_> {
@@ -1351,9 +1377,10 @@ impl Call<'_> {
                 ));
             }
             if kind == WR_DATA
-                && let Some(st) = self.st.get_mut((wc.wr_id & 0xffff_ffff) as usize)
+                && let Some(st) = data_wr_step(wc.wr_id, self.tag).and_then(|s| self.st.get_mut(s))
             {
                 st.outstanding = st.outstanding.saturating_sub(1);
+                st.failed = true;
             }
             return Ok(());
         }
@@ -1442,25 +1469,24 @@ impl Call<'_> {
                 }
             }
             WR_DATA => {
-                let s = (wc.wr_id & 0xffff_ffff) as usize;
-                if let Some(&Op::Send { peer, .. }) = self.sched.steps.get(s).map(|st| &st.op)
-                    && let Some(m) = self
-                        .eng
-                        .link_of
-                        .get(peer)
-                        .and_then(|&l| self.eng.links.get_mut(l))
-                        .and_then(|l| l.meter.as_mut())
+                // Every fragment is metered, also one an earlier call posted.
+                if let Some(m) = link
+                    .and_then(|l| self.eng.links.get_mut(l))
+                    .and_then(|l| l.meter.as_mut())
                 {
                     let now = Instant::now();
                     if let Some(len) = m.completed(now) {
                         self.eng.egress.completed(len, now);
                     }
                 }
+                let Some(s) = data_wr_step(wc.wr_id, self.tag) else {
+                    return Ok(());
+                };
                 if let Some(st) = self.st.get_mut(s)
                     && st.outstanding > 0
                 {
                     st.outstanding -= 1;
-                    if st.outstanding == 0 && st.posted_all {
+                    if st.outstanding == 0 && st.posted_all && !st.failed {
                         self.finish(s);
                     }
                 }
@@ -1736,7 +1762,7 @@ impl Call<'_> {
                 }
             }
             queue.pop_front();
-            if self.st[s].outstanding == 0 {
+            if self.st[s].outstanding == 0 && !self.st[s].failed {
                 self.finish(s);
             }
         }
@@ -1792,7 +1818,7 @@ impl Call<'_> {
                 .write(stage_off + SLOT_HEADER, data)
                 .map_err(|e| verbs_err("staging a fragment", e))?;
         }
-        let wr_id = WR_DATA | s as u64;
+        let wr_id = data_wr_id(self.tag, s);
         // Inline: header and data from the staging region. Otherwise the header from staging
         // and the data straight from the caller's (or scratch) memory, registered on first use.
         let source = if inline {
@@ -2008,7 +2034,8 @@ impl Call<'_> {
                 let n = cq.poll(&mut wcs);
                 for wc in &wcs[..n] {
                     if wc.wr_id & (0xff << 56) == WR_DATA
-                        && let Some(st) = self.st.get_mut((wc.wr_id & 0xffff_ffff) as usize)
+                        && let Some(st) =
+                            data_wr_step(wc.wr_id, self.tag).and_then(|s| self.st.get_mut(s))
                     {
                         st.outstanding = st.outstanding.saturating_sub(1);
                     }
@@ -2122,4 +2149,29 @@ fn check_disjoint(a: *mut u8, b: *mut u8, len: usize) -> std::result::Result<(),
         return Err(format!("regions overlap ({a:#x} and {b:#x}, {len} bytes)"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A data completion counts only for the call that posted it: an inline fragment's
+    /// completion that arrives during the next call (which has a step with the same index)
+    /// once made that step finish before its own last fragment was sent, and the caller
+    /// freed or reused the buffer it was still being sent from (`EFAULT` in the tcp
+    /// provider, or the peer receiving what the buffer held next).
+    #[test]
+    fn a_data_completion_counts_only_for_its_own_call() {
+        let id = data_wr_id(41, 3);
+        assert_eq!(id & (0xff << 56), WR_DATA);
+        assert_eq!(data_wr_step(id, 41), Some(3));
+        assert_eq!(data_wr_step(id, 42), None);
+        // The count wraps at 2^24 (24 bits of the wr_id), and a step index keeps its 32 bits.
+        assert_eq!(data_wr_step(data_wr_id(5, 0), 5 + (1 << 24)), Some(0));
+        assert_eq!(
+            data_wr_step(data_wr_id(u64::MAX, 70_000), u64::MAX),
+            Some(70_000)
+        );
+        assert_eq!(data_wr_step(data_wr_id(u64::MAX, 7), 0), None);
+    }
 }

@@ -37,6 +37,7 @@ fn dispatch(scenario: &str, args: &Value) -> Value {
     match scenario {
         "soak" => soak(args),
         "all_to_allv_matrix" => all_to_allv_matrix(args),
+        "reuse_after_return" => reuse_after_return(args),
         other => panic!("unknown scenario {other:?}"),
     }
 }
@@ -644,5 +645,69 @@ fn all_to_allv_with_one_block_over_the_mailbox_size_shm() {
                 report(&outs)
             );
         }
+    }
+}
+
+/// Rank r and its partner r ^ 1 exchange `bytes` in an all-to-allv after a barrier, `iters`
+/// times, each from a fresh buffer that is overwritten as soon as the call returns; each
+/// checks it received its partner's pattern.
+fn reuse_after_return(args: &Value) -> Value {
+    let comm = Communicator::from_env().unwrap_or_else(|e| panic!("init: {e}"));
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let bytes = args["bytes"].as_u64().unwrap() as usize;
+    let iters = args["iters"].as_u64().unwrap();
+    let partner = rank ^ 1;
+    let pattern = |from: usize, it: u64, k: usize| (mix(it * 64 + from as u64) as usize + k) as u8;
+    let mut counts = vec![0usize; n];
+    counts[partner] = bytes;
+    let mut wrong = Vec::new();
+    for it in 0..iters {
+        let r = comm.barrier().and_then(|()| {
+            let mut input: Vec<u8> = (0..bytes).map(|k| pattern(rank, it, k)).collect();
+            let mut out = vec![0u8; bytes];
+            comm.all_to_allv(&input, &counts, &mut out, &counts)?;
+            // The caller may reuse its buffer once the call returned.
+            input.fill(0xee);
+            drop(input);
+            Ok(out)
+        });
+        match r {
+            Ok(out) => {
+                if let Some(k) = (0..bytes).find(|&k| out[k] != pattern(partner, it, k)) {
+                    wrong.push(format!("call {it}: byte {k} is {:#x}", out[k]));
+                }
+            }
+            Err(e) => return json!({ "error": e.to_string(), "wrong": wrong }),
+        }
+        if wrong.len() >= 5 {
+            break;
+        }
+    }
+    let destroy = comm.destroy().err().map(|e| e.to_string());
+    json!({ "error": destroy, "wrong": wrong })
+}
+
+/// A call returns only once the transport is done with the caller's buffers: a small call's
+/// inline fragments are not waited for, and a completion of one that arrived during the next
+/// call counted for that call's step with the same index, which then returned before its
+/// last fragment was sent; the caller freed the buffer and the tcp provider failed with
+/// `EFAULT` ("sending to the peer failed: Bad address"; seen in the link probe at init, a
+/// barrier then a 1 MiB all-to-allv from a fresh buffer), or the peer got what the buffer held
+/// next. Over tcp on loopback, the probe's pattern many times over.
+#[test]
+fn a_buffer_is_reused_only_after_its_call_returned_tcp() {
+    let outs = common::run_ranks(
+        N,
+        &[("OXCCL_PROVIDER", "tcp"), ("OXCCL_TOPO_PROBE", "0")],
+        "reuse_after_return",
+        &json!({ "bytes": 1 << 20, "iters": 150 }),
+    );
+    let results = common::expect_results("reuse after return", &outs);
+    for (r, v) in results.iter().enumerate() {
+        assert!(
+            v["error"].is_null() && v["wrong"].as_array().is_some_and(|w| w.is_empty()),
+            "rank {r}: {v}{}",
+            report(&outs)
+        );
     }
 }

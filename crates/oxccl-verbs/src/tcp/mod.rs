@@ -204,6 +204,47 @@ impl TxFrame {
     fn total(&self) -> usize {
         HEADER_LEN + self.payload.iter().map(|s| s.1).sum::<usize>()
     }
+
+    /// The frame, for an error: what it is, how far it got, and where its payload lies (which
+    /// region holds each span, and whether that region is still registered).
+    fn describe(&self) -> String {
+        let head = match Header::decode(&self.hdr) {
+            Ok(h) => format!("{:?} frame, request {}", h.opcode, h.seq),
+            Err(_) => "frame".to_string(),
+        };
+        let spans: Vec<String> = self
+            .payload
+            .iter()
+            .map(|s| {
+                let (p, n) = (s.0 as u64, s.1 as u64);
+                let region = if !self.owned.is_empty() {
+                    "its own copy".to_string()
+                } else {
+                    self._keep
+                        .iter()
+                        .find(|m| p >= m.addr && p + n <= m.addr + m.len as u64)
+                        .map_or("no region".to_string(), |m| {
+                            format!(
+                                "region lkey {:#x}{}",
+                                m.lkey,
+                                if m.is_registered() {
+                                    ""
+                                } else {
+                                    " (deregistered)"
+                                }
+                            )
+                        })
+                };
+                format!("{n} bytes at {p:#x} in {region}")
+            })
+            .collect();
+        format!(
+            "{head}, {} of {} bytes sent, payload: [{}]",
+            self.sent,
+            self.total(),
+            spans.join("; ")
+        )
+    }
 }
 
 #[derive(Default)]
@@ -768,8 +809,9 @@ impl Conn {
                 Err(rustix::io::Errno::AGAIN) => break,
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(e) => {
+                    let what = tx.frames.front().map(TxFrame::describe).unwrap_or_default();
                     tx.frames.clear();
-                    return Err(format!("sending to the peer failed: {e}"));
+                    return Err(format!("sending to the peer failed: {e} ({what})"));
                 }
             }
         }

@@ -404,19 +404,33 @@ fn start_ready(net: &Net, timeout_s: u64, scenario: &str, args: &Value) -> Resul
     for attempt in 1.. {
         let mut job = net.spawn(timeout_s, scenario, args);
         let deadline = Instant::now() + Duration::from_secs(60);
+        // A rank whose init (or first call) failed reports at once and waits to be released.
+        let reported = |j: &Job, r: usize| j.path(&format!("result-{r}")).exists();
         let ready = job.wait_until(deadline, |j| {
-            all_ready(j) || (0..j.world()).any(|r| j.exited(r).is_some())
+            all_ready(j) || (0..j.world()).any(|r| j.exited(r).is_some() || reported(j, r))
         }) && all_ready(&job);
         if ready {
             return Ok(job);
         }
-        let what = if Instant::now() >= deadline {
-            "not every rank was ready within 60 s"
+        let failed: Vec<String> = (0..job.world())
+            .filter(|&r| reported(&job, r))
+            .map(|r| {
+                let text = std::fs::read_to_string(job.path(&format!("result-{r}")));
+                format!("rank {r} reported {}", text.unwrap_or_default().trim())
+            })
+            .collect();
+        let what = if !failed.is_empty() {
+            format!(
+                "a rank failed before every rank was ready: {}",
+                failed.join("; ")
+            )
+        } else if Instant::now() >= deadline {
+            "not every rank was ready within 60 s".to_string()
         } else {
-            "a rank exited before every rank was ready"
+            "a rank exited before every rank was ready".to_string()
         };
         let outs = job.finish(Duration::from_secs(5));
-        if attempt < 3 && outs[0].stderr.contains("in use") {
+        if attempt < 3 && (outs[0].stderr.contains("in use") || what.contains("in use")) {
             eprintln!("{scenario}: the store's port was taken; launching again");
             continue;
         }

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use oxccl::schedule::Collective;
 use oxccl::{Buffers, Communicator, DataType, Element, ReduceOp, as_bytes_mut};
+use oxccl_testbed::{HostSpec, Testbed};
 use serde_json::{Value, json};
 
 use common::{COLLECTIVES, error_kind, mix, report, spawn_job};
@@ -648,9 +649,10 @@ fn all_to_allv_with_one_block_over_the_mailbox_size_shm() {
     }
 }
 
-/// Rank r and its partner r ^ 1 exchange `bytes` in an all-to-allv after a barrier, `iters`
-/// times, each from a fresh buffer that is overwritten as soon as the call returns; each
-/// checks it received its partner's pattern.
+/// Rank r and its partner r ^ 1 take turns sending `bytes` in an all-to-allv after a barrier,
+/// `iters` times, each from a fresh buffer that is overwritten as soon as the call returns;
+/// the receiver checks it got the sender's pattern. (One direction at a time: a sender whose
+/// call waits for nothing else returns as soon as it thinks its send is done.)
 fn reuse_after_return(args: &Value) -> Value {
     let comm = Communicator::from_env().unwrap_or_else(|e| panic!("init: {e}"));
     let (rank, n) = (comm.rank(), comm.world_size());
@@ -658,14 +660,19 @@ fn reuse_after_return(args: &Value) -> Value {
     let iters = args["iters"].as_u64().unwrap();
     let partner = rank ^ 1;
     let pattern = |from: usize, it: u64, k: usize| (mix(it * 64 + from as u64) as usize + k) as u8;
-    let mut counts = vec![0usize; n];
-    counts[partner] = bytes;
     let mut wrong = Vec::new();
     for it in 0..iters {
+        let sender = (it % 2) as usize;
+        let (mut send, mut recv) = (vec![0usize; n], vec![0usize; n]);
+        if rank % 2 == sender {
+            send[partner] = bytes;
+        } else {
+            recv[partner] = bytes;
+        }
         let r = comm.barrier().and_then(|()| {
-            let mut input: Vec<u8> = (0..bytes).map(|k| pattern(rank, it, k)).collect();
-            let mut out = vec![0u8; bytes];
-            comm.all_to_allv(&input, &counts, &mut out, &counts)?;
+            let mut input: Vec<u8> = (0..send[partner]).map(|k| pattern(rank, it, k)).collect();
+            let mut out = vec![0u8; recv[partner]];
+            comm.all_to_allv(&input, &send, &mut out, &recv)?;
             // The caller may reuse its buffer once the call returned.
             input.fill(0xee);
             drop(input);
@@ -673,7 +680,7 @@ fn reuse_after_return(args: &Value) -> Value {
         });
         match r {
             Ok(out) => {
-                if let Some(k) = (0..bytes).find(|&k| out[k] != pattern(partner, it, k)) {
+                if let Some(k) = (0..out.len()).find(|&k| out[k] != pattern(partner, it, k)) {
                     wrong.push(format!("call {it}: byte {k} is {:#x}", out[k]));
                 }
             }
@@ -690,19 +697,40 @@ fn reuse_after_return(args: &Value) -> Value {
 /// A call returns only once the transport is done with the caller's buffers: a small call's
 /// inline fragments are not waited for, and a completion of one that arrived during the next
 /// call counted for that call's step with the same index, which then returned before its
-/// last fragment was sent; the caller freed the buffer and the tcp provider failed with
+/// last fragment was sent. The caller freed the buffer and the tcp provider failed with
 /// `EFAULT` ("sending to the peer failed: Bad address"; seen in the link probe at init, a
-/// barrier then a 1 MiB all-to-allv from a fresh buffer), or the peer got what the buffer held
-/// next. Over tcp on loopback, the probe's pattern many times over.
+/// barrier then a 1 MiB all-to-allv from a fresh buffer), or reused it and the peer got what
+/// it held next. Over tcp inside a namespace host whose sockets have small send buffers
+/// (`net.ipv4.tcp_wmem`, per namespace), so that a fragment still waits in the provider when
+/// such a call returns: the old code failed every run, 0xee bytes arriving within 40 calls.
 #[test]
-fn a_buffer_is_reused_only_after_its_call_returned_tcp() {
-    let outs = common::run_ranks(
-        N,
-        &[("OXCCL_PROVIDER", "tcp"), ("OXCCL_TOPO_PROBE", "0")],
-        "reuse_after_return",
-        &json!({ "bytes": 1 << 20, "iters": 150 }),
-    );
-    let results = common::expect_results("reuse after return", &outs);
+fn a_buffer_is_reused_only_after_its_call_returned_tcp_netns() {
+    let name = "a_buffer_is_reused_only_after_its_call_returned_tcp_netns";
+    if !oxccl_testbed::require(name, Testbed::available()) {
+        return;
+    }
+    let tb = Testbed::new(&[HostSpec::unshaped()]).expect("creating the test bed");
+    let set = tb
+        .command(0, "sh")
+        .args([
+            "-c",
+            "echo '4096 16384 16384' > /proc/sys/net/ipv4/tcp_wmem",
+        ])
+        .status()
+        .expect("running sh in the bed");
+    assert!(set.success(), "setting tcp_wmem in the bed's host: {set}");
+    let master = tb.host_addr(0).to_string();
+    let env = [
+        ("OXCCL_PROVIDER", "tcp"),
+        ("OXCCL_TOPO_PROBE", "0"),
+        ("MASTER_ADDR", master.as_str()),
+    ];
+    let args = json!({ "bytes": 256 << 10, "iters": 80 });
+    let job = spawn_job(N, &env, "reuse_after_return", &args, &|_, exe| {
+        tb.command(0, exe)
+    });
+    let outs = job.finish(Duration::from_secs(120));
+    let results = common::expect_results(name, &outs);
     for (r, v) in results.iter().enumerate() {
         assert!(
             v["error"].is_null() && v["wrong"].as_array().is_some_and(|w| w.is_empty()),

@@ -42,9 +42,8 @@ fn torchrun_variables_alone_run_every_collective_across_four_hosts() {
             "perf", coll, "-b", "8", "-e", "64M", "-f", "2", "-w", "0", "-i", "1", "-c", "1",
         ];
         let t = Instant::now();
-        let outs = run_in_bed_with(&tb, &[0, 1, 2, 3], &args, &[], 29561 + i as u16, &|r, c| {
+        let outs = run_in_bed_with(&tb, &[0, 1, 2, 3], &args, &[], 29561 + i as u16, &|_, c| {
             c.env("LOCAL_RANK", "0");
-            let _ = r;
         });
         assert_exact(coll, &outs, 24);
         println!(

@@ -89,7 +89,6 @@ impl PyStore {
     }
 }
 
-/// "torch TCPStore at host:port", "torch PrefixStore 'default_pg/' over ...", "MyStore".
 /// `host:port` of a store with `host` and `port` attributes (torch's `TCPStore`), looking
 /// through `underlying_store` (`PrefixStore`).
 fn endpoint(store: &Bound<'_, PyAny>) -> Option<String> {
@@ -105,6 +104,7 @@ fn endpoint(store: &Bound<'_, PyAny>) -> Option<String> {
     endpoint(&store.getattr("underlying_store").ok()?)
 }
 
+/// "torch TCPStore at host:port", "torch PrefixStore 'default_pg/' over ...", "MyStore".
 fn describe(store: &Bound<'_, PyAny>) -> String {
     let name = store
         .get_type()

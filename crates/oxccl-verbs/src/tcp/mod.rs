@@ -163,7 +163,7 @@ unsafe impl Send for Span {}
 struct TxFrame {
     hdr: [u8; HEADER_LEN],
     payload: Vec<Span>,
-    _keep: Vec<Arc<MrInner>>,
+    keep: Vec<Arc<MrInner>>,
     /// The payload's own copy, once [`TxFrame::detach`] made one (the spans point into it).
     owned: Vec<u8>,
     sent: usize,
@@ -175,7 +175,7 @@ impl TxFrame {
         TxFrame {
             hdr,
             payload: Vec::new(),
-            _keep: Vec::new(),
+            keep: Vec::new(),
             owned: Vec::new(),
             sent: 0,
         }
@@ -191,14 +191,14 @@ impl TxFrame {
         }
         let mut owned = Vec::with_capacity(self.payload.iter().map(|s| s.1).sum());
         for s in &self.payload {
-            // SAFETY: the span lies in a registered region kept alive by `_keep`, and its
+            // SAFETY: the span lies in a registered region kept alive by `keep`, and its
             // owner has not been told that the request ended (this runs in the flush that
             // tells it), so the memory is still the caller's buffer.
             owned.extend_from_slice(unsafe { std::slice::from_raw_parts(s.0, s.1) });
         }
         self.payload = vec![Span(owned.as_mut_ptr(), owned.len())];
         self.owned = owned;
-        self._keep.clear();
+        self.keep.clear();
     }
 
     fn total(&self) -> usize {
@@ -220,7 +220,7 @@ impl TxFrame {
                 let region = if !self.owned.is_empty() {
                     "its own copy".to_string()
                 } else {
-                    self._keep
+                    self.keep
                         .iter()
                         .find(|m| p >= m.addr && p + n <= m.addr + m.len as u64)
                         .map_or("no region".to_string(), |m| {
@@ -785,7 +785,7 @@ impl Conn {
                     skip -= s.1;
                     continue;
                 }
-                // SAFETY: the span lies in a region kept alive by `f._keep` (or the target's
+                // SAFETY: the span lies in a region kept alive by `f.keep` (or the target's
                 // registered region); `skip < s.1`.
                 iov.push(IoSlice::new(unsafe {
                     std::slice::from_raw_parts(s.0.add(skip), s.1 - skip)
@@ -934,7 +934,7 @@ impl Conn {
         let frame = TxFrame {
             hdr: h.encode(),
             payload,
-            _keep: keep,
+            keep,
             owned: Vec::new(),
             sent: 0,
         };
@@ -1432,7 +1432,7 @@ impl Conn {
                 self.queue(TxFrame {
                     hdr: Header::new(Opcode::ReadResp, h.seq, h.len).encode(),
                     payload: vec![Span(p, h.len as usize)],
-                    _keep: vec![mr],
+                    keep: vec![mr],
                     owned: Vec::new(),
                     sent: 0,
                 });

@@ -1,0 +1,361 @@
+//! The segment handshake: an authenticated TCP side channel between engines.
+//!
+//! Every engine listens on its handshake address. A peer connects, and both prove the job secret
+//! (HMAC-SHA256 challenge-response in both directions, as the bootstrap store does), so a
+//! stranger learns neither a descriptor nor a queue pair. Then the peer asks, one message at a
+//! time: the segment's descriptor, queue pairs connected to its own, or a call to a service the
+//! owner registered (the block store's lookups). Messages are JSON, each after a 4-byte
+//! little-endian length.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use oxccl_bootstrap::Secret;
+use oxccl_verbs::QpEndpoint;
+use serde::{Deserialize, Serialize};
+
+use crate::desc::SegmentDesc;
+use crate::error::{Error, Result};
+
+/// Largest handshake message accepted (a descriptor with many buffers, a service's reply).
+pub(crate) const MAX_MSG: usize = 16 << 20;
+
+const CLIENT_LABEL: &str = "oxccl-kv v1 handshake client";
+const SERVER_LABEL: &str = "oxccl-kv v1 handshake server";
+
+/// One handshake message.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "msg", rename_all = "snake_case")]
+pub(crate) enum Msg {
+    /// Server → client, first: its name and challenge.
+    Hello { name: String, nonce: [u8; 32] },
+    /// Client → server: its name, its proof and its own challenge.
+    Auth {
+        name: String,
+        nonce: [u8; 32],
+        proof: Vec<u8>,
+    },
+    /// Server → client: accepted, with the server's proof.
+    Welcome { proof: Vec<u8> },
+    /// Either way: the conversation ends, and why.
+    Refused { reason: String },
+    /// Client: the segment's descriptor, please.
+    GetDesc,
+    /// Server: the descriptor.
+    Desc { desc: SegmentDesc },
+    /// Client: connect queue pairs of `provider` to these (one per lane).
+    Connect {
+        provider: String,
+        endpoints: Vec<QpEndpoint>,
+    },
+    /// Server: its queue pairs, connected, in the same order.
+    Connected { endpoints: Vec<QpEndpoint> },
+    /// Client: a call to the service registered under `service`.
+    Call { service: String, body: Vec<u8> },
+    /// Server: the service's answer.
+    Reply { body: Vec<u8> },
+    /// Server: the request failed.
+    Failed { reason: String },
+}
+
+/// Writes one message.
+pub(crate) fn send(s: &mut TcpStream, m: &Msg) -> std::io::Result<()> {
+    let body = serde_json::to_vec(m).map_err(std::io::Error::other)?;
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&body);
+    s.write_all(&out)
+}
+
+/// Reads one message (at most [`MAX_MSG`] bytes).
+pub(crate) fn recv(s: &mut TcpStream) -> std::io::Result<Msg> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_MSG {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("a handshake message of {len} bytes (at most {MAX_MSG})"),
+        ));
+    }
+    let mut body = vec![0; len];
+    s.read_exact(&mut body)?;
+    serde_json::from_slice(&body).map_err(|e| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("a malformed handshake message: {e}"),
+        )
+    })
+}
+
+fn nonce() -> Result<[u8; 32]> {
+    let mut n = [0; 32];
+    getrandom::fill(&mut n).map_err(|e| Error::Auth {
+        peer: "-".into(),
+        detail: format!("the OS random source failed: {e}"),
+    })?;
+    Ok(n)
+}
+
+/// What the server does with an authenticated peer's requests.
+pub(crate) trait Handler: Send + Sync + 'static {
+    /// Answers one request from the peer named `peer`.
+    fn handle(&self, peer: &str, msg: Msg) -> Msg;
+}
+
+/// The listening side: a thread accepting connections, one thread per connection.
+pub(crate) struct Server {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Server {
+    /// Binds `addr` and serves `handler` to peers that prove `secret`; `name` is this engine's.
+    pub fn start(
+        addr: SocketAddr,
+        name: String,
+        secret: Secret,
+        handler: Arc<dyn Handler>,
+        timeout: Duration,
+    ) -> Result<Server> {
+        let listener = TcpListener::bind(addr)
+            .map_err(|e| Error::io(format!("binding the handshake listener to {addr}"), e))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::io("reading the handshake listener's address", e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("setting the handshake listener non-blocking", e))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("oxccl-kv-handshake".into())
+            .spawn(move || accept_loop(listener, name, secret, handler, timeout, stop2))
+            .map_err(|e| Error::io("spawning the handshake thread", e))?;
+        Ok(Server {
+            addr,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The address peers connect to.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn accept_loop(
+    listener: TcpListener,
+    name: String,
+    secret: Secret,
+    handler: Arc<dyn Handler>,
+    timeout: Duration,
+    stop: Arc<AtomicBool>,
+) {
+    while !stop.load(Ordering::Acquire) {
+        match listener.accept() {
+            Ok((s, peer)) => {
+                let (name, secret, handler, stop) =
+                    (name.clone(), secret.clone(), handler.clone(), stop.clone());
+                let _ = std::thread::Builder::new()
+                    .name("oxccl-kv-peer".into())
+                    .spawn(move || {
+                        if let Err(e) = serve(s, &name, &secret, &*handler, timeout, &stop) {
+                            tracing::debug!("oxccl-kv handshake with {peer}: {e}");
+                        }
+                    });
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => {
+                tracing::warn!("oxccl-kv handshake listener: accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+fn serve(
+    mut s: TcpStream,
+    name: &str,
+    secret: &Secret,
+    handler: &dyn Handler,
+    timeout: Duration,
+    stop: &AtomicBool,
+) -> std::io::Result<()> {
+    s.set_nonblocking(false)?;
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    let ns = nonce().map_err(std::io::Error::other)?;
+    send(
+        &mut s,
+        &Msg::Hello {
+            name: name.to_string(),
+            nonce: ns,
+        },
+    )?;
+    let peer = match recv(&mut s)? {
+        Msg::Auth {
+            name: peer,
+            nonce: nc,
+            proof,
+        } if secret.verify_mac(CLIENT_LABEL, &[&ns, &nc, peer.as_bytes()], &proof) => {
+            let proof = secret.mac_of(SERVER_LABEL, &[&nc, &ns]).to_vec();
+            send(&mut s, &Msg::Welcome { proof })?;
+            peer
+        }
+        _ => {
+            let reason = "the job secret was not proven (a stranger, or OXCCL_SECRET differs)";
+            let _ = send(
+                &mut s,
+                &Msg::Refused {
+                    reason: reason.into(),
+                },
+            );
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                reason,
+            ));
+        }
+    };
+    // Authenticated: answer requests until the peer hangs up. Idle connections are kept, but
+    // checked for the engine's shutdown once a second.
+    s.set_read_timeout(Some(Duration::from_secs(1)))?;
+    loop {
+        if stop.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let m = match recv(&mut s) {
+            Ok(m) => m,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                continue;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let reply = handler.handle(&peer, m);
+        send(&mut s, &reply)?;
+    }
+}
+
+/// An authenticated connection to a peer engine's handshake listener.
+pub(crate) struct Client {
+    stream: TcpStream,
+    /// The peer's address, for messages.
+    pub addr: String,
+    /// The peer engine's name, as it said in its hello.
+    pub peer_name: String,
+}
+
+impl Client {
+    /// Connects to `addr` and runs the mutual proof; `name` is this engine's.
+    pub fn connect(addr: &str, name: &str, secret: &Secret, timeout: Duration) -> Result<Client> {
+        let herr = |detail: String| Error::Handshake {
+            peer: addr.to_string(),
+            detail,
+        };
+        let sa: SocketAddr = addr
+            .parse()
+            .or_else(|_| {
+                use std::net::ToSocketAddrs;
+                addr.to_socket_addrs()
+                    .ok()
+                    .and_then(|mut a| a.next())
+                    .ok_or(())
+            })
+            .map_err(|_| herr("not an IP:port or host:port that resolves".into()))?;
+        let mut s = TcpStream::connect_timeout(&sa, timeout)
+            .map_err(|e| herr(format!("cannot connect: {e}")))?;
+        let io = |e: std::io::Error| herr(e.to_string());
+        s.set_nodelay(true).map_err(io)?;
+        s.set_read_timeout(Some(timeout)).map_err(io)?;
+        s.set_write_timeout(Some(timeout)).map_err(io)?;
+        let (peer_name, ns) = match recv(&mut s).map_err(io)? {
+            Msg::Hello { name, nonce } => (name, nonce),
+            m => return Err(herr(format!("expected a hello, got {m:?}"))),
+        };
+        let nc = nonce()?;
+        let proof = secret
+            .mac_of(CLIENT_LABEL, &[&ns, &nc, name.as_bytes()])
+            .to_vec();
+        send(
+            &mut s,
+            &Msg::Auth {
+                name: name.to_string(),
+                nonce: nc,
+                proof,
+            },
+        )
+        .map_err(io)?;
+        let auth = |detail: String| Error::Auth {
+            peer: addr.to_string(),
+            detail,
+        };
+        match recv(&mut s) {
+            Ok(Msg::Welcome { proof }) if secret.verify_mac(SERVER_LABEL, &[&nc, &ns], &proof) => {}
+            Ok(Msg::Welcome { .. }) => {
+                return Err(auth(
+                    "the peer did not prove the job secret (an impostor?)".into(),
+                ));
+            }
+            Ok(Msg::Refused { reason }) => return Err(auth(format!("refused: {reason}"))),
+            Ok(m) => return Err(herr(format!("expected a welcome, got {m:?}"))),
+            Err(e) => {
+                return Err(auth(format!(
+                    "the peer closed the handshake ({e}): the job secret is likely wrong"
+                )));
+            }
+        }
+        Ok(Client {
+            stream: s,
+            addr: addr.to_string(),
+            peer_name,
+        })
+    }
+
+    /// Sends one request and reads its answer; a `Failed` answer becomes an error.
+    pub fn call(&mut self, m: &Msg) -> Result<Msg> {
+        let herr = |detail: String| Error::Handshake {
+            peer: self.addr.clone(),
+            detail,
+        };
+        send(&mut self.stream, m).map_err(|e| herr(format!("sending a request: {e}")))?;
+        match recv(&mut self.stream).map_err(|e| herr(format!("reading the answer: {e}")))? {
+            Msg::Failed { reason } => Err(herr(reason)),
+            m => Ok(m),
+        }
+    }
+
+    /// The peer's segment descriptor.
+    pub fn get_desc(&mut self) -> Result<SegmentDesc> {
+        match self.call(&Msg::GetDesc)? {
+            Msg::Desc { desc } => Ok(desc),
+            m => Err(Error::Handshake {
+                peer: self.addr.clone(),
+                detail: format!("expected a descriptor, got {m:?}"),
+            }),
+        }
+    }
+}

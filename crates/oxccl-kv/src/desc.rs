@@ -160,7 +160,7 @@ mod tests {
         let d = desc();
         assert_eq!(d.locate(0x1000, 0x100).unwrap().rkey("shm"), Some(42));
         assert!(d.locate(0x10ff, 1).is_ok());
-        for (a, l) in [(0x10ff, 2), (0xfff, 1), (0x1100, 0), (u64::MAX, 2)] {
+        for (a, l) in [(0x10ff, 2), (0xfff, 1), (0x1100, 1), (u64::MAX, 2)] {
             let e = d.locate(a, l).unwrap_err();
             assert!(matches!(e, Error::RemoteAccess { .. }), "{e}");
             assert!(e.to_string().contains(&format!("{a:#x}")), "{e}");

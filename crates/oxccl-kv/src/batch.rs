@@ -1,0 +1,764 @@
+//! Batches of transfer requests: submission (split into slices over a segment's lanes, with a
+//! window per lane), completion dispatch, waiting, and the notification that follows a batch.
+//!
+//! A batch's notification is sent only once every request of the batch completed successfully,
+//! so the target sees it after the data (NIXL's bug, its PR #252, was a flush taken for a fence).
+//! Completions are driven by the waiting callers themselves: whoever waits polls the completion
+//! queues for everyone (one at a time), so a synchronous transfer on shm costs no thread hand-off.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use oxccl_verbs::{MemoryRegion, RemoteAddr, SendWr, Sge, WcStatus, WorkCompletion, WrOp};
+
+use crate::engine::{
+    Inner, LANE_WINDOW, MAX_NOTIFY, Peer, Region, SegmentId, TransferEngine, encode_notify,
+};
+use crate::error::{Error, Result};
+
+/// What a request does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Opcode {
+    /// Copy the target's memory into the local buffer.
+    Read,
+    /// Copy the local buffer into the target's memory.
+    Write,
+}
+
+impl std::fmt::Display for Opcode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Opcode::Read => "READ",
+            Opcode::Write => "WRITE",
+        })
+    }
+}
+
+/// One transfer (Mooncake's `TransferRequest`): `length` bytes between local registered memory
+/// at `source` and the target segment's memory at `target_offset`, an address inside one of the
+/// buffers the target registered (as its descriptor lists them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransferRequest {
+    /// READ or WRITE.
+    pub opcode: Opcode,
+    /// The local address (inside memory registered with this engine).
+    pub source: u64,
+    /// The target segment, from [`TransferEngine::open_segment`].
+    pub target_id: SegmentId,
+    /// The address in the target's registered memory.
+    pub target_offset: u64,
+    /// Bytes to move.
+    pub length: usize,
+}
+
+/// A submitted batch.
+pub type BatchId = u64;
+
+/// Where one request of a batch stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TransferStatus {
+    /// Still moving.
+    Pending,
+    /// Done: the data is at its destination.
+    Completed,
+    /// Failed, with the error's text (naming the segment).
+    Failed(String),
+}
+
+/// A batch's state, as [`TransferEngine::batch_status`] reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BatchStatus {
+    /// One status per request, in submission order.
+    pub requests: Vec<TransferStatus>,
+    /// Bytes of the completed requests.
+    pub transferred: u64,
+    /// Whether the batch is over (every request completed or failed, and its notification, if
+    /// any, was delivered or failed).
+    pub done: bool,
+}
+
+const REQ_BITS: u32 = 26;
+const LANE_BITS: u32 = 6;
+const NOTIFY_REQ: u64 = (1 << REQ_BITS) - 1;
+/// Most requests in one batch.
+pub const MAX_BATCH: usize = NOTIFY_REQ as usize;
+
+fn wr_id(batch: u64, lane: usize, req: u64) -> u64 {
+    (batch << (REQ_BITS + LANE_BITS)) | ((lane as u64) << REQ_BITS) | req
+}
+
+fn split_wr_id(w: u64) -> (u64, usize, u64) {
+    (
+        w >> (REQ_BITS + LANE_BITS),
+        ((w >> REQ_BITS) & ((1 << LANE_BITS) - 1)) as usize,
+        w & NOTIFY_REQ,
+    )
+}
+
+/// One work request of a request: a slice on one lane.
+pub(crate) struct Slice {
+    wr_id: u64,
+    op: Opcode,
+    region: Arc<Region>,
+    local_off: usize,
+    remote: RemoteAddr,
+    len: usize,
+}
+
+/// A segment's queue of slices waiting for room in a lane's window.
+#[derive(Default)]
+pub(crate) struct LaneQueue {
+    pending: VecDeque<Slice>,
+    inflight: Vec<usize>,
+    next: usize,
+}
+
+#[derive(Clone)]
+enum Failure {
+    Remote(String),
+    Peer(String),
+}
+
+struct Req {
+    req: TransferRequest,
+    segment: String,
+    slices: u32,
+    failed: Option<Failure>,
+}
+
+struct BatchState {
+    reqs: Vec<Req>,
+    /// Requests not yet finished.
+    open: usize,
+    notify: Option<Notify>,
+    done: bool,
+    transferred: u64,
+}
+
+struct Notify {
+    peer: Arc<Peer>,
+    msg: Vec<u8>,
+    /// The registered copy, while the SEND is in flight.
+    mr: Option<MemoryRegion>,
+    failed: Option<String>,
+}
+
+/// Every batch of an engine.
+#[derive(Default)]
+pub(crate) struct Batches {
+    map: Mutex<HashMap<BatchId, BatchState>>,
+    changed: Condvar,
+    next: AtomicU64,
+    poller: Mutex<()>,
+    /// Callers inside `wait`: while there are any, the background thread leaves polling to them.
+    waiters: std::sync::atomic::AtomicUsize,
+}
+
+impl Batches {
+    pub fn wake_all(&self) {
+        self.changed.notify_all();
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<BatchId, BatchState>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl BatchState {
+    fn result(&self, id: BatchId) -> Result<()> {
+        for (i, r) in self.reqs.iter().enumerate() {
+            if let Some(f) = &r.failed {
+                let what = format!(
+                    "batch {id}, request {i} ({} of {} bytes, local {:#x}, target {:#x})",
+                    r.req.opcode, r.req.length, r.req.source, r.req.target_offset
+                );
+                return Err(match f {
+                    Failure::Remote(d) => Error::RemoteAccess {
+                        segment: r.segment.clone(),
+                        detail: format!("{what}: {d}"),
+                    },
+                    Failure::Peer(d) => Error::PeerFailed {
+                        segment: r.segment.clone(),
+                        detail: format!("{what}: {d}"),
+                    },
+                });
+            }
+        }
+        if let Some(n) = &self.notify
+            && let Some(f) = &n.failed
+        {
+            return Err(Error::PeerFailed {
+                segment: n.peer.name.clone(),
+                detail: format!("batch {id}: its notification was not delivered: {f}"),
+            });
+        }
+        Ok(())
+    }
+
+    fn status(&self) -> BatchStatus {
+        let requests = self
+            .reqs
+            .iter()
+            .map(|r| match &r.failed {
+                Some(Failure::Remote(d) | Failure::Peer(d)) => {
+                    TransferStatus::Failed(format!("segment {:?}: {d}", r.segment))
+                }
+                None if r.slices == 0 => TransferStatus::Completed,
+                None => TransferStatus::Pending,
+            })
+            .collect();
+        BatchStatus {
+            requests,
+            transferred: self.transferred,
+            done: self.done,
+        }
+    }
+}
+
+fn describe_status(s: WcStatus, peer: &Peer) -> Failure {
+    let detail = peer
+        .lanes
+        .iter()
+        .find_map(|q| q.error_detail())
+        .map(|d| format!(" ({d})"))
+        .unwrap_or_default();
+    match s {
+        WcStatus::RemoteAccessError => Failure::Remote(format!(
+            "the target refused the access (RemoteAccessError: a stale or unregistered \
+             buffer){detail}; its memory is untouched"
+        )),
+        WcStatus::RetryExceeded => Failure::Peer(format!(
+            "the target stopped answering (RetryExceeded: it died or closed){detail}"
+        )),
+        WcStatus::WorkRequestFlushed => Failure::Peer(format!(
+            "flushed after an earlier request to the segment failed{detail}"
+        )),
+        s => Failure::Peer(format!("{s}{detail}")),
+    }
+}
+
+impl TransferEngine {
+    /// Submits a batch (Mooncake's `submitTransfer`): checks every request (local memory
+    /// registered, the target range inside a buffer the target registered), then posts them. A
+    /// bad request fails the whole submission before anything moves. With `notify`, the targets
+    /// of the batch get that message once all of the batch's data is visible to them (one
+    /// notification per distinct target segment).
+    pub fn submit(&self, reqs: &[TransferRequest], notify: Option<&[u8]>) -> Result<BatchId> {
+        self.inner.submit(reqs, notify)
+    }
+
+    /// Where a batch stands, driving progress once without blocking (so polling callers need no
+    /// other thread).
+    pub fn batch_status(&self, batch: BatchId) -> Result<BatchStatus> {
+        self.inner.progress(None, Duration::ZERO);
+        let map = self.inner.batches.lock();
+        map.get(&batch)
+            .map(|b| b.status())
+            .ok_or_else(|| Error::arg(format!("batch {batch} is unknown (freed?)")))
+    }
+
+    /// Waits up to `timeout` for a batch to end: `Ok` when every request completed, else the
+    /// first failure (naming the segment and the request). A timeout leaves the batch running.
+    pub fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {
+        self.inner.wait(batch, timeout)
+    }
+
+    /// Forgets an ended batch. One with requests still in flight cannot be freed.
+    pub fn free_batch(&self, batch: BatchId) -> Result<()> {
+        let mut map = self.inner.batches.lock();
+        match map.get(&batch) {
+            None => Err(Error::arg(format!("batch {batch} is unknown (freed?)"))),
+            Some(b) if !b.done => Err(Error::arg(format!(
+                "batch {batch} still has requests in flight: wait for it first"
+            ))),
+            Some(_) => {
+                map.remove(&batch);
+                Ok(())
+            }
+        }
+    }
+
+    /// Submits a batch, waits for it with the engine's timeout and frees it.
+    pub fn transfer_sync(&self, reqs: &[TransferRequest], notify: Option<&[u8]>) -> Result<()> {
+        let b = self.submit(reqs, notify)?;
+        let r = self.wait(b, self.inner.config.timeout);
+        if !matches!(r, Err(Error::Timeout { .. })) {
+            let _ = self.free_batch(b);
+        }
+        r
+    }
+}
+
+impl Inner {
+    fn submit(&self, reqs: &[TransferRequest], notify: Option<&[u8]>) -> Result<BatchId> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        if reqs.is_empty() {
+            return Err(Error::arg("an empty batch"));
+        }
+        if reqs.len() > MAX_BATCH {
+            return Err(Error::arg(format!(
+                "{} requests in one batch (at most {MAX_BATCH})",
+                reqs.len()
+            )));
+        }
+        if let Some(m) = notify
+            && m.len() + 2 + self.name.len() > MAX_NOTIFY
+        {
+            return Err(Error::arg(format!(
+                "a notification of {} bytes (at most {} with this engine's name)",
+                m.len(),
+                MAX_NOTIFY - 2 - self.name.len()
+            )));
+        }
+        let id = self.batches.next.fetch_add(1, Ordering::Relaxed) + 1;
+        if id >> (64 - REQ_BITS - LANE_BITS) != 0 {
+            return Err(Error::arg("batch ids exhausted"));
+        }
+        // Check everything first: nothing is posted for a batch with a bad request.
+        let mut peers: HashMap<SegmentId, Arc<Peer>> = HashMap::new();
+        let mut plan: Vec<(Arc<Peer>, Vec<Slice>)> = Vec::new();
+        let mut state = Vec::with_capacity(reqs.len());
+        for (i, r) in reqs.iter().enumerate() {
+            let peer = match peers.get(&r.target_id) {
+                Some(p) => p.clone(),
+                None => {
+                    let p = self.healthy_peer(r.target_id)?;
+                    peers.insert(r.target_id, p.clone());
+                    p
+                }
+            };
+            let bad = |e: Error| match e {
+                Error::InvalidArgument(m) => Error::InvalidArgument(format!("request {i}: {m}")),
+                Error::RemoteAccess { segment, detail } => Error::RemoteAccess {
+                    segment,
+                    detail: format!("request {i} ({}): {detail}", r.opcode),
+                },
+                e => e,
+            };
+            if r.length == 0 {
+                return Err(bad(Error::arg("a request of 0 bytes")));
+            }
+            let (region, off) = self.local(r.source, r.length).map_err(bad)?;
+            let provider = self.devs[peer.dev].provider.name();
+            let rkey = {
+                let desc = peer.desc.read().unwrap_or_else(|e| e.into_inner());
+                let b = desc.locate(r.target_offset, r.length as u64).map_err(bad)?;
+                b.rkey(provider).ok_or_else(|| {
+                    bad(Error::RemoteAccess {
+                        segment: peer.name.clone(),
+                        detail: format!(
+                            "its buffer at {:#x} is not registered with {provider}",
+                            b.addr
+                        ),
+                    })
+                })?
+            };
+            let slice = if peer.lanes.len() > 1 {
+                self.config.slice_size
+            } else {
+                usize::MAX
+            };
+            let n = r.length.div_ceil(slice);
+            let mut slices = Vec::with_capacity(n);
+            for k in 0..n {
+                let start = k * slice.min(r.length);
+                let len = slice.min(r.length - start);
+                slices.push(Slice {
+                    wr_id: wr_id(id, 0, i as u64),
+                    op: r.opcode,
+                    region: region.clone(),
+                    local_off: off + start,
+                    remote: RemoteAddr {
+                        addr: r.target_offset + start as u64,
+                        rkey,
+                    },
+                    len,
+                });
+            }
+            state.push(Req {
+                req: *r,
+                segment: peer.name.clone(),
+                slices: n as u32,
+                failed: None,
+            });
+            match plan.iter_mut().find(|(p, _)| Arc::ptr_eq(p, &peer)) {
+                Some((_, v)) => v.extend(slices),
+                None => plan.push((peer, slices)),
+            }
+        }
+        // The notification goes to the batch's one target, once all of its data is there.
+        let notify = match notify {
+            Some(_) if plan.len() > 1 => {
+                return Err(Error::arg(format!(
+                    "a notification goes with a batch to one segment; this one targets {}",
+                    plan.len()
+                )));
+            }
+            Some(m) => plan.first().map(|(p, _)| Notify {
+                peer: p.clone(),
+                msg: encode_notify(&self.name, m),
+                mr: None,
+                failed: None,
+            }),
+            None => None,
+        };
+        self.batches.lock().insert(
+            id,
+            BatchState {
+                open: state.len(),
+                reqs: state,
+                notify,
+                done: false,
+                transferred: 0,
+            },
+        );
+        for (peer, slices) in plan {
+            let mut q = peer.queue.lock().unwrap_or_else(|e| e.into_inner());
+            q.pending.extend(slices);
+            drop(q);
+            self.pump(&peer);
+        }
+        Ok(id)
+    }
+
+    /// The peer of `segment`, opened afresh if its connection failed.
+    fn healthy_peer(&self, segment: SegmentId) -> Result<Arc<Peer>> {
+        let p = self.peer(segment)?;
+        let failed = p.failed.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        match failed {
+            None => Ok(p),
+            Some(_) => self.reopen(&p),
+        }
+    }
+
+    /// Posts a peer's pending slices while its lanes' windows have room.
+    pub(crate) fn pump(&self, peer: &Arc<Peer>) {
+        let mut failures: Vec<(u64, Failure)> = Vec::new();
+        {
+            let mut q = peer.queue.lock().unwrap_or_else(|e| e.into_inner());
+            let lanes = peer.lanes.len();
+            if q.inflight.len() != lanes {
+                q.inflight = vec![0; lanes];
+            }
+            let dead = peer
+                .failed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            while let Some(front) = q.pending.front() {
+                if let Some(d) = &dead {
+                    failures.push((front.wr_id, Failure::Peer(format!("not sent: {d}"))));
+                    q.pending.pop_front();
+                    continue;
+                }
+                let start = q.next;
+                let Some(lane) = (0..lanes)
+                    .map(|k| (start + k) % lanes)
+                    .find(|&l| q.inflight[l] < LANE_WINDOW)
+                else {
+                    break;
+                };
+                let Some(s) = q.pending.pop_front() else {
+                    break;
+                };
+                q.next = (lane + 1) % lanes;
+                let (b, _, r) = split_wr_id(s.wr_id);
+                let wid = wr_id(b, lane, r);
+                let mr = &s.region.mrs[peer.dev];
+                let sge = [Sge::new(mr, s.local_off, s.len)];
+                let op = match s.op {
+                    Opcode::Read => WrOp::Read { remote: s.remote },
+                    Opcode::Write => WrOp::Write { remote: s.remote },
+                };
+                match peer.lanes[lane].post_send(&[SendWr::new(wid, op, &sge)]) {
+                    Ok(()) => {
+                        q.inflight[lane] += 1;
+                    }
+                    Err(e) => failures.push((wid, Failure::Peer(format!("posting failed: {e}")))),
+                }
+            }
+        }
+        if failures.is_empty() {
+            return;
+        }
+        let mut map = self.batches.lock();
+        let mut sends = Vec::new();
+        for (w, f) in failures {
+            let (bid, _, r) = split_wr_id(w);
+            if let Some(b) = map.get_mut(&bid) {
+                finish_slice(b, r as usize, 0, Some(f));
+                if let Some(n) = ready_notify(b) {
+                    sends.push((bid, n));
+                }
+            }
+        }
+        drop(map);
+        self.send_notifies(sends);
+        self.batches.changed.notify_all();
+    }
+
+    /// Polls the completion queues and dispatches what they hold; when nothing was there and
+    /// `wait` is not zero, sleeps on `dev`'s queue up to `wait`.
+    pub(crate) fn progress(&self, dev: Option<usize>, wait: Duration) {
+        let Ok(_g) = self.batches.poller.try_lock() else {
+            return;
+        };
+        let mut wc = [WorkCompletion::EMPTY; 64];
+        let mut any = false;
+        for d in 0..self.devs.len() {
+            loop {
+                let n = self.devs[d].send_cq.poll(&mut wc);
+                if n == 0 {
+                    break;
+                }
+                any = true;
+                self.dispatch(d, &wc[..n]);
+            }
+        }
+        if !any
+            && !wait.is_zero()
+            && let Some(d) = dev
+            && let Ok(n) = self.devs[d].send_cq.wait(&mut wc, wait)
+            && n > 0
+        {
+            self.dispatch(d, &wc[..n]);
+        }
+    }
+
+    fn dispatch(&self, dev: usize, wcs: &[WorkCompletion]) {
+        let peers: Vec<Arc<Peer>> = {
+            let p = self.peers.read().unwrap_or_else(|e| e.into_inner());
+            p.values().filter(|p| p.dev == dev).cloned().collect()
+        };
+        let find = |qp: u32| {
+            peers
+                .iter()
+                .find(|p| p.lanes.iter().any(|q| q.qp_num() == qp))
+        };
+        let mut touched: Vec<Arc<Peer>> = Vec::new();
+        let mut sends = Vec::new();
+        let mut map = self.batches.lock();
+        for c in wcs {
+            let (bid, lane, r) = split_wr_id(c.wr_id);
+            let peer = find(c.qp_num);
+            let failure = (!c.is_ok()).then(|| match peer {
+                Some(p) => describe_status(c.status, p),
+                None => Failure::Peer(c.status.to_string()),
+            });
+            if let Some(p) = peer {
+                if let Some(f) = &failure {
+                    let mut slot = p.failed.lock().unwrap_or_else(|e| e.into_inner());
+                    if slot.is_none() {
+                        *slot = Some(match f {
+                            Failure::Remote(d) | Failure::Peer(d) => d.clone(),
+                        });
+                    }
+                }
+                if r != NOTIFY_REQ {
+                    let mut q = p.queue.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some(n) = q.inflight.get_mut(lane) {
+                        *n = n.saturating_sub(1);
+                    }
+                }
+                if !touched.iter().any(|t| Arc::ptr_eq(t, p)) {
+                    touched.push(p.clone());
+                }
+            }
+            let Some(b) = map.get_mut(&bid) else { continue };
+            if r == NOTIFY_REQ {
+                if let Some(n) = b.notify.as_mut() {
+                    n.mr = None;
+                    n.failed = failure.map(|f| match f {
+                        Failure::Remote(d) | Failure::Peer(d) => d,
+                    });
+                }
+                b.done = true;
+                continue;
+            }
+            finish_slice(b, r as usize, c.byte_len as u64, failure);
+            if let Some(n) = ready_notify(b) {
+                sends.push((bid, n));
+            }
+        }
+        drop(map);
+        self.send_notifies(sends);
+        self.batches.changed.notify_all();
+        for p in touched {
+            self.pump(&p);
+        }
+    }
+
+    /// Posts the SENDs of batches whose data is all done.
+    fn send_notifies(&self, sends: Vec<(BatchId, (Arc<Peer>, Vec<u8>))>) {
+        for (bid, (peer, msg)) in sends {
+            let dev = &self.devs[peer.dev];
+            let r = dev
+                .pd
+                .reg_mr(msg, oxccl_verbs::AccessFlags::LOCAL_WRITE)
+                .map_err(|e| e.to_string())
+                .and_then(|mr| {
+                    let sge = [Sge::whole(&mr)];
+                    peer.lanes[0]
+                        .post_send(&[SendWr::new(wr_id(bid, 0, NOTIFY_REQ), WrOp::Send, &sge)])
+                        .map_err(|e| e.to_string())?;
+                    Ok(mr)
+                });
+            let mut map = self.batches.lock();
+            if let Some(b) = map.get_mut(&bid)
+                && let Some(n) = b.notify.as_mut()
+            {
+                match r {
+                    Ok(mr) => n.mr = Some(mr),
+                    Err(e) => {
+                        n.failed = Some(e);
+                        b.done = true;
+                    }
+                }
+            }
+        }
+    }
+
+    fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {
+        self.batches.waiters.fetch_add(1, Ordering::AcqRel);
+        let r = self.wait_inner(batch, timeout);
+        self.batches.waiters.fetch_sub(1, Ordering::AcqRel);
+        r
+    }
+
+    /// Drives batches nobody waits for (a caller that submitted and went on), so that their
+    /// requests keep flowing and their notifications go out: polls while a batch is open and no
+    /// caller is in `wait`, napping between polls outside the poller's lock.
+    pub(crate) fn background_progress(&self) -> bool {
+        let open = self.batches.lock().values().any(|b| !b.done);
+        if !open {
+            let map = self.batches.lock();
+            let _ = self
+                .batches
+                .changed
+                .wait_timeout(map, Duration::from_millis(20));
+            return false;
+        }
+        if self.batches.waiters.load(Ordering::Acquire) == 0 {
+            self.progress(None, Duration::ZERO);
+        }
+        std::thread::sleep(Duration::from_micros(200));
+        true
+    }
+
+    fn wait_inner(&self, batch: BatchId, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let dev = {
+            let map = self.batches.lock();
+            let b = map
+                .get(&batch)
+                .ok_or_else(|| Error::arg(format!("batch {batch} is unknown (freed?)")))?;
+            let seg = b.reqs.first().map(|r| r.req.target_id);
+            drop(map);
+            seg.and_then(|s| self.peer(s).ok()).map(|p| p.dev)
+        };
+        loop {
+            {
+                let map = self.batches.lock();
+                let b = map.get(&batch).ok_or_else(|| {
+                    Error::arg(format!("batch {batch} was freed while waited for"))
+                })?;
+                if b.done {
+                    return b.result(batch);
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    let s = b.status();
+                    let pending = s
+                        .requests
+                        .iter()
+                        .filter(|r| **r == TransferStatus::Pending)
+                        .count();
+                    let segs: Vec<&str> = {
+                        let mut v: Vec<&str> = b.reqs.iter().map(|r| r.segment.as_str()).collect();
+                        v.dedup();
+                        v
+                    };
+                    return Err(Error::Timeout {
+                        what: format!(
+                            "batch {batch} to segment(s) {segs:?}: {pending} of {} requests \
+                             pending{}",
+                            b.reqs.len(),
+                            if pending == 0 {
+                                ", its notification undelivered"
+                            } else {
+                                ""
+                            }
+                        ),
+                        timeout,
+                    });
+                }
+                if self.closed.load(Ordering::Acquire) {
+                    return Err(Error::Closed);
+                }
+                if self.batches.poller.try_lock().is_err() {
+                    // Someone else polls: wait for their dispatch.
+                    let _ = self
+                        .batches
+                        .changed
+                        .wait_timeout(map, left.min(Duration::from_micros(100)));
+                    continue;
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            self.progress(dev, left.min(Duration::from_millis(10)));
+        }
+    }
+}
+
+/// Accounts one completed (or failed) slice of request `r`.
+fn finish_slice(b: &mut BatchState, r: usize, bytes: u64, failure: Option<Failure>) {
+    let Some(req) = b.reqs.get_mut(r) else { return };
+    if req.slices == 0 {
+        return;
+    }
+    if req.failed.is_none() {
+        req.failed = failure;
+    }
+    req.slices -= 1;
+    if req.failed.is_none() {
+        b.transferred += bytes;
+    }
+    if req.slices == 0 {
+        b.open -= 1;
+    }
+}
+
+/// When a batch's requests are all over: the notification to send, or the batch is done.
+fn ready_notify(b: &mut BatchState) -> Option<(Arc<Peer>, Vec<u8>)> {
+    if b.open > 0 || b.done {
+        return None;
+    }
+    let ok = b.reqs.iter().all(|r| r.failed.is_none());
+    match b.notify.as_mut() {
+        Some(n) if ok && n.mr.is_none() && n.failed.is_none() => {
+            // Marks it as being sent: `send_notifies` stores the registration.
+            n.failed = None;
+            Some((n.peer.clone(), std::mem::take(&mut n.msg)))
+        }
+        _ => {
+            b.done = true;
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wr_ids_round_trip() {
+        for (b, l, r) in [(1, 0, 0), (12345, 63, NOTIFY_REQ), ((1 << 32) - 1, 7, 99)] {
+            assert_eq!(split_wr_id(wr_id(b, l, r)), (b, l, r));
+        }
+    }
+}

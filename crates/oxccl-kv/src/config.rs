@@ -1,0 +1,232 @@
+//! How an engine is set up: [`EngineConfig`], from code or from `OXCCL_KV_*` variables.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use oxccl_bootstrap::Secret;
+
+use crate::error::{Error, Result};
+
+/// Which verbs provider carries a segment's data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    /// shm to segments on this host (kernel bypass, no syscall on the data path), tcp to the
+    /// others.
+    Auto,
+    /// shm only: every segment must be on this host.
+    Shm,
+    /// tcp for every segment, also on this host.
+    Tcp,
+}
+
+impl std::str::FromStr for Protocol {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Protocol> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(Protocol::Auto),
+            "shm" => Ok(Protocol::Shm),
+            // Mooncake's names: "rdma" is what its users ask for; here tcp carries RDMA's model.
+            "tcp" | "rdma" => Ok(Protocol::Tcp),
+            _ => Err(Error::arg(format!(
+                "protocol {s:?}: expected auto, shm or tcp"
+            ))),
+        }
+    }
+}
+
+/// An engine's settings. [`EngineConfig::new`] gives the defaults; [`EngineConfig::from_env`]
+/// reads the environment once, at the top (the library never reads it later).
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// The segment name peers open this engine by. `None`: the handshake address (`IP:port`),
+    /// which is what the peer-to-peer metadata backend needs.
+    pub name: Option<String>,
+    /// The address the handshake listener and the tcp provider bind (`IP`, or `IP:port` for a
+    /// fixed handshake port). Peers on other hosts must be able to reach it.
+    pub local_addr: SocketAddr,
+    /// Which provider carries the data.
+    pub protocol: Protocol,
+    /// tcp: connections (lanes) per opened segment; requests larger than `slice_size` are split
+    /// across them.
+    pub lanes: usize,
+    /// tcp: bytes per slice of a large request.
+    pub slice_size: usize,
+    /// The default timeout of every wait (a batch, a lookup, a handshake).
+    pub timeout: Duration,
+    /// How long a peer may stop answering before its requests fail (the queue pairs' timeout):
+    /// a dead target is noticed within this time.
+    pub peer_timeout: Duration,
+    /// How often the engine checks that its descriptor is still published, and publishes it
+    /// again when a metadata server restarted empty.
+    pub republish_every: Duration,
+    /// The job secret every handshake proves (`OXCCL_SECRET`): a stranger opens no segment.
+    pub secret: Secret,
+}
+
+impl EngineConfig {
+    /// The defaults, with `secret`: a loopback address, [`Protocol::Auto`], 2 lanes of 1 MiB
+    /// slices, 30 s waits, 5 s to notice a dead peer, a republish check every second.
+    pub fn new(secret: Secret) -> EngineConfig {
+        EngineConfig {
+            name: None,
+            local_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            protocol: Protocol::Auto,
+            lanes: 2,
+            slice_size: 1 << 20,
+            timeout: Duration::from_secs(30),
+            peer_timeout: Duration::from_secs(5),
+            republish_every: Duration::from_secs(1),
+            secret,
+        }
+    }
+
+    /// The defaults overridden by the environment: `OXCCL_SECRET` (or `OXCCL_SECRET_FILE`;
+    /// required), `OXCCL_KV_NAME`, `OXCCL_KV_ADDR` (`IP` or `IP:port`), `OXCCL_KV_PROTOCOL`,
+    /// `OXCCL_KV_LANES`, `OXCCL_KV_SLICE` (bytes, `K`/`M` suffixes), `OXCCL_KV_TIMEOUT` and
+    /// `OXCCL_KV_PEER_TIMEOUT` (seconds). A malformed value is an error naming the variable.
+    pub fn from_env() -> Result<EngineConfig> {
+        EngineConfig::from_vars(&|k| std::env::var(k).ok())
+    }
+
+    /// [`EngineConfig::from_env`] over any variable source.
+    pub fn from_vars(var: &dyn Fn(&str) -> Option<String>) -> Result<EngineConfig> {
+        let secret = Secret::from_vars(var)
+            .map_err(|e| Error::arg(e.to_string()))?
+            .ok_or_else(|| {
+                Error::arg(
+                    "no job secret: set OXCCL_SECRET (or OXCCL_SECRET_FILE) to the same value \
+                     in every process of the job",
+                )
+            })?;
+        let mut c = EngineConfig::new(secret);
+        let get = |k: &str| {
+            var(k)
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty())
+        };
+        c.name = get("OXCCL_KV_NAME");
+        if let Some(a) = get("OXCCL_KV_ADDR") {
+            c.local_addr = oxccl_verbs::parse_ip_or_sockaddr(&a).ok_or_else(|| {
+                Error::arg(format!(
+                    "OXCCL_KV_ADDR={a:?} is not an IP address or IP:port"
+                ))
+            })?;
+        }
+        if let Some(p) = get("OXCCL_KV_PROTOCOL") {
+            c.protocol = p
+                .parse()
+                .map_err(|e| Error::arg(format!("OXCCL_KV_PROTOCOL: {e}")))?;
+        }
+        if let Some(v) = get("OXCCL_KV_LANES") {
+            c.lanes = v
+                .parse()
+                .ok()
+                .filter(|&n| (1..=64).contains(&n))
+                .ok_or_else(|| Error::arg(format!("OXCCL_KV_LANES={v:?}: expected 1 to 64")))?;
+        }
+        if let Some(v) = get("OXCCL_KV_SLICE") {
+            c.slice_size = parse_size(&v).filter(|&n| n >= 4096).ok_or_else(|| {
+                Error::arg(format!(
+                    "OXCCL_KV_SLICE={v:?}: expected a size of at least 4K"
+                ))
+            })?;
+        }
+        for (k, slot) in [
+            ("OXCCL_KV_TIMEOUT", &mut c.timeout),
+            ("OXCCL_KV_PEER_TIMEOUT", &mut c.peer_timeout),
+        ] {
+            if let Some(v) = get(k) {
+                *slot = v
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|s| s.is_finite() && *s > 0.0)
+                    .map(Duration::from_secs_f64)
+                    .ok_or_else(|| Error::arg(format!("{k}={v:?}: expected seconds > 0")))?;
+            }
+        }
+        Ok(c)
+    }
+
+    /// Checks the values against each other.
+    pub(crate) fn check(&self) -> Result<()> {
+        if self.lanes == 0 || self.lanes > 64 {
+            return Err(Error::arg(format!(
+                "lanes = {}: expected 1 to 64",
+                self.lanes
+            )));
+        }
+        if self.slice_size < 4096 || self.slice_size > (1 << 30) {
+            return Err(Error::arg(format!(
+                "slice_size = {}: expected 4 KiB to 1 GiB",
+                self.slice_size
+            )));
+        }
+        if self.timeout.is_zero() || self.peer_timeout.is_zero() {
+            return Err(Error::arg("timeouts must be longer than zero"));
+        }
+        Ok(())
+    }
+}
+
+/// `4096`, `64K`, `1M`, `1G` (binary units).
+pub fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last()? {
+        (i, 'k' | 'K') => (&s[..i], 1 << 10),
+        (i, 'm' | 'M') => (&s[..i], 1 << 20),
+        (i, 'g' | 'G') => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    num.trim().parse::<usize>().ok()?.checked_mul(mult)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn vars(p: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = p
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn the_environment_is_read_and_bad_values_are_named() {
+        let c = EngineConfig::from_vars(&vars(&[
+            ("OXCCL_SECRET", "s3cret-s3cret"),
+            ("OXCCL_KV_ADDR", "127.0.0.2:7000"),
+            ("OXCCL_KV_PROTOCOL", "tcp"),
+            ("OXCCL_KV_LANES", "4"),
+            ("OXCCL_KV_SLICE", "256K"),
+            ("OXCCL_KV_TIMEOUT", "2.5"),
+        ]))
+        .unwrap();
+        assert_eq!(c.local_addr, "127.0.0.2:7000".parse().unwrap());
+        assert_eq!(
+            (c.protocol, c.lanes, c.slice_size),
+            (Protocol::Tcp, 4, 256 << 10)
+        );
+        assert_eq!(c.timeout, Duration::from_millis(2500));
+        let e = EngineConfig::from_vars(&vars(&[])).unwrap_err();
+        assert!(e.to_string().contains("OXCCL_SECRET"), "{e}");
+        for (k, v) in [
+            ("OXCCL_KV_LANES", "0"),
+            ("OXCCL_KV_SLICE", "12"),
+            ("OXCCL_KV_PROTOCOL", "carrier-pigeon"),
+            ("OXCCL_KV_ADDR", "nowhere"),
+            ("OXCCL_KV_TIMEOUT", "-1"),
+        ] {
+            let e = EngineConfig::from_vars(&vars(&[("OXCCL_SECRET", "s3cret-s3cret"), (k, v)]))
+                .unwrap_err();
+            assert!(
+                e.to_string().contains(k) || e.to_string().contains(v),
+                "{k}: {e}"
+            );
+        }
+        assert_eq!(parse_size("1G"), Some(1 << 30));
+        assert_eq!(parse_size("x"), None);
+    }
+}

@@ -1,0 +1,963 @@
+//! The transfer engine: local memory, opened segments, the handshake service and the threads
+//! that keep the engine reachable. Batches and their completions are in [`crate::batch`].
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use oxccl_verbs::{
+    AccessFlags, CompletionQueue, ConnectRole, Context, Device, DeviceConfig, MemoryRegion,
+    ProtectionDomain, Provider, QpConfig, QpEndpoint, QueuePair, RecvWr, Sge, WorkCompletion,
+};
+
+use crate::batch::Batches;
+use crate::config::{EngineConfig, Protocol};
+use crate::desc::{BufferDesc, DESC_FORMAT, SegmentDesc};
+use crate::error::{Error, Result};
+use crate::handshake::{self, Client, Msg, Server};
+use crate::meta::Metadata;
+
+/// Largest notification message, bytes (one posted receive buffer).
+pub const MAX_NOTIFY: usize = 4096;
+/// Receive buffers posted per inbound connection for notifications.
+const NOTIFY_DEPTH: usize = 64;
+/// Requests in flight per lane before later ones wait in the engine.
+pub(crate) const LANE_WINDOW: usize = 1024;
+
+/// A notification: a message a peer delivered with a batch, after the batch's data was visible
+/// here.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Notification {
+    /// The name of the engine that sent it.
+    pub from: String,
+    /// The message.
+    pub msg: Vec<u8>,
+}
+
+/// An opened segment, as [`TransferEngine::open_segment`] returns it: what requests name as
+/// their target.
+pub type SegmentId = u64;
+
+/// A service answering calls that peers make over the handshake channel
+/// ([`TransferEngine::serve`], [`TransferEngine::call`]): `(caller's name, body) → reply`.
+pub type Service = Arc<dyn Fn(&str, &[u8]) -> Result<Vec<u8>> + Send + Sync>;
+
+/// One provider this engine serves: its context, protection domain and completion queues.
+pub(crate) struct Dev {
+    pub provider: Provider,
+    pub pd: ProtectionDomain,
+    /// Completions of this engine's own requests (all opened segments on this provider).
+    pub send_cq: CompletionQueue,
+    /// Receive completions (notifications) of inbound connections.
+    pub recv_cq: CompletionQueue,
+    _ctx: Context,
+}
+
+/// A range of local memory registered with every provider.
+pub(crate) struct Region {
+    pub addr: u64,
+    pub len: usize,
+    /// One region per [`Dev`], in the same order.
+    pub mrs: Vec<MemoryRegion>,
+    /// Whether the engine allocated it (`allocate_managed_buffer`).
+    pub managed: bool,
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // The other providers' registrations of a managed buffer go before its owner, `mrs[0]`.
+        while let Some(m) = self.mrs.pop() {
+            drop(m);
+        }
+    }
+}
+
+impl Region {
+    fn desc(&self, devs: &[Dev]) -> BufferDesc {
+        BufferDesc {
+            addr: self.addr,
+            len: self.len as u64,
+            rkeys: devs
+                .iter()
+                .zip(&self.mrs)
+                .map(|(d, m)| (d.provider.name().to_string(), m.rkey()))
+                .collect(),
+        }
+    }
+}
+
+/// A segment this engine opened: queue pairs (lanes) connected to the owner's.
+pub(crate) struct Peer {
+    pub id: SegmentId,
+    pub name: String,
+    pub dev: usize,
+    pub desc: RwLock<SegmentDesc>,
+    pub lanes: Vec<QueuePair>,
+    /// The authenticated handshake connection, kept for service calls.
+    pub client: Mutex<Client>,
+    /// Set when a lane failed: later requests fail at once with it.
+    pub failed: Mutex<Option<String>>,
+    /// Slices waiting for room in a lane's window.
+    pub queue: Mutex<crate::batch::LaneQueue>,
+}
+
+/// An inbound connection: a peer's lanes to this engine, and the buffers its notifications land in.
+struct Inbound {
+    from: String,
+    qps: Vec<QueuePair>,
+    bufs: MemoryRegion,
+}
+
+pub(crate) struct Inner {
+    pub name: String,
+    pub config: EngineConfig,
+    pub host: String,
+    pub devs: Vec<Dev>,
+    meta: Arc<dyn Metadata>,
+    handshake_addr: String,
+    regions: RwLock<BTreeMap<u64, Arc<Region>>>,
+    version: AtomicU64,
+    pub peers: RwLock<HashMap<SegmentId, Arc<Peer>>>,
+    by_name: Mutex<HashMap<String, SegmentId>>,
+    next_segment: AtomicU64,
+    pub batches: Batches,
+    notifies: Mutex<VecDeque<Notification>>,
+    notified: Condvar,
+    /// Inbound connections by (dev, qp number of their first lane).
+    inbound: Mutex<HashMap<(usize, u32), Inbound>>,
+    services: RwLock<HashMap<String, Service>>,
+    pub closed: AtomicBool,
+}
+
+/// The transfer engine (Mooncake's `TransferEngine`, NIXL's agent): registers memory as a named
+/// segment, opens peers' segments, and moves data with batched one-sided READs and WRITEs over
+/// the oxccl verbs (shm inside a host, tcp across hosts).
+///
+/// Dropping it closes it: its descriptor is removed from the metadata backend, its threads stop,
+/// and peers' requests to it fail.
+pub struct TransferEngine {
+    pub(crate) inner: Arc<Inner>,
+    server: Option<Server>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+fn host_identity() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default();
+    let netns = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    format!("{boot}/{netns}")
+}
+
+impl TransferEngine {
+    /// Starts an engine: opens the providers `config.protocol` needs, binds the handshake
+    /// listener on `config.local_addr`, and publishes the (empty) segment to `meta`.
+    pub fn new(config: EngineConfig, meta: Arc<dyn Metadata>) -> Result<TransferEngine> {
+        config.check()?;
+        let providers: &[Provider] = match config.protocol {
+            Protocol::Auto => &[Provider::Shm, Provider::Tcp],
+            Protocol::Shm => &[Provider::Shm],
+            Protocol::Tcp => &[Provider::Tcp],
+        };
+        let mut devs = Vec::new();
+        for &p in providers {
+            let dc = DeviceConfig {
+                tcp_addr: std::net::SocketAddr::new(config.local_addr.ip(), 0),
+                ..DeviceConfig::default()
+            };
+            let what = |w: &str| format!("{w} of the {p} provider");
+            let ctx = Device::by_name(p.name())
+                .and_then(|d| d.open_with(&dc))
+                .map_err(|e| Error::verbs(what("opening a context"), e))?;
+            let pd = ctx
+                .alloc_pd()
+                .map_err(|e| Error::verbs(what("allocating a protection domain"), e))?;
+            let send_cq = ctx
+                .create_cq(64 * 1024)
+                .map_err(|e| Error::verbs(what("creating a completion queue"), e))?;
+            let recv_cq = ctx
+                .create_cq(16 * 1024)
+                .map_err(|e| Error::verbs(what("creating a completion queue"), e))?;
+            devs.push(Dev {
+                provider: p,
+                pd,
+                send_cq,
+                recv_cq,
+                _ctx: ctx,
+            });
+        }
+        // The handshake listener first: its address may be the segment's name.
+        let inner_slot: Arc<Mutex<Weak<Inner>>> = Arc::new(Mutex::new(Weak::new()));
+        let handler = Arc::new(Handler {
+            inner: inner_slot.clone(),
+        });
+        let provisional = config
+            .name
+            .clone()
+            .unwrap_or_else(|| format!("{}", config.local_addr));
+        let server = Server::start(
+            config.local_addr,
+            provisional,
+            config.secret.clone(),
+            handler,
+            config.timeout,
+        )?;
+        let handshake_addr = server.addr().to_string();
+        let name = config
+            .name
+            .clone()
+            .unwrap_or_else(|| handshake_addr.clone());
+        let inner = Arc::new(Inner {
+            name,
+            host: host_identity(),
+            devs,
+            meta,
+            handshake_addr,
+            regions: RwLock::new(BTreeMap::new()),
+            version: AtomicU64::new(1),
+            peers: RwLock::new(HashMap::new()),
+            by_name: Mutex::new(HashMap::new()),
+            next_segment: AtomicU64::new(1),
+            batches: Batches::default(),
+            notifies: Mutex::new(VecDeque::new()),
+            notified: Condvar::new(),
+            inbound: Mutex::new(HashMap::new()),
+            services: RwLock::new(HashMap::new()),
+            closed: AtomicBool::new(false),
+            config,
+        });
+        *inner_slot.lock().unwrap_or_else(|e| e.into_inner()) = Arc::downgrade(&inner);
+        inner.publish()?;
+        let mut threads = Vec::new();
+        for d in 0..inner.devs.len() {
+            let w = Arc::downgrade(&inner);
+            threads.push(spawn("oxccl-kv-notify", move || notify_loop(w, d))?);
+        }
+        let w = Arc::downgrade(&inner);
+        threads.push(spawn("oxccl-kv-keeper", move || keeper_loop(w))?);
+        let w = Arc::downgrade(&inner);
+        threads.push(spawn("oxccl-kv-progress", move || {
+            while let Some(inner) = w.upgrade() {
+                if inner.closed.load(Ordering::Acquire) {
+                    return;
+                }
+                inner.background_progress();
+            }
+        })?);
+        Ok(TransferEngine {
+            inner,
+            server: Some(server),
+            threads,
+        })
+    }
+
+    /// The segment name peers open this engine by.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// `IP:port` of the handshake listener (Mooncake's RPC port).
+    pub fn handshake_addr(&self) -> &str {
+        &self.inner.handshake_addr
+    }
+
+    /// The providers this engine serves (`"shm"`, `"tcp"`).
+    pub fn providers(&self) -> Vec<&'static str> {
+        self.inner.devs.iter().map(|d| d.provider.name()).collect()
+    }
+
+    /// This engine's current descriptor, as peers see it.
+    pub fn descriptor(&self) -> SegmentDesc {
+        self.inner.descriptor()
+    }
+
+    /// Allocates `len` bytes of zeroed memory, registered with every provider: the zero-copy
+    /// path (on shm, a peer's WRITE is one `memcpy` into it and no syscall). Freed with
+    /// [`TransferEngine::free_managed_buffer`] or when the engine closes.
+    pub fn allocate_managed_buffer(&self, len: usize) -> Result<u64> {
+        self.inner.allocate(len)
+    }
+
+    /// Frees a buffer from [`TransferEngine::allocate_managed_buffer`].
+    pub fn free_managed_buffer(&self, addr: u64) -> Result<()> {
+        self.inner.unregister(addr, true)
+    }
+
+    /// Registers memory the caller owns, so that requests may use it as their local side and
+    /// peers may READ and WRITE it (Mooncake's `register_memory`). On shm, peers reach it with
+    /// one `process_vm_readv`/`writev` per request; managed buffers need none.
+    ///
+    /// # Safety
+    /// `addr..addr+len` must be valid, writable memory of this process that stays allocated
+    /// until it is unregistered (or the engine closes) and every request using it completed.
+    /// Peers may write it at any time while it is registered.
+    pub unsafe fn register_memory(&self, addr: u64, len: usize) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.inner.register(addr, len) }
+    }
+
+    /// Unregisters memory registered with [`TransferEngine::register_memory`]; later requests
+    /// on it fail (peers' with a remote access error).
+    pub fn unregister_memory(&self, addr: u64) -> Result<()> {
+        self.inner.unregister(addr, false)
+    }
+
+    /// Copies `data` into registered local memory at `addr` (managed buffers: the safe way to
+    /// fill them).
+    pub fn write_local(&self, addr: u64, data: &[u8]) -> Result<()> {
+        let (r, off) = self.inner.local(addr, data.len())?;
+        r.mrs[0]
+            .write(off, data)
+            .map_err(|e| Error::verbs("writing local memory", e))
+    }
+
+    /// Copies registered local memory at `addr` into `out`.
+    pub fn read_local(&self, addr: u64, out: &mut [u8]) -> Result<()> {
+        let (r, off) = self.inner.local(addr, out.len())?;
+        r.mrs[0]
+            .read(off, out)
+            .map_err(|e| Error::verbs("reading local memory", e))
+    }
+
+    /// Opens segment `name` (looked up in the metadata backend) and connects to its owner:
+    /// returns the id requests name as their target. Opening an open segment returns the same
+    /// id; one whose peer failed is opened afresh.
+    pub fn open_segment(&self, name: &str) -> Result<SegmentId> {
+        self.inner.open(name)
+    }
+
+    /// The newest descriptor known of an opened segment.
+    pub fn segment_descriptor(&self, segment: SegmentId) -> Result<SegmentDesc> {
+        let p = self.inner.peer(segment)?;
+        let d = p.desc.read().unwrap_or_else(|e| e.into_inner()).clone();
+        Ok(d)
+    }
+
+    /// Asks the owner of `segment` for its descriptor again (after it registered more memory).
+    pub fn refresh_segment(&self, segment: SegmentId) -> Result<SegmentDesc> {
+        let p = self.inner.peer(segment)?;
+        let d = p
+            .client
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_desc()?;
+        *p.desc.write().unwrap_or_else(|e| e.into_inner()) = d.clone();
+        Ok(d)
+    }
+
+    /// Closes an opened segment: its connections are torn down.
+    pub fn close_segment(&self, segment: SegmentId) -> Result<()> {
+        let p = self
+            .inner
+            .peers
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&segment)
+            .ok_or_else(|| Error::arg(format!("segment id {segment} is not open")))?;
+        self.inner
+            .by_name
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|_, id| *id != segment);
+        drop(p);
+        Ok(())
+    }
+
+    /// Registers `service` under `name`: peers call it with [`TransferEngine::call`].
+    pub fn serve(&self, name: &str, service: Service) {
+        self.inner
+            .services
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string(), service);
+    }
+
+    /// Calls the service `service` of the owner of `segment` with `body`, over the handshake
+    /// channel; its reply, or its error.
+    pub fn call(&self, segment: SegmentId, service: &str, body: &[u8]) -> Result<Vec<u8>> {
+        let p = self.inner.peer(segment)?;
+        let mut c = p.client.lock().unwrap_or_else(|e| e.into_inner());
+        match c.call(&Msg::Call {
+            service: service.to_string(),
+            body: body.to_vec(),
+        })? {
+            Msg::Reply { body } => Ok(body),
+            m => Err(Error::Handshake {
+                peer: c.addr.clone(),
+                detail: format!("expected a reply, got {m:?}"),
+            }),
+        }
+    }
+
+    /// Takes the notifications that arrived since the last call (Mooncake's `get_notifies`).
+    pub fn get_notifies(&self) -> Vec<Notification> {
+        let mut q = self
+            .inner
+            .notifies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        q.drain(..).collect()
+    }
+
+    /// Waits up to `timeout` for at least one notification, then takes them all; an empty
+    /// vector when none came.
+    pub fn wait_notifies(&self, timeout: Duration) -> Vec<Notification> {
+        let deadline = Instant::now() + timeout;
+        let mut q = self
+            .inner
+            .notifies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        while q.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            q = self
+                .inner
+                .notified
+                .wait_timeout(q, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        q.drain(..).collect()
+    }
+
+    /// The configuration the engine runs with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+}
+
+impl Drop for TransferEngine {
+    fn drop(&mut self) {
+        self.inner.closed.store(true, Ordering::Release);
+        let _ = self.inner.meta.remove(&self.inner.name);
+        self.server.take();
+        self.inner.batches.wake_all();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        self.inner
+            .inbound
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        self.inner
+            .peers
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+}
+
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(f)
+        .map_err(|e| Error::io(format!("spawning thread {name}"), e))
+}
+
+fn access() -> AccessFlags {
+    AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ
+}
+
+impl Inner {
+    pub(crate) fn descriptor(&self) -> SegmentDesc {
+        let regions = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        SegmentDesc {
+            format: DESC_FORMAT,
+            name: self.name.clone(),
+            version: self.version.load(Ordering::Acquire),
+            handshake: self.handshake_addr.clone(),
+            host: self.host.clone(),
+            providers: self
+                .devs
+                .iter()
+                .map(|d| d.provider.name().to_string())
+                .collect(),
+            buffers: regions.values().map(|r| r.desc(&self.devs)).collect(),
+        }
+    }
+
+    fn publish(&self) -> Result<()> {
+        self.meta.publish(&self.descriptor())
+    }
+
+    fn allocate(&self, len: usize) -> Result<u64> {
+        if len == 0 {
+            return Err(Error::arg("a managed buffer of 0 bytes"));
+        }
+        let first = self.devs[0]
+            .pd
+            .alloc_mr(len, access())
+            .map_err(|e| Error::verbs(format!("allocating a managed buffer of {len} bytes"), e))?;
+        let addr = first.addr();
+        let mut mrs = vec![first];
+        for d in &self.devs[1..] {
+            // SAFETY: the memory is the first region's mapping, kept alive by `mrs[0]` for as
+            // long as these registrations (they live in the same `Region`, dropped in order).
+            let mr = unsafe { d.pd.reg_mr_raw(addr as *mut u8, len, access()) }
+                .map_err(|e| Error::verbs("registering a managed buffer", e))?;
+            mrs.push(mr);
+        }
+        self.insert(Region {
+            addr,
+            len,
+            mrs,
+            managed: true,
+        })?;
+        Ok(addr)
+    }
+
+    /// # Safety
+    /// As [`TransferEngine::register_memory`].
+    unsafe fn register(&self, addr: u64, len: usize) -> Result<()> {
+        if len == 0 || addr == 0 {
+            return Err(Error::arg(format!(
+                "registering {len} bytes at {addr:#x}: a null or empty range"
+            )));
+        }
+        let mut mrs = Vec::new();
+        for d in &self.devs {
+            // SAFETY: the caller guarantees the range stays valid while registered.
+            let mr = unsafe { d.pd.reg_mr_raw(addr as *mut u8, len, access()) }
+                .map_err(|e| Error::verbs(format!("registering {len} bytes at {addr:#x}"), e))?;
+            mrs.push(mr);
+        }
+        self.insert(Region {
+            addr,
+            len,
+            mrs,
+            managed: false,
+        })
+    }
+
+    fn insert(&self, r: Region) -> Result<()> {
+        {
+            let mut regions = self.regions.write().unwrap_or_else(|e| e.into_inner());
+            let end = r.addr + r.len as u64;
+            if let Some((_, o)) = regions.range(..end).next_back()
+                && o.addr + o.len as u64 > r.addr
+            {
+                return Err(Error::arg(format!(
+                    "{} bytes at {:#x} overlap registered memory {:#x}+{}",
+                    r.len, r.addr, o.addr, o.len
+                )));
+            }
+            regions.insert(r.addr, Arc::new(r));
+            self.version.fetch_add(1, Ordering::AcqRel);
+        }
+        self.publish()
+    }
+
+    fn unregister(&self, addr: u64, managed: bool) -> Result<()> {
+        {
+            let mut regions = self.regions.write().unwrap_or_else(|e| e.into_inner());
+            match regions.get(&addr) {
+                Some(r) if r.managed == managed => {}
+                Some(_) if managed => {
+                    return Err(Error::arg(format!(
+                        "{addr:#x} was registered by the caller, not allocated: use unregister_memory"
+                    )));
+                }
+                Some(_) => {
+                    return Err(Error::arg(format!(
+                        "{addr:#x} is a managed buffer: use free_managed_buffer"
+                    )));
+                }
+                None => {
+                    return Err(Error::arg(format!(
+                        "{addr:#x} is not the start of a registered buffer"
+                    )));
+                }
+            }
+            if let Some(r) = regions.remove(&addr) {
+                for m in &r.mrs {
+                    m.deregister();
+                }
+            }
+            self.version.fetch_add(1, Ordering::AcqRel);
+        }
+        self.publish()
+    }
+
+    /// The registered region holding `addr..addr+len`, and the offset of `addr` in it.
+    pub(crate) fn local(&self, addr: u64, len: usize) -> Result<(Arc<Region>, usize)> {
+        let regions = self.regions.read().unwrap_or_else(|e| e.into_inner());
+        regions
+            .range(..=addr)
+            .next_back()
+            .map(|(_, r)| r)
+            .filter(|r| {
+                addr.checked_add(len as u64)
+                    .is_some_and(|end| end <= r.addr + r.len as u64)
+            })
+            .map(|r| (r.clone(), (addr - r.addr) as usize))
+            .ok_or_else(|| {
+                Error::arg(format!(
+                    "local buffer of {len} bytes at {addr:#x} is not inside memory registered \
+                     with engine {:?} (register_memory or allocate_managed_buffer first)",
+                    self.name
+                ))
+            })
+    }
+
+    pub(crate) fn peer(&self, segment: SegmentId) -> Result<Arc<Peer>> {
+        self.peers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&segment)
+            .cloned()
+            .ok_or_else(|| {
+                Error::arg(format!(
+                    "segment id {segment} is not open on engine {:?}",
+                    self.name
+                ))
+            })
+    }
+
+    fn open(&self, name: &str) -> Result<SegmentId> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        let existing = self
+            .by_name
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .copied();
+        if let Some(id) = existing
+            && let Ok(p) = self.peer(id)
+        {
+            if p.failed.lock().unwrap_or_else(|e| e.into_inner()).is_none() {
+                return Ok(id);
+            }
+            self.peers
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id);
+        }
+        let id = self.next_segment.fetch_add(1, Ordering::Relaxed);
+        let peer = self.connect_peer(name, id)?;
+        self.peers
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, peer);
+        self.by_name
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string(), id);
+        Ok(id)
+    }
+
+    /// Connects afresh to a peer whose connection failed, under the same segment id.
+    pub(crate) fn reopen(&self, old: &Peer) -> Result<Arc<Peer>> {
+        let fresh = self.connect_peer(&old.name, old.id)?;
+        self.peers
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(old.id, fresh.clone());
+        Ok(fresh)
+    }
+
+    /// Looks segment `name` up, and connects lanes to its owner over the handshake.
+    fn connect_peer(&self, name: &str, id: SegmentId) -> Result<Arc<Peer>> {
+        let desc = self.meta.lookup(name, self.config.timeout)?;
+        let dev = self.pick_dev(&desc)?;
+        let provider = self.devs[dev].provider;
+        let mut client = Client::connect(
+            &desc.handshake,
+            &self.name,
+            &self.config.secret,
+            self.config.timeout,
+        )?;
+        // The descriptor from the owner itself is the newest.
+        let desc = client.get_desc()?;
+        let nlanes = if provider == Provider::Tcp {
+            self.config.lanes
+        } else {
+            1
+        };
+        let qcfg = QpConfig {
+            timeout: self.config.peer_timeout,
+            connect: ConnectRole::Active,
+            ..QpConfig::default()
+        };
+        let d = &self.devs[dev];
+        let lanes = (0..nlanes)
+            .map(|_| d.pd.create_qp(&d.send_cq, &d.recv_cq, &qcfg))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| Error::verbs(format!("creating queue pairs for segment {name:?}"), e))?;
+        let endpoints = lanes.iter().map(|q| q.endpoint()).collect();
+        let theirs = match client.call(&Msg::Connect {
+            provider: provider.name().to_string(),
+            endpoints,
+        })? {
+            Msg::Connected { endpoints } if endpoints.len() == nlanes => endpoints,
+            m => {
+                return Err(Error::Handshake {
+                    peer: desc.handshake.clone(),
+                    detail: format!("expected {nlanes} connected endpoints, got {m:?}"),
+                });
+            }
+        };
+        for (q, e) in lanes.iter().zip(&theirs) {
+            q.connect(e).map_err(|e| {
+                Error::verbs(format!("connecting to segment {name:?} over {provider}"), e)
+            })?;
+        }
+        Ok(Arc::new(Peer {
+            id,
+            name: name.to_string(),
+            dev,
+            desc: RwLock::new(desc),
+            lanes,
+            client: Mutex::new(client),
+            failed: Mutex::new(None),
+            queue: Mutex::new(Default::default()),
+        }))
+    }
+
+    fn pick_dev(&self, desc: &SegmentDesc) -> Result<usize> {
+        let has = |p: Provider| {
+            desc.providers.iter().any(|x| x == p.name())
+                && self.devs.iter().any(|d| d.provider == p)
+        };
+        let same_host = desc.host == self.host;
+        let want = if same_host && has(Provider::Shm) {
+            Some(Provider::Shm)
+        } else if has(Provider::Tcp) {
+            Some(Provider::Tcp)
+        } else {
+            None
+        };
+        want.and_then(|p| self.devs.iter().position(|d| d.provider == p))
+            .ok_or_else(|| Error::PeerFailed {
+                segment: desc.name.clone(),
+                detail: format!(
+                    "no provider in common: this engine serves {:?}, the segment {:?}{}",
+                    self.devs
+                        .iter()
+                        .map(|d| d.provider.name())
+                        .collect::<Vec<_>>(),
+                    desc.providers,
+                    if same_host {
+                        ""
+                    } else {
+                        " on another host (shm reaches only this host)"
+                    }
+                ),
+            })
+    }
+
+    /// A peer asks for queue pairs connected to its lanes.
+    fn accept(&self, from: &str, provider: &str, endpoints: Vec<QpEndpoint>) -> Result<Msg> {
+        let dev = self
+            .devs
+            .iter()
+            .position(|d| d.provider.name() == provider)
+            .ok_or_else(|| Error::arg(format!("this engine does not serve provider {provider}")))?;
+        if endpoints.is_empty() || endpoints.len() > 64 {
+            return Err(Error::arg(format!("{} lanes asked", endpoints.len())));
+        }
+        let d = &self.devs[dev];
+        let qcfg = QpConfig {
+            timeout: self.config.peer_timeout,
+            connect: ConnectRole::Passive,
+            ..QpConfig::default()
+        };
+        let mut qps = Vec::new();
+        for e in &endpoints {
+            let q =
+                d.pd.create_qp(&d.send_cq, &d.recv_cq, &qcfg)
+                    .map_err(|e| Error::verbs("creating an inbound queue pair", e))?;
+            q.connect(e)
+                .map_err(|e| Error::verbs(format!("connecting {from:?}'s lane"), e))?;
+            qps.push(q);
+        }
+        let bufs =
+            d.pd.alloc_mr(NOTIFY_DEPTH * MAX_NOTIFY, AccessFlags::LOCAL_WRITE)
+                .map_err(|e| Error::verbs("allocating notification buffers", e))?;
+        for i in 0..NOTIFY_DEPTH {
+            post_notify_recv(&qps[0], &bufs, i)?;
+        }
+        let mine = qps.iter().map(|q| q.endpoint()).collect();
+        let key = (dev, qps[0].qp_num());
+        self.inbound
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(
+                key,
+                Inbound {
+                    from: from.to_string(),
+                    qps,
+                    bufs,
+                },
+            );
+        Ok(Msg::Connected { endpoints: mine })
+    }
+}
+
+fn post_notify_recv(qp: &QueuePair, bufs: &MemoryRegion, i: usize) -> Result<()> {
+    let sge = [Sge::new(bufs, i * MAX_NOTIFY, MAX_NOTIFY)];
+    qp.post_recv(&[RecvWr::new(i as u64, &sge)])
+        .map_err(|e| Error::verbs("posting a notification receive", e))
+}
+
+/// The handshake service of an engine (holds it weakly: the engine owns the server).
+struct Handler {
+    inner: Arc<Mutex<Weak<Inner>>>,
+}
+
+impl handshake::Handler for Handler {
+    fn handle(&self, peer: &str, msg: Msg) -> Msg {
+        let Some(inner) = self
+            .inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .upgrade()
+        else {
+            return Msg::Failed {
+                reason: "the engine is shutting down".into(),
+            };
+        };
+        let r = match msg {
+            Msg::GetDesc => Ok(Msg::Desc {
+                desc: inner.descriptor(),
+            }),
+            Msg::Connect {
+                provider,
+                endpoints,
+            } => inner.accept(peer, &provider, endpoints),
+            Msg::Call { service, body } => {
+                let s = inner
+                    .services
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(&service)
+                    .cloned();
+                match s {
+                    Some(s) => s(peer, &body).map(|body| Msg::Reply { body }),
+                    None => Err(Error::arg(format!(
+                        "engine {:?} has no service {service:?}",
+                        inner.name
+                    ))),
+                }
+            }
+            m => Err(Error::arg(format!("unexpected request {m:?}"))),
+        };
+        r.unwrap_or_else(|e| Msg::Failed {
+            reason: e.to_string(),
+        })
+    }
+}
+
+/// Takes notifications off a provider's receive queue, and drops inbound connections whose
+/// peer went away.
+fn notify_loop(w: Weak<Inner>, dev: usize) {
+    let mut wc = [WorkCompletion::EMPTY; 64];
+    loop {
+        let Some(inner) = w.upgrade() else { return };
+        if inner.closed.load(Ordering::Acquire) {
+            return;
+        }
+        let cq = inner.devs[dev].recv_cq.clone();
+        drop(inner);
+        let n = match cq.wait(&mut wc, Duration::from_millis(100)) {
+            Ok(n) => n,
+            Err(_) => 0,
+        };
+        if n == 0 {
+            continue;
+        }
+        let Some(inner) = w.upgrade() else { return };
+        let mut inbound = inner.inbound.lock().unwrap_or_else(|e| e.into_inner());
+        for c in &wc[..n] {
+            let key = (dev, c.qp_num);
+            if !c.is_ok() {
+                // The peer is gone (its lanes flushed): forget the connection.
+                if let Some(ib) = inbound.remove(&key) {
+                    tracing::debug!("oxccl-kv: {:?}'s connection closed: {}", ib.from, c.status);
+                    drop(ib.qps);
+                }
+                continue;
+            }
+            let Some(ib) = inbound.get(&key) else {
+                continue;
+            };
+            let slot = c.wr_id as usize;
+            let len = (c.byte_len as usize).min(MAX_NOTIFY);
+            let mut msg = vec![0; len];
+            if ib.bufs.read(slot * MAX_NOTIFY, &mut msg).is_ok() {
+                inner
+                    .notifies
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push_back(decode_notify(&ib.from, msg));
+                inner.notified.notify_all();
+            }
+            if let Err(e) = post_notify_recv(&ib.qps[0], &ib.bufs, slot) {
+                tracing::debug!("oxccl-kv: reposting a notification receive: {e}");
+            }
+        }
+    }
+}
+
+/// A notification on the wire: the sender's name length (2 bytes LE), the name, the message.
+pub(crate) fn encode_notify(from: &str, msg: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(2 + from.len() + msg.len());
+    v.extend_from_slice(&(from.len() as u16).to_le_bytes());
+    v.extend_from_slice(from.as_bytes());
+    v.extend_from_slice(msg);
+    v
+}
+
+fn decode_notify(conn_from: &str, b: Vec<u8>) -> Notification {
+    let n = b
+        .get(..2)
+        .map(|x| u16::from_le_bytes([x[0], x[1]]) as usize);
+    match n {
+        Some(n) if b.len() >= 2 + n => Notification {
+            from: String::from_utf8_lossy(&b[2..2 + n]).into_owned(),
+            msg: b[2 + n..].to_vec(),
+        },
+        _ => Notification {
+            from: conn_from.to_string(),
+            msg: b,
+        },
+    }
+}
+
+/// Publishes the descriptor again whenever the backend lost it (a restarted server).
+fn keeper_loop(w: Weak<Inner>) {
+    let mut last = Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_millis(50));
+        let Some(inner) = w.upgrade() else { return };
+        if inner.closed.load(Ordering::Acquire) {
+            return;
+        }
+        if last.elapsed() < inner.config.republish_every {
+            continue;
+        }
+        last = Instant::now();
+        let v = inner.version.load(Ordering::Acquire);
+        match inner.meta.present(&inner.name, v) {
+            Ok(true) => {}
+            Ok(false) => match inner.publish() {
+                Ok(()) => tracing::info!(
+                    "oxccl-kv: segment {:?} published again to {}",
+                    inner.name,
+                    inner.meta.describe()
+                ),
+                Err(e) => tracing::debug!("oxccl-kv: republishing: {e}"),
+            },
+            Err(e) => tracing::debug!("oxccl-kv: checking the descriptor: {e}"),
+        }
+    }
+}

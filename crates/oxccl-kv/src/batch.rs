@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use oxccl_verbs::{MemoryRegion, RemoteAddr, SendWr, Sge, WcStatus, WorkCompletion, WrOp};
 
 use crate::engine::{
-    Inner, LANE_WINDOW, MAX_NOTIFY, Peer, Region, SegmentId, TransferEngine, encode_notify,
+    Inner, LANE_BYTES, LANE_WINDOW, MAX_NOTIFY, Peer, Region, SegmentId, TransferEngine,
+    encode_notify,
 };
 use crate::error::{Error, Result};
 
@@ -111,7 +112,11 @@ pub(crate) struct Slice {
 #[derive(Default)]
 pub(crate) struct LaneQueue {
     pending: VecDeque<Slice>,
-    inflight: Vec<usize>,
+    /// Requests and bytes posted and not yet completed, per lane.
+    inflight: Vec<(usize, usize)>,
+    /// Bytes of each posted slice, by wr_id (a request's slices on one lane share it and
+    /// complete in order), to give its lane's window back.
+    sizes: HashMap<u64, VecDeque<usize>>,
     next: usize,
 }
 
@@ -442,7 +447,7 @@ impl Inner {
             let mut q = peer.queue.lock().unwrap_or_else(|e| e.into_inner());
             let lanes = peer.lanes.len();
             if q.inflight.len() != lanes {
-                q.inflight = vec![0; lanes];
+                q.inflight = vec![(0, 0); lanes];
             }
             let dead = peer
                 .failed
@@ -456,10 +461,14 @@ impl Inner {
                     continue;
                 }
                 let start = q.next;
-                let Some(lane) = (0..lanes)
-                    .map(|k| (start + k) % lanes)
-                    .find(|&l| q.inflight[l] < LANE_WINDOW)
-                else {
+                // A lane takes a request while it has fewer than LANE_WINDOW requests and
+                // LANE_BYTES bytes in flight (an empty lane takes any size). On shm a WRITE is
+                // the copy itself, so this also bounds how long a submit blocks.
+                let len = front.len;
+                let Some(lane) = (0..lanes).map(|k| (start + k) % lanes).find(|&l| {
+                    let (n, b) = q.inflight[l];
+                    n == 0 || (n < LANE_WINDOW && b + len <= LANE_BYTES)
+                }) else {
                     break;
                 };
                 let Some(s) = q.pending.pop_front() else {
@@ -476,7 +485,9 @@ impl Inner {
                 };
                 match peer.lanes[lane].post_send(&[SendWr::new(wid, op, &sge)]) {
                     Ok(()) => {
-                        q.inflight[lane] += 1;
+                        q.inflight[lane].0 += 1;
+                        q.inflight[lane].1 += s.len;
+                        q.sizes.entry(wid).or_default().push_back(s.len);
                     }
                     Err(e) => failures.push((wid, Failure::Peer(format!("posting failed: {e}")))),
                 }
@@ -560,8 +571,19 @@ impl Inner {
                 }
                 if r != NOTIFY_REQ {
                     let mut q = p.queue.lock().unwrap_or_else(|e| e.into_inner());
-                    if let Some(n) = q.inflight.get_mut(lane) {
+                    let bytes = match q.sizes.get_mut(&c.wr_id) {
+                        Some(v) => {
+                            let b = v.pop_front().unwrap_or(0);
+                            if v.is_empty() {
+                                q.sizes.remove(&c.wr_id);
+                            }
+                            b
+                        }
+                        None => 0,
+                    };
+                    if let Some((n, b)) = q.inflight.get_mut(lane) {
                         *n = n.saturating_sub(1);
+                        *b = b.saturating_sub(bytes);
                     }
                 }
                 if !touched.iter().any(|t| Arc::ptr_eq(t, p)) {

@@ -25,6 +25,8 @@ pub const MAX_NOTIFY: usize = 4096;
 const NOTIFY_DEPTH: usize = 64;
 /// Requests in flight per lane before later ones wait in the engine.
 pub(crate) const LANE_WINDOW: usize = 1024;
+/// Bytes in flight per lane before later requests wait in the engine.
+pub(crate) const LANE_BYTES: usize = 16 << 20;
 
 /// A notification: a message a peer delivered with a batch, after the batch's data was visible
 /// here.

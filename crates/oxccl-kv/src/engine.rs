@@ -220,7 +220,13 @@ impl TransferEngine {
             meta,
             handshake_addr,
             regions: RwLock::new(BTreeMap::new()),
-            version: AtomicU64::new(1),
+            // Versions grow across restarts too (a restarted engine of the same name must not
+            // lose to its crashed predecessor's descriptor): they start at the clock.
+            version: AtomicU64::new(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(1, |d| d.as_micros() as u64),
+            ),
             peers: RwLock::new(HashMap::new()),
             by_name: Mutex::new(HashMap::new()),
             next_segment: AtomicU64::new(1),

@@ -568,7 +568,6 @@ fn redis_older_does_not_overwrite_newer() {
 }
 
 #[test]
-#[ignore = "StoreMetadata::publish sets the key unconditionally: an older version replaces a newer one"]
 fn store_older_does_not_overwrite_newer() {
     if let Some(mut b) = StoreBackend::start() {
         older_does_not_overwrite_newer(&mut b);

@@ -77,10 +77,34 @@ impl StoreMetadata {
 }
 
 impl Metadata for StoreMetadata {
+    /// Compare-and-set: an older version never replaces a newer one (another engine of the same
+    /// name that started later, or a late republish).
     fn publish(&self, desc: &SegmentDesc) -> Result<()> {
         let key = segment_key(&desc.name);
         let bytes = desc.to_bytes();
-        self.with(|s| s.set(&key, &bytes)).map_err(|e| self.fail(e))
+        for _ in 0..64 {
+            let cur = match self.with(|s| s.get(&key, Duration::ZERO)) {
+                Ok(b) => Some(b),
+                Err(e) if e.is_timeout() => None,
+                Err(e) => return Err(self.fail(e)),
+            };
+            if let Some(c) = &cur
+                && let Ok(d) = SegmentDesc::from_bytes(c, "")
+                && d.version > desc.version
+            {
+                return Ok(());
+            }
+            let out = self
+                .with(|s| s.compare_set(&key, cur.as_deref(), &bytes))
+                .map_err(|e| self.fail(e))?;
+            if out.swapped {
+                return Ok(());
+            }
+        }
+        Err(Error::Metadata {
+            backend: self.describe(),
+            detail: format!("publishing {key:?} lost 64 compare-and-set races in a row"),
+        })
     }
 
     fn lookup(&self, name: &str, timeout: Duration) -> Result<SegmentDesc> {

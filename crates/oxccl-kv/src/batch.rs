@@ -150,6 +150,9 @@ struct Notify {
     failed: Option<String>,
 }
 
+/// A notification ready to go: the peer and the encoded message.
+type NotifySend = (Arc<Peer>, Vec<u8>);
+
 /// Every batch of an engine.
 #[derive(Default)]
 pub(crate) struct Batches {
@@ -615,7 +618,7 @@ impl Inner {
     }
 
     /// Posts the SENDs of batches whose data is all done.
-    fn send_notifies(&self, sends: Vec<(BatchId, (Arc<Peer>, Vec<u8>))>) {
+    fn send_notifies(&self, sends: Vec<(BatchId, NotifySend)>) {
         for (bid, (peer, msg)) in sends {
             let dev = &self.devs[peer.dev];
             let r = dev
@@ -755,7 +758,7 @@ fn finish_slice(b: &mut BatchState, r: usize, bytes: u64, failure: Option<Failur
 }
 
 /// When a batch's requests are all over: the notification to send, or the batch is done.
-fn ready_notify(b: &mut BatchState) -> Option<(Arc<Peer>, Vec<u8>)> {
+fn ready_notify(b: &mut BatchState) -> Option<NotifySend> {
     if b.open > 0 || b.done {
         return None;
     }

@@ -876,10 +876,9 @@ fn notify_loop(w: Weak<Inner>, dev: usize) {
         }
         let cq = inner.devs[dev].recv_cq.clone();
         drop(inner);
-        let n = match cq.wait(&mut wc, Duration::from_millis(100)) {
-            Ok(n) => n,
-            Err(_) => 0,
-        };
+        let n = cq
+            .wait(&mut wc, Duration::from_millis(100))
+            .unwrap_or_default();
         if n == 0 {
             continue;
         }

@@ -265,8 +265,6 @@ pub(crate) struct Client {
     stream: TcpStream,
     /// The peer's address, for messages.
     pub addr: String,
-    /// The peer engine's name, as it said in its hello.
-    pub peer_name: String,
 }
 
 impl Client {
@@ -292,8 +290,8 @@ impl Client {
         s.set_nodelay(true).map_err(io)?;
         s.set_read_timeout(Some(timeout)).map_err(io)?;
         s.set_write_timeout(Some(timeout)).map_err(io)?;
-        let (peer_name, ns) = match recv(&mut s).map_err(io)? {
-            Msg::Hello { name, nonce } => (name, nonce),
+        let ns = match recv(&mut s).map_err(io)? {
+            Msg::Hello { nonce, .. } => nonce,
             m => return Err(herr(format!("expected a hello, got {m:?}"))),
         };
         let nc = nonce()?;
@@ -331,7 +329,6 @@ impl Client {
         Ok(Client {
             stream: s,
             addr: addr.to_string(),
-            peer_name,
         })
     }
 

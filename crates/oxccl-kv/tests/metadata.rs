@@ -706,3 +706,71 @@ fn redis_passwords_and_acl_users() {
     user.publish(&desc("p", 3)).unwrap();
     assert!(m.present("p", 3).unwrap());
 }
+
+/// The whole story of a metadata server that restarts empty: the live engine publishes its
+/// descriptor again on its own (within its republish period), and a peer that starts afterwards
+/// opens the segment and moves data (Mooncake's users lost every segment: its issue #2246).
+fn engines_publish_again_after_a_restart(b: &mut dyn Backend) {
+    use oxccl_kv::{EngineConfig, Opcode, TransferEngine, TransferRequest};
+    let config = |name: &str| {
+        let mut c = EngineConfig::new(Secret::new("engine-restart-secret-1").unwrap());
+        c.name = Some(name.into());
+        c.republish_every = Duration::from_millis(200);
+        c.timeout = Duration::from_secs(5);
+        c
+    };
+    let owner = TransferEngine::new(config("owner"), Arc::from(b.connect())).unwrap();
+    let buf = owner.allocate_managed_buffer(1 << 20).unwrap();
+    owner.write_local(buf, &[0x3c; 1 << 20]).unwrap();
+    let probe = b.connect();
+    assert!(probe.lookup("owner", TIMEOUT).is_ok());
+    b.restart();
+    // The keeper notices within a few periods; the fresh server holds the current version.
+    let t = Instant::now();
+    let desc = loop {
+        match probe.lookup("owner", Duration::from_millis(100)) {
+            Ok(d) => break d,
+            Err(_) if t.elapsed() < Duration::from_secs(5) => continue,
+            Err(e) => panic!("{}: not published again within 5 s: {e}", b.location()),
+        }
+    };
+    assert_eq!(desc, owner.descriptor(), "{}", b.location());
+    eprintln!("{}: published again {:?} after the restart", b.location(), t.elapsed());
+    let peer = TransferEngine::new(config("peer"), Arc::from(b.connect())).unwrap();
+    let local = peer.allocate_managed_buffer(1 << 20).unwrap();
+    let seg = peer.open_segment("owner").unwrap();
+    peer.transfer_sync(
+        &[TransferRequest {
+            opcode: Opcode::Read,
+            source: local,
+            target_id: seg,
+            target_offset: buf,
+            length: 1 << 20,
+        }],
+        None,
+    )
+    .unwrap();
+    let mut got = vec![0; 1 << 20];
+    peer.read_local(local, &mut got).unwrap();
+    assert!(got.iter().all(|&x| x == 0x3c));
+    // Closing an engine removes its descriptor.
+    drop(owner);
+    assert!(matches!(
+        probe.lookup("owner", Duration::from_millis(100)),
+        Err(Error::SegmentNotFound { .. })
+    ));
+}
+
+#[test]
+fn redis_engines_publish_again_after_a_restart() {
+    if let Some(mut b) = RedisBackend::start() {
+        engines_publish_again_after_a_restart(&mut b);
+    }
+}
+
+#[test]
+fn store_engines_publish_again_after_a_restart() {
+    if let Some(mut b) = StoreBackend::start() {
+        engines_publish_again_after_a_restart(&mut b);
+    }
+}

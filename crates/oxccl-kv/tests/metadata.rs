@@ -735,7 +735,11 @@ fn engines_publish_again_after_a_restart(b: &mut dyn Backend) {
         }
     };
     assert_eq!(desc, owner.descriptor(), "{}", b.location());
-    eprintln!("{}: published again {:?} after the restart", b.location(), t.elapsed());
+    eprintln!(
+        "{}: published again {:?} after the restart",
+        b.location(),
+        t.elapsed()
+    );
     let peer = TransferEngine::new(config("peer"), Arc::from(b.connect())).unwrap();
     let local = peer.allocate_managed_buffer(1 << 20).unwrap();
     let seg = peer.open_segment("owner").unwrap();

@@ -108,6 +108,13 @@ pub(crate) struct Slice {
     len: usize,
 }
 
+impl LaneQueue {
+    /// Whether a posted slice still waits for its completion.
+    pub(crate) fn in_flight(&self) -> bool {
+        self.inflight.iter().any(|&(n, _)| n > 0)
+    }
+}
+
 /// A segment's queue of slices waiting for room in a lane's window.
 #[derive(Default)]
 pub(crate) struct LaneQueue {
@@ -546,7 +553,12 @@ impl Inner {
     fn dispatch(&self, dev: usize, wcs: &[WorkCompletion]) {
         let peers: Vec<Arc<Peer>> = {
             let p = self.peers.read().unwrap_or_else(|e| e.into_inner());
-            p.values().filter(|p| p.dev == dev).cloned().collect()
+            let r = self.retired.lock().unwrap_or_else(|e| e.into_inner());
+            p.values()
+                .chain(r.iter())
+                .filter(|p| p.dev == dev)
+                .cloned()
+                .collect()
         };
         let find = |qp: u32| {
             peers
@@ -615,6 +627,10 @@ impl Inner {
         for p in touched {
             self.pump(&p);
         }
+        self.retired
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|p| p.in_flight());
     }
 
     /// Posts the SENDs of batches whose data is all done.

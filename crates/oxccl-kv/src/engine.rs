@@ -105,6 +105,14 @@ pub(crate) struct Peer {
     pub queue: Mutex<crate::batch::LaneQueue>,
 }
 
+impl Peer {
+    /// Whether any of its requests still waits for a completion.
+    pub(crate) fn in_flight(&self) -> bool {
+        let q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        q.in_flight()
+    }
+}
+
 /// An inbound connection: a peer's lanes to this engine, and the buffers its notifications land in.
 struct Inbound {
     from: String,
@@ -122,6 +130,9 @@ pub(crate) struct Inner {
     regions: RwLock<BTreeMap<u64, Arc<Region>>>,
     version: AtomicU64,
     pub peers: RwLock<HashMap<SegmentId, Arc<Peer>>>,
+    /// Peers replaced (after a failure) or closed while requests were in flight: kept until
+    /// their last completion arrived, so that no request is left without one.
+    pub retired: Mutex<Vec<Arc<Peer>>>,
     by_name: Mutex<HashMap<String, SegmentId>>,
     next_segment: AtomicU64,
     pub batches: Batches,
@@ -228,6 +239,7 @@ impl TransferEngine {
                     .map_or(1, |d| d.as_micros() as u64),
             ),
             peers: RwLock::new(HashMap::new()),
+            retired: Mutex::new(Vec::new()),
             by_name: Mutex::new(HashMap::new()),
             next_segment: AtomicU64::new(1),
             batches: Batches::default(),
@@ -371,7 +383,7 @@ impl TransferEngine {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .retain(|_, id| *id != segment);
-        drop(p);
+        self.inner.retire(p);
         Ok(())
     }
 
@@ -645,10 +657,14 @@ impl Inner {
             if p.failed.lock().unwrap_or_else(|e| e.into_inner()).is_none() {
                 return Ok(id);
             }
-            self.peers
+            let old = self
+                .peers
                 .write()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&id);
+            if let Some(old) = old {
+                self.retire(old);
+            }
         }
         let id = self.next_segment.fetch_add(1, Ordering::Relaxed);
         let peer = self.connect_peer(name, id)?;
@@ -666,11 +682,25 @@ impl Inner {
     /// Connects afresh to a peer whose connection failed, under the same segment id.
     pub(crate) fn reopen(&self, old: &Peer) -> Result<Arc<Peer>> {
         let fresh = self.connect_peer(&old.name, old.id)?;
-        self.peers
+        let replaced = self
+            .peers
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .insert(old.id, fresh.clone());
+        if let Some(r) = replaced {
+            self.retire(r);
+        }
         Ok(fresh)
+    }
+
+    /// Keeps a peer that left the table until its requests in flight have completed.
+    pub(crate) fn retire(&self, p: Arc<Peer>) {
+        if p.in_flight() {
+            self.retired
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(p);
+        }
     }
 
     /// Looks segment `name` up, and connects lanes to its owner over the handshake.

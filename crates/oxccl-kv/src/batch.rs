@@ -154,6 +154,8 @@ struct Notify {
     msg: Vec<u8>,
     /// The registered copy, while the SEND is in flight.
     mr: Option<MemoryRegion>,
+    /// Whether the SEND was handed to `send_notifies` (it goes once).
+    sent: bool,
     failed: Option<String>,
 }
 
@@ -417,6 +419,7 @@ impl Inner {
                 peer: p.clone(),
                 msg: encode_notify(&self.name, m),
                 mr: None,
+                sent: false,
                 failed: None,
             }),
             None => None,
@@ -780,11 +783,11 @@ fn ready_notify(b: &mut BatchState) -> Option<NotifySend> {
     }
     let ok = b.reqs.iter().all(|r| r.failed.is_none());
     match b.notify.as_mut() {
-        Some(n) if ok && n.mr.is_none() && n.failed.is_none() => {
-            // Marks it as being sent: `send_notifies` stores the registration.
-            n.failed = None;
+        Some(n) if ok && !n.sent => {
+            n.sent = true;
             Some((n.peer.clone(), std::mem::take(&mut n.msg)))
         }
+        Some(n) if ok && n.failed.is_none() => None,
         _ => {
             b.done = true;
             None

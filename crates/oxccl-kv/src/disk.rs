@@ -4,7 +4,8 @@
 //! go to extents of one preallocated file, read back on a miss.
 //!
 //! - [`DiskTier::open`] takes the path of the **file** (not a directory). The file is created
-//!   (mode 0600) or, if it exists, truncated, and sized to the capacity. With
+//!   (mode 0600) or, if it exists, truncated, and sized to the capacity; it is locked (`flock`)
+//!   while the tier is open, so a second tier on the same file is refused. With
 //!   [`DiskOptions::preallocate`] (the default) its blocks are reserved with `fallocate`, so a
 //!   file system without room for the capacity is found at open ([`Error::TierFull`]); without
 //!   it the file is sparse and the file system's `ENOSPC` is found at write, also as
@@ -18,10 +19,10 @@
 //!   `O_DIRECT` requirement), by a best-fit allocator that merges neighbouring free extents.
 //! - [`DiskTier::write`] and [`DiskTier::read`] take `&self` and may be called from many threads
 //!   at once. A transfer is cut into chunks of [`DiskOptions::chunk_size`] bytes that run in
-//!   parallel, on the calling thread and up to [`DiskOptions::threads`]` - 1` pool workers, each
-//!   a `pread`/`pwrite` (short transfers and `EINTR` are retried). A caller's buffer that is
-//!   aligned in address and length is transferred in place; otherwise each chunk goes through a
-//!   page-aligned bounce buffer from a small pool.
+//!   parallel, on the calling thread and up to `threads - 1` pool workers
+//!   ([`DiskOptions::threads`]), each a `pread`/`pwrite` (short transfers and `EINTR` are
+//!   retried). A caller's buffer that is aligned in address and length is transferred in
+//!   place; otherwise each chunk goes through a page-aligned bounce buffer from a small pool.
 //! - Dropping the tier removes the file if the tier created it, unless
 //!   [`DiskOptions::keep_file`] is set. An existing file that was truncated is left in place.
 
@@ -36,7 +37,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use rustix::fs::{Advice, FallocateFlags, Mode, OFlags};
+use rustix::fs::{Advice, FallocateFlags, FlockOperation, Mode, OFlags};
 use rustix::io::Errno;
 
 use crate::error::{Error, Result};
@@ -216,11 +217,11 @@ impl Allocator {
         }
         self.used.remove(&offset);
         let (mut start, mut end) = (offset, offset + len);
-        if let Some((&poff, &plen)) = self.free_by_offset.range(..offset).next_back() {
-            if poff + plen == offset {
-                self.remove_free(poff, plen);
-                start = poff;
-            }
+        if let Some((&poff, &plen)) = self.free_by_offset.range(..offset).next_back()
+            && poff + plen == offset
+        {
+            self.remove_free(poff, plen);
+            start = poff;
         }
         if let Some(&nlen) = self.free_by_offset.get(&end) {
             self.remove_free(end, nlen);
@@ -525,7 +526,7 @@ impl Shared {
                     return Err(Error::TierFull {
                         tier: self.name.clone(),
                         detail: format!(
-                            "the file system has no room for {total} bytes at offset {start} \
+                            "the file system has no room for the {total}-byte chunk at offset {start} \
                              ({}); the file is sparse or the disk is shared",
                             io::Error::from(e)
                         ),
@@ -658,7 +659,7 @@ impl DiskTier {
         let (fd, created) = match rustix::fs::open(path, base | OFlags::CREATE | OFlags::EXCL, mode)
         {
             Ok(fd) => (fd, true),
-            Err(Errno::EXIST) => match rustix::fs::open(path, base | OFlags::TRUNC, mode) {
+            Err(Errno::EXIST) => match rustix::fs::open(path, base, mode) {
                 Ok(fd) => (fd, false),
                 Err(e) => return Err(Error::io(format!("opening {}", path.display()), e.into())),
             },
@@ -671,6 +672,21 @@ impl DiskTier {
             e
         };
 
+        // One tier per file: an existing file is truncated only once its lock is held.
+        match rustix::fs::flock(&fd, FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => {}
+            Err(Errno::WOULDBLOCK) => {
+                return Err(cleanup(Error::arg(format!(
+                    "{name}: the file is in use by another disk tier (locked)"
+                ))));
+            }
+            Err(e) => {
+                return Err(cleanup(Error::io(
+                    format!("locking {}", path.display()),
+                    e.into(),
+                )));
+            }
+        }
         let direct = Self::setup_file(&fd, path, &name, capacity, &opts).map_err(cleanup)?;
         tracing::info!(
             path = %path.display(),
@@ -727,6 +743,8 @@ impl DiskTier {
         capacity: u64,
         opts: &DiskOptions,
     ) -> Result<bool> {
+        rustix::fs::ftruncate(fd, 0)
+            .map_err(|e| Error::io(format!("truncating {}", path.display()), e.into()))?;
         rustix::fs::ftruncate(fd, capacity).map_err(|e| {
             Error::io(
                 format!("sizing {} to {capacity} bytes", path.display()),
@@ -1038,10 +1056,11 @@ impl Drop for DiskTier {
         for h in self.workers.drain(..) {
             let _ = h.join();
         }
-        if self.created && !self.keep_file {
-            if let Err(e) = rustix::fs::unlink(&self.path) {
-                tracing::warn!(path = %self.path.display(), "removing the disk tier file: {e}");
-            }
+        if self.created
+            && !self.keep_file
+            && let Err(e) = rustix::fs::unlink(&self.path)
+        {
+            tracing::warn!(path = %self.path.display(), "removing the disk tier file: {e}");
         }
     }
 }
@@ -1127,7 +1146,7 @@ mod tests {
             for &(woff, roff) in &[(0usize, 0usize), (1, 7), (13, 0), (0, 4095)] {
                 let data = rng.bytes(len);
                 let ext = tier.alloc(len as u64).unwrap();
-                assert!(ext.len() >= len as u64 && ext.len() % DISK_ALIGN == 0);
+                assert!(ext.len() >= len as u64 && ext.len().is_multiple_of(DISK_ALIGN));
                 let mut wbuf = AlignedBuf::new((len + woff).next_multiple_of(ALIGN));
                 wbuf.as_mut_slice()[woff..woff + len].copy_from_slice(&data);
                 tier.write(&ext, &wbuf.as_slice()[woff..woff + len])
@@ -1235,8 +1254,17 @@ mod tests {
         std::fs::write(&path, b"old").unwrap();
         let tier = DiskTier::open(&path, 3 * 4096 + 5, DiskOptions::default()).unwrap();
         assert_eq!(tier.capacity(), 3 * 4096);
+        // The file is locked while a tier has it.
+        let err = DiskTier::open(&path, 4096, DiskOptions::default()).unwrap_err();
+        assert!(
+            err.to_string().contains("in use by another disk tier"),
+            "{err}"
+        );
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 3 * 4096);
         drop(tier);
         assert!(path.exists());
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<DiskTier>();
     }
 
     #[test]
@@ -1483,6 +1511,7 @@ mod tests {
             }
         }
         let (i, err) = full.expect("8 writes of 256 KiB (2 MiB) fitted in a 1 MiB tmpfs");
+        eprintln!("write {i} of 256 KiB: {err}");
         assert!(matches!(err, Error::TierFull { .. }), "write {i}: {err}");
         let text = err.to_string();
         assert!(text.contains(&name), "{text}");

@@ -10,6 +10,9 @@
 //!   tensors and DLPack objects, zero-copy, in and out of place, blocking or asynchronously;
 //! - [`work::PyWork`] (`oxccl.Work`): the handle of an asynchronous call, with `wait(timeout)`,
 //!   `is_completed()`, futures and callbacks;
+//! - [`kv::PyKvEngine`] (`oxccl._oxccl.KvEngine`, under `oxccl.kv.TransferEngine`, shaped like
+//!   Mooncake's): the oxccl-kv transfer engine, and [`kv::PyKvMetadataServer`], an oxccl store
+//!   for its segment descriptors;
 //! - the mapping of [`oxccl::Error`] to the exception classes of `oxccl.errors`.
 //!
 //! The GIL is released while a call runs and while waiting; the rendezvous store's methods
@@ -19,6 +22,7 @@
 pub mod buffer;
 pub mod comm;
 pub mod errors;
+pub mod kv;
 pub mod store;
 pub mod work;
 
@@ -73,6 +77,8 @@ fn _oxccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<comm::PyCommunicator>()?;
     m.add_class::<work::PyWork>()?;
     m.add_class::<PyReduceOp>()?;
+    m.add_class::<kv::PyKvEngine>()?;
+    m.add_class::<kv::PyKvMetadataServer>()?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(work::at_exit, m)?)?;
     // Completion callbacks must not start while the interpreter finalizes.

@@ -35,8 +35,9 @@ Mapping of ``initialize(local_hostname, metadata_server, protocol, device_name)`
   ``"oxccl://host:port"`` or a bare ``"host:port"`` (see :class:`MetadataServer`). With a
   service, the segment is named by ``local_hostname`` as given, as in Mooncake. etcd and
   HTTP metadata are not supported (a clear error says so).
-- ``protocol``: ``"tcp"``, ``"rdma"`` (carried by the tcp provider here), ``"shm"`` (this
-  host only), ``"auto"`` (shm inside the host, tcp across). ``OXCCL_KV_PROTOCOL`` overrides
+- ``protocol``: ``"tcp"``, ``"shm"`` (this host only), ``"auto"`` (shm inside the host, tcp
+  across), or ``"rdma"``, which means ``"auto"`` here (the fastest path: kernel bypass inside
+  a host, RDMA's model over tcp across hosts). ``OXCCL_KV_PROTOCOL`` overrides
   what the code asks for.
 - ``device_name``: accepted and ignored (oxccl picks its providers itself).
 - ``transport_hint`` arguments are accepted and ignored.

@@ -54,7 +54,7 @@ pub struct SegmentDesc {
     pub host: String,
     /// The providers the owner serves (`"shm"`, `"tcp"`).
     pub providers: Vec<String>,
-    /// The buffers, in registration order.
+    /// The buffers, in address order.
     pub buffers: Vec<BufferDesc>,
 }
 

@@ -15,7 +15,6 @@ use oxccl_verbs::{MemoryRegion, RemoteAddr, SendWr, Sge, WcStatus, WorkCompletio
 
 use crate::engine::{
     Inner, LANE_BYTES, LANE_WINDOW, MAX_NOTIFY, Peer, Region, SegmentId, TransferEngine,
-    encode_notify,
 };
 use crate::error::{Error, Result};
 
@@ -73,7 +72,7 @@ pub enum TransferStatus {
 pub struct BatchStatus {
     /// One status per request, in submission order.
     pub requests: Vec<TransferStatus>,
-    /// Bytes of the completed requests.
+    /// Bytes of the requests that completed successfully.
     pub transferred: u64,
     /// Whether the batch is over (every request completed or failed, and its notification, if
     /// any, was delivered or failed).
@@ -83,6 +82,10 @@ pub struct BatchStatus {
 const REQ_BITS: u32 = 26;
 const LANE_BITS: u32 = 6;
 const NOTIFY_REQ: u64 = (1 << REQ_BITS) - 1;
+/// Batch ids are the top 32 bits of a wr_id.
+const BATCH_MASK: u64 = (1 << (64 - REQ_BITS - LANE_BITS)) - 1;
+/// Most bytes one work request carries (the tcp provider's frames take up to 2 GiB).
+const MAX_WR: usize = 1 << 30;
 /// Most requests in one batch.
 pub const MAX_BATCH: usize = NOTIFY_REQ as usize;
 
@@ -100,19 +103,13 @@ fn split_wr_id(w: u64) -> (u64, usize, u64) {
 
 /// One work request of a request: a slice on one lane.
 pub(crate) struct Slice {
-    wr_id: u64,
+    batch: u64,
+    req: u64,
     op: Opcode,
     region: Arc<Region>,
     local_off: usize,
     remote: RemoteAddr,
     len: usize,
-}
-
-impl LaneQueue {
-    /// Whether a posted slice still waits for its completion.
-    pub(crate) fn in_flight(&self) -> bool {
-        self.inflight.iter().any(|&(n, _)| n > 0)
-    }
 }
 
 /// A segment's queue of slices waiting for room in a lane's window.
@@ -121,9 +118,10 @@ pub(crate) struct LaneQueue {
     pending: VecDeque<Slice>,
     /// Requests and bytes posted and not yet completed, per lane.
     inflight: Vec<(usize, usize)>,
-    /// Bytes of each posted slice, by wr_id (a request's slices on one lane share it and
-    /// complete in order), to give its lane's window back.
-    sizes: HashMap<u64, VecDeque<usize>>,
+    /// Each posted slice's bytes and local region, by wr_id (a request's slices on one lane
+    /// share it and complete in order): the lane's window is given back, and the region kept
+    /// registered, until its completion.
+    sizes: HashMap<u64, VecDeque<(usize, Arc<Region>)>>,
     next: usize,
 }
 
@@ -133,10 +131,21 @@ enum Failure {
     Peer(String),
 }
 
+impl Failure {
+    fn text(&self) -> &str {
+        match self {
+            Failure::Remote(d) | Failure::Peer(d) => d,
+        }
+    }
+}
+
 struct Req {
     req: TransferRequest,
-    segment: String,
+    /// The segment's connection, kept until the batch is over (its completions come through it).
+    peer: Arc<Peer>,
     slices: u32,
+    /// Bytes of the slices completed so far.
+    bytes: u64,
     failed: Option<Failure>,
 }
 
@@ -147,6 +156,8 @@ struct BatchState {
     notify: Option<Notify>,
     done: bool,
     transferred: u64,
+    /// Forget the batch once it is over (a `transfer_sync` that timed out).
+    free_when_done: bool,
 }
 
 struct Notify {
@@ -193,11 +204,11 @@ impl BatchState {
                 );
                 return Err(match f {
                     Failure::Remote(d) => Error::RemoteAccess {
-                        segment: r.segment.clone(),
+                        segment: r.peer.name.clone(),
                         detail: format!("{what}: {d}"),
                     },
                     Failure::Peer(d) => Error::PeerFailed {
-                        segment: r.segment.clone(),
+                        segment: r.peer.name.clone(),
                         detail: format!("{what}: {d}"),
                     },
                 });
@@ -220,7 +231,7 @@ impl BatchState {
             .iter()
             .map(|r| match &r.failed {
                 Some(Failure::Remote(d) | Failure::Peer(d)) => {
-                    TransferStatus::Failed(format!("segment {:?}: {d}", r.segment))
+                    TransferStatus::Failed(format!("segment {:?}: {d}", r.peer.name))
                 }
                 None if r.slices == 0 => TransferStatus::Completed,
                 None => TransferStatus::Pending,
@@ -301,8 +312,12 @@ impl TransferEngine {
     pub fn transfer_sync(&self, reqs: &[TransferRequest], notify: Option<&[u8]>) -> Result<()> {
         let b = self.submit(reqs, notify)?;
         let r = self.wait(b, self.inner.config.timeout);
-        if !matches!(r, Err(Error::Timeout { .. })) {
-            let _ = self.free_batch(b);
+        let mut map = self.inner.batches.lock();
+        match map.get_mut(&b) {
+            Some(st) if !st.done => st.free_when_done = true,
+            _ => {
+                map.remove(&b);
+            }
         }
         r
     }
@@ -323,17 +338,12 @@ impl Inner {
             )));
         }
         if let Some(m) = notify
-            && m.len() + 2 + self.name.len() > MAX_NOTIFY
+            && m.len() > MAX_NOTIFY
         {
             return Err(Error::arg(format!(
-                "a notification of {} bytes (at most {} with this engine's name)",
-                m.len(),
-                MAX_NOTIFY - 2 - self.name.len()
+                "a notification of {} bytes (at most {MAX_NOTIFY})",
+                m.len()
             )));
-        }
-        let id = self.batches.next.fetch_add(1, Ordering::Relaxed) + 1;
-        if id >> (64 - REQ_BITS - LANE_BITS) != 0 {
-            return Err(Error::arg("batch ids exhausted"));
         }
         // Check everything first: nothing is posted for a batch with a bad request.
         let mut peers: HashMap<SegmentId, Arc<Peer>> = HashMap::new();
@@ -362,6 +372,16 @@ impl Inner {
             let (region, off) = self.local(r.source, r.length).map_err(bad)?;
             let provider = self.devs[peer.dev].provider.name();
             let rkey = {
+                let fresh = peer
+                    .desc
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .locate(r.target_offset, r.length as u64)
+                    .is_err();
+                if fresh {
+                    // The target may have registered the range since: ask it once.
+                    self.refresh_desc(&peer);
+                }
                 let desc = peer.desc.read().unwrap_or_else(|e| e.into_inner());
                 let b = desc.locate(r.target_offset, r.length as u64).map_err(bad)?;
                 b.rkey(provider).ok_or_else(|| {
@@ -374,10 +394,12 @@ impl Inner {
                     })
                 })?
             };
+            // Over several lanes, requests are cut into slices spread across them; over one,
+            // only to stay under what one work request carries (2 GiB for tcp).
             let slice = if peer.lanes.len() > 1 {
                 self.config.slice_size
             } else {
-                usize::MAX
+                MAX_WR
             };
             let n = r.length.div_ceil(slice);
             let mut slices = Vec::with_capacity(n);
@@ -385,7 +407,8 @@ impl Inner {
                 let start = k * slice.min(r.length);
                 let len = slice.min(r.length - start);
                 slices.push(Slice {
-                    wr_id: wr_id(id, 0, i as u64),
+                    batch: 0,
+                    req: i as u64,
                     op: r.opcode,
                     region: region.clone(),
                     local_off: off + start,
@@ -398,8 +421,9 @@ impl Inner {
             }
             state.push(Req {
                 req: *r,
-                segment: peer.name.clone(),
+                peer: peer.clone(),
                 slices: n as u32,
+                bytes: 0,
                 failed: None,
             });
             match plan.iter_mut().find(|(p, _)| Arc::ptr_eq(p, &peer)) {
@@ -417,24 +441,41 @@ impl Inner {
             }
             Some(m) => plan.first().map(|(p, _)| Notify {
                 peer: p.clone(),
-                msg: encode_notify(&self.name, m),
+                msg: m.to_vec(),
                 mr: None,
                 sent: false,
                 failed: None,
             }),
             None => None,
         };
-        self.batches.lock().insert(
-            id,
-            BatchState {
-                open: state.len(),
-                reqs: state,
-                notify,
-                done: false,
-                transferred: 0,
-            },
-        );
-        for (peer, slices) in plan {
+        let id = {
+            let mut map = self.batches.lock();
+            // Ids take 32 bits of a wr_id: they wrap, skipping 0 and batches still known.
+            let id = loop {
+                let id = self.batches.next.fetch_add(1, Ordering::Relaxed) & BATCH_MASK;
+                if id != 0 && !map.contains_key(&id) {
+                    break id;
+                }
+            };
+            map.insert(
+                id,
+                BatchState {
+                    open: state.len(),
+                    reqs: state,
+                    notify,
+                    done: false,
+                    transferred: 0,
+                    free_when_done: false,
+                },
+            );
+            id
+        };
+        // The background thread starts polling for batches nobody waits on.
+        self.batches.changed.notify_all();
+        for (peer, mut slices) in plan {
+            for s in &mut slices {
+                s.batch = id;
+            }
             let mut q = peer.queue.lock().unwrap_or_else(|e| e.into_inner());
             q.pending.extend(slices);
             drop(q);
@@ -446,10 +487,19 @@ impl Inner {
     /// The peer of `segment`, opened afresh if its connection failed.
     fn healthy_peer(&self, segment: SegmentId) -> Result<Arc<Peer>> {
         let p = self.peer(segment)?;
-        let failed = p.failed.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        match failed {
-            None => Ok(p),
-            Some(_) => self.reopen(&p),
+        let failed = p.failed.lock().unwrap_or_else(|e| e.into_inner()).is_some();
+        if failed { self.reopen(&p) } else { Ok(p) }
+    }
+
+    /// Asks a segment's owner for its descriptor again; a failure keeps the old one.
+    fn refresh_desc(&self, peer: &Peer) {
+        let d = peer
+            .client
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_desc();
+        if let Ok(d) = d {
+            *peer.desc.write().unwrap_or_else(|e| e.into_inner()) = d;
         }
     }
 
@@ -469,7 +519,19 @@ impl Inner {
                 .clone();
             while let Some(front) = q.pending.front() {
                 if let Some(d) = &dead {
-                    failures.push((front.wr_id, Failure::Peer(format!("not sent: {d}"))));
+                    let w = wr_id(front.batch, 0, front.req);
+                    failures.push((w, Failure::Peer(format!("not sent: {d}"))));
+                    q.pending.pop_front();
+                    continue;
+                }
+                if !front.region.mrs[peer.dev].is_registered() {
+                    let w = wr_id(front.batch, 0, front.req);
+                    failures.push((
+                        w,
+                        Failure::Peer(
+                            "its local buffer was unregistered before it was sent".into(),
+                        ),
+                    ));
                     q.pending.pop_front();
                     continue;
                 }
@@ -488,8 +550,7 @@ impl Inner {
                     break;
                 };
                 q.next = (lane + 1) % lanes;
-                let (b, _, r) = split_wr_id(s.wr_id);
-                let wid = wr_id(b, lane, r);
+                let wid = wr_id(s.batch, lane, s.req);
                 let mr = &s.region.mrs[peer.dev];
                 let sge = [Sge::new(mr, s.local_off, s.len)];
                 let op = match s.op {
@@ -500,7 +561,10 @@ impl Inner {
                     Ok(()) => {
                         q.inflight[lane].0 += 1;
                         q.inflight[lane].1 += s.len;
-                        q.sizes.entry(wid).or_default().push_back(s.len);
+                        q.sizes
+                            .entry(wid)
+                            .or_default()
+                            .push_back((s.len, s.region.clone()));
                     }
                     Err(e) => failures.push((wid, Failure::Peer(format!("posting failed: {e}")))),
                 }
@@ -554,67 +618,55 @@ impl Inner {
     }
 
     fn dispatch(&self, dev: usize, wcs: &[WorkCompletion]) {
-        let peers: Vec<Arc<Peer>> = {
-            let p = self.peers.read().unwrap_or_else(|e| e.into_inner());
-            let r = self.retired.lock().unwrap_or_else(|e| e.into_inner());
-            p.values()
-                .chain(r.iter())
-                .filter(|p| p.dev == dev)
-                .cloned()
-                .collect()
-        };
-        let find = |qp: u32| {
-            peers
-                .iter()
-                .find(|p| p.lanes.iter().any(|q| q.qp_num() == qp))
-        };
+        // First each completion's connection: its lane's window back, its failure noted. No
+        // batch lock is held here, so a poster copying into a lane (shm) delays nobody else.
         let mut touched: Vec<Arc<Peer>> = Vec::new();
-        let mut sends = Vec::new();
-        let mut map = self.batches.lock();
+        let mut failures: Vec<Option<Failure>> = Vec::with_capacity(wcs.len());
         for c in wcs {
-            let (bid, lane, r) = split_wr_id(c.wr_id);
-            let peer = find(c.qp_num);
-            let failure = (!c.is_ok()).then(|| match peer {
+            let (_, lane, r) = split_wr_id(c.wr_id);
+            let peer = self.peer_of_lane(dev, c.qp_num);
+            failures.push((!c.is_ok()).then(|| match &peer {
                 Some(p) => describe_status(c.status, p),
                 None => Failure::Peer(c.status.to_string()),
-            });
-            if let Some(p) = peer {
-                if let Some(f) = &failure {
-                    let mut slot = p.failed.lock().unwrap_or_else(|e| e.into_inner());
-                    if slot.is_none() {
-                        *slot = Some(match f {
-                            Failure::Remote(d) | Failure::Peer(d) => d.clone(),
-                        });
-                    }
-                }
-                if r != NOTIFY_REQ {
-                    let mut q = p.queue.lock().unwrap_or_else(|e| e.into_inner());
-                    let bytes = match q.sizes.get_mut(&c.wr_id) {
-                        Some(v) => {
-                            let b = v.pop_front().unwrap_or(0);
-                            if v.is_empty() {
-                                q.sizes.remove(&c.wr_id);
-                            }
-                            b
-                        }
-                        None => 0,
-                    };
-                    if let Some((n, b)) = q.inflight.get_mut(lane) {
-                        *n = n.saturating_sub(1);
-                        *b = b.saturating_sub(bytes);
-                    }
-                }
-                if !touched.iter().any(|t| Arc::ptr_eq(t, p)) {
-                    touched.push(p.clone());
+            }));
+            let Some(p) = peer else { continue };
+            if let Some(f) = failures.last().and_then(|f| f.as_ref()) {
+                let mut slot = p.failed.lock().unwrap_or_else(|e| e.into_inner());
+                if slot.is_none() {
+                    *slot = Some(f.text().to_string());
                 }
             }
+            if r != NOTIFY_REQ {
+                let mut q = p.queue.lock().unwrap_or_else(|e| e.into_inner());
+                let bytes = match q.sizes.get_mut(&c.wr_id) {
+                    Some(v) => {
+                        let b = v.pop_front().map_or(0, |(b, _)| b);
+                        if v.is_empty() {
+                            q.sizes.remove(&c.wr_id);
+                        }
+                        b
+                    }
+                    None => 0,
+                };
+                if let Some((n, b)) = q.inflight.get_mut(lane) {
+                    *n = n.saturating_sub(1);
+                    *b = b.saturating_sub(bytes);
+                }
+            }
+            if !touched.iter().any(|t| Arc::ptr_eq(t, &p)) {
+                touched.push(p);
+            }
+        }
+        // Then the batches.
+        let mut sends = Vec::new();
+        let mut map = self.batches.lock();
+        for (c, failure) in wcs.iter().zip(failures) {
+            let (bid, _, r) = split_wr_id(c.wr_id);
             let Some(b) = map.get_mut(&bid) else { continue };
             if r == NOTIFY_REQ {
                 if let Some(n) = b.notify.as_mut() {
                     n.mr = None;
-                    n.failed = failure.map(|f| match f {
-                        Failure::Remote(d) | Failure::Peer(d) => d,
-                    });
+                    n.failed = failure.map(|f| f.text().to_string());
                 }
                 b.done = true;
                 continue;
@@ -624,16 +676,13 @@ impl Inner {
                 sends.push((bid, n));
             }
         }
+        map.retain(|_, b| !(b.done && b.free_when_done));
         drop(map);
         self.send_notifies(sends);
         self.batches.changed.notify_all();
         for p in touched {
             self.pump(&p);
         }
-        self.retired
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|p| p.in_flight());
     }
 
     /// Posts the SENDs of batches whose data is all done.
@@ -700,9 +749,7 @@ impl Inner {
             let b = map
                 .get(&batch)
                 .ok_or_else(|| Error::arg(format!("batch {batch} is unknown (freed?)")))?;
-            let seg = b.reqs.first().map(|r| r.req.target_id);
-            drop(map);
-            seg.and_then(|s| self.peer(s).ok()).map(|p| p.dev)
+            b.reqs.first().map(|r| r.peer.dev)
         };
         loop {
             {
@@ -722,7 +769,8 @@ impl Inner {
                         .filter(|r| **r == TransferStatus::Pending)
                         .count();
                     let segs: Vec<&str> = {
-                        let mut v: Vec<&str> = b.reqs.iter().map(|r| r.segment.as_str()).collect();
+                        let mut v: Vec<&str> =
+                            b.reqs.iter().map(|r| r.peer.name.as_str()).collect();
                         v.dedup();
                         v
                     };
@@ -768,11 +816,12 @@ fn finish_slice(b: &mut BatchState, r: usize, bytes: u64, failure: Option<Failur
         req.failed = failure;
     }
     req.slices -= 1;
-    if req.failed.is_none() {
-        b.transferred += bytes;
-    }
+    req.bytes += bytes;
     if req.slices == 0 {
         b.open -= 1;
+        if req.failed.is_none() {
+            b.transferred += req.bytes;
+        }
     }
 }
 

@@ -165,9 +165,10 @@ impl BlockStore {
         })
     }
 
-    /// Stores `blocks` under `key` (replacing what was there), in DRAM; the least recently used
-    /// blocks move to disk to make room. When neither tier has room, the error names the tier
-    /// and nothing stored is lost.
+    /// Stores `blocks` under `key`, in DRAM; the least recently used blocks move to disk to
+    /// make room. A value already under `key` is replaced (it is gone once `put` is called).
+    /// When neither tier has room, the error names the tier, and every other key keeps its
+    /// value.
     pub fn put(&self, key: &str, blocks: &[&[u8]]) -> Result<()> {
         self.shared.put(key, blocks)
     }
@@ -216,10 +217,26 @@ impl BlockStore {
         let reply = call(&Call::Pin { key: key.into() })?;
         let p: Pinned = serde_json::from_slice(&reply)
             .map_err(|err| Error::arg(format!("a malformed pin reply: {err}")))?;
-        let len: u64 = p.blocks.iter().sum();
+        let len = p
+            .blocks
+            .iter()
+            .try_fold(0u64, |a, &b| a.checked_add(b))
+            .filter(|&l| l <= 1 << 40)
+            .ok_or_else(|| Error::arg(format!("a pin reply for {key:?} with an absurd size")))?;
         let r = self.read_remote(segment, p.addr, len as usize);
-        let _ = call(&Call::Unpin { lease: p.lease });
+        // The lease must still have held when the READ ended, or the bytes may be another
+        // block's (the owner may have evicted it).
+        let held = call(&Call::Unpin { lease: p.lease });
         let bytes = r?;
+        if held?.first() != Some(&1) {
+            return Err(Error::Timeout {
+                what: format!(
+                    "reading block {key:?}: its pin at the owner expired during the READ, so the \
+                     bytes may have changed; try again"
+                ),
+                timeout: self.shared.lease_for,
+            });
+        }
         let mut st = self.shared.lock();
         st.stats.remote.hits += 1;
         st.stats.remote.bytes_in += len;
@@ -235,7 +252,7 @@ impl BlockStore {
             if let Some((a, _)) = staging.take() {
                 let _ = e.free_managed_buffer(a);
             }
-            let l = len.next_power_of_two().max(1 << 20);
+            let l = len.checked_next_power_of_two().unwrap_or(len).max(1 << 20);
             *staging = Some((e.allocate_managed_buffer(l)?, l));
         }
         let (buf, _) = staging.unwrap_or((0, 0));
@@ -401,6 +418,7 @@ impl Shared {
                 "key {key:?} is being read by a peer (pinned); try again"
             )));
         }
+        self.drop_entry(&mut st, key);
         let (off, alloc) = self.make_room(&mut st, len, key)?;
         let mut at = self.dram + off;
         for b in blocks {
@@ -410,7 +428,6 @@ impl Shared {
             }
             at += b.len() as u64;
         }
-        self.drop_entry(&mut st, key);
         st.index.insert(
             key.to_string(),
             Entry {
@@ -510,8 +527,8 @@ impl Shared {
                 Ok(serde_json::to_vec(&p).unwrap_or_default())
             }
             Call::Unpin { lease } => {
-                st.leases.remove(&lease);
-                Ok(Vec::new())
+                // 1: the lease was still held (the block stayed put); 0: it had expired.
+                Ok(vec![u8::from(st.leases.remove(&lease).is_some())])
             }
         }
     }
@@ -586,6 +603,10 @@ mod tests {
         assert!(matches!(s.get("nope"), Err(Error::KeyNotFound(_))));
         assert_eq!(s.stats().misses, 1);
         assert!(s.remove("k3").unwrap());
+        // Replacing a value as large as most of DRAM works (the old one makes room).
+        s.put("big", &[&block(9, 700_000)]).unwrap();
+        s.put("big", &[&block(10, 700_000)]).unwrap();
+        assert_eq!(s.get("big").unwrap(), vec![block(10, 700_000)]);
         assert!(matches!(s.get("k3"), Err(Error::KeyNotFound(_))));
         drop(s);
         let _ = std::fs::remove_dir_all(dir);

@@ -163,6 +163,21 @@ impl EngineConfig {
                 self.slice_size
             )));
         }
+        if let Some(n) = &self.name
+            && (n.is_empty() || n.len() > 1024)
+        {
+            return Err(Error::arg(format!(
+                "engine name of {} bytes: expected 1 to 1024",
+                n.len()
+            )));
+        }
+        if self.local_addr.ip().is_unspecified() {
+            return Err(Error::arg(format!(
+                "local address {}: peers cannot reach an unspecified address; give the IP of \
+                 the interface they reach this host by",
+                self.local_addr
+            )));
+        }
         if self.timeout.is_zero() || self.peer_timeout.is_zero() {
             return Err(Error::arg("timeouts must be longer than zero"));
         }

@@ -32,7 +32,8 @@ impl BufferDesc {
         addr >= self.addr
             && addr
                 .checked_add(len)
-                .is_some_and(|end| end <= self.addr + self.len)
+                .zip(self.addr.checked_add(self.len))
+                .is_some_and(|(end, last)| end <= last)
     }
 }
 

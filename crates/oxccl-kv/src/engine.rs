@@ -67,15 +67,6 @@ pub(crate) struct Region {
     pub managed: bool,
 }
 
-impl Drop for Region {
-    fn drop(&mut self) {
-        // The other providers' registrations of a managed buffer go before its owner, `mrs[0]`.
-        while let Some(m) = self.mrs.pop() {
-            drop(m);
-        }
-    }
-}
-
 impl Region {
     fn desc(&self, devs: &[Dev]) -> BufferDesc {
         BufferDesc {
@@ -105,14 +96,6 @@ pub(crate) struct Peer {
     pub queue: Mutex<crate::batch::LaneQueue>,
 }
 
-impl Peer {
-    /// Whether any of its requests still waits for a completion.
-    pub(crate) fn in_flight(&self) -> bool {
-        let q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-        q.in_flight()
-    }
-}
-
 /// An inbound connection: a peer's lanes to this engine, and the buffers its notifications land in.
 struct Inbound {
     from: String,
@@ -130,9 +113,10 @@ pub(crate) struct Inner {
     regions: RwLock<BTreeMap<u64, Arc<Region>>>,
     version: AtomicU64,
     pub peers: RwLock<HashMap<SegmentId, Arc<Peer>>>,
-    /// Peers replaced (after a failure) or closed while requests were in flight: kept until
-    /// their last completion arrived, so that no request is left without one.
-    pub retired: Mutex<Vec<Arc<Peer>>>,
+    /// Every lane's peer, by (dev, queue pair number), for completions. A batch holds its
+    /// peers until it is over, so a peer replaced after a failure, or closed, still gets its
+    /// last completions.
+    lanes: RwLock<HashMap<(usize, u32), Weak<Peer>>>,
     by_name: Mutex<HashMap<String, SegmentId>>,
     next_segment: AtomicU64,
     pub batches: Batches,
@@ -160,10 +144,14 @@ fn host_identity() -> String {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .map(|s| s.trim().to_string())
         .unwrap_or_default();
-    let netns = std::fs::read_link("/proc/self/ns/net")
-        .map(|p| p.display().to_string())
-        .unwrap_or_default();
-    format!("{boot}/{netns}")
+    // shm needs the same network namespace (its sockets) and the same pid namespace (the
+    // peers' pids): processes that share both are on "this host".
+    let ns = |n: &str| {
+        std::fs::read_link(format!("/proc/self/ns/{n}"))
+            .map(|p| p.display().to_string())
+            .unwrap_or_default()
+    };
+    format!("{boot}/{}/{}", ns("net"), ns("pid"))
 }
 
 impl TransferEngine {
@@ -239,7 +227,7 @@ impl TransferEngine {
                     .map_or(1, |d| d.as_micros() as u64),
             ),
             peers: RwLock::new(HashMap::new()),
-            retired: Mutex::new(Vec::new()),
+            lanes: RwLock::new(HashMap::new()),
             by_name: Mutex::new(HashMap::new()),
             next_segment: AtomicU64::new(1),
             batches: Batches::default(),
@@ -383,7 +371,8 @@ impl TransferEngine {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .retain(|_, id| *id != segment);
-        self.inner.retire(p);
+        // Batches in flight hold the connection until they are over.
+        drop(p);
         Ok(())
     }
 
@@ -519,10 +508,11 @@ impl Inner {
         let addr = first.addr();
         let mut mrs = vec![first];
         for d in &self.devs[1..] {
-            // SAFETY: the memory is the first region's mapping, kept alive by `mrs[0]` for as
-            // long as these registrations (they live in the same `Region`, dropped in order).
-            let mr = unsafe { d.pd.reg_mr_raw(addr as *mut u8, len, access()) }
-                .map_err(|e| Error::verbs("registering a managed buffer", e))?;
+            // The other providers' registrations keep the mapping alive themselves, so a
+            // request in flight there never lands in freed (or reused) memory.
+            let mr =
+                d.pd.reg_mr_of(&mrs[0], access())
+                    .map_err(|e| Error::verbs("registering a managed buffer", e))?;
             mrs.push(mr);
         }
         self.insert(Region {
@@ -579,6 +569,13 @@ impl Inner {
         {
             let mut regions = self.regions.write().unwrap_or_else(|e| e.into_inner());
             match regions.get(&addr) {
+                Some(r) if r.managed == managed && Arc::strong_count(r) > 1 => {
+                    return Err(Error::arg(format!(
+                        "{addr:#x} is in use by requests in flight ({} of them): wait for their \
+                         batches first",
+                        Arc::strong_count(r) - 1
+                    )));
+                }
                 Some(r) if r.managed == managed => {}
                 Some(_) if managed => {
                     return Err(Error::arg(format!(
@@ -654,17 +651,10 @@ impl Inner {
         if let Some(id) = existing
             && let Ok(p) = self.peer(id)
         {
-            if p.failed.lock().unwrap_or_else(|e| e.into_inner()).is_none() {
-                return Ok(id);
+            if p.failed.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+                self.reopen(&p)?;
             }
-            let old = self
-                .peers
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&id);
-            if let Some(old) = old {
-                self.retire(old);
-            }
+            return Ok(id);
         }
         let id = self.next_segment.fetch_add(1, Ordering::Relaxed);
         let peer = self.connect_peer(name, id)?;
@@ -679,28 +669,35 @@ impl Inner {
         Ok(id)
     }
 
-    /// Connects afresh to a peer whose connection failed, under the same segment id.
-    pub(crate) fn reopen(&self, old: &Peer) -> Result<Arc<Peer>> {
+    /// Connects afresh to a peer whose connection failed, under the same segment id. When
+    /// another thread did so first, its connection is the one used.
+    pub(crate) fn reopen(&self, old: &Arc<Peer>) -> Result<Arc<Peer>> {
         let fresh = self.connect_peer(&old.name, old.id)?;
-        let replaced = self
-            .peers
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(old.id, fresh.clone());
-        if let Some(r) = replaced {
-            self.retire(r);
+        let mut peers = self.peers.write().unwrap_or_else(|e| e.into_inner());
+        match peers.get(&old.id) {
+            Some(cur) if !Arc::ptr_eq(cur, old) => Ok(cur.clone()),
+            _ => {
+                peers.insert(old.id, fresh.clone());
+                Ok(fresh)
+            }
         }
-        Ok(fresh)
     }
 
-    /// Keeps a peer that left the table until its requests in flight have completed.
-    pub(crate) fn retire(&self, p: Arc<Peer>) {
-        if p.in_flight() {
-            self.retired
-                .lock()
+    /// The peer a completion of queue pair `qp` (of dev `dev`) belongs to.
+    pub(crate) fn peer_of_lane(&self, dev: usize, qp: u32) -> Option<Arc<Peer>> {
+        let p = self
+            .lanes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(dev, qp))
+            .and_then(Weak::upgrade);
+        if p.is_none() {
+            self.lanes
+                .write()
                 .unwrap_or_else(|e| e.into_inner())
-                .push(p);
+                .remove(&(dev, qp));
         }
+        p
     }
 
     /// Looks segment `name` up, and connects lanes to its owner over the handshake.
@@ -724,6 +721,8 @@ impl Inner {
         let qcfg = QpConfig {
             timeout: self.config.peer_timeout,
             connect: ConnectRole::Active,
+            // This side's lanes only send: a receive ring of one.
+            max_recv_wr: 1,
             ..QpConfig::default()
         };
         let d = &self.devs[dev];
@@ -749,7 +748,7 @@ impl Inner {
                 Error::verbs(format!("connecting to segment {name:?} over {provider}"), e)
             })?;
         }
-        Ok(Arc::new(Peer {
+        let peer = Arc::new(Peer {
             id,
             name: name.to_string(),
             dev,
@@ -758,7 +757,13 @@ impl Inner {
             client: Mutex::new(client),
             failed: Mutex::new(None),
             queue: Mutex::new(Default::default()),
-        }))
+        });
+        let mut map = self.lanes.write().unwrap_or_else(|e| e.into_inner());
+        map.retain(|_, w| w.strong_count() > 0);
+        for q in &peer.lanes {
+            map.insert((dev, q.qp_num()), Arc::downgrade(&peer));
+        }
+        Ok(peer)
     }
 
     fn pick_dev(&self, desc: &SegmentDesc) -> Result<usize> {
@@ -931,42 +936,21 @@ fn notify_loop(w: Weak<Inner>, dev: usize) {
             let len = (c.byte_len as usize).min(MAX_NOTIFY);
             let mut msg = vec![0; len];
             if ib.bufs.read(slot * MAX_NOTIFY, &mut msg).is_ok() {
+                // The sender is the peer this connection authenticated, not what it says.
                 inner
                     .notifies
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .push_back(decode_notify(&ib.from, msg));
+                    .push_back(Notification {
+                        from: ib.from.clone(),
+                        msg,
+                    });
                 inner.notified.notify_all();
             }
             if let Err(e) = post_notify_recv(&ib.qps[0], &ib.bufs, slot) {
                 tracing::debug!("oxccl-kv: reposting a notification receive: {e}");
             }
         }
-    }
-}
-
-/// A notification on the wire: the sender's name length (2 bytes LE), the name, the message.
-pub(crate) fn encode_notify(from: &str, msg: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(2 + from.len() + msg.len());
-    v.extend_from_slice(&(from.len() as u16).to_le_bytes());
-    v.extend_from_slice(from.as_bytes());
-    v.extend_from_slice(msg);
-    v
-}
-
-fn decode_notify(conn_from: &str, b: Vec<u8>) -> Notification {
-    let n = b
-        .get(..2)
-        .map(|x| u16::from_le_bytes([x[0], x[1]]) as usize);
-    match n {
-        Some(n) if b.len() >= 2 + n => Notification {
-            from: String::from_utf8_lossy(&b[2..2 + n]).into_owned(),
-            msg: b[2 + n..].to_vec(),
-        },
-        _ => Notification {
-            from: conn_from.to_string(),
-            msg: b,
-        },
     }
 }
 

@@ -10,7 +10,7 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -23,6 +23,12 @@ use crate::error::{Error, Result};
 
 /// Largest handshake message accepted (a descriptor with many buffers, a service's reply).
 pub(crate) const MAX_MSG: usize = 16 << 20;
+
+/// Largest message before a peer has proven the secret, and how long it may take to.
+const MAX_AUTH_MSG: usize = 4096;
+const AUTH_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections not yet authenticated, at most: more are closed at once.
+const MAX_UNAUTHENTICATED: usize = 64;
 
 const CLIENT_LABEL: &str = "oxccl-kv v1 handshake client";
 const SERVER_LABEL: &str = "oxccl-kv v1 handshake server";
@@ -73,13 +79,18 @@ pub(crate) fn send(s: &mut TcpStream, m: &Msg) -> std::io::Result<()> {
 
 /// Reads one message (at most [`MAX_MSG`] bytes).
 pub(crate) fn recv(s: &mut TcpStream) -> std::io::Result<Msg> {
+    recv_at_most(s, MAX_MSG)
+}
+
+/// Reads one message of at most `max` bytes.
+fn recv_at_most(s: &mut TcpStream, max: usize) -> std::io::Result<Msg> {
     let mut len = [0u8; 4];
     s.read_exact(&mut len)?;
     let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_MSG {
+    if len > max {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("a handshake message of {len} bytes (at most {MAX_MSG})"),
+            format!("a handshake message of {len} bytes (at most {max})"),
         ));
     }
     let mut body = vec![0; len];
@@ -167,15 +178,28 @@ fn accept_loop(
     timeout: Duration,
     stop: Arc<AtomicBool>,
 ) {
+    let pending = Arc::new(AtomicUsize::new(0));
     while !stop.load(Ordering::Acquire) {
         match listener.accept() {
             Ok((s, peer)) => {
-                let (name, secret, handler, stop) =
-                    (name.clone(), secret.clone(), handler.clone(), stop.clone());
+                if pending.fetch_add(1, Ordering::AcqRel) >= MAX_UNAUTHENTICATED {
+                    pending.fetch_sub(1, Ordering::AcqRel);
+                    tracing::debug!("oxccl-kv handshake: {peer} refused, too many unproven peers");
+                    drop(s);
+                    continue;
+                }
+                let (name, secret, handler, stop, pending) = (
+                    name.clone(),
+                    secret.clone(),
+                    handler.clone(),
+                    stop.clone(),
+                    pending.clone(),
+                );
                 let _ = std::thread::Builder::new()
                     .name("oxccl-kv-peer".into())
                     .spawn(move || {
-                        if let Err(e) = serve(s, &name, &secret, &*handler, timeout, &stop) {
+                        let r = serve(s, &name, &secret, &*handler, timeout, &stop, &pending);
+                        if let Err(e) = r {
                             tracing::debug!("oxccl-kv handshake with {peer}: {e}");
                         }
                     });
@@ -198,10 +222,26 @@ fn serve(
     handler: &dyn Handler,
     timeout: Duration,
     stop: &AtomicBool,
+    pending: &AtomicUsize,
 ) -> std::io::Result<()> {
+    // Counted as unproven until the proof is checked, whichever way this ends.
+    struct Unproven<'a>(Option<&'a AtomicUsize>);
+    impl Unproven<'_> {
+        fn proven(&mut self) {
+            if let Some(p) = self.0.take() {
+                p.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
+    impl Drop for Unproven<'_> {
+        fn drop(&mut self) {
+            self.proven();
+        }
+    }
+    let mut unproven = Unproven(Some(pending));
     s.set_nonblocking(false)?;
     s.set_nodelay(true)?;
-    s.set_read_timeout(Some(timeout))?;
+    s.set_read_timeout(Some(AUTH_TIMEOUT.min(timeout)))?;
     s.set_write_timeout(Some(timeout))?;
     let ns = nonce().map_err(std::io::Error::other)?;
     send(
@@ -211,7 +251,7 @@ fn serve(
             nonce: ns,
         },
     )?;
-    let peer = match recv(&mut s)? {
+    let peer = match recv_at_most(&mut s, MAX_AUTH_MSG)? {
         Msg::Auth {
             name: peer,
             nonce: nc,
@@ -235,6 +275,7 @@ fn serve(
             ));
         }
     };
+    unproven.proven();
     // Authenticated: answer requests until the peer hangs up. Idle connections are kept, but
     // checked for the engine's shutdown once a second.
     s.set_read_timeout(Some(Duration::from_secs(1)))?;

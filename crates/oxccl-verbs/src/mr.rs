@@ -40,6 +40,8 @@ enum Backing {
     /// User memory, reached by peers with process_vm_readv/writev. Owns the buffer when it was
     /// handed over as a `Vec`.
     User { _owned: Option<Vec<u8>> },
+    /// The memory of a region of another context of this process, kept alive by holding it.
+    Borrowed { _of: Arc<MrInner> },
 }
 
 // SAFETY: the region's memory is only reached through raw pointers and atomics (see `segment`);
@@ -100,6 +102,16 @@ impl ProtectionDomain {
         self.register(addr as u64, len, access, Backing::User { _owned: None })
     }
 
+    /// Registers the memory of `region`, a region of another context of this process (provider
+    /// memory of the shm context, say), in this domain: a second provider reaches the same
+    /// bytes. The new region keeps that memory mapped for as long as it, or a request using it,
+    /// lives, even after `region` is dropped; its own deregistration is separate.
+    pub fn reg_mr_of(&self, region: &MemoryRegion, access: AccessFlags) -> Result<MemoryRegion> {
+        self.check_user_access(access)?;
+        let of = region.inner.clone();
+        self.register(of.addr, of.len, access, Backing::Borrowed { _of: of })
+    }
+
     fn check_user_access(&self, access: AccessFlags) -> Result<()> {
         if self.ctx.provider() == crate::Provider::Shm
             && access.contains(AccessFlags::REMOTE_ATOMIC)
@@ -142,7 +154,7 @@ impl ProtectionDomain {
                     .insert((index, lkey), seg.clone());
                 MR_KIND_SEGMENT
             }
-            Backing::User { .. } => MR_KIND_USER,
+            Backing::User { .. } | Backing::Borrowed { .. } => MR_KIND_USER,
         };
         ctx.seg
             .mr_u64(index, MR_LKEY)

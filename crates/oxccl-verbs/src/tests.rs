@@ -517,3 +517,53 @@ fn tcp_naked_frame_does_not_read_freed_memory() {
     let detail = a.error_detail().unwrap_or_default();
     assert!(!detail.contains("Bad address"), "{detail}");
 }
+
+/// A region registered in a second context over the first context's provider memory
+/// (`reg_mr_of`) reaches the same bytes, and keeps them mapped after the first one is dropped:
+/// a tcp WRITE into it lands in live memory, never in an unmapped (or reused) range.
+#[test]
+fn a_borrowed_region_keeps_the_memory_of_the_region_it_borrows() {
+    let shm = Device::by_name("shm").unwrap().open().unwrap();
+    let shm_pd = shm.alloc_pd().unwrap();
+    let tcp = Device::by_name("tcp")
+        .unwrap()
+        .open_with(&DeviceConfig::default())
+        .unwrap();
+    let pd = tcp.alloc_pd().unwrap();
+    let cq = tcp.create_cq(16).unwrap();
+    let owner = shm_pd
+        .alloc_mr(8192, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+        .unwrap();
+    let borrowed = pd
+        .reg_mr_of(&owner, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+        .unwrap();
+    assert_eq!(
+        (borrowed.addr(), borrowed.len()),
+        (owner.addr(), owner.len())
+    );
+    owner.write(0, b"seen by both").unwrap();
+    assert_eq!(&borrowed.to_vec()[..12], b"seen by both");
+    drop(owner);
+    let a = pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap();
+    let b = pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap();
+    a.connect(&b.endpoint()).unwrap();
+    b.connect(&a.endpoint()).unwrap();
+    let src = pd
+        .reg_mr(vec![0x5c; 4096], AccessFlags::LOCAL_WRITE)
+        .unwrap();
+    let sge = [Sge::whole(&src)];
+    a.post_send(&[SendWr::new(
+        1,
+        WrOp::Write {
+            remote: borrowed.remote().at(100),
+        },
+        &sge,
+    )])
+    .unwrap();
+    let mut wc = [WorkCompletion::EMPTY; 2];
+    assert_eq!(cq.wait(&mut wc, Duration::from_secs(5)).unwrap(), 1);
+    assert_eq!(wc[0].status, WcStatus::Success);
+    let v = borrowed.to_vec();
+    assert_eq!(&v[..12], b"seen by both");
+    assert!(v[100..4196].iter().all(|&x| x == 0x5c));
+}

@@ -7,8 +7,11 @@
 //! queues for everyone (one at a time), so a synchronous transfer on shm costs no thread hand-off.
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use oxccl_verbs::{MemoryRegion, RemoteAddr, SendWr, Sge, WcStatus, WorkCompletion, WrOp};
@@ -156,8 +159,10 @@ struct BatchState {
     notify: Option<Notify>,
     done: bool,
     transferred: u64,
-    /// Forget the batch once it is over (a `transfer_sync` that timed out).
+    /// Forget the batch once it is over (a `transfer_sync` that timed out, a dropped future).
     free_when_done: bool,
+    /// The task awaiting it as a [`Transfer`] future.
+    waker: Option<Waker>,
 }
 
 struct Notify {
@@ -195,6 +200,11 @@ impl Batches {
 }
 
 impl BatchState {
+    /// The waker to wake, once the batch is over.
+    fn ended(&mut self) -> Option<Waker> {
+        if self.done { self.waker.take() } else { None }
+    }
+
     fn result(&self, id: BatchId) -> Result<()> {
         for (i, r) in self.reqs.iter().enumerate() {
             if let Some(f) = &r.failed {
@@ -308,6 +318,20 @@ impl TransferEngine {
         }
     }
 
+    /// Submits a batch and returns it as a future: `engine.transfer(&reqs, None)?.await`.
+    pub fn transfer(
+        &self,
+        reqs: &[TransferRequest],
+        notify: Option<&[u8]>,
+    ) -> Result<Transfer<'_>> {
+        let batch = self.submit(reqs, notify)?;
+        Ok(Transfer {
+            engine: self,
+            batch,
+            over: false,
+        })
+    }
+
     /// Submits a batch, waits for it with the engine's timeout and frees it.
     pub fn transfer_sync(&self, reqs: &[TransferRequest], notify: Option<&[u8]>) -> Result<()> {
         let b = self.submit(reqs, notify)?;
@@ -320,6 +344,66 @@ impl TransferEngine {
             }
         }
         r
+    }
+}
+
+/// A submitted batch as a [`Future`] ([`TransferEngine::transfer`]): it resolves to what
+/// [`TransferEngine::wait`] would return once the batch is over, and the batch is freed then.
+/// The engine's progress thread drives it, so any executor works; dropping it early leaves the
+/// batch to finish (and be freed) on its own. A dead target ends it within the peer timeout.
+#[must_use = "a transfer does nothing visible unless it is awaited or its batch waited for"]
+pub struct Transfer<'a> {
+    engine: &'a TransferEngine,
+    batch: BatchId,
+    over: bool,
+}
+
+impl Transfer<'_> {
+    /// The batch's id (for [`TransferEngine::batch_status`]).
+    pub fn batch(&self) -> BatchId {
+        self.batch
+    }
+}
+
+impl Future for Transfer<'_> {
+    type Output = Result<()>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let inner = &self.engine.inner;
+        inner.progress(None, Duration::ZERO);
+        let mut map = inner.batches.lock();
+        let Some(b) = map.get_mut(&self.batch) else {
+            self.over = true;
+            return Poll::Ready(Err(Error::arg(format!(
+                "batch {} was freed while awaited",
+                self.batch
+            ))));
+        };
+        if !b.done {
+            b.waker = Some(cx.waker().clone());
+            drop(map);
+            // The background thread polls for batches nobody waits on: make sure it looks.
+            inner.batches.changed.notify_all();
+            return Poll::Pending;
+        }
+        let r = b.result(self.batch);
+        map.remove(&self.batch);
+        self.over = true;
+        Poll::Ready(r)
+    }
+}
+
+impl Drop for Transfer<'_> {
+    fn drop(&mut self) {
+        if !self.over {
+            let mut map = self.engine.inner.batches.lock();
+            match map.get_mut(&self.batch) {
+                Some(b) if !b.done => b.free_when_done = true,
+                _ => {
+                    map.remove(&self.batch);
+                }
+            }
+        }
     }
 }
 
@@ -466,6 +550,7 @@ impl Inner {
                     done: false,
                     transferred: 0,
                     free_when_done: false,
+                    waker: None,
                 },
             );
             id
@@ -575,6 +660,7 @@ impl Inner {
         }
         let mut map = self.batches.lock();
         let mut sends = Vec::new();
+        let mut wake = Vec::new();
         for (w, f) in failures {
             let (bid, _, r) = split_wr_id(w);
             if let Some(b) = map.get_mut(&bid) {
@@ -582,9 +668,12 @@ impl Inner {
                 if let Some(n) = ready_notify(b) {
                     sends.push((bid, n));
                 }
+                wake.extend(b.ended());
             }
         }
+        map.retain(|_, b| !(b.done && b.free_when_done));
         drop(map);
+        wake.into_iter().for_each(Waker::wake);
         self.send_notifies(sends);
         self.batches.changed.notify_all();
     }
@@ -659,6 +748,7 @@ impl Inner {
         }
         // Then the batches.
         let mut sends = Vec::new();
+        let mut wake = Vec::new();
         let mut map = self.batches.lock();
         for (c, failure) in wcs.iter().zip(failures) {
             let (bid, _, r) = split_wr_id(c.wr_id);
@@ -669,15 +759,17 @@ impl Inner {
                     n.failed = failure.map(|f| f.text().to_string());
                 }
                 b.done = true;
-                continue;
+            } else {
+                finish_slice(b, r as usize, c.byte_len as u64, failure);
+                if let Some(n) = ready_notify(b) {
+                    sends.push((bid, n));
+                }
             }
-            finish_slice(b, r as usize, c.byte_len as u64, failure);
-            if let Some(n) = ready_notify(b) {
-                sends.push((bid, n));
-            }
+            wake.extend(b.ended());
         }
         map.retain(|_, b| !(b.done && b.free_when_done));
         drop(map);
+        wake.into_iter().for_each(Waker::wake);
         self.send_notifies(sends);
         self.batches.changed.notify_all();
         for p in touched {
@@ -711,6 +803,9 @@ impl Inner {
                         b.done = true;
                     }
                 }
+                let w = b.ended();
+                drop(map);
+                w.into_iter().for_each(Waker::wake);
             }
         }
     }

@@ -61,7 +61,9 @@ mod error;
 mod handshake;
 pub mod meta;
 
-pub use batch::{BatchId, BatchStatus, MAX_BATCH, Opcode, TransferRequest, TransferStatus};
+pub use batch::{
+    BatchId, BatchStatus, MAX_BATCH, Opcode, Transfer, TransferRequest, TransferStatus,
+};
 pub use blocks::{BLOCK_SERVICE, BlockStats, BlockStore, BlockStoreConfig, TierStats};
 pub use config::{EngineConfig, Protocol, parse_size};
 pub use desc::{BufferDesc, DESC_FORMAT, SegmentDesc};

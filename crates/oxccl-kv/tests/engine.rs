@@ -272,3 +272,72 @@ fn p2p_segments_are_named_by_their_address() {
     peer.read_local(local, &mut got).unwrap();
     assert_eq!(got, pattern(8192, 3));
 }
+
+/// The smallest executor: polls a future on this thread, parking between wakes.
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    use std::task::{Context, Poll, Wake, Waker};
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "a future never completed");
+        // Only a wake (or a spurious unpark) ends this: a future that is never woken fails.
+        std::thread::park_timeout(Duration::from_secs(30));
+    }
+}
+
+fn transfers_as_futures(protocol: Protocol) {
+    let p = pair(protocol);
+    let data = pattern(LEN, 42);
+    p.a.write_local(p.abuf, &data).unwrap();
+    // Two batches in flight at once, awaited in turn; the second resolves already done.
+    let half = LEN / 2;
+    let first =
+        p.a.transfer(&[req(Opcode::Write, &p, 0, 0, half)], None)
+            .unwrap();
+    let second =
+        p.a.transfer(
+            &[req(Opcode::Write, &p, half as u64, half as u64, half)],
+            Some(b"both"),
+        )
+        .unwrap();
+    let (b1, b2) = (first.batch(), second.batch());
+    block_on(first).unwrap();
+    block_on(second).unwrap();
+    let mut got = vec![0; LEN];
+    p.b.read_local(p.bbuf, &mut got).unwrap();
+    assert!(got == data);
+    assert_eq!(p.b.wait_notifies(Duration::from_secs(5))[0].msg, b"both");
+    // Awaited futures free their batches.
+    assert!(p.a.batch_status(b1).is_err() && p.a.batch_status(b2).is_err());
+    // A batch the target refuses (a stale key) resolves to the error.
+    let extra = p.b.allocate_managed_buffer(4096).unwrap();
+    p.a.refresh_segment(p.seg).unwrap();
+    p.b.free_managed_buffer(extra).unwrap();
+    let stale = TransferRequest {
+        target_offset: extra,
+        ..req(Opcode::Write, &p, 0, 0, 4096)
+    };
+    let e = block_on(p.a.transfer(&[stale], None).unwrap()).unwrap_err();
+    assert!(matches!(e, Error::RemoteAccess { .. }), "{e}");
+}
+
+#[test]
+fn shm_transfers_as_futures() {
+    transfers_as_futures(Protocol::Shm);
+}
+
+#[test]
+fn tcp_transfers_as_futures() {
+    transfers_as_futures(Protocol::Tcp);
+}

@@ -13,10 +13,14 @@
 //!   what: `oxccl doctor /tmp/dump-*.json`.
 //! - `topo`: prints the job's topology (hosts, ranks, link rates), detected or read from a
 //!   file: `oxccl topo -n 4`, `oxccl topo --file hosts.toml --json`.
+//! - `kv-bench`: throughput and latency of the KV-cache transfer engine (`oxccl-kv`), batched
+//!   READ/WRITE or one request at a time, against a spawned target process or one started by
+//!   hand, like Mooncake's `transfer_engine_bench`: `oxccl kv-bench --protocol tcp --block-size 4M`.
 //! - `sim`: predicts a collective on a modelled fabric (`oxccl-sim`) in `perf`'s table:
 //!   `oxccl sim --topo examples/topologies/testbed-b.toml all_reduce -b 1M -e 64M`.
 
 mod doctor;
+mod kv_bench;
 mod perf;
 mod run;
 mod sim;
@@ -63,6 +67,10 @@ enum Command {
     /// Predict a collective's time on a modelled fabric (a topology file), in the table of
     /// `perf`; a per-link summary and a Perfetto trace on request.
     Sim(sim::Args),
+    /// Throughput and latency of the KV-cache transfer engine (batched READ/WRITE, or one
+    /// request at a time with --sync), against a spawned target process or one started by hand.
+    #[command(name = "kv-bench")]
+    KvBench(kv_bench::Args),
 }
 
 /// Options of `oxccl store`.
@@ -119,6 +127,7 @@ fn main() -> ExitCode {
         Command::Doctor(args) => return doctor::main(args),
         Command::Topo(args) => return topo::main(args),
         Command::Sim(args) => return sim::main(args),
+        Command::KvBench(args) => return kv_bench::main(args),
         Command::Store(args) => {
             return match store_main(args) {
                 Ok(()) => ExitCode::SUCCESS,

@@ -97,6 +97,10 @@ pub struct DeviceConfig {
     pub tcp_addr: std::net::SocketAddr,
     /// tcp: the progress thread busy-polls instead of blocking in `epoll_wait` (latency mode).
     pub tcp_busy_poll: bool,
+    /// tcp: the largest frame a posting thread writes to the socket itself when the connection
+    /// is idle; larger ones are left to the progress thread, so a caller that posts (and then
+    /// waits) does not spend its time in `sendmsg`. Default: every size (the poster writes).
+    pub tcp_inline_max: usize,
     /// How long a completion-queue wait spins before it yields and then sleeps.
     pub spin: Duration,
 }
@@ -106,6 +110,7 @@ impl Default for DeviceConfig {
         DeviceConfig {
             tcp_addr: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
             tcp_busy_poll: false,
+            tcp_inline_max: usize::MAX,
             spin: Duration::from_micros(50),
         }
     }
@@ -347,6 +352,7 @@ impl Context {
                 registry.regions.clone(),
                 config.tcp_addr,
                 config.tcp_busy_poll,
+                config.tcp_inline_max,
             )?),
             Provider::Shm => None,
         };

@@ -69,6 +69,8 @@ pub(crate) struct Shared {
     pub regions: Arc<Mutex<HashMap<u32, Weak<MrInner>>>>,
     stop: AtomicBool,
     busy: bool,
+    /// Frames larger than this are written by the progress thread, not the poster.
+    inline_max: usize,
 }
 
 impl Engine {
@@ -78,6 +80,7 @@ impl Engine {
         regions: Arc<Mutex<HashMap<u32, Weak<MrInner>>>>,
         bind: SocketAddr,
         busy: bool,
+        inline_max: usize,
     ) -> Result<Engine> {
         let listener = TcpListener::bind(bind)
             .map_err(|e| Error::os(format!("binding the tcp provider's listener on {bind}"), e))?;
@@ -111,6 +114,7 @@ impl Engine {
             regions,
             stop: AtomicBool::new(false),
             busy,
+            inline_max,
         });
         let thread = {
             let shared = shared.clone();
@@ -335,6 +339,8 @@ struct Rx {
 
 /// One queue pair's connection.
 pub(crate) struct Conn {
+    /// [`Shared::inline_max`].
+    inline_max: usize,
     shared: Weak<Shared>,
     qp: Weak<QpInner>,
     pub local_token: u64,
@@ -376,6 +382,7 @@ impl Shared {
         rnr_us: u64,
     ) -> Arc<Conn> {
         let c = Arc::new(Conn {
+            inline_max: self.inline_max,
             shared: Arc::downgrade(self),
             qp,
             local_token,
@@ -830,9 +837,9 @@ impl Conn {
     /// Appends a frame; writes it at once when nothing is queued before it, otherwise leaves it
     /// to the progress thread (which is asked to watch for room in the socket).
     fn push_locked(&self, tx: &mut Tx, f: TxFrame) -> std::result::Result<(), String> {
-        let was_empty = tx.frames.is_empty();
+        let inline = tx.frames.is_empty() && f.total() <= self.inline_max;
         tx.frames.push_back(f);
-        if was_empty {
+        if inline {
             self.flush_locked(tx)
         } else {
             self.set_out_interest(tx, true);

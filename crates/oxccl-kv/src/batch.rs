@@ -111,7 +111,10 @@ pub(crate) struct Slice {
     op: Opcode,
     region: Arc<Region>,
     local_off: usize,
-    remote: RemoteAddr,
+    /// The target address.
+    addr: u64,
+    /// The target buffer's rkey as each lane's context at the target registered it.
+    rkeys: Arc<[u64]>,
     len: usize,
 }
 
@@ -454,8 +457,7 @@ impl Inner {
                 return Err(bad(Error::arg("a request of 0 bytes")));
             }
             let (region, off) = self.local(r.source, r.length).map_err(bad)?;
-            let provider = self.devs[peer.dev].provider.name();
-            let rkey = {
+            let rkeys: Arc<[u64]> = {
                 let fresh = peer
                     .desc
                     .read()
@@ -468,15 +470,17 @@ impl Inner {
                 }
                 let desc = peer.desc.read().unwrap_or_else(|e| e.into_inner());
                 let b = desc.locate(r.target_offset, r.length as u64).map_err(bad)?;
-                b.rkey(provider).ok_or_else(|| {
+                let keys: Option<Vec<u64>> = peer.lane_keys.iter().map(|k| b.rkey(k)).collect();
+                keys.ok_or_else(|| {
                     bad(Error::RemoteAccess {
                         segment: peer.name.clone(),
                         detail: format!(
-                            "its buffer at {:#x} is not registered with {provider}",
-                            b.addr
+                            "its buffer at {:#x} is not registered with every context of {:?}",
+                            b.addr, peer.lane_keys
                         ),
                     })
                 })?
+                .into()
             };
             // Over several lanes, requests are cut into slices spread across them; over one,
             // only to stay under what one work request carries (2 GiB for tcp).
@@ -496,10 +500,8 @@ impl Inner {
                     op: r.opcode,
                     region: region.clone(),
                     local_off: off + start,
-                    remote: RemoteAddr {
-                        addr: r.target_offset + start as u64,
-                        rkey,
-                    },
+                    addr: r.target_offset + start as u64,
+                    rkeys: rkeys.clone(),
                     len,
                 });
             }
@@ -636,12 +638,17 @@ impl Inner {
                 };
                 q.next = (lane + 1) % lanes;
                 let wid = wr_id(s.batch, lane, s.req);
-                let mr = &s.region.mrs[peer.dev];
+                let mr = &s.region.mrs[peer.lane_dev[lane]];
                 let sge = [Sge::new(mr, s.local_off, s.len)];
-                let op = match s.op {
-                    Opcode::Read => WrOp::Read { remote: s.remote },
-                    Opcode::Write => WrOp::Write { remote: s.remote },
+                let remote = RemoteAddr {
+                    addr: s.addr,
+                    rkey: s.rkeys[lane],
                 };
+                let op = match s.op {
+                    Opcode::Read => WrOp::Read { remote },
+                    Opcode::Write => WrOp::Write { remote },
+                };
+                peer.last_lane.store(lane, Ordering::Relaxed);
                 match peer.lanes[lane].post_send(&[SendWr::new(wid, op, &sge)]) {
                     Ok(()) => {
                         q.inflight[lane].0 += 1;
@@ -844,7 +851,7 @@ impl Inner {
             let b = map
                 .get(&batch)
                 .ok_or_else(|| Error::arg(format!("batch {batch} is unknown (freed?)")))?;
-            b.reqs.first().map(|r| r.peer.dev)
+            b.reqs.first().map(|r| r.peer.clone())
         };
         loop {
             {
@@ -896,7 +903,18 @@ impl Inner {
                 }
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            self.progress(dev, left.min(Duration::from_millis(10)));
+            // Sleep on the queue of the lane posted last (a lone request's, exactly); with
+            // lanes in several contexts, wake every millisecond to poll the others too.
+            let (d, nap) = match &dev {
+                Some(p) => {
+                    let lane = p.last_lane.load(Ordering::Relaxed);
+                    let multi = p.lane_dev.iter().any(|&d| d != p.dev);
+                    let nap = if multi { 1 } else { 10 };
+                    (p.lane_dev.get(lane).copied(), Duration::from_millis(nap))
+                }
+                None => (None, Duration::from_millis(1)),
+            };
+            self.progress(d, left.min(nap));
         }
     }
 }

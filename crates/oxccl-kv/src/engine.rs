@@ -49,6 +49,9 @@ pub type Service = Arc<dyn Fn(&str, &[u8]) -> Result<Vec<u8>> + Send + Sync>;
 /// One provider this engine serves: its context, protection domain and completion queues.
 pub(crate) struct Dev {
     pub provider: Provider,
+    /// Its name in descriptors' rkey lists: the provider's, then `.1`, `.2`, ... for the
+    /// further tcp contexts (one per lane, each with its own progress thread).
+    pub label: String,
     pub pd: ProtectionDomain,
     /// Completions of this engine's own requests (all opened segments on this provider).
     pub send_cq: CompletionQueue,
@@ -75,7 +78,7 @@ impl Region {
             rkeys: devs
                 .iter()
                 .zip(&self.mrs)
-                .map(|(d, m)| (d.provider.name().to_string(), m.rkey()))
+                .map(|(d, m)| (d.label.clone(), m.rkey()))
                 .collect(),
         }
     }
@@ -85,7 +88,14 @@ impl Region {
 pub(crate) struct Peer {
     pub id: SegmentId,
     pub name: String,
+    /// The dev of the first lane (notifications go there).
     pub dev: usize,
+    /// Each lane's dev (its context on this side).
+    pub lane_dev: Vec<usize>,
+    /// Each lane's rkey set at the target: the label its registrations have there.
+    pub lane_keys: Vec<String>,
+    /// The lane a request was last posted on (where a waiter sleeps first).
+    pub last_lane: std::sync::atomic::AtomicUsize,
     pub desc: RwLock<SegmentDesc>,
     pub lanes: Vec<QueuePair>,
     /// The authenticated handshake connection, kept for service calls.
@@ -165,7 +175,18 @@ impl TransferEngine {
             Protocol::Tcp => &[Provider::Tcp],
         };
         let mut devs = Vec::new();
-        for &p in providers {
+        // tcp gets a context per lane: each lane's socket has its own progress thread, so the
+        // kernel's copies of several lanes run on several cores (as raw streams' threads do).
+        let contexts = providers.iter().flat_map(|&p| {
+            let n = if p == Provider::Tcp { config.lanes } else { 1 };
+            (0..n).map(move |i| (p, i))
+        });
+        for (p, i) in contexts {
+            let label = if i == 0 {
+                p.name().to_string()
+            } else {
+                format!("{}.{i}", p.name())
+            };
             let dc = DeviceConfig {
                 tcp_addr: std::net::SocketAddr::new(config.local_addr.ip(), 0),
                 // A caller that posts slices and then waits leaves the large frames to the
@@ -188,6 +209,7 @@ impl TransferEngine {
                 .map_err(|e| Error::verbs(what("creating a completion queue"), e))?;
             devs.push(Dev {
                 provider: p,
+                label,
                 pd,
                 send_cq,
                 recv_cq,
@@ -487,13 +509,27 @@ impl Inner {
             version: self.version.load(Ordering::Acquire),
             handshake: self.handshake_addr.clone(),
             host: self.host.clone(),
-            providers: self
-                .devs
-                .iter()
-                .map(|d| d.provider.name().to_string())
-                .collect(),
+            providers: self.provider_names(),
             buffers: regions.values().map(|r| r.desc(&self.devs)).collect(),
         }
+    }
+
+    /// The providers served, each once.
+    fn provider_names(&self) -> Vec<String> {
+        let mut v: Vec<String> = Vec::new();
+        for d in &self.devs {
+            if !v.iter().any(|p| p == d.provider.name()) {
+                v.push(d.provider.name().to_string());
+            }
+        }
+        v
+    }
+
+    /// The devs of `provider`, in order.
+    fn devs_of(&self, provider: Provider) -> Vec<usize> {
+        (0..self.devs.len())
+            .filter(|&i| self.devs[i].provider == provider)
+            .collect()
     }
 
     fn publish(&self) -> Result<()> {
@@ -728,17 +764,26 @@ impl Inner {
             max_recv_wr: 1,
             ..QpConfig::default()
         };
-        let d = &self.devs[dev];
-        let lanes = (0..nlanes)
-            .map(|_| d.pd.create_qp(&d.send_cq, &d.recv_cq, &qcfg))
+        let mine = self.devs_of(provider);
+        let lane_dev: Vec<usize> = (0..nlanes).map(|i| mine[i % mine.len()]).collect();
+        let lanes = lane_dev
+            .iter()
+            .map(|&l| {
+                let d = &self.devs[l];
+                d.pd.create_qp(&d.send_cq, &d.recv_cq, &qcfg)
+            })
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|e| Error::verbs(format!("creating queue pairs for segment {name:?}"), e))?;
         let endpoints = lanes.iter().map(|q| q.endpoint()).collect();
-        let theirs = match client.call(&Msg::Connect {
+        let (theirs, lane_keys) = match client.call(&Msg::Connect {
             provider: provider.name().to_string(),
             endpoints,
         })? {
-            Msg::Connected { endpoints } if endpoints.len() == nlanes => endpoints,
+            Msg::Connected { endpoints, keys }
+                if endpoints.len() == nlanes && keys.len() == nlanes =>
+            {
+                (endpoints, keys)
+            }
             m => {
                 return Err(Error::Handshake {
                     peer: desc.handshake.clone(),
@@ -754,7 +799,10 @@ impl Inner {
         let peer = Arc::new(Peer {
             id,
             name: name.to_string(),
-            dev,
+            dev: lane_dev[0],
+            lane_dev,
+            lane_keys,
+            last_lane: Default::default(),
             desc: RwLock::new(desc),
             lanes,
             client: Mutex::new(client),
@@ -763,8 +811,8 @@ impl Inner {
         });
         let mut map = self.lanes.write().unwrap_or_else(|e| e.into_inner());
         map.retain(|_, w| w.strong_count() > 0);
-        for q in &peer.lanes {
-            map.insert((dev, q.qp_num()), Arc::downgrade(&peer));
+        for (q, &d) in peer.lanes.iter().zip(&peer.lane_dev) {
+            map.insert((d, q.qp_num()), Arc::downgrade(&peer));
         }
         Ok(peer)
     }
@@ -801,39 +849,49 @@ impl Inner {
             })
     }
 
-    /// A peer asks for queue pairs connected to its lanes.
+    /// A peer asks for queue pairs connected to its lanes: lane `i` goes to this side's
+    /// context `i` (mod their number), and the answer names each lane's rkey set.
     fn accept(&self, from: &str, provider: &str, endpoints: Vec<QpEndpoint>) -> Result<Msg> {
-        let dev = self
-            .devs
-            .iter()
-            .position(|d| d.provider.name() == provider)
-            .ok_or_else(|| Error::arg(format!("this engine does not serve provider {provider}")))?;
+        let devs: Vec<usize> = (0..self.devs.len())
+            .filter(|&i| self.devs[i].provider.name() == provider)
+            .collect();
+        if devs.is_empty() {
+            return Err(Error::arg(format!(
+                "this engine does not serve provider {provider}"
+            )));
+        }
         if endpoints.is_empty() || endpoints.len() > 64 {
             return Err(Error::arg(format!("{} lanes asked", endpoints.len())));
         }
-        let d = &self.devs[dev];
-        let qcfg = QpConfig {
-            timeout: self.config.peer_timeout,
-            connect: ConnectRole::Passive,
-            ..QpConfig::default()
-        };
         let mut qps = Vec::new();
-        for e in &endpoints {
+        let mut keys = Vec::new();
+        for (i, e) in endpoints.iter().enumerate() {
+            let d = &self.devs[devs[i % devs.len()]];
+            // Notifications arrive on the first lane only.
+            let qcfg = QpConfig {
+                timeout: self.config.peer_timeout,
+                connect: ConnectRole::Passive,
+                max_recv_wr: if i == 0 { NOTIFY_DEPTH as u32 } else { 1 },
+                ..QpConfig::default()
+            };
             let q =
                 d.pd.create_qp(&d.send_cq, &d.recv_cq, &qcfg)
                     .map_err(|e| Error::verbs("creating an inbound queue pair", e))?;
             q.connect(e)
                 .map_err(|e| Error::verbs(format!("connecting {from:?}'s lane"), e))?;
             qps.push(q);
+            keys.push(d.label.clone());
         }
-        let bufs =
-            d.pd.alloc_mr(NOTIFY_DEPTH * MAX_NOTIFY, AccessFlags::LOCAL_WRITE)
-                .map_err(|e| Error::verbs("allocating notification buffers", e))?;
+        let first = &self.devs[devs[0]];
+        let bufs = first
+            .pd
+            .alloc_mr(NOTIFY_DEPTH * MAX_NOTIFY, AccessFlags::LOCAL_WRITE)
+            .map_err(|e| Error::verbs("allocating notification buffers", e))?;
         for i in 0..NOTIFY_DEPTH {
             post_notify_recv(&qps[0], &bufs, i)?;
         }
         let mine = qps.iter().map(|q| q.endpoint()).collect();
-        let key = (dev, qps[0].qp_num());
+        let key = (devs[0], qps[0].qp_num());
         self.inbound
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -845,7 +903,10 @@ impl Inner {
                     bufs,
                 },
             );
-        Ok(Msg::Connected { endpoints: mine })
+        Ok(Msg::Connected {
+            endpoints: mine,
+            keys,
+        })
     }
 }
 

@@ -58,8 +58,12 @@ pub(crate) enum Msg {
         provider: String,
         endpoints: Vec<QpEndpoint>,
     },
-    /// Server: its queue pairs, connected, in the same order.
-    Connected { endpoints: Vec<QpEndpoint> },
+    /// Server: its queue pairs, connected, in the same order, and the label of the rkeys
+    /// each lane's context registered (a descriptor's `rkeys` names).
+    Connected {
+        endpoints: Vec<QpEndpoint>,
+        keys: Vec<String>,
+    },
     /// Client: a call to the service registered under `service`.
     Call { service: String, body: Vec<u8> },
     /// Server: the service's answer.

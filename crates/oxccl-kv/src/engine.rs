@@ -300,7 +300,7 @@ impl TransferEngine {
 
     /// The providers this engine serves (`"shm"`, `"tcp"`).
     pub fn providers(&self) -> Vec<&'static str> {
-        self.inner.devs.iter().map(|d| d.provider.name()).collect()
+        self.inner.provider_names()
     }
 
     /// This engine's current descriptor, as peers see it.
@@ -509,17 +509,21 @@ impl Inner {
             version: self.version.load(Ordering::Acquire),
             handshake: self.handshake_addr.clone(),
             host: self.host.clone(),
-            providers: self.provider_names(),
+            providers: self
+                .provider_names()
+                .into_iter()
+                .map(String::from)
+                .collect(),
             buffers: regions.values().map(|r| r.desc(&self.devs)).collect(),
         }
     }
 
     /// The providers served, each once.
-    fn provider_names(&self) -> Vec<String> {
-        let mut v: Vec<String> = Vec::new();
+    fn provider_names(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
         for d in &self.devs {
-            if !v.iter().any(|p| p == d.provider.name()) {
-                v.push(d.provider.name().to_string());
+            if !v.contains(&d.provider.name()) {
+                v.push(d.provider.name());
             }
         }
         v

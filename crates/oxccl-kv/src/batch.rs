@@ -678,6 +678,17 @@ impl Inner {
                 wake.extend(b.ended());
             }
         }
+        self.settle(map, wake, sends);
+    }
+
+    /// After batches changed under `map`: forgets the ended ones nobody will ask about, wakes
+    /// their futures, sends the notifications that are due, and wakes waiters.
+    fn settle(
+        &self,
+        mut map: MutexGuard<'_, HashMap<BatchId, BatchState>>,
+        wake: Vec<Waker>,
+        sends: Vec<(BatchId, NotifySend)>,
+    ) {
         map.retain(|_, b| !(b.done && b.free_when_done));
         drop(map);
         wake.into_iter().for_each(Waker::wake);
@@ -774,11 +785,7 @@ impl Inner {
             }
             wake.extend(b.ended());
         }
-        map.retain(|_, b| !(b.done && b.free_when_done));
-        drop(map);
-        wake.into_iter().for_each(Waker::wake);
-        self.send_notifies(sends);
-        self.batches.changed.notify_all();
+        self.settle(map, wake, sends);
         for p in touched {
             self.pump(&p);
         }

@@ -190,11 +190,17 @@ pub(crate) struct Batches {
     poller: Mutex<()>,
     /// Callers inside `wait`: while there are any, the background thread leaves polling to them.
     waiters: std::sync::atomic::AtomicUsize,
+    /// Callers asleep on `changed` (a condition variable's wake is a syscall even with nobody
+    /// waiting: the data path makes it only when someone is).
+    sleepers: std::sync::atomic::AtomicUsize,
 }
 
 impl Batches {
+    /// Wakes the callers asleep on `changed`, if any.
     pub fn wake_all(&self) {
-        self.changed.notify_all();
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            self.changed.notify_all();
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<BatchId, BatchState>> {
@@ -383,10 +389,8 @@ impl Future for Transfer<'_> {
             ))));
         };
         if !b.done {
+            // The background thread drives it, and its last completion's dispatch wakes us.
             b.waker = Some(cx.waker().clone());
-            drop(map);
-            // The background thread polls for batches nobody waits on: make sure it looks.
-            inner.batches.changed.notify_all();
             return Poll::Pending;
         }
         let r = b.result(self.batch);
@@ -557,8 +561,6 @@ impl Inner {
             );
             id
         };
-        // The background thread starts polling for batches nobody waits on.
-        self.batches.changed.notify_all();
         for (peer, mut slices) in plan {
             for s in &mut slices {
                 s.batch = id;
@@ -693,7 +695,7 @@ impl Inner {
         drop(map);
         wake.into_iter().for_each(Waker::wake);
         self.send_notifies(sends);
-        self.batches.changed.notify_all();
+        self.batches.wake_all();
     }
 
     /// Polls the completion queues and dispatches what they hold; when nothing was there and
@@ -835,18 +837,19 @@ impl Inner {
     /// requests keep flowing and their notifications go out: polls while a batch is open and no
     /// caller is in `wait`, napping between polls outside the poller's lock.
     pub(crate) fn background_progress(&self) -> bool {
+        if self.batches.waiters.load(Ordering::Acquire) > 0 {
+            // Callers drive progress: stay out of their way (and off their locks).
+            std::thread::sleep(Duration::from_millis(1));
+            return true;
+        }
         let open = self.batches.lock().values().any(|b| !b.done);
         if !open {
-            let map = self.batches.lock();
-            let _ = self
-                .batches
-                .changed
-                .wait_timeout(map, Duration::from_millis(20));
+            // Idle: look again soon (a submit does not wake this thread, which would cost the
+            // submit a syscall; a batch nobody waits on starts moving within this nap).
+            std::thread::sleep(Duration::from_millis(2));
             return false;
         }
-        if self.batches.waiters.load(Ordering::Acquire) == 0 {
-            self.progress(None, Duration::ZERO);
-        }
+        self.progress(None, Duration::ZERO);
         std::thread::sleep(Duration::from_micros(200));
         true
     }
@@ -902,10 +905,12 @@ impl Inner {
                 }
                 if self.batches.poller.try_lock().is_err() {
                     // Someone else polls: wait for their dispatch.
+                    self.batches.sleepers.fetch_add(1, Ordering::SeqCst);
                     let _ = self
                         .batches
                         .changed
                         .wait_timeout(map, left.min(Duration::from_micros(100)));
+                    self.batches.sleepers.fetch_sub(1, Ordering::SeqCst);
                     continue;
                 }
             }

@@ -119,16 +119,30 @@ pub(crate) struct Slice {
 }
 
 /// A segment's queue of slices waiting for room in a lane's window.
-#[derive(Default)]
 pub(crate) struct LaneQueue {
     pending: VecDeque<Slice>,
-    /// Requests and bytes posted and not yet completed, per lane.
-    inflight: Vec<(usize, usize)>,
-    /// Each posted slice's bytes and local region, by wr_id (a request's slices on one lane
-    /// share it and complete in order): the lane's window is given back, and the region kept
-    /// registered, until its completion.
-    sizes: HashMap<u64, VecDeque<(usize, Arc<Region>)>>,
+    /// Per lane, what is posted and not yet completed.
+    inflight: Vec<InFlight>,
     next: usize,
+}
+
+/// A lane's posted slices, oldest first (a queue pair completes its requests in order): each
+/// one's bytes, and its local region, kept registered until its completion.
+#[derive(Default)]
+struct InFlight {
+    slices: VecDeque<(usize, Arc<Region>)>,
+    bytes: usize,
+}
+
+impl LaneQueue {
+    /// An empty queue for `lanes` lanes.
+    pub(crate) fn new(lanes: usize) -> LaneQueue {
+        LaneQueue {
+            pending: VecDeque::new(),
+            inflight: (0..lanes).map(|_| InFlight::default()).collect(),
+            next: 0,
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -598,9 +612,6 @@ impl Inner {
         {
             let mut q = peer.queue.lock().unwrap_or_else(|e| e.into_inner());
             let lanes = peer.lanes.len();
-            if q.inflight.len() != lanes {
-                q.inflight = vec![(0, 0); lanes];
-            }
             let dead = peer
                 .failed
                 .lock()
@@ -613,7 +624,7 @@ impl Inner {
                     q.pending.pop_front();
                     continue;
                 }
-                if !front.region.mrs[peer.dev].is_registered() {
+                if !front.region.mrs[peer.dev()].is_registered() {
                     let w = wr_id(front.batch, 0, front.req);
                     failures.push((
                         w,
@@ -630,8 +641,9 @@ impl Inner {
                 // the copy itself, so this also bounds how long a submit blocks.
                 let len = front.len;
                 let Some(lane) = (0..lanes).map(|k| (start + k) % lanes).find(|&l| {
-                    let (n, b) = q.inflight[l];
-                    n == 0 || (n < LANE_WINDOW && b + len <= LANE_BYTES)
+                    let f = &q.inflight[l];
+                    let n = f.slices.len();
+                    n == 0 || (n < LANE_WINDOW && f.bytes + len <= LANE_BYTES)
                 }) else {
                     break;
                 };
@@ -653,12 +665,9 @@ impl Inner {
                 peer.last_lane.store(lane, Ordering::Relaxed);
                 match peer.lanes[lane].post_send(&[SendWr::new(wid, op, &sge)]) {
                     Ok(()) => {
-                        q.inflight[lane].0 += 1;
-                        q.inflight[lane].1 += s.len;
-                        q.sizes
-                            .entry(wid)
-                            .or_default()
-                            .push_back((s.len, s.region.clone()));
+                        let f = &mut q.inflight[lane];
+                        f.bytes += s.len;
+                        f.slices.push_back((s.len, s.region));
                     }
                     Err(e) => failures.push((wid, Failure::Peer(format!("posting failed: {e}")))),
                 }
@@ -747,19 +756,10 @@ impl Inner {
             }
             if r != NOTIFY_REQ {
                 let mut q = p.queue.lock().unwrap_or_else(|e| e.into_inner());
-                let bytes = match q.sizes.get_mut(&c.wr_id) {
-                    Some(v) => {
-                        let b = v.pop_front().map_or(0, |(b, _)| b);
-                        if v.is_empty() {
-                            q.sizes.remove(&c.wr_id);
-                        }
-                        b
-                    }
-                    None => 0,
-                };
-                if let Some((n, b)) = q.inflight.get_mut(lane) {
-                    *n = n.saturating_sub(1);
-                    *b = b.saturating_sub(bytes);
+                if let Some(f) = q.inflight.get_mut(lane)
+                    && let Some((bytes, _region)) = f.slices.pop_front()
+                {
+                    f.bytes -= bytes;
                 }
             }
             if !touched.iter().any(|t| Arc::ptr_eq(t, &p)) {
@@ -796,7 +796,7 @@ impl Inner {
     /// Posts the SENDs of batches whose data is all done.
     fn send_notifies(&self, sends: Vec<(BatchId, NotifySend)>) {
         for (bid, (peer, msg)) in sends {
-            let dev = &self.devs[peer.dev];
+            let dev = &self.devs[peer.dev()];
             let r = dev
                 .pd
                 .reg_mr(msg, oxccl_verbs::AccessFlags::LOCAL_WRITE)
@@ -836,22 +836,21 @@ impl Inner {
     /// Drives batches nobody waits for (a caller that submitted and went on), so that their
     /// requests keep flowing and their notifications go out: polls while a batch is open and no
     /// caller is in `wait`, napping between polls outside the poller's lock.
-    pub(crate) fn background_progress(&self) -> bool {
+    pub(crate) fn background_progress(&self) {
         if self.batches.waiters.load(Ordering::Acquire) > 0 {
             // Callers drive progress: stay out of their way (and off their locks).
             std::thread::sleep(Duration::from_millis(1));
-            return true;
+            return;
         }
         let open = self.batches.lock().values().any(|b| !b.done);
         if !open {
             // Idle: look again soon (a submit does not wake this thread, which would cost the
             // submit a syscall; a batch nobody waits on starts moving within this nap).
             std::thread::sleep(Duration::from_millis(2));
-            return false;
+            return;
         }
         self.progress(None, Duration::ZERO);
         std::thread::sleep(Duration::from_micros(200));
-        true
     }
 
     fn wait_inner(&self, batch: BatchId, timeout: Duration) -> Result<()> {
@@ -920,7 +919,7 @@ impl Inner {
             let (d, nap) = match &dev {
                 Some(p) => {
                     let lane = p.last_lane.load(Ordering::Relaxed);
-                    let multi = p.lane_dev.iter().any(|&d| d != p.dev);
+                    let multi = p.lane_dev.iter().any(|&d| d != p.dev());
                     let nap = if multi { 1 } else { 10 };
                     (p.lane_dev.get(lane).copied(), Duration::from_millis(nap))
                 }

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -88,8 +88,6 @@ impl Region {
 pub(crate) struct Peer {
     pub id: SegmentId,
     pub name: String,
-    /// The dev of the first lane (notifications go there).
-    pub dev: usize,
     /// Each lane's dev (its context on this side).
     pub lane_dev: Vec<usize>,
     /// Each lane's rkey set at the target: the label its registrations have there.
@@ -104,6 +102,13 @@ pub(crate) struct Peer {
     pub failed: Mutex<Option<String>>,
     /// Slices waiting for room in a lane's window.
     pub queue: Mutex<crate::batch::LaneQueue>,
+}
+
+impl Peer {
+    /// The dev of the first lane (notifications go there).
+    pub(crate) fn dev(&self) -> usize {
+        self.lane_dev[0]
+    }
 }
 
 /// An inbound connection: a peer's lanes to this engine, and the buffers its notifications land in.
@@ -217,7 +222,7 @@ impl TransferEngine {
             });
         }
         // The handshake listener first: its address may be the segment's name.
-        let inner_slot: Arc<Mutex<Weak<Inner>>> = Arc::new(Mutex::new(Weak::new()));
+        let inner_slot: Arc<OnceLock<Weak<Inner>>> = Arc::new(OnceLock::new());
         let handler = Arc::new(Handler {
             inner: inner_slot.clone(),
         });
@@ -263,7 +268,7 @@ impl TransferEngine {
             closed: AtomicBool::new(false),
             config,
         });
-        *inner_slot.lock().unwrap_or_else(|e| e.into_inner()) = Arc::downgrade(&inner);
+        let _ = inner_slot.set(Arc::downgrade(&inner));
         inner.publish()?;
         let mut threads = Vec::new();
         for d in 0..inner.devs.len() {
@@ -803,7 +808,7 @@ impl Inner {
         let peer = Arc::new(Peer {
             id,
             name: name.to_string(),
-            dev: lane_dev[0],
+            queue: Mutex::new(crate::batch::LaneQueue::new(lane_dev.len())),
             lane_dev,
             lane_keys,
             last_lane: Default::default(),
@@ -811,7 +816,6 @@ impl Inner {
             lanes,
             client: Mutex::new(client),
             failed: Mutex::new(None),
-            queue: Mutex::new(Default::default()),
         });
         let mut map = self.lanes.write().unwrap_or_else(|e| e.into_inner());
         map.retain(|_, w| w.strong_count() > 0);
@@ -922,17 +926,12 @@ fn post_notify_recv(qp: &QueuePair, bufs: &MemoryRegion, i: usize) -> Result<()>
 
 /// The handshake service of an engine (holds it weakly: the engine owns the server).
 struct Handler {
-    inner: Arc<Mutex<Weak<Inner>>>,
+    inner: Arc<OnceLock<Weak<Inner>>>,
 }
 
 impl handshake::Handler for Handler {
     fn handle(&self, peer: &str, msg: Msg) -> Msg {
-        let Some(inner) = self
-            .inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .upgrade()
-        else {
+        let Some(inner) = self.inner.get().and_then(Weak::upgrade) else {
             return Msg::Failed {
                 reason: "the engine is shutting down".into(),
             };

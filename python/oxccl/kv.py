@@ -474,11 +474,10 @@ class TransferEngine:
     ) -> int:
         """Writes ``length`` bytes from local ``buffer`` to ``peer_buffer_address`` in segment
         ``target_hostname``, and waits. 0 on success, -1 on failure."""
-        try:
-            self._e.transfer(target_hostname, True, buffer, peer_buffer_address, length)
-            return 0
-        except Exception as exc:
-            return self._fail(f"transfer_sync_write to {target_hostname!r}", exc)
+        return self._sync(
+            "transfer_sync_write to", target_hostname,
+            lambda: self._e.transfer(target_hostname, True, buffer, peer_buffer_address, length),
+        )
 
     def transfer_sync_read(
         self,
@@ -490,11 +489,10 @@ class TransferEngine:
     ) -> int:
         """Reads ``length`` bytes at ``peer_buffer_address`` of segment ``target_hostname``
         into local ``buffer``, and waits. 0 on success, -1 on failure."""
-        try:
-            self._e.transfer(target_hostname, False, buffer, peer_buffer_address, length)
-            return 0
-        except Exception as exc:
-            return self._fail(f"transfer_sync_read from {target_hostname!r}", exc)
+        return self._sync(
+            "transfer_sync_read from", target_hostname,
+            lambda: self._e.transfer(target_hostname, False, buffer, peer_buffer_address, length),
+        )
 
     def transfer_sync(
         self,
@@ -508,18 +506,13 @@ class TransferEngine:
     ) -> int:
         """One transfer of ``opcode``, then ``notify`` (if given) delivered to the target
         after the data. 0 on success, -1 on failure."""
-        try:
-            self._e.transfer(
-                target_hostname,
-                _is_write(opcode),
-                buffer,
-                peer_buffer_address,
-                length,
+        return self._sync(
+            "transfer_sync with", target_hostname,
+            lambda: self._e.transfer(
+                target_hostname, _is_write(opcode), buffer, peer_buffer_address, length,
                 _notify_bytes(notify),
-            )
-            return 0
-        except Exception as exc:
-            return self._fail(f"transfer_sync with {target_hostname!r}", exc)
+            ),
+        )
 
     def batch_transfer_sync_write(
         self,
@@ -531,13 +524,12 @@ class TransferEngine:
     ) -> int:
         """Writes ``lengths[i]`` bytes from ``buffers[i]`` to ``peer_buffer_addresses[i]``
         for every i, as one batch, and waits. 0 on success, -1 on failure."""
-        try:
-            self._e.batch_transfer(
+        return self._sync(
+            "batch_transfer_sync_write to", target_hostname,
+            lambda: self._e.batch_transfer(
                 target_hostname, True, buffers, peer_buffer_addresses, lengths
-            )
-            return 0
-        except Exception as exc:
-            return self._fail(f"batch_transfer_sync_write to {target_hostname!r}", exc)
+            ),
+        )
 
     def batch_transfer_sync_read(
         self,
@@ -549,13 +541,12 @@ class TransferEngine:
     ) -> int:
         """Reads ``lengths[i]`` bytes at ``peer_buffer_addresses[i]`` into ``buffers[i]`` for
         every i, as one batch, and waits. 0 on success, -1 on failure."""
-        try:
-            self._e.batch_transfer(
+        return self._sync(
+            "batch_transfer_sync_read from", target_hostname,
+            lambda: self._e.batch_transfer(
                 target_hostname, False, buffers, peer_buffer_addresses, lengths
-            )
-            return 0
-        except Exception as exc:
-            return self._fail(f"batch_transfer_sync_read from {target_hostname!r}", exc)
+            ),
+        )
 
     def batch_transfer_sync(
         self,
@@ -569,18 +560,13 @@ class TransferEngine:
     ) -> int:
         """A batch of ``opcode``, then ``notify`` (if given) delivered after all its data.
         0 on success, -1 on failure."""
-        try:
-            self._e.batch_transfer(
-                target_hostname,
-                _is_write(opcode),
-                buffers,
-                peer_buffer_addresses,
-                lengths,
+        return self._sync(
+            "batch_transfer_sync with", target_hostname,
+            lambda: self._e.batch_transfer(
+                target_hostname, _is_write(opcode), buffers, peer_buffer_addresses, lengths,
                 _notify_bytes(notify),
-            )
-            return 0
-        except Exception as exc:
-            return self._fail(f"batch_transfer_sync with {target_hostname!r}", exc)
+            ),
+        )
 
     def batch_transfer_async_write(
         self,
@@ -646,6 +632,15 @@ class TransferEngine:
             "transfer_submit_write", target_hostname, True, [buffer],
             [peer_buffer_address], [length], None,
         )
+
+    def _sync(self, what: str, target: str, call: Any) -> int:
+        """Runs ``call()``: 0, or -1 with the reason (``what`` and ``target``) kept for
+        :meth:`last_error`."""
+        try:
+            call()
+            return 0
+        except Exception as exc:
+            return self._fail(f"{what} {target!r}", exc)
 
     def _submit(
         self,

@@ -548,6 +548,15 @@ mod tests {
         Arc::new(TransferEngine::new(c, meta.clone()).unwrap())
     }
 
+    fn store(engine: Arc<TransferEngine>, dram: usize, disk: Option<(PathBuf, u64)>) -> BlockStore {
+        let config = BlockStoreConfig {
+            dram_capacity: dram,
+            disk,
+            disk_options: DiskOptions::default(),
+        };
+        BlockStore::new(engine, config).unwrap()
+    }
+
     fn block(k: u64, len: usize) -> Vec<u8> {
         (0..len).map(|i| (i as u64 * 31 + k * 7) as u8).collect()
     }
@@ -562,15 +571,11 @@ mod tests {
     fn cold_blocks_go_to_disk_and_come_back_on_a_hit() {
         let meta = Arc::new(StoreMetadata::new(Arc::new(MemoryStore::new())));
         let dir = tmpdir("lru");
-        let s = BlockStore::new(
+        let s = store(
             engine(&meta, "lru"),
-            BlockStoreConfig {
-                dram_capacity: 1 << 20,
-                disk: Some((dir.join("tier"), 16 << 20)),
-                disk_options: DiskOptions::default(),
-            },
-        )
-        .unwrap();
+            1 << 20,
+            Some((dir.join("tier"), 16 << 20)),
+        );
         // 8 values of 256 KiB (two blocks each) in 1 MiB of DRAM: the oldest go to disk.
         for k in 0..8u64 {
             s.put(
@@ -616,15 +621,11 @@ mod tests {
     fn a_full_disk_names_the_tier_and_keeps_the_dram_copy() {
         let meta = Arc::new(StoreMetadata::new(Arc::new(MemoryStore::new())));
         let dir = tmpdir("full");
-        let s = BlockStore::new(
+        let s = store(
             engine(&meta, "full"),
-            BlockStoreConfig {
-                dram_capacity: 512 << 10,
-                disk: Some((dir.join("tier"), 256 << 10)),
-                disk_options: DiskOptions::default(),
-            },
-        )
-        .unwrap();
+            512 << 10,
+            Some((dir.join("tier"), 256 << 10)),
+        );
         s.put("a", &[&block(1, 256 << 10)]).unwrap();
         s.put("b", &[&block(2, 256 << 10)]).unwrap();
         s.put("c", &[&block(3, 256 << 10)]).unwrap(); // a → disk (fills it)
@@ -652,25 +653,13 @@ mod tests {
     fn a_remote_get_reads_the_owners_blocks_even_from_its_disk() {
         let meta = Arc::new(StoreMetadata::new(Arc::new(MemoryStore::new())));
         let dir = tmpdir("remote");
-        let owner = BlockStore::new(
+        let owner = store(
             engine(&meta, "owner"),
-            BlockStoreConfig {
-                dram_capacity: 1 << 20,
-                disk: Some((dir.join("tier"), 8 << 20)),
-                disk_options: DiskOptions::default(),
-            },
-        )
-        .unwrap();
+            1 << 20,
+            Some((dir.join("tier"), 8 << 20)),
+        );
         let client_engine = engine(&meta, "client");
-        let client = BlockStore::new(
-            client_engine.clone(),
-            BlockStoreConfig {
-                dram_capacity: 1 << 20,
-                disk: None,
-                disk_options: DiskOptions::default(),
-            },
-        )
-        .unwrap();
+        let client = store(client_engine.clone(), 1 << 20, None);
         for k in 0..6u64 {
             owner.put(&format!("k{k}"), &[&block(k, 300_000)]).unwrap();
         }

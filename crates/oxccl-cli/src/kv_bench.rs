@@ -258,6 +258,28 @@ pub fn main(args: Args) -> ExitCode {
 }
 
 /// CPU seconds (user + system) of this process so far, every thread included.
+/// Joins every thread; their results in order, or the first error (a panic counts as one,
+/// named `what`).
+fn join_all<T>(
+    handles: Vec<std::thread::ScopedJoinHandle<'_, Result<T>>>,
+    what: &str,
+) -> Result<Vec<T>> {
+    let mut out = Vec::with_capacity(handles.len());
+    let mut first_err = None;
+    for h in handles {
+        match h.join() {
+            Ok(Ok(v)) => out.push(v),
+            Ok(Err(e)) => {
+                first_err.get_or_insert(e);
+            }
+            Err(_) => {
+                first_err.get_or_insert(format!("{what} panicked"));
+            }
+        }
+    }
+    first_err.map_or(Ok(out), Err)
+}
+
 fn process_cpu() -> f64 {
     // SAFETY: getrusage writes only the struct handed to it.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
@@ -845,23 +867,9 @@ fn run_engine(args: &Args, secret: Secret, name: &str) -> Result<Outcome> {
         let c0 = process_cpu();
         let t0 = Instant::now();
         go.wait();
-        let mut results = Vec::new();
-        let mut first_err = None;
-        for h in handles {
-            match h.join() {
-                Ok(Ok(r)) => results.push(r),
-                Ok(Err(e)) => {
-                    first_err.get_or_insert(e);
-                }
-                Err(_) => {
-                    first_err.get_or_insert("an initiator thread panicked".into());
-                }
-            }
-        }
+        let joined = join_all(handles, "an initiator thread");
         let c1 = process_cpu();
-        if let Some(e) = first_err {
-            return Err(e);
-        }
+        let results = joined?;
         let end = results.iter().filter_map(|r| r.end).max().unwrap_or(t0);
         let tc1 = target_cpu("after the run");
         Ok(Outcome {
@@ -980,27 +988,14 @@ fn run_raw(args: &Args, secret: &Secret, name: &str) -> Result<Outcome> {
         let c0 = process_cpu();
         let t0 = Instant::now();
         go.wait();
-        let mut results = Vec::new();
-        let (mut ta, mut tb) = (f64::NEG_INFINITY, f64::NEG_INFINITY);
-        let mut first_err = None;
-        for h in handles {
-            match h.join() {
-                Ok(Ok((r, a, b))) => {
-                    results.push(r);
-                    ta = ta.max(a);
-                    tb = tb.max(b);
-                }
-                Ok(Err(e)) => {
-                    first_err.get_or_insert(e);
-                }
-                Err(_) => {
-                    first_err.get_or_insert("a raw stream thread panicked".into());
-                }
-            }
-        }
+        let joined = join_all(handles, "a raw stream thread");
         let c1 = process_cpu();
-        if let Some(e) = first_err {
-            return Err(e);
+        let (mut ta, mut tb) = (f64::NEG_INFINITY, f64::NEG_INFINITY);
+        let mut results = Vec::new();
+        for (r, a, b) in joined? {
+            results.push(r);
+            ta = ta.max(a);
+            tb = tb.max(b);
         }
         let end = results.iter().filter_map(|r| r.end).max().unwrap_or(t0);
         Ok(Outcome {

@@ -328,6 +328,19 @@ impl Config {
 }
 
 /// `host:port`, bracketing IPv6 literals.
+/// A byte count as the `OXCCL_*` variables write it: `4096`, `64K`, `1M`, `1G` (binary
+/// units); `None` when it is not one (or overflows).
+pub fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last()? {
+        (i, 'k' | 'K') => (&s[..i], 1 << 10),
+        (i, 'm' | 'M') => (&s[..i], 1 << 20),
+        (i, 'g' | 'G') => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    num.trim().parse::<usize>().ok()?.checked_mul(mult)
+}
+
 fn join_host_port(host: &str, port: u16) -> String {
     if host.contains(':') && !host.starts_with('[') {
         format!("[{host}]:{port}")

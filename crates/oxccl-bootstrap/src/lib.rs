@@ -69,7 +69,7 @@ pub mod wire;
 
 pub use bootstrap::{Bootstrap, route_to};
 pub use client::{ClientOptions, TcpStore};
-pub use config::{Config, DEFAULT_PORT, DEFAULT_TIMEOUT, Launcher};
+pub use config::{Config, DEFAULT_PORT, DEFAULT_TIMEOUT, Launcher, parse_size};
 pub use error::{Error, Result};
 pub use secret::{SECRET_ENV, SECRET_FILE_ENV, Secret, SecretSource};
 pub use server::StoreServer;

@@ -19,15 +19,7 @@ use std::time::Instant;
 use oxccl_kv::disk::{DirectIo, DiskOptions, DiskTier};
 
 fn parse_size(s: &str) -> u64 {
-    let (num, mul) = match s.chars().last() {
-        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
-        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<u64>()
-        .unwrap_or_else(|_| panic!("bad size {s:?}"))
-        * mul
+    oxccl_kv::parse_size(s).unwrap_or_else(|| panic!("bad size {s:?}")) as u64
 }
 
 /// The 8-byte word stored at byte `pos` of the file.

@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use oxccl_bootstrap::Secret;
+use oxccl_bootstrap::{Secret, parse_size};
 
 use crate::error::{Error, Result};
 
@@ -183,18 +183,6 @@ impl EngineConfig {
         }
         Ok(())
     }
-}
-
-/// `4096`, `64K`, `1M`, `1G` (binary units).
-pub fn parse_size(s: &str) -> Option<usize> {
-    let s = s.trim();
-    let (num, mult) = match s.char_indices().last()? {
-        (i, 'k' | 'K') => (&s[..i], 1 << 10),
-        (i, 'm' | 'M') => (&s[..i], 1 << 20),
-        (i, 'g' | 'G') => (&s[..i], 1 << 30),
-        _ => (s, 1),
-    };
-    num.trim().parse::<usize>().ok()?.checked_mul(mult)
 }
 
 #[cfg(test)]

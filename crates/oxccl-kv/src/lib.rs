@@ -65,8 +65,10 @@ pub use batch::{
     BatchId, BatchStatus, MAX_BATCH, Opcode, Transfer, TransferRequest, TransferStatus,
 };
 pub use blocks::{BLOCK_SERVICE, BlockStats, BlockStore, BlockStoreConfig, TierStats};
-pub use config::{EngineConfig, Protocol, parse_size};
+pub use config::{EngineConfig, Protocol};
 pub use desc::{BufferDesc, DESC_FORMAT, SegmentDesc};
 pub use engine::{MAX_NOTIFY, Notification, SegmentId, Service, TransferEngine};
 pub use error::{Error, Result};
 pub use meta::Metadata;
+/// Byte counts as the `OXCCL_*` variables write them (`64K`, `1M`): the bootstrap's parser.
+pub use oxccl_bootstrap::parse_size;

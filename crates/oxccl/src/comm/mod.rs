@@ -124,17 +124,6 @@ impl Default for Options {
     }
 }
 
-fn parse_size(s: &str) -> Option<usize> {
-    let s = s.trim();
-    let (num, mult) = match s.char_indices().last()? {
-        (i, 'k' | 'K') => (&s[..i], 1 << 10),
-        (i, 'm' | 'M') => (&s[..i], 1 << 20),
-        (i, 'g' | 'G') => (&s[..i], 1 << 30),
-        _ => (s, 1),
-    };
-    num.trim().parse::<usize>().ok()?.checked_mul(mult)
-}
-
 impl Options {
     /// Defaults overridden by the environment; a malformed variable is an error naming it.
     pub fn from_env() -> Result<Options> {
@@ -211,7 +200,7 @@ impl Options {
             o.channels = Some(c);
         }
         if let Some(v) = var("OXCCL_CHUNK_SIZE") {
-            let c = parse_size(&v)
+            let c = oxccl_bootstrap::parse_size(&v)
                 .filter(|c| (4096..=(64 << 20)).contains(c))
                 .ok_or_else(|| bad("OXCCL_CHUNK_SIZE", &v, "bytes (K/M suffixes), 4K..=64M"))?;
             o.chunk_size = Some(c);
@@ -233,7 +222,8 @@ impl Options {
             };
         }
         if let Some(v) = var("OXCCL_SMALL_BYTES") {
-            o.small_bytes = parse_size(&v).ok_or_else(|| bad("OXCCL_SMALL_BYTES", &v, "bytes"))?;
+            o.small_bytes = oxccl_bootstrap::parse_size(&v)
+                .ok_or_else(|| bad("OXCCL_SMALL_BYTES", &v, "bytes"))?;
         }
         if let Some(v) = var("OXCCL_TOPO_LEARN") {
             o.learn_interval = match v.trim() {
@@ -258,7 +248,7 @@ impl Options {
                 "0" | "off" => Some(0),
                 "1" | "on" => Some(PROBE_BYTES),
                 x => Some(
-                    parse_size(x)
+                    oxccl_bootstrap::parse_size(x)
                         .filter(|b| (64 << 10..=1 << 30).contains(b))
                         .ok_or_else(|| {
                             bad("OXCCL_TOPO_PROBE", &v, "0, 1 or bytes per probe (64K..=1G)")

@@ -1,6 +1,6 @@
-//! Fuzzes the schedule builder (`crates/oxccl/src/schedule.rs`) against the symbolic reference
-//! executor (`crates/oxccl/src/verify.rs`): see `fuzz/src/schedule.rs` for the input format and
-//! what is checked.
+//! Fuzzes the schedule builder (`crates/oxccl-core/src/schedule.rs`) against the symbolic
+//! reference executor (`crates/oxccl-core/src/verify.rs`): see `fuzz/src/schedule.rs` for the
+//! input format and what is checked.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

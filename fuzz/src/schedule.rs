@@ -1,5 +1,5 @@
-//! The `schedule` fuzz target: `oxccl::schedule::build` against the reference executor
-//! (`oxccl::verify`).
+//! The `schedule` fuzz target: `oxccl_core::schedule::build` against the reference executor
+//! (`oxccl_core::verify`).
 //!
 //! An input decodes ([`Input::decode`], total: every byte string is an input) into one request
 //! per rank of a world of 1..=16 ranks: any collective (all-to-allv with a matrix of counts,
@@ -23,7 +23,7 @@
 //! fragments, and a case whose verification would cost more than [`MAX_WORK`] (fragments ×
 //! queues, plus the elements sent) is built but not run.
 
-use oxccl::fuzzing::{Algorithm, Collective, Op, Request, Schedule, build, verify_schedules};
+use oxccl_core::fuzzing::{Algorithm, Collective, Op, Request, Schedule, build, verify_schedules};
 
 /// Bytes of the fixed part of an input; the rest is a list of little-endian `u16`s.
 pub const HEADER_LEN: usize = 19;

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use oxccl_core::protocol::SLOT_HEADER;
 use oxccl_verbs::{
     AccessFlags, CompletionQueue, MemoryRegion, ProtectionDomain, Provider, QueuePair, RecvWr,
     RemoteBuffer, SendWr, Sge, WcStatus, WorkCompletion, WrOp,
@@ -28,8 +29,6 @@ use crate::reduce;
 use crate::schedule::{Buf, Op, Region, Schedule};
 use crate::{DataType, ReduceOp};
 
-/// Bytes of the header in front of every fragment.
-pub(crate) const SLOT_HEADER: usize = 64;
 /// Fragments up to this many bytes travel in the staging region (no registration).
 use crate::tuner::INLINE;
 const STAGE: usize = SLOT_HEADER + INLINE;

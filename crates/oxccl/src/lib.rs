@@ -56,27 +56,24 @@
 #![deny(missing_docs)]
 
 mod comm;
-mod dtype;
 mod engine;
 mod error;
 pub mod fault;
 pub mod flight;
-mod learn;
-mod meter;
 pub mod netif;
 mod reduce;
-pub mod schedule;
-pub mod topology;
-pub mod tuner;
-pub mod verify;
+
+// The pure parts live in oxccl-core; the runtime's paths to them stay as they were.
+use oxccl_core::{dtype, learn, meter};
+pub use oxccl_core::{schedule, topology, tuner, verify};
 
 pub use comm::{Buffers, Communicator, Options, WatchdogAction, Work, default_host_id};
-pub use dtype::{DataType, Element, ParseNameError, ReduceOp, as_bytes, as_bytes_mut};
 pub use error::{Error, OpDesc, Result};
 pub use fault::{Fault, FaultKind, Faults};
 pub use flight::DUMP_VERSION;
+pub use oxccl_core::dtype::{DataType, Element, ParseNameError, ReduceOp, as_bytes, as_bytes_mut};
+pub use oxccl_core::topology::{Host, Topology};
 pub use oxccl_verbs::Provider;
-pub use topology::{Host, Topology};
 
 /// Whether `OXCCL_DEBUG` asks for INFO lines (`INFO`, `TRACE` or `DEBUG`).
 pub(crate) fn log_enabled() -> bool {
@@ -108,15 +105,4 @@ pub(crate) fn log_line(msg: String) {
     use std::io::Write;
     let line = format!("oxccl INFO {msg}\n");
     let _ = std::io::stderr().write_all(line.as_bytes());
-}
-
-/// What the fuzz targets under `fuzz/` drive (feature `fuzzing`; not a stable API): the pure
-/// schedule builder and the symbolic reference executor that checks its schedules.
-#[cfg(feature = "fuzzing")]
-#[doc(hidden)]
-pub mod fuzzing {
-    pub use crate::schedule::{
-        Algorithm, Buf, Collective, Op, Region, Request, Schedule, Step, build,
-    };
-    pub use crate::verify::{verify, verify_schedules};
 }

@@ -1,7 +1,8 @@
 //! Algorithms as data: a [`Schedule`] is one rank's ordered list of [`Step`]s over regions of
-//! its buffers, with explicit dependencies. Building one does no I/O; the executor
-//! (`crate::engine`) runs it over verbs, [`verify`](crate::verify::verify) runs every rank's schedule in memory against
-//! a symbolic reference, and the fabric simulator runs the same values over a modelled network.
+//! its buffers, with explicit dependencies. Building one does no I/O; the runtime's executor
+//! (`oxccl`'s engine) runs it over verbs, [`verify`](crate::verify::verify) runs every rank's
+//! schedule in memory against a symbolic reference, and the fabric simulator (`oxccl-sim`) runs
+//! the same values over a modelled network.
 //!
 //! Sizes and offsets are in elements, so one schedule serves every data type.
 //!

@@ -2,10 +2,10 @@
 //! network is.
 //!
 //! A [`Topology`] is detected at init from the host identity of every rank
-//! ([`Topology::from_host_ids`], over [`Communicator::hosts`](crate::Communicator::hosts)),
+//! ([`Topology::from_host_ids`], over the runtime's `Communicator::hosts`),
 //! or read from a file named by `OXCCL_TOPO_FILE` ([`Topology::from_env`]). With
 //! `OXCCL_TOPO_PROBE=1` a communicator measures the link rates a file does not give at init
-//! (see [`Options::topo_probe`](crate::Options::topo_probe)). `oxccl topo` prints it.
+//! (see the runtime's `Options::topo_probe`). `oxccl topo` prints it.
 //!
 //! The tuner ([`crate::tuner`]) reads it: several hosts of several ranks run two-tier
 //! (hierarchical) collectives; uneven link rates give all-reduces shares in proportion
@@ -38,7 +38,7 @@
 //! every rank exactly once, no empty host, unique names, rates finite and positive.
 //!
 //! ```
-//! use oxccl::Topology;
+//! use oxccl_core::Topology;
 //!
 //! let topo = Topology::parse(
 //!     r#"{"hosts": [{"name": "h0", "ranks": [0, 1], "link_gbps": 1.0},
@@ -99,7 +99,7 @@ pub struct Host {
 
 impl Topology {
     /// Groups ranks by identical host identity (`ids[rank]`, as
-    /// [`Communicator::hosts`](crate::Communicator::hosts) returns them): one host per distinct
+    /// the runtime's `Communicator::hosts` returns them): one host per distinct
     /// identity, named by it, hosts in order of their lowest rank, ranks ascending, link rates
     /// unknown.
     pub fn from_host_ids(ids: &[String]) -> Topology {
@@ -319,7 +319,7 @@ impl Topology {
     }
 
     /// The topology of a job whose ranks have host identities `host_ids`
-    /// ([`Communicator::hosts`](crate::Communicator::hosts)), reading `OXCCL_TOPO_FILE` from
+    /// (the runtime's `Communicator::hosts`), reading `OXCCL_TOPO_FILE` from
     /// the process environment. See [`Topology::from_vars`].
     pub fn from_env(host_ids: &[String]) -> Result<(Topology, Option<String>), String> {
         Topology::from_vars(host_ids, &|name| std::env::var(name).ok())

@@ -41,7 +41,7 @@ pub const MIN_BYTES: usize = 1 << 20;
 /// Whether a call is metered (the same answer on every rank: it depends on the call and the
 /// tuner only): a large all-reduce, reduce-scatter or all-gather on a ring, proportional or
 /// two-tier schedule, whose fragments fill the slots and whose flows are concurrent.
-pub(crate) fn eligible(coll: &Collective, tuning: &Tuning, esize: usize, bytes: usize) -> bool {
+pub fn eligible(coll: &Collective, tuning: &Tuning, esize: usize, bytes: usize) -> bool {
     matches!(
         coll,
         Collective::AllReduce { .. }
@@ -56,7 +56,7 @@ pub(crate) fn eligible(coll: &Collective, tuning: &Tuning, esize: usize, bytes: 
 
 /// The learner's state on one rank (identical on every rank).
 #[derive(Clone, Debug)]
-pub(crate) struct Learner {
+pub struct Learner {
     /// Eligible calls between rounds.
     pub interval: usize,
     /// Eligible calls since the last round.
@@ -68,6 +68,7 @@ pub(crate) struct Learner {
 }
 
 impl Learner {
+    /// A learner that runs a round every `interval` eligible calls (at least 1).
     pub fn new(interval: usize) -> Learner {
         Learner {
             interval: interval.max(1),
@@ -94,7 +95,7 @@ impl Learner {
 /// (`peak`, to be combined with MAX) and, for this rank's own host, its best aggregate window
 /// (`egress`, to be combined with SUM: the ranks of a host share its link), in kbit/s.
 /// Links inside the host and readings shorter than [`MIN_BUSY_NS`] are left out.
-pub(crate) fn contribution(
+pub fn contribution(
     my_host: usize,
     host_of: &[usize],
     hosts: usize,
@@ -121,7 +122,7 @@ pub(crate) fn contribution(
 /// host's ranks send no faster than its link), and each is tight in some pattern (a ring's
 /// flows cross each link alone; flows sharing a saturated link add up in the egress
 /// window), so the estimate is the larger. `None` for a host nothing was measured on.
-pub(crate) fn estimates(peak: &[u64], egress: &[u64]) -> Vec<Option<f64>> {
+pub fn estimates(peak: &[u64], egress: &[u64]) -> Vec<Option<f64>> {
     peak.iter()
         .zip(egress)
         .map(|(&p, &e)| (p.max(e) > 0).then(|| p.max(e) as f64 / 1e6))
@@ -141,7 +142,7 @@ fn all_equal(rates: &[f64]) -> bool {
 
 /// Rates whose spread is within `band` become their mean (equal links: the ring); others
 /// are merged into clusters ([`merge_clusters`]).
-pub(crate) fn settle(rates: &mut [f64], band: f64) {
+pub fn settle(rates: &mut [f64], band: f64) {
     if spread(rates) <= band {
         let mean = rates.iter().sum::<f64>() / rates.len() as f64;
         rates.iter_mut().for_each(|r| *r = mean);
@@ -176,7 +177,7 @@ fn round3(r: f64) -> f64 {
 /// The rates to use after a round, or `None` to keep `current`. `current[h]` is host `h`'s
 /// rate (`None`: unknown), `est` the round's [`estimates`]; `pending` carries an unconfirmed
 /// change from one round to the next. See the module's documentation for the rule.
-pub(crate) fn next_rates(
+pub fn next_rates(
     current: &[Option<f64>],
     est: &[Option<f64>],
     pending: &mut Option<Vec<f64>>,

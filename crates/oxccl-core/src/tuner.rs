@@ -4,9 +4,9 @@
 //! schedule the runtime would run.
 //!
 //! ```
-//! use oxccl::Topology;
-//! use oxccl::schedule::{Algorithm, Collective};
-//! use oxccl::tuner::Tuning;
+//! use oxccl_core::Topology;
+//! use oxccl_core::schedule::{Algorithm, Collective};
+//! use oxccl_core::tuner::Tuning;
 //!
 //! // Two hosts of two ranks, talking tcp across hosts.
 //! let topo = Topology::parse(
@@ -26,7 +26,7 @@ use crate::schedule::{Algorithm, Collective, RAIL_DIRECT_MAX, Request};
 
 /// Messages up to this many bytes are sent inline (one slot header's page): below it a
 /// ring runs on one channel.
-pub(crate) const INLINE: usize = 4096 - crate::engine::SLOT_HEADER;
+pub const INLINE: usize = 4096 - crate::protocol::SLOT_HEADER;
 
 /// Default bytes per slice (and slot) when every peer is on the host.
 pub const CHUNK_SHM: usize = 128 << 10;

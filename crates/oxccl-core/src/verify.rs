@@ -11,7 +11,7 @@
 //! rank has started.
 //!
 //! ```
-//! use oxccl::schedule::{Algorithm, Collective, Request};
+//! use oxccl_core::schedule::{Algorithm, Collective, Request};
 //! let reqs: Vec<Request> = (0..5)
 //!     .map(|rank| Request {
 //!         coll: Collective::AllReduce { count: 37 },
@@ -25,7 +25,7 @@
 //!         weights: Vec::new(),
 //!     })
 //!     .collect();
-//! oxccl::verify::verify(&reqs, 2, 42).unwrap();
+//! oxccl_core::verify::verify(&reqs, 2, 42).unwrap();
 //! ```
 
 use std::collections::{HashMap, VecDeque};

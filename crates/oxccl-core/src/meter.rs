@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 /// One link's meter (a sender's view of the path to one peer).
 #[derive(Debug, Default)]
-pub(crate) struct LinkMeter {
+pub struct LinkMeter {
     /// Bytes of the fragments in flight, oldest first (completions come in order on a
     /// reliable connection).
     in_flight: VecDeque<u32>,
@@ -29,7 +29,7 @@ pub(crate) struct LinkMeter {
 
 /// What a link delivered over some busy time.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Delivered {
+pub struct Delivered {
     /// Bytes acknowledged.
     pub bytes: u64,
     /// Time with something in flight.
@@ -96,7 +96,7 @@ impl LinkMeter {
 /// window in which only a flow held back by a slow receiver is left reads low, and is not the
 /// best.
 #[derive(Debug, Default)]
-pub(crate) struct EgressMeter {
+pub struct EgressMeter {
     in_flight: usize,
     since: Option<Instant>,
     win_bytes: u64,

@@ -5,3 +5,9 @@
 /// Bytes of the header in front of every fragment in a receive slot (the collective's sequence
 /// number and fingerprint, the transfer's length, the fragment's offset).
 pub const SLOT_HEADER: usize = 64;
+
+mod machine;
+
+pub use machine::{
+    Action, Config, Flow, Flows, Machine, Queues, Reuse, StepState, Waiting, mailbox_eligible,
+};

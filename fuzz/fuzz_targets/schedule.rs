@@ -1,4 +1,4 @@
-//! Fuzzes the schedule builder (`crates/oxccl-core/src/schedule.rs`) against the symbolic
+//! Fuzzes the schedule builder (`crates/oxccl-core/src/schedule/`) against the symbolic
 //! reference executor (`crates/oxccl-core/src/verify.rs`): see `fuzz/src/schedule.rs` for the
 //! input format and what is checked.
 #![no_main]

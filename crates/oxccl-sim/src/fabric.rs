@@ -433,9 +433,10 @@ impl Fabric {
         from == to || self.to_table(to)[from] != NONE
     }
 
-    /// The switch a schedule that aggregates in the network ([`oxccl::schedule::Algorithm::Aggregation`])
-    /// targets: the first switch (lowest node index) that can reduce and that every rank
-    /// reaches and is reached from. `None` when no switch of the fabric can.
+    /// The switch a schedule that aggregates in the network
+    /// ([`oxccl_core::schedule::Algorithm::Aggregation`]) targets: the first switch (lowest
+    /// node index) that can reduce and that every rank reaches and is reached from. `None`
+    /// when no switch of the fabric can.
     pub fn aggregator(&self) -> Option<usize> {
         (self.world..self.nodes.len()).find(|&n| {
             matches!(
@@ -456,7 +457,7 @@ impl Fabric {
     /// sum over its NICs; `None` for a host without any). With `tuner_hosts =
     /// "datacenters"` in the file, one "host" per datacenter, whose rate is the long-haul
     /// link's, so that the two-tier algorithms reduce inside each datacenter first.
-    pub fn topology(&self) -> oxccl::Topology {
+    pub fn topology(&self) -> oxccl_core::Topology {
         if self.layout.tuner_dcs && !self.layout.dc_names.is_empty() {
             let hosts = self
                 .layout
@@ -472,26 +473,26 @@ impl Fabric {
                         .flat_map(|(_, (_, r))| r.iter().copied())
                         .collect();
                     ranks.sort_unstable();
-                    oxccl::Host {
+                    oxccl_core::Host {
                         name: name.clone(),
                         ranks,
                         link_gbps: self.layout.wan_gbps,
                     }
                 })
                 .collect();
-            return oxccl::Topology { hosts };
+            return oxccl_core::Topology { hosts };
         }
         let hosts = self
             .hosts
             .iter()
             .enumerate()
-            .map(|(h, (name, ranks))| oxccl::Host {
+            .map(|(h, (name, ranks))| oxccl_core::Host {
                 name: name.clone(),
                 ranks: ranks.clone(),
                 link_gbps: self.layout.host_gbps.get(h).copied().flatten(),
             })
             .collect();
-        oxccl::Topology { hosts }
+        oxccl_core::Topology { hosts }
     }
 
     /// Completes a candidate automorphism given by where each node goes: `None` unless it is

@@ -3,7 +3,7 @@
 //! A [`Fabric`] (ranks, switches, directed links with a rate and a latency, routes; built in
 //! code or from a topology file, [`topo_file`]) and a [`Spec`] (the collective, its size,
 //! overrides) go into [`simulate`], which builds every rank's schedule with the runtime's
-//! own tuner and [`oxccl::schedule::build`] and runs them over the fabric: flows share links
+//! own tuner and [`oxccl_core::schedule::build`] and runs them over the fabric: flows share links
 //! max-min fairly ([`engine`]), steps start as the executor starts them ([`run`] has the
 //! model and its assumptions), and the [`Report`] has the predicted time, each rank's finish,
 //! each link's bytes and busy time, and optionally a trace. Symmetric fabrics run one rank
@@ -15,7 +15,7 @@
 //! reduces, so `T = 2(P−1)/P·N/B + 2(P−1)(o + 2l) + (P−1)·b/R`:
 //!
 //! ```
-//! use oxccl::schedule::{Algorithm, Collective};
+//! use oxccl_core::schedule::{Algorithm, Collective};
 //! use oxccl_sim::{Fabric, Link, Node, NodeKind, Spec, simulate};
 //!
 //! let (p, rate, lat, o, reduce) = (4, 1e9, 1e-6, 5e-6, 4e9);

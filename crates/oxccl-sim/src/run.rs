@@ -3,10 +3,11 @@
 //! # The model
 //!
 //! Every rank gets the schedule the runtime would run: its tuner
-//! ([`oxccl::tuner::Tuning`], built from [`Fabric::topology`], with [`Spec`]'s overrides) picks
-//! the algorithm, slice and channels, and [`oxccl::schedule::build`] makes the steps (for an
-//! [`Algorithm::Aggregation`] all-reduce, [`oxccl::schedule::build_aggregator`] makes the
-//! aggregator's, which runs in the fabric's aggregating switch, [`Fabric::aggregator`]).
+//! ([`oxccl_core::tuner::Tuning`], built from [`Fabric::topology`], with [`Spec`]'s
+//! overrides) picks the algorithm, slice and channels, and [`oxccl_core::schedule::build`]
+//! makes the steps (for an [`Algorithm::Aggregation`] all-reduce,
+//! [`oxccl_core::schedule::build_aggregator`] makes the aggregator's, which runs in the
+//! fabric's aggregating switch, [`Fabric::aggregator`]).
 //! Steps run as the executor runs them:
 //!
 //! - Per (peer, channel) a rank's sends form one FIFO queue and its receives another, in step
@@ -69,8 +70,8 @@
 
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 
-use oxccl::schedule::{Algorithm, Buf, Collective, Op, Region, Schedule};
-use oxccl::tuner::Tuning;
+use oxccl_core::schedule::{Algorithm, Buf, Collective, Op, Region, Schedule};
+use oxccl_core::tuner::Tuning;
 
 use crate::engine::Net;
 use crate::sym::{self, Cycles};
@@ -176,7 +177,7 @@ pub struct Report {
 
 /// The runtime's view of `fabric` for its tuner: [`Fabric::topology`]; when that knows no
 /// link rate at all (a fabric built by hand), [`host_link_gbps`] fills them in.
-pub fn tuner_topology(fabric: &Fabric) -> oxccl::Topology {
+pub fn tuner_topology(fabric: &Fabric) -> oxccl_core::Topology {
     let mut topo = fabric.topology();
     if topo.hosts.iter().all(|h| h.link_gbps.is_none()) && topo.hosts.len() == fabric.hosts.len() {
         let rates = host_link_gbps(fabric);
@@ -316,7 +317,7 @@ pub fn simulate_with(fabric: &Fabric, spec: &Spec, opts: &Options) -> Result<Rep
     };
     let build = |r: usize| -> Result<Schedule, String> {
         let req = tuning.request(&spec.coll, spec.elem_size, r, spec.in_place);
-        oxccl::schedule::build(&req).map_err(|e| format!("rank {r}'s schedule: {e}"))
+        oxccl_core::schedule::build(&req).map_err(|e| format!("rank {r}'s schedule: {e}"))
     };
     let skipped = |r: usize| {
         let coll = &spec.coll;
@@ -410,7 +411,7 @@ pub fn simulate_with(fabric: &Fabric, spec: &Spec, opts: &Options) -> Result<Rep
         .into_iter()
         .collect::<Result<Vec<_>, _>>()?;
     if agg_node.is_some() {
-        let s = oxccl::schedule::build_aggregator(&req0)?;
+        let s = oxccl_core::schedule::build_aggregator(&req0)?;
         parts.push(compact(world, s)?);
     }
     let mut sim = Sim::new(fabric, spec, &tuning, parts, ranks, links, agg_node)?;

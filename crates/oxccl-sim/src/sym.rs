@@ -11,7 +11,7 @@
 //! function of the rank's position relative to its peers (as the library's are); it is not a
 //! proof for arbitrary schedules.
 
-use oxccl::schedule::{Op, Region, Schedule};
+use oxccl_core::schedule::{Op, Region, Schedule};
 
 /// Cycles of a permutation of `0..n`, each starting at its lowest element, ordered by it.
 #[derive(Clone, Debug)]

@@ -1,5 +1,5 @@
 //! Topology files for the simulator: the runtime's `OXCCL_TOPO_FILE` format
-//! ([`oxccl::topology`]), extended with optional fields. A runtime topology file is a valid
+//! ([`oxccl_core::topology`]), extended with optional fields. A runtime topology file is a valid
 //! simulator file (a star of hosts); a `[cluster]` table generates a two-tier GPU cluster in a
 //! few lines instead. JSON (first non-blank character `{`) or TOML, the same fields; unknown
 //! fields are refused, and every bad value is an error naming the field and the value.
@@ -358,7 +358,7 @@ fn build_star(f: File) -> Result<Fabric, String> {
     let specs = f.hosts.as_ref().expect("hosts");
     // The runtime's checks first (every rank once, names unique, rates valid).
     let mut next = 0;
-    let mut topo = oxccl::Topology { hosts: Vec::new() };
+    let mut topo = oxccl_core::Topology { hosts: Vec::new() };
     for (h, s) in specs.iter().enumerate() {
         let ranks = match &s.ranks {
             Ranks::List(r) => r.clone(),
@@ -378,7 +378,7 @@ fn build_star(f: File) -> Result<Fabric, String> {
             false,
         )?;
         efficiency(&format!("{name}.link_efficiency"), s.link_efficiency)?;
-        topo.hosts.push(oxccl::Host {
+        topo.hosts.push(oxccl_core::Host {
             name: s.name.clone(),
             ranks,
             link_gbps: s.link_gbps.or(f.link_gbps),

@@ -95,7 +95,7 @@ fn a_runtime_topology_file_is_a_star() {
                              {"name": "h1", "ranks": [2, 3], "link_gbps": 0.25}]}"#;
     let f = Fabric::parse(json).unwrap();
     assert_eq!(f.world, 4);
-    assert_eq!(f.topology(), oxccl::Topology::parse(json).unwrap());
+    assert_eq!(f.topology(), oxccl_core::Topology::parse(json).unwrap());
     // 4 ranks, 2 host switches, 1 core; 4 rank links and 2 host links, both directions.
     assert_eq!(f.nodes.len(), 7);
     assert_eq!(f.links.len(), 12);
@@ -132,7 +132,7 @@ fn the_test_bed_examples() {
         t.validate(world).unwrap();
         assert_eq!(
             t,
-            oxccl::Topology::from_file(examples().join(name)).unwrap(),
+            oxccl_core::Topology::from_file(examples().join(name)).unwrap(),
             "{name}: the runtime reads the same topology"
         );
         if symmetric {

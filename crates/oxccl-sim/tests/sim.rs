@@ -3,7 +3,7 @@
 mod common;
 
 use common::{Params, cluster, rel};
-use oxccl::schedule::{Algorithm, Collective};
+use oxccl_core::schedule::{Algorithm, Collective};
 use oxccl_sim::{Options, Report, Spec, simulate, simulate_with};
 
 fn close(a: f64, b: f64) {

@@ -11,7 +11,7 @@ mod common;
 use std::time::Instant;
 
 use common::{Params, cluster};
-use oxccl::schedule::{Algorithm, Collective};
+use oxccl_core::schedule::{Algorithm, Collective};
 use oxccl_sim::{Fabric, Spec, simulate};
 
 fn fabric(file: &str, hosts: usize) -> Fabric {

@@ -382,6 +382,30 @@ pub struct Machine<'a> {
     locals: Vec<u32>,
     left: usize,
     mailbox: bool,
+    /// Where [`Machine::next`] is in its pass: the phase and an index in it.
+    cursor: (Phase, u32),
+}
+
+/// The parts of a pass of [`Machine::next`], in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Mailbox,
+    Recv,
+    Send,
+    Local,
+    Credit,
+    Done,
+}
+
+impl Phase {
+    fn after(self) -> Phase {
+        match self {
+            Phase::Recv => Phase::Send,
+            Phase::Send => Phase::Local,
+            Phase::Local => Phase::Credit,
+            _ => Phase::Done,
+        }
+    }
 }
 
 /// Buffers a [`Machine`] can reuse from the previous call (no allocation per call).
@@ -430,6 +454,11 @@ impl<'a> Machine<'a> {
             recv_at,
             locals,
             mailbox,
+            cursor: if mailbox {
+                (Phase::Mailbox, 0)
+            } else {
+                (Phase::Recv, 0)
+            },
         }
     }
 
@@ -668,60 +697,115 @@ impl<'a> Machine<'a> {
         }
     }
 
-    /// One pass as the executor makes it: on every receive queue, consume what arrived; on
-    /// every send queue, post while slots are free; run the runnable local steps; then return
-    /// the credits due. `f` performs each action (and, for a credit, records it with
-    /// [`Flows::credit_sent`] once posted); its error ends the pass, and `Ok(false)` from it
-    /// means a mailbox message had not arrived. Returns whether anything was done.
+    /// The next action of the pass the executor makes, committed (except a mailbox
+    /// [`Action::Recv`], which the driver commits with [`Machine::commit`] once it found the
+    /// message), or `None` at the end of the pass (the next call starts a new one). A pass: on
+    /// every receive queue, consume what arrived; on every send queue, post while slots are
+    /// free; run the runnable local steps; then return the credits due (the driver records
+    /// each with [`Flows::credit_sent`] once posted). In mailbox mode, every step not done
+    /// whose dependencies are.
+    pub fn next(&mut self, flows: &mut Flows) -> Option<Action> {
+        loop {
+            let (phase, i) = self.cursor;
+            let i = i as usize;
+            let found = match phase {
+                Phase::Mailbox => {
+                    let Some(s) =
+                        (i..self.st.len()).find(|&s| !self.st[s].done && self.deps_done(s))
+                    else {
+                        self.cursor = (Phase::Done, 0);
+                        continue;
+                    };
+                    self.cursor = (Phase::Mailbox, s as u32 + 1);
+                    let a = self.mailbox_action(s);
+                    if !matches!(a, Action::Recv { .. }) {
+                        self.commit(flows, &a);
+                    }
+                    return Some(a);
+                }
+                Phase::Recv => match self.queues.active_recv.get(i) {
+                    None => None,
+                    Some(&q) => match self.recv_candidate(flows, q as usize) {
+                        Some(a) => Some(a),
+                        None => {
+                            self.cursor.1 += 1;
+                            continue;
+                        }
+                    },
+                },
+                Phase::Send => match self.queues.active_send.get(i) {
+                    None => None,
+                    Some(&q) => match self.send_candidate(flows, q as usize) {
+                        Some(a) => Some(a),
+                        None => {
+                            self.cursor.1 += 1;
+                            continue;
+                        }
+                    },
+                },
+                Phase::Local => match self.locals.get(i) {
+                    None => None,
+                    Some(&s) if self.deps_done(s as usize) => {
+                        Some(Action::Local { step: s as usize })
+                    }
+                    Some(_) => {
+                        self.cursor.1 += 1;
+                        continue;
+                    }
+                },
+                Phase::Credit => {
+                    if i >= flows.q.len() {
+                        None
+                    } else {
+                        self.cursor.1 += 1;
+                        match self.credit_candidate(flows, i) {
+                            Some(a) => return Some(a),
+                            None => continue,
+                        }
+                    }
+                }
+                Phase::Done => {
+                    self.cursor = self.first_phase();
+                    return None;
+                }
+            };
+            match found {
+                Some(a) => {
+                    self.commit(flows, &a);
+                    return Some(a);
+                }
+                None => self.cursor = (phase.after(), 0),
+            }
+        }
+    }
+
+    fn first_phase(&self) -> (Phase, u32) {
+        if self.mailbox {
+            (Phase::Mailbox, 0)
+        } else {
+            (Phase::Recv, 0)
+        }
+    }
+
+    /// One whole pass of [`Machine::next`], each action performed by `f` (which, for a
+    /// credit, records it with [`Flows::credit_sent`] once posted); its error ends the pass,
+    /// and `Ok(false)` from it means a mailbox message had not arrived. Returns whether
+    /// anything was done.
     pub fn pass<E>(
         &mut self,
         flows: &mut Flows,
         mut f: impl FnMut(&mut Flows, &Action) -> Result<bool, E>,
     ) -> Result<bool, E> {
         let mut progress = false;
-        if self.mailbox {
-            for s in 0..self.st.len() {
-                if self.st[s].done || !self.deps_done(s) {
-                    continue;
-                }
-                let a = self.mailbox_action(s);
-                if f(flows, &a)? {
+        while let Some(a) = self.next(flows) {
+            let done = f(flows, &a)?;
+            if matches!(a, Action::Recv { mailbox: true, .. }) {
+                if done {
                     self.commit(flows, &a);
                     progress = true;
                 }
-            }
-            return Ok(progress);
-        }
-        let queues = self.queues;
-        for &q in &queues.active_recv {
-            while let Some(a) = self.recv_candidate(flows, q as usize) {
-                self.commit(flows, &a);
-                f(flows, &a)?;
+            } else if !matches!(a, Action::Credit { .. }) {
                 progress = true;
-            }
-        }
-        for &q in &queues.active_send {
-            while let Some(a) = self.send_candidate(flows, q as usize) {
-                self.commit(flows, &a);
-                f(flows, &a)?;
-                progress = true;
-            }
-        }
-        let mut i = 0;
-        while i < self.locals.len() {
-            let s = self.locals[i] as usize;
-            if self.deps_done(s) {
-                let a = Action::Local { step: s };
-                self.commit(flows, &a);
-                f(flows, &a)?;
-                progress = true;
-            } else {
-                i += 1;
-            }
-        }
-        for q in 0..flows.q.len() {
-            if let Some(a) = self.credit_candidate(flows, q) {
-                f(flows, &a)?;
             }
         }
         Ok(progress)

@@ -26,6 +26,7 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags,
 };
 
+use crate::config::DeviceConfig;
 use crate::error::{Error, Result};
 use crate::segment::Segment;
 
@@ -85,81 +86,6 @@ const REQ_MR: u64 = 3;
 pub(crate) struct Tuning {
     /// How long a waiter spins before it yields and then sleeps.
     pub spin: Duration,
-}
-
-/// How a context is set up, given when it is opened ([`Device::open_with`]): providers never
-/// read the environment themselves. [`DeviceConfig::from_env`] reads the `OXCCL_*` variables
-/// for tools and tests; the communicator fills it in from its own options.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DeviceConfig {
-    /// tcp: the address the listener binds and advertises to peers (port 0: any free port).
-    /// Default `127.0.0.1:0`, which only this host can reach.
-    pub tcp_addr: std::net::SocketAddr,
-    /// tcp: the progress thread busy-polls instead of blocking in `epoll_wait` (latency mode).
-    pub tcp_busy_poll: bool,
-    /// tcp: the largest frame a posting thread writes to the socket itself when the connection
-    /// is idle; larger ones are left to the progress thread, so a caller that posts (and then
-    /// waits) does not spend its time in `sendmsg`. Default: every size (the poster writes).
-    pub tcp_inline_max: usize,
-    /// How long a completion-queue wait spins before it yields and then sleeps.
-    pub spin: Duration,
-}
-
-impl Default for DeviceConfig {
-    fn default() -> DeviceConfig {
-        DeviceConfig {
-            tcp_addr: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-            tcp_busy_poll: false,
-            tcp_inline_max: usize::MAX,
-            spin: Duration::from_micros(50),
-        }
-    }
-}
-
-impl DeviceConfig {
-    /// The defaults overridden by `OXCCL_TCP_ADDR` (`IP` or `IP:port`), `OXCCL_TCP_POLL=busy`
-    /// and `OXCCL_SPIN_US`; a malformed value is an error naming the variable.
-    pub fn from_env() -> Result<DeviceConfig> {
-        DeviceConfig::from_vars(&|k| std::env::var(k).ok())
-    }
-
-    /// [`DeviceConfig::from_env`] over any variable source.
-    pub fn from_vars(var: &dyn Fn(&str) -> Option<String>) -> Result<DeviceConfig> {
-        let mut c = DeviceConfig::default();
-        let get = |k: &str| {
-            var(k)
-                .map(|v| v.trim().to_owned())
-                .filter(|v| !v.is_empty())
-        };
-        if let Some(a) = get("OXCCL_TCP_ADDR") {
-            c.tcp_addr = parse_ip_or_sockaddr(&a).ok_or_else(|| {
-                Error::arg(format!(
-                    "OXCCL_TCP_ADDR={a:?} is not an IP address or IP:port"
-                ))
-            })?;
-        }
-        c.tcp_busy_poll = get("OXCCL_TCP_POLL").is_some_and(|v| v == "busy");
-        if let Some(v) = get("OXCCL_SPIN_US") {
-            let us: u64 = v.parse().map_err(|_| {
-                Error::arg(format!(
-                    "OXCCL_SPIN_US={v:?} is not a number of microseconds"
-                ))
-            })?;
-            c.spin = Duration::from_micros(us);
-        }
-        Ok(c)
-    }
-}
-
-/// `IP` (port 0) or `IP:port`, IPv6 bracketed with a port (`[::1]:0`) or bare (`::1`).
-pub fn parse_ip_or_sockaddr(a: &str) -> Option<std::net::SocketAddr> {
-    a.parse::<std::net::SocketAddr>().ok().or_else(|| {
-        a.trim_start_matches('[')
-            .trim_end_matches(']')
-            .parse::<std::net::IpAddr>()
-            .ok()
-            .map(|ip| std::net::SocketAddr::new(ip, 0))
-    })
 }
 
 /// The verbs providers this build contains.

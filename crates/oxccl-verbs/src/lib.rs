@@ -41,6 +41,7 @@
 //! ```
 #![deny(missing_docs)]
 
+mod config;
 mod context;
 mod cq;
 mod error;
@@ -53,9 +54,8 @@ mod types;
 #[cfg(test)]
 mod tests;
 
-pub use context::{
-    Context, Device, DeviceConfig, ProtectionDomain, Provider, parse_ip_or_sockaddr,
-};
+pub use config::{DeviceConfig, parse_ip_or_sockaddr};
+pub use context::{Context, Device, ProtectionDomain, Provider};
 pub use cq::CompletionQueue;
 pub use error::{Error, Result};
 pub use mr::MemoryRegion;

@@ -14,9 +14,9 @@ use crate::types::WorkCompletion;
 /// A completion queue (`ibv_cq`), shareable by many queue pairs as send and/or receive queue.
 ///
 /// Completions of local requests are queued here; receive completions stay in the queue pair's
-/// shared ring until polled. Waiting spins for `OXCCL_SPIN_US` (default 50 µs), yields, then sleeps
-/// on a futex in the context segment that peers bump when they complete one of our receives, so
-/// many processes on few cores do not starve each other.
+/// shared ring until polled. Waiting spins for [`DeviceConfig::spin`](crate::DeviceConfig::spin)
+/// (default 50 µs), yields, then sleeps on a futex in the context segment that peers bump when
+/// they complete one of our receives, so many processes on few cores do not starve each other.
 #[derive(Clone)]
 pub struct CompletionQueue {
     pub(crate) inner: Arc<CqInner>,
@@ -30,10 +30,12 @@ pub(crate) struct CqInner {
     sources: Mutex<Vec<Arc<QpInner>>>,
 }
 
-const SEQ: usize = 0;
+/// Doorbell word 0: the sequence, bumped on every completion.
+pub(crate) const SEQ: usize = 0;
 /// Longest single sleep: a safety net, since every event that matters also bumps the doorbell.
 const MAX_NAP: Duration = Duration::from_millis(100);
-const SLEEPERS: usize = 1;
+/// Doorbell word 1: how many waiters sleep on the sequence.
+pub(crate) const SLEEPERS: usize = 1;
 
 impl CompletionQueue {
     pub(crate) fn new(ctx: Arc<CtxInner>, cqe: usize) -> Result<Self> {
@@ -229,16 +231,6 @@ pub(crate) fn notify_word(
     seq.fetch_add(1, Ordering::SeqCst);
     if sleepers.load(Ordering::SeqCst) > 0 {
         futex_wake_all(seq);
-    }
-}
-
-/// Bumps the doorbell of completion queue `index` of a peer context.
-pub(crate) fn notify_peer(peer: &crate::context::PeerCtx, index: u32) {
-    if (index as usize) < crate::context::MAX_CQ {
-        notify_word(
-            peer.seg.cq_word(index, SEQ),
-            peer.seg.cq_word(index, SLEEPERS),
-        );
     }
 }
 

@@ -12,6 +12,11 @@
 //! - `tcp`: the same semantics over TCP, for hosts without RDMA. A progress thread per context
 //!   receives frames straight into the target's registered memory after validating them.
 //!
+//! Each provider is a module of its own behind two crate-internal traits (a context's half and a
+//! queue pair's half, see `src/provider.rs`, which also lists the providers built in and guides
+//! the author of a new one); [`Provider`] only names them. A context is configured by the
+//! [`DeviceConfig`] it is opened with: no provider reads the environment.
+//!
 //! ```
 //! use std::time::Duration;
 //! use oxccl_verbs::*;
@@ -46,8 +51,11 @@ mod context;
 mod cq;
 mod error;
 mod mr;
+mod provider;
 mod qp;
+mod ring;
 mod segment;
+mod shm;
 mod tcp;
 mod types;
 
@@ -55,10 +63,11 @@ mod types;
 mod tests;
 
 pub use config::{DeviceConfig, parse_ip_or_sockaddr};
-pub use context::{Context, Device, ProtectionDomain, Provider};
+pub use context::{Context, Device, ProtectionDomain};
 pub use cq::CompletionQueue;
 pub use error::{Error, Result};
 pub use mr::MemoryRegion;
+pub use provider::Provider;
 pub use qp::{EndpointAddr, QpEndpoint, QueuePair};
 pub use types::*;
 

@@ -24,7 +24,8 @@ pub struct MemoryRegion {
 pub(crate) struct MrInner {
     ctx: Arc<CtxInner>,
     pub pd: u64,
-    index: u32,
+    /// Index in the context's region table (the low bits of both keys).
+    pub index: u32,
     pub lkey: u64,
     pub rkey: u64,
     pub access: AccessFlags,
@@ -49,6 +50,13 @@ enum Backing {
 unsafe impl Send for MrInner {}
 // SAFETY: as above.
 unsafe impl Sync for MrInner {}
+
+/// A raw byte range inside a registered region, that a provider sends from or receives into
+/// (valid while an `Arc<MrInner>` of its region is held beside it).
+#[derive(Clone, Copy)]
+pub(crate) struct Span(pub *mut u8, pub usize);
+// SAFETY: spans point into registered regions kept alive by the `Arc`s stored beside them.
+unsafe impl Send for Span {}
 
 fn new_key(index: u32) -> u64 {
     loop {
@@ -113,15 +121,7 @@ impl ProtectionDomain {
     }
 
     fn check_user_access(&self, access: AccessFlags) -> Result<()> {
-        if self.ctx.provider() == crate::Provider::Shm
-            && access.contains(AccessFlags::REMOTE_ATOMIC)
-        {
-            return Err(Error::arg(
-                "REMOTE_ATOMIC on registered user memory: the shm provider performs atomics on \
-                 shared mappings only; allocate the region with ProtectionDomain::alloc_mr",
-            ));
-        }
-        Ok(())
+        self.ctx.inner.ops.check_user_access(access)
     }
 
     fn register(
@@ -146,16 +146,23 @@ impl ProtectionDomain {
             })?;
         let (lkey, rkey) = (new_key(index), new_key(index));
         let kind = match &backing {
-            Backing::Segment(seg) => {
-                ctx.registry
-                    .mrs
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert((index, lkey), seg.clone());
-                MR_KIND_SEGMENT
-            }
+            Backing::Segment(_) => MR_KIND_SEGMENT,
             Backing::User { .. } | Backing::Borrowed { .. } => MR_KIND_USER,
         };
+        let inner = Arc::new(MrInner {
+            ctx: ctx.clone(),
+            pd: self.id,
+            index,
+            lkey,
+            rkey,
+            access,
+            addr,
+            len,
+            backing,
+            registered: AtomicBool::new(true),
+        });
+        // On failure, dropping `inner` deregisters it (and frees the index).
+        ctx.ops.register_mr(&inner)?;
         ctx.seg
             .mr_u64(index, MR_LKEY)
             .store(lkey, Ordering::Relaxed);
@@ -175,20 +182,7 @@ impl ProtectionDomain {
         ctx.seg
             .mr_u64(index, MR_RKEY)
             .store(rkey, Ordering::Release);
-        let inner = Arc::new(MrInner {
-            ctx: ctx.clone(),
-            pd: self.id,
-            index,
-            lkey,
-            rkey,
-            access,
-            addr,
-            len,
-            backing,
-            registered: AtomicBool::new(true),
-        });
-        ctx.registry
-            .regions
+        ctx.regions
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(index, Arc::downgrade(&inner));
@@ -208,18 +202,11 @@ impl MrInner {
         ctx.seg
             .mr_u64(self.index, MR_LKEY)
             .store(0, Ordering::Release);
-        ctx.registry
-            .regions
+        ctx.regions
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&self.index);
-        if matches!(self.backing, Backing::Segment(_)) {
-            ctx.registry
-                .mrs
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&(self.index, self.lkey));
-        }
+        ctx.ops.deregister_mr(self);
         ctx.tables
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -230,6 +217,14 @@ impl MrInner {
 
     pub(crate) fn is_registered(&self) -> bool {
         self.registered.load(Ordering::Acquire)
+    }
+
+    /// The shared memory behind a provider-allocated region (`None` for user memory).
+    pub(crate) fn segment(&self) -> Option<&Arc<Segment>> {
+        match &self.backing {
+            Backing::Segment(seg) => Some(seg),
+            Backing::User { .. } | Backing::Borrowed { .. } => None,
+        }
     }
 
     /// Checks a local access of `len` bytes at `offset` for a request on domain `pd` and returns

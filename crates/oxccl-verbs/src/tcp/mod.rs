@@ -25,6 +25,7 @@
 //! [`DeviceConfig::tcp_addr`](crate::DeviceConfig), which is also the address peers are given.
 
 pub mod frame;
+mod qp;
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{IoSlice, IoSliceMut, Read, Write};
@@ -38,11 +39,56 @@ use std::time::{Duration, Instant};
 use rustix::event::epoll;
 use rustix::net::SendFlags;
 
+use crate::context::RegionMap;
 use crate::error::{Error, Result};
-use crate::mr::{MrInner, key_index};
+use crate::mr::{MrInner, Span, key_index};
+use crate::provider::{OpenArgs, ProviderContext, QpSetup, QpTransport};
 use crate::qp::QpInner;
 use crate::types::{AccessFlags, MAX_SGE, WcOpcode, WcStatus, WrOp};
 use frame::{HEADER_LEN, HELLO_LEN, Header, Opcode};
+
+/// Opens the tcp half of a context: its listener and progress thread, configured by the
+/// `tcp_*` fields of the context's [`DeviceConfig`](crate::DeviceConfig).
+pub(crate) fn open(args: &OpenArgs<'_>) -> Result<Box<dyn ProviderContext>> {
+    let c = args.config;
+    Ok(Box::new(TcpContext {
+        engine: Engine::start(
+            args.regions.clone(),
+            c.tcp_addr,
+            c.tcp_busy_poll,
+            c.tcp_inline_max,
+        )?,
+    }))
+}
+
+/// The tcp half of a context: the progress engine.
+struct TcpContext {
+    engine: Engine,
+}
+
+impl ProviderContext for TcpContext {
+    fn create_qp(&self, setup: &QpSetup<'_>) -> Result<Box<dyn QpTransport>> {
+        let cfg = setup.cfg;
+        let rnr_us = if cfg.rnr_retry >= 7 {
+            0
+        } else {
+            (cfg.rnr_timer * (cfg.rnr_retry as u32 + 1))
+                .as_micros()
+                .max(1) as u64
+        };
+        let shared = self.engine.shared().clone();
+        let conn = shared.conn(setup.qp.clone(), setup.token, rnr_us);
+        Ok(Box::new(qp::TcpQp {
+            shared,
+            conn,
+            send: std::sync::Mutex::new(()),
+        }))
+    }
+
+    fn listen_addr(&self) -> Option<SocketAddr> {
+        Some(self.engine.shared().addr)
+    }
+}
 
 // Epoll keys: connections use their queue pair's token (never one of these two).
 const LISTENER: u64 = u64::MAX;
@@ -66,7 +112,7 @@ pub(crate) struct Shared {
     /// Connections by the local queue pair's token (incoming hellos name it).
     conns: Mutex<HashMap<u64, Arc<Conn>>>,
     /// Registered regions of the context, by table index (the target validates against them).
-    pub regions: Arc<Mutex<HashMap<u32, Weak<MrInner>>>>,
+    pub regions: RegionMap,
     stop: AtomicBool,
     busy: bool,
     /// Frames larger than this are written by the progress thread, not the poster.
@@ -77,7 +123,7 @@ impl Engine {
     /// Starts the engine: a listener on `bind` (port 0: any) and the progress thread, which
     /// busy-polls when `busy`.
     pub(crate) fn start(
-        regions: Arc<Mutex<HashMap<u32, Weak<MrInner>>>>,
+        regions: RegionMap,
         bind: SocketAddr,
         busy: bool,
         inline_max: usize,
@@ -156,12 +202,6 @@ impl Drop for Engine {
         }
     }
 }
-
-/// A raw byte range that a frame is sent from or received into.
-#[derive(Clone, Copy)]
-pub(crate) struct Span(pub *mut u8, pub usize);
-// SAFETY: spans point into registered regions kept alive by the `Arc`s stored beside them.
-unsafe impl Send for Span {}
 
 /// One frame waiting to be written.
 struct TxFrame {
@@ -727,7 +767,7 @@ impl Conn {
             .clone()
             .unwrap_or_else(|| "connection closed".into());
         if let Some(qp) = self.qp.upgrade() {
-            qp.tcp_failed(&why);
+            qp.connection_failed(&why);
         }
         self.shutdown();
     }
@@ -1010,7 +1050,7 @@ impl Conn {
             }
         }
         for o in done {
-            qp.tcp_complete(o.wr_id, o.opcode, WcStatus::Success, o.len, o.signaled);
+            qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, o.len, o.signaled);
         }
         self.complete_local_failures(qp);
     }
@@ -1028,8 +1068,8 @@ impl Conn {
         };
         if let Some(o) = failed {
             let status = o.error.unwrap_or(WcStatus::WorkRequestFlushed);
-            qp.tcp_complete(o.wr_id, o.opcode, status, 0, true);
-            qp.tcp_request_failed();
+            qp.complete_send(o.wr_id, o.opcode, status, 0, true);
+            qp.request_failed();
         }
     }
 
@@ -1351,7 +1391,7 @@ impl Conn {
                     return Ok(());
                 };
                 let then = if h.opcode == Opcode::WriteImm {
-                    let Some(slot) = qp.claim_local_recv() else {
+                    let Some(slot) = qp.claim_recv() else {
                         rx.state = RxState::Stalled {
                             hdr: h,
                             since: Instant::now(),
@@ -1376,7 +1416,7 @@ impl Conn {
                 };
             }
             Opcode::Send | Opcode::SendImm => {
-                let Some(slot) = qp.claim_local_recv() else {
+                let Some(slot) = qp.claim_recv() else {
                     rx.state = RxState::Stalled {
                         hdr: h,
                         since: Instant::now(),
@@ -1384,9 +1424,9 @@ impl Conn {
                     return Ok(());
                 };
                 let imm = (h.opcode == Opcode::SendImm).then_some(h.imm);
-                match qp.local_recv_spans(slot, &self.regions_of()) {
+                match qp.recv_spans(slot) {
                     Err(st) => {
-                        qp.complete_local_recv(slot, st, WcOpcode::Recv, h.len, imm);
+                        qp.complete_recv(slot, st, WcOpcode::Recv, h.len, imm);
                         let sender = if st == WcStatus::LocalLengthError {
                             WcStatus::RemoteInvalidRequest
                         } else {
@@ -1399,7 +1439,7 @@ impl Conn {
                     }
                     Ok((spans, keep, room)) => {
                         if h.len as usize > room {
-                            qp.complete_local_recv(
+                            qp.complete_recv(
                                 slot,
                                 WcStatus::LocalLengthError,
                                 WcOpcode::Recv,
@@ -1502,8 +1542,8 @@ impl Conn {
                 // may still be on its way out, and once the failure is polled the caller may
                 // free the buffers it is sent from.
                 self.detach_queued();
-                qp.tcp_complete(o.wr_id, o.opcode, status, 0, true);
-                qp.tcp_request_failed();
+                qp.complete_send(o.wr_id, o.opcode, status, 0, true);
+                qp.request_failed();
                 rx.state = header_next;
             }
             Opcode::ReadResp => {
@@ -1560,7 +1600,7 @@ impl Conn {
                     // by `o._keep`.
                     unsafe { crate::segment::copy_bytes(bytes.as_ptr(), d.0, 8) };
                 }
-                qp.tcp_complete(o.wr_id, o.opcode, WcStatus::Success, 8, o.signaled);
+                qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, 8, o.signaled);
                 self.complete_local_failures(qp);
                 rx.state = header_next;
             }
@@ -1568,18 +1608,11 @@ impl Conn {
         Ok(())
     }
 
-    fn regions_of(&self) -> Arc<Mutex<HashMap<u32, Weak<MrInner>>>> {
-        self.shared
-            .upgrade()
-            .map(|s| s.regions.clone())
-            .unwrap_or_default()
-    }
-
     fn finish(&self, qp: &QpInner, _rx: &mut Rx, then: After, total: usize) {
         match then {
             After::Nothing => {}
             After::Recv { slot, opcode, imm } => {
-                qp.complete_local_recv(slot, WcStatus::Success, opcode, total as u32, imm);
+                qp.complete_recv(slot, WcStatus::Success, opcode, total as u32, imm);
             }
             After::ReadDone { seq } => {
                 let o = {
@@ -1591,7 +1624,7 @@ impl Conn {
                     }
                 };
                 if let Some(o) = o {
-                    qp.tcp_complete(o.wr_id, o.opcode, WcStatus::Success, o.len, o.signaled);
+                    qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, o.len, o.signaled);
                 }
                 self.complete_local_failures(qp);
             }

@@ -19,7 +19,8 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use oxccl_fuzz::schedule::{self as sched, ALGORITHMS, Input, KINDS, Outcome};
+use oxccl_core::fuzzing::CollectiveKind;
+use oxccl_fuzz::schedule::{self as sched, ALGORITHMS, Input, KINDS, Outcome, label};
 
 use oxccl_bootstrap::wire::{self, MAX_FRAME_LEN, Msg, NONCE_LEN, PROTOCOL_VERSION};
 use oxccl_verbs::fuzzing::{Header, MAX_PAYLOAD, Opcode, encode_hello};
@@ -194,18 +195,18 @@ fn schedule() -> BTreeMap<String, Vec<u8>> {
         assert_eq!(got, want, "seed {name}");
         out.insert(name, bytes);
     };
-    for (k, kind) in KINDS.iter().enumerate() {
+    for (k, &kind) in KINDS.iter().enumerate() {
         for (a, algo) in ALGORITHMS.iter().enumerate() {
             if !supports(k, a) {
                 continue;
             }
             for n in [1usize, 2, 3, 5, 8, 16] {
-                if *kind == "send_recv" && n == 1 {
+                if kind == CollectiveKind::Send && n == 1 {
                     continue;
                 }
                 for (size, count, chunk) in [("small", 7, 3), ("large", 1000, 4096)] {
                     for in_place in [false, true] {
-                        let wide = *kind != "all_reduce" || algo.name() == "direct";
+                        let wide = kind != CollectiveKind::AllReduce || algo.name() == "direct";
                         let count: usize = if size == "large" && wide && n > 3 {
                             60
                         } else {
@@ -229,7 +230,8 @@ fn schedule() -> BTreeMap<String, Vec<u8>> {
                             continue;
                         }
                         let place = if in_place { "-in_place" } else { "" };
-                        let name = format!("{kind}-{}-n{n}-{size}{place}", algo.name());
+                        let (kind, algo) = (label(kind), algo.name());
+                        let name = format!("{kind}-{algo}-n{n}-{size}{place}");
                         add(name, inp, Outcome::Verified);
                     }
                 }
@@ -237,7 +239,7 @@ fn schedule() -> BTreeMap<String, Vec<u8>> {
         }
     }
     // An algorithm that cannot run the collective, per collective.
-    for (k, kind) in KINDS.iter().enumerate() {
+    for (k, &kind) in KINDS.iter().enumerate() {
         let a = (0..ALGORITHMS.len()).find(|&a| !supports(k, a)).unwrap();
         let inp = Input {
             kind: k as u8,
@@ -246,17 +248,17 @@ fn schedule() -> BTreeMap<String, Vec<u8>> {
             algo: a as u8,
             ..Input::default()
         };
-        add(format!("bad-algo-{kind}"), inp, Outcome::Refused);
+        add(format!("bad-algo-{}", label(kind)), inp, Outcome::Refused);
     }
     // One per breakage, on a collective it applies to.
     for (b, kind) in [
-        (10, "all_reduce"),
-        (11, "all_gather"),
-        (12, "broadcast"),
-        (12, "send_recv"),
-        (13, "all_to_allv"),
-        (14, "reduce_scatter"),
-        (15, "barrier"),
+        (10, CollectiveKind::AllReduce),
+        (11, CollectiveKind::AllGather),
+        (12, CollectiveKind::Broadcast),
+        (12, CollectiveKind::Send),
+        (13, CollectiveKind::AllToAllV),
+        (14, CollectiveKind::ReduceScatter),
+        (15, CollectiveKind::Barrier),
     ] {
         let k = KINDS.iter().position(|x| *x == kind).unwrap();
         let a = (0..ALGORITHMS.len()).find(|&a| supports(k, a)).unwrap();
@@ -270,7 +272,7 @@ fn schedule() -> BTreeMap<String, Vec<u8>> {
             ..Input::default()
         };
         let why = sched::BREAKAGES[b - 10].replace(' ', "_");
-        add(format!("bad-{kind}-{why}"), inp, Outcome::Refused);
+        add(format!("bad-{}-{why}", label(kind)), inp, Outcome::Refused);
     }
     out
 }

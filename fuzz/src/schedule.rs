@@ -23,7 +23,9 @@
 //! fragments, and a case whose verification would cost more than [`MAX_WORK`] (fragments ×
 //! queues, plus the elements sent) is built but not run.
 
-use oxccl_core::fuzzing::{Algorithm, Collective, Op, Request, Schedule, build, verify_schedules};
+use oxccl_core::fuzzing::{
+    Algorithm, Collective, CollectiveKind, Op, Request, Schedule, build, verify_schedules,
+};
 
 /// Bytes of the fixed part of an input; the rest is a list of little-endian `u16`s.
 pub const HEADER_LEN: usize = 19;
@@ -39,20 +41,31 @@ pub const MAX_SLICES: usize = 64;
 /// Cases whose verification would cost more than this (see `work`) are only built.
 pub const MAX_WORK: usize = 12_000;
 
-/// The collectives, in the order [`Input::kind`] selects them (modulo their number).
-pub const KINDS: [&str; 11] = [
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
-    "broadcast",
-    "reduce",
-    "all_to_all",
-    "all_to_allv",
-    "gather",
-    "scatter",
-    "barrier",
-    "send_recv",
+/// The collectives, in the order [`Input::kind`] selects them (modulo their number): every
+/// kind but [`CollectiveKind::Recv`], since [`CollectiveKind::Send`] stands for disjoint
+/// send/recv pairs.
+pub const KINDS: [CollectiveKind; 11] = [
+    CollectiveKind::AllReduce,
+    CollectiveKind::ReduceScatter,
+    CollectiveKind::AllGather,
+    CollectiveKind::Broadcast,
+    CollectiveKind::Reduce,
+    CollectiveKind::AllToAll,
+    CollectiveKind::AllToAllV,
+    CollectiveKind::Gather,
+    CollectiveKind::Scatter,
+    CollectiveKind::Barrier,
+    CollectiveKind::Send,
 ];
+
+/// What a kind of [`KINDS`] is called in messages and the seed corpus's file names: its name,
+/// but `send_recv` for the send/recv pairs.
+pub fn label(kind: CollectiveKind) -> &'static str {
+    match kind {
+        CollectiveKind::Send => "send_recv",
+        k => k.name(),
+    }
+}
 
 /// The algorithms, in the order [`Input::algo`] selects them (modulo their number).
 pub const ALGORITHMS: [Algorithm; 9] = Algorithm::ALL;
@@ -187,11 +200,18 @@ impl Case {
             0xa0..0xe0 => 1 + inp.world as usize % 8,
             _ => 1 + inp.world as usize % 16,
         };
-        let kind = inp.kind as usize % KINDS.len();
+        let kind = KINDS[inp.kind as usize % KINDS.len()];
         let algo = ALGORITHMS[inp.algo as usize % ALGORITHMS.len()];
         // Collectives whose buffers (or direct all-reduce's scratch) are n·count per rank.
-        let wide =
-            matches!(kind, 1 | 2 | 5 | 6 | 7 | 8) || (kind == 0 && algo == Algorithm::Direct);
+        let wide = matches!(
+            kind,
+            CollectiveKind::ReduceScatter
+                | CollectiveKind::AllGather
+                | CollectiveKind::AllToAll
+                | CollectiveKind::AllToAllV
+                | CollectiveKind::Gather
+                | CollectiveKind::Scatter
+        ) || (kind == CollectiveKind::AllReduce && algo == Algorithm::Direct);
         let cap = (if wide { ELEMS / (n * n) } else { ELEMS / n }).min(MAX_COUNT);
         // Half the inputs (bit 15 clear) have a small count: the verifier's cost grows with it.
         let count = if inp.count & 0x8000 == 0 {
@@ -204,13 +224,13 @@ impl Case {
         // Transfers are at most `largest` elements.
         let mut largest = count;
         let colls: Vec<Collective> = match kind {
-            0 => vec![Collective::AllReduce { count }; n],
-            1 => vec![Collective::ReduceScatter { count }; n],
-            2 => vec![Collective::AllGather { count }; n],
-            3 => vec![Collective::Broadcast { count, root }; n],
-            4 => vec![Collective::Reduce { count, root }; n],
-            5 => vec![Collective::AllToAll { count }; n],
-            6 => {
+            CollectiveKind::AllReduce => vec![Collective::AllReduce { count }; n],
+            CollectiveKind::ReduceScatter => vec![Collective::ReduceScatter { count }; n],
+            CollectiveKind::AllGather => vec![Collective::AllGather { count }; n],
+            CollectiveKind::Broadcast => vec![Collective::Broadcast { count, root }; n],
+            CollectiveKind::Reduce => vec![Collective::Reduce { count, root }; n],
+            CollectiveKind::AllToAll => vec![Collective::AllToAll { count }; n],
+            CollectiveKind::AllToAllV => {
                 let m: Vec<Vec<usize>> = (0..n)
                     .map(|i| (0..n).map(|j| entry(i * n + j)).collect())
                     .collect();
@@ -222,9 +242,10 @@ impl Case {
                     })
                     .collect()
             }
-            7 => vec![Collective::Gather { count, root }; n],
-            8 => vec![Collective::Scatter { count, root }; n],
-            9 => vec![Collective::Barrier; n],
+            CollectiveKind::Gather => vec![Collective::Gather { count, root }; n],
+            CollectiveKind::Scatter => vec![Collective::Scatter { count, root }; n],
+            CollectiveKind::Barrier => vec![Collective::Barrier; n],
+            // Send (and Recv, which KINDS leaves out): send/recv pairs.
             _ => {
                 // Disjoint pairs of a random permutation: perm[2k] sends to perm[2k+1]; an odd
                 // rank out sends nothing (count 0). One rank alone sends to itself (invalid).
@@ -302,9 +323,9 @@ impl Case {
             .collect();
         let mut invalid = None;
         if !algo.supports(&reqs[0].coll) {
-            invalid = Some(format!("{} cannot run {}", algo.name(), KINDS[kind]));
+            invalid = Some(format!("{} cannot run {}", algo.name(), label(kind)));
         }
-        if kind == 10 && n == 1 {
+        if kind == CollectiveKind::Send && n == 1 {
             invalid = Some("send to oneself".into());
         }
         let breakage = (inp.flags >> 4) as usize;

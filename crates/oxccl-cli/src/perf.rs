@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
-use oxccl::schedule::Collective;
+use oxccl::schedule::{Collective, CollectiveKind};
 use oxccl::{Buffers, Communicator, DataType, Element, ReduceOp, as_bytes, as_bytes_mut};
 
 /// Options of `oxccl perf`.
@@ -52,28 +52,40 @@ pub struct Args {
     json: bool,
 }
 
-pub(crate) const COLLECTIVES: [&str; 8] = [
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
-    "broadcast",
-    "reduce",
-    "all_to_all",
-    "gather",
-    "scatter",
+/// The collectives `oxccl perf` and `oxccl sim` run.
+pub(crate) const COLLECTIVES: [CollectiveKind; 8] = [
+    CollectiveKind::AllReduce,
+    CollectiveKind::ReduceScatter,
+    CollectiveKind::AllGather,
+    CollectiveKind::Broadcast,
+    CollectiveKind::Reduce,
+    CollectiveKind::AllToAll,
+    CollectiveKind::Gather,
+    CollectiveKind::Scatter,
 ];
+
+/// The collective of a command line: one of [`COLLECTIVES`], as its name (`all_reduce`), with
+/// dashes (`all-reduce`) or as nccl-tests names its binary (`all_reduce_perf`).
+pub(crate) fn parse_collective(arg: &str) -> Result<CollectiveKind, String> {
+    let name = arg.trim_end_matches("_perf").replace('-', "_");
+    name.parse()
+        .ok()
+        .filter(|k| COLLECTIVES.contains(k))
+        .ok_or_else(|| {
+            let names = COLLECTIVES.map(CollectiveKind::name).join(", ");
+            format!("unknown collective {arg:?}; one of {names}")
+        })
+}
 
 /// Entry point.
 pub fn main(args: Args) -> ExitCode {
-    let name = args.collective.trim_end_matches("_perf").replace('-', "_");
-    if !COLLECTIVES.contains(&name.as_str()) {
-        eprintln!(
-            "oxccl perf: unknown collective {:?}; one of {}",
-            args.collective,
-            COLLECTIVES.join(", ")
-        );
-        return ExitCode::from(2);
-    }
+    let kind = match parse_collective(&args.collective) {
+        Ok(k) => k,
+        Err(e) => {
+            eprintln!("oxccl perf: {e}");
+            return ExitCode::from(2);
+        }
+    };
     if args.factor < 2 || args.min_bytes > args.max_bytes || args.iters == 0 || args.nranks == 0 {
         eprintln!(
             "oxccl perf: need -f ≥ 2, -b ≤ -e, -i ≥ 1 and -n ≥ 1 (got -f {} -b {} -e {} -i {} -n {})",
@@ -103,7 +115,7 @@ pub fn main(args: Args) -> ExitCode {
             }
         };
     }
-    match rank_main(&args, &name) {
+    match rank_main(&args, kind) {
         Ok(0) => ExitCode::SUCCESS,
         Ok(_) => ExitCode::from(1),
         Err(e) => {
@@ -113,12 +125,12 @@ pub fn main(args: Args) -> ExitCode {
     }
 }
 
-fn rank_main(args: &Args, name: &str) -> Result<u64, String> {
+fn rank_main(args: &Args, kind: CollectiveKind) -> Result<u64, String> {
     let comm = Communicator::from_env().map_err(|e| e.to_string())?;
     macro_rules! dispatch {
         ($($d:ident => $t:ty),*) => {
             match args.dtype {
-                $(DataType::$d => bench::<$t>(&comm, args, name),)*
+                $(DataType::$d => bench::<$t>(&comm, args, kind),)*
             }
         };
     }
@@ -128,15 +140,17 @@ fn rank_main(args: &Args, name: &str) -> Result<u64, String> {
     Ok(wrong)
 }
 
-pub(crate) fn collective(name: &str, count: usize, root: usize) -> Collective {
-    match name {
-        "all_reduce" => Collective::AllReduce { count },
-        "reduce_scatter" => Collective::ReduceScatter { count },
-        "all_gather" => Collective::AllGather { count },
-        "broadcast" => Collective::Broadcast { count, root },
-        "reduce" => Collective::Reduce { count, root },
-        "all_to_all" => Collective::AllToAll { count },
-        "gather" => Collective::Gather { count, root },
+/// `kind` (one of [`COLLECTIVES`]) of `count` elements (per rank, where the collective counts
+/// them so).
+pub(crate) fn collective(kind: CollectiveKind, count: usize, root: usize) -> Collective {
+    match kind {
+        CollectiveKind::AllReduce => Collective::AllReduce { count },
+        CollectiveKind::ReduceScatter => Collective::ReduceScatter { count },
+        CollectiveKind::AllGather => Collective::AllGather { count },
+        CollectiveKind::Broadcast => Collective::Broadcast { count, root },
+        CollectiveKind::Reduce => Collective::Reduce { count, root },
+        CollectiveKind::AllToAll => Collective::AllToAll { count },
+        CollectiveKind::Gather => Collective::Gather { count, root },
         _ => Collective::Scatter { count, root },
     }
 }
@@ -146,28 +160,32 @@ pub(crate) fn collective(name: &str, count: usize, root: usize) -> Collective {
 /// (reduce-scatter, all-gather, all-to-all, gather, scatter) get `size / es / n` elements per
 /// rank.
 pub(crate) fn sized(
-    name: &str,
+    kind: CollectiveKind,
     size: usize,
     es: usize,
     n: usize,
     root: usize,
 ) -> (Collective, usize) {
     let per_rank = matches!(
-        name,
-        "reduce_scatter" | "all_gather" | "all_to_all" | "gather" | "scatter"
+        kind,
+        CollectiveKind::ReduceScatter
+            | CollectiveKind::AllGather
+            | CollectiveKind::AllToAll
+            | CollectiveKind::Gather
+            | CollectiveKind::Scatter
     );
     let total = size / es;
     let count = if per_rank { total / n } else { total };
     let shown = if per_rank { count * n * es } else { count * es };
-    (collective(name, count, root), shown)
+    (collective(kind, count, root), shown)
 }
 
 /// nccl-tests' bus bandwidth factor.
-pub(crate) fn bus_factor(name: &str, n: usize) -> f64 {
+pub(crate) fn bus_factor(kind: CollectiveKind, n: usize) -> f64 {
     let n = n as f64;
-    match name {
-        "all_reduce" => 2.0 * (n - 1.0) / n,
-        "broadcast" | "reduce" => 1.0,
+    match kind {
+        CollectiveKind::AllReduce => 2.0 * (n - 1.0) / n,
+        CollectiveKind::Broadcast | CollectiveKind::Reduce => 1.0,
         _ => (n - 1.0) / n,
     }
 }
@@ -238,7 +256,11 @@ pub(crate) struct Row {
     pub(crate) wrong: [u64; 2],
 }
 
-fn bench<T: Element>(comm: &Communicator, args: &Args, name: &str) -> Result<u64, String> {
+fn bench<T: Element>(
+    comm: &Communicator,
+    args: &Args,
+    kind: CollectiveKind,
+) -> Result<u64, String> {
     let (n, me) = (comm.world_size(), comm.rank());
     let es = T::DTYPE.size();
     let root = args.root;
@@ -255,7 +277,7 @@ fn bench<T: Element>(comm: &Communicator, args: &Args, name: &str) -> Result<u64
     let mut rows = Vec::new();
     let mut size = args.min_bytes;
     loop {
-        let (coll, shown) = sized(name, size, es, n, root);
+        let (coll, shown) = sized(kind, size, es, n, root);
         let mut row = Row {
             size: shown,
             count: shown / es,
@@ -346,12 +368,17 @@ fn bench<T: Element>(comm: &Communicator, args: &Args, name: &str) -> Result<u64
     }
     let wrong: u64 = rows.iter().map(|r| r.wrong[0] + r.wrong[1]).sum();
     if me == 0 {
-        print_rows(comm, args, name, &rows).map_err(|e| e.to_string())?;
+        print_rows(comm, args, kind, &rows).map_err(|e| e.to_string())?;
     }
     Ok(wrong)
 }
 
-fn print_rows(comm: &Communicator, args: &Args, name: &str, rows: &[Row]) -> std::io::Result<()> {
+fn print_rows(
+    comm: &Communicator,
+    args: &Args,
+    kind: CollectiveKind,
+    rows: &[Row],
+) -> std::io::Result<()> {
     let n = comm.world_size();
     let provider = comm
         .providers()
@@ -363,7 +390,7 @@ fn print_rows(comm: &Communicator, args: &Args, name: &str, rows: &[Row]) -> std
         .collect::<Vec<_>>()
         .join("+");
     let table = Table {
-        name,
+        kind,
         nranks: n,
         dtype: args.dtype,
         op: args.op,
@@ -371,7 +398,7 @@ fn print_rows(comm: &Communicator, args: &Args, name: &str, rows: &[Row]) -> std
         check: args.check != 0,
         in_place: true,
         title: format!(
-            "oxccl perf {name}: nranks {n} minBytes {} maxBytes {} step: {}(factor) warmup iters: {} iters: {} validation: {} provider: {}",
+            "oxccl perf {kind}: nranks {n} minBytes {} maxBytes {} step: {}(factor) warmup iters: {} iters: {} validation: {} provider: {}",
             args.min_bytes,
             args.max_bytes,
             args.factor,
@@ -390,8 +417,8 @@ fn print_rows(comm: &Communicator, args: &Args, name: &str, rows: &[Row]) -> std
 }
 
 /// What a results table says besides its rows (shared by `oxccl perf` and `oxccl sim`).
-pub(crate) struct Table<'a> {
-    pub(crate) name: &'a str,
+pub(crate) struct Table {
+    pub(crate) kind: CollectiveKind,
     pub(crate) nranks: usize,
     pub(crate) dtype: DataType,
     pub(crate) op: ReduceOp,
@@ -413,22 +440,17 @@ pub(crate) fn write_table(
     rows: &[Row],
     json: bool,
 ) -> std::io::Result<()> {
-    let (name, n) = (t.name, t.nranks);
+    let (kind, n) = (t.kind, t.nranks);
     let bw = |r: &Row, k: usize| {
         let algbw = if r.time_us[k] > 0.0 {
             r.size as f64 / (r.time_us[k] * 1e3)
         } else {
             0.0
         };
-        (algbw, algbw * bus_factor(name, n))
+        (algbw, algbw * bus_factor(kind, n))
     };
-    let rooted = matches!(name, "broadcast" | "reduce" | "gather" | "scatter");
-    let root: i64 = if rooted { t.root as i64 } else { -1 };
-    let redop = if matches!(name, "all_reduce" | "reduce_scatter" | "reduce") {
-        t.op.name()
-    } else {
-        "none"
-    };
+    let root: i64 = if kind.is_rooted() { t.root as i64 } else { -1 };
+    let redop = if kind.reduces() { t.op.name() } else { "none" };
     let avg_busbw = rows.iter().map(|r| bw(r, 0).1).sum::<f64>() / rows.len().max(1) as f64;
     if json {
         let rows: Vec<serde_json::Value> = rows
@@ -446,7 +468,7 @@ pub(crate) fn write_table(
                 row
             })
             .collect();
-        let mut doc = serde_json::json!({"collective": name, "nranks": n, "dtype": t.dtype.name(),
+        let mut doc = serde_json::json!({"collective": kind, "nranks": n, "dtype": t.dtype.name(),
             "op": t.op.name(), "root": root, "rows": rows, "avg_busbw": avg_busbw});
         for (k, v) in &t.json {
             doc[k] = v.clone();

@@ -26,7 +26,7 @@ use oxccl::{DataType, ReduceOp};
 use oxccl_sim::{Fabric, Report, Spec, Track, simulate};
 use serde_json::{Value, json};
 
-use crate::perf::{COLLECTIVES, Row, Table, sized, write_table};
+use crate::perf::{Row, Table, parse_collective, sized, write_table};
 
 /// Options of `oxccl sim`.
 #[derive(Debug, Parser)]
@@ -112,14 +112,7 @@ struct Sized {
 
 fn run(args: &Args) -> Result<(), (u8, String)> {
     let usage = |e: String| (2u8, e);
-    let name = args.collective.trim_end_matches("_perf").replace('-', "_");
-    if !COLLECTIVES.contains(&name.as_str()) {
-        return Err(usage(format!(
-            "unknown collective {:?}; one of {}",
-            args.collective,
-            COLLECTIVES.join(", ")
-        )));
-    }
+    let kind = parse_collective(&args.collective).map_err(usage)?;
     if args.factor < 2 || args.min_bytes > args.max_bytes {
         return Err(usage(format!(
             "need -f ≥ 2 and -b ≤ -e (got -f {} -b {} -e {})",
@@ -150,7 +143,7 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
     let mut results: Vec<Sized> = Vec::new();
     let mut size = args.min_bytes;
     loop {
-        let (coll, shown) = sized(&name, size, es, n, args.root);
+        let (coll, shown) = sized(kind, size, es, n, args.root);
         if let Some(a) = algo
             && !a.supports(&coll)
         {
@@ -160,7 +153,7 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
                 .map(Algorithm::name)
                 .collect();
             return Err(usage(format!(
-                "algorithm {} can't run {name}; it runs with {}",
+                "algorithm {} can't run {kind}; it runs with {}",
                 a.name(),
                 can.join(", ")
             )));
@@ -195,7 +188,7 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
             };
             let t0 = std::time::Instant::now();
             let report = simulate(&fabric, &spec)
-                .map_err(|e| (1, format!("{name} of {shown} bytes: {e}")))?;
+                .map_err(|e| (1, format!("{kind} of {shown} bytes: {e}")))?;
             let wall_s = t0.elapsed().as_secs_f64();
             row.time_us[k] = report.time_s * 1e6;
             if k == 0 {
@@ -271,7 +264,7 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
             .collect(),
     );
     let table = Table {
-        name: &name,
+        kind,
         nranks: n,
         dtype: args.dtype,
         op: args.op,
@@ -279,7 +272,7 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
         check: false,
         in_place: !args.oop_only,
         title: format!(
-            "oxccl sim {name}: nranks {n} minBytes {} maxBytes {} step: {}(factor) topology: {} hosts: {} {sym}",
+            "oxccl sim {kind}: nranks {n} minBytes {} maxBytes {} step: {}(factor) topology: {} hosts: {} {sym}",
             args.min_bytes,
             args.max_bytes,
             args.factor,

@@ -194,13 +194,26 @@ impl FromStr for ReduceOp {
     }
 }
 
-/// The error of parsing a [`DataType`] or [`ReduceOp`] from an unknown name; its message lists
+/// The error of parsing a [`DataType`], a [`ReduceOp`] or a
+/// [`CollectiveKind`](crate::schedule::CollectiveKind) from an unknown name; its message lists
 /// the accepted names.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParseNameError {
     what: &'static str,
     input: String,
     accepted: String,
+}
+
+impl ParseNameError {
+    /// The error of parsing `input` as a `what` (`data type`, `collective`, ...), listing the
+    /// `accepted` names.
+    pub(crate) fn new(what: &'static str, input: &str, accepted: String) -> ParseNameError {
+        ParseNameError {
+            what,
+            input: input.to_owned(),
+            accepted,
+        }
+    }
 }
 
 impl fmt::Display for ParseNameError {

@@ -50,6 +50,7 @@ pub mod tuner;
 pub mod verify;
 
 pub use dtype::{DataType, Element, ParseNameError, ReduceOp, as_bytes, as_bytes_mut};
+pub use schedule::CollectiveKind;
 pub use topology::{Host, Topology};
 
 /// What the fuzz targets under `fuzz/` drive (feature `fuzzing`; not a stable API): the pure
@@ -58,7 +59,7 @@ pub use topology::{Host, Topology};
 #[doc(hidden)]
 pub mod fuzzing {
     pub use crate::schedule::{
-        Algorithm, Buf, Collective, Op, Region, Request, Schedule, Step, build,
+        Algorithm, Buf, Collective, CollectiveKind, Op, Region, Request, Schedule, Step, build,
     };
     pub use crate::verify::{verify, verify_schedules};
 }

@@ -26,7 +26,7 @@ use crate::fault::Injector;
 use crate::flight::Probe;
 use crate::meter::{Delivered, EgressMeter, LinkMeter};
 use crate::reduce;
-use crate::schedule::{Buf, Op, Region, Schedule};
+use crate::schedule::{Buf, CollectiveKind, Op, Region, Schedule};
 use crate::{DataType, ReduceOp};
 
 /// Fragments up to this many bytes travel in the staging region (no registration).
@@ -195,42 +195,18 @@ impl Header {
     }
 }
 
-/// Collective names as the header codes them (their index).
-const COLL_NAMES: [&str; 12] = [
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
-    "broadcast",
-    "reduce",
-    "all_to_all",
-    "all_to_allv",
-    "gather",
-    "scatter",
-    "barrier",
-    "send",
-    "recv",
-];
-
-fn coll_code(name: &str) -> u8 {
-    COLL_NAMES.iter().position(|n| *n == name).unwrap_or(255) as u8
-}
-
-fn coll_name(code: u8) -> &'static str {
-    COLL_NAMES.get(code as usize).copied().unwrap_or("unknown")
-}
-
 /// What a receiver expects a sender's header to say.
 fn expected_header(desc: &OpDesc, sender: usize) -> Header {
     // A send is received by a recv: both carry "send".
-    let coll = if desc.coll == "recv" {
-        "send"
+    let coll = if desc.coll == CollectiveKind::Recv {
+        CollectiveKind::Send
     } else {
         desc.coll
     };
-    let p2p = matches!(desc.coll, "send" | "recv");
+    let p2p = desc.coll.is_point_to_point();
     Header {
         magic: MAGIC,
-        coll: coll_code(coll),
+        coll: coll.code(),
         dtype: DataType::ALL
             .iter()
             .position(|d| *d == desc.dtype)
@@ -241,7 +217,7 @@ fn expected_header(desc: &OpDesc, sender: usize) -> Header {
             .unwrap_or(0) as u8,
         has_root: u8::from(desc.root.is_some() && !p2p),
         seq: desc.seq,
-        count: if desc.coll == "all_to_allv" {
+        count: if desc.coll == CollectiveKind::AllToAllV {
             0
         } else {
             desc.count
@@ -263,13 +239,14 @@ fn describe(h: &Header) -> String {
     let op = ReduceOp::ALL
         .get(h.op as usize)
         .map_or("?".into(), |o| o.to_string());
-    let name = coll_name(h.coll);
+    let kind = CollectiveKind::from_code(h.coll);
     let mut s = format!(
-        "{name} #{} (count {}, {dtype}",
+        "{} #{} (count {}, {dtype}",
+        kind.map_or("unknown", CollectiveKind::name),
         crate::error::seq_text(h.seq),
         h.count
     );
-    if matches!(name, "all_reduce" | "reduce_scatter" | "reduce") {
+    if kind.is_some_and(CollectiveKind::reduces) {
         s += &format!(", {op}");
     }
     if h.has_root != 0 {
@@ -1782,7 +1759,7 @@ impl Call<'_> {
         let geo = self.eng.geo;
         let rank = self.eng.rank;
         let mut h = expected_header(self.desc, rank);
-        if self.desc.coll == "recv" {
+        if self.desc.coll == CollectiveKind::Recv {
             unreachable!("a recv does not send");
         }
         h.xfer_len = total as u64;
@@ -2083,7 +2060,7 @@ impl Call<'_> {
     }
 
     fn stray(&self, h: &Header, peer: usize) -> Result<()> {
-        let p2p = coll_name(h.coll) == "send" || matches!(self.desc.coll, "send" | "recv");
+        let p2p = h.coll == CollectiveKind::Send.code() || self.desc.coll.is_point_to_point();
         // A later call's data is a peer that is ahead, not a mismatch (sequence numbers
         // compare with wrap-around: init's probe numbers its calls just below 0).
         let later = (h.seq.wrapping_sub(self.desc.seq) as i64) > 0;

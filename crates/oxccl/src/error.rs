@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::schedule::CollectiveKind;
 use crate::{DataType, ReduceOp};
 
 /// What a collective call was: its sequence number and fingerprint.
@@ -9,8 +10,8 @@ use crate::{DataType, ReduceOp};
 pub struct OpDesc {
     /// Per-communicator sequence number (for send/recv: per peer and direction).
     pub seq: u64,
-    /// Collective name.
-    pub coll: &'static str,
+    /// Which collective.
+    pub coll: CollectiveKind,
     /// Element count (per rank for reduce-scatter, all-gather, all-to-all, gather, scatter).
     pub count: u64,
     /// Data type.
@@ -37,11 +38,11 @@ impl std::fmt::Display for OpDesc {
             self.count,
             self.dtype
         )?;
-        if matches!(self.coll, "all_reduce" | "reduce_scatter" | "reduce") {
+        if self.coll.reduces() {
             write!(f, ", {}", self.op)?;
         }
         if let Some(root) = self.root {
-            let what = if matches!(self.coll, "send" | "recv") {
+            let what = if self.coll.is_point_to_point() {
                 "peer"
             } else {
                 "root"

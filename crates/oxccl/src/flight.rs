@@ -43,6 +43,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use serde::Serialize;
 
 use crate::error::{Error, OpDesc};
+use crate::schedule::CollectiveKind;
 use crate::{DataType, ReduceOp};
 
 /// Format version of a dump.
@@ -119,7 +120,7 @@ struct Entry {
     rank: usize,
     world_size: usize,
     seq: u64,
-    coll: &'static str,
+    coll: CollectiveKind,
     count: u64,
     #[serde(serialize_with = "display")]
     dtype: DataType,
@@ -176,7 +177,7 @@ pub(crate) fn start(probe: &Probe, call: &CallInfo<'_>) -> u64 {
     probe.steps_done.store(0, Ordering::Relaxed);
     probe.bytes_in.store(0, Ordering::Relaxed);
     probe.started_ns.store(now, Ordering::Relaxed);
-    let p2p = matches!(call.desc.coll, "send" | "recv");
+    let p2p = call.desc.coll.is_point_to_point();
     if !p2p {
         probe.last_started.store(call.desc.seq, Ordering::Relaxed);
     }
@@ -224,7 +225,7 @@ pub(crate) fn start(probe: &Probe, call: &CallInfo<'_>) -> u64 {
 pub(crate) fn end(probe: &Probe, id: u64, desc: &OpDesc, result: &Result<(), Error>) {
     probe.running.store(0, Ordering::Relaxed);
     probe.started_ns.store(0, Ordering::Relaxed);
-    if result.is_ok() && !matches!(desc.coll, "send" | "recv") {
+    if result.is_ok() && !desc.coll.is_point_to_point() {
         probe.last_completed.store(desc.seq, Ordering::Relaxed);
     }
     let Some(r) = recorder() else { return };
@@ -481,7 +482,7 @@ mod tests {
         let probe = Probe::new(0xabc, 2, 4);
         let desc = OpDesc {
             seq: 7,
-            coll: "all_reduce",
+            coll: CollectiveKind::AllReduce,
             count: 1000,
             dtype: DataType::F32,
             op: ReduceOp::Sum,

@@ -24,12 +24,14 @@ use serde::{Deserialize, Serialize};
 mod aggregation;
 mod direct;
 mod hierarchical;
+mod kind;
 mod proportional;
 mod ring;
 mod tree;
 
 pub use aggregation::build_aggregator;
 pub use hierarchical::RAIL_DIRECT_MAX;
+pub use kind::CollectiveKind;
 pub use proportional::{proportional_shares, weighted_blocks};
 
 /// Which of a rank's buffers a region lies in.
@@ -118,7 +120,8 @@ pub struct Step {
     pub deps: Vec<u32>,
 }
 
-/// The collectives, with the element counts that define their buffers.
+/// The collectives, with the element counts that define their buffers ([`Collective::kind`]
+/// says which one without them).
 ///
 /// Buffer sizes (elements) per rank, `n` ranks: see [`Collective::input_len`] and
 /// [`Collective::output_len`].
@@ -199,22 +202,9 @@ pub enum Collective {
 }
 
 impl Collective {
-    /// Short name, as `oxccl perf` and error messages spell it.
+    /// Short name, as `oxccl perf` and error messages spell it ([`CollectiveKind::name`]).
     pub fn name(&self) -> &'static str {
-        match self {
-            Collective::AllReduce { .. } => "all_reduce",
-            Collective::ReduceScatter { .. } => "reduce_scatter",
-            Collective::AllGather { .. } => "all_gather",
-            Collective::Broadcast { .. } => "broadcast",
-            Collective::Reduce { .. } => "reduce",
-            Collective::AllToAll { .. } => "all_to_all",
-            Collective::AllToAllV { .. } => "all_to_allv",
-            Collective::Gather { .. } => "gather",
-            Collective::Scatter { .. } => "scatter",
-            Collective::Barrier => "barrier",
-            Collective::Send { .. } => "send",
-            Collective::Recv { .. } => "recv",
-        }
+        self.kind().name()
     }
 
     /// The root, for rooted collectives (the peer, for send and recv).
@@ -249,12 +239,7 @@ impl Collective {
 
     /// Whether it combines values with a reduction operator.
     pub fn reduces(&self) -> bool {
-        matches!(
-            self,
-            Collective::AllReduce { .. }
-                | Collective::ReduceScatter { .. }
-                | Collective::Reduce { .. }
-        )
+        self.kind().reduces()
     }
 
     /// Elements of `rank`'s input buffer.

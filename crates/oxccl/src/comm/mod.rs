@@ -678,7 +678,7 @@ impl Communicator {
         };
         let desc = OpDesc {
             seq,
-            coll: coll.name(),
+            coll: coll.kind(),
             count: coll.count() as u64,
             dtype,
             op,

@@ -567,3 +567,104 @@ fn a_borrowed_region_keeps_the_memory_of_the_region_it_borrows() {
     assert_eq!(&v[..12], b"seen by both");
     assert!(v[100..4196].iter().all(|&x| x == 0x5c));
 }
+
+/// The registry: every provider has one name, parsing it gives the provider back (any case,
+/// trimmed), and the serialized form is the name (endpoints cross process boundaries, so it must
+/// not change: "shm", "tcp").
+#[test]
+fn providers_are_named_once_and_serialize_as_their_names() {
+    let names: Vec<&str> = Provider::ALL.iter().map(|p| p.name()).collect();
+    assert_eq!(&names[..2], ["shm", "tcp"]);
+    let mut unique = names.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), names.len(), "{names:?}");
+    for &p in Provider::ALL {
+        assert_eq!(p.name().parse::<Provider>().unwrap(), p);
+        assert_eq!(
+            format!(" {} ", p.name().to_uppercase())
+                .parse::<Provider>()
+                .unwrap(),
+            p
+        );
+        assert_eq!(p.to_string(), p.name());
+        let json = serde_json::to_string(&p).unwrap();
+        assert_eq!(json, format!("\"{}\"", p.name()));
+        assert_eq!(serde_json::from_str::<Provider>(&json).unwrap(), p);
+        assert_eq!(Device::by_name(p.name()).unwrap().provider(), p);
+    }
+    let listed: Vec<Provider> = Device::list().iter().map(|d| d.provider()).collect();
+    assert_eq!(listed, Provider::ALL);
+}
+
+/// What only one provider has is asked of the provider: a tcp context listens on the configured
+/// address, a shm context on none.
+#[test]
+fn only_a_tcp_context_has_a_listener() {
+    let shm = Device::by_name("shm")
+        .unwrap()
+        .open_with(&DeviceConfig::default())
+        .unwrap();
+    assert_eq!(shm.tcp_addr(), None);
+    let tcp = Device::by_name("tcp")
+        .unwrap()
+        .open_with(&DeviceConfig::default())
+        .unwrap();
+    let addr = tcp.tcp_addr().expect("a tcp context listens");
+    assert!(addr.ip().is_loopback() && addr.port() != 0, "{addr}");
+    let pd = tcp.alloc_pd().unwrap();
+    let cq = tcp.create_cq(4).unwrap();
+    let qp = pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap();
+    match qp.endpoint().addr {
+        EndpointAddr::Tcp { addr: a, .. } => assert_eq!(a, addr.to_string()),
+        other => panic!("a tcp queue pair advertised {other:?}"),
+    }
+}
+
+/// A provider refuses an address of a form it does not use, naming why; the queue pair stays
+/// in INIT.
+#[test]
+fn a_provider_refuses_addresses_it_does_not_use() {
+    let f = fixture();
+    let a = f.pd.create_qp(&f.cq, &f.cq, &QpConfig::default()).unwrap();
+    a.to_init().unwrap();
+    let mut ep = a.endpoint();
+    ep.addr = EndpointAddr::Opaque {
+        bytes: vec![0xfe, 0x01],
+        qp_token: 1,
+    };
+    assert!(ep.to_string().ends_with("at fe01"), "{ep}");
+    let e = a.to_rtr(&ep).unwrap_err().to_string();
+    assert!(e.contains("not a shm endpoint address"), "{e}");
+    assert_eq!(a.state(), QpState::Init);
+}
+
+/// The environment is read once, at the top (`DeviceConfig::from_env`): no other source file of
+/// this crate reads a variable.
+#[test]
+fn only_the_configuration_reads_the_environment() {
+    fn walk(dir: &std::path::Path, found: &mut Vec<String>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(&p, found);
+            } else if p.extension().is_some_and(|x| x == "rs")
+                && p.file_name()
+                    .is_some_and(|n| n != "config.rs" && n != "tests.rs")
+            {
+                let text = std::fs::read_to_string(&p).unwrap();
+                for needle in ["env::var", "env::vars", "getenv"] {
+                    if text.contains(needle) {
+                        found.push(format!("{} ({needle})", p.display()));
+                    }
+                }
+            }
+        }
+    }
+    let mut found = Vec::new();
+    walk(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+        &mut found,
+    );
+    assert!(found.is_empty(), "reads the environment: {found:?}");
+}

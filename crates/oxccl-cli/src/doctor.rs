@@ -30,13 +30,9 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use serde::{Deserialize, Serialize};
-
-/// The dump format version this reader was written for.
-const FORMAT_VERSION: u32 = 1;
-
-/// How every dump starts; in a log line it may follow a prefix such as `[3] `.
-const MARKER: &str = "{\"oxccl_flight_recorder\"";
+use oxccl::flight::{CallState, DUMP_VERSION, Dump, Entry, MARKER};
+use oxccl::schedule::CollectiveKind;
+use serde::Serialize;
 
 /// Calls per rank in the text report's table.
 const RECENT: usize = 3;
@@ -51,100 +47,6 @@ pub struct Args {
     /// `oxccl run`).
     #[arg(required = true, value_name = "PATH")]
     paths: Vec<PathBuf>,
-}
-
-// ---------------------------------------------------------------------------------------------
-// The dump format (see the module documentation). Fields a reader can live without default, so
-// that a dump of a slightly different version can still be read.
-
-/// One flight-recorder dump: one process, all its communicators.
-#[derive(Debug, Deserialize)]
-struct Dump {
-    /// Format version.
-    oxccl_flight_recorder: u32,
-    #[serde(default)]
-    reason: String,
-    #[serde(default)]
-    detail: String,
-    time_unix_ns: u64,
-    pid: Option<u32>,
-    host: Option<String>,
-    /// Rank in `comm_id`, the communicator that triggered the dump.
-    rank: u32,
-    world_size: u32,
-    comm_id: String,
-    #[serde(default)]
-    communicators: Vec<CommState>,
-    /// Oldest first, all communicators mixed.
-    #[serde(default)]
-    entries: Vec<Entry>,
-}
-
-/// One live communicator of a dumping process.
-#[derive(Debug, Deserialize)]
-struct CommState {
-    comm_id: String,
-    rank: u32,
-    world_size: u32,
-    /// Sequence number of the last collective started (0: none but the init barrier).
-    #[serde(default)]
-    last_started: u64,
-    #[serde(default)]
-    last_completed: u64,
-}
-
-/// One recorded call.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-struct Entry {
-    comm_id: String,
-    #[serde(default)]
-    rank: u32,
-    #[serde(default)]
-    world_size: u32,
-    /// Collective sequence number; for send/recv the per-(peer, direction) number.
-    seq: u64,
-    coll: String,
-    #[serde(default)]
-    count: u64,
-    dtype: Option<String>,
-    op: Option<String>,
-    root: Option<u32>,
-    peer: Option<u32>,
-    algorithm: Option<String>,
-    protocol: Option<String>,
-    /// `running`, `completed` or `failed`.
-    state: String,
-    #[serde(default)]
-    start_unix_ns: u64,
-    end_unix_ns: Option<u64>,
-    #[serde(default)]
-    steps: u64,
-    #[serde(default)]
-    steps_done: u64,
-    #[serde(default)]
-    bytes_in: u64,
-    waiting: Option<String>,
-    waiting_on: Option<u32>,
-    error: Option<String>,
-}
-
-impl Entry {
-    /// Send and recv are numbered per peer and direction, not in the collective sequence.
-    fn is_p2p(&self) -> bool {
-        matches!(self.coll.as_str(), "send" | "recv")
-    }
-
-    /// How long the call had run at `dump_ns` (running) or took (finished); `None` if unknown.
-    fn elapsed_ns(&self, dump_ns: u64) -> Option<u64> {
-        if self.start_unix_ns == 0 {
-            return None;
-        }
-        match self.end_unix_ns {
-            Some(end) => Some(end.saturating_sub(self.start_unix_ns)),
-            None if self.state == "running" => Some(dump_ns.saturating_sub(self.start_unix_ns)),
-            None => None,
-        }
-    }
 }
 
 /// A dump and where it was found (`FILE` or `FILE:LINE`).
@@ -235,9 +137,9 @@ fn parse_text(text: &str, name: &str, warnings: &mut Vec<String>) -> Vec<Loaded>
 
 /// `dump` as loaded from `source`, with a warning if its format version is not the known one.
 fn checked(dump: Dump, source: String, warnings: &mut Vec<String>) -> Loaded {
-    if dump.oxccl_flight_recorder != FORMAT_VERSION {
+    if dump.oxccl_flight_recorder != DUMP_VERSION {
         warnings.push(format!(
-            "{source}: dump format version {}, this oxccl reads version {FORMAT_VERSION}; \
+            "{source}: dump format version {}, this oxccl reads version {DUMP_VERSION}; \
              reading it anyway",
             dump.oxccl_flight_recorder
         ));
@@ -343,7 +245,7 @@ impl<'a> RankView<'a> {
         self.entries
             .iter()
             .rev()
-            .find(|e| !e.is_p2p() && e.seq == seq)
+            .find(|e| !e.coll.is_point_to_point() && e.seq == seq)
             .copied()
     }
 
@@ -352,7 +254,9 @@ impl<'a> RankView<'a> {
         self.entries
             .iter()
             .rev()
-            .find(|e| e.state != "completed" && (e.waiting.is_some() || e.waiting_on.is_some()))
+            .find(|e| {
+                e.state != CallState::Completed && (e.waiting.is_some() || e.waiting_on.is_some())
+            })
             .copied()
     }
 
@@ -404,10 +308,10 @@ fn views(loaded: &Loaded) -> Vec<(&str, RankView<'_>)> {
         .into_iter()
         .map(|(id, (mut v, recorded))| {
             if !recorded {
-                let collectives = || v.entries.iter().filter(|e| !e.is_p2p());
+                let collectives = || v.entries.iter().filter(|e| !e.coll.is_point_to_point());
                 v.last_started = collectives().map(|e| e.seq).max().unwrap_or(0);
                 v.last_completed = collectives()
-                    .filter(|e| e.state == "completed")
+                    .filter(|e| e.state == CallState::Completed)
                     .map(|e| e.seq)
                     .max()
                     .unwrap_or(0);
@@ -582,7 +486,7 @@ fn summary(view: &RankView, waited_on_by: Vec<u32>) -> RankSummary {
         last_started_call: view.collective(view.last_started).map(|e| view.call(e)),
         last_completed_call: view
             .collective(view.last_completed)
-            .filter(|e| e.state == "completed")
+            .filter(|e| e.state == CallState::Completed)
             .map(|e| view.call(e)),
         waiting: waiting.and_then(|e| e.waiting.clone()),
         waiting_on: view.waiting_on(),
@@ -603,13 +507,13 @@ fn mismatches(ranks: &BTreeMap<u32, RankView>) -> Vec<Mismatch> {
         let seqs: BTreeSet<u64> = view
             .entries
             .iter()
-            .filter(|e| !e.is_p2p())
+            .filter(|e| !e.coll.is_point_to_point())
             .map(|e| e.seq)
             .collect();
         for seq in seqs {
             let entry = view.collective(seq).expect("seq taken from the entries");
             // all_to_allv's count is each rank's own.
-            let with_count = entry.coll != "all_to_allv";
+            let with_count = entry.coll != CollectiveKind::AllToAllV;
             let call = format!("{}{}", entry.coll, args_text(entry, with_count));
             calls
                 .entry(seq)
@@ -737,11 +641,11 @@ fn args_text(e: &Entry, with_count: bool) -> String {
 /// `count 1000`, `float`, `sum`, `root 0`, `peer 1`: what was given.
 fn args_parts(e: &Entry, with_count: bool) -> Vec<String> {
     let mut parts = Vec::new();
-    if with_count && !(e.coll == "barrier" && e.count == 0) {
+    if with_count && !(e.coll == CollectiveKind::Barrier && e.count == 0) {
         parts.push(format!("count {}", e.count));
     }
-    parts.extend(e.dtype.clone());
-    parts.extend(e.op.clone());
+    parts.extend(e.dtype.map(|d| d.to_string()));
+    parts.extend(e.op.map(|o| o.to_string()));
     parts.extend(e.root.map(|r| format!("root {r}")));
     parts.extend(e.peer.map(|p| format!("peer {p}")));
     parts
@@ -751,11 +655,11 @@ fn args_parts(e: &Entry, with_count: bool) -> Vec<String> {
 fn state_text(e: &Entry, dump_ns: u64) -> String {
     let elapsed = e.elapsed_ns(dump_ns).map(duration_text);
     let steps = format!("{}/{} steps", e.steps_done, e.steps);
-    match (e.state.as_str(), elapsed) {
-        ("completed", _) => "completed".to_string(),
-        ("running", Some(t)) => format!("running for {t}, {steps}"),
-        ("failed", Some(t)) => format!("failed after {t}, {steps}"),
-        (state, _) => format!("{state}, {steps}"),
+    match (e.state, elapsed) {
+        (CallState::Completed, _) => "completed".to_string(),
+        (CallState::Running, Some(t)) => format!("running for {t}, {steps}"),
+        (CallState::Failed, Some(t)) => format!("failed after {t}, {steps}"),
+        (state, None) => format!("{state}, {steps}"),
     }
 }
 
@@ -868,7 +772,7 @@ fn render_comm(comm: &CommReport, out: &mut String) {
         let started = match &r.last_started_call {
             Some(c) => {
                 let mut s = format!("{}, {}", call_text(&c.entry), state_text(&c.entry, dump_ns));
-                if c.entry.state != "completed" {
+                if c.entry.state != CallState::Completed {
                     s += &format!(", {} in", bytes_text(c.entry.bytes_in));
                 }
                 s
@@ -916,12 +820,12 @@ fn recent_table(calls: &[Call], dump_ns: u64) -> String {
         let dash = || "-".to_string();
         rows.push(vec![
             format!("#{}", e.seq),
-            e.coll.clone(),
+            e.coll.to_string(),
             e.count.to_string(),
-            e.dtype.clone().unwrap_or_else(dash),
-            e.op.clone().unwrap_or_else(dash),
+            e.dtype.map_or_else(dash, |d| d.to_string()),
+            e.op.map_or_else(dash, |o| o.to_string()),
             e.root.or(e.peer).map_or_else(dash, |r| r.to_string()),
-            e.state.clone(),
+            e.state.to_string(),
             format!("{}/{}", e.steps_done, e.steps),
             bytes_text(e.bytes_in),
             e.elapsed_ns(dump_ns).map_or_else(dash, duration_text),
@@ -1190,7 +1094,10 @@ mod tests {
         let comm = &report.communicators[0];
         assert_eq!(comm.behind, vec![2]);
         assert!(comm.mismatches.is_empty());
-        assert_eq!(comm.ranks[2].recent.last().unwrap().entry.coll, "send");
+        assert_eq!(
+            comm.ranks[2].recent.last().unwrap().entry.coll,
+            CollectiveKind::Send
+        );
     }
 
     #[test]

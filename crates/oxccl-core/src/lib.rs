@@ -4,7 +4,8 @@
 //! data ([`schedule`]: a pure function from a [`schedule::Request`] to one rank's
 //! [`schedule::Schedule`]), the [`tuner`] that picks an algorithm for a call, the job's
 //! [`topology`], the symbolic reference executor that checks schedules ([`verify`]), the wire
-//! protocol's constants ([`protocol`]) and the link-rate learning rule ([`learn`], [`meter`]).
+//! protocol ([`protocol`]), the flight recorder's dump format ([`dump`]) and the link-rate
+//! learning rule ([`learn`], [`meter`]).
 //! The runtime (`oxccl`) drives these over verbs, and the fabric simulator (`oxccl-sim`) over a
 //! modelled network; like quinn-proto, this crate is unit-testable alone.
 //!
@@ -41,6 +42,7 @@
 #![deny(missing_docs)]
 
 pub mod dtype;
+pub mod dump;
 pub mod learn;
 pub mod meter;
 pub mod protocol;

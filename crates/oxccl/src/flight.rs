@@ -7,7 +7,8 @@
 //! waiting on); while it runs, the executor publishes how many of its steps are done and how
 //! many bytes have arrived, so a dump taken meanwhile shows where it is.
 //!
-//! A dump is one JSON object (format version 1; `oxccl doctor` reads it). It is written
+//! A dump is one JSON object ([`Dump`], format version [`DUMP_VERSION`]; `oxccl doctor` reads
+//! it with the same types). It is written
 //! - when a call times out, is aborted, or the watchdog fires (always), and on other errors
 //!   that break a communicator when `OXCCL_DEBUG_DUMP` is set: once per communicator;
 //! - when a peer times out: it asks every rank to dump (`"reason":"peer_timeout"`), since a
@@ -40,14 +41,10 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use serde::Serialize;
+/// The dump format, shared with `oxccl doctor` (from `oxccl_core::dump`).
+pub use oxccl_core::dump::{CallState, CommState, DUMP_VERSION, Dump, Entry, MARKER};
 
 use crate::error::{Error, OpDesc};
-use crate::schedule::CollectiveKind;
-use crate::{DataType, ReduceOp};
-
-/// Format version of a dump.
-pub const DUMP_VERSION: u32 = 1;
 
 /// Nanoseconds since the Unix epoch, from the kernel's coarse real-time clock: its resolution
 /// is the scheduler tick (1 to 4 ms), plenty for a recorder of hangs, and it costs about 5 ns
@@ -111,47 +108,24 @@ pub(crate) struct CallInfo<'a> {
     pub steps: usize,
 }
 
-#[derive(Clone, Serialize)]
-struct Entry {
-    #[serde(skip)]
+/// A recorded call: its id in the recorder, its communicator, and what a dump says of it. The
+/// entry's `comm_id` text is written when a dump is rendered, so that recording a call
+/// allocates nothing.
+#[derive(Clone)]
+struct Record {
     id: u64,
-    #[serde(serialize_with = "hex")]
     comm_id: u64,
-    rank: usize,
-    world_size: usize,
-    seq: u64,
-    coll: CollectiveKind,
-    count: u64,
-    #[serde(serialize_with = "display")]
-    dtype: DataType,
-    #[serde(serialize_with = "display")]
-    op: ReduceOp,
-    root: Option<usize>,
-    peer: Option<usize>,
-    algorithm: &'static str,
-    protocol: &'static str,
-    state: &'static str,
-    start_unix_ns: u64,
-    end_unix_ns: Option<u64>,
-    steps: usize,
-    steps_done: u32,
-    bytes_in: u64,
-    waiting: Option<String>,
-    waiting_on: Option<usize>,
-    error: Option<String>,
+    entry: Entry,
 }
 
-fn display<S: serde::Serializer, T: std::fmt::Display>(v: &T, s: S) -> Result<S::Ok, S::Error> {
-    s.collect_str(v)
-}
-
-fn hex<S: serde::Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(&format!("{v:016x}"))
+/// A communicator id as dumps write it: 16 hex digits.
+fn hex(id: u64) -> String {
+    format!("{id:016x}")
 }
 
 struct Recorder {
     cap: usize,
-    ring: Mutex<(u64, VecDeque<Entry>)>,
+    ring: Mutex<(u64, VecDeque<Record>)>,
     comms: Mutex<Vec<Weak<Probe>>>,
 }
 
@@ -192,29 +166,33 @@ pub(crate) fn start(probe: &Probe, call: &CallInfo<'_>) -> u64 {
     if ring.1.len() >= r.cap {
         ring.1.pop_front();
     }
-    ring.1.push_back(Entry {
+    let rank = |r: usize| r as u32;
+    ring.1.push_back(Record {
         id,
         comm_id: probe.comm_id,
-        rank: probe.rank,
-        world_size: probe.world,
-        seq: d.seq,
-        coll: d.coll,
-        count: d.count,
-        dtype: d.dtype,
-        op: d.op,
-        root: d.root.filter(|_| !p2p),
-        peer: d.root.filter(|_| p2p),
-        algorithm: call.algorithm,
-        protocol: call.protocol,
-        state: "running",
-        start_unix_ns: now,
-        end_unix_ns: None,
-        steps: call.steps,
-        steps_done: 0,
-        bytes_in: 0,
-        waiting: None,
-        waiting_on: None,
-        error: None,
+        entry: Entry {
+            comm_id: String::new(),
+            rank: rank(probe.rank),
+            world_size: rank(probe.world),
+            seq: d.seq,
+            coll: d.coll,
+            count: d.count,
+            dtype: Some(d.dtype),
+            op: Some(d.op),
+            root: d.root.filter(|_| !p2p).map(rank),
+            peer: d.root.filter(|_| p2p).map(rank),
+            algorithm: Some(call.algorithm.into()),
+            protocol: Some(call.protocol.into()),
+            state: CallState::Running,
+            start_unix_ns: now,
+            end_unix_ns: None,
+            steps: call.steps as u64,
+            steps_done: 0,
+            bytes_in: 0,
+            waiting: None,
+            waiting_on: None,
+            error: None,
+        },
     });
     drop(ring);
     probe.running.store(id, Ordering::Relaxed);
@@ -235,22 +213,23 @@ pub(crate) fn end(probe: &Probe, id: u64, desc: &OpDesc, result: &Result<(), Err
     let now = now_ns();
     let mut ring = r.ring.lock().unwrap_or_else(|e| e.into_inner());
     let first = ring.1.front().map_or(0, |e| e.id);
-    let Some(e) = id
+    let Some(rec) = id
         .checked_sub(first)
         .and_then(|i| ring.1.get_mut(i as usize))
     else {
         return;
     };
+    let e = &mut rec.entry;
     e.end_unix_ns = Some(now);
-    e.steps_done = probe.steps_done.load(Ordering::Relaxed);
+    e.steps_done = probe.steps_done.load(Ordering::Relaxed).into();
     e.bytes_in = probe.bytes_in.load(Ordering::Relaxed);
     match result {
         Ok(()) => {
-            e.state = "completed";
-            e.steps_done = e.steps as u32;
+            e.state = CallState::Completed;
+            e.steps_done = e.steps;
         }
         Err(err) => {
-            e.state = "failed";
+            e.state = CallState::Failed;
             e.error = Some(err.to_string());
             match err {
                 Error::Timeout {
@@ -261,41 +240,15 @@ pub(crate) fn end(probe: &Probe, id: u64, desc: &OpDesc, result: &Result<(), Err
                     ..
                 } => {
                     e.waiting = Some(waiting.clone());
-                    e.waiting_on = *peer;
-                    e.steps_done = e.steps_done.max(*step as u32);
+                    e.waiting_on = peer.map(|p| p as u32);
+                    e.steps_done = e.steps_done.max(*step as u64);
                     e.bytes_in = *bytes;
                 }
-                Error::PeerFailed { peer, .. } => e.waiting_on = Some(*peer),
+                Error::PeerFailed { peer, .. } => e.waiting_on = Some(*peer as u32),
                 _ => {}
             }
         }
     }
-}
-
-#[derive(Serialize)]
-struct CommSummary {
-    #[serde(serialize_with = "hex")]
-    comm_id: u64,
-    rank: usize,
-    world_size: usize,
-    last_started: u64,
-    last_completed: u64,
-}
-
-#[derive(Serialize)]
-struct Dump<'a> {
-    oxccl_flight_recorder: u32,
-    reason: &'a str,
-    detail: &'a str,
-    time_unix_ns: u64,
-    pid: u32,
-    host: String,
-    rank: usize,
-    world_size: usize,
-    #[serde(serialize_with = "hex")]
-    comm_id: u64,
-    communicators: Vec<CommSummary>,
-    entries: Vec<Entry>,
 }
 
 fn hostname() -> String {
@@ -315,7 +268,7 @@ fn render(reason: &str, detail: &str, about: Option<&Probe>) -> Option<(String, 
         .iter()
         .filter_map(Weak::upgrade)
         .collect();
-    let mut entries: Vec<Entry> = r
+    let records: Vec<Record> = r
         .ring
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -323,36 +276,48 @@ fn render(reason: &str, detail: &str, about: Option<&Probe>) -> Option<(String, 
         .iter()
         .cloned()
         .collect();
-    for e in entries.iter_mut().filter(|e| e.state == "running") {
-        if let Some(p) = comms
-            .iter()
-            .find(|p| p.comm_id == e.comm_id && p.rank == e.rank)
-            && p.running.load(Ordering::Relaxed) == e.id
-        {
-            e.steps_done = p.steps_done.load(Ordering::Relaxed);
-            e.bytes_in = p.bytes_in.load(Ordering::Relaxed);
-        }
-    }
+    let entries = records
+        .into_iter()
+        .map(
+            |Record {
+                 id,
+                 comm_id,
+                 mut entry,
+             }| {
+                entry.comm_id = hex(comm_id);
+                if entry.state == CallState::Running
+                    && let Some(p) = comms
+                        .iter()
+                        .find(|p| p.comm_id == comm_id && p.rank as u32 == entry.rank)
+                    && p.running.load(Ordering::Relaxed) == id
+                {
+                    entry.steps_done = p.steps_done.load(Ordering::Relaxed).into();
+                    entry.bytes_in = p.bytes_in.load(Ordering::Relaxed);
+                }
+                entry
+            },
+        )
+        .collect();
     let (rank, world, comm_id) = match about.or(comms.first().map(|p| &**p)) {
         Some(p) => (p.rank, p.world, p.comm_id),
         None => (0, 0, 0),
     };
     let dump = Dump {
         oxccl_flight_recorder: DUMP_VERSION,
-        reason,
-        detail,
+        reason: reason.into(),
+        detail: detail.into(),
         time_unix_ns: now_ns(),
-        pid: std::process::id(),
-        host: hostname(),
-        rank,
-        world_size: world,
-        comm_id,
+        pid: Some(std::process::id()),
+        host: Some(hostname()),
+        rank: rank as u32,
+        world_size: world as u32,
+        comm_id: hex(comm_id),
         communicators: comms
             .iter()
-            .map(|p| CommSummary {
-                comm_id: p.comm_id,
-                rank: p.rank,
-                world_size: p.world,
+            .map(|p| CommState {
+                comm_id: hex(p.comm_id),
+                rank: p.rank as u32,
+                world_size: p.world as u32,
                 last_started: p.last_started.load(Ordering::Relaxed),
                 last_completed: p.last_completed.load(Ordering::Relaxed),
             })
@@ -462,6 +427,8 @@ pub(crate) fn install_signal_handler() {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::schedule::CollectiveKind;
+    use crate::{DataType, ReduceOp};
 
     #[test]
     fn dump_paths_follow_the_template() {

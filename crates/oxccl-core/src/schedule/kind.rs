@@ -198,7 +198,10 @@ mod tests {
         }
         assert_eq!(CollectiveKind::from_code(12), None);
         assert_eq!(" All_Reduce ".parse(), Ok(CollectiveKind::AllReduce));
-        let e = "allreduce".parse::<CollectiveKind>().unwrap_err().to_string();
+        let e = "allreduce"
+            .parse::<CollectiveKind>()
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("unknown collective \"allreduce\"") && e.contains("all_to_allv"));
         assert!(serde_json::from_str::<CollectiveKind>("\"AllReduce\"").is_err());
     }

@@ -2,8 +2,8 @@
 # Bounded fuzzing of oxccl's pure wire decoders and schedule builder with cargo-fuzz (libFuzzer):
 #   tcp_frame       crates/oxccl-verbs/src/tcp/frame.rs (Header::decode, decode_hello)
 #   bootstrap_wire  crates/oxccl-bootstrap/src/wire.rs  (wire::decode)
-#   schedule        crates/oxccl/src/schedule.rs (build) against the reference executor
-#                   crates/oxccl/src/verify.rs (every rank's schedule run together); the input
+#   schedule        crates/oxccl-core/src/schedule/ (build) against the reference executor
+#                   crates/oxccl-core/src/verify.rs (every rank's schedule run together); the input
 #                   format and the checks are in fuzz/src/schedule.rs
 #
 #   scripts/fuzz.sh [SECONDS]     # each target for SECONDS (default 60), one after the other

@@ -141,7 +141,7 @@ fn all_equal(rates: &[f64]) -> bool {
 }
 
 /// Rates whose spread is within `band` become their mean (equal links: the ring); others
-/// are merged into clusters ([`merge_clusters`]).
+/// are merged into clusters (`merge_clusters`).
 pub fn settle(rates: &mut [f64], band: f64) {
     if spread(rates) <= band {
         let mean = rates.iter().sum::<f64>() / rates.len() as f64;

@@ -8,8 +8,9 @@
 //!
 //! Algorithms are data: [`schedule::build`] turns (collective, world size, rank, count,
 //! algorithm) into a per-rank [`schedule::Schedule`] of steps with dependencies, without I/O;
-//! [`verify::verify`] runs every rank's schedule against a symbolic reference; the executor
-//! runs them over verbs with a credit-based slot protocol.
+//! [`verify::verify`] runs every rank's schedule against a symbolic reference (both live in the
+//! crate `oxccl-core`, with the data types, the tuner and the topology, and are re-exported
+//! here); the executor runs them over verbs with a credit-based slot protocol.
 //!
 //! ```
 //! use std::time::Duration;
@@ -72,6 +73,7 @@ pub use error::{Error, OpDesc, Result};
 pub use fault::{Fault, FaultKind, Faults};
 pub use flight::DUMP_VERSION;
 pub use oxccl_core::dtype::{DataType, Element, ParseNameError, ReduceOp, as_bytes, as_bytes_mut};
+pub use oxccl_core::schedule::CollectiveKind;
 pub use oxccl_core::topology::{Host, Topology};
 pub use oxccl_verbs::Provider;
 

@@ -9,6 +9,7 @@ use crate::context::{
     MR_LEN, MR_LKEY, MR_RKEY, ProtectionDomain, random_u64,
 };
 use crate::error::{Error, Result};
+use crate::provider::RegionInfo;
 use crate::segment::{Segment, copy_bytes};
 use crate::types::{AccessFlags, RemoteBuffer, WcStatus};
 
@@ -144,11 +145,38 @@ impl ProtectionDomain {
                     crate::context::MAX_MR
                 ))
             })?;
-        let (lkey, rkey) = (new_key(index), new_key(index));
+        let (lkey, mut rkey) = (new_key(index), new_key(index));
         let kind = match &backing {
             Backing::Segment(_) => MR_KIND_SEGMENT,
             Backing::User { .. } | Backing::Borrowed { .. } => MR_KIND_USER,
         };
+        let info = RegionInfo {
+            index,
+            lkey,
+            rkey,
+            addr,
+            len,
+            access,
+            segment: match &backing {
+                Backing::Segment(seg) => Some(seg),
+                Backing::User { .. } | Backing::Borrowed { .. } => None,
+            },
+        };
+        let chosen = ctx.ops.register_mr(&info).and_then(|key| match key {
+            Some(0) => Err(Error::arg("the provider gave the region a zero rkey")),
+            key => Ok(key),
+        });
+        match chosen {
+            Ok(key) => rkey = key.unwrap_or(rkey),
+            Err(e) => {
+                ctx.tables
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .free_mr
+                    .push(index);
+                return Err(e);
+            }
+        }
         let inner = Arc::new(MrInner {
             ctx: ctx.clone(),
             pd: self.id,
@@ -161,8 +189,6 @@ impl ProtectionDomain {
             backing,
             registered: AtomicBool::new(true),
         });
-        // On failure, dropping `inner` deregisters it (and frees the index).
-        ctx.ops.register_mr(&inner)?;
         ctx.seg
             .mr_u64(index, MR_LKEY)
             .store(lkey, Ordering::Relaxed);

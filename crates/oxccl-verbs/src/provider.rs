@@ -2,88 +2,104 @@
 //!
 //! The public types ([`Context`], [`ProtectionDomain`], [`MemoryRegion`], [`QueuePair`],
 //! [`CompletionQueue`]) are the same for every provider. They own what the verbs model has in
-//! common: the queue-pair state machine, the receive ring, completion queues with their doorbells,
-//! the region table and keys, and the error and flush rules. What differs (how a request reaches
-//! the peer) sits behind two traits:
+//! common: the queue-pair state machine, the receive ring, completion queues with their
+//! doorbells, keys and the region table, and the error and flush rules. What differs (how a
+//! request reaches the peer) sits behind two traits:
 //!
-//! - [`ProviderContext`]: the provider's half of an open [`Context`]. Made once per context by the
-//!   provider's `open` function, from the [`DeviceConfig`] the context is opened with. It makes a
-//!   [`QpTransport`] for each new queue pair and hears about regions being registered.
-//! - [`QpTransport`]: the provider's half of one [`QueuePair`]: its endpoint address, connecting,
-//!   the send-queue data path, progress, and the flush when the queue pair fails.
+//! - [`ProviderContext`]: the provider's half of an open [`Context`], made once per context by
+//!   the provider's `open` function from the [`DeviceConfig`] the context is opened with. It
+//!   makes a [`QpTransport`] for each new queue pair and hears about regions being registered.
+//! - [`QpTransport`]: the provider's half of one [`QueuePair`]: its endpoint address,
+//!   connecting, the send-queue data path, progress, and the flush when the queue pair fails.
 //!
-//! Both are trait objects (`Box<dyn ..>`), made when the context or queue pair is made: one
-//! virtual call per `post_send` or progress step, no allocation per request.
+//! Both are trait objects (`Box<dyn ..>`) made with the context or queue pair: one virtual call
+//! per `post_send` batch, per queue pair and poll, per posted receive; no allocation per request.
 //!
 //! # The registry
 //!
-//! [`Provider`] is the identity of a provider (a name callers pick, compare and serialize); the
-//! list at the bottom of this module (`registry! { .. }`) maps each identity to its name and its
-//! `open` function, and is the only place that lists them. A new provider is a module of its own
-//! (`src/ofi/`, declared in `lib.rs`) plus one line in that list.
+//! [`Provider`] is a provider's identity (a name callers pick, compare and serialize). The list
+//! at the bottom of this module (`registry! { .. }`) gives each identity its name and its `open`
+//! function, and is the only place that lists providers: [`Provider::ALL`], [`Provider::name`],
+//! parsing and serialization all come from it.
 //!
 //! # Implementer's guide
 //!
-//! A provider module offers `pub(crate) fn open(args: &OpenArgs<'_>) -> Result<Box<dyn
-//! ProviderContext>>`. `args` carries the [`DeviceConfig`] (read nothing else: no environment
-//! variables, no files of your own choosing), the context segment (its completion-queue doorbells
-//! and region table, see `context`) and the context's map of live regions by table index, which a
-//! provider that executes peers' requests in software validates against (tcp does).
+//! Adding a provider (ofi, say):
+//! 1. A module of its own, `src/ofi/` (declared in `lib.rs`), with
+//!    `pub(crate) fn open(args: &OpenArgs<'_>) -> Result<Box<dyn ProviderContext>>`.
+//! 2. One line in `registry!` below: `Ofi = "ofi" => crate::ofi::open,` with its doc comment.
+//! 3. Its settings, if any: fields of [`DeviceConfig`] named after it (`ofi_*`, see `config`),
+//!    read in `DeviceConfig::from_vars`. `open` reads only [`OpenArgs`]: no environment
+//!    variables, no files of its own choosing.
+//! 4. Its tests: one line each at the bottom of `tests/conformance.rs`, `tests/properties.rs`
+//!    and `tests/hammer.rs` (`conformance!(ofi, "ofi");` and so on) runs the suites every
+//!    provider passes against it, in two processes.
 //!
-//! What the core does, so a provider does not:
-//! - It checks work requests' shapes (`max_sge`; [`QpInner::check_sges`] for the send side) and
-//!   queue-pair states before calling the provider (`post_send` only in RTS or ERR, `connect`
-//!   only in INIT), and walks the state machine.
-//! - It owns the receive queue: `post_recv` writes the ring (`ring`), then calls
-//!   [`QpTransport::recv_posted`]; receive completions are harvested from the ring by the
-//!   completion queue. A provider delivers a SEND or WRITE_WITH_IMM by claiming a slot
-//!   ([`QpInner::claim_recv`]), filling the buffers ([`QpInner::recv_spans`] validates them) and
-//!   completing it ([`QpInner::complete_recv`]).
-//! - It owns completion queues: a provider reports send-queue completions with
-//!   [`QpInner::complete_send`] and never touches a completion queue itself.
-//! - It generates keys (random, low bits the table index), keeps the region table, and checks
-//!   local buffers ([`MrInner::local_ptr`](crate::mr::MrInner::local_ptr)).
+//! What the core does, so that a provider does not:
+//! - **States.** It walks the state machine and checks states before calling the provider:
+//!   [`QpTransport::connect`] only in INIT and only for an endpoint of the same provider,
+//!   [`QpTransport::post_send`] only in RTS or ERR. Within a batch the transport checks each
+//!   request's SGE count with [`QpInner::check_sges`] before posting it (the requests before a
+//!   bad one stay posted).
+//! - **Receives.** It owns the receive queue: `post_recv` writes the ring (`ring`), then calls
+//!   [`QpTransport::recv_posted`]; completion queues harvest finished receives from the ring. A
+//!   provider delivers a SEND or WRITE_WITH_IMM into its own queue pair by claiming a slot
+//!   ([`QpInner::claim_recv`]), filling the slot's buffers ([`QpInner::recv_spans`] validates
+//!   them) and completing it ([`QpInner::complete_recv`]); the shm provider does the same in its
+//!   peer's ring, in shared memory.
+//! - **Completions.** It owns completion queues: a provider reports every send-queue completion
+//!   with [`QpInner::complete_send`] (signaled successes and all failures; the core drops the
+//!   unsignaled successes) and never touches a completion queue itself.
+//! - **Keys.** It draws lkey and rkey (random, the low bits the table index), keeps the region
+//!   table and the map of live regions, and validates local buffers
+//!   (`MrInner::local_ptr`). A provider whose hardware chooses keys (libfabric with
+//!   `FI_MR_PROV_KEY`) registers the memory in [`ProviderContext::register_mr`] and returns its
+//!   key, which then is the region's rkey; it releases the registration in
+//!   [`ProviderContext::deregister_mr`].
 //!
-//! What a provider must guarantee (the semantics in ARCHITECTURE.md, section "verbs"):
-//! - **RC ordering.** Requests of one queue pair execute at the target in posting order, and their
-//!   completions are reported in posting order, failures included (a request that fails locally
-//!   while earlier ones are in flight completes after them).
+//! What a provider must guarantee (the semantics of ARCHITECTURE.md, section "verbs"):
+//! - **RC ordering.** Requests of one queue pair execute at the target in posting order, and
+//!   complete in posting order, failures included (a request that fails locally while earlier
+//!   ones are in flight completes after them).
 //! - **Validation before effect.** A request whose rkey, range or access flags do not match a
-//!   registered region of the target fails with `RemoteAccessError` and leaves the target's memory
-//!   untouched; local buffers are validated before anything is sent (a local error has no remote
-//!   effect).
-//! - **Receives.** A SEND and a WRITE_WITH_IMM each consume exactly one posted receive. None posted:
-//!   retry within the queue pair's RNR budget ([`QpConfig::rnr_retry`], `rnr_timer`; 7 = forever),
-//!   then fail with `RnrRetryExceeded`.
-//! - **Errors.** The first failed request moves the queue pair to ERR: push its error completion
-//!   (the core moves the state to ERR first, so a poller that sees it sees ERR), then call
-//!   [`QpInner::set_error`], which calls [`QpTransport::flush_sends`] and flushes the receive ring.
-//!   `flush_sends` completes every outstanding send, oldest first, with
-//!   [`QpInner::send_flush_status`] (`RetryExceeded` for the first after the peer was lost,
-//!   `WorkRequestFlushed` for the rest). Later posts complete as flushed without being executed.
+//!   registered region of the target fails with `RemoteAccessError` and leaves the target's
+//!   memory untouched; local buffers are validated before anything is sent, so a local error
+//!   (`LocalProtectionError`, `LocalLengthError`) has no remote effect.
+//! - **Receives.** A SEND and a WRITE_WITH_IMM each consume exactly one posted receive. None
+//!   posted: retry within the queue pair's RNR budget ([`QpConfig::rnr_retry`] ×
+//!   `rnr_timer`; 7 retries forever), then fail with `RnrRetryExceeded`.
+//! - **Errors.** The first failed request moves the queue pair to ERR: report its completion
+//!   with [`QpInner::complete_send`] (which reads ERR before the completion can be polled), then
+//!   call [`QpInner::set_error`] (or [`QpInner::request_failed`]), holding none of the
+//!   transport's own locks: it calls back [`QpTransport::flush_sends`], which completes every
+//!   outstanding send oldest first with [`QpInner::send_flush_status`] (`RetryExceeded` for the
+//!   first one after the peer was lost, `WorkRequestFlushed` for the rest), and flushes the
+//!   receive ring. Requests posted in ERR complete flushed, in order, without being executed.
 //! - **Peer loss.** A peer that dies or destroys its queue pair is noticed within
-//!   [`QpConfig::timeout`] ([`QpInner::connection_failed`] or `set_error(Cause::PeerGone)`), and
-//!   waiters are woken (completing through the core does that).
-//! - **Cost.** [`QpTransport::progress`] runs on every poll of every completion queue the queue pair
-//!   is attached to: make it a few loads when there is nothing to do. A provider whose data path
-//!   needs no system call (shm) must not gain one: no allocation, lock contention or syscall per
-//!   request beyond what the transport itself needs.
-//! - **Threads.** Both traits are `Send + Sync`; their methods are called from any thread,
-//!   concurrently (posting, polling and a provider's own progress thread). A provider's thread
-//!   reaches its queue pair through the `Weak<QpInner>` of [`QpSetup::qp`], and must not hold its
-//!   own locks while calling into the core (the core may call back into the transport).
-//! - **Unsafe.** Raw pointers into regions are valid only while the region is alive: keep the
-//!   `Arc<MrInner>` of every buffer a request still reads or writes (the tcp provider keeps them in
-//!   its frames), and give each `unsafe` block a `// SAFETY:` line.
+//!   [`QpConfig::timeout`]: [`QpInner::connection_failed`] (with the reason) or
+//!   `set_error(Cause::PeerGone)`; [`QpTransport::peer_gone`] then says so, and
+//!   [`QpTransport::gone_note`] may explain it. Waiters are woken by the core.
+//! - **Cost.** [`QpTransport::progress`] runs on every poll and wait of every completion queue
+//!   the queue pair is attached to: a few loads when there is nothing to do.
+//!   [`QpTransport::has_pending`] true makes sleeping waiters nap at most 200 µs, so that
+//!   retries happen. A data path that needs no system call (shm) must not gain one, nor an
+//!   allocation or a contended lock per request.
+//! - **Threads.** Both traits are `Send + Sync`; their methods run on any thread, concurrently
+//!   (posters, pollers, the provider's own threads). A provider thread reaches its queue pair
+//!   through the `Weak<QpInner>` of [`QpSetup::qp`] and calls into the core with none of its own
+//!   locks held, since the core may call back into the transport.
+//! - **Memory.** A raw pointer into a region is valid only while the region lives: keep the
+//!   `Arc<MrInner>` of every buffer a request still reads or writes (the tcp provider keeps them
+//!   in its frames and outstanding requests), until its completion is reported. Every `unsafe`
+//!   block has a `// SAFETY:` line saying why it holds.
+//! - **Teardown.** [`QpTransport::disconnect`] drops the link so that the peer notices (a cut
+//!   cable); [`QpTransport::destroy`] releases what the provider holds for the queue pair; the
+//!   `ProviderContext` is dropped after the context segment reads as closed, and stops the
+//!   provider's threads (possibly from one of them: never join yourself).
 //!
 //! Addressing: [`QpTransport::endpoint_addr`] says how a peer reaches the queue pair. A provider
-//! whose address is not one of the named [`EndpointAddr`] forms uses [`EndpointAddr::Opaque`]
-//! (its own bytes, a libfabric endpoint name say). The core refuses an endpoint of another
-//! provider before [`QpTransport::connect`] is called; `connect` refuses addresses of forms it
-//! does not use.
-//!
-//! Configuration: settings of a new provider are fields of [`DeviceConfig`] named after it (see
-//! `config`); they reach `open` through [`OpenArgs::config`].
+//! whose address is none of the named [`EndpointAddr`] forms uses [`EndpointAddr::Opaque`] (its
+//! own bytes: a libfabric endpoint name, say); `connect` refuses the forms it does not use.
 //!
 //! [`Context`]: crate::Context
 //! [`ProtectionDomain`]: crate::ProtectionDomain
@@ -126,20 +142,45 @@ pub(crate) struct QpSetup<'a> {
     pub cfg: &'a QpConfig,
 }
 
+/// A region about to be registered, as [`ProviderContext::register_mr`] sees it.
+#[allow(
+    dead_code,
+    reason = "shm reads the index, lkey and segment; the rest is for a provider that registers \
+              memory with its hardware (ofi: fi_mr_reg), none built in yet"
+)]
+pub(crate) struct RegionInfo<'a> {
+    /// Index in the context's region table (the low bits of the core's keys).
+    pub index: u32,
+    /// The local key.
+    pub lkey: u64,
+    /// The remote key the core drew (random, low bits the index).
+    pub rkey: u64,
+    /// Start address in this process.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: usize,
+    /// Access flags.
+    pub access: AccessFlags,
+    /// The shared memory behind provider memory (`alloc_mr`); `None` for user memory.
+    pub segment: Option<&'a Arc<Segment>>,
+}
+
 /// A provider's half of an open context.
 pub(crate) trait ProviderContext: Send + Sync {
     /// Makes the provider's half of a new queue pair (in RESET, not attached to any completion
     /// queue yet). Called once per queue pair.
     fn create_qp(&self, setup: &QpSetup<'_>) -> Result<Box<dyn QpTransport>>;
 
-    /// A region is being registered: its keys are chosen and its table entry is not yet
-    /// published (no peer can use it before this returns). An error fails the registration.
-    fn register_mr(&self, _mr: &MrInner) -> Result<()> {
-        Ok(())
+    /// A region is being registered (nothing of it is published yet; no peer can use it before
+    /// this returns). `Ok(Some(rkey))` replaces the core's rkey with the provider's own (a key
+    /// the hardware chose; nonzero): peers then name the region with it. An error fails the
+    /// registration.
+    fn register_mr(&self, _mr: &RegionInfo<'_>) -> Result<Option<u64>> {
+        Ok(None)
     }
 
-    /// A region was deregistered: its keys are already unpublished. Called once per region
-    /// whose [`ProviderContext::register_mr`] ran, even if it failed.
+    /// A region whose [`ProviderContext::register_mr`] succeeded was deregistered: its keys are
+    /// already unpublished. Called once per region.
     fn deregister_mr(&self, _mr: &MrInner) {}
 
     /// Whether user memory (not provider memory) may be registered with `access`; an error

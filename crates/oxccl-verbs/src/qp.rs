@@ -2,10 +2,11 @@
 //!
 //! This is the part every provider shares. A queue pair owns a segment (`ring`): its state word
 //! and its receive ring, which `post_recv` fills and completion queues harvest. The send side is
-//! the provider's ([`QpTransport`], made by the context's provider when the queue pair is created):
+//! the provider's ([`QpTransport`], made by the context's provider with the queue pair):
 //! `post_send` checks the state and hands the requests over; completions come back through
-//! [`QpInner::complete_send`]. A failure moves the queue pair to ERR through [`QpInner::set_error`],
-//! which asks the provider to flush its outstanding sends and flushes the receive ring itself.
+//! [`QpInner::complete_send`]. A failure moves the queue pair to ERR through
+//! [`QpInner::set_error`], which asks the provider to flush its outstanding sends and flushes the
+//! receive ring itself.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};

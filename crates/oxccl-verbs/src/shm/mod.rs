@@ -34,7 +34,7 @@ use rustix::event::EventfdFlags;
 use crate::context::random_u64;
 use crate::error::{Error, Result};
 use crate::mr::MrInner;
-use crate::provider::{OpenArgs, ProviderContext, QpSetup, QpTransport};
+use crate::provider::{OpenArgs, ProviderContext, QpSetup, QpTransport, RegionInfo};
 use crate::types::AccessFlags;
 use service::{PeerMap, Registry, Service, kick};
 
@@ -147,8 +147,10 @@ impl ProviderContext for ShmContext {
         }))
     }
 
-    fn register_mr(&self, mr: &MrInner) -> Result<()> {
-        if let Some(seg) = mr.segment() {
+    fn register_mr(&self, mr: &RegionInfo<'_>) -> Result<Option<u64>> {
+        // Peers map provider memory through the segment service (user memory they reach with
+        // process_vm_readv/writev).
+        if let Some(seg) = mr.segment {
             self.shared
                 .registry
                 .mrs
@@ -156,7 +158,7 @@ impl ProviderContext for ShmContext {
                 .unwrap_or_else(|e| e.into_inner())
                 .insert((mr.index, mr.lkey), seg.clone());
         }
-        Ok(())
+        Ok(None)
     }
 
     fn deregister_mr(&self, mr: &MrInner) {

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use oxccl_core::protocol::SLOT_HEADER;
+use oxccl_core::protocol::{self, Action, Flows, Machine, Queues, Reuse, SLOT_HEADER, Waiting};
 use oxccl_verbs::{
     AccessFlags, CompletionQueue, MemoryRegion, ProtectionDomain, Provider, QueuePair, RecvWr,
     RemoteBuffer, SendWr, Sge, WcStatus, WorkCompletion, WrOp,
@@ -111,6 +111,13 @@ impl Geometry {
     }
     fn stage_mailbox(&self) -> usize {
         self.channels * self.slots * STAGE + 8 * self.channels
+    }
+    /// The protocol configuration of a call on elements of `esize` bytes.
+    fn config(&self, esize: usize) -> oxccl_core::protocol::Config {
+        let mut c =
+            oxccl_core::protocol::Config::new(self.channels, self.slots, self.slot_data, esize);
+        c.inline_max = INLINE;
+        c
     }
     /// Receive work requests kept posted per queue pair.
     pub(crate) fn recv_depth(&self) -> u32 {
@@ -255,14 +262,6 @@ fn describe(h: &Header) -> String {
     s + ")"
 }
 
-#[derive(Default)]
-struct ChanRx {
-    /// Slots that arrived and are not consumed yet, in order.
-    arrived: VecDeque<u32>,
-    consumed: u64,
-    returned: u64,
-}
-
 /// One connected peer.
 pub(crate) struct Link {
     pub(crate) peer: usize,
@@ -276,10 +275,6 @@ pub(crate) struct Link {
     stage: MemoryRegion,
     /// The peer's receive region for our fragments.
     remote: RemoteBuffer,
-    posted: Vec<u64>,
-    rx: Vec<ChanRx>,
-    /// Credits to send that did not fit in the send queue yet.
-    credit_due: Vec<bool>,
     /// Why the connection failed, once it has.
     failed: Option<String>,
     /// Mailbox messages sent to and received from this peer.
@@ -316,9 +311,6 @@ impl Link {
                 len: 0,
                 rkey: 0,
             },
-            posted: vec![0; geo.channels],
-            rx: (0..geo.channels).map(|_| ChanRx::default()).collect(),
-            credit_due: vec![false; geo.channels],
             failed: None,
             mbox_sent: 0,
             mbox_recv: 0,
@@ -385,79 +377,8 @@ impl Link {
 pub(crate) struct Plan {
     pub(crate) sched: Schedule,
     mailbox: std::sync::OnceLock<bool>,
-    /// The slot protocol's queues, derived on first use.
+    /// The protocol's queues, derived on first use.
     queues: std::sync::OnceLock<std::result::Result<Queues, String>>,
-}
-
-/// A schedule as the slot protocol walks it: per (link, channel) its send and receive steps
-/// in order, its local steps, and the queues that are not empty.
-struct Queues {
-    send: Vec<Vec<usize>>,
-    recv: Vec<Vec<usize>>,
-    locals: Vec<usize>,
-    active_send: Vec<usize>,
-    active_recv: Vec<usize>,
-}
-
-impl Queues {
-    fn new(eng: &Engine, sched: &Schedule) -> std::result::Result<Queues, String> {
-        let nch = eng.geo.channels;
-        let nq = eng.links.len() * nch;
-        let mut send = vec![Vec::new(); nq];
-        let mut recv = vec![Vec::new(); nq];
-        let mut locals = Vec::new();
-        for (i, step) in sched.steps.iter().enumerate() {
-            match step.op {
-                Op::Send { peer, channel, .. } | Op::Recv { peer, channel, .. } => {
-                    let l = *eng.link_of.get(peer).unwrap_or(&usize::MAX);
-                    if l == usize::MAX || channel as usize >= nch {
-                        return Err(format!(
-                            "schedule step {i} names peer {peer} channel {channel}"
-                        ));
-                    }
-                    let q = l * nch + channel as usize;
-                    if matches!(step.op, Op::Send { .. }) {
-                        send[q].push(i);
-                    } else {
-                        recv[q].push(i);
-                    }
-                }
-                _ => locals.push(i),
-            }
-        }
-        let active = |qs: &[Vec<usize>]| (0..nq).filter(|&q| !qs[q].is_empty()).collect();
-        Ok(Queues {
-            active_send: active(&send),
-            active_recv: active(&recv),
-            send,
-            recv,
-            locals,
-        })
-    }
-}
-
-/// A call's position in one queue of [`Queues`].
-struct Cursor<'a> {
-    steps: &'a [usize],
-    next: usize,
-}
-
-impl<'a> Cursor<'a> {
-    fn all(queues: &'a [Vec<usize>]) -> Vec<Cursor<'a>> {
-        queues
-            .iter()
-            .map(|steps| Cursor { steps, next: 0 })
-            .collect()
-    }
-    fn front(&self) -> Option<&usize> {
-        self.steps.get(self.next)
-    }
-    fn pop_front(&mut self) {
-        self.next += 1;
-    }
-    fn is_empty(&self) -> bool {
-        self.next >= self.steps.len()
-    }
 }
 
 impl Plan {
@@ -563,8 +484,11 @@ pub(crate) struct Engine {
     recent: VecDeque<OpDesc>,
     /// Each completion queue's doorbell when it was last polled.
     doorbells: Vec<u32>,
-    /// The step states of the last call, kept for the next (no allocation per call).
-    st_buf: Vec<StepState>,
+    /// Every queue's flow control (slots posted, credits, fragments arrived), kept across
+    /// calls.
+    flows: Flows,
+    /// The last call's protocol buffers, kept for the next (no allocation per call).
+    reuse: Reuse,
     /// Whether schedules may run in mailboxes (`OXCCL_PROTO=slots` forbids it).
     pub(crate) mailbox_allowed: bool,
     /// A mismatch a peer reported in a call this rank had not reached: (sequence number
@@ -598,21 +522,6 @@ impl Drop for Engine {
     }
 }
 
-/// Per-call progress of each step.
-#[derive(Default)]
-struct StepState {
-    done: bool,
-    /// Bytes posted (send) or consumed (recv).
-    progress: usize,
-    /// Send completions outstanding.
-    outstanding: u32,
-    /// Whether a send has posted its last fragment.
-    posted_all: bool,
-    /// A send request of this step completed with an error: its data may not have arrived,
-    /// so the step never counts as done (the failed link fails the call).
-    failed: bool,
-}
-
 impl Engine {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
@@ -626,6 +535,7 @@ impl Engine {
         probe: Arc<Probe>,
     ) -> Engine {
         let n = pds.len();
+        let flows = Flows::new(links.len(), geo.channels);
         Engine {
             rank,
             geo,
@@ -639,7 +549,8 @@ impl Engine {
             last_words: None,
             recent: VecDeque::new(),
             doorbells: vec![u32::MAX; n],
-            st_buf: Vec::new(),
+            flows,
+            reuse: Reuse::default(),
             mailbox_allowed: true,
             pending_mismatch: None,
             failed_by_notice: false,
@@ -746,11 +657,28 @@ impl Engine {
             self.scratch_mrs.iter_mut().for_each(|m| *m = None);
         }
         let mailbox = self.uses_mailbox(plan, esize);
+        let queues = match plan
+            .queues
+            .get_or_init(|| Queues::new(sched, &self.link_of, self.geo.channels))
+        {
+            Ok(q) => q,
+            Err(e) => {
+                return Err(Error::InvalidArgument {
+                    rank: self.rank,
+                    msg: format!("{desc}: {e}"),
+                });
+            }
+        };
         self.calls = self.calls.wrapping_add(1);
         let tag = self.calls;
-        let mut st = std::mem::take(&mut self.st_buf);
-        st.clear();
-        st.resize_with(sched.steps.len(), StepState::default);
+        let m = Machine::new(
+            sched,
+            queues,
+            self.geo.config(esize),
+            esize,
+            mailbox,
+            std::mem::take(&mut self.reuse),
+        );
         let mut call = Call {
             eng: self,
             sched,
@@ -764,11 +692,10 @@ impl Engine {
             esize,
             bufs,
             in_place,
-            st,
-            left: sched.steps.len(),
+            m,
             mrs: CallMrs::default(),
             bytes_in: 0,
-            mailbox,
+            reported: 0,
             tag,
         };
         let mut r = call.check_members();
@@ -777,10 +704,7 @@ impl Engine {
         } else if mailbox {
             call.run_mailbox(timeout)
         } else {
-            match plan.queues.get_or_init(|| Queues::new(call.eng, sched)) {
-                Ok(q) => call.run(q, timeout),
-                Err(e) => Err(call.invalid(e.clone())),
-            }
+            call.run(timeout)
         };
         // Before returning success, make sure no peer sent this call (or an earlier one) what
         // it did not take: a disagreement that happened to complete must still be reported.
@@ -793,7 +717,7 @@ impl Engine {
             } else {
                 Ok(())
             }
-            .and_then(|()| call.check_strays(None, false));
+            .and_then(|()| call.check_strays(false));
         }
         if r.is_err() {
             call.quiesce();
@@ -802,9 +726,8 @@ impl Engine {
             }
             call.eng.egress.reset_in_flight();
         }
-        let st = std::mem::take(&mut call.st);
-        drop(call);
-        self.st_buf = st;
+        let reuse = call.m.into_reuse();
+        self.reuse = reuse;
         r
     }
 
@@ -829,12 +752,12 @@ struct Call<'a> {
     esize: usize,
     bufs: &'a Bufs,
     in_place: Option<(usize, usize)>,
-    st: Vec<StepState>,
-    left: usize,
+    /// The call's protocol state ([`oxccl_core::protocol`]).
+    m: Machine<'a>,
     mrs: CallMrs,
     bytes_in: u64,
-    /// Whether the call runs the mailbox protocol.
-    mailbox: bool,
+    /// Steps done as last reported to the flight recorder and the fault injector.
+    reported: usize,
     /// This call's number ([`Engine::calls`]): its data requests carry it.
     tag: u64,
 }
@@ -866,18 +789,12 @@ impl Call<'_> {
         })
     }
 
-    fn deps_done(&self, s: usize) -> bool {
-        self.sched.steps[s]
-            .deps
-            .iter()
-            .all(|&d| self.st[d as usize].done)
-    }
-
-    fn finish(&mut self, s: usize) {
-        if !self.st[s].done {
-            self.st[s].done = true;
-            self.left -= 1;
-            let done = self.st.len() - self.left;
+    /// Reports the steps done to the flight recorder and the fault injector (which may stop
+    /// this process after a given step).
+    fn note_steps(&mut self) {
+        let done = self.m.steps_done();
+        if done != self.reported {
+            self.reported = done;
             self.eng
                 .probe
                 .steps_done
@@ -1043,36 +960,12 @@ impl Call<'_> {
         let mut idle_polls = 0u32;
         let mut napping = false;
         let geo = self.eng.geo;
-        while self.left > 0 {
+        while !self.m.is_done() {
             let mut progress = false;
-            for s in 0..self.sched.steps.len() {
-                if self.st[s].done || !self.deps_done(s) {
-                    continue;
-                }
-                match self.sched.steps[s].op {
-                    Op::Send { peer, src, .. } => {
-                        self.mailbox_send(peer, src, &geo)?;
-                        self.finish(s);
-                        progress = true;
-                    }
-                    Op::Recv {
-                        peer,
-                        dst,
-                        reduce_with,
-                        ..
-                    } => {
-                        if self.mailbox_recv(peer, dst, reduce_with, &geo)? {
-                            self.finish(s);
-                            progress = true;
-                        }
-                    }
-                    _ => {
-                        self.run_local(s)?;
-                        progress = true;
-                    }
-                }
+            while let Some(a) = self.m.next(&mut self.eng.flows) {
+                progress |= self.perform(&a, &geo)?;
             }
-            if self.left == 0 {
+            if self.m.is_done() {
                 break;
             }
             if progress {
@@ -1095,28 +988,11 @@ impl Call<'_> {
             // Notices (abort, mismatch), failed connections and data that does not belong to
             // this call arrive through the completion queues.
             self.poll_cqs()?;
-            self.check_strays(None, true)?;
+            self.check_strays(true)?;
             self.check_health()?;
             let now = Instant::now();
             if expired(deadline.get_or_insert(now + timeout), &mut graced, now) {
-                let step = self.st.iter().position(|s| !s.done).unwrap_or(0);
-                let (waiting, peer) = match self.sched.steps[step].op {
-                    Op::Recv { peer, .. } => (
-                        format!("waiting for rank {peer}'s message in its mailbox"),
-                        Some(peer),
-                    ),
-                    _ => ("waiting for earlier steps".into(), None),
-                };
-                return Err(Error::Timeout {
-                    rank: self.eng.rank,
-                    op: Box::new(self.desc.clone()),
-                    timeout,
-                    waiting,
-                    peer,
-                    step,
-                    steps: self.st.len(),
-                    bytes: self.bytes_in,
-                });
+                return Err(self.timeout_error(timeout));
             }
             let idle = now - *idle_since.get_or_insert(now);
             if idle < self.eng.spin_for {
@@ -1210,8 +1086,9 @@ impl Call<'_> {
                 what: "reading a mailbox".into(),
                 source: e,
             })?;
-        self.check_header(&h, peer, dst.len * self.esize, 0)?;
-        let len = h.frag_len as usize;
+        let total = dst.len * self.esize;
+        self.check_header(&h, peer, total, 0, total)?;
+        let len = total;
         self.bytes_in += len as u64;
         self.eng
             .probe
@@ -1223,45 +1100,32 @@ impl Call<'_> {
         Ok(true)
     }
 
-    fn run(&mut self, queues: &Queues, timeout: Duration) -> Result<()> {
+    fn run(&mut self, timeout: Duration) -> Result<()> {
         let mut deadline = Instant::now() + timeout;
         let mut graced = false;
-        let (mut sendq, mut recvq) = (Cursor::all(&queues.send), Cursor::all(&queues.recv));
-        let mut locals = queues.locals.clone();
+        let geo = self.eng.geo;
         self.check_health()?;
+        self.refresh_credits();
         let mut idle_since: Option<Instant> = None;
-        while self.left > 0 {
+        while !self.m.is_done() {
             let mut progress = self.poll_cqs()?;
-            for &q in &queues.active_recv {
-                progress |= self.drive_recv(q, &mut recvq[q])?;
+            while let Some(a) = self.m.next(&mut self.eng.flows) {
+                progress |= self.perform(&a, &geo)?;
             }
-            for &q in &queues.active_send {
-                progress |= self.drive_send(q, &mut sendq[q])?;
-            }
-            let mut i = 0;
-            while i < locals.len() {
-                let s = locals[i];
-                if self.deps_done(s) {
-                    self.run_local(s)?;
-                    locals.swap_remove(i);
-                    progress = true;
-                } else {
-                    i += 1;
-                }
-            }
-            self.flush_credits();
-            if self.left == 0 {
+            if self.m.is_done() {
                 break;
             }
             if progress {
                 idle_since = None;
                 continue;
             }
-            self.check_strays(Some(&recvq), false)?;
+            self.check_strays(false)?;
             self.check_health()?;
+            // (A credit's completion updates the count; its word in memory is the truth.)
+            self.refresh_credits();
             let now = Instant::now();
             if expired(&mut deadline, &mut graced, now) {
-                return Err(self.timeout_error(timeout, &sendq, &recvq));
+                return Err(self.timeout_error(timeout));
             }
             let idle = now - *idle_since.get_or_insert(now);
             if idle < self.eng.spin_for {
@@ -1276,6 +1140,102 @@ impl Call<'_> {
             self.wait(deadline.min(now + Duration::from_millis(50)) - now)?;
         }
         Ok(())
+    }
+
+    /// Performs one action of the protocol; returns whether it did something (a mailbox
+    /// message that has not arrived, or a credit, is not progress).
+    fn perform(&mut self, a: &Action, geo: &Geometry) -> Result<bool> {
+        let sched = self.sched;
+        let r = match *a {
+            Action::Post {
+                step,
+                q,
+                slot,
+                off,
+                len,
+                total,
+                signaled,
+            } => {
+                let Op::Send { src, .. } = sched.steps[step].op else {
+                    unreachable!("a post is a send's")
+                };
+                let (l, ch) = self.eng.flows.link_channel(q);
+                let r = self.post_fragment(step, l, ch, slot, src, (off, len, total), signaled);
+                if r.is_err() && signaled {
+                    // Not posted: no completion will come for it.
+                    self.m.completed(step, false);
+                }
+                r?;
+                true
+            }
+            Action::Recv {
+                step,
+                mailbox: true,
+                ..
+            } => {
+                let Op::Recv {
+                    peer,
+                    dst,
+                    reduce_with,
+                    ..
+                } = sched.steps[step].op
+                else {
+                    unreachable!("a receive's")
+                };
+                let arrived = self.mailbox_recv(peer, dst, reduce_with, geo)?;
+                if arrived {
+                    self.m.commit(&mut self.eng.flows, a);
+                }
+                arrived
+            }
+            Action::Recv {
+                step,
+                q,
+                slot,
+                off,
+                len,
+                total,
+                ..
+            } => {
+                let Op::Recv {
+                    dst, reduce_with, ..
+                } = sched.steps[step].op
+                else {
+                    unreachable!("a receive's")
+                };
+                let (l, ch) = self.eng.flows.link_channel(q);
+                self.consume(l, ch, slot, dst, reduce_with, (off, len, total))?;
+                true
+            }
+            Action::MailboxSend { step, .. } => {
+                let Op::Send { peer, src, .. } = sched.steps[step].op else {
+                    unreachable!("a send's")
+                };
+                self.mailbox_send(peer, src, geo)?;
+                true
+            }
+            Action::Local { step } => {
+                self.run_local(step)?;
+                true
+            }
+            Action::Credit { q, consumed } => {
+                self.send_credit(q, consumed, geo);
+                false
+            }
+        };
+        self.note_steps();
+        Ok(r)
+    }
+
+    /// Reads every queue's credit word (what the receiver last reported consumed).
+    fn refresh_credits(&mut self) {
+        let geo = self.eng.geo;
+        for (l, link) in self.eng.links.iter().enumerate() {
+            for ch in 0..geo.channels {
+                let q = self.eng.flows.queue(l, ch);
+                self.eng.flows.credit(q, link.credit_word(ch, &geo));
+            }
+        }
     }
 
     /// Waits for a completion on the provider contexts; handles what arrives.
@@ -1353,10 +1313,9 @@ impl Call<'_> {
                 ));
             }
             if kind == WR_DATA
-                && let Some(st) = data_wr_step(wc.wr_id, self.tag).and_then(|s| self.st.get_mut(s))
+                && let Some(s) = data_wr_step(wc.wr_id, self.tag)
             {
-                st.outstanding = st.outstanding.saturating_sub(1);
-                st.failed = true;
+                self.m.completed(s, false);
             }
             return Ok(());
         }
@@ -1369,14 +1328,21 @@ impl Call<'_> {
                 let _ = lk.qp.post_recv(&[RecvWr::new(WR_RECV | l as u64, &[])]);
                 let Some(v) = wc.imm else { return Ok(()) };
                 let ch = ((v >> 24) & 0x3f) as usize;
+                let geo = self.eng.geo;
                 match v >> 30 {
-                    IMM_DATA if ch < lk.rx.len() => {
-                        lk.rx[ch].arrived.push_back(v & 0xff_ffff);
+                    IMM_DATA if ch < geo.channels => {
+                        let q = self.eng.flows.queue(l, ch);
+                        self.eng.flows.arrived(q, v & 0xff_ffff);
                         self.bytes_in += wc.byte_len as u64;
                         self.eng
                             .probe
                             .bytes_in
                             .store(self.bytes_in, Ordering::Relaxed);
+                    }
+                    IMM_CREDIT if ch < geo.channels => {
+                        let q = self.eng.flows.queue(l, ch);
+                        let word = lk.credit_word(ch, &geo);
+                        self.eng.flows.credit(q, word);
                     }
                     IMM_ABORT if v & 0xff_ffff == DUMP_REQUEST => {
                         let peer = lk.peer;
@@ -1455,16 +1421,8 @@ impl Call<'_> {
                         self.eng.egress.completed(len, now);
                     }
                 }
-                let Some(s) = data_wr_step(wc.wr_id, self.tag) else {
-                    return Ok(());
-                };
-                if let Some(st) = self.st.get_mut(s)
-                    && st.outstanding > 0
-                {
-                    st.outstanding -= 1;
-                    if st.outstanding == 0 && st.posted_all && !st.failed {
-                        self.finish(s);
-                    }
+                if let Some(s) = data_wr_step(wc.wr_id, self.tag) {
+                    self.m.completed(s, true);
                 }
             }
             _ => {}
@@ -1505,16 +1463,11 @@ impl Call<'_> {
         // Data that arrived before the failure still counts: in slots, or a message waiting in
         // the mailbox (a peer that sent its last message and closed at once).
         let link = &self.eng.links[l];
-        let nothing_left = link.rx.iter().all(|rx| rx.arrived.is_empty())
-            && !(self.mailbox && link.mailbox_arrived(&self.eng.geo).is_some());
-        let needed = self.sched.steps.iter().zip(&self.st).any(|(step, st)| {
-            !st.done
-                && match step.op {
-                    Op::Send { peer: p, .. } => p == peer,
-                    Op::Recv { peer: p, .. } => p == peer && nothing_left,
-                    _ => false,
-                }
-        });
+        let ch = self.eng.geo.channels;
+        let nothing_left = (0..ch).all(|c| self.eng.flows.get(l * ch + c).arrived.is_empty())
+            && !(self.m.is_mailbox() && link.mailbox_arrived(&self.eng.geo).is_some());
+        let (sends, recvs) = self.m.needs_link(l);
+        let needed = sends || (recvs && nothing_left);
         if needed {
             return Err(Error::PeerFailed {
                 rank: self.eng.rank,
@@ -1526,50 +1479,21 @@ impl Call<'_> {
         Ok(())
     }
 
-    /// Consumes arrived fragments for the receive steps at the front of queue `q`.
-    fn drive_recv(&mut self, q: usize, queue: &mut Cursor<'_>) -> Result<bool> {
-        let nch = self.eng.geo.channels;
-        let (l, ch) = (q / nch, q % nch);
-        let mut progress = false;
-        while let Some(&s) = queue.front() {
-            if !self.deps_done(s) || self.eng.links[l].rx[ch].arrived.is_empty() {
-                break;
-            }
-            let Op::Recv {
-                dst, reduce_with, ..
-            } = self.sched.steps[s].op
-            else {
-                unreachable!()
-            };
-            let slot = self.eng.links[l].rx[ch].arrived.pop_front().unwrap() as usize;
-            self.consume(s, l, ch, slot, dst, reduce_with)?;
-            progress = true;
-            let rx = &mut self.eng.links[l].rx[ch];
-            rx.consumed += 1;
-            if rx.consumed - rx.returned >= (self.eng.geo.slots as u64 / 2).max(1) {
-                self.eng.links[l].credit_due[ch] = true;
-            }
-            let total = dst.len * self.esize;
-            if self.st[s].progress >= total {
-                queue.pop_front();
-                self.finish(s);
-            }
-        }
-        Ok(progress)
-    }
-
+    /// Consumes the fragment in `slot` of link `l`'s channel `ch` into `dst` (reduced with
+    /// `reduce_with`), where it must be bytes `off..off + len` of a transfer of `total`.
     fn consume(
         &mut self,
-        s: usize,
         l: usize,
         ch: usize,
-        slot: usize,
+        slot: u32,
         dst: Region,
         reduce_with: Option<Region>,
+        (off, len, total): (usize, usize, usize),
     ) -> Result<()> {
         let geo = self.eng.geo;
         let link = &self.eng.links[l];
         let peer = link.peer;
+        let slot = slot as usize;
         if slot >= geo.slots {
             return Err(self.mismatch(format!("a fragment named slot {slot}")));
         }
@@ -1579,17 +1503,20 @@ impl Call<'_> {
             what: "reading a slot".into(),
             source: e,
         })?;
-        let progress = self.st[s].progress;
-        self.check_header(&h, peer, dst.len * self.esize, progress)?;
-        let len = h.frag_len as usize;
-        self.apply(l, base + SLOT_HEADER, len, dst, reduce_with, progress)?;
-        self.st[s].progress += len.max(usize::from(dst.len == 0));
-        Ok(())
+        self.check_header(&h, peer, total, off, len)?;
+        self.apply(l, base + SLOT_HEADER, len, dst, reduce_with, off)
     }
 
-    /// Checks a fragment's header against this call: the fingerprint, then where the fragment
-    /// lies in a transfer of `total` bytes of which `progress` have arrived.
-    fn check_header(&self, h: &Header, peer: usize, total: usize, progress: usize) -> Result<()> {
+    /// Checks a fragment's header against this call: the fingerprint, then that it is bytes
+    /// `progress..progress + expect` of a transfer of `total` bytes.
+    fn check_header(
+        &self,
+        h: &Header,
+        peer: usize,
+        total: usize,
+        progress: usize,
+        expect: usize,
+    ) -> Result<()> {
         if h.damaged {
             return Err(Error::PeerFailed {
                 rank: self.eng.rank,
@@ -1624,14 +1551,10 @@ impl Call<'_> {
             ));
         }
         let len = h.frag_len as usize;
-        let max = self.eng.geo.slot_data.max(MAILBOX_DATA);
-        if len > max
-            || progress + len > total
-            || (len == 0 && total != 0)
-            || !len.is_multiple_of(self.esize)
-        {
+        if len != expect {
             return Err(self.mismatch(format!(
-                "a fragment of {len} bytes at offset {progress} of {total}"
+                "a fragment of {len} bytes at offset {progress} of {total}, where the protocol \
+                 puts {expect}"
             )));
         }
         Ok(())
@@ -1707,54 +1630,18 @@ impl Call<'_> {
         }
     }
 
-    /// Posts fragments for the send steps at the front of queue `q` while slots are free.
-    fn drive_send(&mut self, q: usize, queue: &mut Cursor<'_>) -> Result<bool> {
-        let geo = self.eng.geo;
-        let nch = geo.channels;
-        let (l, ch) = (q / nch, q % nch);
-        let mut progress = false;
-        while let Some(&s) = queue.front() {
-            if !self.deps_done(s) {
-                break;
-            }
-            let Op::Send { src, .. } = self.sched.steps[s].op else {
-                unreachable!()
-            };
-            let total = src.len * self.esize;
-            let frag_max = (geo.slot_data / self.esize) * self.esize;
-            while !self.st[s].posted_all {
-                let link = &self.eng.links[l];
-                let free = geo.slots as u64 - (link.posted[ch] - link.credit_word(ch, &geo));
-                if free == 0 {
-                    return Ok(progress);
-                }
-                let off = self.st[s].progress;
-                let len = (total - off).min(frag_max);
-                self.post_fragment(s, l, ch, src, off, len, total)?;
-                progress = true;
-                self.st[s].progress += len;
-                if self.st[s].progress >= total {
-                    self.st[s].posted_all = true;
-                }
-            }
-            queue.pop_front();
-            if self.st[s].outstanding == 0 && !self.st[s].failed {
-                self.finish(s);
-            }
-        }
-        Ok(progress)
-    }
-
+    /// Posts bytes `off..off + len` of `src` (a transfer of `total`) for send step `s` into
+    /// `slot` of link `l`'s channel `ch`; copied beside the header unless `signaled`.
     #[allow(clippy::too_many_arguments)]
     fn post_fragment(
         &mut self,
         s: usize,
         l: usize,
         ch: usize,
+        slot: u32,
         src: Region,
-        off: usize,
-        len: usize,
-        total: usize,
+        (off, len, total): (usize, usize, usize),
+        signaled: bool,
     ) -> Result<()> {
         let geo = self.eng.geo;
         let rank = self.eng.rank;
@@ -1765,8 +1652,7 @@ impl Call<'_> {
         h.xfer_len = total as u64;
         h.frag_off = off as u64;
         h.frag_len = len as u32;
-        let link = &self.eng.links[l];
-        let slot = (link.posted[ch] % geo.slots as u64) as usize;
+        let slot = slot as usize;
         let stage_off = (ch * geo.slots + slot) * STAGE;
         let mut hb = [0u8; SLOT_HEADER];
         h.encode(&mut hb);
@@ -1784,7 +1670,7 @@ impl Call<'_> {
             .map_err(|e| verbs_err("staging a header", e))?;
         let remote = link.remote.at(geo.slot_offset(ch, slot) as u64);
         let wr_imm = imm(IMM_DATA, ch, slot as u32);
-        let inline = len <= INLINE;
+        let inline = !signaled;
         if inline && len > 0 {
             let es = self.esize;
             let (p, _) = self.locate(src.sub(off / es, len / es))?;
@@ -1825,11 +1711,7 @@ impl Call<'_> {
         link.qp
             .post_send(&[SendWr::new(wr_id, op, sges)])
             .map_err(|e| self.send_error(l, e))?;
-        if !inline {
-            self.st[s].outstanding += 1;
-        }
         let link = &mut self.eng.links[l];
-        link.posted[ch] += 1;
         if self.eng.metering
             && let Some(m) = &mut link.meter
         {
@@ -1857,33 +1739,26 @@ impl Call<'_> {
         }
     }
 
-    /// Returns credits that are due: the consumed count, written beside the sender's slots.
-    fn flush_credits(&mut self) {
-        let geo = self.eng.geo;
-        for link in &mut self.eng.links {
-            for ch in 0..geo.channels {
-                if !link.credit_due[ch] {
-                    continue;
-                }
-                let consumed = link.rx[ch].consumed;
-                let src_off = geo.channels * geo.slots * STAGE + 8 * ch;
-                if link.stage.write(src_off, &consumed.to_le_bytes()).is_err() {
-                    continue;
-                }
-                let sge = [Sge::new(&link.stage, src_off, 8)];
-                let wr = SendWr::new(
-                    WR_CTRL,
-                    WrOp::WriteWithImm {
-                        remote: link.remote.at(geo.credit_offset(ch) as u64),
-                        imm: imm(IMM_CREDIT, ch, 0),
-                    },
-                    &sge,
-                );
-                if link.qp.post_send(&[wr]).is_ok() {
-                    link.rx[ch].returned = consumed;
-                    link.credit_due[ch] = false;
-                }
-            }
+    /// Returns a credit on queue `q`: the consumed count, written beside the sender's slots.
+    /// If the send queue is full, the credit stays due for the next pass.
+    fn send_credit(&mut self, q: usize, consumed: u64, geo: &Geometry) {
+        let (l, ch) = self.eng.flows.link_channel(q);
+        let link = &self.eng.links[l];
+        let src_off = geo.channels * geo.slots * STAGE + 8 * ch;
+        if link.stage.write(src_off, &consumed.to_le_bytes()).is_err() {
+            return;
+        }
+        let sge = [Sge::new(&link.stage, src_off, 8)];
+        let wr = SendWr::new(
+            WR_CTRL,
+            WrOp::WriteWithImm {
+                remote: link.remote.at(geo.credit_offset(ch) as u64),
+                imm: imm(IMM_CREDIT, ch, 0),
+            },
+            &sge,
+        );
+        if link.qp.post_send(&[wr]).is_ok() {
+            self.eng.flows.credit_sent(q, consumed);
         }
     }
 
@@ -1930,55 +1805,67 @@ impl Call<'_> {
                     }
                 }
             }
-            _ => unreachable!(),
+            _ => unreachable!("a local step is a copy or a reduction"),
         }
-        self.finish(s);
         Ok(())
     }
 
-    fn timeout_error(
-        &self,
-        timeout: Duration,
-        sendq: &[Cursor<'_>],
-        recvq: &[Cursor<'_>],
-    ) -> Error {
-        let step = self.st.iter().position(|s| !s.done).unwrap_or(0);
-        let nch = self.eng.geo.channels;
-        let peer_of = |q: usize| self.eng.links[q / nch].peer;
-        let (waiting, peer) = if let Some(q) =
-            (0..recvq.len()).find(|&q| recvq[q].front() == Some(&step))
-        {
-            (
+    fn timeout_error(&self, timeout: Duration) -> Error {
+        let flows = &self.eng.flows;
+        let peer_of = |q: usize| self.eng.links[flows.link_channel(q).0].peer;
+        let w = self.m.waiting(flows);
+        let (step, waiting, peer) = match w {
+            Some(Waiting::Data { step, q }) if self.m.is_mailbox() => (
+                step,
+                format!("waiting for rank {}'s message in its mailbox", peer_of(q)),
+                Some(peer_of(q)),
+            ),
+            Some(Waiting::Data { step, q }) => (
+                step,
                 format!(
                     "waiting for data from rank {} (channel {})",
                     peer_of(q),
-                    q % nch
+                    flows.link_channel(q).1
                 ),
                 Some(peer_of(q)),
-            )
-        } else if let Some(q) = (0..sendq.len()).find(|&q| sendq[q].front() == Some(&step)) {
-            let link = &self.eng.links[q / nch];
-            let what = if self.deps_done(step) {
-                format!(
-                    "waiting for rank {} to free a slot (channel {}, {} fragments posted, {} consumed)",
-                    link.peer,
-                    q % nch,
-                    link.posted[q % nch],
-                    link.credit_word(q % nch, &self.eng.geo)
+            ),
+            Some(Waiting::Slot {
+                step, q, posted, ..
+            }) => {
+                let (l, ch) = flows.link_channel(q);
+                let link = &self.eng.links[l];
+                (
+                    step,
+                    format!(
+                        "waiting for rank {} to free a slot (channel {ch}, {posted} fragments \
+                         posted, {} consumed)",
+                        link.peer,
+                        link.credit_word(ch, &self.eng.geo)
+                    ),
+                    Some(link.peer),
                 )
-            } else {
-                format!("waiting to send to rank {} after earlier steps", link.peer)
-            };
-            (what, Some(link.peer))
-        } else if let (true, &Op::Send { peer, .. }) =
-            (self.st[step].posted_all, &self.sched.steps[step].op)
-        {
-            (
-                format!("waiting for the transport to finish a send to rank {peer}"),
-                Some(peer),
-            )
-        } else {
-            ("waiting for earlier steps".to_string(), None)
+            }
+            Some(Waiting::Transport { step, q }) => (
+                step,
+                format!(
+                    "waiting for the transport to finish a send to rank {}",
+                    peer_of(q)
+                ),
+                Some(peer_of(q)),
+            ),
+            Some(Waiting::Earlier { step, q: Some(q) })
+                if matches!(self.sched.steps[step].op, Op::Send { .. }) =>
+            {
+                (
+                    step,
+                    format!("waiting to send to rank {} after earlier steps", peer_of(q)),
+                    Some(peer_of(q)),
+                )
+            }
+            Some(Waiting::Earlier { step, .. }) => {
+                (step, "waiting for earlier steps".to_string(), None)
+            }
+            None => (0, "waiting for earlier steps".to_string(), None),
         };
         Error::Timeout {
             rank: self.eng.rank,
@@ -1987,7 +1874,7 @@ impl Call<'_> {
             waiting,
             peer,
             step,
-            steps: self.st.len(),
+            steps: self.sched.steps.len(),
             bytes: self.bytes_in,
         }
     }
@@ -1998,7 +1885,7 @@ impl Call<'_> {
         // Wait (briefly) for the transport to finish reading the caller's buffers; only links
         // still busy after that are stopped, so peers are not told that a live rank failed.
         let end = Instant::now() + Duration::from_millis(500);
-        while self.st.iter().any(|s| s.outstanding > 0) {
+        while self.m.outstanding() {
             if Instant::now() >= end {
                 for l in &self.eng.links {
                     l.qp.to_error();
@@ -2010,10 +1897,9 @@ impl Call<'_> {
                 let n = cq.poll(&mut wcs);
                 for wc in &wcs[..n] {
                     if wc.wr_id & (0xff << 56) == WR_DATA
-                        && let Some(st) =
-                            data_wr_step(wc.wr_id, self.tag).and_then(|s| self.st.get_mut(s))
+                        && let Some(s) = data_wr_step(wc.wr_id, self.tag)
                     {
-                        st.outstanding = st.outstanding.saturating_sub(1);
+                        self.m.completed(s, false);
                     }
                 }
             }
@@ -2026,13 +1912,15 @@ impl Call<'_> {
     /// for its (peer, channel), or a message in a mailbox this call does not read. Data for a
     /// later call (a peer that is ahead) is fine; data for this call or an earlier one means
     /// the ranks disagree about what they are doing.
-    fn check_strays(&self, recvq: Option<&[Cursor<'_>]>, mailbox: bool) -> Result<()> {
+    fn check_strays(&self, mailbox: bool) -> Result<()> {
         let geo = self.eng.geo;
         let nch = geo.channels;
+        let flows = &self.eng.flows;
         for (l, link) in self.eng.links.iter().enumerate() {
             for ch in 0..nch {
-                let waiting = recvq.is_some_and(|q| !q[l * nch + ch].is_empty());
-                let Some(&slot) = link.rx[ch].arrived.front() else {
+                let q = flows.queue(l, ch);
+                let waiting = !self.m.is_mailbox() && self.m.receiving_on(q);
+                let Some(&slot) = flows.get(q).arrived.front() else {
                     continue;
                 };
                 if waiting || slot as usize >= geo.slots {
@@ -2092,31 +1980,14 @@ impl Call<'_> {
     }
 }
 
-/// Whether the mailbox protocol can run this schedule: every peer it talks to is on shm
-/// and gets exactly one message each way, small enough for a mailbox. (One exchange per
-/// peer and call is what makes two mailboxes enough: a peer sends its next message only
-/// after it has read ours of the call before, so it never overwrites one we still read.)
+/// Whether the mailbox protocol can run this schedule ([`protocol::mailbox_eligible`]):
+/// every peer it talks to is on shm (mailboxes live in shared memory) and gets one message
+/// each way of at most [`MAILBOX_DATA`] bytes.
 fn mailbox_eligible(eng: &Engine, sched: &Schedule, esize: usize) -> bool {
-    let n = eng.link_of.len();
-    let mut sends = vec![0u32; n];
-    let mut recvs = vec![0u32; n];
-    for step in &sched.steps {
-        let (peer, len, is_send) = match step.op {
-            Op::Send { peer, src, .. } => (peer, src.len, true),
-            Op::Recv { peer, dst, .. } => (peer, dst.len, false),
-            _ => continue,
-        };
-        let l = *eng.link_of.get(peer).unwrap_or(&usize::MAX);
-        if l == usize::MAX || eng.links[l].provider != Provider::Shm || len * esize > MAILBOX_DATA {
-            return false;
-        }
-        if is_send {
-            sends[peer] += 1;
-        } else {
-            recvs[peer] += 1;
-        }
-    }
-    sends.iter().any(|&c| c > 0) && sends == recvs && sends.iter().all(|&c| c <= 1)
+    protocol::mailbox_eligible(sched, eng.link_of.len(), esize, MAILBOX_DATA, |p| {
+        let l = eng.link_of[p];
+        l != usize::MAX && eng.links[l].provider == Provider::Shm
+    })
 }
 
 fn check_disjoint(a: *mut u8, b: *mut u8, len: usize) -> std::result::Result<(), String> {

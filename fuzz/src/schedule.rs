@@ -42,21 +42,13 @@ pub const MAX_SLICES: usize = 64;
 pub const MAX_WORK: usize = 12_000;
 
 /// The collectives, in the order [`Input::kind`] selects them (modulo their number): every
-/// kind but [`CollectiveKind::Recv`], since [`CollectiveKind::Send`] stands for disjoint
-/// send/recv pairs.
-pub const KINDS: [CollectiveKind; 11] = [
-    CollectiveKind::AllReduce,
-    CollectiveKind::ReduceScatter,
-    CollectiveKind::AllGather,
-    CollectiveKind::Broadcast,
-    CollectiveKind::Reduce,
-    CollectiveKind::AllToAll,
-    CollectiveKind::AllToAllV,
-    CollectiveKind::Gather,
-    CollectiveKind::Scatter,
-    CollectiveKind::Barrier,
-    CollectiveKind::Send,
-];
+/// kind but [`CollectiveKind::Recv`] (the last), since [`CollectiveKind::Send`] stands for
+/// disjoint send/recv pairs.
+pub const KINDS: &[CollectiveKind] = CollectiveKind::ALL.split_last().expect("kinds").1;
+const _: () = assert!(matches!(
+    CollectiveKind::ALL[CollectiveKind::ALL.len() - 1],
+    CollectiveKind::Recv
+));
 
 /// What a kind of [`KINDS`] is called in messages and the seed corpus's file names: its name,
 /// but `send_recv` for the send/recv pairs.

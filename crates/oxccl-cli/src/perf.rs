@@ -52,29 +52,31 @@ pub struct Args {
     json: bool,
 }
 
-/// The collectives `oxccl perf` and `oxccl sim` run.
-pub(crate) const COLLECTIVES: [CollectiveKind; 8] = [
-    CollectiveKind::AllReduce,
-    CollectiveKind::ReduceScatter,
-    CollectiveKind::AllGather,
-    CollectiveKind::Broadcast,
-    CollectiveKind::Reduce,
-    CollectiveKind::AllToAll,
-    CollectiveKind::Gather,
-    CollectiveKind::Scatter,
-];
+/// Whether `oxccl perf` and `oxccl sim` run `kind`: every collective of one count per rank
+/// (not all-to-allv, whose counts are per peer) that moves data (not barrier) among all ranks
+/// (not send, recv).
+fn runs(kind: CollectiveKind) -> bool {
+    !matches!(
+        kind,
+        CollectiveKind::AllToAllV
+            | CollectiveKind::Barrier
+            | CollectiveKind::Send
+            | CollectiveKind::Recv
+    )
+}
 
-/// The collective of a command line: one of [`COLLECTIVES`], as its name (`all_reduce`), with
+/// The collective of a command line: one that [`runs`], as its name (`all_reduce`), with
 /// dashes (`all-reduce`) or as nccl-tests names its binary (`all_reduce_perf`).
 pub(crate) fn parse_collective(arg: &str) -> Result<CollectiveKind, String> {
     let name = arg.trim_end_matches("_perf").replace('-', "_");
-    name.parse()
-        .ok()
-        .filter(|k| COLLECTIVES.contains(k))
-        .ok_or_else(|| {
-            let names = COLLECTIVES.map(CollectiveKind::name).join(", ");
-            format!("unknown collective {arg:?}; one of {names}")
-        })
+    name.parse().ok().filter(|&k| runs(k)).ok_or_else(|| {
+        let names: Vec<&str> = CollectiveKind::ALL
+            .into_iter()
+            .filter(|&k| runs(k))
+            .map(CollectiveKind::name)
+            .collect();
+        format!("unknown collective {arg:?}; one of {}", names.join(", "))
+    })
 }
 
 /// Entry point.
@@ -140,7 +142,7 @@ fn rank_main(args: &Args, kind: CollectiveKind) -> Result<u64, String> {
     Ok(wrong)
 }
 
-/// `kind` (one of [`COLLECTIVES`]) of `count` elements (per rank, where the collective counts
+/// `kind` (one that [`runs`]) of `count` elements (per rank, where the collective counts
 /// them so).
 pub(crate) fn collective(kind: CollectiveKind, count: usize, root: usize) -> Collective {
     match kind {

@@ -113,24 +113,7 @@ impl FromStr for DataType {
     /// the Rust names and the aliases `char`, `int`, `uint`, `fp16`/`float16`,
     /// `fp32`/`float32`, `fp64`/`float64`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let t = s.trim();
-        DataType::ALL
-            .into_iter()
-            .find(|d| d.names().iter().any(|n| n.eq_ignore_ascii_case(t)))
-            .ok_or_else(|| ParseNameError {
-                what: "data type",
-                input: s.to_owned(),
-                accepted: DataType::ALL
-                    .iter()
-                    .map(|d| match d.names() {
-                        [first, rest @ ..] if !rest.is_empty() => {
-                            format!("{first} ({})", rest.join(", "))
-                        }
-                        names => names.join(", "),
-                    })
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            })
+        parse_name("data type", s, &DataType::ALL, DataType::names)
     }
 }
 
@@ -161,12 +144,17 @@ impl ReduceOp {
 
     /// The nccl-tests name: `sum prod min max avg`.
     pub const fn name(self) -> &'static str {
+        self.names()[0]
+    }
+
+    /// Every name [`FromStr`] accepts for this operator (only its name).
+    const fn names(self) -> &'static [&'static str] {
         match self {
-            ReduceOp::Sum => "sum",
-            ReduceOp::Prod => "prod",
-            ReduceOp::Min => "min",
-            ReduceOp::Max => "max",
-            ReduceOp::Avg => "avg",
+            ReduceOp::Sum => &["sum"],
+            ReduceOp::Prod => &["prod"],
+            ReduceOp::Min => &["min"],
+            ReduceOp::Max => &["max"],
+            ReduceOp::Avg => &["avg"],
         }
     }
 }
@@ -182,15 +170,7 @@ impl FromStr for ReduceOp {
 
     /// Parses `sum prod min max avg`, ignoring ASCII case and surrounding whitespace.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let t = s.trim();
-        ReduceOp::ALL
-            .into_iter()
-            .find(|o| o.name().eq_ignore_ascii_case(t))
-            .ok_or_else(|| ParseNameError {
-                what: "reduction operator",
-                input: s.to_owned(),
-                accepted: ReduceOp::ALL.map(ReduceOp::name).join(", "),
-            })
+        parse_name("reduction operator", s, &ReduceOp::ALL, ReduceOp::names)
     }
 }
 
@@ -204,16 +184,31 @@ pub struct ParseNameError {
     accepted: String,
 }
 
-impl ParseNameError {
-    /// The error of parsing `input` as a `what` (`data type`, `collective`, ...), listing the
-    /// `accepted` names.
-    pub(crate) fn new(what: &'static str, input: &str, accepted: String) -> ParseNameError {
+/// The one of `all` that `s` names (one of its `names`, ignoring ASCII case and surrounding
+/// whitespace), or else the error of parsing a `what` (`data type`, `collective`, ...), which
+/// lists every value's names, the first one outside parentheses: `int8 (i8, char), uint8 ...`.
+pub(crate) fn parse_name<T: Copy>(
+    what: &'static str,
+    s: &str,
+    all: &[T],
+    names: fn(T) -> &'static [&'static str],
+) -> Result<T, ParseNameError> {
+    let t = s.trim();
+    let named = |v: &&T| names(**v).iter().any(|n| n.eq_ignore_ascii_case(t));
+    all.iter().find(named).copied().ok_or_else(|| {
+        let accepted: Vec<String> = all
+            .iter()
+            .map(|&v| match names(v) {
+                [first, rest @ ..] if !rest.is_empty() => format!("{first} ({})", rest.join(", ")),
+                names => names.join(", "),
+            })
+            .collect();
         ParseNameError {
             what,
-            input: input.to_owned(),
-            accepted,
+            input: s.to_owned(),
+            accepted: accepted.join(", "),
         }
-    }
+    })
 }
 
 impl fmt::Display for ParseNameError {

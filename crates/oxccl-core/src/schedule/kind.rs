@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::Collective;
 use crate::ParseNameError;
+use crate::dtype::parse_name;
 
 /// Which collective a call is, without its counts: the one identity that error messages, the
 /// flight recorder and its dumps, `oxccl perf` and the wire header share. The names are the
@@ -84,19 +85,24 @@ impl CollectiveKind {
 
     /// The short name, as `oxccl perf`, error messages and flight-recorder dumps spell it.
     pub const fn name(self) -> &'static str {
+        self.names()[0]
+    }
+
+    /// Every name [`FromStr`] accepts for this kind (only its name).
+    const fn names(self) -> &'static [&'static str] {
         match self {
-            CollectiveKind::AllReduce => "all_reduce",
-            CollectiveKind::ReduceScatter => "reduce_scatter",
-            CollectiveKind::AllGather => "all_gather",
-            CollectiveKind::Broadcast => "broadcast",
-            CollectiveKind::Reduce => "reduce",
-            CollectiveKind::AllToAll => "all_to_all",
-            CollectiveKind::AllToAllV => "all_to_allv",
-            CollectiveKind::Gather => "gather",
-            CollectiveKind::Scatter => "scatter",
-            CollectiveKind::Barrier => "barrier",
-            CollectiveKind::Send => "send",
-            CollectiveKind::Recv => "recv",
+            CollectiveKind::AllReduce => &["all_reduce"],
+            CollectiveKind::ReduceScatter => &["reduce_scatter"],
+            CollectiveKind::AllGather => &["all_gather"],
+            CollectiveKind::Broadcast => &["broadcast"],
+            CollectiveKind::Reduce => &["reduce"],
+            CollectiveKind::AllToAll => &["all_to_all"],
+            CollectiveKind::AllToAllV => &["all_to_allv"],
+            CollectiveKind::Gather => &["gather"],
+            CollectiveKind::Scatter => &["scatter"],
+            CollectiveKind::Barrier => &["barrier"],
+            CollectiveKind::Send => &["send"],
+            CollectiveKind::Recv => &["recv"],
         }
     }
 
@@ -169,14 +175,7 @@ impl FromStr for CollectiveKind {
     /// Parses a name ([`CollectiveKind::name`]), ignoring ASCII case and surrounding
     /// whitespace.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let t = s.trim();
-        CollectiveKind::ALL
-            .into_iter()
-            .find(|k| k.name().eq_ignore_ascii_case(t))
-            .ok_or_else(|| {
-                let accepted = CollectiveKind::ALL.map(CollectiveKind::name).join(", ");
-                ParseNameError::new("collective", s, accepted)
-            })
+        parse_name("collective", s, &CollectiveKind::ALL, CollectiveKind::names)
     }
 }
 

@@ -26,7 +26,7 @@ use crate::schedule::{Algorithm, Collective, RAIL_DIRECT_MAX, Request};
 
 /// Messages up to this many bytes are sent inline (one slot header's page): below it a
 /// ring runs on one channel.
-pub const INLINE: usize = 4096 - crate::protocol::SLOT_HEADER;
+pub use crate::protocol::INLINE;
 
 /// Default bytes per slice (and slot) when every peer is on the host.
 pub const CHUNK_SHM: usize = 128 << 10;

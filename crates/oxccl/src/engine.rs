@@ -1,21 +1,30 @@
 //! The executor: runs one rank's [`Schedule`] over verbs.
 //!
-//! Wire protocol, the same for every provider. For each peer and channel the receiver exposes
-//! `slots` slots of `SLOT_HEADER + slot_data` bytes in a registered region. The sender writes a
-//! fragment with WRITE_WITH_IMM (imm = channel and slot): a 64-byte header (the collective's
-//! sequence number and fingerprint, the transfer's length, the fragment's offset) followed by
-//! the data, taken from the user's buffer in place (registered for the call) or, for small
-//! fragments, copied beside the header in a staging region. The receiver checks the header,
-//! reduces or copies straight out of the slot into its destination, and every `slots / 2`
-//! fragments returns a credit: a WRITE_WITH_IMM of its consumed count into a counter word
-//! beside the sender's slots, so a sender waiting for room sleeps on its completion queue.
+//! It drives the protocol of [`oxccl_core::protocol`], the same for every provider and the
+//! one the verifier and the simulator drive: the state machine ([`Machine`]) says which
+//! fragment to post into which of the peer's slots, which arrived fragment to consume, which
+//! local step to run and when to return a credit; this module performs those actions over
+//! verbs and feeds back what the completion queues say. For each peer and channel the receiver
+//! exposes `slots` slots of `SLOT_HEADER + slot_data` bytes in a registered region. The sender
+//! writes a fragment with WRITE_WITH_IMM (imm = channel and slot): a 64-byte header (the
+//! collective's sequence number and fingerprint, the transfer's length, the fragment's offset)
+//! followed by the data, taken from the user's buffer in place (registered for the call) or,
+//! for small fragments, copied beside the header in a staging region. The receiver checks the
+//! header, reduces or copies straight out of the slot into its destination, and every
+//! `slots / 2` fragments returns a credit: a WRITE_WITH_IMM of its consumed count into a
+//! counter word beside the sender's slots, so a sender waiting for room sleeps on its
+//! completion queue. Small one-shot exchanges on shm run in mailboxes instead.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use oxccl_core::protocol::{self, Action, Flows, Machine, Queues, Reuse, SLOT_HEADER, Waiting};
+pub(crate) use oxccl_core::protocol::Geometry;
+use oxccl_core::protocol::{
+    self, Action, Flows, Header, Imm, MAILBOX, MAILBOX_DATA, Machine, Notice, Queues, Reuse,
+    SLOT_HEADER, Violation, Waiting,
+};
 use oxccl_verbs::{
     AccessFlags, CompletionQueue, MemoryRegion, ProtectionDomain, Provider, QueuePair, RecvWr,
     RemoteBuffer, SendWr, Sge, WcStatus, WorkCompletion, WrOp,
@@ -28,30 +37,6 @@ use crate::meter::{Delivered, EgressMeter, LinkMeter};
 use crate::reduce;
 use crate::schedule::{Buf, CollectiveKind, Op, Region, Schedule};
 use crate::{DataType, ReduceOp};
-
-/// Fragments up to this many bytes travel in the staging region (no registration).
-use crate::tuner::INLINE;
-const STAGE: usize = SLOT_HEADER + INLINE;
-/// The mailbox protocol: a message of at most [`MAILBOX_DATA`] bytes lands in one of two
-/// mailboxes per peer (by parity of the message number): an 8-byte stamp, padding, the
-/// 64-byte header, the data.
-pub(crate) const MAILBOX_DATA: usize = 64 << 10;
-const MAILBOX: usize = 2 * SLOT_HEADER + MAILBOX_DATA;
-const MAGIC: u32 = 0x0CC1_C0DE;
-
-const IMM_DATA: u32 = 0;
-const IMM_CREDIT: u32 = 1;
-const IMM_ABORT: u32 = 2;
-const IMM_MISMATCH: u32 = 3;
-/// The value of an abort notice sent by `Communicator::abort`; any other value but
-/// [`DUMP_REQUEST`] names a rank the sender found dead.
-const ABORTED_BY_USER: u32 = 0xff_ffff;
-/// `IMM_ABORT` value that aborts nothing: "dump your flight recorder" (a peer timed out).
-const DUMP_REQUEST: u32 = 0xff_fffe;
-
-fn imm(kind: u32, channel: usize, value: u32) -> u32 {
-    kind << 30 | (channel as u32 & 0x3f) << 24 | (value & 0xff_ffff)
-}
 
 // wr_id: kind in the top byte; then, for data, the call (the engine's count of calls, modulo
 // 2^24) and the step; for receives, the link index.
@@ -71,195 +56,6 @@ fn data_wr_id(call: u64, step: usize) -> u64 {
 /// per peer, so two calls in a row may share one.)
 fn data_wr_step(wr_id: u64, call: u64) -> Option<usize> {
     ((wr_id >> 32) & 0xff_ffff == call & 0xff_ffff).then_some((wr_id & 0xffff_ffff) as usize)
-}
-
-/// Slot geometry, the same on every rank (checked at init).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub(crate) struct Geometry {
-    /// Data bytes per slot.
-    pub slot_data: usize,
-    /// Slots per (peer, channel).
-    pub slots: usize,
-    /// Channels.
-    pub channels: usize,
-}
-
-impl Geometry {
-    fn slot_bytes(&self) -> usize {
-        SLOT_HEADER + self.slot_data
-    }
-    /// Bytes of the receive region for one peer: slots, one credit word per channel, then
-    /// two mailboxes.
-    pub(crate) fn recv_region(&self) -> usize {
-        self.mailbox_offset(2)
-    }
-    /// Where slot `slot` of channel `ch` starts in the receive region.
-    fn slot_offset(&self, ch: usize, slot: usize) -> usize {
-        (ch * self.slots + slot) * self.slot_bytes()
-    }
-    /// Where mailbox `parity` starts in the receive region.
-    fn mailbox_offset(&self, parity: usize) -> usize {
-        self.channels * self.slots * self.slot_bytes() + 8 * self.channels + parity * MAILBOX
-    }
-    fn credit_offset(&self, ch: usize) -> usize {
-        self.channels * self.slots * self.slot_bytes() + 8 * ch
-    }
-    /// Staging: headers and inline data per slot, credit source words, then a mailbox image
-    /// and its stamp.
-    fn stage_region(&self) -> usize {
-        self.stage_mailbox() + MAILBOX + 8
-    }
-    fn stage_mailbox(&self) -> usize {
-        self.channels * self.slots * STAGE + 8 * self.channels
-    }
-    /// The protocol configuration of a call on elements of `esize` bytes.
-    fn config(&self, esize: usize) -> oxccl_core::protocol::Config {
-        let mut c =
-            oxccl_core::protocol::Config::new(self.channels, self.slots, self.slot_data, esize);
-        c.inline_max = INLINE;
-        c
-    }
-    /// Receive work requests kept posted per queue pair.
-    pub(crate) fn recv_depth(&self) -> u32 {
-        (2 * self.channels * self.slots + 16) as u32
-    }
-    /// Send work requests per queue pair.
-    pub(crate) fn send_depth(&self) -> u32 {
-        (4 * self.channels * self.slots + 16) as u32
-    }
-}
-
-/// The fragment header, little-endian at the start of each slot.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-struct Header {
-    magic: u32,
-    coll: u8,
-    dtype: u8,
-    op: u8,
-    has_root: u8,
-    seq: u64,
-    count: u64,
-    root: u32,
-    sender: u32,
-    xfer_len: u64,
-    frag_off: u64,
-    frag_len: u32,
-    /// Set by `decode` when the checksum does not match (never sent).
-    damaged: bool,
-}
-
-/// A checksum of a header's fields (its first 52 bytes), so that a damaged header is
-/// reported as such, not misread: a multiply-rotate hash over 8-byte words (every input bit
-/// reaches the result; a few ns, where a byte-wise FNV took about 70).
-fn header_sum(b: &[u8]) -> u32 {
-    let word = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
-    let mut h = 0x9E37_79B9_7F4A_7C15u64;
-    for o in (0..48).step_by(8) {
-        h = (h ^ word(o))
-            .wrapping_mul(0xBF58_476D_1CE4_E5B9)
-            .rotate_left(29);
-    }
-    h ^= u64::from(u32::from_le_bytes(b[48..52].try_into().unwrap()));
-    h = (h ^ (h >> 31)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    (h ^ (h >> 32)) as u32
-}
-
-impl Header {
-    fn encode(&self, out: &mut [u8]) {
-        out[0..4].copy_from_slice(&self.magic.to_le_bytes());
-        out[4] = self.coll;
-        out[5] = self.dtype;
-        out[6] = self.op;
-        out[7] = self.has_root;
-        out[8..16].copy_from_slice(&self.seq.to_le_bytes());
-        out[16..24].copy_from_slice(&self.count.to_le_bytes());
-        out[24..28].copy_from_slice(&self.root.to_le_bytes());
-        out[28..32].copy_from_slice(&self.sender.to_le_bytes());
-        out[32..40].copy_from_slice(&self.xfer_len.to_le_bytes());
-        out[40..48].copy_from_slice(&self.frag_off.to_le_bytes());
-        out[48..52].copy_from_slice(&self.frag_len.to_le_bytes());
-        let sum = header_sum(out);
-        out[52..56].copy_from_slice(&sum.to_le_bytes());
-    }
-    fn decode(b: &[u8]) -> Header {
-        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
-        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
-        Header {
-            magic: u32_at(0),
-            coll: b[4],
-            dtype: b[5],
-            op: b[6],
-            has_root: b[7],
-            seq: u64_at(8),
-            count: u64_at(16),
-            root: u32_at(24),
-            sender: u32_at(28),
-            xfer_len: u64_at(32),
-            frag_off: u64_at(40),
-            frag_len: u32_at(48),
-            damaged: u32_at(52) != header_sum(b),
-        }
-    }
-}
-
-/// What a receiver expects a sender's header to say.
-fn expected_header(desc: &OpDesc, sender: usize) -> Header {
-    // A send is received by a recv: both carry "send".
-    let coll = if desc.coll == CollectiveKind::Recv {
-        CollectiveKind::Send
-    } else {
-        desc.coll
-    };
-    let p2p = desc.coll.is_point_to_point();
-    Header {
-        magic: MAGIC,
-        coll: coll.code(),
-        dtype: DataType::ALL
-            .iter()
-            .position(|d| *d == desc.dtype)
-            .unwrap_or(0) as u8,
-        op: ReduceOp::ALL
-            .iter()
-            .position(|o| *o == desc.op)
-            .unwrap_or(0) as u8,
-        has_root: u8::from(desc.root.is_some() && !p2p),
-        seq: desc.seq,
-        count: if desc.coll == CollectiveKind::AllToAllV {
-            0
-        } else {
-            desc.count
-        },
-        root: if p2p {
-            0
-        } else {
-            desc.root.unwrap_or(0) as u32
-        },
-        sender: sender as u32,
-        ..Header::default()
-    }
-}
-
-fn describe(h: &Header) -> String {
-    let dtype = DataType::ALL
-        .get(h.dtype as usize)
-        .map_or("?".into(), |d| d.to_string());
-    let op = ReduceOp::ALL
-        .get(h.op as usize)
-        .map_or("?".into(), |o| o.to_string());
-    let kind = CollectiveKind::from_code(h.coll);
-    let mut s = format!(
-        "{} #{} (count {}, {dtype}",
-        kind.map_or("unknown", CollectiveKind::name),
-        crate::error::seq_text(h.seq),
-        h.count
-    );
-    if kind.is_some_and(CollectiveKind::reduces) {
-        s += &format!(", {op}");
-    }
-    if h.has_root != 0 {
-        s += &format!(", root {}", h.root);
-    }
-    s + ")"
 }
 
 /// One connected peer.
@@ -574,14 +370,15 @@ impl Engine {
 
     /// Tells every peer this communicator was aborted; best effort.
     pub(crate) fn notify_abort(&mut self) {
-        self.last_words = Some(imm(IMM_ABORT, 0, ABORTED_BY_USER));
-        Engine::notify_all(&self.links, imm(IMM_ABORT, 0, ABORTED_BY_USER));
+        let notice = Imm::Notice(Notice::Aborted).encode();
+        self.last_words = Some(notice);
+        Engine::notify_all(&self.links, notice);
     }
 
     /// Asks every peer to dump its flight recorder now (this rank timed out: the launcher may
     /// stop the others before their own timeouts), so that the dumps show every rank.
     pub(crate) fn request_dumps(&self) {
-        Engine::notify_all(&self.links, imm(IMM_ABORT, 0, DUMP_REQUEST));
+        Engine::notify_all(&self.links, Imm::Notice(Notice::DumpRequest).encode());
     }
 
     /// Tells every peer that rank `dead` failed (`dead` = this rank: its own call failed), so
@@ -589,14 +386,14 @@ impl Engine {
     /// itself is told too: if only the connection failed, it learns who lost it.
     pub(crate) fn notify_failure(&mut self, dead: usize) {
         self.remember_failure(dead);
-        Engine::notify_all(&self.links, imm(IMM_ABORT, 0, dead as u32));
+        Engine::notify_all(&self.links, Imm::Notice(Notice::Failed(dead)).encode());
     }
 
     /// Remembers that rank `dead` failed, to say so once more as this communicator closes
     /// ([`Engine`]'s `Drop`): a peer that sees our connections close then knows why, whatever
     /// it received from others meanwhile, and does not blame us.
     pub(crate) fn remember_failure(&mut self, dead: usize) {
-        self.last_words = Some(imm(IMM_ABORT, 0, dead as u32));
+        self.last_words = Some(Imm::Notice(Notice::Failed(dead)).encode());
     }
 
     /// Posts a control message (an immediate) to every peer; best effort.
@@ -1012,7 +809,7 @@ impl Call<'_> {
         let rank = self.eng.rank;
         let l = self.eng.link_of[peer];
         let (p, len) = self.locate(src)?;
-        let mut h = expected_header(self.desc, rank);
+        let mut h = Header::expected(self.desc, rank);
         h.xfer_len = len as u64;
         h.frag_len = len as u32;
         let mut hb = [0u8; SLOT_HEADER];
@@ -1327,29 +1124,28 @@ impl Call<'_> {
                 };
                 let _ = lk.qp.post_recv(&[RecvWr::new(WR_RECV | l as u64, &[])]);
                 let Some(v) = wc.imm else { return Ok(()) };
-                let ch = ((v >> 24) & 0x3f) as usize;
                 let geo = self.eng.geo;
-                match v >> 30 {
-                    IMM_DATA if ch < geo.channels => {
+                match Imm::decode(v) {
+                    Imm::Data { channel: ch, slot } if ch < geo.channels => {
                         let q = self.eng.flows.queue(l, ch);
-                        self.eng.flows.arrived(q, v & 0xff_ffff);
+                        self.eng.flows.arrived(q, slot);
                         self.bytes_in += wc.byte_len as u64;
                         self.eng
                             .probe
                             .bytes_in
                             .store(self.bytes_in, Ordering::Relaxed);
                     }
-                    IMM_CREDIT if ch < geo.channels => {
+                    Imm::Credit { channel: ch } if ch < geo.channels => {
                         let q = self.eng.flows.queue(l, ch);
                         let word = lk.credit_word(ch, &geo);
                         self.eng.flows.credit(q, word);
                     }
-                    IMM_ABORT if v & 0xff_ffff == DUMP_REQUEST => {
+                    Imm::Notice(Notice::DumpRequest) => {
                         let peer = lk.peer;
                         crate::flight::dump_on_request(&self.eng.probe, peer);
                     }
-                    IMM_ABORT if v & 0xff_ffff != ABORTED_BY_USER => {
-                        let (peer, dead) = (lk.peer, (v & 0xff_ffff) as usize);
+                    Imm::Notice(Notice::Failed(dead)) => {
+                        let peer = lk.peer;
                         let (culprit, detail) = if dead == self.eng.rank {
                             // Our connection to the reporter failed on its side only.
                             (
@@ -1372,7 +1168,7 @@ impl Call<'_> {
                             detail,
                         });
                     }
-                    IMM_ABORT => {
+                    Imm::Notice(Notice::Aborted) => {
                         let peer = lk.peer;
                         return Err(Error::Aborted {
                             rank: self.eng.rank,
@@ -1380,9 +1176,8 @@ impl Call<'_> {
                             reason: format!("rank {peer} aborted the communicator"),
                         });
                     }
-                    IMM_MISMATCH => {
+                    Imm::Mismatch { seq } => {
                         let peer = lk.peer;
-                        let seq = v & 0xff_ffff;
                         // A notice about a call this rank has not started (it is behind)
                         // fails that call when it starts, not this one.
                         let ahead = seq.wrapping_sub(self.desc.seq as u32) & 0xff_ffff;
@@ -1517,7 +1312,12 @@ impl Call<'_> {
         progress: usize,
         expect: usize,
     ) -> Result<()> {
-        if h.damaged {
+        let want = Header::expected(self.desc, peer);
+        let violation = match h.check(&want, total, progress, expect) {
+            Ok(()) => return Ok(()),
+            Err(v) => v,
+        };
+        if violation == Violation::Damaged {
             return Err(Error::PeerFailed {
                 rank: self.eng.rank,
                 op: self.desc.to_string(),
@@ -1528,36 +1328,27 @@ impl Call<'_> {
                 ),
             });
         }
-        let want = expected_header(self.desc, peer);
-        let fingerprint = |h: &Header| {
-            (
-                h.magic, h.coll, h.dtype, h.op, h.has_root, h.seq, h.count, h.root, h.sender,
-            )
-        };
-        if fingerprint(h) != fingerprint(&want) {
+        if violation == Violation::Fingerprint {
             return Err(self.mismatch(format!(
                 "rank {} is in {}, but rank {peer} sent data for {}{}",
                 self.eng.rank,
                 self.desc,
-                describe(h),
+                h.describe(),
                 self.our_side(h)
             )));
         }
-        if h.xfer_len as usize != total || h.frag_off as usize != progress {
+        if violation == Violation::Position {
             return Err(self.mismatch(format!(
                     "in {}, rank {} expects {total} bytes from rank {peer} (at offset {progress}), which sends {} (at offset {})",
                     self.desc, self.eng.rank, h.xfer_len, h.frag_off
                 ),
             ));
         }
-        let len = h.frag_len as usize;
-        if len != expect {
-            return Err(self.mismatch(format!(
-                "a fragment of {len} bytes at offset {progress} of {total}, where the protocol \
-                 puts {expect}"
-            )));
-        }
-        Ok(())
+        Err(self.mismatch(format!(
+            "a fragment of {} bytes at offset {progress} of {total}, where the protocol puts \
+             {expect}",
+            h.frag_len
+        )))
     }
 
     /// Copies or reduces `len` bytes at `off` in link `l`'s receive region into bytes
@@ -1623,7 +1414,7 @@ impl Call<'_> {
 
     /// [`Call::mismatch`] about call `seq` (an earlier call's data can be found late).
     fn mismatch_at(&self, seq: u64, detail: String) -> Error {
-        Engine::notify_all(&self.eng.links, imm(IMM_MISMATCH, 0, seq as u32));
+        Engine::notify_all(&self.eng.links, Imm::Mismatch { seq: seq as u32 }.encode());
         Error::Mismatch {
             rank: self.eng.rank,
             detail,
@@ -1645,7 +1436,7 @@ impl Call<'_> {
     ) -> Result<()> {
         let geo = self.eng.geo;
         let rank = self.eng.rank;
-        let mut h = expected_header(self.desc, rank);
+        let mut h = Header::expected(self.desc, rank);
         if self.desc.coll == CollectiveKind::Recv {
             unreachable!("a recv does not send");
         }
@@ -1653,7 +1444,7 @@ impl Call<'_> {
         h.frag_off = off as u64;
         h.frag_len = len as u32;
         let slot = slot as usize;
-        let stage_off = (ch * geo.slots + slot) * STAGE;
+        let stage_off = geo.stage_offset(ch, slot);
         let mut hb = [0u8; SLOT_HEADER];
         h.encode(&mut hb);
         if self.eng.faults.as_ref().is_some_and(|f| f.armed) {
@@ -1669,7 +1460,11 @@ impl Call<'_> {
             .write(stage_off, &hb)
             .map_err(|e| verbs_err("staging a header", e))?;
         let remote = link.remote.at(geo.slot_offset(ch, slot) as u64);
-        let wr_imm = imm(IMM_DATA, ch, slot as u32);
+        let wr_imm = Imm::Data {
+            channel: ch,
+            slot: slot as u32,
+        }
+        .encode();
         let inline = !signaled;
         if inline && len > 0 {
             let es = self.esize;
@@ -1744,7 +1539,7 @@ impl Call<'_> {
     fn send_credit(&mut self, q: usize, consumed: u64, geo: &Geometry) {
         let (l, ch) = self.eng.flows.link_channel(q);
         let link = &self.eng.links[l];
-        let src_off = geo.channels * geo.slots * STAGE + 8 * ch;
+        let src_off = geo.stage_credit(ch);
         if link.stage.write(src_off, &consumed.to_le_bytes()).is_err() {
             return;
         }
@@ -1753,7 +1548,7 @@ impl Call<'_> {
             WR_CTRL,
             WrOp::WriteWithImm {
                 remote: link.remote.at(geo.credit_offset(ch) as u64),
-                imm: imm(IMM_CREDIT, ch, 0),
+                imm: Imm::Credit { channel: ch }.encode(),
             },
             &sge,
         );
@@ -1952,7 +1747,7 @@ impl Call<'_> {
         // A later call's data is a peer that is ahead, not a mismatch (sequence numbers
         // compare with wrap-around: init's probe numbers its calls just below 0).
         let later = (h.seq.wrapping_sub(self.desc.seq) as i64) > 0;
-        if h.magic == MAGIC && (p2p || later) {
+        if h.magic == protocol::MAGIC && (p2p || later) {
             return Ok(());
         }
         Err(self.mismatch_at(
@@ -1962,7 +1757,7 @@ impl Call<'_> {
                  {}{}",
                 self.eng.rank,
                 self.desc,
-                describe(h),
+                h.describe(),
                 self.our_side(h)
             ),
         ))

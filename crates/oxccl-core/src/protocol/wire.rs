@@ -1,0 +1,546 @@
+//! What travels: the fragment header with the call's fingerprint, the immediates, and where
+//! slots, credit words and mailboxes lie in a peer's receive region.
+
+use crate::schedule::CollectiveKind;
+use crate::{DataType, ReduceOp};
+
+use super::OpDesc;
+
+/// Bytes of the header in front of every fragment.
+pub const SLOT_HEADER: usize = 64;
+/// The largest mailbox message's data.
+pub const MAILBOX_DATA: usize = 64 << 10;
+/// Bytes of one mailbox: its 8-byte stamp (padded to a header), the header, the data.
+pub const MAILBOX: usize = 2 * SLOT_HEADER + MAILBOX_DATA;
+/// Fragments up to this many bytes are copied beside their header in the sender's staging
+/// region (no registration, no completion awaited): a header and its data fill 4 KiB.
+pub const INLINE: usize = 4096 - SLOT_HEADER;
+/// Bytes of one staging entry (a header and inline data) per slot.
+pub const STAGE: usize = SLOT_HEADER + INLINE;
+/// The first word of every header.
+pub const MAGIC: u32 = 0x0CC1_C0DE;
+
+/// What an immediate value says, as 2 bits of kind, 6 of channel and 24 of value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Imm {
+    /// A fragment arrived in `slot` of `channel`.
+    Data {
+        /// The channel.
+        channel: usize,
+        /// The slot.
+        slot: u32,
+    },
+    /// The receiver wrote its consumed count for `channel` into our credit word.
+    Credit {
+        /// The channel.
+        channel: usize,
+    },
+    /// The peer reports a failure, an abort or a dump request ([`Notice`]).
+    Notice(Notice),
+    /// The peer found that data of call `seq` (modulo 2^24) did not match its own call.
+    Mismatch {
+        /// The call's sequence number modulo 2^24.
+        seq: u32,
+    },
+}
+
+/// A peer's notice ([`Imm::Notice`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Notice {
+    /// The communicator was aborted by its user.
+    Aborted,
+    /// "Dump your flight recorder" (the peer timed out); aborts nothing.
+    DumpRequest,
+    /// Rank `n` failed (the sender itself, when its own call failed).
+    Failed(usize),
+}
+
+const KIND_DATA: u32 = 0;
+const KIND_CREDIT: u32 = 1;
+const KIND_NOTICE: u32 = 2;
+const KIND_MISMATCH: u32 = 3;
+const ABORTED_BY_USER: u32 = 0xff_ffff;
+const DUMP_REQUEST: u32 = 0xff_fffe;
+
+impl Imm {
+    /// The 32-bit immediate.
+    pub fn encode(self) -> u32 {
+        let pack = |kind: u32, channel: usize, value: u32| {
+            kind << 30 | (channel as u32 & 0x3f) << 24 | (value & 0xff_ffff)
+        };
+        match self {
+            Imm::Data { channel, slot } => pack(KIND_DATA, channel, slot),
+            Imm::Credit { channel } => pack(KIND_CREDIT, channel, 0),
+            Imm::Notice(Notice::Aborted) => pack(KIND_NOTICE, 0, ABORTED_BY_USER),
+            Imm::Notice(Notice::DumpRequest) => pack(KIND_NOTICE, 0, DUMP_REQUEST),
+            Imm::Notice(Notice::Failed(r)) => pack(KIND_NOTICE, 0, r as u32),
+            Imm::Mismatch { seq } => pack(KIND_MISMATCH, 0, seq),
+        }
+    }
+
+    /// Reads an immediate.
+    pub fn decode(v: u32) -> Imm {
+        let channel = ((v >> 24) & 0x3f) as usize;
+        let value = v & 0xff_ffff;
+        match v >> 30 {
+            KIND_DATA => Imm::Data {
+                channel,
+                slot: value,
+            },
+            KIND_CREDIT => Imm::Credit { channel },
+            KIND_NOTICE => Imm::Notice(match value {
+                ABORTED_BY_USER => Notice::Aborted,
+                DUMP_REQUEST => Notice::DumpRequest,
+                r => Notice::Failed(r as usize),
+            }),
+            _ => Imm::Mismatch { seq: value },
+        }
+    }
+}
+
+/// Slot geometry, the same on every rank (checked at init).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Geometry {
+    /// Data bytes per slot.
+    pub slot_data: usize,
+    /// Slots per (peer, channel).
+    pub slots: usize,
+    /// Channels.
+    pub channels: usize,
+}
+
+impl Geometry {
+    /// Bytes of one slot.
+    pub fn slot_bytes(&self) -> usize {
+        SLOT_HEADER + self.slot_data
+    }
+    /// Bytes of the receive region for one peer: slots, one credit word per channel, then
+    /// two mailboxes.
+    pub fn recv_region(&self) -> usize {
+        self.mailbox_offset(2)
+    }
+    /// Where slot `slot` of channel `ch` starts in the receive region.
+    pub fn slot_offset(&self, ch: usize, slot: usize) -> usize {
+        (ch * self.slots + slot) * self.slot_bytes()
+    }
+    /// Where mailbox `parity` starts in the receive region.
+    pub fn mailbox_offset(&self, parity: usize) -> usize {
+        self.channels * self.slots * self.slot_bytes() + 8 * self.channels + parity * MAILBOX
+    }
+    /// Where channel `ch`'s credit word lies in the receive region.
+    pub fn credit_offset(&self, ch: usize) -> usize {
+        self.channels * self.slots * self.slot_bytes() + 8 * ch
+    }
+    /// Where slot `slot` of channel `ch`'s staging entry starts in the staging region.
+    pub fn stage_offset(&self, ch: usize, slot: usize) -> usize {
+        (ch * self.slots + slot) * STAGE
+    }
+    /// Where channel `ch`'s credit source word lies in the staging region.
+    pub fn stage_credit(&self, ch: usize) -> usize {
+        self.channels * self.slots * STAGE + 8 * ch
+    }
+    /// Where the mailbox image (header and data) starts in the staging region; its stamp
+    /// follows it at `+ MAILBOX`.
+    pub fn stage_mailbox(&self) -> usize {
+        self.channels * self.slots * STAGE + 8 * self.channels
+    }
+    /// Bytes of the staging region: headers and inline data per slot, credit source words,
+    /// then a mailbox image and its stamp.
+    pub fn stage_region(&self) -> usize {
+        self.stage_mailbox() + MAILBOX + 8
+    }
+    /// Receive work requests kept posted per queue pair.
+    pub fn recv_depth(&self) -> u32 {
+        (2 * self.channels * self.slots + 16) as u32
+    }
+    /// Send work requests per queue pair.
+    pub fn send_depth(&self) -> u32 {
+        (4 * self.channels * self.slots + 16) as u32
+    }
+    /// The protocol configuration of a call on elements of `esize` bytes.
+    pub fn config(&self, esize: usize) -> super::Config {
+        let mut c = super::Config::new(self.channels, self.slots, self.slot_data, esize);
+        c.inline_max = INLINE;
+        c
+    }
+}
+
+/// The fragment header, little-endian at the start of each slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Header {
+    /// [`MAGIC`].
+    pub magic: u32,
+    /// The collective's wire code ([`CollectiveKind::code`]).
+    pub coll: u8,
+    /// The data type's index in [`DataType::ALL`].
+    pub dtype: u8,
+    /// The operator's index in [`ReduceOp::ALL`].
+    pub op: u8,
+    /// Whether `root` is meaningful.
+    pub has_root: u8,
+    /// The call's sequence number.
+    pub seq: u64,
+    /// The call's element count (0 for all_to_allv).
+    pub count: u64,
+    /// The root rank.
+    pub root: u32,
+    /// The sending rank.
+    pub sender: u32,
+    /// Bytes of the whole transfer.
+    pub xfer_len: u64,
+    /// Where this fragment lies in it.
+    pub frag_off: u64,
+    /// Bytes of this fragment.
+    pub frag_len: u32,
+    /// Set by `decode` when the checksum does not match (never sent).
+    pub damaged: bool,
+}
+
+/// A checksum of a header's fields (its first 52 bytes), so that a damaged header is
+/// reported as such, not misread: a multiply-rotate hash over 8-byte words (every input bit
+/// reaches the result; a few ns, where a byte-wise FNV took about 70).
+fn header_sum(b: &[u8]) -> u32 {
+    let word = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+    let mut h = 0x9E37_79B9_7F4A_7C15u64;
+    for o in (0..48).step_by(8) {
+        h = (h ^ word(o))
+            .wrapping_mul(0xBF58_476D_1CE4_E5B9)
+            .rotate_left(29);
+    }
+    h ^= u64::from(u32::from_le_bytes(b[48..52].try_into().unwrap()));
+    h = (h ^ (h >> 31)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (h ^ (h >> 32)) as u32
+}
+
+/// Why a fragment's header does not fit the call that receives it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Violation {
+    /// The checksum does not match: the header was damaged on the way.
+    Damaged,
+    /// The fingerprint (collective, type, operator, root, sequence number, count, sender)
+    /// differs: the ranks are not in the same call.
+    Fingerprint,
+    /// The transfer's length or the fragment's offset differs from what the receiver expects.
+    Position,
+    /// The fragment's length is not the one its offset implies.
+    Length,
+}
+
+impl Header {
+    /// What a sender puts in every fragment of call `desc`, before the fragment's position:
+    /// the call's fingerprint, which the receiver compares with its own.
+    pub fn expected(desc: &OpDesc, sender: usize) -> Header {
+        // A send is received by a recv: both carry "send".
+        let coll = if desc.coll == CollectiveKind::Recv {
+            CollectiveKind::Send
+        } else {
+            desc.coll
+        };
+        let p2p = desc.coll.is_point_to_point();
+        Header {
+            magic: MAGIC,
+            coll: coll.code(),
+            dtype: DataType::ALL
+                .iter()
+                .position(|d| *d == desc.dtype)
+                .unwrap_or(0) as u8,
+            op: ReduceOp::ALL
+                .iter()
+                .position(|o| *o == desc.op)
+                .unwrap_or(0) as u8,
+            has_root: u8::from(desc.root.is_some() && !p2p),
+            seq: desc.seq,
+            count: if desc.coll == CollectiveKind::AllToAllV {
+                0
+            } else {
+                desc.count
+            },
+            root: if p2p {
+                0
+            } else {
+                desc.root.unwrap_or(0) as u32
+            },
+            sender: sender as u32,
+            ..Header::default()
+        }
+    }
+
+    /// This header, placed at bytes `off..off + len` of a transfer of `total`.
+    pub fn at(mut self, total: usize, off: usize, len: usize) -> Header {
+        self.xfer_len = total as u64;
+        self.frag_off = off as u64;
+        self.frag_len = len as u32;
+        self
+    }
+
+    /// Writes the header (and its checksum) into `out[..SLOT_HEADER]`.
+    pub fn encode(&self, out: &mut [u8]) {
+        out[0..4].copy_from_slice(&self.magic.to_le_bytes());
+        out[4] = self.coll;
+        out[5] = self.dtype;
+        out[6] = self.op;
+        out[7] = self.has_root;
+        out[8..16].copy_from_slice(&self.seq.to_le_bytes());
+        out[16..24].copy_from_slice(&self.count.to_le_bytes());
+        out[24..28].copy_from_slice(&self.root.to_le_bytes());
+        out[28..32].copy_from_slice(&self.sender.to_le_bytes());
+        out[32..40].copy_from_slice(&self.xfer_len.to_le_bytes());
+        out[40..48].copy_from_slice(&self.frag_off.to_le_bytes());
+        out[48..52].copy_from_slice(&self.frag_len.to_le_bytes());
+        let sum = header_sum(out);
+        out[52..56].copy_from_slice(&sum.to_le_bytes());
+    }
+
+    /// Reads a header from `b[..SLOT_HEADER]`; [`Header::damaged`] says whether its checksum
+    /// matched.
+    pub fn decode(b: &[u8]) -> Header {
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+        Header {
+            magic: u32_at(0),
+            coll: b[4],
+            dtype: b[5],
+            op: b[6],
+            has_root: b[7],
+            seq: u64_at(8),
+            count: u64_at(16),
+            root: u32_at(24),
+            sender: u32_at(28),
+            xfer_len: u64_at(32),
+            frag_off: u64_at(40),
+            frag_len: u32_at(48),
+            damaged: u32_at(52) != header_sum(b),
+        }
+    }
+
+    fn fingerprint(&self) -> (u32, u8, u8, u8, u8, u64, u64, u32, u32) {
+        (
+            self.magic,
+            self.coll,
+            self.dtype,
+            self.op,
+            self.has_root,
+            self.seq,
+            self.count,
+            self.root,
+            self.sender,
+        )
+    }
+
+    /// Checks this (received) header against `want` ([`Header::expected`] for the sender)
+    /// and the fragment the protocol expects: bytes `off..off + len` of `total`.
+    pub fn check(
+        &self,
+        want: &Header,
+        total: usize,
+        off: usize,
+        len: usize,
+    ) -> Result<(), Violation> {
+        if self.damaged {
+            return Err(Violation::Damaged);
+        }
+        if self.fingerprint() != want.fingerprint() {
+            return Err(Violation::Fingerprint);
+        }
+        if self.xfer_len != total as u64 || self.frag_off != off as u64 {
+            return Err(Violation::Position);
+        }
+        if self.frag_len as usize != len {
+            return Err(Violation::Length);
+        }
+        Ok(())
+    }
+
+    /// The call this header belongs to, as users read it: `all_reduce #3 (count 10, f32,
+    /// sum)`.
+    pub fn describe(&self) -> String {
+        let dtype = DataType::ALL
+            .get(self.dtype as usize)
+            .map_or("?".into(), |d| d.to_string());
+        let op = ReduceOp::ALL
+            .get(self.op as usize)
+            .map_or("?".into(), |o| o.to_string());
+        let kind = CollectiveKind::from_code(self.coll);
+        let name = kind.map_or("unknown", |k| k.name());
+        let mut s = format!(
+            "{name} #{} (count {}, {dtype}",
+            super::seq_text(self.seq),
+            self.count
+        );
+        if kind.is_some_and(|k| k.reduces()) {
+            s += &format!(", {op}");
+        }
+        if self.has_root != 0 {
+            s += &format!(", root {}", self.root);
+        }
+        s + ")"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn desc(coll: CollectiveKind) -> OpDesc {
+        OpDesc {
+            seq: 7,
+            coll,
+            count: 1000,
+            dtype: DataType::F32,
+            op: ReduceOp::Max,
+            root: Some(2),
+        }
+    }
+
+    #[test]
+    fn a_header_survives_the_wire_and_damage_is_seen() {
+        let h = Header::expected(&desc(CollectiveKind::Broadcast), 3).at(4000, 1024, 512);
+        let mut b = [0u8; SLOT_HEADER];
+        h.encode(&mut b);
+        assert_eq!(Header::decode(&b), h);
+        assert_eq!(h.describe(), "broadcast #7 (count 1000, float, root 2)");
+        // Every bit of the fields is covered by the checksum.
+        for bit in 0..52 * 8 {
+            let mut d = b;
+            d[bit / 8] ^= 1 << (bit % 8);
+            assert!(Header::decode(&d).damaged, "bit {bit} flipped unseen");
+            assert_eq!(
+                Header::decode(&d).check(&h, 4000, 1024, 512),
+                Err(Violation::Damaged)
+            );
+        }
+    }
+
+    #[test]
+    fn the_receiver_checks_the_fingerprint_then_the_position() {
+        let ours = desc(CollectiveKind::AllReduce);
+        let want = Header::expected(&ours, 1);
+        let sent = want.at(100, 0, 40);
+        assert_eq!(sent.check(&want, 100, 0, 40), Ok(()));
+        assert_eq!(sent.check(&want, 100, 40, 40), Err(Violation::Position));
+        assert_eq!(sent.check(&want, 96, 0, 40), Err(Violation::Position));
+        assert_eq!(sent.check(&want, 100, 0, 36), Err(Violation::Length));
+        for other in [
+            OpDesc {
+                seq: 8,
+                ..ours.clone()
+            },
+            OpDesc {
+                count: 999,
+                ..ours.clone()
+            },
+            OpDesc {
+                dtype: DataType::F16,
+                ..ours.clone()
+            },
+            OpDesc {
+                op: ReduceOp::Sum,
+                ..ours.clone()
+            },
+            OpDesc {
+                root: Some(1),
+                ..ours.clone()
+            },
+            OpDesc {
+                coll: CollectiveKind::Reduce,
+                ..ours.clone()
+            },
+        ] {
+            let theirs = Header::expected(&other, 1).at(100, 0, 40);
+            assert_eq!(
+                theirs.check(&want, 100, 0, 40),
+                Err(Violation::Fingerprint),
+                "{other}"
+            );
+        }
+        let stranger = Header::expected(&ours, 2).at(100, 0, 40);
+        assert_eq!(
+            stranger.check(&want, 100, 0, 40),
+            Err(Violation::Fingerprint)
+        );
+        // A recv expects what the matching send carries; all_to_allv leaves counts out.
+        let send = OpDesc {
+            coll: CollectiveKind::Send,
+            root: Some(1),
+            ..ours.clone()
+        };
+        let recv = OpDesc {
+            coll: CollectiveKind::Recv,
+            root: Some(0),
+            ..ours.clone()
+        };
+        assert_eq!(Header::expected(&send, 0), Header::expected(&recv, 0));
+        let v = |count| OpDesc {
+            coll: CollectiveKind::AllToAllV,
+            count,
+            ..ours.clone()
+        };
+        assert_eq!(Header::expected(&v(3), 0), Header::expected(&v(9), 0));
+    }
+
+    #[test]
+    fn immediates_round_trip() {
+        let all = [
+            Imm::Data {
+                channel: 0,
+                slot: 0,
+            },
+            Imm::Data {
+                channel: 63,
+                slot: 0xff_fffd,
+            },
+            Imm::Credit { channel: 5 },
+            Imm::Notice(Notice::Aborted),
+            Imm::Notice(Notice::DumpRequest),
+            Imm::Notice(Notice::Failed(0)),
+            Imm::Notice(Notice::Failed(70_000)),
+            Imm::Mismatch { seq: 0xab_cdef },
+        ];
+        for i in all {
+            assert_eq!(Imm::decode(i.encode()), i);
+        }
+        // Kinds differ in their top two bits, whatever the rest says.
+        let kinds: std::collections::HashSet<u32> = all.iter().map(|i| i.encode() >> 30).collect();
+        assert_eq!(kinds.len(), 4);
+    }
+
+    #[test]
+    fn regions_do_not_overlap() {
+        let g = Geometry {
+            slot_data: 1000,
+            slots: 3,
+            channels: 2,
+        };
+        let mut spans: Vec<(usize, usize)> = Vec::new();
+        for ch in 0..2 {
+            for s in 0..3 {
+                spans.push((g.slot_offset(ch, s), g.slot_bytes()));
+            }
+            spans.push((g.credit_offset(ch), 8));
+        }
+        for p in 0..2 {
+            spans.push((g.mailbox_offset(p), MAILBOX));
+        }
+        spans.sort();
+        for w in spans.windows(2) {
+            assert!(w[0].0 + w[0].1 <= w[1].0, "{w:?} overlap");
+        }
+        let last = spans.last().unwrap();
+        assert_eq!(last.0 + last.1, g.recv_region());
+        let mut stage = vec![(g.stage_mailbox(), MAILBOX + 8)];
+        for ch in 0..2 {
+            stage.extend((0..3).map(|s| (g.stage_offset(ch, s), STAGE)));
+            stage.push((g.stage_credit(ch), 8));
+        }
+        stage.sort();
+        for w in stage.windows(2) {
+            assert!(w[0].0 + w[0].1 <= w[1].0, "{w:?} overlap");
+        }
+        assert_eq!(g.stage_mailbox() + MAILBOX + 8, g.stage_region());
+        let c = g.config(4);
+        assert_eq!(
+            (c.frag_bytes, c.inline_max, c.credit_every),
+            (1000, INLINE, 1)
+        );
+    }
+}

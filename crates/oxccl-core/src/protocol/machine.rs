@@ -90,6 +90,12 @@ pub struct Flow {
     pub consumed: u64,
     /// The consumed count last reported to the sender.
     pub returned: u64,
+    /// Which call of a group ([`Machine::id`]) receives on this queue now: fragments arrive
+    /// in the order of the calls, so a later call waits until the earlier ones took theirs.
+    pub recv_turn: u32,
+    /// Which call of a group posts on this queue now (the receiver takes fragments in the
+    /// order of its calls).
+    pub send_turn: u32,
 }
 
 impl Flow {
@@ -128,6 +134,16 @@ impl Flows {
     /// One queue's state.
     pub fn get(&self, q: usize) -> &Flow {
         &self.q[q]
+    }
+
+    /// Hands every queue's turns to the first of `calls` (in group order) that still
+    /// receives or posts on it ([`Machine::receiving_on`], [`Machine::sending_on`]); with no
+    /// call left on a queue, back to call 0.
+    pub fn pass_turns(&mut self, calls: &[Machine<'_>]) {
+        for (q, f) in self.q.iter_mut().enumerate() {
+            f.recv_turn = calls.iter().position(|m| m.receiving_on(q)).unwrap_or(0) as u32;
+            f.send_turn = calls.iter().position(|m| m.sending_on(q)).unwrap_or(0) as u32;
+        }
     }
 
     /// Number of queues.
@@ -382,6 +398,8 @@ pub struct Machine<'a> {
     locals: Vec<u32>,
     left: usize,
     mailbox: bool,
+    /// This call's place in its group (0 alone): whose turn a queue is ([`Flow::recv_turn`]).
+    id: u32,
     /// Where [`Machine::next`] is in its pass: the phase and an index in it.
     cursor: (Phase, u32),
 }
@@ -454,12 +472,20 @@ impl<'a> Machine<'a> {
             recv_at,
             locals,
             mailbox,
+            id: 0,
             cursor: if mailbox {
                 (Phase::Mailbox, 0)
             } else {
                 (Phase::Recv, 0)
             },
         }
+    }
+
+    /// Makes this call number `id` of a group: on a queue it shares with the group's other
+    /// calls it waits for its turn ([`Flows::pass_turns`]). Mailbox mode is for calls alone.
+    pub fn with_id(mut self, id: u32) -> Machine<'a> {
+        self.id = id;
+        self
     }
 
     /// Gives back the buffers for the next call.
@@ -512,6 +538,11 @@ impl<'a> Machine<'a> {
         (self.recv_at[q] as usize) < self.queues.recv[q].len()
     }
 
+    /// Whether a send step of this call still has fragments to post on queue `q`.
+    pub fn sending_on(&self, q: usize) -> bool {
+        (self.send_at[q] as usize) < self.queues.send[q].len()
+    }
+
     /// Whether a step not done yet sends to, or receives from, link `link` (sends, receives).
     pub fn needs_link(&self, link: usize) -> (bool, bool) {
         let ch = self.queues.channels;
@@ -558,7 +589,7 @@ impl<'a> Machine<'a> {
     fn recv_candidate(&self, flows: &Flows, q: usize) -> Option<Action> {
         let s = *self.queues.recv[q].get(self.recv_at[q] as usize)? as usize;
         let &slot = flows.q[q].arrived.front()?;
-        if !self.deps_done(s) {
+        if flows.q[q].recv_turn != self.id || !self.deps_done(s) {
             return None;
         }
         let total = self.total(s);
@@ -579,7 +610,7 @@ impl<'a> Machine<'a> {
     fn send_candidate(&self, flows: &Flows, q: usize) -> Option<Action> {
         let s = *self.queues.send[q].get(self.send_at[q] as usize)? as usize;
         let f = &flows.q[q];
-        if f.free(self.cfg.slots) == 0 || !self.deps_done(s) {
+        if f.free(self.cfg.slots) == 0 || f.send_turn != self.id || !self.deps_done(s) {
             return None;
         }
         let total = self.total(s);
@@ -1414,6 +1445,57 @@ mod tests {
                 },
             ]
         );
+    }
+
+    /// Two calls of a group on one queue: each takes the fragments of its own transfer, in
+    /// the order of the calls, whichever is driven first; and a later call posts only once
+    /// the earlier one has posted everything.
+    #[test]
+    fn calls_of_a_group_take_their_turns_on_a_shared_queue() {
+        let a = sched(1, vec![recv(0, 8, &[]), send(0, 4, &[])]);
+        let b = sched(1, vec![recv(0, 4, &[]), send(0, 4, &[])]);
+        let l1 = links(1);
+        let (qa, qb) = (
+            Queues::new(&a, &l1, 1).unwrap(),
+            Queues::new(&b, &l1, 1).unwrap(),
+        );
+        let c = cfg(8, 4, 0);
+        let mut calls = [
+            Machine::new(&a, &qa, c, 1, false, Reuse::default()).with_id(0),
+            Machine::new(&b, &qb, c, 1, false, Reuse::default()).with_id(1),
+        ];
+        let mut flows = Flows::new(1, 1);
+        flows.pass_turns(&calls);
+        // Call 0 has two fragments to receive, call 1 one; all three have arrived.
+        for slot in 0..3 {
+            flows.arrived(0, slot);
+        }
+        let mut log = Vec::new();
+        for _ in 0..3 {
+            for (i, m) in calls.iter_mut().enumerate().rev() {
+                while let Some(a) = m.next(&mut flows) {
+                    log.push((i, a));
+                }
+            }
+            flows.pass_turns(&calls);
+        }
+        let got: Vec<(usize, u32)> = log
+            .iter()
+            .filter_map(|(i, a)| match a {
+                Action::Recv { slot, .. } => Some((*i, *slot)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(got, [(0, 0), (0, 1), (1, 2)]);
+        let posts: Vec<(usize, u32)> = log
+            .iter()
+            .filter_map(|(i, a)| match a {
+                Action::Post { slot, .. } => Some((*i, *slot)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(posts, [(0, 0), (1, 1)], "call 1 posts after call 0");
+        assert!(calls[1].step(0).done && calls[0].step(0).done);
     }
 
     #[test]

@@ -180,6 +180,27 @@ impl Flows {
         let f = &self.q[q];
         f.consumed - f.returned >= every
     }
+
+    /// The sender posts the next fragment on queue `q`, as [`Machine::commit`] records an
+    /// [`Action::Post`]: returns the receiver's slot it lands in (fragments are numbered over
+    /// the queue's life, slot `posted % slots`). For a driver that walks the schedule itself
+    /// (the simulator): it posts only while [`Flow::free`] says a slot is free.
+    pub fn post(&mut self, q: usize, slots: usize) -> u32 {
+        let f = &mut self.q[q];
+        let slot = (f.posted % slots.max(1) as u64) as u32;
+        f.posted += 1;
+        slot
+    }
+
+    /// The receiver consumes the oldest fragment that arrived on queue `q`, as
+    /// [`Machine::commit`] records an [`Action::Recv`]: returns its slot (`None`, and nothing
+    /// changes, when none has arrived).
+    pub fn consume(&mut self, q: usize) -> Option<u32> {
+        let f = &mut self.q[q];
+        let slot = f.arrived.pop_front()?;
+        f.consumed += 1;
+        Some(slot)
+    }
 }
 
 /// A schedule as the slot protocol walks it, derived once per schedule: per queue its send
@@ -1181,6 +1202,51 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `Flows::post` and `Flows::consume` keep the counters as the machine's own posts and
+    /// receives do: the same slots, the same window, the same credits due.
+    #[test]
+    fn posting_and_consuming_by_hand_match_the_machine() {
+        let c = Config::new(1, 4, 10, 1);
+        let s0 = sched(0, vec![send(1, 60, &[])]);
+        let l0 = links(0);
+        let q0 = Queues::new(&s0, &l0, 1).unwrap();
+        let mut by_machine = Flows::new(1, 1);
+        let mut m = Machine::new(&s0, &q0, c, 1, false, Reuse::default());
+        let mut slots = Vec::new();
+        while let Some(a) = m.next(&mut by_machine) {
+            if let Action::Post { slot, .. } = a {
+                slots.push(slot);
+            }
+        }
+        let mut by_hand = Flows::new(1, 1);
+        let mut hand = Vec::new();
+        while by_hand.get(0).free(c.slots) > 0 {
+            hand.push(by_hand.post(0, c.slots));
+        }
+        assert_eq!(hand, slots);
+        assert_eq!(hand, [0, 1, 2, 3]);
+        assert_eq!(by_hand.get(0).posted, by_machine.get(0).posted);
+        // The receiver's side: nothing to consume, then the arrivals in order.
+        let mut rx = Flows::new(1, 1);
+        assert_eq!(rx.consume(0), None);
+        assert_eq!(rx.get(0).consumed, 0);
+        for slot in [0, 1, 2] {
+            rx.arrived(0, slot);
+        }
+        assert_eq!(rx.consume(0), Some(0));
+        assert!(!rx.credit_due(0, c.credit_every));
+        assert_eq!(rx.consume(0), Some(1));
+        assert!(rx.credit_due(0, c.credit_every), "every slots / 2 = 2");
+        rx.credit_sent(0, 2);
+        assert_eq!(rx.consume(0), Some(2));
+        assert!(!rx.credit_due(0, c.credit_every));
+        assert_eq!(rx.get(0).consumed, 3);
+        // The credit frees the sender's slots.
+        by_hand.credit(0, 2);
+        assert_eq!(by_hand.get(0).free(c.slots), 2);
+        assert_eq!(by_hand.post(0, c.slots), 0);
     }
 
     #[test]

@@ -195,6 +195,9 @@ impl Plan {
     }
 }
 
+/// The spin of an idle call after one whose wait outlasted its spin ([`Engine::adapt_spin`]).
+const SHORT_SPIN: Duration = Duration::from_micros(2);
+
 /// Extra polling a call gets once its time is up, before it reports a timeout: what the
 /// transport already holds (a peer's abort or failure notice, the awaited data itself) comes
 /// first. A process stopped past its deadline (SIGSTOP, a debugger) finds it still unread.
@@ -294,7 +297,11 @@ pub(crate) struct Engine {
     /// passed on again).
     pub(crate) failed_by_notice: bool,
     /// How long an idle call polls without yielding ([`crate::Options::idle_spin`]).
-    pub(crate) spin_for: Duration,
+    spin_for: Duration,
+    /// How long the next idle call polls without yielding: [`Engine::spin_for`] while waits
+    /// end within it, [`SHORT_SPIN`] after one that did not (a peer that shares our CPU
+    /// cannot answer while we spin: see [`Engine::adapt_spin`]).
+    spin_now: Duration,
     /// How long an idle call then polls, yielding the CPU between polls, before it sleeps on
     /// the completion queue ([`crate::Options::idle_yield`]).
     pub(crate) yield_for: Duration,
@@ -351,6 +358,7 @@ impl Engine {
             pending_mismatch: None,
             failed_by_notice: false,
             spin_for: Duration::from_micros(50),
+            spin_now: Duration::from_micros(50),
             yield_for: Duration::from_millis(2),
             scratch: Vec::new(),
             scratch_mrs: (0..n).map(|_| None).collect(),
@@ -410,8 +418,25 @@ impl Engine {
         }
     }
 
+    /// Sets how long an idle call polls without yielding ([`crate::Options::idle_spin`]).
+    pub(crate) fn set_spin(&mut self, d: Duration) {
+        self.spin_for = d;
+        self.spin_now = d;
+    }
+
+    /// After a call: if its wait outlasted the spin (`spun_out`), the next calls spin only
+    /// [`SHORT_SPIN`] before they yield, so that a peer on the same CPU runs sooner; a call
+    /// that did not doubles the spin again, up to [`Engine::spin_for`].
+    fn adapt_spin(&mut self, spun_out: bool) {
+        self.spin_now = if spun_out {
+            SHORT_SPIN.min(self.spin_for)
+        } else {
+            (self.spin_now * 2).clamp(SHORT_SPIN.min(self.spin_for), self.spin_for)
+        };
+    }
+
     #[allow(clippy::too_many_arguments)]
-    /// Runs `sched` on `bufs`. `dtype`/`op` drive reductions (`Avg` reduces as a sum; the
+    /// Runs `plan` on `bufs`. `dtype`/`op` drive reductions (`Avg` reduces as a sum; the
     /// caller divides afterwards).
     pub(crate) fn execute(
         &mut self,
@@ -423,78 +448,134 @@ impl Engine {
         in_place: Option<(usize, usize)>,
         timeout: Duration,
     ) -> Result<()> {
-        let sched = &plan.sched;
-        if self.recent.len() >= 16 {
-            self.recent.pop_front();
+        let spec = CallSpec {
+            plan,
+            desc,
+            dtype,
+            op,
+            bufs,
+            in_place,
+        };
+        self.execute_group(std::slice::from_ref(&spec), timeout)
+    }
+
+    /// Runs several calls at once (a group: `group_start` ... `group_end`), each through its
+    /// own protocol state machine over the shared queues, in turns where two share a queue,
+    /// so that they progress together: a send and a receive with the same peer do not wait
+    /// for each other. Every rank must list its calls with a given peer in the same order.
+    /// Fails with the first error; `timeout` bounds the whole group.
+    pub(crate) fn execute_group(
+        &mut self,
+        specs: &[CallSpec<'_>],
+        timeout: Duration,
+    ) -> Result<()> {
+        let Some(first) = specs.first() else {
+            return Ok(());
+        };
+        for spec in specs {
+            if self.recent.len() >= 16 {
+                self.recent.pop_front();
+            }
+            self.recent.push_back(spec.desc.clone());
         }
-        self.recent.push_back(desc.clone());
         self.failed_by_notice = false;
         if let Some(f) = self.faults.as_mut() {
-            f.begin(desc.seq);
+            f.begin(first.desc.seq);
             if f.armed {
                 f.steps_done(0);
             }
         }
-        if let Some((seq, peer)) = self.pending_mismatch
-            && (desc.seq as u32).wrapping_sub(seq) & 0xff_ffff < 1 << 23
-        {
-            return Err(Error::Mismatch {
-                rank: self.rank,
-                detail: format!(
-                    "rank {peer} found that the data it received in its call #{seq} (modulo \
-                     2^24) does not match its own; this rank is in {desc} (rank {peer}'s error \
-                     names both sides)"
-                ),
-            });
+        for desc in specs.iter().map(|s| s.desc) {
+            if let Some((seq, peer)) = self.pending_mismatch
+                && (desc.seq as u32).wrapping_sub(seq) & 0xff_ffff < 1 << 23
+            {
+                return Err(Error::Mismatch {
+                    rank: self.rank,
+                    detail: format!(
+                        "rank {peer} found that the data it received in its call #{seq} (modulo \
+                         2^24) does not match its own; this rank is in {desc} (rank {peer}'s \
+                         error names both sides)"
+                    ),
+                });
+            }
         }
-        let esize = dtype.size();
-        let need = sched.scratch * esize;
+        // Each call's scratch space, side by side in the engine's buffer (8-byte aligned).
+        let offs: Vec<usize> = specs
+            .iter()
+            .scan(0, |at, s| {
+                let o = *at;
+                *at += (s.plan.sched.scratch * s.dtype.size()).next_multiple_of(8);
+                Some(o)
+            })
+            .collect();
+        let need = specs
+            .iter()
+            .zip(&offs)
+            .map(|(s, o)| o + s.plan.sched.scratch * s.dtype.size())
+            .max()
+            .unwrap_or(0);
         if self.scratch.len() * 8 < need {
             self.scratch = vec![0u64; need.div_ceil(8)];
             self.scratch_mrs.iter_mut().for_each(|m| *m = None);
         }
-        let mailbox = self.uses_mailbox(plan, esize);
-        let queues = match plan
-            .queues
-            .get_or_init(|| Queues::new(sched, &self.link_of, self.geo.channels))
-        {
-            Ok(q) => q,
-            Err(e) => {
-                return Err(Error::InvalidArgument {
-                    rank: self.rank,
-                    msg: format!("{desc}: {e}"),
-                });
-            }
-        };
-        self.calls = self.calls.wrapping_add(1);
-        let tag = self.calls;
-        let m = Machine::new(
-            sched,
-            queues,
-            self.geo.config(esize),
-            esize,
-            mailbox,
-            std::mem::take(&mut self.reuse),
-        );
+        let alone = specs.len() == 1;
+        let mut calls = Vec::with_capacity(specs.len());
+        for (i, spec) in specs.iter().enumerate() {
+            let sched = &spec.plan.sched;
+            let esize = spec.dtype.size();
+            // Mailboxes hold one message per peer and call: a call alone only.
+            let mailbox = alone && self.uses_mailbox(spec.plan, esize);
+            let queues = match spec
+                .plan
+                .queues
+                .get_or_init(|| Queues::new(sched, &self.link_of, self.geo.channels))
+            {
+                Ok(q) => q,
+                Err(e) => {
+                    return Err(Error::InvalidArgument {
+                        rank: self.rank,
+                        msg: format!("{}: {e}", spec.desc),
+                    });
+                }
+            };
+            self.calls = self.calls.wrapping_add(1);
+            let reuse = if i == 0 {
+                std::mem::take(&mut self.reuse)
+            } else {
+                Reuse::default()
+            };
+            let m = Machine::new(sched, queues, self.geo.config(esize), esize, mailbox, reuse)
+                .with_id(i as u32);
+            calls.push(One {
+                sched,
+                desc: spec.desc,
+                dtype: spec.dtype,
+                op: if spec.op == ReduceOp::Avg {
+                    ReduceOp::Sum
+                } else {
+                    spec.op
+                },
+                esize,
+                bufs: spec.bufs,
+                in_place: spec.in_place,
+                scratch_off: offs[i],
+                m,
+                mrs: CallMrs::default(),
+                tag: self.calls,
+            });
+        }
+        let mailbox = calls[0].m.is_mailbox();
         let mut call = Call {
             eng: self,
-            sched,
-            desc,
-            dtype,
-            op: if op == ReduceOp::Avg {
-                ReduceOp::Sum
-            } else {
-                op
-            },
-            esize,
-            bufs,
-            in_place,
-            m,
-            mrs: CallMrs::default(),
+            calls,
+            cur: 0,
             bytes_in: 0,
             reported: 0,
-            tag,
+            spun_out: false,
         };
+        if !alone {
+            call.eng.flows.pass_turns(call.calls.iter().map(|o| &o.m));
+        }
         let mut r = call.check_members();
         r = if r.is_err() {
             r
@@ -523,8 +604,20 @@ impl Engine {
             }
             call.eng.egress.reset_in_flight();
         }
-        let reuse = call.m.into_reuse();
-        self.reuse = reuse;
+        let Call {
+            eng,
+            calls,
+            spun_out,
+            ..
+        } = call;
+        eng.adapt_spin(spun_out);
+        if !alone {
+            // Turns go back to a call alone (number 0).
+            eng.flows.reset_turns();
+        }
+        if let Some(one) = calls.into_iter().next() {
+            eng.reuse = one.m.into_reuse();
+        }
         r
     }
 
@@ -540,8 +633,24 @@ impl Engine {
     }
 }
 
-struct Call<'a> {
-    eng: &'a mut Engine,
+/// One call as the engine runs it, alone or in a group.
+pub(crate) struct CallSpec<'a> {
+    /// Its schedule.
+    pub plan: &'a Plan,
+    /// What it is (errors, the wire header's fingerprint).
+    pub desc: &'a OpDesc,
+    /// Its elements' type.
+    pub dtype: DataType,
+    /// Its reduction (`Avg` reduces as a sum; the caller divides afterwards).
+    pub op: ReduceOp,
+    /// The caller's buffers.
+    pub bufs: &'a Bufs,
+    /// In place: the input's and the output's element offsets in the one buffer.
+    pub in_place: Option<(usize, usize)>,
+}
+
+/// One call's state while it runs.
+struct One<'a> {
     sched: &'a Schedule,
     desc: &'a OpDesc,
     dtype: DataType,
@@ -549,14 +658,26 @@ struct Call<'a> {
     esize: usize,
     bufs: &'a Bufs,
     in_place: Option<(usize, usize)>,
+    /// Where its scratch space starts in the engine's scratch buffer (bytes).
+    scratch_off: usize,
     /// The call's protocol state ([`oxccl_core::protocol`]).
     m: Machine<'a>,
     mrs: CallMrs,
+    /// This call's number ([`Engine::calls`]): its data requests carry it.
+    tag: u64,
+}
+
+/// The calls of one [`Engine::execute_group`] (one, or a group) and what they share.
+struct Call<'a> {
+    eng: &'a mut Engine,
+    calls: Vec<One<'a>>,
+    /// The call whose action is being performed, or whose error is being told.
+    cur: usize,
     bytes_in: u64,
     /// Steps done as last reported to the flight recorder and the fault injector.
     reported: usize,
-    /// This call's number ([`Engine::calls`]): its data requests carry it.
-    tag: u64,
+    /// Whether a wait of this call outlasted its spin and yielded.
+    spun_out: bool,
 }
 
 impl Call<'_> {
@@ -577,7 +698,7 @@ impl Call<'_> {
         let l = self.eng.link_of[peer];
         Err(Error::PeerFailed {
             rank: self.eng.rank,
-            op: self.desc.to_string(),
+            op: self.calls[self.cur].desc.to_string(),
             peer,
             detail: format!(
                 "{} (found before this call started)",
@@ -586,10 +707,20 @@ impl Call<'_> {
         })
     }
 
+    /// Whether every call is done.
+    fn all_done(&self) -> bool {
+        self.calls.iter().all(|o| o.m.is_done())
+    }
+
+    /// The first call not done (errors are told as its), or the first.
+    fn lead(&self) -> usize {
+        self.calls.iter().position(|o| !o.m.is_done()).unwrap_or(0)
+    }
+
     /// Reports the steps done to the flight recorder and the fault injector (which may stop
     /// this process after a given step).
     fn note_steps(&mut self) {
-        let done = self.m.steps_done();
+        let done = self.calls.iter().map(|o| o.m.steps_done()).sum();
         if done != self.reported {
             self.reported = done;
             self.eng
@@ -613,21 +744,21 @@ impl Call<'_> {
         if let Some(d) = what.delay {
             crate::log_warn(format!(
                 "fault injection: rank {} waits {d:?} before sending to rank {peer} in {}",
-                self.eng.rank, self.desc
+                self.eng.rank, self.calls[self.cur].desc
             ));
             std::thread::sleep(d);
         }
         if what.corrupt {
             crate::log_warn(format!(
                 "fault injection: rank {} damages a header sent to rank {peer} in {}",
-                self.eng.rank, self.desc
+                self.eng.rank, self.calls[self.cur].desc
             ));
             hb[8] ^= 0x5a;
         }
         if what.drop {
             crate::log_warn(format!(
                 "fault injection: rank {} drops its connection to rank {peer} in {}",
-                self.eng.rank, self.desc
+                self.eng.rank, self.calls[self.cur].desc
             ));
             self.eng.links[l].qp.disconnect();
         }
@@ -636,35 +767,33 @@ impl Call<'_> {
     fn invalid(&self, msg: String) -> Error {
         Error::InvalidArgument {
             rank: self.eng.rank,
-            msg: format!("{}: {msg}", self.desc),
+            msg: format!("{}: {msg}", self.calls[self.cur].desc),
         }
     }
 
     /// Byte address and length of a region, checked against its buffer.
     fn locate(&self, reg: Region) -> Result<(*mut u8, usize)> {
-        let es = self.esize;
-        let (base, len, off) = match (reg.buf, self.in_place) {
+        let one = &self.calls[self.cur];
+        let es = one.esize;
+        let (base, len, off) = match (reg.buf, one.in_place) {
+            // This call's part of the engine's scratch buffer.
             (Buf::Scratch, _) => (
                 self.eng.scratch.as_ptr() as *mut u8,
                 self.eng.scratch.len() * 8,
-                reg.offset * es,
+                one.scratch_off + reg.offset * es,
             ),
-            (Buf::Input, Some((io, _))) => (
-                self.bufs.output,
-                self.bufs.output_len,
-                (io + reg.offset) * es,
-            ),
-            (Buf::Output, Some((_, oo))) => (
-                self.bufs.output,
-                self.bufs.output_len,
-                (oo + reg.offset) * es,
-            ),
+            (Buf::Input, Some((io, _))) => {
+                (one.bufs.output, one.bufs.output_len, (io + reg.offset) * es)
+            }
+            (Buf::Output, Some((_, oo))) => {
+                (one.bufs.output, one.bufs.output_len, (oo + reg.offset) * es)
+            }
             (Buf::Input, None) => (
-                self.bufs.input as *mut u8,
-                self.bufs.input_len,
+                one.bufs.input as *mut u8,
+                one.bufs.input_len,
                 reg.offset * es,
             ),
-            (Buf::Output, None) => (self.bufs.output, self.bufs.output_len, reg.offset * es),
+            (Buf::Output, None) => (one.bufs.output, one.bufs.output_len, reg.offset * es),
         };
         let bytes = reg.len * es;
         if off + bytes > len {
@@ -681,13 +810,19 @@ impl Call<'_> {
     /// The memory region covering `reg`'s buffer on context `ctx`, registered on first use.
     fn mr_for(&mut self, reg: Region, ctx: usize) -> Result<(MrRef, usize)> {
         let (ptr, _) = self.locate(reg)?;
-        let (base, len) = match (reg.buf, self.in_place) {
+        let (base, len) = match (reg.buf, self.calls[self.cur].in_place) {
             (Buf::Scratch, _) => (
                 self.eng.scratch.as_ptr() as *mut u8,
                 self.eng.scratch.len() * 8,
             ),
-            (Buf::Input, None) => (self.bufs.input as *mut u8, self.bufs.input_len),
-            _ => (self.bufs.output, self.bufs.output_len),
+            (Buf::Input, None) => (
+                self.calls[self.cur].bufs.input as *mut u8,
+                self.calls[self.cur].bufs.input_len,
+            ),
+            _ => (
+                self.calls[self.cur].bufs.output,
+                self.calls[self.cur].bufs.output_len,
+            ),
         };
         let off = ptr as usize - base as usize;
         let rank = self.eng.rank;
@@ -699,7 +834,7 @@ impl Call<'_> {
         {
             return Err(Error::Verbs {
                 rank,
-                what: format!("{}: registering memory", self.desc),
+                what: format!("{}: registering memory", self.calls[self.cur].desc),
                 source: oxccl_verbs::Error::InvalidArgument(
                     "refused by fault injection (OXCCL_FAULT=refuse_reg)".into(),
                 ),
@@ -720,8 +855,13 @@ impl Call<'_> {
             }
             return Ok((MrRef::Scratch(ctx), off));
         }
-        let key = (u8::from(base == self.bufs.output), ctx);
-        if let Some(i) = self.mrs.mrs.iter().position(|(k, _)| *k == key) {
+        let key = (u8::from(base == self.calls[self.cur].bufs.output), ctx);
+        if let Some(i) = self.calls[self.cur]
+            .mrs
+            .mrs
+            .iter()
+            .position(|(k, _)| *k == key)
+        {
             return Ok((MrRef::Call(i), off));
         }
         // SAFETY: the caller's buffers stay valid and untouched by the caller until the call
@@ -733,8 +873,8 @@ impl Call<'_> {
                 what: "registering the caller's buffer".into(),
                 source: e,
             })?;
-        self.mrs.mrs.push((key, mr));
-        Ok((MrRef::Call(self.mrs.mrs.len() - 1), off))
+        self.calls[self.cur].mrs.mrs.push((key, mr));
+        Ok((MrRef::Call(self.calls[self.cur].mrs.mrs.len() - 1), off))
     }
 
     fn mr(&self, r: MrRef) -> &MemoryRegion {
@@ -742,7 +882,7 @@ impl Call<'_> {
             MrRef::Scratch(ctx) => self.eng.scratch_mrs[ctx]
                 .as_ref()
                 .expect("registered by mr_for"),
-            MrRef::Call(i) => &self.mrs.mrs[i].1,
+            MrRef::Call(i) => &self.calls[self.cur].mrs.mrs[i].1,
         }
     }
 
@@ -757,12 +897,12 @@ impl Call<'_> {
         let mut idle_polls = 0u32;
         let mut napping = false;
         let geo = self.eng.geo;
-        while !self.m.is_done() {
+        while !self.calls[self.cur].m.is_done() {
             let mut progress = false;
-            while let Some(a) = self.m.next(&mut self.eng.flows) {
+            while let Some(a) = self.calls[self.cur].m.next(&mut self.eng.flows) {
                 progress |= self.perform(&a, &geo)?;
             }
-            if self.m.is_done() {
+            if self.calls[self.cur].m.is_done() {
                 break;
             }
             if progress {
@@ -775,7 +915,7 @@ impl Call<'_> {
             idle_polls += 1;
             // (Once napping, every pass is long anyway: look at everything each time.)
             if !napping && !idle_polls.is_multiple_of(32) {
-                if self.eng.spin_for.is_zero() {
+                if self.eng.spin_now.is_zero() || self.spun_out {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();
@@ -792,9 +932,10 @@ impl Call<'_> {
                 return Err(self.timeout_error(timeout));
             }
             let idle = now - *idle_since.get_or_insert(now);
-            if idle < self.eng.spin_for {
+            if idle < self.eng.spin_now {
                 std::hint::spin_loop();
             } else if idle < self.eng.yield_for {
+                self.spun_out = true;
                 std::thread::yield_now();
             } else {
                 // Nothing to sleep on: nap briefly.
@@ -809,7 +950,7 @@ impl Call<'_> {
         let rank = self.eng.rank;
         let l = self.eng.link_of[peer];
         let (p, len) = self.locate(src)?;
-        let mut h = Header::expected(self.desc, rank);
+        let mut h = Header::expected(self.calls[self.cur].desc, rank);
         h.xfer_len = len as u64;
         h.frag_len = len as u32;
         let mut hb = [0u8; SLOT_HEADER];
@@ -883,7 +1024,7 @@ impl Call<'_> {
                 what: "reading a mailbox".into(),
                 source: e,
             })?;
-        let total = dst.len * self.esize;
+        let total = dst.len * self.calls[self.cur].esize;
         self.check_header(&h, peer, total, 0, total)?;
         let len = total;
         self.bytes_in += len as u64;
@@ -904,12 +1045,20 @@ impl Call<'_> {
         self.check_health()?;
         self.refresh_credits();
         let mut idle_since: Option<Instant> = None;
-        while !self.m.is_done() {
+        let group = self.calls.len() > 1;
+        while !self.all_done() {
             let mut progress = self.poll_cqs()?;
-            while let Some(a) = self.m.next(&mut self.eng.flows) {
-                progress |= self.perform(&a, &geo)?;
+            for c in 0..self.calls.len() {
+                self.cur = c;
+                while let Some(a) = self.calls[c].m.next(&mut self.eng.flows) {
+                    progress |= self.perform(&a, &geo)?;
+                }
             }
-            if self.m.is_done() {
+            if group {
+                self.eng.flows.pass_turns(self.calls.iter().map(|o| &o.m));
+            }
+            self.cur = self.lead();
+            if self.all_done() {
                 break;
             }
             if progress {
@@ -925,10 +1074,11 @@ impl Call<'_> {
                 return Err(self.timeout_error(timeout));
             }
             let idle = now - *idle_since.get_or_insert(now);
-            if idle < self.eng.spin_for {
+            if idle < self.eng.spin_now {
                 std::hint::spin_loop();
                 continue;
             }
+            self.spun_out = true;
             if idle < self.eng.yield_for {
                 // Poll, and let other runnable threads (more ranks than cores) use the CPU.
                 std::thread::yield_now();
@@ -942,7 +1092,7 @@ impl Call<'_> {
     /// Performs one action of the protocol; returns whether it did something (a mailbox
     /// message that has not arrived, or a credit, is not progress).
     fn perform(&mut self, a: &Action, geo: &Geometry) -> Result<bool> {
-        let sched = self.sched;
+        let sched = self.calls[self.cur].sched;
         let r = match *a {
             Action::Post {
                 step,
@@ -960,7 +1110,7 @@ impl Call<'_> {
                 let r = self.post_fragment(step, l, ch, slot, src, (off, len, total), signaled);
                 if r.is_err() && signaled {
                     // Not posted: no completion will come for it.
-                    self.m.completed(step, false);
+                    self.calls[self.cur].m.completed(step, false);
                 }
                 r?;
                 true
@@ -981,7 +1131,7 @@ impl Call<'_> {
                 };
                 let arrived = self.mailbox_recv(peer, dst, reduce_with, geo)?;
                 if arrived {
-                    self.m.commit(&mut self.eng.flows, a);
+                    self.calls[self.cur].m.commit(&mut self.eng.flows, a);
                 }
                 arrived
             }
@@ -1045,7 +1195,7 @@ impl Call<'_> {
                 Err(oxccl_verbs::Error::Timeout { .. }) => Ok(()),
                 Err(e) => Err(Error::Verbs {
                     rank: self.eng.rank,
-                    what: format!("{}: waiting for completions", self.desc),
+                    what: format!("{}: waiting for completions", self.calls[self.cur].desc),
                     source: e,
                 }),
             };
@@ -1109,10 +1259,8 @@ impl Call<'_> {
                     if d.is_empty() { "" } else { ": " }
                 ));
             }
-            if kind == WR_DATA
-                && let Some(s) = data_wr_step(wc.wr_id, self.tag)
-            {
-                self.m.completed(s, false);
+            if kind == WR_DATA {
+                self.data_completed(wc.wr_id, false);
             }
             return Ok(());
         }
@@ -1163,7 +1311,7 @@ impl Call<'_> {
                         self.eng.failed_by_notice = true;
                         return Err(Error::PeerFailed {
                             rank: self.eng.rank,
-                            op: self.desc.to_string(),
+                            op: self.calls[self.cur].desc.to_string(),
                             peer: culprit,
                             detail,
                         });
@@ -1172,7 +1320,7 @@ impl Call<'_> {
                         let peer = lk.peer;
                         return Err(Error::Aborted {
                             rank: self.eng.rank,
-                            op: self.desc.to_string(),
+                            op: self.calls[self.cur].desc.to_string(),
                             reason: format!("rank {peer} aborted the communicator"),
                         });
                     }
@@ -1180,7 +1328,8 @@ impl Call<'_> {
                         let peer = lk.peer;
                         // A notice about a call this rank has not started (it is behind)
                         // fails that call when it starts, not this one.
-                        let ahead = seq.wrapping_sub(self.desc.seq as u32) & 0xff_ffff;
+                        let last = self.calls.last().map_or(0, |o| o.desc.seq);
+                        let ahead = seq.wrapping_sub(last as u32) & 0xff_ffff;
                         if ahead != 0 && ahead < 1 << 23 {
                             self.eng.pending_mismatch.get_or_insert((seq, peer));
                             return Ok(());
@@ -1198,7 +1347,7 @@ impl Call<'_> {
                                 "rank {peer} found that what this rank sent in {theirs} does not \
                                  match its own call; this rank is now in {} (rank {peer}'s error \
                                  names both sides)",
-                                self.desc
+                                self.calls[self.cur].desc
                             ),
                         });
                     }
@@ -1216,13 +1365,22 @@ impl Call<'_> {
                         self.eng.egress.completed(len, now);
                     }
                 }
-                if let Some(s) = data_wr_step(wc.wr_id, self.tag) {
-                    self.m.completed(s, true);
-                }
+                self.data_completed(wc.wr_id, true);
             }
             _ => {}
         }
         Ok(())
+    }
+
+    /// A data fragment completed: tells the call that posted it (by its tag), if it is one of
+    /// these (an inline fragment's completion may come during a later call).
+    fn data_completed(&mut self, wr_id: u64, ok: bool) {
+        for one in &mut self.calls {
+            if let Some(s) = data_wr_step(wr_id, one.tag) {
+                one.m.completed(s, ok);
+                return;
+            }
+        }
     }
 
     /// Fails the call if a connection it still needs has failed (a queue pair in ERR counts,
@@ -1242,7 +1400,7 @@ impl Call<'_> {
         if self.eng.abort.is_set() {
             return Err(Error::Aborted {
                 rank: self.eng.rank,
-                op: self.desc.to_string(),
+                op: self.calls[self.cur].desc.to_string(),
                 reason: self.eng.abort.reason().to_string(),
             });
         }
@@ -1260,13 +1418,18 @@ impl Call<'_> {
         let link = &self.eng.links[l];
         let ch = self.eng.geo.channels;
         let nothing_left = (0..ch).all(|c| self.eng.flows.get(l * ch + c).arrived.is_empty())
-            && !(self.m.is_mailbox() && link.mailbox_arrived(&self.eng.geo).is_some());
-        let (sends, recvs) = self.m.needs_link(l);
+            && !(self.calls[self.cur].m.is_mailbox()
+                && link.mailbox_arrived(&self.eng.geo).is_some());
+        let (sends, recvs) = self
+            .calls
+            .iter()
+            .map(|o| o.m.needs_link(l))
+            .fold((false, false), |(a, b), (c, d)| (a || c, b || d));
         let needed = sends || (recvs && nothing_left);
         if needed {
             return Err(Error::PeerFailed {
                 rank: self.eng.rank,
-                op: self.desc.to_string(),
+                op: self.calls[self.cur].desc.to_string(),
                 peer,
                 detail: why.clone(),
             });
@@ -1312,7 +1475,7 @@ impl Call<'_> {
         progress: usize,
         expect: usize,
     ) -> Result<()> {
-        let want = Header::expected(self.desc, peer);
+        let want = Header::expected(self.calls[self.cur].desc, peer);
         let violation = match h.check(&want, total, progress, expect) {
             Ok(()) => return Ok(()),
             Err(v) => v,
@@ -1320,7 +1483,7 @@ impl Call<'_> {
         if violation == Violation::Damaged {
             return Err(Error::PeerFailed {
                 rank: self.eng.rank,
-                op: self.desc.to_string(),
+                op: self.calls[self.cur].desc.to_string(),
                 peer,
                 detail: format!(
                     "a fragment header from rank {peer} is damaged (checksum mismatch): the \
@@ -1332,7 +1495,7 @@ impl Call<'_> {
             return Err(self.mismatch(format!(
                 "rank {} is in {}, but rank {peer} sent data for {}{}",
                 self.eng.rank,
-                self.desc,
+                self.calls[self.cur].desc,
                 h.describe(),
                 self.our_side(h)
             )));
@@ -1340,7 +1503,7 @@ impl Call<'_> {
         if violation == Violation::Position {
             return Err(self.mismatch(format!(
                     "in {}, rank {} expects {total} bytes from rank {peer} (at offset {progress}), which sends {} (at offset {})",
-                    self.desc, self.eng.rank, h.xfer_len, h.frag_off
+                    self.calls[self.cur].desc, self.eng.rank, h.xfer_len, h.frag_off
                 ),
             ));
         }
@@ -1371,7 +1534,7 @@ impl Call<'_> {
                 "a fragment beyond the receive region ({off}+{len})"
             )));
         }
-        let es = self.esize;
+        let es = self.calls[self.cur].esize;
         let sub = |r: Region| r.sub(progress / es, len / es);
         let (dp, _) = self.locate(sub(dst))?;
         // SAFETY: `off + len` lies inside the receive region (checked above); the peer does
@@ -1384,7 +1547,12 @@ impl Call<'_> {
                     // SAFETY: `locate` bounds-checked `dp..dp+len` in a buffer the engine
                     // alone uses during the call.
                     let d = unsafe { std::slice::from_raw_parts_mut(dp, len) };
-                    reduce::reduce_in_place(self.dtype, self.op, d, data);
+                    reduce::reduce_in_place(
+                        self.calls[self.cur].dtype,
+                        self.calls[self.cur].op,
+                        d,
+                        data,
+                    );
                 } else {
                     check_disjoint(dp, wp, len).map_err(|m| self.invalid(m))?;
                     // SAFETY: both bounds-checked, and disjoint (checked above).
@@ -1394,7 +1562,13 @@ impl Call<'_> {
                             std::slice::from_raw_parts(wp as *const u8, len),
                         )
                     };
-                    reduce::reduce_to(self.dtype, self.op, d, a, data);
+                    reduce::reduce_to(
+                        self.calls[self.cur].dtype,
+                        self.calls[self.cur].op,
+                        d,
+                        a,
+                        data,
+                    );
                 }
             }
             None => {
@@ -1409,7 +1583,7 @@ impl Call<'_> {
     /// A mismatch error; every peer is told (with this call's sequence number), so that its
     /// call, or its next, fails too.
     fn mismatch(&self, detail: String) -> Error {
-        self.mismatch_at(self.desc.seq, detail)
+        self.mismatch_at(self.calls[self.cur].desc.seq, detail)
     }
 
     /// [`Call::mismatch`] about call `seq` (an earlier call's data can be found late).
@@ -1436,8 +1610,8 @@ impl Call<'_> {
     ) -> Result<()> {
         let geo = self.eng.geo;
         let rank = self.eng.rank;
-        let mut h = Header::expected(self.desc, rank);
-        if self.desc.coll == CollectiveKind::Recv {
+        let mut h = Header::expected(self.calls[self.cur].desc, rank);
+        if self.calls[self.cur].desc.coll == CollectiveKind::Recv {
             unreachable!("a recv does not send");
         }
         h.xfer_len = total as u64;
@@ -1467,7 +1641,7 @@ impl Call<'_> {
         .encode();
         let inline = !signaled;
         if inline && len > 0 {
-            let es = self.esize;
+            let es = self.calls[self.cur].esize;
             let (p, _) = self.locate(src.sub(off / es, len / es))?;
             // SAFETY: bounds-checked by `locate`.
             let data = unsafe { std::slice::from_raw_parts(p as *const u8, len) };
@@ -1475,13 +1649,13 @@ impl Call<'_> {
                 .write(stage_off + SLOT_HEADER, data)
                 .map_err(|e| verbs_err("staging a fragment", e))?;
         }
-        let wr_id = data_wr_id(self.tag, s);
+        let wr_id = data_wr_id(self.calls[self.cur].tag, s);
         // Inline: header and data from the staging region. Otherwise the header from staging
         // and the data straight from the caller's (or scratch) memory, registered on first use.
         let source = if inline {
             None
         } else {
-            let es = self.esize;
+            let es = self.calls[self.cur].esize;
             Some(self.mr_for(src.sub(off / es, len / es), self.eng.links[l].ctx)?)
         };
         let link = &self.eng.links[l];
@@ -1521,7 +1695,7 @@ impl Call<'_> {
         let link = &self.eng.links[l];
         Error::PeerFailed {
             rank: self.eng.rank,
-            op: self.desc.to_string(),
+            op: self.calls[self.cur].desc.to_string(),
             peer: link.peer,
             detail: format!(
                 "posting to its {} connection: {e}{}",
@@ -1558,7 +1732,7 @@ impl Call<'_> {
     }
 
     fn run_local(&mut self, s: usize) -> Result<()> {
-        match self.sched.steps[s].op {
+        match self.calls[self.cur].sched.steps[s].op {
             Op::Copy { src, dst } => {
                 let (sp, n) = self.locate(src)?;
                 let (dp, m) = self.locate(dst)?;
@@ -1582,8 +1756,8 @@ impl Call<'_> {
                     let bs = std::slice::from_raw_parts(bp as *const u8, n);
                     if ap == dp {
                         reduce::reduce_in_place(
-                            self.dtype,
-                            self.op,
+                            self.calls[self.cur].dtype,
+                            self.calls[self.cur].op,
                             std::slice::from_raw_parts_mut(dp, n),
                             bs,
                         );
@@ -1591,8 +1765,8 @@ impl Call<'_> {
                         check_disjoint(dp, ap, n).map_err(|m| self.invalid(m))?;
                         let as_ = std::slice::from_raw_parts(ap as *const u8, n);
                         reduce::reduce_to(
-                            self.dtype,
-                            self.op,
+                            self.calls[self.cur].dtype,
+                            self.calls[self.cur].op,
                             std::slice::from_raw_parts_mut(dp, n),
                             as_,
                             bs,
@@ -1608,9 +1782,9 @@ impl Call<'_> {
     fn timeout_error(&self, timeout: Duration) -> Error {
         let flows = &self.eng.flows;
         let peer_of = |q: usize| self.eng.links[flows.link_channel(q).0].peer;
-        let w = self.m.waiting(flows);
+        let w = self.calls[self.cur].m.waiting(flows);
         let (step, waiting, peer) = match w {
-            Some(Waiting::Data { step, q }) if self.m.is_mailbox() => (
+            Some(Waiting::Data { step, q }) if self.calls[self.cur].m.is_mailbox() => (
                 step,
                 format!("waiting for rank {}'s message in its mailbox", peer_of(q)),
                 Some(peer_of(q)),
@@ -1649,7 +1823,7 @@ impl Call<'_> {
                 Some(peer_of(q)),
             ),
             Some(Waiting::Earlier { step, q: Some(q) })
-                if matches!(self.sched.steps[step].op, Op::Send { .. }) =>
+                if matches!(self.calls[self.cur].sched.steps[step].op, Op::Send { .. }) =>
             {
                 (
                     step,
@@ -1664,12 +1838,12 @@ impl Call<'_> {
         };
         Error::Timeout {
             rank: self.eng.rank,
-            op: Box::new(self.desc.clone()),
+            op: Box::new(self.calls[self.cur].desc.clone()),
             timeout,
             waiting,
             peer,
             step,
-            steps: self.sched.steps.len(),
+            steps: self.calls[self.cur].sched.steps.len(),
             bytes: self.bytes_in,
         }
     }
@@ -1680,7 +1854,7 @@ impl Call<'_> {
         // Wait (briefly) for the transport to finish reading the caller's buffers; only links
         // still busy after that are stopped, so peers are not told that a live rank failed.
         let end = Instant::now() + Duration::from_millis(500);
-        while self.m.outstanding() {
+        while self.calls.iter().any(|o| o.m.outstanding()) {
             if Instant::now() >= end {
                 for l in &self.eng.links {
                     l.qp.to_error();
@@ -1688,13 +1862,11 @@ impl Call<'_> {
                 break;
             }
             let mut wcs = std::mem::take(&mut self.eng.wcs);
-            for cq in &self.eng.cqs {
-                let n = cq.poll(&mut wcs);
+            for c in 0..self.eng.cqs.len() {
+                let n = self.eng.cqs[c].poll(&mut wcs);
                 for wc in &wcs[..n] {
-                    if wc.wr_id & (0xff << 56) == WR_DATA
-                        && let Some(s) = data_wr_step(wc.wr_id, self.tag)
-                    {
-                        self.m.completed(s, false);
+                    if wc.wr_id & (0xff << 56) == WR_DATA {
+                        self.data_completed(wc.wr_id, false);
                     }
                 }
             }
@@ -1714,7 +1886,10 @@ impl Call<'_> {
         for (l, link) in self.eng.links.iter().enumerate() {
             for ch in 0..nch {
                 let q = flows.queue(l, ch);
-                let waiting = !self.m.is_mailbox() && self.m.receiving_on(q);
+                let waiting = self
+                    .calls
+                    .iter()
+                    .any(|o| !o.m.is_mailbox() && o.m.receiving_on(q));
                 let Some(&slot) = flows.get(q).arrived.front() else {
                     continue;
                 };
@@ -1727,7 +1902,7 @@ impl Call<'_> {
             }
             // In a mailbox call, a message from a peer it receives from is its own.
             let ours = mailbox
-                && self
+                && self.calls[0]
                     .sched
                     .steps
                     .iter()
@@ -1743,10 +1918,13 @@ impl Call<'_> {
     }
 
     fn stray(&self, h: &Header, peer: usize) -> Result<()> {
-        let p2p = h.coll == CollectiveKind::Send.code() || self.desc.coll.is_point_to_point();
+        let p2p = h.coll == CollectiveKind::Send.code()
+            || self.calls.iter().any(|o| o.desc.coll.is_point_to_point());
         // A later call's data is a peer that is ahead, not a mismatch (sequence numbers
-        // compare with wrap-around: init's probe numbers its calls just below 0).
-        let later = (h.seq.wrapping_sub(self.desc.seq) as i64) > 0;
+        // compare with wrap-around: init's probe numbers its calls just below 0). In a group,
+        // later than its last call.
+        let last = self.calls.last().map_or(0, |o| o.desc.seq);
+        let later = (h.seq.wrapping_sub(last) as i64) > 0;
         if h.magic == protocol::MAGIC && (p2p || later) {
             return Ok(());
         }
@@ -1756,7 +1934,7 @@ impl Call<'_> {
                 "rank {} is in {}, but rank {peer} sent data this call does not expect, for \
                  {}{}",
                 self.eng.rank,
-                self.desc,
+                self.calls[self.cur].desc,
                 h.describe(),
                 self.our_side(h)
             ),
@@ -1770,7 +1948,7 @@ impl Call<'_> {
             .recent
             .iter()
             .rev()
-            .find(|d| d.seq == h.seq && h.seq != self.desc.seq)
+            .find(|d| d.seq == h.seq && h.seq != self.calls[self.cur].desc.seq)
             .map_or(String::new(), |d| format!(", where this rank ran {d}"))
     }
 }

@@ -68,7 +68,7 @@ mod reduce;
 use oxccl_core::{dtype, learn, meter};
 pub use oxccl_core::{schedule, topology, tuner, verify};
 
-pub use comm::{Buffers, Communicator, Options, WatchdogAction, Work, default_host_id};
+pub use comm::{Buffers, Communicator, Group, Options, WatchdogAction, Work, default_host_id};
 pub use error::{Error, OpDesc, Result};
 pub use fault::{Fault, FaultKind, Faults};
 pub use flight::DUMP_VERSION;

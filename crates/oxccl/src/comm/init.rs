@@ -431,11 +431,11 @@ impl Communicator {
         // (spinning would hold off the very peer it waits for), as MPI's yield-when-idle does.
         let local = hosts.iter().filter(|h| **h == host).count();
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        engine.spin_for = opts.idle_spin.unwrap_or(if local > cpus {
+        engine.set_spin(opts.idle_spin.unwrap_or(if local > cpus {
             Duration::ZERO
         } else {
             Duration::from_micros(50)
-        });
+        }));
         engine.yield_for = opts.idle_yield;
         engine.mailbox_allowed = opts.mailboxes != Some(false);
         let tuning = Tuning {

@@ -20,8 +20,13 @@ use crate::topology::Topology;
 use crate::tuner::Tuning;
 use crate::{DataType, Element, ReduceOp, log_enabled};
 
+mod group;
 mod init;
 mod rates;
+mod work;
+
+pub use group::Group;
+pub use work::Work;
 
 /// Bytes each host sends per measurement of the link probe at init (`OXCCL_TOPO_PROBE`).
 pub const PROBE_BYTES: usize = 1 << 20;
@@ -309,6 +314,35 @@ pub enum Buffers<'a> {
     InPlace(&'a mut [u8]),
 }
 
+/// A call's buffers and arguments, checked ([`Communicator::check_call`]).
+struct Checked {
+    /// The caller's buffers.
+    raw: Bufs,
+    /// In place: the input's and the output's element offsets.
+    in_place: Option<(usize, usize)>,
+    /// Bytes of output.
+    out_len: usize,
+}
+
+/// A call numbered and planned ([`Communicator::prepare`]), ready for the engine.
+struct Prepared {
+    desc: OpDesc,
+    plan: Arc<Plan>,
+    algorithm: &'static str,
+    protocol: &'static str,
+}
+
+impl Prepared {
+    fn info(&self) -> CallInfo<'_> {
+        CallInfo {
+            desc: &self.desc,
+            algorithm: self.algorithm,
+            protocol: self.protocol,
+            steps: self.plan.sched.steps.len(),
+        }
+    }
+}
+
 struct State {
     engine: Engine,
     seq: u64,
@@ -518,6 +552,34 @@ impl Communicator {
         timeout: Duration,
     ) -> Result<()> {
         self.wait_for_queue();
+        let Checked {
+            raw,
+            in_place,
+            out_len,
+        } = self.check_call(coll, dtype, bufs)?;
+        let es = dtype.size();
+        let in_len = coll.input_len(self.inner.world, self.inner.rank) * es;
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let metered = st.learner.is_some()
+            && crate::learn::eligible(coll, &st.tuning, es, in_len.max(out_len));
+        let r = self.run_locked(st, coll, dtype, op, &raw, in_place, timeout, metered);
+        let r = r.and_then(|()| {
+            if metered {
+                self.learn_after_call(st, timeout)
+            } else {
+                Ok(())
+            }
+        });
+        drop(guard);
+        r?;
+        self.finish_avg(coll, dtype, op, &raw, in_place, out_len);
+        Ok(())
+    }
+
+    /// Checks a call's buffers and arguments against this communicator: the raw buffers,
+    /// the in-place offsets, and the output's length in bytes.
+    fn check_call(&self, coll: &Collective, dtype: DataType, bufs: Buffers<'_>) -> Result<Checked> {
         let (rank, world) = (self.inner.rank, self.inner.world);
         let invalid = |msg: String| Error::InvalidArgument {
             rank,
@@ -603,29 +665,32 @@ impl Communicator {
                 recv_counts.len()
             )));
         }
-        let mut guard = self.lock();
-        let st = &mut *guard;
-        let metered = st.learner.is_some()
-            && crate::learn::eligible(coll, &st.tuning, es, in_len.max(out_len));
-        let r = self.run_locked(st, coll, dtype, op, &raw, in_place, timeout, metered);
-        let r = r.and_then(|()| {
-            if metered {
-                self.learn_after_call(st, timeout)
-            } else {
-                Ok(())
-            }
-        });
-        drop(guard);
-        r?;
+        Ok(Checked {
+            raw,
+            in_place,
+            out_len,
+        })
+    }
+
+    /// An average is reduced as a sum: divides the output by the world size.
+    fn finish_avg(
+        &self,
+        coll: &Collective,
+        dtype: DataType,
+        op: ReduceOp,
+        raw: &Bufs,
+        in_place: Option<(usize, usize)>,
+        out_len: usize,
+    ) {
+        let world = self.inner.world;
         if op == ReduceOp::Avg && coll.reduces() && out_len > 0 && world > 1 {
-            let off = in_place.map_or(0, |(_, oo)| oo * es);
+            let off = in_place.map_or(0, |(_, oo)| oo * dtype.size());
             // SAFETY: `raw.output` is the caller's output buffer (or the in-place buffer) of
-            // `raw.output_len >= off + out_len` bytes, checked above, borrowed mutably for
-            // this call.
+            // `raw.output_len >= off + out_len` bytes, checked by `check_call`, borrowed
+            // mutably for this call.
             let out = unsafe { std::slice::from_raw_parts_mut(raw.output.add(off), out_len) };
             crate::reduce::divide(dtype, out, world);
         }
-        Ok(())
     }
 
     /// Runs one call on checked buffers under the state lock: its sequence number, its
@@ -643,12 +708,23 @@ impl Communicator {
         timeout: Duration,
         metered: bool,
     ) -> Result<()> {
-        let (rank, world) = (self.inner.rank, self.inner.world);
-        let es = dtype.size();
-        let invalid = |msg: String| Error::InvalidArgument {
-            rank,
-            msg: format!("{}: {msg}", coll.name()),
-        };
+        self.check_usable(st, coll)?;
+        let call = self.prepare(st, coll, dtype, op, in_place)?;
+        let probe = &self.inner.probe;
+        let id = flight::start(probe, &call.info());
+        st.engine.metering = metered;
+        let r = st
+            .engine
+            .execute(&call.plan, &call.desc, dtype, op, raw, in_place, timeout);
+        st.engine.metering = false;
+        flight::end(probe, id, &call.desc, &r);
+        r.map_err(|e| self.failed(st, e))
+    }
+
+    /// Fails at once if the communicator can no longer run calls (an earlier call failed, or
+    /// it was aborted).
+    fn check_usable(&self, st: &State, coll: &Collective) -> Result<()> {
+        let rank = self.inner.rank;
         if let Some(first) = &st.poisoned {
             return Err(Error::Poisoned {
                 rank,
@@ -662,6 +738,25 @@ impl Communicator {
                 reason: self.inner.abort.reason().into(),
             });
         }
+        Ok(())
+    }
+
+    /// Numbers a call and finds its schedule (cached per request), logging the choice the
+    /// first time (`OXCCL_DEBUG=INFO`).
+    fn prepare(
+        &self,
+        st: &mut State,
+        coll: &Collective,
+        dtype: DataType,
+        op: ReduceOp,
+        in_place: Option<(usize, usize)>,
+    ) -> Result<Prepared> {
+        let rank = self.inner.rank;
+        let es = dtype.size();
+        let invalid = |msg: String| Error::InvalidArgument {
+            rank,
+            msg: format!("{}: {msg}", coll.name()),
+        };
         let seq = match coll {
             Collective::Send { peer, .. } | Collective::Recv { peer, .. } => {
                 let s = st
@@ -689,11 +784,12 @@ impl Communicator {
             .request(coll, dtype.size(), rank, in_place.is_some());
         let (algo, chunk, channels) = (req.algo, req.chunk, req.channels);
         let key = (req, es as u8);
+        let from_last = matches!(&st.last, Some((k, _)) if *k == key);
         let hit = match &st.last {
-            Some((k, s)) if *k == key => Some(s.clone()),
+            Some((_, s)) if from_last => Some(s.clone()),
             _ => st.cache.get(&key).cloned(),
         };
-        let sched = match hit {
+        let plan = match hit {
             Some(s) => s,
             None => {
                 // The mailbox protocol must be chosen alike at both ends of a link: not where
@@ -709,10 +805,10 @@ impl Communicator {
                 s
             }
         };
-        if !matches!(&st.last, Some((k, _)) if *k == key) {
-            st.last = Some((key, sched.clone()));
+        if !from_last {
+            st.last = Some((key, plan.clone()));
         }
-        let protocol = if st.engine.uses_mailbox(&sched, es) {
+        let protocol = if st.engine.uses_mailbox(&plan, es) {
             "mailbox"
         } else {
             "slots"
@@ -725,49 +821,40 @@ impl Communicator {
                 algo.name(),
                 channels,
                 (chunk * es) >> 10,
-                sched.sched.steps.len()
+                plan.sched.steps.len()
             ));
         }
-        let probe = &self.inner.probe;
-        let id = flight::start(
-            probe,
-            &CallInfo {
-                desc: &desc,
-                algorithm: algo.name(),
-                protocol,
-                steps: sched.sched.steps.len(),
-            },
-        );
-        st.engine.metering = metered;
-        let r = st
-            .engine
-            .execute(&sched, &desc, dtype, op, raw, in_place, timeout);
-        st.engine.metering = false;
-        flight::end(probe, id, &desc, &r);
-        if let Err(e) = r {
-            match &e {
-                Error::Aborted { .. } if self.inner.abort.is_set() => st.engine.notify_abort(),
-                // Pass a failure on, unless it was passed to us.
-                Error::PeerFailed { peer, .. } if *peer < world => {
-                    if st.engine.failed_by_notice {
-                        st.engine.remember_failure(*peer)
-                    } else {
-                        st.engine.notify_failure(*peer)
-                    }
+        Ok(Prepared {
+            desc,
+            plan,
+            algorithm: algo.name(),
+            protocol,
+        })
+    }
+
+    /// After a call failed: tells the peers what they need to know, poisons the
+    /// communicator, logs and dumps the flight recorder; returns the error.
+    fn failed(&self, st: &mut State, e: Error) -> Error {
+        let (rank, world) = (self.inner.rank, self.inner.world);
+        match &e {
+            Error::Aborted { .. } if self.inner.abort.is_set() => st.engine.notify_abort(),
+            // Pass a failure on, unless it was passed to us.
+            Error::PeerFailed { peer, .. } if *peer < world => {
+                if st.engine.failed_by_notice {
+                    st.engine.remember_failure(*peer)
+                } else {
+                    st.engine.notify_failure(*peer)
                 }
-                // This rank's own call failed: tell the peers, which would otherwise wait.
-                Error::Verbs { .. } | Error::InvalidArgument { .. } => {
-                    st.engine.notify_failure(rank)
-                }
-                Error::Timeout { .. } => st.engine.request_dumps(),
-                _ => {}
             }
-            st.poisoned = Some(e.to_string());
-            crate::log_warn(e.to_string());
-            flight::dump_on_error(probe, &e);
-            return Err(e);
+            // This rank's own call failed: tell the peers, which would otherwise wait.
+            Error::Verbs { .. } | Error::InvalidArgument { .. } => st.engine.notify_failure(rank),
+            Error::Timeout { .. } => st.engine.request_dumps(),
+            _ => {}
         }
-        Ok(())
+        st.poisoned = Some(e.to_string());
+        crate::log_warn(e.to_string());
+        flight::dump_on_error(&self.inner.probe, &e);
+        e
     }
 
     fn typed<T: Element>(
@@ -1022,10 +1109,8 @@ impl Communicator {
         R: Send + 'static,
         F: FnOnce(&Communicator) -> Result<R> + Send + 'static,
     {
-        let (tx, rx) = mpsc::channel();
-        let job: Job = Box::new(move |c: &Communicator| {
-            let _ = tx.send(f(c));
-        });
+        let (work, done) = work::pair(self.inner.rank);
+        let job: Job = Box::new(move |c: &Communicator| done.complete(f(c)));
         {
             let mut p = self
                 .inner
@@ -1046,11 +1131,7 @@ impl Communicator {
                 .unwrap_or_else(|e| e.into_inner());
             *p -= 1;
         }
-        Work {
-            rx,
-            rank: self.inner.rank,
-            result: None,
-        }
+        work
     }
 
     /// Non-blocking in-place all-reduce of an owned buffer, returned by [`Work::wait`].
@@ -1222,45 +1303,6 @@ fn spawn_worker(inner: Weak<Inner>) -> mpsc::Sender<Job> {
         })
         .expect("spawning the oxccl worker thread");
     tx
-}
-
-/// A non-blocking call's handle (see [`Communicator::submit`]).
-pub struct Work<R> {
-    rx: mpsc::Receiver<Result<R>>,
-    rank: usize,
-    result: Option<Result<R>>,
-}
-
-impl<R> Work<R> {
-    /// Whether the call has finished (successfully or not).
-    pub fn test(&mut self) -> bool {
-        if self.result.is_none()
-            && let Ok(r) = self.rx.try_recv()
-        {
-            self.result = Some(r);
-        }
-        self.result.is_some()
-    }
-
-    /// Waits up to `timeout` for the call: its result, or [`Error::WaitTimeout`] if it has not
-    /// finished (the handle stays usable: wait again).
-    pub fn wait(&mut self, timeout: Duration) -> Result<R> {
-        if let Some(r) = self.result.take() {
-            return r;
-        }
-        match self.rx.recv_timeout(timeout) {
-            Ok(r) => r,
-            Err(mpsc::RecvTimeoutError::Timeout) => Err(Error::WaitTimeout {
-                rank: self.rank,
-                timeout,
-            }),
-            Err(mpsc::RecvTimeoutError::Disconnected) => Err(Error::Aborted {
-                rank: self.rank,
-                op: "submitted work".into(),
-                reason: "the communicator was dropped before the work ran, or it panicked".into(),
-            }),
-        }
-    }
 }
 
 #[cfg(test)]

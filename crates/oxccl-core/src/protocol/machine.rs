@@ -139,21 +139,32 @@ impl Flows {
     /// Hands every queue's turns to the first of `calls` (in group order) that still
     /// receives or posts on it ([`Machine::receiving_on`], [`Machine::sending_on`]); with no
     /// call left on a queue, back to call 0.
-    pub fn pass_turns(&mut self, calls: &[Machine<'_>]) {
+    pub fn pass_turns<'m, 'a: 'm, I>(&mut self, calls: I)
+    where
+        I: IntoIterator<Item = &'m Machine<'a>> + Clone,
+    {
         for (q, f) in self.q.iter_mut().enumerate() {
-            f.recv_turn = calls.iter().position(|m| m.receiving_on(q)).unwrap_or(0) as u32;
-            f.send_turn = calls.iter().position(|m| m.sending_on(q)).unwrap_or(0) as u32;
+            let mut recv = None;
+            let mut send = None;
+            for (i, m) in calls.clone().into_iter().enumerate() {
+                if recv.is_none() && m.receiving_on(q) {
+                    recv = Some(i as u32);
+                }
+                if send.is_none() && m.sending_on(q) {
+                    send = Some(i as u32);
+                }
+            }
+            f.recv_turn = recv.unwrap_or(0);
+            f.send_turn = send.unwrap_or(0);
         }
     }
 
-    /// Number of queues.
-    pub fn len(&self) -> usize {
-        self.q.len()
-    }
-
-    /// Whether there are no queues (no peers).
-    pub fn is_empty(&self) -> bool {
-        self.q.is_empty()
+    /// Gives every queue back to a call alone (number 0).
+    pub fn reset_turns(&mut self) {
+        for f in &mut self.q {
+            f.recv_turn = 0;
+            f.send_turn = 0;
+        }
     }
 
     /// A data fragment arrived in `slot` of queue `q`.
@@ -723,12 +734,21 @@ impl<'a> Machine<'a> {
                     }
                 }
             }
+            // A mailbox call has at most one message each way per queue: taking it moves the
+            // queue's head past it, as a slot call's last fragment does.
             Action::Recv {
                 step,
+                q,
                 mailbox: true,
                 ..
+            } => {
+                self.recv_at[q] += 1;
+                self.finish(step);
             }
-            | Action::MailboxSend { step, .. } => self.finish(step),
+            Action::MailboxSend { step, q, .. } => {
+                self.send_at[q] += 1;
+                self.finish(step);
+            }
             Action::Recv { step, q, .. } => {
                 let f = &mut flows.q[q];
                 f.arrived.pop_front();
@@ -1483,6 +1503,9 @@ mod tests {
             arrived.set(true);
         }
         assert!(m.is_done());
+        // Done with its peer: a failed link to it does not concern this call any more.
+        assert!(!m.receiving_on(0) && !m.sending_on(0));
+        assert_eq!(m.needs_link(0), (false, false));
         assert_eq!(
             seen,
             [

@@ -4,7 +4,8 @@
 //! code or from a topology file, [`topo_file`]) and a [`Spec`] (the collective, its size,
 //! overrides) go into [`simulate`], which builds every rank's schedule with the runtime's
 //! own tuner and [`oxccl_core::schedule::build`] and runs them over the fabric: flows share links
-//! max-min fairly ([`engine`]), steps start as the executor starts them ([`run`] has the
+//! max-min fairly ([`engine`]), steps run as the executor runs them, under the protocol of
+//! [`oxccl_core::protocol`] (its fragments, slots, credits and mailboxes; [`run`] has the
 //! model and its assumptions), and the [`Report`] has the predicted time, each rank's finish,
 //! each link's bytes and busy time, and optionally a trace. Symmetric fabrics run one rank
 //! per orbit of their symmetry ([`sym`], [`run`]).

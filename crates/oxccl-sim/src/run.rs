@@ -8,40 +8,90 @@
 //! makes the steps (for an [`Algorithm::Aggregation`] all-reduce,
 //! [`oxccl_core::schedule::build_aggregator`] makes the aggregator's, which runs in the
 //! fabric's aggregating switch, [`Fabric::aggregator`]).
-//! Steps run as the executor runs them:
+//! Steps run as the executor runs them, under the executor's own protocol: the numbers and
+//! rules of its flow control come from [`oxccl_core::protocol`] (see *What comes from the
+//! core* below):
 //!
+//! - The protocol's configuration is the runtime's: [`Geometry::config`] of the geometry the
+//!   communicator would build (`slot_data` = the tuner's slice [`Tuning::chunk_bytes`], as
+//!   the runtime sizes its slots by `OXCCL_CHUNK_SIZE`; [`Tuning::slots`] slots per queue),
+//!   so a transfer of `b` bytes moves in [`Config::fragments`]`(b)` fragments of at most
+//!   `slot_data` bytes (an empty transfer is one empty fragment), fragments up to
+//!   [`INLINE`] bytes are copied into the staging region when posted, and a receiver returns
+//!   a credit every [`Config::credit_every`] (`slots / 2`) fragments.
 //! - Per (peer, channel) a rank's sends form one FIFO queue and its receives another, in step
 //!   order. The `n`-th send from `a` to `b` on channel `c` is received by the `n`-th receive
-//!   at `b` from `a` on `c`.
+//!   at `b` from `a` on `c`; their `k`-th fragments are the same bytes.
 //! - A send starts when its dependencies are done and it is at the head of its queue. The
-//!   rank first *posts* it: `fragments × per_message_s` of the rank's time
-//!   (`scaleup_per_message_s` to a rank of its own host), where a transfer
-//!   moves in fragments of `chunk` elements (at least one); then the next send of the queue
-//!   may be posted. A posted send's bytes leave as one *flow* over
-//!   `fabric.route(a, b, channel)` once the previous flow of its queue has left (a queue is
-//!   one connection: its messages leave in order). The send is done when its flow has left
-//!   the sender (its last byte is on the wire).
+//!   rank *posts* its fragments one after another, each only while the receiver has a free
+//!   slot as the sender knows it ([`Flow::free`]: fragments posted minus the receiver's last
+//!   reported consumed count, below `slots`); a post takes `per_message_s` of the rank's time
+//!   (`scaleup_per_message_s` to a rank of its own host), plus the copy of an inline
+//!   fragment (`bytes / reduce_bytes_per_s`). Once the head's last fragment is posted, the
+//!   next send of the queue may post.
+//! - Each posted fragment leaves as one *flow* over `fabric.route(a, b, channel)` once the
+//!   previous fragment of its queue has left (a queue is one connection: its fragments leave
+//!   in order). The send is done when every fragment is posted and every signaled one (above
+//!   [`INLINE`] bytes) has left the sender, its last byte on the wire (its completion; an
+//!   inline fragment's is not awaited).
 //! - A flow shares every link it crosses max-min fairly with the other flows (progressive
 //!   filling, recomputed whenever flows start or end; see [`crate::engine`]). It occupies all
 //!   its links from its start until its last byte leaves (a fluid model), and its last byte
 //!   arrives the sum of the route's link latencies later.
-//! - A receive completes once its dependencies are done, it is at the head of its queue and
-//!   its flow has fully arrived, after its reduction (`bytes / reduce_bytes_per_s`) when it
+//! - A receive at the head of its queue, its dependencies done, consumes its fragments in
+//!   order as they arrive, each after its reduction (`bytes / reduce_bytes_per_s`) when it
 //!   reduces (`reduce_with`); a plain receive costs nothing more (the data is written in
-//!   place).
-//! - Flow control as the executor's receive slots: a queue's messages take
-//!   `⌈elements / chunk⌉` slots each, and a message leaves only while the messages sent but
-//!   not yet received (consumed) on that queue hold fewer than [`Tuning::slots`] slots with
-//!   it (one message always may). A consumed message returns its slots at once (the credit's
-//!   own latency is not modelled).
+//!   place). It is done when its last fragment is consumed.
+//! - Credits as the executor returns them: a receiver consumes what has arrived on a queue
+//!   and then, if [`Flows::credit_due`] (`credit_every` fragments consumed since its last
+//!   report), returns its consumed count: a small message back, which leaves once the
+//!   receiver's thread has done the work that was ready when the credit became due (the
+//!   executor returns credits at the end of its pass, after its posts and local steps) and
+//!   arrives at the sender the reverse direction's per-message time (`per_message_s`, or
+//!   `scaleup_per_message_s` inside a host: the one-way time of a small write) plus the
+//!   latency of the reverse route later ([`Flows::credit`]: only then do its slots count as
+//!   free). Its bytes and the post's own CPU time are not modelled. A credit that is not due
+//!   at the end of the call stays owed, as in the executor; every queue starts empty (a
+//!   fresh communicator's first call).
+//! - The mailbox protocol where the runtime would use it: a rank whose schedule is
+//!   [`mailbox_eligible`] (every peer it talks to on its own host, the runtime's shm links,
+//!   one message each way of at most [`MAILBOX_DATA`] bytes) runs the call in mailbox mode:
+//!   each message is one write (one post, plus its copy into the staging mailbox) that leaves
+//!   as one flow, with no slots, no credits and no completion (the send is done when posted);
+//!   steps run as their dependencies allow, a receive once its message has arrived. Both
+//!   ends of a queue must agree (the runtime decides per rank; a rank in mailbox mode talking
+//!   to one that is not would wait forever), else the simulation fails saying so.
 //! - Local steps run when their dependencies are done: a reduce costs
 //!   `bytes / reduce_bytes_per_s`, and so does a copy (a copy is memory bound like a
 //!   reduction), except a copy between the same memory (skipped, as the executor skips it).
-//! - A rank does one thing at a time: posting sends, reductions and local steps take turns on
-//!   its single thread in the order they became ready (zero-cost work never waits).
-//! - The aggregator (a switch) reduces at its own rate and posts at no cost (hardware).
+//! - A rank does one thing at a time: posting fragments, reductions and local steps take
+//!   turns on its single thread in the order they became ready (zero-cost work never waits).
+//! - The aggregator (a switch) reduces at its own rate and posts at no cost (hardware); it
+//!   runs the same slots and credits.
 //!
 //! The collective's time is when the last rank's last step is done.
+//!
+//! # What comes from the core
+//!
+//! The configuration ([`Config`] through the runtime's [`Geometry`]: fragment count and
+//! sizes, slots, the credit period, the inline threshold), each queue's flow-control state
+//! ([`Flows`]: fragments posted, the credit the sender knows, the fragments arrived, consumed
+//! and reported, changed by [`Flows::post`], [`Flows::credit`], [`Flows::arrived`],
+//! [`Flows::consume`] and [`Flows::credit_sent`] as the executor's actions change them; the
+//! window [`Flow::free`] and the credit rule [`Flows::credit_due`]), and which calls run in
+//! mailboxes ([`mailbox_eligible`], [`MAILBOX_DATA`]). What the simulator does itself is the
+//! walk of the schedule that [`oxccl_core::protocol::Machine`] does for the executor and the
+//! verifier: which step is at the head of its queue, whether its dependencies are done,
+//! which fragment is next. It does not drive `Machine` because a `Machine` walks its call in
+//! *passes* over every queue and every pending local step of its rank (O(queues + local
+//! steps) per pass, and here there would be one pass per event) over the full [`Schedule`]
+//! (a heap vector of dependencies per step): a 16,384-rank 1 GiB all-reduce
+//! (`examples/topologies/cluster-2048x8.toml`) keeps the 16.7 million steps of its 256
+//! simulated ranks in 16-byte records and advances by events, where schedules and machines
+//! would take gigabytes and a pass per event. The walk's rules are the `Machine`'s (queue
+//! heads, dependencies, fragments in order, a receive done when its last fragment is
+//! consumed, a send when every fragment is posted and every signaled one completed); the
+//! time each action takes is the fabric's.
 //!
 //! # Symmetry
 //!
@@ -65,11 +115,17 @@
 //! [`APPROXIMATE_ABOVE_STEPS`]); above, symmetrised as if every rank ran its
 //! representative's schedule, and [`Report::approximate`] says so.
 //!
-//! Costs: schedules are built on two threads and kept in a compact form (one 32-byte record
-//! per step); the event loop is sequential.
+//! Costs: schedules are built on two threads and kept in a compact form (one 16-byte record
+//! per step, its dependents in one list per rank); the event loop is sequential, and bound
+//! by the memory it touches: each queue's cursor keeps what it needs of its step
+//! (`Cursor`), so that a step's record is read when a cursor reaches it and written when it
+//! is done, and the queues follow links between their steps instead of lists.
 
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 
+use oxccl_core::protocol::{Config, Flows, Geometry, MAILBOX_DATA, mailbox_eligible};
+#[cfg(doc)]
+use oxccl_core::protocol::{Flow, INLINE};
 use oxccl_core::schedule::{Algorithm, Buf, Collective, Op, Region, Schedule};
 use oxccl_core::tuner::Tuning;
 
@@ -171,8 +227,10 @@ pub struct Report {
     pub approximate: bool,
     /// Steps simulated (of the simulated ranks and the aggregator).
     pub steps: u64,
-    /// Flows simulated.
+    /// Flows simulated (one per fragment, or per mailbox message).
     pub flows: u64,
+    /// Credits returned (receivers reporting their consumed count to their senders).
+    pub credits: u64,
 }
 
 /// The runtime's view of `fabric` for its tuner: [`Fabric::topology`]; when that knows no
@@ -324,7 +382,22 @@ pub fn simulate_with(fabric: &Fabric, spec: &Spec, opts: &Options) -> Result<Rep
         let in_place = spec.in_place;
         move |a: Region, b: Region| copy_skipped(coll, world, r, in_place, a, b)
     };
-    let compact = |r: usize, s: Schedule| Part::new(r, s, spec, world, agg_node.is_some());
+    // The mailbox protocol where the runtime would use it: every peer on the rank's own
+    // host (the runtime's shm links; the aggregator is none).
+    let host = |r: usize| match fabric.nodes[r].kind {
+        NodeKind::Rank { host } => Some(host),
+        NodeKind::Switch { .. } => None,
+    };
+    let mailbox = |r: usize, s: &Schedule| {
+        r < world
+            && mailbox_eligible(s, world, spec.elem_size, MAILBOX_DATA, |p| {
+                p < world && host(p) == host(r)
+            })
+    };
+    let compact = |r: usize, s: Schedule| {
+        let mb = mailbox(r, &s);
+        Part::new(r, s, spec, world, agg_node.is_some(), mb)
+    };
 
     // Symmetry: the rank cycles of the generator, if the schedules are invariant.
     let mut parts: Vec<Part> = Vec::new();
@@ -476,41 +549,81 @@ fn copy_skipped(
     addr(a) == addr(b)
 }
 
-/// A send queue of a participant.
+/// A send queue of a participant. Its flow control (fragments posted, the credit it knows)
+/// is its entry in [`Part::sends`].
 #[derive(Debug)]
 struct SendQ {
     peer: usize,
     ch: u8,
+    /// Its steps, in order (for the checks before the run; the run follows [`St::next`]).
     steps: Vec<u32>,
-    /// Next step to post.
-    post: usize,
+    /// The step being posted (`NONE` once all are) and its fragments posted so far.
+    post: u32,
+    post_frag: u32,
+    /// The step being posted, as the run needs it (see [`Cursor`]).
+    post_at: Cursor,
+    /// A post is under way.
     posting: bool,
-    /// Steps posted, and the next to transmit.
-    posted: usize,
-    xmit: usize,
+    /// The next fragment to leave (step, fragment), or the one leaving while `busy`: those
+    /// from here up to `(post, post_frag)` are posted and wait for the connection (steps of
+    /// a queue are in schedule order, so the pairs compare as positions).
+    xmit: u32,
+    xmit_frag: u32,
+    xmit_at: Cursor,
     busy: bool,
     /// Its route (index into `Sim::route_list`).
     route: u32,
     /// The receiving participant and its receive queue, once known.
     target: Option<(u32, u32)>,
-    /// Slots held by messages that left and are not received yet.
-    inflight: u64,
     /// Cost of posting one fragment (the network's or the host's).
     per_message_s: f64,
+    /// A credit's time from the receiver back to this sender: the reverse direction's
+    /// per-message time and the reverse route's latency.
+    credit_delay: f64,
+    /// Credits on their way back: the consumed counts they carry, oldest first.
+    credits: VecDeque<u64>,
 }
 
-/// A receive queue.
+/// A receive queue. Its flow control (fragments arrived, consumed, reported) is its entry in
+/// [`Part::recvs`].
 #[derive(Debug)]
 struct RecvQ {
     peer: usize,
     ch: u8,
+    /// Its steps, in order (for the checks before the run; the run follows [`St::next`]).
     steps: Vec<u32>,
-    head: usize,
+    /// The receive at the head (`NONE` once all are done) and its fragments consumed so far.
+    head: u32,
+    head_frag: u32,
+    head_at: Cursor,
+    /// A fragment is being consumed (the thread reduces it).
+    consuming: bool,
     /// The send queue (participant, queue) whose messages it receives: where its credits go.
     source: Option<(u32, u32)>,
 }
 
+/// What the run needs of the step a queue's cursor is on, read once when the cursor gets
+/// there, so that the run touches a step's record only then and when the step is done (it
+/// is bound by the memory it touches).
+#[derive(Clone, Copy, Debug, Default)]
+struct Cursor {
+    /// Bytes of the transfer.
+    bytes: usize,
+    /// Its fragments.
+    frags: u32,
+    /// Its last signaled fragment (`NONE`: every fragment is inline, or a mailbox message).
+    last_signaled: u32,
+    /// The next step of the queue.
+    next: u32,
+    /// Its dependencies are done.
+    ready: bool,
+    /// A receive that reduces.
+    reduces: bool,
+}
+
 const NO_Q: u32 = u32::MAX;
+/// No step (the end of a queue).
+const NONE: u32 = u32::MAX;
 
 /// Step kinds.
 const SEND: u8 = 0;
@@ -520,26 +633,66 @@ const COPY: u8 = 3;
 const COPY_SKIPPED: u8 = 4;
 const REDUCE: u8 = 5;
 
-/// Step flags.
-const ARRIVED: u8 = 1;
-const STARTED: u8 = 2;
+/// The kind's bits of [`St::kf`], and its flag: the step is done.
+const KIND: u8 = 7;
+const DONE: u8 = 8;
 
-/// A step in compact form (one cache line holds two).
+/// Fragments of a message of `bytes` (one in mailbox mode).
+fn frags(cfg: &Config, mailbox: bool, bytes: usize) -> u32 {
+    if mailbox {
+        1
+    } else {
+        cfg.fragments(bytes) as u32
+    }
+}
+
+/// Bytes of fragment `k` of a message of `bytes`.
+fn frag_len(cfg: &Config, mailbox: bool, bytes: usize, k: u32) -> usize {
+    if mailbox {
+        bytes
+    } else {
+        cfg.fragment(bytes, k as usize).1
+    }
+}
+
+/// The last fragment of a message of `bytes` whose completion its send awaits (`None`: every
+/// fragment is inline). Only the last fragment can be shorter than the others, so it is the
+/// last or the one before.
+fn last_signaled(cfg: &Config, bytes: usize) -> Option<u32> {
+    let n = cfg.fragments(bytes);
+    (n.saturating_sub(2)..n)
+        .rev()
+        .find(|&k| cfg.fragment(bytes, k).1 > cfg.inline_max)
+        .map(|k| k as u32)
+}
+
+/// A step in compact form, 16 bytes (four to a cache line: the run is bound by the memory
+/// it touches).
 #[derive(Clone, Copy, Debug)]
 struct St {
-    /// Elements moved, reduced or copied.
-    elems: u64,
+    /// Elements moved, reduced or copied (`u32::MAX`: more, in [`Part::big`]).
+    elems: u32,
     /// Its queue (send or receive; `NO_Q` for a local step).
     queue: u32,
-    /// Its place in its queue.
-    qpos: u32,
-    /// Its dependents: `dep_list[dep_a..dep_b]`.
-    dep_a: u32,
-    dep_b: u32,
-    /// Dependencies not done yet.
-    ndeps: u32,
-    kind: u8,
-    flags: u8,
+    /// The next step of its queue (`NONE` for the last): the queues' cursors follow these,
+    /// so that the run reads no list beside the steps.
+    next: u32,
+    /// Dependencies not done yet (`u16::MAX`: more, in [`Part::many`]).
+    ndeps: u16,
+    /// The kind (`KIND` bits) and the flags.
+    kf: u8,
+}
+
+impl St {
+    fn kind(&self) -> u8 {
+        self.kf & KIND
+    }
+    fn has(&self, flag: u8) -> bool {
+        self.kf & flag != 0
+    }
+    fn set(&mut self, flag: u8) {
+        self.kf |= flag;
+    }
 }
 
 /// A simulated participant (a rank or the aggregator), its schedule in compact form.
@@ -548,26 +701,73 @@ struct Part {
     node: usize,
     /// The steps.
     st: Vec<St>,
-    /// Dependents of every step (`St::dep_a..St::dep_b`).
+    /// Dependents of every step: step `s`'s are `dep_list[dep_at[s]..dep_at[s + 1]]`.
+    dep_at: Vec<u32>,
     dep_list: Vec<u32>,
+    /// Element counts of steps above `u32::MAX - 1` elements, and dependency counts of steps
+    /// waiting for `u16::MAX` or more (rare: kept aside to keep [`St`] small).
+    big: HashMap<u32, u64>,
+    many: HashMap<u32, u32>,
     sendq: Vec<SendQ>,
     recvq: Vec<RecvQ>,
     recv_index: HashMap<(usize, u8), u32>,
+    /// The core's flow-control state of every send queue and of every receive queue (one
+    /// [`Flows`] queue each, indexed as `sendq` and `recvq`).
+    sends: Flows,
+    recvs: Flows,
+    /// The call runs in mailbox mode ([`mailbox_eligible`]).
+    mailbox: bool,
     begin: Vec<f64>,
     cpu_free: f64,
     reduce_rate: f64,
-    per_message_s: f64,
+    /// Rate of the copies into the staging region (inline fragments, mailbox messages).
+    copy_rate: f64,
     left: usize,
     done_at: f64,
 }
 
+/// Elements of step `i` of `st` (see [`Part::big`]).
+fn elems_of(st: &[St], big: &HashMap<u32, u64>, i: usize) -> u64 {
+    match st[i].elems {
+        u32::MAX => big[&(i as u32)],
+        e => e as u64,
+    }
+}
+
 impl Part {
+    /// Elements of step `i`.
+    fn elems(&self, i: usize) -> u64 {
+        elems_of(&self.st, &self.big, i)
+    }
+
+    /// Bytes of step `i` on elements of `elem` bytes.
+    fn bytes(&self, i: usize, elem: usize) -> usize {
+        self.elems(i) as usize * elem
+    }
+
+    /// One dependency of step `i` is done: whether all are now.
+    fn dep_done(&mut self, i: usize) -> bool {
+        let st = &mut self.st[i];
+        if st.ndeps < u16::MAX {
+            st.ndeps -= 1;
+            return st.ndeps == 0;
+        }
+        let m = self.many.get_mut(&(i as u32)).expect("counted aside");
+        *m -= 1;
+        if *m < u16::MAX as u32 {
+            st.ndeps = *m as u16;
+            self.many.remove(&(i as u32));
+        }
+        false
+    }
+
     fn new(
         rank: usize,
         sched: Schedule,
         spec: &Spec,
         world: usize,
         agg: bool,
+        mailbox: bool,
     ) -> Result<Part, String> {
         let n = sched.steps.len();
         let mut ndeps = vec![0u32; n];
@@ -593,18 +793,31 @@ impl Part {
                 fill[d as usize] += 1;
             }
         }
+        let mut many = HashMap::new();
         let mut st: Vec<St> = (0..n)
             .map(|i| St {
                 elems: 0,
                 queue: NO_Q,
-                qpos: 0,
-                dep_a: dep_at[i],
-                dep_b: dep_at[i + 1],
-                ndeps: ndeps[i],
-                kind: 0,
-                flags: 0,
+                next: NONE,
+                ndeps: if ndeps[i] >= u16::MAX as u32 {
+                    many.insert(i as u32, ndeps[i]);
+                    u16::MAX
+                } else {
+                    ndeps[i] as u16
+                },
+                kf: 0,
             })
             .collect();
+        let mut big = HashMap::new();
+        let mut set = |st: &mut St, s: usize, kind: u8, elems: usize| {
+            st.kf = kind;
+            st.elems = if elems >= u32::MAX as usize {
+                big.insert(s as u32, elems as u64);
+                u32::MAX
+            } else {
+                elems as u32
+            };
+        };
         let mut sendq: Vec<SendQ> = Vec::new();
         let mut recvq: Vec<RecvQ> = Vec::new();
         let mut send_index: HashMap<(usize, u8), u32> = HashMap::new();
@@ -621,22 +834,24 @@ impl Part {
                             peer,
                             ch: channel,
                             steps: Vec::new(),
-                            post: 0,
+                            post: NONE,
+                            post_frag: 0,
+                            post_at: Cursor::default(),
                             posting: false,
-                            posted: 0,
-                            xmit: 0,
+                            xmit: NONE,
+                            xmit_frag: 0,
+                            xmit_at: Cursor::default(),
                             busy: false,
                             route: 0,
                             target: None,
-                            inflight: 0,
                             per_message_s: 0.0,
+                            credit_delay: 0.0,
+                            credits: VecDeque::new(),
                         });
                         (sendq.len() - 1) as u32
                     });
-                    st[s].kind = SEND;
-                    st[s].elems = src.len as u64;
+                    set(&mut st[s], s, SEND, src.len);
                     st[s].queue = q;
-                    st[s].qpos = sendq[q as usize].steps.len() as u32;
                     sendq[q as usize].steps.push(s as u32);
                 }
                 Op::Recv {
@@ -653,41 +868,66 @@ impl Part {
                             peer,
                             ch: channel,
                             steps: Vec::new(),
-                            head: 0,
+                            head: NONE,
+                            head_frag: 0,
+                            head_at: Cursor::default(),
+                            consuming: false,
                             source: None,
                         });
                         (recvq.len() - 1) as u32
                     });
-                    st[s].kind = if reduce_with.is_some() {
+                    let kind = if reduce_with.is_some() {
                         RECV_REDUCE
                     } else {
                         RECV
                     };
-                    st[s].elems = dst.len as u64;
+                    set(&mut st[s], s, kind, dst.len);
                     st[s].queue = q;
-                    st[s].qpos = recvq[q as usize].steps.len() as u32;
                     recvq[q as usize].steps.push(s as u32);
                 }
                 Op::Copy { src, dst } => {
                     let same = copy_skipped(&spec.coll, world, rank, spec.in_place, src, dst);
-                    st[s].kind = if same { COPY_SKIPPED } else { COPY };
-                    st[s].elems = src.len as u64;
+                    set(
+                        &mut st[s],
+                        s,
+                        if same { COPY_SKIPPED } else { COPY },
+                        src.len,
+                    );
                 }
                 Op::Reduce { dst, .. } => {
-                    st[s].kind = REDUCE;
-                    st[s].elems = dst.len as u64;
+                    set(&mut st[s], s, REDUCE, dst.len);
                 }
             }
         }
         drop(sched);
+        // Link each queue's steps, and put its cursors on its first.
+        for sq in &mut sendq {
+            for w in sq.steps.windows(2) {
+                st[w[0] as usize].next = w[1];
+            }
+            sq.post = sq.steps.first().copied().unwrap_or(NONE);
+            sq.xmit = sq.post;
+        }
+        for rq in &mut recvq {
+            for w in rq.steps.windows(2) {
+                st[w[0] as usize].next = w[1];
+            }
+            rq.head = rq.steps.first().copied().unwrap_or(NONE);
+        }
         Ok(Part {
             rank,
             node: rank,
             st,
+            dep_at,
             dep_list,
+            big,
+            many,
+            sends: Flows::new(sendq.len(), 1),
+            recvs: Flows::new(recvq.len(), 1),
             sendq,
             recvq,
             recv_index,
+            mailbox,
             begin: if spec.trace {
                 vec![f64::NAN; n]
             } else {
@@ -695,49 +935,83 @@ impl Part {
             },
             cpu_free: 0.0,
             reduce_rate: 0.0,
-            per_message_s: 0.0,
+            copy_rate: f64::INFINITY,
             left: n,
             done_at: 0.0,
         })
     }
 }
 
+/// Something that happens to a participant (`p`): timed in the event queue, or due now in
+/// the work list.
 #[derive(Clone, Copy, Debug)]
 enum Ev {
-    /// A participant's thread finished work on a step.
-    Cpu(u32, u32),
-    /// A send with no flow (no bytes, or no link) drained.
+    /// The thread finished posting a fragment of send queue `q`: `Posted(p, q)`.
+    Posted(u32, u32),
+    /// The thread finished consuming a fragment of receive queue `rq`.
+    Consumed(u32, u32),
+    /// The thread finished local step `s`.
+    LocalDone(u32, u32),
+    /// The fragment leaving send queue `q` has left (a fragment without a flow, no bytes or
+    /// no link, leaves at once).
     Drained(u32, u32),
-    /// A receive's data arrived.
+    /// A fragment arrived at receive queue `rq`.
     Arrive(u32, u32),
+    /// A credit arrived at send queue `q`.
+    Credit(u32, u32),
+    /// Step `s`'s dependencies are done.
+    DepsDone(u32, u32),
+    /// Receive queue `rq` returns the credit it owes, if it still does.
+    ReturnCredit(u32, u32),
+}
+
+impl Ev {
+    fn pack(self) -> u64 {
+        let (k, p, s) = match self {
+            Ev::Posted(p, s) => (0u64, p, s),
+            Ev::Consumed(p, s) => (1, p, s),
+            Ev::LocalDone(p, s) => (2, p, s),
+            Ev::Drained(p, s) => (3, p, s),
+            Ev::Arrive(p, s) => (4, p, s),
+            Ev::Credit(p, s) => (5, p, s),
+            Ev::DepsDone(p, s) => (6, p, s),
+            Ev::ReturnCredit(p, s) => (7, p, s),
+        };
+        debug_assert!(p < 1 << 29);
+        k << 61 | (p as u64) << 32 | s as u64
+    }
+
+    fn unpack(x: u64) -> Ev {
+        let (p, s) = (((x >> 32) & 0x1fff_ffff) as u32, x as u32);
+        match x >> 61 {
+            0 => Ev::Posted(p, s),
+            1 => Ev::Consumed(p, s),
+            2 => Ev::LocalDone(p, s),
+            3 => Ev::Drained(p, s),
+            4 => Ev::Arrive(p, s),
+            5 => Ev::Credit(p, s),
+            6 => Ev::DepsDone(p, s),
+            _ => Ev::ReturnCredit(p, s),
+        }
+    }
 }
 
 /// An event at a time, packed in 16 bytes for the queue: the time's bits (times are never
-/// negative, so their bits order as the times do), then the event's kind, participant and
-/// step (which break ties, deterministically).
+/// negative, so their bits order as the times do), then the event (its kind, participant
+/// and step or queue break ties, deterministically).
 #[derive(Clone, Copy, PartialEq, Eq)]
 struct Timed(u64, u64);
 
 impl Timed {
     fn new(t: f64, ev: Ev) -> Timed {
         debug_assert!(t >= 0.0);
-        let (k, p, s) = match ev {
-            Ev::Cpu(p, s) => (0u64, p, s),
-            Ev::Drained(p, s) => (1, p, s),
-            Ev::Arrive(p, s) => (2, p, s),
-        };
-        Timed((t + 0.0).to_bits(), k << 62 | (p as u64) << 32 | s as u64)
+        Timed((t + 0.0).to_bits(), ev.pack())
     }
     fn time(&self) -> f64 {
         f64::from_bits(self.0)
     }
     fn ev(&self) -> Ev {
-        let (p, s) = (((self.1 >> 32) & 0x3fff_ffff) as u32, self.1 as u32);
-        match self.1 >> 62 {
-            0 => Ev::Cpu(p, s),
-            1 => Ev::Drained(p, s),
-            _ => Ev::Arrive(p, s),
-        }
+        Ev::unpack(self.1)
     }
 }
 
@@ -753,13 +1027,6 @@ impl Ord for Timed {
     }
 }
 
-#[derive(Clone, Copy, Debug)]
-enum Act {
-    DepsDone(u32, u32),
-    CpuDone(u32, u32),
-    Drained(u32, u32),
-}
-
 /// A route, as classes and weights, and its latency.
 struct Route {
     path: Vec<(u32, f64)>,
@@ -769,9 +1036,8 @@ struct Route {
 struct Sim<'a> {
     fabric: &'a Fabric,
     elem: usize,
-    chunk: u64,
-    /// Receive slots per queue (flow control).
-    slots: u64,
+    /// The protocol's configuration (the runtime's [`Geometry::config`]).
+    cfg: Config,
     trace: bool,
     parts: Vec<Part>,
     /// Each rank's participant (`u32::MAX` for a rank that is not simulated); the aggregator
@@ -782,12 +1048,26 @@ struct Sim<'a> {
     net: Net,
     heap: BinaryHeap<Timed>,
     now: f64,
-    work: VecDeque<Act>,
+    work: VecDeque<Ev>,
     route_list: Vec<Route>,
-    /// Per flow: (participant, send step).
+    /// Per flow: (participant, send queue).
     flow_info: Vec<(u32, u32)>,
     flows: u64,
+    credits: u64,
     events: Vec<crate::Event>,
+}
+
+/// The protocol configuration the runtime would run `tuning` with on elements of `esize`
+/// bytes: its [`Geometry`] has slots of the tuner's slice (the communicator sizes both by
+/// `OXCCL_CHUNK_SIZE`, and hands the tuner its slot size), [`Tuning::slots`] of them per
+/// queue and [`Tuning::channels`] channels.
+pub fn protocol_config(tuning: &Tuning, esize: usize) -> Config {
+    Geometry {
+        slot_data: tuning.chunk_bytes,
+        slots: tuning.slots,
+        channels: tuning.channels,
+    }
+    .config(esize)
 }
 
 impl<'a> Sim<'a> {
@@ -801,12 +1081,26 @@ impl<'a> Sim<'a> {
         agg_node: Option<usize>,
     ) -> Result<Sim<'a>, String> {
         let world = fabric.world;
-        let chunk = (tuning.chunk_bytes / spec.elem_size).max(1) as u64;
         let mut part_of = vec![u32::MAX; world + 1];
         let mut routes: HashMap<(usize, usize, u8), u32> = HashMap::new();
         let mut route_list: Vec<Route> = Vec::new();
         let mut scratch = Vec::new();
         let node_of = |r: usize| if r == world { agg_node } else { Some(r) };
+        let host_of = |n: usize| match fabric.nodes[n].kind {
+            NodeKind::Rank { host } => Some(host),
+            NodeKind::Switch { .. } => None,
+        };
+        // The per-message time of a message from node `from` to node `to` (the aggregator
+        // posts at no cost).
+        let message_s = |from: usize, to: usize| {
+            if agg_node == Some(from) {
+                0.0
+            } else if host_of(from).is_some() && host_of(from) == host_of(to) {
+                fabric.scaleup_per_message_s
+            } else {
+                fabric.per_message_s
+            }
+        };
         for (i, part) in parts.iter_mut().enumerate() {
             part_of[part.rank] = i as u32;
             if part.rank == world {
@@ -818,11 +1112,10 @@ impl<'a> Sim<'a> {
                     } => r,
                     _ => return Err(format!("node {node} cannot reduce")),
                 };
-                part.per_message_s = 0.0;
             } else {
                 part.node = part.rank;
                 part.reduce_rate = fabric.reduce_bytes_per_s;
-                part.per_message_s = fabric.per_message_s;
+                part.copy_rate = fabric.reduce_bytes_per_s;
             }
             // The flow stands for the orbit of its sender: m flows.
             let m = if part.rank < world {
@@ -830,19 +1123,16 @@ impl<'a> Sim<'a> {
             } else {
                 1.0
             };
-            let host_of = |n: usize| match fabric.nodes[n].kind {
-                NodeKind::Rank { host } => Some(host),
-                NodeKind::Switch { .. } => None,
-            };
             for sq in &mut part.sendq {
                 let (from, to) = (part.node, node_of(sq.peer).expect("checked"));
-                sq.per_message_s = if part.per_message_s == 0.0 {
-                    0.0
-                } else if host_of(from).is_some() && host_of(from) == host_of(to) {
-                    fabric.scaleup_per_message_s
-                } else {
-                    part.per_message_s
-                };
+                sq.per_message_s = message_s(from, to);
+                scratch.clear();
+                fabric.route(to, from, sq.ch as u64, &mut scratch);
+                sq.credit_delay = message_s(to, from)
+                    + scratch
+                        .iter()
+                        .map(|&l| fabric.links[l].latency_s)
+                        .sum::<f64>();
                 sq.route = *routes.entry((from, to, sq.ch)).or_insert_with(|| {
                     scratch.clear();
                     // The key: the channel (a queue is one connection), the same for every
@@ -873,8 +1163,7 @@ impl<'a> Sim<'a> {
         Ok(Sim {
             fabric,
             elem: spec.elem_size,
-            chunk,
-            slots: tuning.slots.max(1) as u64,
+            cfg: protocol_config(tuning, spec.elem_size),
             trace: spec.trace,
             parts,
             part_of,
@@ -887,6 +1176,7 @@ impl<'a> Sim<'a> {
             route_list,
             flow_info: Vec::new(),
             flows: 0,
+            credits: 0,
             events: Vec::new(),
         })
     }
@@ -895,29 +1185,86 @@ impl<'a> Sim<'a> {
         self.heap.push(Timed::new(t, ev));
     }
 
-    fn run(&mut self) -> Result<(), String> {
-        // Every send queue's receiving queue, and back, for the credits.
+    /// Connects every send queue with the receive queue it feeds (and back, for the
+    /// credits), and checks that they agree: the receiver expects at least as many messages,
+    /// each of the same size, and both ends run the same protocol.
+    fn connect(&mut self) -> Result<(), String> {
         for p in 0..self.parts.len() {
             for q in 0..self.parts[p].sendq.len() {
                 let (tp, rq) = self.target(p as u32, q as u32)?;
-                let source = &mut self.parts[tp as usize].recvq[rq as usize].source;
-                if source.is_some_and(|x| x != (p as u32, q as u32)) {
+                let (sender, receiver) = (&self.parts[p], &self.parts[tp as usize]);
+                let (sq, r) = (&sender.sendq[q], &receiver.recvq[rq as usize]);
+                if r.source.is_some_and(|x| x != (p as u32, q as u32)) {
                     return Err(format!(
                         "two send queues feed rank {}'s receive queue {rq}",
-                        self.parts[tp as usize].rank
+                        receiver.rank
                     ));
                 }
-                *source = Some((p as u32, q as u32));
+                if sq.steps.len() > r.steps.len() {
+                    return Err(format!(
+                        "rank {} sends {} messages to rank {} on channel {}, which receives \
+                         only {}",
+                        sender.rank,
+                        sq.steps.len(),
+                        sq.peer,
+                        sq.ch,
+                        r.steps.len()
+                    ));
+                }
+                for (n, (&a, &b)) in sq.steps.iter().zip(&r.steps).enumerate() {
+                    let (ea, eb) = (sender.elems(a as usize), receiver.elems(b as usize));
+                    if ea != eb {
+                        return Err(format!(
+                            "rank {} sends {ea} elements to rank {} (message {n}), which \
+                             receives {eb}",
+                            sender.rank, receiver.rank
+                        ));
+                    }
+                }
+                if sender.mailbox != receiver.mailbox {
+                    let mode = |m: bool| if m { "mailboxes" } else { "slots" };
+                    return Err(format!(
+                        "rank {} sends to rank {} in {}, which receives in {}: the runtime \
+                         decides the mailbox mode per rank, and this pair would wait forever",
+                        sender.rank,
+                        receiver.rank,
+                        mode(sender.mailbox),
+                        mode(receiver.mailbox)
+                    ));
+                }
+                self.parts[tp as usize].recvq[rq as usize].source = Some((p as u32, q as u32));
+            }
+        }
+        Ok(())
+    }
+
+    fn run(&mut self) -> Result<(), String> {
+        self.connect()?;
+        // The run follows the steps' links from every queue's first step.
+        for p in 0..self.parts.len() {
+            let part = &mut self.parts[p];
+            for sq in &mut part.sendq {
+                sq.steps = Vec::new();
+            }
+            for rq in &mut part.recvq {
+                rq.steps = Vec::new();
+            }
+            for q in 0..part.sendq.len() {
+                self.load_post(p as u32, q as u32);
+                self.load_xmit(p as u32, q as u32);
+            }
+            for rq in 0..self.parts[p].recvq.len() {
+                self.load_head(p as u32, rq as u32);
             }
         }
         for p in 0..self.parts.len() {
             for s in 0..self.parts[p].st.len() {
                 if self.parts[p].st[s].ndeps == 0 {
-                    self.work.push_back(Act::DepsDone(p as u32, s as u32));
+                    self.work.push_back(Ev::DepsDone(p as u32, s as u32));
                 }
             }
         }
-        self.drain_work()?;
+        self.drain_work();
         self.net.settle(self.now);
         loop {
             let next_ev = self.heap.peek().map(|e| e.time());
@@ -933,14 +1280,15 @@ impl<'a> Sim<'a> {
             loop {
                 if self.heap.peek().is_some_and(|e| e.time() == t) {
                     let ev = self.heap.pop().expect("peeked").ev();
-                    self.event(ev)?;
+                    self.work.push_back(ev);
+                    self.drain_work();
                 } else if let Some((d, f)) = self.net.next_drain()
                     && d == t
                 {
                     self.net.remove(t, f);
-                    let (p, s) = self.flow_info[f as usize];
-                    self.work.push_back(Act::Drained(p, s));
-                    self.drain_work()?;
+                    let (p, q) = self.flow_info[f as usize];
+                    self.work.push_back(Ev::Drained(p, q));
+                    self.drain_work();
                 } else {
                     break;
                 }
@@ -949,61 +1297,115 @@ impl<'a> Sim<'a> {
         }
         for p in &self.parts {
             if p.left > 0 {
-                let s = (0..p.st.len())
-                    .find(|&s| p.st[s].flags & STARTED == 0 || p.st[s].ndeps > 0)
-                    .unwrap_or(0);
-                let what = match p.st[s].queue {
-                    NO_Q => "a local step".to_string(),
-                    q if p.st[s].kind == SEND => format!(
-                        "a send to rank {} on channel {}",
-                        p.sendq[q as usize].peer, p.sendq[q as usize].ch
-                    ),
-                    q => format!(
-                        "a receive from rank {} on channel {}",
-                        p.recvq[q as usize].peer, p.recvq[q as usize].ch
-                    ),
-                };
-                return Err(format!(
-                    "deadlock: rank {} has {} steps left; the first waiting is step {s}, {what}",
-                    p.rank, p.left
-                ));
+                return Err(self.stuck(p));
             }
         }
         Ok(())
     }
 
-    fn event(&mut self, ev: Ev) -> Result<(), String> {
-        match ev {
-            Ev::Cpu(p, s) => self.work.push_back(Act::CpuDone(p, s)),
-            Ev::Drained(p, s) => self.work.push_back(Act::Drained(p, s)),
-            Ev::Arrive(p, s) => {
-                self.parts[p as usize].st[s as usize].flags |= ARRIVED;
-                self.try_recv(p, s);
+    /// What a participant that did not finish waits for.
+    fn stuck(&self, p: &Part) -> String {
+        let s = (0..p.st.len()).find(|&s| !p.st[s].has(DONE)).unwrap_or(0);
+        let what = match p.st[s].queue {
+            NO_Q => "a local step".to_string(),
+            q if p.st[s].kind() == SEND => {
+                let f = p.sends.get(q as usize);
+                format!(
+                    "a send to rank {} on channel {} ({} fragments posted there, {} reported \
+                     consumed)",
+                    p.sendq[q as usize].peer, p.sendq[q as usize].ch, f.posted, f.credit
+                )
             }
-        }
-        self.drain_work()
+            q => format!(
+                "a receive from rank {} on channel {}",
+                p.recvq[q as usize].peer, p.recvq[q as usize].ch
+            ),
+        };
+        format!(
+            "deadlock: rank {} has {} steps left; the first not done is step {s}, {what}",
+            p.rank, p.left
+        )
     }
 
-    fn drain_work(&mut self) -> Result<(), String> {
-        while let Some(a) = self.work.pop_front() {
-            match a {
-                Act::DepsDone(p, s) => self.deps_done(p, s),
-                Act::CpuDone(p, s) => self.cpu_done(p, s),
-                Act::Drained(p, s) => self.drained(p, s)?,
+    fn drain_work(&mut self) {
+        while let Some(ev) = self.work.pop_front() {
+            match ev {
+                Ev::Posted(p, q) => self.posted(p, q),
+                Ev::Consumed(p, rq) => self.consumed(p, rq),
+                Ev::LocalDone(p, s) => self.step_done(p, s),
+                Ev::Drained(p, q) => self.drained(p, q),
+                Ev::Arrive(p, rq) => self.arrive(p, rq),
+                Ev::Credit(p, q) => self.credit_arrived(p, q),
+                Ev::DepsDone(p, s) => self.deps_done(p, s),
+                Ev::ReturnCredit(p, rq) => self.return_credit(p, rq),
             }
         }
-        Ok(())
+    }
+
+    /// What the run needs of step `s` of `p` (see [`Cursor`]).
+    fn cursor(&self, p: u32, s: u32) -> Cursor {
+        if s == NONE {
+            return Cursor {
+                next: NONE,
+                last_signaled: NONE,
+                ..Cursor::default()
+            };
+        }
+        let part = &self.parts[p as usize];
+        let i = s as usize;
+        let bytes = part.bytes(i, self.elem);
+        let st = part.st[i];
+        Cursor {
+            bytes,
+            frags: frags(&self.cfg, part.mailbox, bytes),
+            last_signaled: if part.mailbox || st.kind() != SEND {
+                NONE
+            } else {
+                last_signaled(&self.cfg, bytes).unwrap_or(NONE)
+            },
+            next: st.next,
+            ready: st.ndeps == 0,
+            reduces: st.kind() == RECV_REDUCE,
+        }
+    }
+
+    fn load_post(&mut self, p: u32, q: u32) {
+        let s = self.parts[p as usize].sendq[q as usize].post;
+        let c = self.cursor(p, s);
+        self.parts[p as usize].sendq[q as usize].post_at = c;
+    }
+
+    fn load_xmit(&mut self, p: u32, q: u32) {
+        let s = self.parts[p as usize].sendq[q as usize].xmit;
+        let c = self.cursor(p, s);
+        self.parts[p as usize].sendq[q as usize].xmit_at = c;
+    }
+
+    fn load_head(&mut self, p: u32, rq: u32) {
+        let s = self.parts[p as usize].recvq[rq as usize].head;
+        let c = self.cursor(p, s);
+        self.parts[p as usize].recvq[rq as usize].head_at = c;
     }
 
     fn deps_done(&mut self, p: u32, s: u32) {
         let part = &mut self.parts[p as usize];
         let i = s as usize;
-        match part.st[i].kind {
+        let q = part.st[i].queue;
+        match part.st[i].kind() {
             SEND => {
-                let q = part.st[i].queue;
-                self.try_post(p, q);
+                let sq = &mut part.sendq[q as usize];
+                if sq.post == s {
+                    sq.post_at.ready = true;
+                    self.try_post(p, q);
+                }
             }
-            RECV | RECV_REDUCE => self.try_recv(p, s),
+            RECV | RECV_REDUCE => {
+                let r = &mut part.recvq[q as usize];
+                if r.head == s {
+                    r.head_at.ready = true;
+                    self.try_recv(p, q);
+                }
+            }
             k => {
                 if self.trace {
                     part.begin[i] = self.now;
@@ -1011,133 +1413,235 @@ impl<'a> Sim<'a> {
                 let cost = if k == COPY_SKIPPED {
                     0.0
                 } else {
-                    (part.st[i].elems * self.elem as u64) as f64 / part.reduce_rate
+                    part.bytes(i, self.elem) as f64 / part.reduce_rate
                 };
-                self.cpu(p, s, cost);
+                self.cpu(p, cost, Ev::LocalDone(p, s));
             }
         }
     }
 
-    /// Runs `cost` seconds of `p`'s thread for step `s`, after what it is busy with.
-    fn cpu(&mut self, p: u32, s: u32, cost: f64) {
-        let now = self.now;
-        let part = &mut self.parts[p as usize];
-        part.st[s as usize].flags |= STARTED;
+    /// Runs `cost` seconds of `p`'s thread, after what it is busy with, then `done`.
+    fn cpu(&mut self, p: u32, cost: f64, done: Ev) {
         if cost <= 0.0 {
-            self.work.push_back(Act::CpuDone(p, s));
+            self.work.push_back(done);
             return;
         }
-        let start = part.cpu_free.max(now);
+        let part = &mut self.parts[p as usize];
+        let start = part.cpu_free.max(self.now);
         let end = start + cost;
         part.cpu_free = end;
-        self.push(end, Ev::Cpu(p, s));
+        self.push(end, done);
     }
 
+    /// Posts the next fragment of send queue `q` of `p`, if its head may post and the
+    /// receiver has a free slot.
     fn try_post(&mut self, p: u32, q: u32) {
+        let cfg = self.cfg;
         let part = &mut self.parts[p as usize];
         let sq = &mut part.sendq[q as usize];
-        if sq.posting || sq.post >= sq.steps.len() {
+        let s = sq.post;
+        if sq.posting || s == NONE || !sq.post_at.ready {
             return;
         }
-        let s = sq.steps[sq.post];
-        if part.st[s as usize].ndeps > 0 {
-            return;
-        }
-        sq.posting = true;
-        if self.trace {
+        if self.trace && part.begin[s as usize].is_nan() {
             part.begin[s as usize] = self.now;
         }
-        let frags = part.st[s as usize].elems.div_ceil(self.chunk).max(1);
-        let cost = frags as f64 * sq.per_message_s;
-        self.cpu(p, s, cost);
-    }
-
-    fn try_recv(&mut self, p: u32, s: u32) {
-        let part = &mut self.parts[p as usize];
-        let i = s as usize;
-        if part.st[i].flags & STARTED != 0 || part.st[i].ndeps > 0 {
-            return;
-        }
-        let rq = &part.recvq[part.st[i].queue as usize];
-        if rq.steps.get(rq.head) != Some(&s) {
-            return;
-        }
-        if self.trace && part.begin[i].is_nan() {
-            // The span starts when it could first consume.
-            part.begin[i] = self.now;
-        }
-        if part.st[i].flags & ARRIVED == 0 {
-            return;
-        }
-        let cost = if part.st[i].kind == RECV_REDUCE {
-            (part.st[i].elems * self.elem as u64) as f64 / part.reduce_rate
+        let bytes = sq.post_at.bytes;
+        let cost = if part.mailbox {
+            // One write of the message (and one of its stamp), copied into the staging
+            // mailbox first.
+            sq.per_message_s + bytes as f64 / part.copy_rate
         } else {
-            0.0
+            if part.sends.get(q as usize).free(cfg.slots) == 0 {
+                return;
+            }
+            part.sends.post(q as usize, cfg.slots);
+            let len = cfg.fragment(bytes, sq.post_frag as usize).1;
+            let staged = if len <= cfg.inline_max {
+                len as f64 / part.copy_rate
+            } else {
+                0.0
+            };
+            sq.per_message_s + staged
         };
-        self.cpu(p, s, cost);
+        sq.posting = true;
+        self.cpu(p, cost, Ev::Posted(p, q));
     }
 
-    fn cpu_done(&mut self, p: u32, s: u32) {
-        let part = &mut self.parts[p as usize];
-        let i = s as usize;
-        match part.st[i].kind {
-            SEND => {
-                let q = part.st[i].queue;
-                let sq = &mut part.sendq[q as usize];
-                sq.posting = false;
-                sq.post += 1;
-                sq.posted += 1;
-                self.try_xmit(p, q);
-                self.try_post(p, q);
-            }
-            RECV | RECV_REDUCE => {
-                let q = part.st[i].queue as usize;
-                part.recvq[q].head += 1;
-                let next = part.recvq[q].steps.get(part.recvq[q].head).copied();
-                let frags = part.st[i].elems.div_ceil(self.chunk).max(1);
-                let source = part.recvq[q].source;
-                self.step_done(p, s);
-                // The message's slots go back to its sender.
-                if let Some((sp, sq)) = source {
-                    let send = &mut self.parts[sp as usize].sendq[sq as usize];
-                    send.inflight = send.inflight.saturating_sub(frags);
-                    self.try_xmit(sp, sq);
-                }
-                if let Some(n) = next {
-                    self.try_recv(p, n);
-                }
-            }
-            _ => self.step_done(p, s),
-        }
-    }
-
-    fn try_xmit(&mut self, p: u32, q: u32) {
+    /// A fragment of send queue `q` of `p` is posted: it may leave, the queue may post the
+    /// next, and the send is done once all are posted and its signaled ones have left.
+    fn posted(&mut self, p: u32, q: u32) {
         let part = &mut self.parts[p as usize];
         let sq = &mut part.sendq[q as usize];
-        if sq.busy || sq.xmit >= sq.posted {
+        sq.posting = false;
+        sq.post_frag += 1;
+        if sq.post_frag == sq.post_at.frags {
+            let s = sq.post;
+            // Its completions came if the connection is past its last signaled fragment
+            // (none for a mailbox message or inline fragments).
+            let sig = sq.post_at.last_signaled;
+            let done = sig == NONE || (sq.xmit, sq.xmit_frag) > (s, sig);
+            sq.post = sq.post_at.next;
+            sq.post_frag = 0;
+            self.load_post(p, q);
+            if done {
+                self.step_done(p, s);
+            }
+        }
+        self.try_xmit(p, q);
+        self.try_post(p, q);
+    }
+
+    /// Starts the next posted fragment of send queue `q` of `p` on its connection, if it is
+    /// free.
+    fn try_xmit(&mut self, p: u32, q: u32) {
+        let cfg = self.cfg;
+        let part = &mut self.parts[p as usize];
+        let sq = &mut part.sendq[q as usize];
+        if sq.busy || (sq.xmit, sq.xmit_frag) >= (sq.post, sq.post_frag) {
             return;
         }
-        let s = sq.steps[sq.xmit];
-        // Flow control: the receiver's slots (one message may always go).
-        let frags = part.st[s as usize].elems.div_ceil(self.chunk).max(1);
-        if sq.inflight > 0 && sq.inflight + frags > self.slots {
-            return;
-        }
-        sq.inflight += frags;
-        sq.xmit += 1;
+        let len = frag_len(&cfg, part.mailbox, sq.xmit_at.bytes, sq.xmit_frag);
         sq.busy = true;
         let r = sq.route as usize;
-        let bytes = (part.st[s as usize].elems * self.elem as u64) as f64;
         self.flows += 1;
-        if bytes <= 0.0 || self.route_list[r].path.is_empty() {
-            self.push(self.now, Ev::Drained(p, s));
+        if len == 0 || self.route_list[r].path.is_empty() {
+            self.work.push_back(Ev::Drained(p, q));
             return;
         }
-        let f = self.net.add(self.now, &self.route_list[r].path, bytes);
+        let f = self.net.add(self.now, &self.route_list[r].path, len as f64);
         if self.flow_info.len() <= f as usize {
             self.flow_info.resize(f as usize + 1, (0, 0));
         }
-        self.flow_info[f as usize] = (p, s);
+        self.flow_info[f as usize] = (p, q);
+    }
+
+    /// The fragment leaving send queue `q` of `p` has left: the queue's next may leave, its
+    /// data arrives after the route's latency at the receive queue it feeds, and its
+    /// completion may finish its send.
+    fn drained(&mut self, p: u32, q: u32) {
+        let part = &mut self.parts[p as usize];
+        let sq = &mut part.sendq[q as usize];
+        let (s, k) = (sq.xmit, sq.xmit_frag);
+        let sig = sq.xmit_at.last_signaled;
+        sq.busy = false;
+        sq.xmit_frag += 1;
+        let latency = self.route_list[sq.route as usize].latency;
+        let (tp, rq) = sq.target.expect("connected");
+        // Its last signaled fragment completed: done if every fragment is posted too.
+        let done = k == sig && sq.post != s;
+        if sq.xmit_frag == sq.xmit_at.frags {
+            sq.xmit = sq.xmit_at.next;
+            sq.xmit_frag = 0;
+            self.load_xmit(p, q);
+        }
+        if done {
+            self.step_done(p, s);
+        }
+        self.push(self.now + latency, Ev::Arrive(tp, rq));
+        self.try_xmit(p, q);
+    }
+
+    /// A fragment arrived at receive queue `rq` of `p`.
+    fn arrive(&mut self, p: u32, rq: u32) {
+        let slots = self.cfg.slots as u64;
+        let part = &mut self.parts[p as usize];
+        let f = part.recvs.get(rq as usize);
+        let slot = if part.mailbox {
+            0
+        } else {
+            ((f.consumed + f.arrived.len() as u64) % slots) as u32
+        };
+        part.recvs.arrived(rq as usize, slot);
+        self.try_recv(p, rq);
+    }
+
+    /// Consumes the next fragment of receive queue `rq` of `p`, if its head may receive and
+    /// the fragment has arrived.
+    fn try_recv(&mut self, p: u32, rq: u32) {
+        let cfg = self.cfg;
+        let part = &mut self.parts[p as usize];
+        let r = &mut part.recvq[rq as usize];
+        let s = r.head;
+        if r.consuming || s == NONE || !r.head_at.ready {
+            return;
+        }
+        if self.trace && part.begin[s as usize].is_nan() {
+            // The span starts when it could first consume.
+            part.begin[s as usize] = self.now;
+        }
+        if part.recvs.get(rq as usize).arrived.is_empty() {
+            return;
+        }
+        r.consuming = true;
+        let cost = if r.head_at.reduces {
+            frag_len(&cfg, part.mailbox, r.head_at.bytes, r.head_frag) as f64 / part.reduce_rate
+        } else {
+            0.0
+        };
+        self.cpu(p, cost, Ev::Consumed(p, rq));
+    }
+
+    /// A fragment of receive queue `rq` of `p` is consumed: the receive is done after its
+    /// last; the queue goes on with what has arrived, and then returns the credit due.
+    fn consumed(&mut self, p: u32, rq: u32) {
+        let every = self.cfg.credit_every;
+        let part = &mut self.parts[p as usize];
+        let r = &mut part.recvq[rq as usize];
+        r.consuming = false;
+        part.recvs.consume(rq as usize);
+        r.head_frag += 1;
+        if r.head_frag == r.head_at.frags {
+            let s = r.head;
+            r.head = r.head_at.next;
+            r.head_frag = 0;
+            self.load_head(p, rq);
+            self.step_done(p, s);
+        }
+        // The executor consumes what has arrived, then returns the credit due (after the
+        // posts and local steps of its pass: queued behind the work the step's end made
+        // ready).
+        let part = &self.parts[p as usize];
+        let head = part.recvq[rq as usize].head;
+        let more = head != NONE
+            && part.st[head as usize].ndeps == 0
+            && !part.recvs.get(rq as usize).arrived.is_empty();
+        if !part.mailbox && !more && part.recvs.credit_due(rq as usize, every) {
+            self.work.push_back(Ev::ReturnCredit(p, rq));
+        }
+        self.try_recv(p, rq);
+    }
+
+    /// Returns the credit receive queue `rq` of `p` owes its sender, if it still owes one:
+    /// its consumed count, which leaves when the thread is free and arrives after the
+    /// queue's credit delay.
+    fn return_credit(&mut self, p: u32, rq: u32) {
+        let every = self.cfg.credit_every;
+        let part = &mut self.parts[p as usize];
+        let q = rq as usize;
+        if !part.recvs.credit_due(q, every) {
+            return;
+        }
+        let consumed = part.recvs.get(q).consumed;
+        part.recvs.credit_sent(q, consumed);
+        let leaves = self.now.max(part.cpu_free);
+        let (sp, sq) = part.recvq[q].source.expect("connected");
+        let send = &mut self.parts[sp as usize].sendq[sq as usize];
+        send.credits.push_back(consumed);
+        let at = leaves + send.credit_delay;
+        self.credits += 1;
+        self.push(at, Ev::Credit(sp, sq));
+    }
+
+    /// A credit arrived at send queue `q` of `p`: its slots are free.
+    fn credit_arrived(&mut self, p: u32, q: u32) {
+        let part = &mut self.parts[p as usize];
+        let consumed = part.sendq[q as usize]
+            .credits
+            .pop_front()
+            .expect("a credit on its way");
+        part.sends.credit(q as usize, consumed);
+        self.try_post(p, q);
     }
 
     /// The receiving participant and receive queue of `p`'s send queue `q`: the
@@ -1179,45 +1683,11 @@ impl<'a> Sim<'a> {
         Ok((tp, rq))
     }
 
-    /// Send `s` of `p` has left: it is done, the queue's next flow may leave, and its data
-    /// arrives after the route's latency at the matching receive.
-    fn drained(&mut self, p: u32, s: u32) -> Result<(), String> {
-        let part = &mut self.parts[p as usize];
-        let i = s as usize;
-        let q = part.st[i].queue;
-        let n = part.st[i].qpos as usize;
-        let elems = part.st[i].elems;
-        let sq = &mut part.sendq[q as usize];
-        sq.busy = false;
-        let latency = self.route_list[sq.route as usize].latency;
-        self.try_xmit(p, q);
-        self.step_done(p, s);
-        let (tp, rq) = self.target(p, q)?;
-        let tpart = &self.parts[tp as usize];
-        let Some(&ts) = tpart.recvq[rq as usize].steps.get(n) else {
-            let sq = &self.parts[p as usize].sendq[q as usize];
-            return Err(format!(
-                "rank {} sends message {n} to rank {} on channel {}, which receives only {}",
-                self.parts[p as usize].rank,
-                sq.peer,
-                sq.ch,
-                tpart.recvq[rq as usize].steps.len()
-            ));
-        };
-        if tpart.st[ts as usize].elems != elems {
-            return Err(format!(
-                "rank {} sends {elems} elements to rank {} (message {n}), which receives {}",
-                self.parts[p as usize].rank, tpart.rank, tpart.st[ts as usize].elems
-            ));
-        }
-        self.push(self.now + latency, Ev::Arrive(tp, ts));
-        Ok(())
-    }
-
     fn step_done(&mut self, p: u32, s: u32) {
         let now = self.now;
         let part = &mut self.parts[p as usize];
         let i = s as usize;
+        part.st[i].set(DONE);
         part.left -= 1;
         part.done_at = now;
         if self.trace {
@@ -1230,12 +1700,11 @@ impl<'a> Sim<'a> {
                 bytes,
             });
         }
-        let (a, b) = (part.st[i].dep_a as usize, part.st[i].dep_b as usize);
+        let (a, b) = (part.dep_at[i] as usize, part.dep_at[i + 1] as usize);
         for k in a..b {
             let d = part.dep_list[k];
-            part.st[d as usize].ndeps -= 1;
-            if part.st[d as usize].ndeps == 0 {
-                self.work.push_back(Act::DepsDone(p, d));
+            if part.dep_done(d as usize) {
+                self.work.push_back(Ev::DepsDone(p, d));
             }
         }
     }
@@ -1285,6 +1754,7 @@ impl<'a> Sim<'a> {
             approximate: mode == Mode::Approximate,
             steps: self.parts.iter().map(|p| p.st.len() as u64).sum(),
             flows: self.flows,
+            credits: self.credits,
         }
     }
 }
@@ -1292,8 +1762,8 @@ impl<'a> Sim<'a> {
 /// A step's trace name and bytes.
 fn step_name(part: &Part, i: usize, elem: usize) -> (String, u64) {
     let rank = part.rank;
-    let b = part.st[i].elems * elem as u64;
-    match part.st[i].kind {
+    let b = part.elems(i) * elem as u64;
+    match part.st[i].kind() {
         SEND => {
             let sq = &part.sendq[part.st[i].queue as usize];
             (

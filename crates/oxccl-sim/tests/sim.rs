@@ -41,7 +41,10 @@ fn single_flow_on_one_path() {
     .unwrap();
     close(r.time_s, p.o + n / p.nic + 2.0 * p.lat);
     assert_eq!(r.flows, 1);
-    // In fragments of 64 KiB: 64 per-message costs.
+    // In fragments of 64 KiB: 64 posts, but each fragment leaves as it is posted (the next
+    // post overlaps its transmission), and the 4 slots never stop the sender (a credit
+    // comes back every 2 fragments, long before the window is used up): only the first
+    // post is on the path.
     let r = simulate(
         &f,
         &spec(
@@ -51,7 +54,9 @@ fn single_flow_on_one_path() {
         ),
     )
     .unwrap();
-    close(r.time_s, 64.0 * p.o + n / p.nic + 2.0 * p.lat);
+    close(r.time_s, p.o + n / p.nic + 2.0 * p.lat);
+    assert_eq!(r.flows, 64);
+    assert_eq!(r.credits, 32);
     // The link carried N bytes, busy N/B.
     let up0 = f.links.iter().position(|l| l.name == "r0->core").unwrap();
     close(r.link_bytes[up0], n);
@@ -497,4 +502,111 @@ fn a_sender_waits_for_the_receivers_slots() {
     // And no later than one more slice.
     assert!(r.rank_done_s[2] <= paced + 2.0 * c as f64 / p.reduce);
     assert!((k * c) as f64 / p.nic < paced / 10.0);
+}
+
+/// The executor's window, fragment by fragment: rank 0 broadcasts one message of 10
+/// fragments to rank 1 through `slots` slots, and the receiver reports its consumed count
+/// every `slots / 2` fragments. Fragment `k ≥ slots` may be posted only once the credit
+/// that covers fragment `k - slots` is back: the receiver sends it when it has consumed the
+/// fragment (the credit's own post costs the receiver nothing), and it takes the per-message
+/// time and the two hops' latency back. Posts take the sender's thread in turn, fragments
+/// leave the connection in order.
+#[test]
+fn credits_pace_a_long_message_through_few_slots() {
+    let p = Params {
+        reduce: f64::INFINITY,
+        o: 2e-6,
+        lat: 20e-6,
+        ..Params::star(2)
+    };
+    let f = cluster(p);
+    let (frag, nf) = (64usize << 10, 10usize);
+    let count = nf * frag / 4;
+    let tau = frag as f64 / p.nic;
+    let one_way = 2.0 * p.lat;
+    let credit_delay = p.o + one_way;
+    let mut times = Vec::new();
+    for slots in [2usize, 4, 8] {
+        let s = Spec {
+            slots: Some(slots),
+            symmetry: false,
+            ..spec(
+                Collective::Broadcast { count, root: 0 },
+                Algorithm::Tree,
+                frag,
+            )
+        };
+        let r = simulate(&f, &s).unwrap();
+        let every = (slots / 2).max(1);
+        let (mut drain, mut arrive) = (vec![0.0f64; nf], vec![0.0f64; nf]);
+        let mut thread = 0.0f64;
+        for k in 0..nf {
+            let window = if k < slots {
+                0.0
+            } else {
+                // The first credit that reports fragment k - slots consumed: the one sent
+                // after fragment j, where j + 1 is a multiple of `every`.
+                let j = (k - slots + 1).div_ceil(every) * every - 1;
+                arrive[j] + credit_delay
+            };
+            thread = thread.max(window) + p.o;
+            let leave = if k == 0 {
+                thread
+            } else {
+                thread.max(drain[k - 1])
+            };
+            drain[k] = leave + tau;
+            arrive[k] = drain[k] + one_way;
+        }
+        close(r.time_s, arrive[nf - 1]);
+        assert_eq!(r.flows, nf as u64, "one flow per fragment");
+        assert_eq!(r.credits, (nf / every) as u64, "a credit every {every}");
+        times.push(r.time_s);
+    }
+    // Two slots make the sender wait for credits; with eight the pipeline runs free.
+    let free = p.o + nf as f64 * tau + one_way;
+    assert!(times[0] > free * 1.05, "{} vs {free}", times[0]);
+    close(times[2], free);
+}
+
+/// Small one-shot exchanges between ranks of one host run in mailboxes, as the runtime runs
+/// them on its shm links: two ranks exchange 64 KiB (recursive doubling: one message each
+/// way, the mailbox's largest) as one write each, no slots, no credits. Each rank copies its
+/// input to its output (b/R), posts its message (o, and its copy into the staging mailbox,
+/// b/R; the send is done then), the message crosses the host's switch (b/up, two hops) and
+/// is reduced (b/R). Between hosts the same exchange runs in slots: 16 fragments of the
+/// 4 KiB chunk each way through 2 slots, a credit after every one.
+#[test]
+fn a_mailbox_exchange_inside_a_host_has_no_slots_and_no_credits() {
+    let b = 64usize << 10;
+    let s = Spec {
+        slots: Some(2),
+        symmetry: false,
+        ..spec(
+            Collective::AllReduce { count: b / 4 },
+            Algorithm::RecursiveDoubling,
+            4096,
+        )
+    };
+    let p = Params {
+        hosts: 1,
+        per: 2,
+        ..Params::star(2)
+    };
+    let r = simulate(&cluster(p), &s).unwrap();
+    assert_eq!((r.flows, r.credits), (2, 0));
+    let b = b as f64;
+    close(r.time_s, 3.0 * b / p.reduce + p.o + b / p.up + 2.0 * p.lat);
+    let r = simulate(&cluster(Params::star(2)), &s).unwrap();
+    assert_eq!((r.flows, r.credits), (32, 32));
+    // Above the mailbox's size, slots inside the host too.
+    let s = Spec {
+        coll: Collective::AllReduce {
+            count: b as usize / 4 + 1,
+        },
+        ..s
+    };
+    let r = simulate(&cluster(p), &s).unwrap();
+    assert_eq!(r.flows, 34);
+    assert!(r.credits > 0);
 }

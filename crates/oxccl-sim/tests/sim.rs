@@ -258,6 +258,56 @@ fn symmetry_gives_the_unsymmetrised_result() {
     }
 }
 
+/// Where credits bind (two slots, long links), a representative's credits go back to the
+/// representative that sent what it consumed, and the symmetrised run is still exact.
+#[test]
+fn symmetry_gives_the_unsymmetrised_result_where_credits_bind() {
+    let p = Params {
+        lat: 50e-6,
+        ..Params::star(8)
+    };
+    let f = cluster(p);
+    for (algo, coll) in [
+        (Algorithm::Ring, Collective::AllReduce { count: 2 << 20 }),
+        (Algorithm::Ring, Collective::AllGather { count: 1 << 18 }),
+    ] {
+        let base = Spec {
+            algo: Some(algo),
+            chunk_bytes: Some(64 << 10),
+            slots: Some(2),
+            ..Spec::new(coll.clone(), 4)
+        };
+        let full = simulate(
+            &f,
+            &Spec {
+                symmetry: false,
+                ..base.clone()
+            },
+        )
+        .unwrap();
+        let sym = simulate(&f, &base).unwrap();
+        assert!(sym.symmetric && sym.simulated_ranks == 1, "{coll:?}");
+        assert!(full.credits > 0);
+        assert_eq!(sym.credits * 8, full.credits, "{coll:?}");
+        assert_same(&full, &sym);
+        // The window binds: more slots go faster.
+        let roomy = simulate(
+            &f,
+            &Spec {
+                slots: Some(16),
+                ..base
+            },
+        )
+        .unwrap();
+        assert!(
+            roomy.time_s < full.time_s * 0.9,
+            "{coll:?}: {} vs {}",
+            roomy.time_s,
+            full.time_s
+        );
+    }
+}
+
 #[test]
 fn hierarchical_all_reduce_is_symmetric_and_others_run_in_full_or_flagged_approximate() {
     // The hierarchical all-reduce cuts its tiers on rail blocks taken from each host's own

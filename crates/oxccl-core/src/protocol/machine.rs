@@ -99,6 +99,11 @@ pub struct Flow {
 }
 
 impl Flow {
+    /// The receiver's slot the next fragment posted on this queue goes into.
+    pub fn next_slot(&self, slots: usize) -> u32 {
+        (self.posted % slots.max(1) as u64) as u32
+    }
+
     /// Free slots at the receiver, as the sender knows them.
     pub fn free(&self, slots: usize) -> u64 {
         (slots as u64).saturating_sub(self.posted.saturating_sub(self.credit))
@@ -198,7 +203,7 @@ impl Flows {
     /// (the simulator): it posts only while [`Flow::free`] says a slot is free.
     pub fn post(&mut self, q: usize, slots: usize) -> u32 {
         let f = &mut self.q[q];
-        let slot = (f.posted % slots.max(1) as u64) as u32;
+        let slot = f.next_slot(slots);
         f.posted += 1;
         slot
     }
@@ -650,7 +655,7 @@ impl<'a> Machine<'a> {
         Some(Action::Post {
             step: s,
             q,
-            slot: (f.posted % self.cfg.slots as u64) as u32,
+            slot: f.next_slot(self.cfg.slots),
             off,
             len,
             total,
@@ -722,7 +727,7 @@ impl<'a> Machine<'a> {
             Action::Post {
                 step, q, signaled, ..
             } => {
-                flows.q[q].posted += 1;
+                flows.post(q, self.cfg.slots);
                 let st = &mut self.st[step];
                 st.frags += 1;
                 st.outstanding += u32::from(signaled);
@@ -750,9 +755,7 @@ impl<'a> Machine<'a> {
                 self.finish(step);
             }
             Action::Recv { step, q, .. } => {
-                let f = &mut flows.q[q];
-                f.arrived.pop_front();
-                f.consumed += 1;
+                flows.consume(q);
                 self.st[step].frags += 1;
                 if self.st[step].frags == self.frags_of(step) {
                     self.recv_at[q] += 1;

@@ -500,70 +500,84 @@ impl Engine {
             }
         }
         // Each call's scratch space, side by side in the engine's buffer (8-byte aligned).
-        let offs: Vec<usize> = specs
-            .iter()
-            .scan(0, |at, s| {
-                let o = *at;
-                *at += (s.plan.sched.scratch * s.dtype.size()).next_multiple_of(8);
-                Some(o)
-            })
-            .collect();
-        let need = specs
-            .iter()
-            .zip(&offs)
-            .map(|(s, o)| o + s.plan.sched.scratch * s.dtype.size())
-            .max()
-            .unwrap_or(0);
+        let scratch_of =
+            |s: &CallSpec<'_>| (s.plan.sched.scratch * s.dtype.size()).next_multiple_of(8);
+        let need: usize = specs.iter().map(scratch_of).sum();
         if self.scratch.len() * 8 < need {
             self.scratch = vec![0u64; need.div_ceil(8)];
             self.scratch_mrs.iter_mut().for_each(|m| *m = None);
         }
-        let alone = specs.len() == 1;
-        let mut calls = Vec::with_capacity(specs.len());
-        for (i, spec) in specs.iter().enumerate() {
-            let sched = &spec.plan.sched;
-            let esize = spec.dtype.size();
-            // Mailboxes hold one message per peer and call: a call alone only.
-            let mailbox = alone && self.uses_mailbox(spec.plan, esize);
-            let queues = match spec
-                .plan
-                .queues
-                .get_or_init(|| Queues::new(sched, &self.link_of, self.geo.channels))
-            {
-                Ok(q) => q,
-                Err(e) => {
-                    return Err(Error::InvalidArgument {
-                        rank: self.rank,
-                        msg: format!("{}: {e}", spec.desc),
-                    });
-                }
-            };
-            self.calls = self.calls.wrapping_add(1);
-            let reuse = if i == 0 {
-                std::mem::take(&mut self.reuse)
-            } else {
-                Reuse::default()
-            };
-            let m = Machine::new(sched, queues, self.geo.config(esize), esize, mailbox, reuse)
-                .with_id(i as u32);
-            calls.push(One {
-                sched,
-                desc: spec.desc,
-                dtype: spec.dtype,
-                op: if spec.op == ReduceOp::Avg {
-                    ReduceOp::Sum
-                } else {
-                    spec.op
-                },
-                esize,
-                bufs: spec.bufs,
-                in_place: spec.in_place,
-                scratch_off: offs[i],
-                m,
-                mrs: CallMrs::default(),
-                tag: self.calls,
-            });
+        if let [spec] = specs {
+            // A call alone: its state on the stack (no allocation per call).
+            let mut one = [self.prepare_call(spec, 0, 0, true)?];
+            return self.run_calls(&mut one, timeout);
         }
+        let mut calls = Vec::with_capacity(specs.len());
+        let mut at = 0;
+        for (i, spec) in specs.iter().enumerate() {
+            calls.push(self.prepare_call(spec, i, at, false)?);
+            at += scratch_of(spec);
+        }
+        self.run_calls(&mut calls, timeout)
+    }
+
+    /// Call number `i` of a group (`alone`: the only one) with its scratch space at byte
+    /// `scratch_off`: its queues (derived once per plan), number and protocol state.
+    fn prepare_call<'s>(
+        &mut self,
+        spec: &CallSpec<'s>,
+        i: usize,
+        scratch_off: usize,
+        alone: bool,
+    ) -> Result<One<'s>> {
+        let sched = &spec.plan.sched;
+        let esize = spec.dtype.size();
+        // Mailboxes hold one message per peer and call: a call alone only.
+        let mailbox = alone && self.uses_mailbox(spec.plan, esize);
+        let queues = match spec
+            .plan
+            .queues
+            .get_or_init(|| Queues::new(sched, &self.link_of, self.geo.channels))
+        {
+            Ok(q) => q,
+            Err(e) => {
+                return Err(Error::InvalidArgument {
+                    rank: self.rank,
+                    msg: format!("{}: {e}", spec.desc),
+                });
+            }
+        };
+        self.calls = self.calls.wrapping_add(1);
+        let reuse = if i == 0 {
+            std::mem::take(&mut self.reuse)
+        } else {
+            Reuse::default()
+        };
+        let m = Machine::new(sched, queues, self.geo.config(esize), esize, mailbox, reuse)
+            .with_id(i as u32);
+        Ok(One {
+            sched,
+            desc: spec.desc,
+            dtype: spec.dtype,
+            op: if spec.op == ReduceOp::Avg {
+                ReduceOp::Sum
+            } else {
+                spec.op
+            },
+            esize,
+            bufs: spec.bufs,
+            in_place: spec.in_place,
+            scratch_off,
+            m,
+            mrs: CallMrs::default(),
+            tag: self.calls,
+        })
+    }
+
+    /// Runs prepared calls to the end (or the first error), then checks for strays and, after
+    /// an error, quiesces.
+    fn run_calls(&mut self, calls: &mut [One<'_>], timeout: Duration) -> Result<()> {
+        let alone = calls.len() == 1;
         let mailbox = calls[0].m.is_mailbox();
         let mut call = Call {
             eng: self,
@@ -615,9 +629,7 @@ impl Engine {
             // Turns go back to a call alone (number 0).
             eng.flows.reset_turns();
         }
-        if let Some(one) = calls.into_iter().next() {
-            eng.reuse = one.m.into_reuse();
-        }
+        eng.reuse = calls[0].m.take_reuse();
         r
     }
 
@@ -668,9 +680,9 @@ struct One<'a> {
 }
 
 /// The calls of one [`Engine::execute_group`] (one, or a group) and what they share.
-struct Call<'a> {
+struct Call<'a, 'c> {
     eng: &'a mut Engine,
-    calls: Vec<One<'a>>,
+    calls: &'a mut [One<'c>],
     /// The call whose action is being performed, or whose error is being told.
     cur: usize,
     bytes_in: u64,
@@ -680,7 +692,7 @@ struct Call<'a> {
     spun_out: bool,
 }
 
-impl Call<'_> {
+impl Call<'_, '_> {
     /// A communicator with a failed member cannot run collectives: says so at once, naming
     /// it, even if this call would not talk to it (as NCCL's and Gloo's communicators, it is
     /// broken as a whole). Notices that arrived before the connection failed (a peer that
@@ -1375,7 +1387,7 @@ impl Call<'_> {
     /// A data fragment completed: tells the call that posted it (by its tag), if it is one of
     /// these (an inline fragment's completion may come during a later call).
     fn data_completed(&mut self, wr_id: u64, ok: bool) {
-        for one in &mut self.calls {
+        for one in self.calls.iter_mut() {
             if let Some(s) = data_wr_step(wr_id, one.tag) {
                 one.m.completed(s, ok);
                 return;

@@ -526,12 +526,19 @@ impl<'a> Machine<'a> {
     }
 
     /// Gives back the buffers for the next call.
-    pub fn into_reuse(self) -> Reuse {
+    pub fn into_reuse(mut self) -> Reuse {
+        self.take_reuse()
+    }
+
+    /// Gives back the buffers for the next call, leaving this machine without steps (it is
+    /// not to be driven after this).
+    pub fn take_reuse(&mut self) -> Reuse {
+        self.left = 0;
         Reuse {
-            st: self.st,
-            send_at: self.send_at,
-            recv_at: self.recv_at,
-            locals: self.locals,
+            st: std::mem::take(&mut self.st),
+            send_at: std::mem::take(&mut self.send_at),
+            recv_at: std::mem::take(&mut self.recv_at),
+            locals: std::mem::take(&mut self.locals),
         }
     }
 

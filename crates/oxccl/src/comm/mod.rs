@@ -320,7 +320,8 @@ struct Checked {
     raw: Bufs,
     /// In place: the input's and the output's element offsets.
     in_place: Option<(usize, usize)>,
-    /// Bytes of output.
+    /// Bytes of input and of output.
+    in_len: usize,
     out_len: usize,
 }
 
@@ -555,10 +556,10 @@ impl Communicator {
         let Checked {
             raw,
             in_place,
+            in_len,
             out_len,
         } = self.check_call(coll, dtype, bufs)?;
         let es = dtype.size();
-        let in_len = coll.input_len(self.inner.world, self.inner.rank) * es;
         let mut guard = self.lock();
         let st = &mut *guard;
         let metered = st.learner.is_some()
@@ -577,14 +578,19 @@ impl Communicator {
         Ok(())
     }
 
+    /// An invalid-argument error about `coll` on this rank.
+    fn invalid(&self, coll: &Collective, msg: String) -> Error {
+        Error::InvalidArgument {
+            rank: self.inner.rank,
+            msg: format!("{}: {msg}", coll.name()),
+        }
+    }
+
     /// Checks a call's buffers and arguments against this communicator: the raw buffers,
     /// the in-place offsets, and the output's length in bytes.
     fn check_call(&self, coll: &Collective, dtype: DataType, bufs: Buffers<'_>) -> Result<Checked> {
         let (rank, world) = (self.inner.rank, self.inner.world);
-        let invalid = |msg: String| Error::InvalidArgument {
-            rank,
-            msg: format!("{}: {msg}", coll.name()),
-        };
+        let invalid = |msg: String| self.invalid(coll, msg);
         let es = dtype.size();
         let in_len = coll.input_len(world, rank) * es;
         let out_len = coll.output_len(world, rank) * es;
@@ -668,6 +674,7 @@ impl Communicator {
         Ok(Checked {
             raw,
             in_place,
+            in_len,
             out_len,
         })
     }
@@ -753,10 +760,7 @@ impl Communicator {
     ) -> Result<Prepared> {
         let rank = self.inner.rank;
         let es = dtype.size();
-        let invalid = |msg: String| Error::InvalidArgument {
-            rank,
-            msg: format!("{}: {msg}", coll.name()),
-        };
+        let invalid = |msg: String| self.invalid(coll, msg);
         let seq = match coll {
             Collective::Send { peer, .. } | Collective::Recv { peer, .. } => {
                 let s = st

@@ -74,6 +74,16 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// The peer's memory was named with a key, a range or an access it does not grant
+    /// ([`QueuePair::map_remote`](crate::QueuePair::map_remote); a request gets
+    /// `RemoteAccessError` in its completion instead).
+    #[error("queue pair {qp_num}: remote access refused: {detail}")]
+    RemoteAccess {
+        /// Queue pair number.
+        qp_num: u32,
+        /// What did not match.
+        detail: String,
+    },
     /// A resource limit of the provider was reached.
     #[error("resource exhausted: {0}")]
     Exhausted(String),

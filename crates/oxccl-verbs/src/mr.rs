@@ -395,3 +395,108 @@ impl fmt::Debug for MemoryRegion {
             .finish()
     }
 }
+
+/// What a provider maps for [`QueuePair::map_remote`](crate::QueuePair::map_remote): a
+/// validated range of the peer's memory, and what keeps its mapping alive.
+pub(crate) struct Mapped {
+    /// The mapping the range lies in (dropped last).
+    pub _keep: Arc<Segment>,
+    /// The range's first byte in this process.
+    pub ptr: *mut u8,
+    /// Its length.
+    pub len: usize,
+}
+
+/// A peer's memory, mapped into this process ([`QueuePair::map_remote`], the analog of UCX's
+/// `ucp_rkey_ptr`): loads and stores reach it directly, with no request, no completion and
+/// no system call. Only where the peer's memory can be mapped (the shm provider's provider
+/// memory).
+///
+/// The range was validated once, when it was mapped (rkey, bounds, access); like a memory
+/// window it stays accessible until this handle is dropped, whatever the peer does later
+/// (deregistering the region, or exiting: the memory then belongs to nobody, and stores into
+/// it are lost). It is meant for a peer's long-lived regions (a communicator's receive
+/// buffers), whose protocol says when each byte may be written; the peer reads what is
+/// stored here with its own loads ([`MemoryRegion::atomic_u64`] and copies).
+///
+/// [`QueuePair::map_remote`]: crate::QueuePair::map_remote
+pub struct RemoteMapping {
+    m: Mapped,
+}
+
+// SAFETY: the mapping is shared memory reached through raw pointers and atomics, as a
+// region's own memory is (`MrInner`); the handle holds no thread-affine state.
+unsafe impl Send for RemoteMapping {}
+// SAFETY: as above.
+unsafe impl Sync for RemoteMapping {}
+
+impl RemoteMapping {
+    pub(crate) fn new(m: Mapped) -> RemoteMapping {
+        RemoteMapping { m }
+    }
+
+    /// The mapped range's first byte in this process: valid for `len()` bytes while `self`
+    /// lives. Writes through it race with the peer unless the peer's protocol says otherwise.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.m.ptr
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> usize {
+        self.m.len
+    }
+
+    /// Whether the range is empty.
+    pub fn is_empty(&self) -> bool {
+        self.m.len == 0
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|e| e > self.m.len) {
+            return Err(Error::arg(format!(
+                "range {offset}+{len} outside a mapping of {} bytes",
+                self.m.len
+            )));
+        }
+        Ok(())
+    }
+
+    /// Copies `data` into the peer's memory at `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.check(offset, data.len())?;
+        // SAFETY: in bounds (checked); the mapping lives as long as `self`; `data` is local
+        // memory, a distinct mapping.
+        unsafe { copy_bytes(data.as_ptr(), self.m.ptr.add(offset), data.len()) };
+        Ok(())
+    }
+
+    /// Copies `buf.len()` bytes of the peer's memory at `offset` into `buf`.
+    pub fn read(&self, offset: usize, buf: &mut [u8]) -> Result<()> {
+        self.check(offset, buf.len())?;
+        // SAFETY: as in `write`, reversed.
+        unsafe { copy_bytes(self.m.ptr.add(offset), buf.as_mut_ptr(), buf.len()) };
+        Ok(())
+    }
+
+    /// The peer's 8-byte word at `offset` as an atomic (a flag the peer polls with
+    /// [`MemoryRegion::atomic_u64`]).
+    pub fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64> {
+        self.check(offset, 8)?;
+        let p = self.m.ptr as usize + offset;
+        if !p.is_multiple_of(8) {
+            return Err(Error::arg(format!("offset {offset} is not 8-byte aligned")));
+        }
+        // SAFETY: in bounds and aligned (checked); the mapping outlives the borrow of `self`;
+        // AtomicU64 tolerates the peer's concurrent access.
+        Ok(unsafe { &*(p as *const AtomicU64) })
+    }
+}
+
+impl fmt::Debug for RemoteMapping {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteMapping")
+            .field("ptr", &self.m.ptr)
+            .field("len", &self.m.len)
+            .finish()
+    }
+}

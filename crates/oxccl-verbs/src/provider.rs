@@ -117,7 +117,7 @@ use crate::error::{Error, Result};
 use crate::mr::MrInner;
 use crate::qp::{EndpointAddr, QpEndpoint, QpInner};
 use crate::segment::Segment;
-use crate::types::{AccessFlags, QpConfig, SendWr};
+use crate::types::{AccessFlags, QpConfig, RemoteAddr, SendWr};
 
 /// What a provider's `open` is given.
 pub(crate) struct OpenArgs<'a> {
@@ -235,6 +235,21 @@ pub(crate) trait QpTransport: Send + Sync {
     /// The queue pair moved to ERR: complete every outstanding send request, oldest first (see
     /// [`QpInner::send_flush_status`]), and send nothing more.
     fn flush_sends(&self, qp: &QpInner);
+
+    /// [`QueuePair::map_remote`](crate::QueuePair::map_remote): the peer's memory at `remote`
+    /// (`len` bytes, with `need` access), validated as a request is, mapped into this process.
+    /// `Ok(None)` where the provider cannot map the peer's memory (the default: a network, or
+    /// user memory that only a system call reaches); an error (`RemoteAccessError`'s reasons)
+    /// where the key, range or access does not match.
+    fn map_remote(
+        &self,
+        _qp: &QpInner,
+        _remote: RemoteAddr,
+        _len: usize,
+        _need: AccessFlags,
+    ) -> Result<Option<crate::mr::Mapped>> {
+        Ok(None)
+    }
 
     /// [`QueuePair::disconnect`](crate::QueuePair::disconnect): drop the link as a cut cable
     /// would, so that the peer notices.

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::context::{CtxInner, ProtectionDomain, random_u64};
 use crate::cq::{CompletionQueue, CqInner};
 use crate::error::{Error, Result};
-use crate::mr::{MrInner, Span, key_index};
+use crate::mr::{MrInner, RemoteMapping, Span, key_index};
 use crate::provider::{Provider, QpSetup, QpTransport};
 use crate::ring::{
     H_CAP, H_CLAIMED, H_MAGIC, H_POSTED, H_RECV_CQ, H_STATE, QP_MAGIC, S_BYTE_LEN, S_DONE,
@@ -353,6 +353,35 @@ impl QueuePair {
     /// Posts receive requests (`ibv_post_recv`).
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
         self.inner.post_recv(wrs)
+    }
+
+    /// Maps the connected peer's memory at `remote` into this process, where the provider can
+    /// (UCX's `ucp_rkey_ptr`): the shm provider maps its provider memory (`alloc_mr`); other
+    /// providers, and user memory, give `Ok(None)`, and requests remain the way to reach it.
+    /// The range is validated as a request's would be: an rkey, range or access (`need`) that
+    /// does not match fails with [`Error::RemoteAccess`] and the queue pair stays as it is.
+    /// Only in RTS. See [`RemoteMapping`] for what the mapping allows, and for how long.
+    pub fn map_remote(
+        &self,
+        remote: RemoteBuffer,
+        need: AccessFlags,
+    ) -> Result<Option<RemoteMapping>> {
+        let state = self.state();
+        if state != QpState::Rts {
+            return Err(Error::InvalidState {
+                qp_num: self.inner.qpn,
+                op: "map_remote",
+                state,
+            });
+        }
+        let Ok(len) = usize::try_from(remote.len) else {
+            return Err(Error::arg(format!("{} bytes cannot be mapped", remote.len)));
+        };
+        let m = self
+            .inner
+            .transport
+            .map_remote(&self.inner, remote.at(0), len, need)?;
+        Ok(m.map(RemoteMapping::new))
     }
 }
 

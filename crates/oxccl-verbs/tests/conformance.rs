@@ -1009,6 +1009,84 @@ pub fn shared_cq(p: &str) {
 }
 
 /// Registered user memory at the target (reached with process_vm_readv/writev on shm).
+/// `map_remote`: where the provider maps the peer's memory (shm's provider memory), stores
+/// through the mapping are the peer's bytes; a key, range or access the peer does not grant is
+/// refused, naming it, and the queue pair stays usable; elsewhere (tcp, user memory) there is
+/// no mapping and requests remain the way.
+pub fn map_remote(p: &str) {
+    let mut peer = Peer::spawn(p);
+    let l = Local::new(p);
+    let qp = l.connect(&mut peer, 0, &QpSpec::default());
+    let (id, rb) = peer.alloc(4096, RW);
+    peer.ok(Cmd::Fill { id, byte: 0 });
+    let m = qp.map_remote(rb, AccessFlags::REMOTE_WRITE).unwrap();
+    if p == "shm" {
+        let m = m.expect("shm maps a peer's provider memory");
+        assert_eq!(m.len(), 4096);
+        let data = pattern(5, 4000);
+        m.write(96, &data).unwrap();
+        m.atomic_u64(8).unwrap().store(0xfeed, Ordering::Release);
+        let mut want = vec![0u8; 4096];
+        want[96..4096].copy_from_slice(&data);
+        want[8..16].copy_from_slice(&0xfeedu64.to_le_bytes());
+        assert_eq!(peer.hash(id), fnv(&want));
+        // The peer's own writes are seen through the mapping.
+        peer.ok(Cmd::WriteBytes {
+            id,
+            offset: 0,
+            data: vec![7; 8],
+        });
+        let mut got = [0u8; 8];
+        m.read(0, &mut got).unwrap();
+        assert_eq!(got, [7; 8]);
+        assert!(m.write(4090, &[0; 8]).is_err(), "a write past the mapping");
+        assert!(m.atomic_u64(4).is_err(), "an unaligned word");
+        // User memory is reached by requests only.
+        let (_, user) = peer.alloc_kind(4096, RW.without_atomic(), true);
+        assert!(
+            qp.map_remote(user, AccessFlags::REMOTE_WRITE)
+                .unwrap()
+                .is_none()
+        );
+    } else {
+        assert!(m.is_none(), "{p} maps nothing");
+    }
+    let refused =
+        |remote: RemoteBuffer, need: AccessFlags, what: &str| match qp.map_remote(remote, need) {
+            Err(Error::RemoteAccess { detail, .. }) => {
+                assert!(detail.contains("rkey"), "{what}: {detail}")
+            }
+            Ok(None) if p != "shm" => {}
+            other => panic!("{what}: {other:?}"),
+        };
+    refused(
+        RemoteBuffer {
+            rkey: rb.rkey ^ 0x100,
+            ..rb
+        },
+        AccessFlags::REMOTE_WRITE,
+        "a wrong rkey",
+    );
+    refused(
+        RemoteBuffer { len: 8192, ..rb },
+        AccessFlags::REMOTE_WRITE,
+        "beyond the region",
+    );
+    let (_, ro) = peer.alloc(4096, AccessFlags::REMOTE_READ);
+    refused(
+        ro,
+        AccessFlags::REMOTE_WRITE,
+        "write access to a read-only region",
+    );
+    // None of that moved the queue pair: a request still works.
+    assert_eq!(qp.state(), QpState::Rts);
+    let src = l.pd.alloc_mr(8, AccessFlags::NONE).unwrap();
+    src.write(0, &[9; 8]).unwrap();
+    post(&qp, 1, WrOp::Write { remote: rb.at(16) }, &sge(&src, 0, 8));
+    expect_ok(l.wait_one(), 1, WcOpcode::Write);
+    assert_eq!(peer.read(id, 16, 8), vec![9; 8]);
+}
+
 pub fn user_memory(p: &str) {
     let mut peer = Peer::spawn(p);
     let l = Local::new(p);
@@ -1147,6 +1225,10 @@ macro_rules! conformance {
             #[test]
             fn user_memory() {
                 super::user_memory($provider)
+            }
+            #[test]
+            fn map_remote() {
+                super::map_remote($provider)
             }
         }
     };

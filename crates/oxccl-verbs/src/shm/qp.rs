@@ -17,7 +17,7 @@ use crate::context::{
     MR_RKEY,
 };
 use crate::error::{Error, Result};
-use crate::mr::{MrInner, key_index};
+use crate::mr::{Mapped, MrInner, key_index};
 use crate::provider::QpTransport;
 use crate::qp::{Cause, EndpointAddr, QpEndpoint, QpInner};
 use crate::ring::{
@@ -303,6 +303,41 @@ impl QpTransport for ShmQp {
             "queue pair {}: peer {} is gone: {why}",
             qp.qpn, link.remote
         ))
+    }
+
+    fn map_remote(
+        &self,
+        qp: &QpInner,
+        remote: RemoteAddr,
+        len: usize,
+        need: AccessFlags,
+    ) -> Result<Option<Mapped>> {
+        let refused = |detail: String| Error::RemoteAccess {
+            qp_num: qp.qpn,
+            detail,
+        };
+        let Some(link) = self.link.get() else {
+            return Err(refused("not connected".into()));
+        };
+        let mut s = self.send.lock().unwrap_or_else(|e| e.into_inner());
+        match self.resolve(qp, &mut s, link, remote, len, need) {
+            // `resolve` left the region's mapping in the one-entry cache.
+            Ok(Target::Mapped(ptr)) => match &s.mr_cache {
+                Some((_, _, seg)) => Ok(Some(Mapped {
+                    _keep: seg.clone(),
+                    ptr,
+                    len,
+                })),
+                None => Err(refused("the peer's region is not mapped".into())),
+            },
+            // User memory: only process_vm_writev reaches it.
+            Ok(Target::User { .. }) => Ok(None),
+            Err(_) => Err(refused(format!(
+                "{len} bytes at {:#x} with rkey {:#x} and {need:?} access: no such region of \
+                 the peer grants that",
+                remote.addr, remote.rkey
+            ))),
+        }
     }
 
     fn flush_sends(&self, qp: &QpInner) {

@@ -21,18 +21,20 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 pub(crate) use oxccl_core::protocol::Geometry;
+use oxccl_core::protocol::mailbox::SHORT_HEADER;
 use oxccl_core::protocol::{
-    self, Action, Flows, Header, Imm, MAILBOX, MAILBOX_DATA, Machine, Notice, Queues, Reuse,
-    SLOT_HEADER, Violation, Waiting,
+    self, Action, Flows, Header, Imm, MAILBOX_DATA, Machine, Notice, Queues, Reuse, SLOT_HEADER,
+    Violation, Waiting,
 };
 use oxccl_verbs::{
-    AccessFlags, CompletionQueue, MemoryRegion, ProtectionDomain, Provider, QueuePair, RecvWr,
-    RemoteBuffer, SendWr, Sge, WcStatus, WorkCompletion, WrOp,
+    AccessFlags, CompletionQueue, MemoryRegion, ProtectionDomain, Provider, QpState, QueuePair,
+    RecvWr, RemoteBuffer, RemoteMapping, SendWr, Sge, WcStatus, WorkCompletion, WrOp,
 };
 
 use crate::error::{Error, OpDesc, Result};
 use crate::fault::Injector;
 use crate::flight::Probe;
+use crate::mailbox::{self, Inbox};
 use crate::meter::{Delivered, EgressMeter, LinkMeter};
 use crate::reduce;
 use crate::schedule::{Buf, CollectiveKind, Op, Region, Schedule};
@@ -71,6 +73,9 @@ pub(crate) struct Link {
     stage: MemoryRegion,
     /// The peer's receive region for our fragments.
     remote: RemoteBuffer,
+    /// The same region mapped into this process, where the provider maps it (shm): mailbox
+    /// messages are stored straight into it ([`crate::mailbox`]).
+    outbox: Option<RemoteMapping>,
     /// Why the connection failed, once it has.
     failed: Option<String>,
     /// Mailbox messages sent to and received from this peer.
@@ -107,6 +112,7 @@ impl Link {
                 len: 0,
                 rkey: 0,
             },
+            outbox: None,
             failed: None,
             mbox_sent: 0,
             mbox_recv: 0,
@@ -119,7 +125,8 @@ impl Link {
         self.slots.remote()
     }
 
-    /// Records the peer's region and posts the receive queue.
+    /// Records the peer's region (mapping it where the provider can), and posts the receive
+    /// queue. The queue pair is connected.
     pub(crate) fn connect(
         &mut self,
         remote: RemoteBuffer,
@@ -127,6 +134,7 @@ impl Link {
         index: usize,
     ) -> oxccl_verbs::Result<()> {
         self.remote = remote;
+        self.outbox = self.qp.map_remote(remote, AccessFlags::REMOTE_WRITE)?;
         let wrs: Vec<RecvWr<'_>> = (0..geo.recv_depth())
             .map(|_| RecvWr::new(WR_RECV | index as u64, &[]))
             .collect();
@@ -153,12 +161,17 @@ impl Link {
         Ok(Header::decode(&hb))
     }
 
-    /// Where the peer's next mailbox message starts, once its stamp says it has arrived.
-    fn mailbox_arrived(&self, geo: &Geometry) -> Option<usize> {
-        let m = self.mbox_recv;
-        let off = geo.mailbox_offset((m % 2) as usize);
-        let stamp = self.slots.atomic_u64(off).ok()?.load(Ordering::Acquire);
-        (stamp == m + 1).then_some(off)
+    /// The mailbox the peer's next message arrives in.
+    fn inbox(&self, geo: &Geometry) -> Inbox<'_> {
+        Inbox::new(
+            &self.slots,
+            geo.mailbox_offset((self.mbox_recv % 2) as usize),
+        )
+    }
+
+    /// Whether the header of the peer's next mailbox message has arrived.
+    fn mailbox_arrived(&self, geo: &Geometry) -> bool {
+        self.inbox(geo).header_arrived(self.mbox_recv + 1)
     }
 
     fn credit_word(&self, ch: usize, geo: &Geometry) -> u64 {
@@ -958,6 +971,8 @@ impl Call<'_, '_> {
         Ok(())
     }
 
+    /// Stores step `src`'s data as the next mailbox message to `peer`, straight into the
+    /// peer's mapped mailbox ([`crate::mailbox::post`]).
     fn mailbox_send(&mut self, peer: usize, src: Region, geo: &Geometry) -> Result<()> {
         let rank = self.eng.rank;
         let l = self.eng.link_of[peer];
@@ -965,58 +980,40 @@ impl Call<'_, '_> {
         let mut h = Header::expected(self.calls[self.cur].desc, rank);
         h.xfer_len = len as u64;
         h.frag_len = len as u32;
-        let mut hb = [0u8; SLOT_HEADER];
-        h.encode(&mut hb);
+        let mut hb = [0u8; SHORT_HEADER];
+        h.encode_short(&mut hb);
         if self.eng.faults.as_ref().is_some_and(|f| f.armed) {
             self.send_faults(l, peer, &mut hb);
         }
         let link = &self.eng.links[l];
-        let m = link.mbox_sent;
-        let box_off = geo.mailbox_offset((m % 2) as usize);
-        let st_off = geo.stage_mailbox();
-        let verbs_err = |e| Error::Verbs {
-            rank,
-            what: "staging a mailbox message".into(),
-            source: e,
-        };
-        link.stage.write(st_off, &hb).map_err(verbs_err)?;
-        if len > 0 {
-            // SAFETY: bounds-checked by `locate`.
-            let data = unsafe { std::slice::from_raw_parts(p as *const u8, len) };
-            link.stage
-                .write(st_off + SLOT_HEADER, data)
-                .map_err(verbs_err)?;
+        // A connection that failed (or was dropped) carries nothing more, as a request would
+        // not be executed.
+        if link.qp.state() != QpState::Rts {
+            return Err(self.link_down(l));
         }
-        let stamp_off = st_off + MAILBOX;
-        link.stage
-            .write(stamp_off, &(m + 1).to_le_bytes())
-            .map_err(verbs_err)?;
-        let body = [Sge::new(&link.stage, st_off, SLOT_HEADER + len)];
-        let stamp = [Sge::new(&link.stage, stamp_off, 8)];
-        let wrs = [
-            SendWr::new(
-                WR_CTRL,
-                WrOp::Write {
-                    remote: link.remote.at((box_off + SLOT_HEADER) as u64),
-                },
-                &body,
-            )
-            .unsignaled(),
-            SendWr::new(
-                WR_CTRL,
-                WrOp::Write {
-                    remote: link.remote.at(box_off as u64),
-                },
-                &stamp,
-            )
-            .unsignaled(),
-        ];
-        link.qp.post_send(&wrs).map_err(|e| self.send_error(l, e))?;
+        let Some(outbox) = &link.outbox else {
+            return Err(self.invalid(format!(
+                "a mailbox message to rank {peer}, whose receive region is not mapped"
+            )));
+        };
+        let m = link.mbox_sent;
+        // SAFETY: bounds-checked by `locate`.
+        let data = unsafe { std::slice::from_raw_parts(p as *const u8, len) };
+        mailbox::post(
+            outbox,
+            geo.mailbox_offset((m % 2) as usize),
+            &hb,
+            data,
+            m + 1,
+        )
+        .map_err(|e| self.invalid(e))?;
         self.eng.links[l].mbox_sent += 1;
         Ok(())
     }
 
-    /// Consumes `peer`'s next mailbox message into `dst` if it has arrived.
+    /// Consumes `peer`'s next mailbox message into `dst` (reduced with `reduce_with`) if it
+    /// has arrived. Its header is checked as soon as it is there, before the rest: a peer in
+    /// another call, or sending another length, is found rather than waited for.
     fn mailbox_recv(
         &mut self,
         peer: usize,
@@ -1026,26 +1023,24 @@ impl Call<'_, '_> {
     ) -> Result<bool> {
         let l = self.eng.link_of[peer];
         let link = &self.eng.links[l];
-        let Some(box_off) = link.mailbox_arrived(geo) else {
+        let flag = link.mbox_recv + 1;
+        let inbox = link.inbox(geo);
+        if !inbox.header_arrived(flag) {
             return Ok(false);
-        };
-        let h = link
-            .header_at(box_off + SLOT_HEADER)
-            .map_err(|e| Error::Verbs {
-                rank: self.eng.rank,
-                what: "reading a mailbox".into(),
-                source: e,
-            })?;
+        }
         let total = dst.len * self.calls[self.cur].esize;
-        self.check_header(&h, peer, total, 0, total)?;
-        let len = total;
-        self.bytes_in += len as u64;
+        self.check_header(&inbox.header(), peer, total, 0, total)?;
+        if !inbox.complete(total, flag) {
+            return Ok(false);
+        }
+        self.bytes_in += total as u64;
         self.eng
             .probe
             .bytes_in
             .store(self.bytes_in, Ordering::Relaxed);
-        let base = box_off + 2 * SLOT_HEADER;
-        self.apply(l, base, len, dst, reduce_with, 0)?;
+        for (progress, len, at) in inbox.pieces(total) {
+            self.apply(l, at, len, dst, reduce_with, progress)?;
+        }
         self.eng.links[l].mbox_recv += 1;
         Ok(true)
     }
@@ -1430,8 +1425,7 @@ impl Call<'_, '_> {
         let link = &self.eng.links[l];
         let ch = self.eng.geo.channels;
         let nothing_left = (0..ch).all(|c| self.eng.flows.get(l * ch + c).arrived.is_empty())
-            && !(self.calls[self.cur].m.is_mailbox()
-                && link.mailbox_arrived(&self.eng.geo).is_some());
+            && !(self.calls[self.cur].m.is_mailbox() && link.mailbox_arrived(&self.eng.geo));
         let (sends, recvs) = self
             .calls
             .iter()
@@ -1703,6 +1697,25 @@ impl Call<'_, '_> {
         Ok(())
     }
 
+    /// The error of a send on link `l`, whose queue pair is no longer connected.
+    fn link_down(&self, l: usize) -> Error {
+        let link = &self.eng.links[l];
+        Error::PeerFailed {
+            rank: self.eng.rank,
+            op: self.calls[self.cur].desc.to_string(),
+            peer: link.peer,
+            detail: format!(
+                "its {} connection is down ({:?}){}",
+                link.provider.name(),
+                link.qp.state(),
+                link.qp
+                    .error_detail()
+                    .map(|d| format!(": {d}"))
+                    .unwrap_or_default()
+            ),
+        }
+    }
+
     fn send_error(&self, l: usize, e: oxccl_verbs::Error) -> Error {
         let link = &self.eng.links[l];
         Error::PeerFailed {
@@ -1919,11 +1932,8 @@ impl Call<'_, '_> {
                     .steps
                     .iter()
                     .any(|s| matches!(s.op, Op::Recv { peer, .. } if peer == link.peer));
-            if !ours
-                && let Some(off) = link.mailbox_arrived(&geo)
-                && let Ok(h) = link.header_at(off + SLOT_HEADER)
-            {
-                self.stray(&h, link.peer)?;
+            if !ours && link.mailbox_arrived(&geo) {
+                self.stray(&link.inbox(&geo).header(), link.peer)?;
             }
         }
         Ok(())
@@ -1966,12 +1976,12 @@ impl Call<'_, '_> {
 }
 
 /// Whether the mailbox protocol can run this schedule ([`protocol::mailbox_eligible`]):
-/// every peer it talks to is on shm (mailboxes live in shared memory) and gets one message
-/// each way of at most [`MAILBOX_DATA`] bytes.
+/// every peer it talks to has its receive region mapped here (shm: mailboxes are stored into
+/// directly) and gets one message each way of at most [`MAILBOX_DATA`] bytes.
 fn mailbox_eligible(eng: &Engine, sched: &Schedule, esize: usize) -> bool {
     protocol::mailbox_eligible(sched, eng.link_of.len(), esize, MAILBOX_DATA, |p| {
         let l = eng.link_of[p];
-        l != usize::MAX && eng.links[l].provider == Provider::Shm
+        l != usize::MAX && eng.links[l].outbox.is_some()
     })
 }
 

@@ -61,6 +61,7 @@ mod engine;
 mod error;
 pub mod fault;
 pub mod flight;
+mod mailbox;
 pub mod netif;
 mod reduce;
 

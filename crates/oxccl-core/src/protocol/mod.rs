@@ -49,5 +49,5 @@ pub use machine::{
 };
 pub use wire::{
     Geometry, Header, INLINE, Imm, MAGIC, MAILBOX, MAILBOX_DATA, Notice, SLOT_HEADER, STAGE,
-    Violation,
+    Violation, mailbox,
 };

@@ -10,8 +10,9 @@ use super::OpDesc;
 pub const SLOT_HEADER: usize = 64;
 /// The largest mailbox message's data.
 pub const MAILBOX_DATA: usize = 64 << 10;
-/// Bytes of one mailbox: its 8-byte stamp (padded to a header), the header, the data.
-pub const MAILBOX: usize = 2 * SLOT_HEADER + MAILBOX_DATA;
+/// Bytes of one mailbox: the first line, the data of a block message and its stamp (see
+/// [`mailbox`]).
+pub const MAILBOX: usize = mailbox::LINE + MAILBOX_DATA + mailbox::LINE;
 /// Fragments up to this many bytes are copied beside their header in the sender's staging
 /// region (no registration, no completion awaited): a header and its data fill 4 KiB.
 pub const INLINE: usize = 4096 - SLOT_HEADER;
@@ -98,6 +99,58 @@ impl Imm {
     }
 }
 
+/// How a mailbox message lies in the receiver's mailbox, which the sender writes with its own
+/// stores (the receive region is mapped into the sender: `QueuePair::map_remote`): no request,
+/// no completion, and no stamp of its own for a small message.
+///
+/// The first 64-byte line holds the message's short header ([`Header::encode_short`]: the
+/// call's fingerprint and the message's length), the first [`FIRST_DATA`](mailbox::FIRST_DATA)
+/// bytes of data and, in its last 8 bytes, a flag: a message that fits is one line, written
+/// with one flag, as NCCL's LL protocol writes its lines. The rest of a larger message follows
+/// from the second line on, contiguous, and then one more flag, its stamp
+/// ([`stamp_offset`](mailbox::stamp_offset)), in the line of its last bytes. The sender stores
+/// the data, then each flag with a release store; a receiver that reads a flag with an
+/// acquire load reads everything stored before it. The receiver looks at both flags: the
+/// first says the header can be checked (a sender whose message has another length or
+/// belongs to another call is found, not waited for), the stamp that the data is complete.
+/// Data is contiguous, so both ends copy and reduce it whole; the lines of a message arrive
+/// together rather than one by one (a flag in every line, as LL128, would let a receiver start
+/// sooner, but a rank here writes its whole message before it reads its peer's).
+///
+/// A flag's value is the message's number on its link, plus one (messages to a peer are
+/// counted from 0, and alternate between two mailboxes): a line left from an earlier message
+/// never carries the awaited value.
+pub mod mailbox {
+    /// Bytes of a line.
+    pub const LINE: usize = 64;
+    /// Where the first line's flag lies.
+    pub const FLAG: usize = 56;
+    /// Bytes of the short header at the start of the first line.
+    pub const SHORT_HEADER: usize = 40;
+    /// Data bytes of the first line.
+    pub const FIRST_DATA: usize = FLAG - SHORT_HEADER;
+
+    /// Whether a message of `total` bytes has a stamp (it does not fit in the first line).
+    pub fn has_stamp(total: usize) -> bool {
+        total > FIRST_DATA
+    }
+
+    /// Where the stamp of a message of `total` bytes lies: the first 8-byte word after its
+    /// data, which continues at the second line.
+    pub fn stamp_offset(total: usize) -> usize {
+        LINE + total.saturating_sub(FIRST_DATA).next_multiple_of(8)
+    }
+
+    /// Bytes of the mailbox a message of `total` bytes uses.
+    pub fn used(total: usize) -> usize {
+        if has_stamp(total) {
+            stamp_offset(total) + 8
+        } else {
+            LINE
+        }
+    }
+}
+
 /// Slot geometry, the same on every rank (checked at init).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Geometry {
@@ -123,9 +176,12 @@ impl Geometry {
     pub fn slot_offset(&self, ch: usize, slot: usize) -> usize {
         (ch * self.slots + slot) * self.slot_bytes()
     }
-    /// Where mailbox `parity` starts in the receive region.
+    /// Where mailbox `parity` starts in the receive region (on a line: a mailbox's lines are
+    /// cache lines).
     pub fn mailbox_offset(&self, parity: usize) -> usize {
-        self.channels * self.slots * self.slot_bytes() + 8 * self.channels + parity * MAILBOX
+        (self.channels * self.slots * self.slot_bytes() + 8 * self.channels)
+            .next_multiple_of(mailbox::LINE)
+            + parity * MAILBOX
     }
     /// Where channel `ch`'s credit word lies in the receive region.
     pub fn credit_offset(&self, ch: usize) -> usize {
@@ -139,15 +195,10 @@ impl Geometry {
     pub fn stage_credit(&self, ch: usize) -> usize {
         self.channels * self.slots * STAGE + 8 * ch
     }
-    /// Where the mailbox image (header and data) starts in the staging region; its stamp
-    /// follows it at `+ MAILBOX`.
-    pub fn stage_mailbox(&self) -> usize {
-        self.channels * self.slots * STAGE + 8 * self.channels
-    }
-    /// Bytes of the staging region: headers and inline data per slot, credit source words,
-    /// then a mailbox image and its stamp.
+    /// Bytes of the staging region: headers and inline data per slot, then credit source
+    /// words.
     pub fn stage_region(&self) -> usize {
-        self.stage_mailbox() + MAILBOX + 8
+        self.channels * self.slots * STAGE + 8 * self.channels
     }
     /// Receive work requests kept posted per queue pair.
     pub fn recv_depth(&self) -> u32 {
@@ -210,6 +261,21 @@ fn header_sum(b: &[u8]) -> u32 {
     h ^= u64::from(u32::from_le_bytes(b[48..52].try_into().unwrap()));
     h = (h ^ (h >> 31)).wrapping_mul(0x94D0_49BB_1331_11EB);
     (h ^ (h >> 32)) as u32
+}
+
+/// The short header's checksum: its first 32 bytes, 8 at a time, as [`header_sum`] does; the
+/// magic number stands in for the word a mailbox does not carry, so that a line of zeros or of
+/// another layout does not pass.
+fn short_sum(b: &[u8]) -> u64 {
+    let word = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+    let mut h = 0x9E37_79B9_7F4A_7C15u64 ^ u64::from(MAGIC);
+    for o in (0..32).step_by(8) {
+        h = (h ^ word(o))
+            .wrapping_mul(0xBF58_476D_1CE4_E5B9)
+            .rotate_left(29);
+    }
+    h = (h ^ (h >> 31)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    h ^ (h >> 32)
 }
 
 /// Why a fragment's header does not fit the call that receives it.
@@ -310,6 +376,48 @@ impl Header {
             frag_off: u64_at(40),
             frag_len: u32_at(48),
             damaged: u32_at(52) != header_sum(b),
+        }
+    }
+
+    /// Writes the short header of a mailbox message ([`mailbox`]): the fingerprint and the
+    /// message's length (a message is one fragment: its offset is 0 and its fragment length
+    /// the whole), with a checksum, into `out[..SHORT_HEADER]`. The magic number is not
+    /// carried: a mailbox holds nothing else.
+    pub fn encode_short(&self, out: &mut [u8]) {
+        out[0] = self.coll;
+        out[1] = self.dtype;
+        out[2] = self.op;
+        out[3] = self.has_root;
+        out[4..8].copy_from_slice(&self.root.to_le_bytes());
+        out[8..12].copy_from_slice(&self.sender.to_le_bytes());
+        out[12..16].copy_from_slice(&(self.xfer_len as u32).to_le_bytes());
+        out[16..24].copy_from_slice(&self.seq.to_le_bytes());
+        out[24..32].copy_from_slice(&self.count.to_le_bytes());
+        let sum = short_sum(out);
+        out[32..40].copy_from_slice(&sum.to_le_bytes());
+    }
+
+    /// Reads a short header ([`Header::encode_short`]) from `b[..SHORT_HEADER]`, as a full
+    /// one: magic set, the fragment the whole message, [`Header::damaged`] when the checksum
+    /// does not match.
+    pub fn decode_short(b: &[u8]) -> Header {
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+        let len = u32_at(12);
+        Header {
+            magic: MAGIC,
+            coll: b[0],
+            dtype: b[1],
+            op: b[2],
+            has_root: b[3],
+            root: u32_at(4),
+            sender: u32_at(8),
+            xfer_len: len.into(),
+            seq: u64_at(16),
+            count: u64_at(24),
+            frag_off: 0,
+            frag_len: len,
+            damaged: u64_at(32) != short_sum(b),
         }
     }
 
@@ -479,6 +587,63 @@ mod tests {
     }
 
     #[test]
+    fn a_short_header_survives_the_mailbox_and_damage_is_seen() {
+        use mailbox::SHORT_HEADER;
+        let h = Header::expected(&desc(CollectiveKind::Broadcast), 3).at(4000, 0, 4000);
+        let mut b = [0u8; SHORT_HEADER];
+        h.encode_short(&mut b);
+        assert_eq!(Header::decode_short(&b), h);
+        assert_eq!(Header::decode_short(&b).check(&h, 4000, 0, 4000), Ok(()));
+        for bit in 0..SHORT_HEADER * 8 {
+            let mut d = b;
+            d[bit / 8] ^= 1 << (bit % 8);
+            assert_eq!(
+                Header::decode_short(&d).check(&h, 4000, 0, 4000),
+                Err(Violation::Damaged),
+                "bit {bit} flipped unseen"
+            );
+        }
+        // A line of zeros is no header.
+        assert!(Header::decode_short(&[0; SHORT_HEADER]).damaged);
+        // Another call's header is told apart by its fingerprint, another length by position.
+        let other = Header::expected(&desc(CollectiveKind::AllReduce), 3).at(4000, 0, 4000);
+        other.encode_short(&mut b);
+        assert_eq!(
+            Header::decode_short(&b).check(&h, 4000, 0, 4000),
+            Err(Violation::Fingerprint)
+        );
+        h.at(400, 0, 400).encode_short(&mut b);
+        assert_eq!(
+            Header::decode_short(&b).check(&h, 4000, 0, 4000),
+            Err(Violation::Position)
+        );
+    }
+
+    /// The parts of a message do not overlap the header or the flags, and the largest one fits.
+    #[test]
+    fn mailbox_messages_fit_and_their_parts_do_not_overlap() {
+        use mailbox::*;
+        assert_eq!(FIRST_DATA + SHORT_HEADER, FLAG);
+        assert!(used(MAILBOX_DATA) <= MAILBOX);
+        for total in (0..300).chain([4096, 10_000, MAILBOX_DATA]) {
+            let first = total.min(FIRST_DATA);
+            assert!(SHORT_HEADER + first <= FLAG);
+            if has_stamp(total) {
+                let stamp = stamp_offset(total);
+                assert!(stamp.is_multiple_of(8) && stamp >= LINE + total - FIRST_DATA);
+                assert!(
+                    stamp < LINE + total - FIRST_DATA + 8,
+                    "{total}: no room wasted"
+                );
+                assert_eq!(used(total), stamp + 8);
+            } else {
+                assert!(total <= FIRST_DATA);
+                assert_eq!(used(total), LINE);
+            }
+        }
+    }
+
+    #[test]
     fn immediates_round_trip() {
         let all = [
             Imm::Data {
@@ -527,7 +692,8 @@ mod tests {
         }
         let last = spans.last().unwrap();
         assert_eq!(last.0 + last.1, g.recv_region());
-        let mut stage = vec![(g.stage_mailbox(), MAILBOX + 8)];
+        assert!(g.mailbox_offset(0).is_multiple_of(mailbox::LINE));
+        let mut stage = Vec::new();
         for ch in 0..2 {
             stage.extend((0..3).map(|s| (g.stage_offset(ch, s), STAGE)));
             stage.push((g.stage_credit(ch), 8));
@@ -536,7 +702,7 @@ mod tests {
         for w in stage.windows(2) {
             assert!(w[0].0 + w[0].1 <= w[1].0, "{w:?} overlap");
         }
-        assert_eq!(g.stage_mailbox() + MAILBOX + 8, g.stage_region());
+        assert_eq!(g.stage_credit(1) + 8, g.stage_region());
         let c = g.config(4);
         assert_eq!(
             (c.frag_bytes, c.inline_max, c.credit_every),

@@ -1,0 +1,115 @@
+//! Mailbox messages through mapped memory: the sender stores a message straight into the
+//! peer's mailbox (its receive region, mapped with `QueuePair::map_remote`), and the receiver
+//! reads it from its own memory. The layout, and why it is safe to read, is
+//! [`oxccl_core::protocol::mailbox`]'s: a first line with the short header, up to
+//! [`FIRST_DATA`] bytes of data and a flag; the rest of the data contiguous from the second
+//! line; a stamp after it. This module is the only one that touches those bytes.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use oxccl_core::protocol::Header;
+use oxccl_core::protocol::mailbox::{
+    FIRST_DATA, FLAG, LINE, SHORT_HEADER, has_stamp, stamp_offset, used,
+};
+use oxccl_verbs::{MemoryRegion, RemoteMapping};
+
+/// The word at `p` (8-byte aligned, inside a live mapping) as an atomic.
+///
+/// # Safety
+/// `p` must be 8-byte aligned and valid for 8 bytes for as long as the result is used.
+unsafe fn word<'a>(p: *mut u8) -> &'a AtomicU64 {
+    debug_assert!((p as usize).is_multiple_of(8));
+    // SAFETY: the caller's promise; AtomicU64 has u64's layout and tolerates the peer's
+    // concurrent access.
+    unsafe { &*(p as *const AtomicU64) }
+}
+
+/// Stores message number `flag - 1` into the peer's mailbox at byte `at` of `outbox`: the
+/// short header `hdr` (with any fault already applied), `data`, then the flags. Fails, naming
+/// the sizes, if the message does not fit the mapping.
+pub(crate) fn post(
+    outbox: &RemoteMapping,
+    at: usize,
+    hdr: &[u8; SHORT_HEADER],
+    data: &[u8],
+    flag: u64,
+) -> Result<(), String> {
+    let total = data.len();
+    let end = at.checked_add(used(total));
+    if end.is_none_or(|e| e > outbox.len()) || !at.is_multiple_of(LINE) {
+        return Err(format!(
+            "a mailbox message of {total} bytes at {at} does not fit the peer's receive region \
+             of {} bytes",
+            outbox.len()
+        ));
+    }
+    let first = total.min(FIRST_DATA);
+    // SAFETY: `at + used(total)` lies inside the mapping (checked above) and `at` is on a
+    // line, so every offset below is in bounds and each flag 8-byte aligned (the mapping
+    // starts on a page). The receiver reads none of these bytes before it sees the flag that
+    // follows them, and does not hand the mailbox back (by sending its next message) before
+    // it has read them: nothing else touches them meanwhile. `data` is local memory.
+    unsafe {
+        let line = outbox.as_ptr().add(at);
+        std::ptr::copy_nonoverlapping(hdr.as_ptr(), line, SHORT_HEADER);
+        std::ptr::copy_nonoverlapping(data.as_ptr(), line.add(SHORT_HEADER), first);
+        word(line.add(FLAG)).store(flag, Ordering::Release);
+        if has_stamp(total) {
+            std::ptr::copy_nonoverlapping(data.as_ptr().add(first), line.add(LINE), total - first);
+            word(line.add(stamp_offset(total))).store(flag, Ordering::Release);
+        }
+    }
+    Ok(())
+}
+
+/// A message in this rank's own mailbox at byte `at` of its receive region `mr`.
+pub(crate) struct Inbox<'a> {
+    mr: &'a MemoryRegion,
+    at: usize,
+}
+
+impl<'a> Inbox<'a> {
+    /// The mailbox at byte `at` of `mr` (on a line, with room for the largest message:
+    /// the receive region's layout guarantees both).
+    pub(crate) fn new(mr: &'a MemoryRegion, at: usize) -> Inbox<'a> {
+        debug_assert!(at.is_multiple_of(LINE));
+        debug_assert!(at + oxccl_core::protocol::MAILBOX <= mr.len());
+        Inbox { mr, at }
+    }
+
+    fn flag_at(&self, off: usize) -> u64 {
+        self.mr
+            .atomic_u64(self.at + off)
+            .map_or(0, |w| w.load(Ordering::Acquire))
+    }
+
+    /// Whether the first line of the message with flag `flag` has arrived (its header can be
+    /// read).
+    pub(crate) fn header_arrived(&self, flag: u64) -> bool {
+        self.flag_at(FLAG) == flag
+    }
+
+    /// The message's header (once [`Inbox::header_arrived`]).
+    pub(crate) fn header(&self) -> Header {
+        let mut b = [0u8; SHORT_HEADER];
+        let _ = self.mr.read(self.at, &mut b);
+        Header::decode_short(&b)
+    }
+
+    /// Whether all `total` bytes of the message with flag `flag` have arrived (once its
+    /// header said it has `total`).
+    pub(crate) fn complete(&self, total: usize, flag: u64) -> bool {
+        !has_stamp(total) || self.flag_at(stamp_offset(total)) == flag
+    }
+
+    /// The message's `total` bytes, in their two pieces (the first line's, then the rest):
+    /// byte offset in the message and where they lie in the receive region. For a caller that
+    /// copies or reduces them straight out of the region.
+    pub(crate) fn pieces(&self, total: usize) -> [(usize, usize, usize); 2] {
+        let first = total.min(FIRST_DATA);
+        [
+            (0, first, self.at + SHORT_HEADER),
+            (first, total - first, self.at + LINE),
+        ]
+    }
+}

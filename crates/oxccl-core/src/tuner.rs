@@ -106,8 +106,11 @@ impl Tuning {
         let small = bytes <= self.small_bytes;
         let default = match coll {
             // Tiny messages between ranks of one host: one round of mailbox messages. Above,
-            // recursive doubling moves less data (and runs in mailboxes up to their size).
-            Collective::AllReduce { .. } if self.all_shm && bytes <= 1024 => Algorithm::Direct,
+            // recursive doubling moves less data (and runs in mailboxes up to their size). Two
+            // ranks: recursive doubling is that one round, reducing as it receives.
+            Collective::AllReduce { .. } if self.all_shm && bytes <= 1024 && self.world > 2 => {
+                Algorithm::Direct
+            }
             Collective::AllReduce { .. } if small => Algorithm::RecursiveDoubling,
             // Several hosts of several ranks: reduce inside each host first, cross the network
             // once per rail.

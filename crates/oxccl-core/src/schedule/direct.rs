@@ -29,11 +29,20 @@ pub(super) fn direct_all_reduce(b: &mut Builder, n: usize, r: usize, count: usiz
     }
     let src = |j: usize| if j == r { own } else { slot(j) };
     let out = Region::new(Buf::Output, 0, count);
-    // The output may be the input: write it only after every send has read the input.
+    // The output may be the input: write it only after every send has read the input. The
+    // sum runs in rank order, so every rank computes the same bits; its first term is
+    // reduced with the second straight into the output (no copy first).
     let mut first = sends.clone();
-    first.extend([got[0], saved]);
-    let mut last = b.copy(src(0), out, &first);
-    for (j, &arrived) in got.iter().enumerate().skip(1) {
+    first.extend([got[0], got[1], saved]);
+    let mut last = b.push(
+        Op::Reduce {
+            dst: out,
+            a: src(0),
+            b: src(1),
+        },
+        first,
+    );
+    for (j, &arrived) in got.iter().enumerate().skip(2) {
         last = b.push(
             Op::Reduce {
                 dst: out,

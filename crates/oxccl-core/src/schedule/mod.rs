@@ -676,7 +676,9 @@ pub fn build(req: &Request) -> Result<Schedule, String> {
         (&Collective::AllReduce { count }, Algorithm::Aggregation) => {
             aggregation::aggregation_all_reduce(&mut b, req, count)
         }
-        (&Collective::AllReduce { count }, _) => tree::recursive_doubling(&mut b, n, r, count),
+        (&Collective::AllReduce { count }, _) => {
+            tree::recursive_doubling(&mut b, n, r, count, req.in_place)
+        }
         (&Collective::ReduceScatter { count }, Algorithm::Hierarchical) => {
             hierarchical::hierarchical_reduce_scatter(&mut b, req, count)
         }

@@ -6,34 +6,54 @@ use super::{Buf, Builder, Op, Region, Request, slices, split};
 
 /// Recursive doubling over the largest power of two `p ≤ n`; ranks `p..n` first hand their
 /// input to rank `r - p` and get the result back at the end. Each round receives into
-/// scratch and reduces after its own send is done, so any message size is deadlock-free.
-pub(super) fn recursive_doubling(b: &mut Builder, n: usize, r: usize, count: usize) {
+/// scratch and reduces after its own send is done, so any message size is deadlock-free;
+/// out of place, a first round that sends the input receives straight into the output,
+/// reduced with the input (the send only reads the input, so nothing waits on it).
+pub(super) fn recursive_doubling(
+    b: &mut Builder,
+    n: usize,
+    r: usize,
+    count: usize,
+    in_place: bool,
+) {
     let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
     let all = |buf| Region::new(buf, 0, count);
-    b.scratch = count;
     if r >= p {
         let sent = b.send(r - p, 0, all(Buf::Input), &[]);
         b.recv(r - p, 0, all(Buf::Output), None, &[Some(sent)]);
         return;
     }
-    let mut last = if r + p < n {
-        Some(b.recv(r + p, 0, all(Buf::Output), Some(all(Buf::Input)), &[]))
+    // Where the running result is, and the step that made it.
+    let (mut acc, mut last) = if r + p < n {
+        let got = b.recv(r + p, 0, all(Buf::Output), Some(all(Buf::Input)), &[]);
+        (Buf::Output, Some(got))
+    } else if in_place {
+        (
+            Buf::Output,
+            Some(b.copy(all(Buf::Input), all(Buf::Output), &[])),
+        )
     } else {
-        Some(b.copy(all(Buf::Input), all(Buf::Output), &[]))
+        (Buf::Input, None)
     };
     let mut mask = 1;
     while mask < p {
         let partner = r ^ mask;
-        let send = b.send(partner, 0, all(Buf::Output), &[last]);
-        let recv = b.recv(partner, 0, all(Buf::Scratch), None, &[last]);
-        last = Some(b.push(
-            Op::Reduce {
-                dst: all(Buf::Output),
-                a: all(Buf::Output),
-                b: all(Buf::Scratch),
-            },
-            [Some(send), Some(recv)],
-        ));
+        let send = b.send(partner, 0, all(acc), &[last]);
+        if acc == Buf::Input {
+            last = Some(b.recv(partner, 0, all(Buf::Output), Some(all(Buf::Input)), &[]));
+        } else {
+            b.scratch = count;
+            let recv = b.recv(partner, 0, all(Buf::Scratch), None, &[last]);
+            last = Some(b.push(
+                Op::Reduce {
+                    dst: all(Buf::Output),
+                    a: all(Buf::Output),
+                    b: all(Buf::Scratch),
+                },
+                [Some(send), Some(recv)],
+            ));
+        }
+        acc = Buf::Output;
         mask <<= 1;
     }
     if r + p < n {

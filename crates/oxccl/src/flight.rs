@@ -1,8 +1,9 @@
 //! The flight recorder: the last calls of every communicator of this process, dumped as JSON
 //! when something goes wrong, so that a person can see which rank stopped where.
 //!
-//! Each process keeps one recorder (`OXCCL_FLIGHT_RECORDER` entries, default 1024; `0` turns
-//! it off). A call is recorded when it starts (kind, count, type, operator, root, algorithm,
+//! Each communicator keeps its last calls (`OXCCL_FLIGHT_RECORDER` entries, default 1024; `0`
+//! turns the recorder off), and the process keeps those of the last few communicators that
+//! are gone. A call is recorded when it starts (kind, count, type, operator, root, algorithm,
 //! protocol, sequence number, time) and updated when it ends (state, time, error, what it was
 //! waiting on); while it runs, the executor publishes how many of its steps are done and how
 //! many bytes have arrived, so a dump taken meanwhile shows where it is.
@@ -39,12 +40,14 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// The dump format, shared with `oxccl doctor` (from `oxccl_core::dump`).
 pub use oxccl_core::dump::{CallState, CommState, DUMP_VERSION, Dump, Entry, MARKER};
 
 use crate::error::{Error, OpDesc};
+use crate::schedule::{Algorithm, CollectiveKind};
+use crate::{DataType, ReduceOp};
 
 /// Nanoseconds since the Unix epoch, from the kernel's coarse real-time clock: its resolution
 /// is the scheduler tick (1 to 4 ms), plenty for a recorder of hangs, and it costs about 5 ns
@@ -74,10 +77,13 @@ pub(crate) struct Probe {
     pub dumped: std::sync::atomic::AtomicBool,
     /// Whether it has dumped at a peer's request.
     pub requested: std::sync::atomic::AtomicBool,
+    /// This communicator's last calls (see [`Ring`]).
+    ring: Ring,
 }
 
 impl Probe {
     pub(crate) fn new(comm_id: u64, rank: usize, world: usize) -> Arc<Probe> {
+        let rec = recorder();
         let p = Arc::new(Probe {
             comm_id,
             rank,
@@ -90,32 +96,210 @@ impl Probe {
             last_completed: AtomicU64::new(0),
             dumped: Default::default(),
             requested: Default::default(),
+            ring: Ring::new(rec.map_or(0, |r| r.cap)),
         });
-        if let Some(r) = recorder() {
+        if let Some(r) = rec {
             let mut comms = r.comms.lock().unwrap_or_else(|e| e.into_inner());
-            comms.retain(|w| w.strong_count() > 0);
-            comms.push(Arc::downgrade(&p));
+            // Keep the entries of a few communicators that are gone (a dump may be about them).
+            let mut gone = comms.iter().filter(|c| Arc::strong_count(c) == 1).count();
+            comms.retain(|c| {
+                let drop = gone > KEEP_GONE && Arc::strong_count(c) == 1;
+                gone -= usize::from(drop);
+                !drop
+            });
+            comms.push(p.clone());
         }
         p
     }
 }
 
+/// Communicators that no longer exist whose entries dumps still show.
+const KEEP_GONE: usize = 8;
+
 /// What a starting call tells the recorder.
 pub(crate) struct CallInfo<'a> {
     pub desc: &'a OpDesc,
-    pub algorithm: &'static str,
-    pub protocol: &'static str,
+    pub algorithm: Algorithm,
+    pub protocol: Protocol,
     pub steps: usize,
 }
 
-/// A recorded call: its id in the recorder, its communicator, and what a dump says of it. The
-/// entry's `comm_id` text is written when a dump is rendered, so that recording a call
-/// allocates nothing.
-#[derive(Clone)]
-struct Record {
-    id: u64,
-    comm_id: u64,
-    entry: Entry,
+/// The protocol a call runs (as dumps name it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Protocol {
+    /// Slots and credits.
+    Slots,
+    /// Mailboxes.
+    Mailbox,
+}
+
+impl Protocol {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Protocol::Slots => "slots",
+            Protocol::Mailbox => "mailbox",
+        }
+    }
+}
+
+/// One recorded call, as words of a [`Ring`] slot.
+const W_ID: usize = 0;
+const W_SEQ: usize = 1;
+const W_COUNT: usize = 2;
+const W_START: usize = 3;
+const W_END: usize = 4;
+const W_STEPS: usize = 5;
+const W_DONE: usize = 6;
+const W_BYTES: usize = 7;
+/// Collective code, dtype, operator, state, algorithm and protocol (a byte each), then
+/// whether the last word holds a root or a peer.
+const W_KIND: usize = 8;
+const W_ROOT: usize = 9;
+const WORDS: usize = 10;
+
+const STATE_RUNNING: u64 = 0;
+const STATE_COMPLETED: u64 = 1;
+const STATE_FAILED: u64 = 2;
+
+/// A ring slot: the record's words and its version (odd while being written).
+#[derive(Default)]
+struct Slot {
+    ver: AtomicU64,
+    w: [AtomicU64; WORDS],
+}
+
+/// A communicator's recorded calls: a ring of slots that the thread running its calls writes
+/// (one call at a time, under the communicator's lock), and that a dump reads from any thread
+/// at any time, a hang included: each slot is a seqlock (a version that is odd while the slot
+/// is written, read before and after its words), so recording a call takes no lock and
+/// allocates nothing. What a failed call adds in text (its error, what it waited for) goes
+/// to a short list beside it.
+struct Ring {
+    slots: Box<[Slot]>,
+    /// Ids given so far (a call's id is its number, from 1).
+    ids: AtomicU64,
+    /// Failed calls' texts, by id (the last [`FAILURES`]).
+    failures: Mutex<VecDeque<(u64, Failure)>>,
+}
+
+/// What a failed call's record says in words.
+#[derive(Clone, Default)]
+struct Failure {
+    error: Option<String>,
+    waiting: Option<String>,
+    waiting_on: Option<u32>,
+}
+
+/// Failed calls whose texts a communicator keeps.
+const FAILURES: usize = 16;
+
+impl Ring {
+    fn new(cap: usize) -> Ring {
+        Ring {
+            slots: (0..cap).map(|_| Slot::default()).collect(),
+            ids: AtomicU64::new(0),
+            failures: Mutex::new(VecDeque::new()),
+        }
+    }
+
+    fn slot(&self, id: u64) -> Option<&Slot> {
+        let n = self.slots.len() as u64;
+        (n > 0).then(|| &self.slots[((id - 1) % n) as usize])
+    }
+
+    /// Writes words of slot `id` with `f` (the single writer: the communicator's caller).
+    fn write(&self, id: u64, f: impl FnOnce(&[AtomicU64; WORDS])) {
+        let Some(s) = self.slot(id) else { return };
+        let v = s.ver.load(Ordering::Relaxed);
+        s.ver.store(v | 1, Ordering::Relaxed);
+        std::sync::atomic::fence(Ordering::Release);
+        f(&s.w);
+        s.ver.store((v | 1) + 1, Ordering::Release);
+    }
+
+    /// A consistent copy of every slot in use, oldest first.
+    fn read(&self) -> Vec<[u64; WORDS]> {
+        let mut out = Vec::with_capacity(self.slots.len());
+        for s in self.slots.iter() {
+            for _ in 0..1000 {
+                let v1 = s.ver.load(Ordering::Acquire);
+                if v1 & 1 == 1 {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                let w: [u64; WORDS] = std::array::from_fn(|i| s.w[i].load(Ordering::Relaxed));
+                std::sync::atomic::fence(Ordering::Acquire);
+                if s.ver.load(Ordering::Relaxed) == v1 {
+                    if w[W_ID] != 0 {
+                        out.push(w);
+                    }
+                    break;
+                }
+            }
+        }
+        out.sort_by_key(|w| w[W_ID]);
+        out
+    }
+}
+
+/// A recorded call's words as a dump entry.
+fn entry(probe: &Probe, w: &[u64; WORDS], failures: &VecDeque<(u64, Failure)>) -> Entry {
+    let byte = |i: u32| (w[W_KIND] >> (8 * i)) as u8;
+    let p2p = byte(6) & 2 != 0;
+    let root = (byte(6) & 1 != 0).then_some(w[W_ROOT] as u32);
+    let failure = failures
+        .iter()
+        .find(|(id, _)| *id == w[W_ID])
+        .map(|(_, f)| f.clone())
+        .unwrap_or_default();
+    let state = match u64::from(byte(3)) {
+        STATE_COMPLETED => CallState::Completed,
+        STATE_FAILED => CallState::Failed,
+        _ => CallState::Running,
+    };
+    let running = state == CallState::Running && probe.running.load(Ordering::Relaxed) == w[W_ID];
+    Entry {
+        comm_id: hex(probe.comm_id),
+        rank: probe.rank as u32,
+        world_size: probe.world as u32,
+        seq: w[W_SEQ],
+        coll: CollectiveKind::from_code(byte(0)).unwrap_or(CollectiveKind::AllReduce),
+        count: w[W_COUNT],
+        dtype: DataType::ALL.get(byte(1) as usize).copied(),
+        op: ReduceOp::ALL.get(byte(2) as usize).copied(),
+        root: root.filter(|_| !p2p),
+        peer: root.filter(|_| p2p),
+        algorithm: Algorithm::ALL
+            .get(byte(4) as usize)
+            .map(|a| a.name().into()),
+        protocol: Some(
+            if byte(5) == 1 {
+                Protocol::Mailbox
+            } else {
+                Protocol::Slots
+            }
+            .name()
+            .into(),
+        ),
+        state,
+        start_unix_ns: w[W_START],
+        end_unix_ns: (w[W_END] != 0).then_some(w[W_END]),
+        steps: w[W_STEPS],
+        // A running call's live progress.
+        steps_done: if running {
+            probe.steps_done.load(Ordering::Relaxed).into()
+        } else {
+            w[W_DONE]
+        },
+        bytes_in: if running {
+            probe.bytes_in.load(Ordering::Relaxed)
+        } else {
+            w[W_BYTES]
+        },
+        waiting: failure.waiting,
+        waiting_on: failure.waiting_on,
+        error: failure.error,
+    }
 }
 
 /// A communicator id as dumps write it: 16 hex digits.
@@ -124,9 +308,10 @@ fn hex(id: u64) -> String {
 }
 
 struct Recorder {
+    /// Entries kept per communicator.
     cap: usize,
-    ring: Mutex<(u64, VecDeque<Record>)>,
-    comms: Mutex<Vec<Weak<Probe>>>,
+    /// Every communicator of this process (and the last few that are gone).
+    comms: Mutex<Vec<Arc<Probe>>>,
 }
 
 fn recorder() -> Option<&'static Recorder> {
@@ -137,12 +322,16 @@ fn recorder() -> Option<&'static Recorder> {
             .and_then(|v| v.trim().parse::<usize>().ok())
             .unwrap_or(1024);
         (cap > 0).then(|| Recorder {
-            cap,
-            ring: Mutex::new((0, VecDeque::with_capacity(cap.min(4096)))),
+            cap: cap.min(1 << 20),
             comms: Mutex::new(Vec::new()),
         })
     })
     .as_ref()
+}
+
+/// `x`'s place in `all` (255 if it has none).
+fn index<T: PartialEq>(all: &[T], x: T) -> u64 {
+    all.iter().position(|a| *a == x).map_or(255, |i| i as u64)
 }
 
 /// Records the start of a call; returns its id (0 when the recorder is off).
@@ -151,50 +340,37 @@ pub(crate) fn start(probe: &Probe, call: &CallInfo<'_>) -> u64 {
     probe.steps_done.store(0, Ordering::Relaxed);
     probe.bytes_in.store(0, Ordering::Relaxed);
     probe.started_ns.store(now, Ordering::Relaxed);
-    let p2p = call.desc.coll.is_point_to_point();
+    let d = call.desc;
+    let p2p = d.coll.is_point_to_point();
     if !p2p {
-        probe.last_started.store(call.desc.seq, Ordering::Relaxed);
+        probe.last_started.store(d.seq, Ordering::Relaxed);
     }
-    let Some(r) = recorder() else {
+    if probe.ring.slots.is_empty() {
         probe.running.store(u64::MAX, Ordering::Relaxed);
         return 0;
-    };
-    let d = call.desc;
-    let mut ring = r.ring.lock().unwrap_or_else(|e| e.into_inner());
-    ring.0 += 1;
-    let id = ring.0;
-    if ring.1.len() >= r.cap {
-        ring.1.pop_front();
     }
-    let rank = |r: usize| r as u32;
-    ring.1.push_back(Record {
-        id,
-        comm_id: probe.comm_id,
-        entry: Entry {
-            comm_id: String::new(),
-            rank: rank(probe.rank),
-            world_size: rank(probe.world),
-            seq: d.seq,
-            coll: d.coll,
-            count: d.count,
-            dtype: Some(d.dtype),
-            op: Some(d.op),
-            root: d.root.filter(|_| !p2p).map(rank),
-            peer: d.root.filter(|_| p2p).map(rank),
-            algorithm: Some(call.algorithm.into()),
-            protocol: Some(call.protocol.into()),
-            state: CallState::Running,
-            start_unix_ns: now,
-            end_unix_ns: None,
-            steps: call.steps as u64,
-            steps_done: 0,
-            bytes_in: 0,
-            waiting: None,
-            waiting_on: None,
-            error: None,
-        },
+    let id = probe.ring.ids.load(Ordering::Relaxed) + 1;
+    probe.ring.ids.store(id, Ordering::Relaxed);
+    let kind = u64::from(d.coll.code())
+        | index(&DataType::ALL, d.dtype) << 8
+        | index(&ReduceOp::ALL, d.op) << 16
+        | STATE_RUNNING << 24
+        | index(&Algorithm::ALL, call.algorithm) << 32
+        | u64::from(call.protocol == Protocol::Mailbox) << 40
+        | (u64::from(d.root.is_some()) | u64::from(p2p) << 1) << 48;
+    probe.ring.write(id, |w| {
+        let set = |i: usize, v: u64| w[i].store(v, Ordering::Relaxed);
+        set(W_ID, id);
+        set(W_SEQ, d.seq);
+        set(W_COUNT, d.count);
+        set(W_START, now);
+        set(W_END, 0);
+        set(W_STEPS, call.steps as u64);
+        set(W_DONE, 0);
+        set(W_BYTES, 0);
+        set(W_KIND, kind);
+        set(W_ROOT, d.root.unwrap_or(0) as u64);
     });
-    drop(ring);
     probe.running.store(id, Ordering::Relaxed);
     id
 }
@@ -206,49 +382,62 @@ pub(crate) fn end(probe: &Probe, id: u64, desc: &OpDesc, result: &Result<(), Err
     if result.is_ok() && !desc.coll.is_point_to_point() {
         probe.last_completed.store(desc.seq, Ordering::Relaxed);
     }
-    let Some(r) = recorder() else { return };
     if id == 0 {
         return;
     }
     let now = now_ns();
-    let mut ring = r.ring.lock().unwrap_or_else(|e| e.into_inner());
-    let first = ring.1.front().map_or(0, |e| e.id);
-    let Some(rec) = id
-        .checked_sub(first)
-        .and_then(|i| ring.1.get_mut(i as usize))
-    else {
-        return;
-    };
-    let e = &mut rec.entry;
-    e.end_unix_ns = Some(now);
-    e.steps_done = probe.steps_done.load(Ordering::Relaxed).into();
-    e.bytes_in = probe.bytes_in.load(Ordering::Relaxed);
-    match result {
-        Ok(()) => {
-            e.state = CallState::Completed;
-            e.steps_done = e.steps;
-        }
+    let ring = &probe.ring;
+    let mut steps_done = u64::from(probe.steps_done.load(Ordering::Relaxed));
+    let mut bytes = probe.bytes_in.load(Ordering::Relaxed);
+    let state = match result {
+        Ok(()) => STATE_COMPLETED,
         Err(err) => {
-            e.state = CallState::Failed;
-            e.error = Some(err.to_string());
+            let mut f = Failure {
+                error: Some(err.to_string()),
+                ..Failure::default()
+            };
             match err {
                 Error::Timeout {
                     waiting,
                     peer,
                     step,
-                    bytes,
+                    bytes: b,
                     ..
                 } => {
-                    e.waiting = Some(waiting.clone());
-                    e.waiting_on = peer.map(|p| p as u32);
-                    e.steps_done = e.steps_done.max(*step as u64);
-                    e.bytes_in = *bytes;
+                    f.waiting = Some(waiting.clone());
+                    f.waiting_on = peer.map(|p| p as u32);
+                    steps_done = steps_done.max(*step as u64);
+                    bytes = *b;
                 }
-                Error::PeerFailed { peer, .. } => e.waiting_on = Some(*peer as u32),
+                Error::PeerFailed { peer, .. } => f.waiting_on = Some(*peer as u32),
                 _ => {}
             }
+            let mut fs = ring.failures.lock().unwrap_or_else(|e| e.into_inner());
+            if fs.len() >= FAILURES {
+                fs.pop_front();
+            }
+            fs.push_back((id, f));
+            STATE_FAILED
         }
-    }
+    };
+    ring.write(id, |w| {
+        if w[W_ID].load(Ordering::Relaxed) != id {
+            return;
+        }
+        let steps = w[W_STEPS].load(Ordering::Relaxed);
+        w[W_END].store(now, Ordering::Relaxed);
+        w[W_DONE].store(
+            if state == STATE_COMPLETED {
+                steps
+            } else {
+                steps_done
+            },
+            Ordering::Relaxed,
+        );
+        w[W_BYTES].store(bytes, Ordering::Relaxed);
+        let kind = w[W_KIND].load(Ordering::Relaxed);
+        w[W_KIND].store(kind & !(0xff << 24) | state << 24, Ordering::Relaxed);
+    });
 }
 
 fn hostname() -> String {
@@ -261,43 +450,18 @@ fn hostname() -> String {
 /// live progress. `about` is the communicator that triggered it (else the first live one).
 fn render(reason: &str, detail: &str, about: Option<&Probe>) -> Option<(String, usize)> {
     let r = recorder()?;
-    let comms: Vec<Arc<Probe>> = r
-        .comms
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .iter()
-        .filter_map(Weak::upgrade)
-        .collect();
-    let records: Vec<Record> = r
-        .ring
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .1
-        .iter()
-        .cloned()
-        .collect();
-    let entries = records
-        .into_iter()
-        .map(
-            |Record {
-                 id,
-                 comm_id,
-                 mut entry,
-             }| {
-                entry.comm_id = hex(comm_id);
-                if entry.state == CallState::Running
-                    && let Some(p) = comms
-                        .iter()
-                        .find(|p| p.comm_id == comm_id && p.rank as u32 == entry.rank)
-                    && p.running.load(Ordering::Relaxed) == id
-                {
-                    entry.steps_done = p.steps_done.load(Ordering::Relaxed).into();
-                    entry.bytes_in = p.bytes_in.load(Ordering::Relaxed);
-                }
-                entry
-            },
-        )
-        .collect();
+    let comms: Vec<Arc<Probe>> = r.comms.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let mut entries: Vec<Entry> = Vec::new();
+    for p in &comms {
+        let failures = p
+            .ring
+            .failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        entries.extend(p.ring.read().iter().map(|w| entry(p, w, &failures)));
+    }
+    entries.sort_by_key(|e| e.start_unix_ns);
     let (rank, world, comm_id) = match about.or(comms.first().map(|p| &**p)) {
         Some(p) => (p.rank, p.world, p.comm_id),
         None => (0, 0, 0),
@@ -427,8 +591,6 @@ pub(crate) fn install_signal_handler() {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::schedule::CollectiveKind;
-    use crate::{DataType, ReduceOp};
 
     #[test]
     fn dump_paths_follow_the_template() {
@@ -444,6 +606,49 @@ mod tests {
         assert_eq!(p, format!("/x/1-{}", std::process::id()));
     }
 
+    /// A dump read while calls are being recorded sees each record whole: the seqlock never
+    /// hands out a record half old, half new. Two slots, so that the writer keeps rewriting
+    /// the ones being read; every record's words are multiples of its id.
+    #[test]
+    fn dumps_read_records_whole_while_they_are_written() {
+        let ring = Arc::new(Ring::new(2));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writer = {
+            let (ring, stop) = (ring.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut id = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    id += 1;
+                    ring.write(id, |w| {
+                        for (i, word) in w.iter().enumerate() {
+                            word.store(id * (i as u64 + 1), Ordering::Relaxed);
+                        }
+                    });
+                }
+                id
+            })
+        };
+        let (mut seen, end) = (
+            0,
+            std::time::Instant::now() + std::time::Duration::from_millis(300),
+        );
+        while std::time::Instant::now() < end {
+            for w in ring.read() {
+                for (i, &x) in w.iter().enumerate() {
+                    assert_eq!(x, w[W_ID] * (i as u64 + 1), "a torn record: {w:?}");
+                }
+                seen += 1;
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        let written = writer.join().unwrap();
+        assert!(
+            seen > 100 && written > 100,
+            "{seen} records read, {written} written"
+        );
+        assert_eq!(ring.read().last().unwrap()[W_ID], written);
+    }
+
     #[test]
     fn entries_record_calls_and_live_progress() {
         let probe = Probe::new(0xabc, 2, 4);
@@ -457,8 +662,8 @@ mod tests {
         };
         let info = CallInfo {
             desc: &desc,
-            algorithm: "ring",
-            protocol: "slots",
+            algorithm: Algorithm::Ring,
+            protocol: Protocol::Slots,
             steps: 12,
         };
         let id = start(&probe, &info);

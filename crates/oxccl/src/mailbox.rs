@@ -83,6 +83,20 @@ impl<'a> Inbox<'a> {
             .map_or(0, |w| w.load(Ordering::Acquire))
     }
 
+    /// The flag a receiver of the message with flag `flag` and `total` bytes waits on now:
+    /// the first line's, then the stamp (`None` once both are there). For a waiter that
+    /// spins on one word rather than looking at everything.
+    pub(crate) fn awaited(&self, total: usize, flag: u64) -> Option<&'a AtomicU64> {
+        let off = if !self.header_arrived(flag) {
+            FLAG
+        } else if !self.complete(total, flag) {
+            stamp_offset(total)
+        } else {
+            return None;
+        };
+        self.mr.atomic_u64(self.at + off).ok()
+    }
+
     /// Whether the first line of the message with flag `flag` has arrived (its header can be
     /// read).
     pub(crate) fn header_arrived(&self, flag: u64) -> bool {
@@ -91,9 +105,18 @@ impl<'a> Inbox<'a> {
 
     /// The message's header (once [`Inbox::header_arrived`]).
     pub(crate) fn header(&self) -> Header {
+        Header::decode_short(&self.header_bytes())
+    }
+
+    /// Whether the message's header says exactly `want` (once [`Inbox::header_arrived`]).
+    pub(crate) fn header_is(&self, want: &Header) -> bool {
+        want.short_matches(&self.header_bytes())
+    }
+
+    fn header_bytes(&self) -> [u8; SHORT_HEADER] {
         let mut b = [0u8; SHORT_HEADER];
         let _ = self.mr.read(self.at, &mut b);
-        Header::decode_short(&b)
+        b
     }
 
     /// Whether all `total` bytes of the message with flag `flag` have arrived (once its

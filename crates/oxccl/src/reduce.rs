@@ -68,8 +68,10 @@ pub(crate) fn divide(dtype: DataType, dst: &mut [u8], n: usize) {
 }
 
 fn check_lengths(dtype: DataType, dst: usize, others: &[usize]) {
+    // Element sizes are powers of two: a mask, not a division, on every call.
+    debug_assert!(dtype.size().is_power_of_two());
     assert!(
-        dst.is_multiple_of(dtype.size()),
+        dst & (dtype.size() - 1) == 0,
         "{dst} bytes is not a whole number of {dtype} elements"
     );
     for &len in others {

@@ -331,6 +331,12 @@ impl Header {
         }
     }
 
+    /// This header, as rank `sender` sends it.
+    pub fn from(mut self, sender: usize) -> Header {
+        self.sender = sender as u32;
+        self
+    }
+
     /// This header, placed at bytes `off..off + len` of a transfer of `total`.
     pub fn at(mut self, total: usize, off: usize, len: usize) -> Header {
         self.xfer_len = total as u64;
@@ -384,6 +390,14 @@ impl Header {
     /// the whole), with a checksum, into `out[..SHORT_HEADER]`. The magic number is not
     /// carried: a mailbox holds nothing else.
     pub fn encode_short(&self, out: &mut [u8]) {
+        out[..32].copy_from_slice(&self.short_fields());
+        let sum = short_sum(out);
+        out[32..40].copy_from_slice(&sum.to_le_bytes());
+    }
+
+    /// The fields of the short header, without its checksum.
+    fn short_fields(&self) -> [u8; 32] {
+        let mut out = [0u8; 32];
         out[0] = self.coll;
         out[1] = self.dtype;
         out[2] = self.op;
@@ -393,8 +407,14 @@ impl Header {
         out[12..16].copy_from_slice(&(self.xfer_len as u32).to_le_bytes());
         out[16..24].copy_from_slice(&self.seq.to_le_bytes());
         out[24..32].copy_from_slice(&self.count.to_le_bytes());
-        let sum = short_sum(out);
-        out[32..40].copy_from_slice(&sum.to_le_bytes());
+        out
+    }
+
+    /// Whether the short header in `b` says exactly what this one does: a receiver's fast
+    /// check (no checksum needed when every field is the one expected; a header that
+    /// differs is decoded and checked whole, to say how it differs).
+    pub fn short_matches(&self, b: &[u8]) -> bool {
+        b.len() >= 32 && b[..32] == self.short_fields()
     }
 
     /// Reads a short header ([`Header::encode_short`]) from `b[..SHORT_HEADER]`, as a full
@@ -602,6 +622,12 @@ mod tests {
                 Err(Violation::Damaged),
                 "bit {bit} flipped unseen"
             );
+        }
+        assert!(h.short_matches(&b));
+        for i in 0..32 {
+            let mut d = b;
+            d[i] ^= 0x10;
+            assert!(!h.short_matches(&d), "byte {i} changed unseen");
         }
         // A line of zeros is no header.
         assert!(Header::decode_short(&[0; SHORT_HEADER]).damaged);

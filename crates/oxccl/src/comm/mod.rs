@@ -13,7 +13,7 @@ use crate::dtype::{as_bytes, as_bytes_mut};
 use crate::engine::{AbortFlag, Bufs, Engine, Plan};
 use crate::error::{Error, OpDesc, Result};
 use crate::fault::Faults;
-use crate::flight::{self, CallInfo, Probe};
+use crate::flight::{self, CallInfo, Probe, Protocol};
 use crate::netif::Chosen;
 use crate::schedule::{Algorithm, Collective, Request, build};
 use crate::topology::Topology;
@@ -329,8 +329,8 @@ struct Checked {
 struct Prepared {
     desc: OpDesc,
     plan: Arc<Plan>,
-    algorithm: &'static str,
-    protocol: &'static str,
+    algorithm: Algorithm,
+    protocol: Protocol,
 }
 
 impl Prepared {
@@ -350,8 +350,9 @@ struct State {
     p2p_seq: HashMap<(usize, bool), u64>,
     poisoned: Option<String>,
     cache: HashMap<(Request, u8), Arc<Plan>>,
-    /// The last schedule used: most calls repeat the one before.
-    last: Option<((Request, u8), Arc<Plan>)>,
+    /// The last call's arguments and what the tuner made of them: most calls repeat the one
+    /// before, and skip the tuner (cleared when the tuning changes).
+    last: Option<Last>,
     logged: std::collections::HashSet<(&'static str, Algorithm, usize)>,
     /// The hosts, their ranks and link rates as this communicator knows them now (detected
     /// or from a file, then probed and learned).
@@ -362,12 +363,23 @@ struct State {
     learner: Option<crate::learn::Learner>,
 }
 
+/// A call's arguments as the tuner sees them, and its plan ([`State::last`]).
+struct Last {
+    coll: Collective,
+    es: usize,
+    in_place: bool,
+    plan: Arc<Plan>,
+    algorithm: Algorithm,
+    protocol: Protocol,
+}
+
 impl State {
     /// Derives the tuner's shares from the topology's rates (after a probe or a round of
     /// learning).
     fn retune(&mut self) {
         self.tuning.weights = self.topology.proportional_weights();
         self.tuning.rail_weights = self.topology.rail_weights();
+        self.last = None;
     }
 }
 
@@ -716,15 +728,24 @@ impl Communicator {
         metered: bool,
     ) -> Result<()> {
         self.check_usable(st, coll)?;
-        let call = self.prepare(st, coll, dtype, op, in_place)?;
+        let desc = self.plan_call(st, coll, dtype, op, in_place)?;
+        // The plan stays in `st.last` (borrowed beside the engine: no reference count).
+        let State { engine, last, .. } = &mut *st;
+        let Some(last) = last.as_ref() else {
+            return Err(self.invalid(coll, "no plan".into()));
+        };
         let probe = &self.inner.probe;
-        let id = flight::start(probe, &call.info());
-        st.engine.metering = metered;
-        let r = st
-            .engine
-            .execute(&call.plan, &call.desc, dtype, op, raw, in_place, timeout);
-        st.engine.metering = false;
-        flight::end(probe, id, &call.desc, &r);
+        let info = CallInfo {
+            desc: &desc,
+            algorithm: last.algorithm,
+            protocol: last.protocol,
+            steps: last.plan.sched.steps.len(),
+        };
+        let id = flight::start(probe, &info);
+        engine.metering = metered;
+        let r = engine.execute(&last.plan, &desc, dtype, op, raw, in_place, timeout);
+        engine.metering = false;
+        flight::end(probe, id, &desc, &r);
         r.map_err(|e| self.failed(st, e))
     }
 
@@ -758,6 +779,29 @@ impl Communicator {
         op: ReduceOp,
         in_place: Option<(usize, usize)>,
     ) -> Result<Prepared> {
+        let desc = self.plan_call(st, coll, dtype, op, in_place)?;
+        let last = st
+            .last
+            .as_ref()
+            .ok_or_else(|| self.invalid(coll, "no plan".into()))?;
+        Ok(Prepared {
+            desc,
+            plan: last.plan.clone(),
+            algorithm: last.algorithm,
+            protocol: last.protocol,
+        })
+    }
+
+    /// Numbers a call and finds its schedule, which it leaves in [`State::last`] (a call that
+    /// repeats the one before finds it there at once).
+    fn plan_call(
+        &self,
+        st: &mut State,
+        coll: &Collective,
+        dtype: DataType,
+        op: ReduceOp,
+        in_place: Option<(usize, usize)>,
+    ) -> Result<OpDesc> {
         let rank = self.inner.rank;
         let es = dtype.size();
         let invalid = |msg: String| self.invalid(coll, msg);
@@ -783,18 +827,20 @@ impl Communicator {
             op,
             root: coll.root(),
         };
+        if let Some(l) = &st.last
+            && l.es == es
+            && l.in_place == in_place.is_some()
+            && l.coll == *coll
+        {
+            return Ok(desc);
+        }
         let req = st
             .tuning
             .request(coll, dtype.size(), rank, in_place.is_some());
         let (algo, chunk, channels) = (req.algo, req.chunk, req.channels);
         let key = (req, es as u8);
-        let from_last = matches!(&st.last, Some((k, _)) if *k == key);
-        let hit = match &st.last {
-            Some((_, s)) if from_last => Some(s.clone()),
-            _ => st.cache.get(&key).cloned(),
-        };
-        let plan = match hit {
-            Some(s) => s,
+        let plan = match st.cache.get(&key) {
+            Some(s) => s.clone(),
             None => {
                 // The mailbox protocol must be chosen alike at both ends of a link: not where
                 // one end's schedule alone can't tell (all_to_allv's private counts; blocks that
@@ -805,35 +851,36 @@ impl Communicator {
                 if st.cache.len() >= 256 {
                     st.cache.clear();
                 }
-                st.cache.insert(key.clone(), s.clone());
+                st.cache.insert(key, s.clone());
                 s
             }
         };
-        if !from_last {
-            st.last = Some((key, plan.clone()));
-        }
         let protocol = if st.engine.uses_mailbox(&plan, es) {
-            "mailbox"
+            Protocol::Mailbox
         } else {
-            "slots"
+            Protocol::Slots
         };
         if log_enabled() && st.logged.insert((coll.name(), algo, chunk * es)) {
             crate::log_line(format!(
-                "rank {rank}: {} of {} bytes: algorithm {}, protocol {protocol}, {} channels, {} KiB chunks, {} steps",
+                "rank {rank}: {} of {} bytes: algorithm {}, protocol {}, {} channels, {} KiB chunks, {} steps",
                 coll.name(),
                 coll.count() * es,
                 algo.name(),
+                protocol.name(),
                 channels,
                 (chunk * es) >> 10,
                 plan.sched.steps.len()
             ));
         }
-        Ok(Prepared {
-            desc,
+        st.last = Some(Last {
+            coll: coll.clone(),
+            es,
+            in_place: in_place.is_some(),
             plan,
-            algorithm: algo.name(),
+            algorithm: algo,
             protocol,
-        })
+        });
+        Ok(desc)
     }
 
     /// After a call failed: tells the peers what they need to know, poisons the

@@ -86,19 +86,23 @@ pub(crate) struct PeerCtx {
     pub pid: u32,
     pub sock: String,
     pub seg: Segment,
-    pidfd: OwnedFd,
+    /// The peer process's pidfd; `None` where the kernel has no `pidfd_open` (before Linux
+    /// 5.3, or under valgrind): the service thread then checks the process every
+    /// [`PID_CHECK`] with `kill(pid, 0)`.
+    pidfd: Option<OwnedFd>,
     pub dead: AtomicBool,
     mrs: Mutex<HashMap<u32, (u64, Arc<Segment>)>>,
 }
 
 impl PeerCtx {
     fn connect(pid: u32, token: u64, sock: &str) -> Result<PeerCtx> {
-        let pidfd = rustix::process::pidfd_open(
-            rustix::process::Pid::from_raw(pid as i32)
-                .ok_or_else(|| Error::arg(format!("peer pid {pid} is invalid")))?,
-            rustix::process::PidfdFlags::empty(),
-        )
-        .map_err(|e| Error::os(format!("pidfd_open of peer process {pid}"), e))?;
+        let raw = rustix::process::Pid::from_raw(pid as i32)
+            .ok_or_else(|| Error::arg(format!("peer pid {pid} is invalid")))?;
+        let pidfd = match rustix::process::pidfd_open(raw, rustix::process::PidfdFlags::empty()) {
+            Ok(fd) => Some(fd),
+            Err(rustix::io::Errno::NOSYS) => None,
+            Err(e) => return Err(Error::os(format!("pidfd_open of peer process {pid}"), e)),
+        };
         let fd = fetch_fd(sock, REQ_CTX, token, 0)?;
         let seg = Segment::open(fd)?;
         if seg.len() < ctx_segment_len()
@@ -211,6 +215,9 @@ fn fetch_fd(sock: &str, kind: u64, a: u64, b: u64) -> Result<OwnedFd> {
     }
 }
 
+/// How often the service thread checks a peer process it has no pidfd for.
+const PID_CHECK: Duration = Duration::from_millis(100);
+
 /// The context's background thread: answers segment requests and watches peers' processes.
 ///
 /// It sleeps in one `poll` on the listening socket, an eventfd (new peer, shutdown) and the pidfd
@@ -241,8 +248,20 @@ impl Service {
                 PollFd::new(&self.listener, PollFlags::IN),
                 PollFd::new(&*self.wake, PollFlags::IN),
             ];
-            fds.extend(live.iter().map(|p| PollFd::new(&p.pidfd, PollFlags::IN)));
-            match rustix::event::poll(&mut fds, None) {
+            let watched: Vec<&Arc<PeerCtx>> = live.iter().filter(|p| p.pidfd.is_some()).collect();
+            fds.extend(
+                watched
+                    .iter()
+                    .filter_map(|p| p.pidfd.as_ref())
+                    .map(|fd| PollFd::new(fd, PollFlags::IN)),
+            );
+            // Peers without a pidfd are checked every PID_CHECK.
+            let unwatched = watched.len() < live.len();
+            let timeout = unwatched.then(|| rustix::event::Timespec {
+                tv_sec: 0,
+                tv_nsec: PID_CHECK.as_nanos() as _,
+            });
+            match rustix::event::poll(&mut fds, timeout.as_ref()) {
                 Ok(_) => {}
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(_) => {
@@ -257,8 +276,17 @@ impl Service {
                 let _ = rustix::io::read(&*self.wake, &mut buf);
             }
             let mut died = false;
-            for (p, r) in live.iter().zip(&ready[2..]) {
+            for (p, r) in watched.iter().zip(&ready[2..]) {
                 if *r {
+                    p.dead.store(true, Ordering::Release);
+                    died = true;
+                }
+            }
+            for p in live.iter().filter(|p| p.pidfd.is_none()) {
+                let pid = rustix::process::Pid::from_raw(p.pid as i32);
+                if pid.is_some_and(|pid| {
+                    rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH)
+                }) {
                     p.dead.store(true, Ordering::Release);
                     died = true;
                 }

@@ -35,6 +35,11 @@ pub enum DataType {
 }
 
 impl DataType {
+    /// This type's place in [`DataType::ALL`] (its wire code).
+    pub const fn index(self) -> u8 {
+        self as u8
+    }
+
     /// Every data type, in declaration order.
     pub const ALL: [DataType; 10] = [
         DataType::I8,
@@ -133,6 +138,11 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
+    /// This operator's place in [`ReduceOp::ALL`] (its wire code).
+    pub const fn index(self) -> u8 {
+        self as u8
+    }
+
     /// Every operator, in declaration order.
     pub const ALL: [ReduceOp; 5] = [
         ReduceOp::Sum,
@@ -295,6 +305,16 @@ pub fn as_bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn indexes_are_places_in_all() {
+        for (i, d) in DataType::ALL.iter().enumerate() {
+            assert_eq!(d.index() as usize, i, "{d}");
+        }
+        for (i, o) in ReduceOp::ALL.iter().enumerate() {
+            assert_eq!(o.index() as usize, i, "{o}");
+        }
+    }
 
     fn check_element<T: Element>(size: usize, float: bool) {
         assert_eq!(T::DTYPE.size(), size);

@@ -15,7 +15,6 @@
 //! counter word beside the sender's slots, so a sender waiting for room sleeps on its
 //! completion queue. Small one-shot exchanges on shm run in mailboxes instead.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -208,6 +207,24 @@ impl Plan {
     }
 }
 
+/// The last calls this engine ran (to name the call a peer's late data or notice is about).
+#[derive(Default)]
+struct Recent {
+    calls: [Option<OpDesc>; 16],
+    next: usize,
+}
+
+impl Recent {
+    fn push(&mut self, d: OpDesc) {
+        self.calls[self.next % 16] = Some(d);
+        self.next = self.next.wrapping_add(1);
+    }
+
+    fn newest_first(&self) -> impl Iterator<Item = &OpDesc> {
+        (1..=16).filter_map(|i| self.calls[self.next.wrapping_sub(i) % 16].as_ref())
+    }
+}
+
 /// The spin of an idle call after one whose wait outlasted its spin ([`Engine::adapt_spin`]).
 const SHORT_SPIN: Duration = Duration::from_micros(2);
 
@@ -296,7 +313,7 @@ pub(crate) struct Engine {
     /// The notice to send every peer when closing (why this communicator failed), if any.
     last_words: Option<u32>,
     /// The last calls, for naming the one a peer reports a mismatch in.
-    recent: VecDeque<OpDesc>,
+    recent: Recent,
     /// Each completion queue's doorbell when it was last polled.
     doorbells: Vec<u32>,
     /// Every queue's flow control (slots posted, credits, fragments arrived), kept across
@@ -366,7 +383,7 @@ impl Engine {
             probe,
             faults: None,
             last_words: None,
-            recent: VecDeque::new(),
+            recent: Recent::default(),
             doorbells: vec![u32::MAX; n],
             flows,
             reuse: Reuse::default(),
@@ -489,10 +506,7 @@ impl Engine {
             return Ok(());
         };
         for spec in specs {
-            if self.recent.len() >= 16 {
-                self.recent.pop_front();
-            }
-            self.recent.push_back(spec.desc.clone());
+            self.recent.push(*spec.desc);
         }
         self.failed_by_notice = false;
         if let Some(f) = self.faults.as_mut() {
@@ -539,6 +553,7 @@ impl Engine {
 
     /// Call number `i` of a group (`alone`: the only one) with its scratch space at byte
     /// `scratch_off`: its queues (derived once per plan), number and protocol state.
+    #[inline(always)]
     fn prepare_call<'s>(
         &mut self,
         spec: &CallSpec<'s>,
@@ -583,11 +598,17 @@ impl Engine {
             esize,
             bufs: spec.bufs,
             in_place: spec.in_place,
-            scratch_off,
             m,
             mrs: CallMrs::default(),
             tag: self.calls,
             want: Header::expected(spec.desc, 0),
+            spans: spans(
+                spec.bufs,
+                spec.in_place,
+                esize,
+                &mut self.scratch,
+                scratch_off,
+            ),
         })
     }
 
@@ -687,8 +708,6 @@ struct One<'a> {
     esize: usize,
     bufs: &'a Bufs,
     in_place: Option<(usize, usize)>,
-    /// Where its scratch space starts in the engine's scratch buffer (bytes).
-    scratch_off: usize,
     /// The call's protocol state ([`oxccl_core::protocol`]).
     m: Machine<'a>,
     mrs: CallMrs,
@@ -696,6 +715,10 @@ struct One<'a> {
     tag: u64,
     /// What every fragment of this call carries ([`Header::expected`], sender 0).
     want: Header,
+    /// Where each of its buffers ([`Buf`], by index) lies: the memory, its length in bytes,
+    /// and the byte at which the schedule's offsets start (in place: the input's or the
+    /// output's place in the one buffer; scratch: this call's part of the engine's).
+    spans: [(*mut u8, usize, usize); 3],
 }
 
 /// The calls of one [`Engine::execute_group`] (one, or a group) and what they share.
@@ -803,39 +826,26 @@ impl Call<'_, '_> {
     }
 
     /// Byte address and length of a region, checked against its buffer.
+    #[inline]
     fn locate(&self, reg: Region) -> Result<(*mut u8, usize)> {
         let one = &self.calls[self.cur];
-        let es = one.esize;
-        let (base, len, off) = match (reg.buf, one.in_place) {
-            // This call's part of the engine's scratch buffer.
-            (Buf::Scratch, _) => (
-                self.eng.scratch.as_ptr() as *mut u8,
-                self.eng.scratch.len() * 8,
-                one.scratch_off + reg.offset * es,
-            ),
-            (Buf::Input, Some((io, _))) => {
-                (one.bufs.output, one.bufs.output_len, (io + reg.offset) * es)
-            }
-            (Buf::Output, Some((_, oo))) => {
-                (one.bufs.output, one.bufs.output_len, (oo + reg.offset) * es)
-            }
-            (Buf::Input, None) => (
-                one.bufs.input as *mut u8,
-                one.bufs.input_len,
-                reg.offset * es,
-            ),
-            (Buf::Output, None) => (one.bufs.output, one.bufs.output_len, reg.offset * es),
-        };
-        let bytes = reg.len * es;
-        if off + bytes > len {
-            return Err(self.invalid(format!(
-                "step needs bytes {off}..{} of the {:?} buffer, which has {len}",
-                off + bytes,
-                reg.buf
-            )));
+        let (base, len, start) = one.spans[reg.buf as usize];
+        let off = start + reg.offset * one.esize;
+        let bytes = reg.len * one.esize;
+        if off.checked_add(bytes).is_none_or(|end| end > len) {
+            return Err(self.outside(reg, off, bytes, len));
         }
         // SAFETY: `off + bytes <= len`, the length of the buffer `base` points to.
         Ok((unsafe { base.add(off) }, bytes))
+    }
+
+    #[cold]
+    fn outside(&self, reg: Region, off: usize, bytes: usize, len: usize) -> Error {
+        self.invalid(format!(
+            "step needs bytes {off}..{} of the {:?} buffer, which has {len}",
+            off.saturating_add(bytes),
+            reg.buf
+        ))
     }
 
     /// The memory region covering `reg`'s buffer on context `ctx`, registered on first use.
@@ -981,6 +991,7 @@ impl Call<'_, '_> {
 
     /// Spins (a bounded while) on the flag the first message this mailbox call waits for
     /// will set.
+    #[inline(never)]
     fn spin_on_awaited(&self, geo: &Geometry) {
         let one = &self.calls[self.cur];
         let Some(Waiting::Data { step, q }) = one.m.waiting(&self.eng.flows) else {
@@ -1079,7 +1090,8 @@ impl Call<'_, '_> {
     }
 
     fn run(&mut self, timeout: Duration) -> Result<()> {
-        let mut deadline = Instant::now() + timeout;
+        // The clock is read only once the call idles (a call that never waits never reads it).
+        let mut deadline: Option<Instant> = None;
         let mut graced = false;
         let geo = self.eng.geo;
         self.check_health()?;
@@ -1110,7 +1122,8 @@ impl Call<'_, '_> {
             // (A credit's completion updates the count; its word in memory is the truth.)
             self.refresh_credits();
             let now = Instant::now();
-            if expired(&mut deadline, &mut graced, now) {
+            let deadline = deadline.get_or_insert(now + timeout);
+            if expired(deadline, &mut graced, now) {
                 return Err(self.timeout_error(timeout));
             }
             let idle = now - *idle_since.get_or_insert(now);
@@ -1124,7 +1137,7 @@ impl Call<'_, '_> {
                 std::thread::yield_now();
                 continue;
             }
-            self.wait(deadline.min(now + Duration::from_millis(50)) - now)?;
+            self.wait((*deadline).min(now + Duration::from_millis(50)) - now)?;
         }
         Ok(())
     }
@@ -1377,8 +1390,7 @@ impl Call<'_, '_> {
                         let theirs = self
                             .eng
                             .recent
-                            .iter()
-                            .rev()
+                            .newest_first()
                             .find(|d| d.seq & 0xff_ffff == u64::from(seq))
                             .map_or(format!("call #{seq} (modulo 2^24)"), |d| d.to_string());
                         return Err(Error::Mismatch {
@@ -1899,7 +1911,7 @@ impl Call<'_, '_> {
         };
         Error::Timeout {
             rank: self.eng.rank,
-            op: Box::new(self.calls[self.cur].desc.clone()),
+            op: Box::new(*self.calls[self.cur].desc),
             timeout,
             waiting,
             peer,
@@ -2004,10 +2016,36 @@ impl Call<'_, '_> {
     fn our_side(&self, h: &Header) -> String {
         self.eng
             .recent
-            .iter()
-            .rev()
+            .newest_first()
             .find(|d| d.seq == h.seq && h.seq != self.calls[self.cur].desc.seq)
             .map_or(String::new(), |d| format!(", where this rank ran {d}"))
+    }
+}
+
+/// Where a call's buffers lie ([`One::spans`]): `Buf::Input`, `Buf::Output`, `Buf::Scratch`.
+fn spans(
+    bufs: &Bufs,
+    in_place: Option<(usize, usize)>,
+    esize: usize,
+    scratch: &mut [u64],
+    scratch_off: usize,
+) -> [(*mut u8, usize, usize); 3] {
+    let scratch = (
+        scratch.as_mut_ptr() as *mut u8,
+        scratch.len() * 8,
+        scratch_off,
+    );
+    match in_place {
+        Some((io, oo)) => [
+            (bufs.output, bufs.output_len, io * esize),
+            (bufs.output, bufs.output_len, oo * esize),
+            scratch,
+        ],
+        None => [
+            (bufs.input as *mut u8, bufs.input_len, 0),
+            (bufs.output, bufs.output_len, 0),
+            scratch,
+        ],
     }
 }
 

@@ -329,11 +329,6 @@ fn recorder() -> Option<&'static Recorder> {
     .as_ref()
 }
 
-/// `x`'s place in `all` (255 if it has none).
-fn index<T: PartialEq>(all: &[T], x: T) -> u64 {
-    all.iter().position(|a| *a == x).map_or(255, |i| i as u64)
-}
-
 /// Records the start of a call; returns its id (0 when the recorder is off).
 pub(crate) fn start(probe: &Probe, call: &CallInfo<'_>) -> u64 {
     let now = now_ns();
@@ -352,10 +347,10 @@ pub(crate) fn start(probe: &Probe, call: &CallInfo<'_>) -> u64 {
     let id = probe.ring.ids.load(Ordering::Relaxed) + 1;
     probe.ring.ids.store(id, Ordering::Relaxed);
     let kind = u64::from(d.coll.code())
-        | index(&DataType::ALL, d.dtype) << 8
-        | index(&ReduceOp::ALL, d.op) << 16
+        | u64::from(d.dtype.index()) << 8
+        | u64::from(d.op.index()) << 16
         | STATE_RUNNING << 24
-        | index(&Algorithm::ALL, call.algorithm) << 32
+        | u64::from(call.algorithm.index()) << 32
         | u64::from(call.protocol == Protocol::Mailbox) << 40
         | (u64::from(d.root.is_some()) | u64::from(p2p) << 1) << 48;
     probe.ring.write(id, |w| {
@@ -699,7 +694,7 @@ mod tests {
 
         let err = Error::Timeout {
             rank: 2,
-            op: Box::new(desc.clone()),
+            op: Box::new(desc),
             timeout: std::time::Duration::from_secs(1),
             waiting: "waiting for data from rank 1 (channel 0)".into(),
             peer: Some(1),

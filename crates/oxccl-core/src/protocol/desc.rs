@@ -5,7 +5,7 @@ use crate::schedule::CollectiveKind;
 use crate::{DataType, ReduceOp};
 
 /// What a collective call was: its sequence number and fingerprint.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OpDesc {
     /// Per-communicator sequence number (for send/recv: per peer and direction).
     pub seq: u64,

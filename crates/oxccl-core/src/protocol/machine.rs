@@ -476,6 +476,7 @@ impl<'a> Machine<'a> {
     /// A call of `sched` (sorted into `queues`) on elements of `esize` bytes, with `cfg`;
     /// `mailbox` runs it in mailbox mode (see [`mailbox_eligible`]). `reuse` lends the
     /// previous call's buffers.
+    #[inline]
     pub fn new(
         sched: &'a Schedule,
         queues: &'a Queues,

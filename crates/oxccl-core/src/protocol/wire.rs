@@ -306,14 +306,8 @@ impl Header {
         Header {
             magic: MAGIC,
             coll: coll.code(),
-            dtype: DataType::ALL
-                .iter()
-                .position(|d| *d == desc.dtype)
-                .unwrap_or(0) as u8,
-            op: ReduceOp::ALL
-                .iter()
-                .position(|o| *o == desc.op)
-                .unwrap_or(0) as u8,
+            dtype: desc.dtype.index(),
+            op: desc.op.index(),
             has_root: u8::from(desc.root.is_some() && !p2p),
             seq: desc.seq,
             count: if desc.coll == CollectiveKind::AllToAllV {
@@ -551,27 +545,27 @@ mod tests {
         for other in [
             OpDesc {
                 seq: 8,
-                ..ours.clone()
+                ..ours
             },
             OpDesc {
                 count: 999,
-                ..ours.clone()
+                ..ours
             },
             OpDesc {
                 dtype: DataType::F16,
-                ..ours.clone()
+                ..ours
             },
             OpDesc {
                 op: ReduceOp::Sum,
-                ..ours.clone()
+                ..ours
             },
             OpDesc {
                 root: Some(1),
-                ..ours.clone()
+                ..ours
             },
             OpDesc {
                 coll: CollectiveKind::Reduce,
-                ..ours.clone()
+                ..ours
             },
         ] {
             let theirs = Header::expected(&other, 1).at(100, 0, 40);
@@ -590,18 +584,18 @@ mod tests {
         let send = OpDesc {
             coll: CollectiveKind::Send,
             root: Some(1),
-            ..ours.clone()
+            ..ours
         };
         let recv = OpDesc {
             coll: CollectiveKind::Recv,
             root: Some(0),
-            ..ours.clone()
+            ..ours
         };
         assert_eq!(Header::expected(&send, 0), Header::expected(&recv, 0));
         let v = |count| OpDesc {
             coll: CollectiveKind::AllToAllV,
             count,
-            ..ours.clone()
+            ..ours
         };
         assert_eq!(Header::expected(&v(3), 0), Header::expected(&v(9), 0));
     }

@@ -365,6 +365,11 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
+    /// This algorithm's place in [`Algorithm::ALL`].
+    pub const fn index(self) -> u8 {
+        self as u8
+    }
+
     /// Every algorithm.
     pub const ALL: [Algorithm; 9] = [
         Algorithm::Ring,
@@ -784,6 +789,14 @@ const NOTHING: fn(usize, usize) -> Vec<Option<u32>> = |_, _| Vec::new();
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn algorithm_indexes_are_places_in_all() {
+        for (i, a) in Algorithm::ALL.iter().enumerate() {
+            assert_eq!(a.index() as usize, i, "{a:?}");
+            assert_eq!(Algorithm::from_name(a.name()), Some(*a));
+        }
+    }
 
     /// The hand-written `PartialEq` of `Request` tells apart exactly what the derived one
     /// would: every field, the lists by length and content.

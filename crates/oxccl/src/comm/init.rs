@@ -484,6 +484,7 @@ impl Communicator {
                 split_seq: Mutex::new(0),
                 queue: Mutex::new(None),
                 pending: (Mutex::new(0), Condvar::new()),
+                queued: Default::default(),
             }),
         };
         // A barrier over the new connections: when it returns, every rank is past the store

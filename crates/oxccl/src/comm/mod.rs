@@ -404,6 +404,8 @@ struct Inner {
     split_seq: Mutex<u64>,
     queue: Mutex<Option<mpsc::Sender<Job>>>,
     pending: (Mutex<usize>, Condvar),
+    /// The count in `pending`, read without its lock (a blocking call's fast path).
+    queued: std::sync::atomic::AtomicUsize,
 }
 
 type Job = Box<dyn FnOnce(&Communicator) + Send>;
@@ -545,6 +547,7 @@ impl Communicator {
     /// use. Buffer lengths must be exactly what [`Collective::input_len`] and
     /// [`Collective::output_len`] say (times the element size), except that a buffer the
     /// collective does not use on this rank may have any length.
+    #[inline]
     pub fn run(
         &self,
         coll: &Collective,
@@ -556,6 +559,7 @@ impl Communicator {
     }
 
     /// [`Communicator::run`] with its own timeout instead of [`Communicator::timeout`].
+    #[inline]
     pub fn run_timeout(
         &self,
         coll: &Collective,
@@ -600,6 +604,7 @@ impl Communicator {
 
     /// Checks a call's buffers and arguments against this communicator: the raw buffers,
     /// the in-place offsets, and the output's length in bytes.
+    #[inline]
     fn check_call(&self, coll: &Collective, dtype: DataType, bufs: Buffers<'_>) -> Result<Checked> {
         let (rank, world) = (self.inner.rank, self.inner.world);
         let invalid = |msg: String| self.invalid(coll, msg);
@@ -692,6 +697,7 @@ impl Communicator {
     }
 
     /// An average is reduced as a sum: divides the output by the world size.
+    #[inline]
     fn finish_avg(
         &self,
         coll: &Collective,
@@ -716,6 +722,7 @@ impl Communicator {
     /// schedule (cached), the flight recorder, the engine; on failure, tells the peers and
     /// poisons the communicator. `metered`: the links' meters run during it.
     #[allow(clippy::too_many_arguments)]
+    #[inline]
     fn run_locked(
         &self,
         st: &mut State,
@@ -751,6 +758,7 @@ impl Communicator {
 
     /// Fails at once if the communicator can no longer run calls (an earlier call failed, or
     /// it was aborted).
+    #[inline]
     fn check_usable(&self, st: &State, coll: &Collective) -> Result<()> {
         let rank = self.inner.rank;
         if let Some(first) = &st.poisoned {
@@ -794,6 +802,7 @@ impl Communicator {
 
     /// Numbers a call and finds its schedule, which it leaves in [`State::last`] (a call that
     /// repeats the one before finds it there at once).
+    #[inline]
     fn plan_call(
         &self,
         st: &mut State,
@@ -908,6 +917,7 @@ impl Communicator {
         e
     }
 
+    #[inline]
     fn typed<T: Element>(
         &self,
         coll: Collective,
@@ -1170,6 +1180,7 @@ impl Communicator {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
             *p += 1;
+            self.inner.queued.store(*p, Ordering::Release);
         }
         let mut q = self.inner.queue.lock().unwrap_or_else(|e| e.into_inner());
         let sender = q.get_or_insert_with(|| spawn_worker(Arc::downgrade(&self.inner)));
@@ -1181,6 +1192,7 @@ impl Communicator {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
             *p -= 1;
+            self.inner.queued.store(*p, Ordering::Release);
         }
         work
     }
@@ -1190,7 +1202,11 @@ impl Communicator {
         self.submit(move |c| c.all_reduce_in_place(&mut buf, op).map(|()| buf))
     }
 
+    #[inline]
     fn wait_for_queue(&self) {
+        if self.inner.queued.load(Ordering::Acquire) == 0 {
+            return;
+        }
         let me = Arc::as_ptr(&self.inner) as usize;
         if ON_WORKER.with(|w| w.get()) == me {
             return;
@@ -1349,6 +1365,7 @@ fn spawn_worker(inner: Weak<Inner>) -> mpsc::Sender<Job> {
                 let (m, cv) = &comm.inner.pending;
                 let mut p = m.lock().unwrap_or_else(|e| e.into_inner());
                 *p -= 1;
+                comm.inner.queued.store(*p, Ordering::Release);
                 cv.notify_all();
             }
         })

@@ -601,6 +601,41 @@ impl<'a> Machine<'a> {
         (sends, recvs)
     }
 
+    /// The receive queues of this call (those it has receive steps on).
+    pub fn receive_queues(&self) -> &[u32] {
+        &self.queues.active_recv
+    }
+
+    /// The receives of queue `q` from its head on, in order: (the step's place in the queue,
+    /// the step, the queue-life number of its first fragment, whether its dependencies are
+    /// done). Empty while another call of a group has the queue's turn, and in mailbox mode.
+    /// A driver offers the destinations of receives whose dependencies are done to the sender
+    /// before their data comes ([`Announce`](super::Announce)): nothing else touches such a
+    /// destination any more.
+    pub fn receives_ahead<'s>(
+        &'s self,
+        flows: &'s Flows,
+        q: usize,
+    ) -> impl Iterator<Item = (usize, usize, u64, bool)> + 's {
+        let f = &flows.q[q];
+        let list: &[u32] = if self.mailbox || f.recv_turn != self.id {
+            &[]
+        } else {
+            &self.queues.recv[q]
+        };
+        let at = self.recv_at[q] as usize;
+        // The head's first fragment: the queue's consumed count less what the head took.
+        let mut first = list
+            .get(at)
+            .map_or(0, |&s| f.consumed - u64::from(self.st[s as usize].frags));
+        list.iter().enumerate().skip(at).map(move |(k, &s)| {
+            let s = s as usize;
+            let here = first;
+            first += u64::from(self.frags_of(s));
+            (k, s, here, self.deps_done(s))
+        })
+    }
+
     /// Whether step `s`'s dependencies are done.
     pub fn deps_done(&self, s: usize) -> bool {
         self.sched.steps[s]
@@ -1206,6 +1241,67 @@ mod tests {
             eprintln!("slots {slots} inline_max {inline_max}: {runs} orders");
             assert!(runs > 100, "only {runs} orders explored");
         }
+    }
+
+    /// The receives ahead on a queue name the numbers the sender gives their fragments, and
+    /// whether their dependencies are done.
+    #[test]
+    fn receives_ahead_name_their_first_fragments() {
+        // Rank 1 receives 5 bytes (3 fragments of 2), then 3 more (2 fragments) after a local
+        // step that depends on the first receive, then 2 (1 fragment) with no dependency.
+        let copy = Step {
+            op: Op::Copy {
+                src: Region::new(Buf::Output, 0, 1),
+                dst: Region::new(Buf::Scratch, 0, 1),
+            },
+            deps: vec![0],
+        };
+        let s1 = sched(
+            1,
+            vec![recv(0, 5, &[]), copy, recv(0, 3, &[1]), recv(0, 2, &[])],
+        );
+        let q1 = Queues::new(&s1, &links(1), 1).unwrap();
+        let c = cfg(8, 2, 0);
+        let mut flows = Flows::new(1, 1);
+        // Fragments of an earlier call were consumed on this queue already.
+        for slot in 0..4 {
+            flows.arrived(0, slot);
+            flows.consume(0);
+        }
+        let mut m = Machine::new(&s1, &q1, c, 1, false, Reuse::default());
+        assert_eq!(m.receive_queues(), &[0]);
+        let ahead = |m: &Machine<'_>, flows: &Flows| m.receives_ahead(flows, 0).collect::<Vec<_>>();
+        assert_eq!(
+            ahead(&m, &flows),
+            vec![(0, 0, 4, true), (1, 2, 7, false), (2, 3, 9, true)]
+        );
+        // The sender's numbering: its posts on the queue so far.
+        let mut sender = Flows::new(1, 1);
+        for _ in 0..4 {
+            sender.post(0, 8);
+        }
+        assert_eq!(
+            sender.get(0).posted,
+            4,
+            "the first fragment of the receive is number 4"
+        );
+        // Midway through the first receive, the numbers stay.
+        flows.arrived(0, 4);
+        let a = m.next(&mut flows).unwrap();
+        assert!(matches!(a, Action::Recv { step: 0, .. }));
+        assert_eq!(ahead(&m, &flows)[1..], [(1, 2, 7, false), (2, 3, 9, true)]);
+        for slot in 5..7 {
+            flows.arrived(0, slot);
+        }
+        while m.next(&mut flows).is_some() {}
+        assert!(m.step(0).done && m.step(1).done);
+        assert_eq!(ahead(&m, &flows), vec![(1, 2, 7, true), (2, 3, 9, true)]);
+        // Another call's turn, or mailbox mode: nothing.
+        flows.q[0].recv_turn = 1;
+        assert!(ahead(&m, &flows).is_empty());
+        flows.q[0].recv_turn = 0;
+        let mb = Machine::new(&s1, &q1, c, 1, true, Reuse::default());
+        assert!(ahead(&mb, &flows).is_empty());
     }
 
     #[test]

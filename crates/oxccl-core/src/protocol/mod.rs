@@ -48,6 +48,6 @@ pub use machine::{
     Action, Config, Flow, Flows, Machine, Queues, Reuse, StepState, Waiting, mailbox_eligible,
 };
 pub use wire::{
-    Geometry, Header, INLINE, Imm, MAGIC, MAILBOX, MAILBOX_DATA, Notice, SLOT_HEADER, STAGE,
-    Violation, mailbox,
+    ANNOUNCE, ANNOUNCE_RING, Announce, Geometry, Header, INLINE, Imm, MAGIC, MAILBOX, MAILBOX_DATA,
+    Notice, PLACE_MIN, SLOT_HEADER, STAGE, Violation, mailbox,
 };

@@ -151,6 +151,88 @@ pub mod mailbox {
     }
 }
 
+/// Bytes of an announcement in the receive region.
+pub const ANNOUNCE: usize = 64;
+
+/// Announcements per channel: a receiver announces up to this many receives ahead of the
+/// one it is in, so that a sender running ahead by its window of slots still finds where its
+/// fragments go (receive number `k` of a queue uses record `k % ANNOUNCE_RING`).
+pub const ANNOUNCE_RING: usize = 16;
+
+/// Receives of at least this many bytes are announced ([`Announce`]): below, the write of the
+/// announcement and a fragment's header are a large part of what moves.
+pub const PLACE_MIN: usize = 64 << 10;
+
+/// A receiver's announcement: a coming receive on a channel may be written in place, straight
+/// into its destination, rather than through the slots. The receiver writes it into the
+/// sender's receive region ([`Geometry::announce_offset`], a ring of [`ANNOUNCE_RING`] records
+/// per channel) once the receive's dependencies are done (nothing else touches the destination
+/// from then on), up to that many receives ahead; the sender reads the ring from its own
+/// memory when it posts a fragment, and uses the record that names that fragment.
+///
+/// Fragments are numbered over a queue's life at both ends ([`crate::protocol::Flow`]), so
+/// the receiver names exactly the fragments of that receive (`first .. first + frags`): an
+/// announcement left from an earlier receive names no later fragment. A fragment written in
+/// place still sends its header through its slot (with [`Header::placed`] set, and no data),
+/// after its data on the same connection: the slots, credits and the order of consumption are
+/// those of every fragment, and a sender that has not seen the announcement yet (or does not
+/// use it) sends through the slot as always. The checksum makes a record read while it is being
+/// rewritten unusable, not wrong.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Announce {
+    /// The queue-life number of the receive's first fragment.
+    pub first: u64,
+    /// Its fragments.
+    pub frags: u64,
+    /// Bytes of the whole transfer.
+    pub total: u64,
+    /// Where its first byte goes, in the receiver's address space.
+    pub addr: u64,
+    /// The remote key of the registered memory it lies in.
+    pub rkey: u64,
+}
+
+impl Announce {
+    /// The record's bytes (`out[..48]`), with a checksum.
+    pub fn encode(&self, out: &mut [u8]) {
+        let words = [self.first, self.frags, self.total, self.addr, self.rkey];
+        for (i, w) in words.iter().enumerate() {
+            out[8 * i..8 * i + 8].copy_from_slice(&w.to_le_bytes());
+        }
+        let sum = announce_sum(&words);
+        out[40..48].copy_from_slice(&sum.to_le_bytes());
+    }
+
+    /// Reads a record (`None` when its checksum does not match: torn, damaged or never
+    /// written).
+    pub fn decode(b: &[u8]) -> Option<Announce> {
+        let word = |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().unwrap());
+        let words = [word(0), word(1), word(2), word(3), word(4)];
+        (word(5) == announce_sum(&words) && words[1] > 0).then_some(Announce {
+            first: words[0],
+            frags: words[1],
+            total: words[2],
+            addr: words[3],
+            rkey: words[4],
+        })
+    }
+
+    /// Where fragment `number` of a transfer of `total` bytes at byte `off` goes, if this
+    /// announcement names it (and the transfer has the length announced).
+    pub fn place(&self, number: u64, total: usize, off: usize) -> Option<u64> {
+        let named = number >= self.first && number - self.first < self.frags;
+        (named && self.total == total as u64).then(|| self.addr + off as u64)
+    }
+}
+
+fn announce_sum(w: &[u64; 5]) -> u64 {
+    let mut h = 0x2545_F491_4F6C_DD1Du64;
+    for &x in w {
+        h = (h ^ x).wrapping_mul(0xBF58_476D_1CE4_E5B9).rotate_left(31);
+    }
+    (h ^ (h >> 29)).wrapping_mul(0x94D0_49BB_1331_11EB) ^ 0x0CC1
+}
+
 /// Slot geometry, the same on every rank (checked at init).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Geometry {
@@ -176,12 +258,17 @@ impl Geometry {
     pub fn slot_offset(&self, ch: usize, slot: usize) -> usize {
         (ch * self.slots + slot) * self.slot_bytes()
     }
+    /// Where record `i` of channel `ch`'s announcements ([`Announce`]) lies in the receive
+    /// region: the peer writes there where our data for that channel may go in place.
+    pub fn announce_offset(&self, ch: usize, i: usize) -> usize {
+        (self.channels * self.slots * self.slot_bytes() + 8 * self.channels)
+            .next_multiple_of(ANNOUNCE)
+            + (ch * ANNOUNCE_RING + i) * ANNOUNCE
+    }
     /// Where mailbox `parity` starts in the receive region (on a line: a mailbox's lines are
     /// cache lines).
     pub fn mailbox_offset(&self, parity: usize) -> usize {
-        (self.channels * self.slots * self.slot_bytes() + 8 * self.channels)
-            .next_multiple_of(mailbox::LINE)
-            + parity * MAILBOX
+        self.announce_offset(self.channels, 0) + parity * MAILBOX
     }
     /// Where channel `ch`'s credit word lies in the receive region.
     pub fn credit_offset(&self, ch: usize) -> usize {
@@ -195,10 +282,17 @@ impl Geometry {
     pub fn stage_credit(&self, ch: usize) -> usize {
         self.channels * self.slots * STAGE + 8 * ch
     }
-    /// Bytes of the staging region: headers and inline data per slot, then credit source
-    /// words.
+    /// Where record `i` of channel `ch`'s announcements is composed in the staging region (the
+    /// source of the write that carries it; a ring as in the receive region, so that a record
+    /// still being sent is not rewritten by the next).
+    pub fn stage_announce(&self, ch: usize, i: usize) -> usize {
+        (self.channels * self.slots * STAGE + 8 * self.channels).next_multiple_of(ANNOUNCE)
+            + (ch * ANNOUNCE_RING + i) * ANNOUNCE
+    }
+    /// Bytes of the staging region: headers and inline data per slot, credit source words,
+    /// then the announcement rings.
     pub fn stage_region(&self) -> usize {
-        self.channels * self.slots * STAGE + 8 * self.channels
+        self.stage_announce(self.channels, 0)
     }
     /// Receive work requests kept posted per queue pair.
     pub fn recv_depth(&self) -> u32 {
@@ -243,17 +337,21 @@ pub struct Header {
     pub frag_off: u64,
     /// Bytes of this fragment.
     pub frag_len: u32,
+    /// Where the sender wrote this fragment's data at the receiver, when it wrote it in place
+    /// (into the destination the receiver announced: [`Announce`]); 0 when the data follows
+    /// the header in the slot.
+    pub placed: u64,
     /// Set by `decode` when the checksum does not match (never sent).
     pub damaged: bool,
 }
 
-/// A checksum of a header's fields (its first 52 bytes), so that a damaged header is
-/// reported as such, not misread: a multiply-rotate hash over 8-byte words (every input bit
-/// reaches the result; a few ns, where a byte-wise FNV took about 70).
+/// A checksum of a header's fields (its first 52 bytes and the placed address at 56), so that
+/// a damaged header is reported as such, not misread: a multiply-rotate hash over 8-byte words
+/// (every input bit reaches the result; a few ns, where a byte-wise FNV took about 70).
 fn header_sum(b: &[u8]) -> u32 {
     let word = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
     let mut h = 0x9E37_79B9_7F4A_7C15u64;
-    for o in (0..48).step_by(8) {
+    for o in (0..48).step_by(8).chain([56]) {
         h = (h ^ word(o))
             .wrapping_mul(0xBF58_476D_1CE4_E5B9)
             .rotate_left(29);
@@ -353,6 +451,7 @@ impl Header {
         out[32..40].copy_from_slice(&self.xfer_len.to_le_bytes());
         out[40..48].copy_from_slice(&self.frag_off.to_le_bytes());
         out[48..52].copy_from_slice(&self.frag_len.to_le_bytes());
+        out[56..64].copy_from_slice(&self.placed.to_le_bytes());
         let sum = header_sum(out);
         out[52..56].copy_from_slice(&sum.to_le_bytes());
     }
@@ -375,6 +474,7 @@ impl Header {
             xfer_len: u64_at(32),
             frag_off: u64_at(40),
             frag_len: u32_at(48),
+            placed: u64_at(56),
             damaged: u32_at(52) != header_sum(b),
         }
     }
@@ -431,6 +531,7 @@ impl Header {
             count: u64_at(24),
             frag_off: 0,
             frag_len: len,
+            placed: 0,
             damaged: u64_at(32) != short_sum(b),
         }
     }
@@ -522,7 +623,7 @@ mod tests {
         assert_eq!(Header::decode(&b), h);
         assert_eq!(h.describe(), "broadcast #7 (count 1000, float, root 2)");
         // Every bit of the fields is covered by the checksum.
-        for bit in 0..52 * 8 {
+        for bit in (0..52 * 8).chain(56 * 8..64 * 8) {
             let mut d = b;
             d[bit / 8] ^= 1 << (bit % 8);
             assert!(Header::decode(&d).damaged, "bit {bit} flipped unseen");
@@ -543,14 +644,8 @@ mod tests {
         assert_eq!(sent.check(&want, 96, 0, 40), Err(Violation::Position));
         assert_eq!(sent.check(&want, 100, 0, 36), Err(Violation::Length));
         for other in [
-            OpDesc {
-                seq: 8,
-                ..ours
-            },
-            OpDesc {
-                count: 999,
-                ..ours
-            },
+            OpDesc { seq: 8, ..ours },
+            OpDesc { count: 999, ..ours },
             OpDesc {
                 dtype: DataType::F16,
                 ..ours
@@ -664,6 +759,37 @@ mod tests {
     }
 
     #[test]
+    fn an_announcement_names_its_fragments_and_a_torn_one_is_unusable() {
+        let a = Announce {
+            first: 40,
+            frags: 8,
+            total: 8 << 17,
+            addr: 0x7f00_0000,
+            rkey: 0xdead_beef,
+        };
+        let mut b = [0u8; ANNOUNCE];
+        a.encode(&mut b);
+        assert_eq!(Announce::decode(&b), Some(a));
+        assert_eq!(Announce::decode(&[0; ANNOUNCE]), None, "never written");
+        for bit in 0..48 * 8 {
+            let mut d = b;
+            d[bit / 8] ^= 1 << (bit % 8);
+            assert_eq!(Announce::decode(&d), None, "bit {bit}");
+        }
+        // Half of one record and half of another (a read while it was rewritten).
+        let mut other = [0u8; ANNOUNCE];
+        Announce { first: 48, ..a }.encode(&mut other);
+        let mut torn = b;
+        torn[24..].copy_from_slice(&other[24..]);
+        assert_eq!(Announce::decode(&torn), None);
+        assert_eq!(a.place(40, 8 << 17, 0), Some(0x7f00_0000));
+        assert_eq!(a.place(47, 8 << 17, 7 << 17), Some(0x7f00_0000 + (7 << 17)));
+        assert_eq!(a.place(48, 8 << 17, 0), None, "the next receive's");
+        assert_eq!(a.place(39, 8 << 17, 0), None, "the previous receive's");
+        assert_eq!(a.place(41, 4 << 17, 0), None, "another length");
+    }
+
+    #[test]
     fn immediates_round_trip() {
         let all = [
             Imm::Data {
@@ -702,6 +828,9 @@ mod tests {
                 spans.push((g.slot_offset(ch, s), g.slot_bytes()));
             }
             spans.push((g.credit_offset(ch), 8));
+            for i in 0..ANNOUNCE_RING {
+                spans.push((g.announce_offset(ch, i), ANNOUNCE));
+            }
         }
         for p in 0..2 {
             spans.push((g.mailbox_offset(p), MAILBOX));
@@ -717,12 +846,18 @@ mod tests {
         for ch in 0..2 {
             stage.extend((0..3).map(|s| (g.stage_offset(ch, s), STAGE)));
             stage.push((g.stage_credit(ch), 8));
+            for i in 0..ANNOUNCE_RING {
+                stage.push((g.stage_announce(ch, i), ANNOUNCE));
+            }
         }
         stage.sort();
         for w in stage.windows(2) {
             assert!(w[0].0 + w[0].1 <= w[1].0, "{w:?} overlap");
         }
-        assert_eq!(g.stage_credit(1) + 8, g.stage_region());
+        assert_eq!(
+            g.stage_announce(1, ANNOUNCE_RING - 1) + ANNOUNCE,
+            g.stage_region()
+        );
         let c = g.config(4);
         assert_eq!(
             (c.frag_bytes, c.inline_max, c.credit_every),

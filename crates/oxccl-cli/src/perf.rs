@@ -47,9 +47,51 @@ pub struct Args {
     /// Timed iterations per size.
     #[arg(short = 'i', long = "iters", default_value_t = 20)]
     iters: usize,
+    /// Buffer registration, as nccl-tests' `-R`: 0 plain vectors; 1 vectors registered with
+    /// the communicator (`Communicator::register`); 2 memory the communicator allocates
+    /// (`Communicator::alloc`: written in place by the senders over shm too).
+    #[arg(short = 'R', long = "local_register", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    register: u8,
     /// Print one JSON document instead of the table.
     #[arg(long)]
     json: bool,
+}
+
+/// A benchmark buffer: a vector, registered or not, or memory the communicator allocated.
+enum Mem<T: Element> {
+    Plain(Vec<T>),
+    Registered(oxccl::Registered<T>),
+}
+
+impl<T: Element> Mem<T> {
+    /// `len` zeroed elements, as `-R` says.
+    fn new(comm: &Communicator, register: u8, len: usize) -> Result<Mem<T>, String> {
+        let zeros = || vec![T::from_f64(0.0); len];
+        Ok(match register {
+            1 if len > 0 => Mem::Registered(comm.register(zeros()).map_err(|e| e.to_string())?),
+            2 if len > 0 => Mem::Registered(comm.alloc(len).map_err(|e| e.to_string())?),
+            _ => Mem::Plain(zeros()),
+        })
+    }
+}
+
+impl<T: Element> std::ops::Deref for Mem<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            Mem::Plain(v) => v,
+            Mem::Registered(r) => r,
+        }
+    }
+}
+
+impl<T: Element> std::ops::DerefMut for Mem<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        match self {
+            Mem::Plain(v) => v,
+            Mem::Registered(r) => r,
+        }
+    }
 }
 
 /// Whether `oxccl perf` and `oxccl sim` run `kind`: every collective of one count per rank
@@ -256,6 +298,10 @@ pub(crate) struct Row {
     pub(crate) count: usize,
     pub(crate) time_us: [f64; 2],
     pub(crate) wrong: [u64; 2],
+    /// Bytes that went through rank 0's memory per call, as its executor counts them
+    /// (`Communicator::stats`: sent, placed, copied and reduced out of slots, local steps);
+    /// `None` where nobody counted (a simulation).
+    pub(crate) moved: [Option<u64>; 2],
 }
 
 fn bench<T: Element>(
@@ -285,22 +331,21 @@ fn bench<T: Element>(
             count: shown / es,
             time_us: [0.0; 2],
             wrong: [0; 2],
+            moved: [None; 2],
         };
         for (k, in_place) in [false, true].into_iter().enumerate() {
             let in_len = coll.input_len(n, me);
             let out_len = coll.output_len(n, me);
             let (io, oo) = coll.in_place_offsets(n, me).unwrap_or((0, 0));
-            let mut input: Vec<T> = vec![T::from_f64(0.0); if in_place { 0 } else { in_len }];
-            let mut output: Vec<T> = vec![T::from_f64(0.0); if in_place { 0 } else { out_len }];
-            let mut buf: Vec<T> = vec![
-                T::from_f64(0.0);
-                if in_place {
-                    (io + in_len).max(oo + out_len)
-                } else {
-                    0
-                }
-            ];
-            let fill = |input: &mut Vec<T>, buf: &mut Vec<T>| {
+            let mem = |len: usize| Mem::<T>::new(comm, args.register, len);
+            let mut input = mem(if in_place { 0 } else { in_len })?;
+            let mut output = mem(if in_place { 0 } else { out_len })?;
+            let mut buf = mem(if in_place {
+                (io + in_len).max(oo + out_len)
+            } else {
+                0
+            })?;
+            let fill = |input: &mut Mem<T>, buf: &mut Mem<T>| {
                 let dst = if in_place {
                     &mut buf[io..io + in_len]
                 } else {
@@ -311,7 +356,7 @@ fn bench<T: Element>(
                 }
             };
             fill(&mut input, &mut buf);
-            let once = |input: &Vec<T>, output: &mut Vec<T>, buf: &mut Vec<T>| {
+            let once = |input: &Mem<T>, output: &mut Mem<T>, buf: &mut Mem<T>| {
                 let bufs = if in_place {
                     Buffers::InPlace(as_bytes_mut(buf))
                 } else {
@@ -330,11 +375,13 @@ fn bench<T: Element>(
                 }
             }
             comm.barrier().map_err(|e| e.to_string())?;
+            let before = comm.stats().moved();
             let t0 = Instant::now();
             for _ in 0..args.iters {
                 once(&input, &mut output, &mut buf)?;
             }
             let mut t = [t0.elapsed().as_secs_f64() * 1e6 / args.iters as f64];
+            row.moved[k] = Some((comm.stats().moved() - before) / args.iters as u64);
             comm.all_reduce_in_place(&mut t, ReduceOp::Max)
                 .map_err(|e| e.to_string())?;
             row.time_us[k] = t[0];
@@ -400,13 +447,14 @@ fn print_rows(
         check: args.check != 0,
         in_place: true,
         title: format!(
-            "oxccl perf {kind}: nranks {n} minBytes {} maxBytes {} step: {}(factor) warmup iters: {} iters: {} validation: {} provider: {}",
+            "oxccl perf {kind}: nranks {n} minBytes {} maxBytes {} step: {}(factor) warmup iters: {} iters: {} validation: {} local_register: {} provider: {}",
             args.min_bytes,
             args.max_bytes,
             args.factor,
             args.warmup,
             args.iters,
             args.check,
+            args.register,
             if provider.is_empty() {
                 "none"
             } else {
@@ -460,7 +508,11 @@ pub(crate) fn write_table(
             .map(|r| {
                 let side = |k: usize| {
                     let (a, b) = bw(r, k);
-                    serde_json::json!({"time_us": r.time_us[k], "algbw": a, "busbw": b, "wrong": r.wrong[k]})
+                    let mut s = serde_json::json!({"time_us": r.time_us[k], "algbw": a, "busbw": b, "wrong": r.wrong[k]});
+                    if let Some(m) = r.moved[k] {
+                        s["moved_bytes"] = m.into();
+                    }
+                    s
                 };
                 let mut row = serde_json::json!({"size": r.size, "count": r.count, "type": t.dtype.name(),
                     "redop": redop, "root": root, "oop": side(0)});
@@ -556,6 +608,17 @@ pub(crate) fn write_table(
             ip[2],
             ip[3]
         )?;
+    }
+    if rows.iter().any(|r| r.moved[0].is_some()) {
+        writeln!(
+            out,
+            "# Bytes through rank 0's memory per call (sent, placed, copied and reduced out of \
+             slots, local steps):"
+        )?;
+        for r in rows {
+            let m = |k: usize| r.moved[k].map_or("N/A".into(), |m| m.to_string());
+            writeln!(out, "#  {:>10}  oop {:>12}  ip {:>12}", r.size, m(0), m(1))?;
+        }
     }
     let total_wrong: u64 = rows.iter().map(|r| r.wrong[0] + r.wrong[1]).sum();
     writeln!(

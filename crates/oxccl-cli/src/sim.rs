@@ -166,6 +166,7 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
             count: shown / es,
             time_us: [0.0; 2],
             wrong: [0; 2],
+            moved: [None; 2],
         };
         let mut kept = None;
         for (k, in_place) in [false, true].into_iter().enumerate() {
@@ -224,6 +225,7 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
             count: s.row.count,
             time_us: s.row.time_us,
             wrong: s.row.wrong,
+            moved: s.row.moved,
         })
         .collect();
     let rep = &largest.report;

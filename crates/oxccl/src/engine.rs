@@ -22,14 +22,15 @@ use std::time::{Duration, Instant};
 pub(crate) use oxccl_core::protocol::Geometry;
 use oxccl_core::protocol::mailbox::SHORT_HEADER;
 use oxccl_core::protocol::{
-    self, Action, Flows, Header, Imm, MAILBOX_DATA, Machine, Notice, Queues, Reuse, SLOT_HEADER,
-    Violation, Waiting,
+    self, ANNOUNCE, ANNOUNCE_RING, Action, Announce, Flows, Header, Imm, MAILBOX_DATA, Machine,
+    Notice, PLACE_MIN, Queues, Reuse, SLOT_HEADER, Violation, Waiting,
 };
 use oxccl_verbs::{
     AccessFlags, CompletionQueue, MemoryRegion, ProtectionDomain, Provider, QpState, QueuePair,
-    RecvWr, RemoteBuffer, RemoteMapping, SendWr, Sge, WcStatus, WorkCompletion, WrOp,
+    RecvWr, RemoteAddr, RemoteBuffer, RemoteMapping, SendWr, Sge, WcStatus, WorkCompletion, WrOp,
 };
 
+use crate::comm::{RegCache, Registry};
 use crate::error::{Error, OpDesc, Result};
 use crate::fault::Injector;
 use crate::flight::Probe;
@@ -264,6 +265,8 @@ pub(crate) struct Bufs {
 enum MrRef {
     Scratch(usize),
     Call(usize),
+    /// A registered buffer ([`RegCache::get`]) in context `.1`.
+    Registered(usize, usize),
 }
 
 /// Memory registrations of one call's buffers, per provider context, made on first use.
@@ -347,6 +350,44 @@ pub(crate) struct Engine {
     egress: EgressMeter,
     /// Calls executed so far: tags the data requests of each (see [`data_wr_id`]).
     calls: u64,
+    /// The communicator's registered buffers ([`crate::Communicator::register`]), and this
+    /// engine's copy of them.
+    pub(crate) registry: Arc<Registry>,
+    regs: RegCache,
+    /// Per queue: the fragment number up to which receives were considered for announcing
+    /// ([`Call::announce_ready`]), and the announcements made (their ring's next record).
+    announced: Vec<u64>,
+    announcements: Vec<u64>,
+    /// Bytes moved, by how ([`Stats`]).
+    pub(crate) stats: Stats,
+}
+
+/// What an engine has moved through memory since it started, counted by the executor:
+/// `oxccl::Communicator::stats`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Bytes this rank handed to its connections to land in a peer's slots (a copy each, by
+    /// the provider or the network).
+    pub sent: u64,
+    /// Bytes this rank wrote in place into a peer's destination (zero copy: no slot, and no
+    /// copy at the receiver).
+    pub placed: u64,
+    /// Bytes this rank copied out of its slots and mailboxes into destinations.
+    pub copied: u64,
+    /// Bytes this rank reduced out of its slots and mailboxes into destinations.
+    pub reduced: u64,
+    /// Bytes of this rank's local steps (copies and reductions between its own buffers).
+    pub local: u64,
+    /// Bytes peers wrote in place into this rank's destinations.
+    pub received_in_place: u64,
+}
+
+impl Stats {
+    /// Bytes that went through memory in a copy or a reduction, at this rank: what it sent
+    /// (one copy each, slot or in place), what it took out of slots, and its local steps.
+    pub fn moved(&self) -> u64 {
+        self.sent + self.placed + self.copied + self.reduced + self.local
+    }
 }
 
 impl Drop for Engine {
@@ -372,6 +413,7 @@ impl Engine {
     ) -> Engine {
         let n = pds.len();
         let flows = Flows::new(links.len(), geo.channels);
+        let flows_queues = links.len() * geo.channels;
         Engine {
             rank,
             geo,
@@ -399,6 +441,11 @@ impl Engine {
             metering: false,
             egress: EgressMeter::default(),
             calls: 0,
+            registry: Arc::default(),
+            regs: RegCache::default(),
+            announced: vec![0; flows_queues],
+            announcements: vec![0; flows_queues],
+            stats: Stats::default(),
         }
     }
 
@@ -509,6 +556,7 @@ impl Engine {
             self.recent.push(*spec.desc);
         }
         self.failed_by_notice = false;
+        self.regs.refresh(&self.registry);
         if let Some(f) = self.faults.as_mut() {
             f.begin(first.desc.seq);
             if f.armed {
@@ -602,6 +650,7 @@ impl Engine {
             mrs: CallMrs::default(),
             tag: self.calls,
             want: Header::expected(spec.desc, 0),
+            announce: !mailbox && !self.regs.is_empty(),
             spans: spans(
                 spec.bufs,
                 spec.in_place,
@@ -715,6 +764,9 @@ struct One<'a> {
     tag: u64,
     /// What every fragment of this call carries ([`Header::expected`], sender 0).
     want: Header,
+    /// Whether its receives are announced to their senders ([`Call::announce_ready`]): slot
+    /// calls, while some buffer is registered.
+    announce: bool,
     /// Where each of its buffers ([`Buf`], by index) lies: the memory, its length in bytes,
     /// and the byte at which the schedule's offsets start (in place: the input's or the
     /// output's place in the one buffer; scratch: this call's part of the engine's).
@@ -881,6 +933,15 @@ impl Call<'_, '_> {
                 ),
             });
         }
+        if reg.buf != Buf::Scratch
+            && let Some((i, r)) = self
+                .eng
+                .regs
+                .find(ptr as usize, reg.len * self.calls[self.cur].esize)
+            && r.mrs.get(ctx).is_some_and(|m| m.is_registered())
+        {
+            return Ok((MrRef::Registered(i, ctx), ptr as usize - r.addr));
+        }
         if reg.buf == Buf::Scratch {
             if self.eng.scratch_mrs[ctx].is_none() {
                 // SAFETY: the scratch vector lives in the engine and is only replaced (after
@@ -924,6 +985,7 @@ impl Call<'_, '_> {
                 .as_ref()
                 .expect("registered by mr_for"),
             MrRef::Call(i) => &self.calls[self.cur].mrs.mrs[i].1,
+            MrRef::Registered(i, ctx) => &self.eng.regs.get(i).mrs[ctx],
         }
     }
 
@@ -1048,6 +1110,7 @@ impl Call<'_, '_> {
         )
         .map_err(|e| self.invalid(e))?;
         self.eng.links[l].mbox_sent += 1;
+        self.eng.stats.sent += len as u64;
         Ok(())
     }
 
@@ -1085,6 +1148,7 @@ impl Call<'_, '_> {
         for (progress, len, at) in inbox.pieces(total) {
             self.apply(l, at, len, dst, reduce_with, progress)?;
         }
+        self.count_out(total, reduce_with.is_some());
         self.eng.links[l].mbox_recv += 1;
         Ok(true)
     }
@@ -1098,8 +1162,12 @@ impl Call<'_, '_> {
         self.refresh_credits();
         let mut idle_since: Option<Instant> = None;
         let group = self.calls.len() > 1;
+        let announcing = self.calls.iter().any(|o| o.announce);
         while !self.all_done() {
             let mut progress = self.poll_cqs()?;
+            if announcing {
+                self.announce_ready();
+            }
             for c in 0..self.calls.len() {
                 self.cur = c;
                 while let Some(a) = self.calls[c].m.next(&mut self.eng.flows) {
@@ -1513,7 +1581,53 @@ impl Call<'_, '_> {
             source: e,
         })?;
         self.check_header(&h, peer, total, off, len)?;
-        self.apply(l, base + SLOT_HEADER, len, dst, reduce_with, off)
+        if h.placed != 0 {
+            return self.placed(&h, peer, dst, reduce_with, off, len);
+        }
+        self.apply(l, base + SLOT_HEADER, len, dst, reduce_with, off)?;
+        self.count_out(len, reduce_with.is_some());
+        Ok(())
+    }
+
+    /// Counts `len` bytes taken out of a slot or mailbox (reduced, or copied).
+    fn count_out(&mut self, len: usize, reduced: bool) {
+        let st = &mut self.eng.stats;
+        if reduced {
+            st.reduced += len as u64;
+        } else {
+            st.copied += len as u64;
+        }
+    }
+
+    /// A fragment whose data the sender wrote in place: it must have gone exactly where this
+    /// rank announced (bytes `off..off + len` of `dst`, not reduced), and nothing is left to
+    /// copy.
+    fn placed(
+        &mut self,
+        h: &Header,
+        peer: usize,
+        dst: Region,
+        reduce_with: Option<Region>,
+        off: usize,
+        len: usize,
+    ) -> Result<()> {
+        let (p, n) = self.locate(dst)?;
+        let want = p as u64 + off as u64;
+        if reduce_with.is_some() || off + len > n || h.placed != want {
+            return Err(self.mismatch(format!(
+                "rank {peer} wrote bytes {off}..{} of a transfer in place at {:#x}, where this \
+                 rank {}",
+                off + len,
+                h.placed,
+                if reduce_with.is_some() {
+                    "reduces what it receives and announced no destination".to_string()
+                } else {
+                    format!("announced {want:#x}")
+                }
+            )));
+        }
+        self.eng.stats.received_in_place += len as u64;
+        Ok(())
     }
 
     /// Checks a fragment's header against this call: the fingerprint, then that it is bytes
@@ -1656,7 +1770,9 @@ impl Call<'_, '_> {
     }
 
     /// Posts bytes `off..off + len` of `src` (a transfer of `total`) for send step `s` into
-    /// `slot` of link `l`'s channel `ch`; copied beside the header unless `signaled`.
+    /// `slot` of link `l`'s channel `ch`; copied beside the header unless `signaled`. A
+    /// fragment the receiver's announcement names is written in place: its data straight to
+    /// the destination, then its header (saying where) through the slot.
     #[allow(clippy::too_many_arguments)]
     fn post_fragment(
         &mut self,
@@ -1670,7 +1786,13 @@ impl Call<'_, '_> {
     ) -> Result<()> {
         let geo = self.eng.geo;
         let rank = self.eng.rank;
-        let h = self.calls[self.cur].want.from(rank).at(total, off, len);
+        let placed = if signaled && total >= PLACE_MIN {
+            self.placement(l, ch, total, off)
+        } else {
+            None
+        };
+        let mut h = self.calls[self.cur].want.from(rank).at(total, off, len);
+        h.placed = placed.map_or(0, |(addr, _)| addr);
         let slot = slot as usize;
         let stage_off = geo.stage_offset(ch, slot);
         let mut hb = [0u8; SLOT_HEADER];
@@ -1694,9 +1816,10 @@ impl Call<'_, '_> {
         }
         .encode();
         let inline = !signaled;
+        let es = self.calls[self.cur].esize;
+        let part = src.sub(off / es, len / es);
         if inline && len > 0 {
-            let es = self.calls[self.cur].esize;
-            let (p, _) = self.locate(src.sub(off / es, len / es))?;
+            let (p, _) = self.locate(part)?;
             // SAFETY: bounds-checked by `locate`.
             let data = unsafe { std::slice::from_raw_parts(p as *const u8, len) };
             link.stage
@@ -1705,12 +1828,12 @@ impl Call<'_, '_> {
         }
         let wr_id = data_wr_id(self.calls[self.cur].tag, s);
         // Inline: header and data from the staging region. Otherwise the header from staging
-        // and the data straight from the caller's (or scratch) memory, registered on first use.
+        // and the data straight from the caller's (or scratch) memory, registered on first use
+        // (or registered already: `Communicator::register`).
         let source = if inline {
             None
         } else {
-            let es = self.calls[self.cur].esize;
-            Some(self.mr_for(src.sub(off / es, len / es), self.eng.links[l].ctx)?)
+            Some(self.mr_for(part, self.eng.links[l].ctx)?)
         };
         let link = &self.eng.links[l];
         let head = if inline {
@@ -1719,21 +1842,49 @@ impl Call<'_, '_> {
             SLOT_HEADER
         };
         let first = Sge::new(&link.stage, stage_off, head);
-        let both;
-        let sges: &[Sge<'_>] = match source {
-            Some((r, mr_off)) => {
-                both = [first, Sge::new(self.mr(r), mr_off, len)];
-                &both
+        let header_wr = |sges| {
+            SendWr::new(
+                wr_id,
+                WrOp::WriteWithImm {
+                    remote,
+                    imm: wr_imm,
+                },
+                sges,
+            )
+        };
+        let posted = match (source, placed) {
+            // In place: the data to the destination, then (ordered after it on the connection)
+            // the header alone, whose completion says both are done.
+            (Some((r, mr_off)), Some((addr, rkey))) => {
+                let data = [Sge::new(self.mr(r), mr_off, len)];
+                let head = [first];
+                let wrs = [
+                    SendWr::new(
+                        wr_id,
+                        WrOp::Write {
+                            remote: RemoteAddr { addr, rkey },
+                        },
+                        &data,
+                    )
+                    .unsignaled(),
+                    header_wr(&head),
+                ];
+                link.qp.post_send(&wrs)
             }
-            None => std::slice::from_ref(&first),
+            (Some((r, mr_off)), None) => {
+                let both = [first, Sge::new(self.mr(r), mr_off, len)];
+                link.qp.post_send(&[header_wr(&both)])
+            }
+            (None, _) => link
+                .qp
+                .post_send(&[header_wr(std::slice::from_ref(&first))]),
         };
-        let op = WrOp::WriteWithImm {
-            remote,
-            imm: wr_imm,
-        };
-        link.qp
-            .post_send(&[SendWr::new(wr_id, op, sges)])
-            .map_err(|e| self.send_error(l, e))?;
+        posted.map_err(|e| self.send_error(l, e))?;
+        if placed.is_some() {
+            self.eng.stats.placed += len as u64;
+        } else {
+            self.eng.stats.sent += len as u64;
+        }
         let link = &mut self.eng.links[l];
         if self.eng.metering
             && let Some(m) = &mut link.meter
@@ -1743,6 +1894,116 @@ impl Call<'_, '_> {
             self.eng.egress.posted(now);
         }
         Ok(())
+    }
+
+    /// Where the receiver on link `l` announced that the fragment being posted on channel
+    /// `ch` (bytes `off..` of a transfer of `total`) goes in place, if it did: the address and
+    /// the remote key ([`Announce`]).
+    fn placement(&self, l: usize, ch: usize, total: usize, off: usize) -> Option<(u64, u64)> {
+        let link = &self.eng.links[l];
+        let q = self.eng.flows.queue(l, ch);
+        // The machine counted this fragment as posted already.
+        let number = self.eng.flows.get(q).posted.checked_sub(1)?;
+        let mut b = [0u8; ANNOUNCE];
+        (0..ANNOUNCE_RING).find_map(|i| {
+            link.slots
+                .read(self.eng.geo.announce_offset(ch, i), &mut b)
+                .ok()?;
+            let a = Announce::decode(&b)?;
+            Some((a.place(number, total, off)?, a.rkey))
+        })
+    }
+
+    /// Offers the senders of the coming receives of calls that may place (up to
+    /// [`ANNOUNCE_RING`] ahead on each queue, in order, as far as their dependencies are done)
+    /// their destinations, where those are registered memory the link writes without a copy
+    /// through the slots ([`Announce`]). Each receive is considered once: the engine keeps,
+    /// per queue, the fragment number up to which it has.
+    fn announce_ready(&mut self) {
+        for c in 0..self.calls.len() {
+            if !self.calls[c].announce {
+                continue;
+            }
+            self.cur = c;
+            for i in 0..self.calls[c].m.receive_queues().len() {
+                let q = self.calls[c].m.receive_queues()[i] as usize;
+                loop {
+                    let from = self.eng.announced[q];
+                    let next = self.calls[c]
+                        .m
+                        .receives_ahead(&self.eng.flows, q)
+                        .take(ANNOUNCE_RING)
+                        .find(|&(_, _, first, _)| first >= from);
+                    let Some((_, step, first, true)) = next else {
+                        break;
+                    };
+                    let frags = self.announce(step, q, first);
+                    self.eng.announced[q] = first + frags;
+                }
+            }
+        }
+        self.cur = self.lead();
+    }
+
+    /// Announces receive step `step` on queue `q`, whose first fragment is number `first`, if
+    /// it can be written in place: a whole receive (not reduced) of at least [`PLACE_MIN`]
+    /// bytes into registered memory that the link writes without a system call (over shm,
+    /// memory from `Communicator::alloc`). Best effort: a failed post leaves the data to come
+    /// through the slots. Returns the step's fragment count.
+    fn announce(&mut self, step: usize, q: usize, first: u64) -> u64 {
+        let one = &self.calls[self.cur];
+        let Op::Recv {
+            dst, reduce_with, ..
+        } = one.sched.steps[step].op
+        else {
+            return 0;
+        };
+        let total = dst.len * one.esize;
+        let frags = one.m.config().fragments(total) as u64;
+        if total < PLACE_MIN || reduce_with.is_some() {
+            return frags;
+        }
+        let Ok((p, _)) = self.locate(dst) else {
+            return frags;
+        };
+        let (l, ch) = self.eng.flows.link_channel(q);
+        let link = &self.eng.links[l];
+        let Some((_, r)) = self.eng.regs.find(p as usize, total) else {
+            return frags;
+        };
+        let Some(mr) = r.mrs.get(link.ctx).filter(|m| m.is_registered()) else {
+            return frags;
+        };
+        if link.provider == Provider::Shm && !mr.is_provider_memory() {
+            return frags;
+        }
+        let a = Announce {
+            first,
+            frags,
+            total: total as u64,
+            addr: mr.addr() + (p as usize - r.addr) as u64,
+            rkey: mr.rkey(),
+        };
+        let geo = self.eng.geo;
+        let i = (self.eng.announcements[q] % ANNOUNCE_RING as u64) as usize;
+        let mut b = [0u8; ANNOUNCE];
+        a.encode(&mut b);
+        let at = geo.stage_announce(ch, i);
+        if link.stage.write(at, &b).is_ok() {
+            let sge = [Sge::new(&link.stage, at, ANNOUNCE)];
+            let wr = SendWr::new(
+                WR_CTRL,
+                WrOp::Write {
+                    remote: link.remote.at(geo.announce_offset(ch, i) as u64),
+                },
+                &sge,
+            )
+            .unsignaled();
+            if link.qp.post_send(&[wr]).is_ok() {
+                self.eng.announcements[q] += 1;
+            }
+        }
+        frags
     }
 
     /// The error of a send on link `l`, whose queue pair is no longer connected.
@@ -1816,6 +2077,7 @@ impl Call<'_, '_> {
                     check_disjoint(dp, sp, n).map_err(|m| self.invalid(m))?;
                     // SAFETY: both bounds-checked by `locate` and disjoint.
                     unsafe { std::ptr::copy_nonoverlapping(sp as *const u8, dp, n) };
+                    self.eng.stats.local += n as u64;
                 }
             }
             Op::Reduce { dst, a, b } => {
@@ -1846,6 +2108,7 @@ impl Call<'_, '_> {
                         );
                     }
                 }
+                self.eng.stats.local += n as u64;
             }
             _ => unreachable!("a local step is a copy or a reduction"),
         }

@@ -69,7 +69,11 @@ mod reduce;
 use oxccl_core::{dtype, learn, meter};
 pub use oxccl_core::{schedule, topology, tuner, verify};
 
-pub use comm::{Buffers, Communicator, Group, Options, WatchdogAction, Work, default_host_id};
+pub use comm::{
+    Buffers, Communicator, Group, Options, Registered, Registration, WatchdogAction, Work,
+    default_host_id,
+};
+pub use engine::Stats;
 pub use error::{Error, OpDesc, Result};
 pub use fault::{Fault, FaultKind, Faults};
 pub use flight::DUMP_VERSION;

@@ -23,9 +23,12 @@ use crate::{DataType, Element, ReduceOp, log_enabled};
 mod group;
 mod init;
 mod rates;
+mod register;
 mod work;
 
 pub use group::Group;
+pub(crate) use register::{RegCache, Registry};
+pub use register::{Registered, Registration};
 pub use work::Work;
 
 /// Bytes each host sends per measurement of the link probe at init (`OXCCL_TOPO_PROBE`).
@@ -525,6 +528,13 @@ impl Communicator {
     /// The options in force (channels resolved).
     pub fn options(&self) -> &Options {
         &self.inner.opts
+    }
+
+    /// What this rank's executor has moved through memory so far, by how: sent through
+    /// slots, written in place, copied and reduced out of slots, in local steps
+    /// ([`crate::Stats`]). For measuring what registered buffers save, say.
+    pub fn stats(&self) -> crate::Stats {
+        self.lock().engine.stats
     }
 
     /// How long each later call may take ([`Options::timeout`] until changed).

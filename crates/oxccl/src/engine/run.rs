@@ -1,0 +1,716 @@
+//! Driving calls: the loops of the slot and mailbox protocols, the completion queues and
+//! what arrives through them (fragments, credits, notices), health, timeouts, strays.
+
+use super::*;
+
+impl Call<'_, '_> {
+    /// A communicator with a failed member cannot run collectives: says so at once, naming
+    /// it, even if this call would not talk to it (as NCCL's and Gloo's communicators, it is
+    /// broken as a whole). Notices that arrived before the connection failed (a peer that
+    /// reported a failure, then closed) explain it better and come first.
+    pub(super) fn check_members(&mut self) -> Result<()> {
+        let mut failed = None;
+        for link in &mut self.eng.links {
+            link.refresh_failed();
+            if failed.is_none() && link.failed.is_some() {
+                failed = Some(link.peer);
+            }
+        }
+        let Some(peer) = failed else { return Ok(()) };
+        self.poll_cqs()?;
+        let l = self.eng.link_of[peer];
+        Err(Error::PeerFailed {
+            rank: self.eng.rank,
+            op: self.calls[self.cur].desc.to_string(),
+            peer,
+            detail: format!(
+                "{} (found before this call started)",
+                self.eng.links[l].failed.as_deref().unwrap_or("failed")
+            ),
+        })
+    }
+
+    /// Whether every call is done.
+    pub(super) fn all_done(&self) -> bool {
+        self.calls.iter().all(|o| o.m.is_done())
+    }
+
+    /// The first call not done (errors are told as its), or the first.
+    pub(super) fn lead(&self) -> usize {
+        self.calls.iter().position(|o| !o.m.is_done()).unwrap_or(0)
+    }
+
+    /// Reports the steps done to the flight recorder and the fault injector (which may stop
+    /// this process after a given step).
+    pub(super) fn note_steps(&mut self) {
+        let done = self.calls.iter().map(|o| o.m.steps_done()).sum();
+        if done != self.reported {
+            self.reported = done;
+            self.eng
+                .probe
+                .steps_done
+                .store(done as u32, Ordering::Relaxed);
+            if let Some(f) = self.eng.faults.as_mut().filter(|f| f.armed) {
+                f.steps_done(done);
+            }
+        }
+    }
+
+    /// Runs the schedule with the mailbox protocol: one WRITE of header and data and one of
+    /// the stamp per message, and the receiver polls the stamp in its own memory (RC ordering
+    /// on the queue pair orders the two writes). No completion queue, no credits.
+    pub(super) fn run_mailbox(&mut self, timeout: Duration) -> Result<()> {
+        // The clock is read only once the call idles (most small calls never do).
+        let mut deadline: Option<Instant> = None;
+        let mut graced = false;
+        let mut idle_since: Option<Instant> = None;
+        let mut idle_polls = 0u32;
+        let mut napping = false;
+        let geo = self.eng.geo;
+        while !self.calls[self.cur].m.is_done() {
+            let mut progress = false;
+            while let Some(a) = self.calls[self.cur].m.next(&mut self.eng.flows) {
+                progress |= self.perform(&a, &geo)?;
+            }
+            if self.calls[self.cur].m.is_done() {
+                break;
+            }
+            if progress {
+                idle_since = None;
+                idle_polls = 0;
+                napping = false;
+                continue;
+            }
+            // Reading the clock costs as much as a poll: look at it every 32 idle passes.
+            idle_polls += 1;
+            // (Once napping, every pass is long anyway: look at everything each time.)
+            if !napping && !idle_polls.is_multiple_of(32) {
+                if self.eng.spin_now.is_zero() || self.spun_out {
+                    std::thread::yield_now();
+                } else {
+                    // Watch the one word the call waits for, rather than make passes: the
+                    // message is taken as soon as it lands.
+                    self.spin_on_awaited(&geo);
+                }
+                continue;
+            }
+            // Notices (abort, mismatch), failed connections and data that does not belong to
+            // this call arrive through the completion queues.
+            self.poll_cqs()?;
+            self.check_strays(true)?;
+            self.check_health()?;
+            let now = Instant::now();
+            if expired(deadline.get_or_insert(now + timeout), &mut graced, now) {
+                return Err(self.timeout_error(timeout));
+            }
+            let idle = now - *idle_since.get_or_insert(now);
+            if idle < self.eng.spin_now {
+                std::hint::spin_loop();
+            } else if idle < self.eng.yield_for {
+                self.spun_out = true;
+                std::thread::yield_now();
+            } else {
+                // Nothing to sleep on: nap briefly.
+                napping = true;
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+        Ok(())
+    }
+
+    /// Spins (a bounded while) on the flag the first message this mailbox call waits for
+    /// will set.
+    #[inline(never)]
+    pub(super) fn spin_on_awaited(&self, geo: &Geometry) {
+        let one = &self.calls[self.cur];
+        let Some(Waiting::Data { step, q }) = one.m.waiting(&self.eng.flows) else {
+            std::hint::spin_loop();
+            return;
+        };
+        let Op::Recv { dst, .. } = one.sched.steps[step].op else {
+            return;
+        };
+        let link = &self.eng.links[self.eng.flows.link_channel(q).0];
+        let flag = link.mbox_recv + 1;
+        if let Some(w) = link.inbox(geo).awaited(dst.len * one.esize, flag) {
+            for _ in 0..MAILBOX_SPIN {
+                if w.load(Ordering::Acquire) == flag {
+                    return;
+                }
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    pub(super) fn run(&mut self, timeout: Duration) -> Result<()> {
+        // The clock is read only once the call idles (a call that never waits never reads it).
+        let mut deadline: Option<Instant> = None;
+        let mut graced = false;
+        let geo = self.eng.geo;
+        self.check_health()?;
+        self.refresh_credits();
+        let mut idle_since: Option<Instant> = None;
+        let group = self.calls.len() > 1;
+        let announcing = self.calls.iter().any(|o| o.announce);
+        while !self.all_done() {
+            let mut progress = self.poll_cqs()?;
+            if announcing {
+                self.announce_ready();
+            }
+            for c in 0..self.calls.len() {
+                self.cur = c;
+                while let Some(a) = self.calls[c].m.next(&mut self.eng.flows) {
+                    progress |= self.perform(&a, &geo)?;
+                }
+            }
+            if group {
+                self.eng.flows.pass_turns(self.calls.iter().map(|o| &o.m));
+            }
+            self.cur = self.lead();
+            if self.all_done() {
+                break;
+            }
+            if progress {
+                idle_since = None;
+                continue;
+            }
+            self.check_strays(false)?;
+            self.check_health()?;
+            // (A credit's completion updates the count; its word in memory is the truth.)
+            self.refresh_credits();
+            let now = Instant::now();
+            let deadline = deadline.get_or_insert(now + timeout);
+            if expired(deadline, &mut graced, now) {
+                return Err(self.timeout_error(timeout));
+            }
+            let idle = now - *idle_since.get_or_insert(now);
+            if idle < self.eng.spin_now {
+                std::hint::spin_loop();
+                continue;
+            }
+            self.spun_out = true;
+            if idle < self.eng.yield_for {
+                // Poll, and let other runnable threads (more ranks than cores) use the CPU.
+                std::thread::yield_now();
+                continue;
+            }
+            self.wait((*deadline).min(now + Duration::from_millis(50)) - now)?;
+        }
+        Ok(())
+    }
+
+    /// Performs one action of the protocol; returns whether it did something (a mailbox
+    /// message that has not arrived, or a credit, is not progress).
+    pub(super) fn perform(&mut self, a: &Action, geo: &Geometry) -> Result<bool> {
+        let sched = self.calls[self.cur].sched;
+        let r = match *a {
+            Action::Post {
+                step,
+                q,
+                slot,
+                off,
+                len,
+                total,
+                signaled,
+            } => {
+                let Op::Send { src, .. } = sched.steps[step].op else {
+                    unreachable!("a post is a send's")
+                };
+                let (l, ch) = self.eng.flows.link_channel(q);
+                let r = self.post_fragment(step, l, ch, slot, src, (off, len, total), signaled);
+                if r.is_err() && signaled {
+                    // Not posted: no completion will come for it.
+                    self.calls[self.cur].m.completed(step, false);
+                }
+                r?;
+                true
+            }
+            Action::Recv {
+                step,
+                mailbox: true,
+                ..
+            } => {
+                let Op::Recv {
+                    peer,
+                    dst,
+                    reduce_with,
+                    ..
+                } = sched.steps[step].op
+                else {
+                    unreachable!("a receive's")
+                };
+                let arrived = self.mailbox_recv(peer, dst, reduce_with, geo)?;
+                if arrived {
+                    self.calls[self.cur].m.commit(&mut self.eng.flows, a);
+                }
+                arrived
+            }
+            Action::Recv {
+                step,
+                q,
+                slot,
+                off,
+                len,
+                total,
+                ..
+            } => {
+                let Op::Recv {
+                    dst, reduce_with, ..
+                } = sched.steps[step].op
+                else {
+                    unreachable!("a receive's")
+                };
+                let (l, ch) = self.eng.flows.link_channel(q);
+                self.consume(l, ch, slot, dst, reduce_with, (off, len, total))?;
+                true
+            }
+            Action::MailboxSend { step, .. } => {
+                let Op::Send { peer, src, .. } = sched.steps[step].op else {
+                    unreachable!("a send's")
+                };
+                self.mailbox_send(peer, src, geo)?;
+                true
+            }
+            Action::Local { step } => {
+                self.run_local(step)?;
+                true
+            }
+            Action::Credit { q, consumed } => {
+                self.send_credit(q, consumed, geo);
+                false
+            }
+        };
+        self.note_steps();
+        Ok(r)
+    }
+
+    /// Reads every queue's credit word (what the receiver last reported consumed).
+    pub(super) fn refresh_credits(&mut self) {
+        let geo = self.eng.geo;
+        for (l, link) in self.eng.links.iter().enumerate() {
+            for ch in 0..geo.channels {
+                let q = self.eng.flows.queue(l, ch);
+                self.eng.flows.credit(q, link.credit_word(ch, &geo));
+            }
+        }
+    }
+
+    /// Waits for a completion on the provider contexts; handles what arrives.
+    pub(super) fn wait(&mut self, max: Duration) -> Result<()> {
+        if self.eng.cqs.len() == 1 {
+            let mut wcs = std::mem::take(&mut self.eng.wcs);
+            let r = self.eng.cqs[0].wait(&mut wcs, max);
+            let res = match r {
+                Ok(n) => wcs[..n].iter().try_for_each(|wc| self.handle(wc)),
+                Err(oxccl_verbs::Error::Timeout { .. }) => Ok(()),
+                Err(e) => Err(Error::Verbs {
+                    rank: self.eng.rank,
+                    what: format!("{}: waiting for completions", self.calls[self.cur].desc),
+                    source: e,
+                }),
+            };
+            self.eng.wcs = wcs;
+            return res;
+        }
+        // Several contexts: poll them in turn, briefly.
+        let end = Instant::now() + max.min(Duration::from_millis(1));
+        while Instant::now() < end {
+            if self.poll_cqs()? {
+                return Ok(());
+            }
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+
+    pub(super) fn poll_cqs(&mut self) -> Result<bool> {
+        let mut any = false;
+        for c in 0..self.eng.cqs.len() {
+            self.eng.doorbells[c] = self.eng.cqs[c].doorbell();
+            loop {
+                let mut wcs = std::mem::take(&mut self.eng.wcs);
+                let n = self.eng.cqs[c].poll(&mut wcs);
+                let r = wcs[..n].iter().try_for_each(|wc| self.handle(wc));
+                self.eng.wcs = wcs;
+                r?;
+                any |= n > 0;
+                if n < self.eng.wcs.len() {
+                    break;
+                }
+            }
+        }
+        Ok(any)
+    }
+
+    pub(super) fn peer_of_qp(&self, qp_num: u32, ctx_hint: Option<usize>) -> Option<usize> {
+        self.eng
+            .links
+            .iter()
+            .position(|l| l.qp.qp_num() == qp_num && ctx_hint.is_none_or(|c| c == l.ctx))
+    }
+
+    pub(super) fn handle(&mut self, wc: &WorkCompletion) -> Result<()> {
+        let kind = wc.wr_id & (0xff << 56);
+        let link = match kind {
+            WR_RECV => Some((wc.wr_id & 0xffff_ffff) as usize),
+            _ => self.peer_of_qp(wc.qp_num, None),
+        };
+        if wc.status != WcStatus::Success {
+            // The connection is dead: remember why; it fails this call only if the call still
+            // needs that peer (a peer that finished and left is no error).
+            let Some(l) = link else { return Ok(()) };
+            let lk = &mut self.eng.links[l];
+            if lk.failed.is_none() {
+                let d = lk.qp.error_detail().unwrap_or_default();
+                lk.failed = Some(format!(
+                    "{:?} on the {} connection{}{d}",
+                    wc.status,
+                    lk.provider.name(),
+                    if d.is_empty() { "" } else { ": " }
+                ));
+            }
+            if kind == WR_DATA {
+                self.data_completed(wc.wr_id, false);
+            }
+            return Ok(());
+        }
+        match kind {
+            WR_RECV => {
+                let l = link.unwrap_or(usize::MAX);
+                let Some(lk) = self.eng.links.get_mut(l) else {
+                    return Ok(());
+                };
+                let _ = lk.qp.post_recv(&[RecvWr::new(WR_RECV | l as u64, &[])]);
+                let Some(v) = wc.imm else { return Ok(()) };
+                let geo = self.eng.geo;
+                match Imm::decode(v) {
+                    Imm::Data { channel: ch, slot } if ch < geo.channels => {
+                        let q = self.eng.flows.queue(l, ch);
+                        self.eng.flows.arrived(q, slot);
+                        self.bytes_in += wc.byte_len as u64;
+                        self.eng
+                            .probe
+                            .bytes_in
+                            .store(self.bytes_in, Ordering::Relaxed);
+                    }
+                    Imm::Credit { channel: ch } if ch < geo.channels => {
+                        let q = self.eng.flows.queue(l, ch);
+                        let word = lk.credit_word(ch, &geo);
+                        self.eng.flows.credit(q, word);
+                    }
+                    Imm::Notice(Notice::DumpRequest) => {
+                        let peer = lk.peer;
+                        crate::flight::dump_on_request(&self.eng.probe, peer);
+                    }
+                    Imm::Notice(Notice::Failed(dead)) => {
+                        let peer = lk.peer;
+                        let (culprit, detail) = if dead == self.eng.rank {
+                            // Our connection to the reporter failed on its side only.
+                            (
+                                peer,
+                                format!("rank {peer} lost its connection to this rank"),
+                            )
+                        } else if dead == peer {
+                            (
+                                peer,
+                                format!("rank {peer} reports that its own call failed"),
+                            )
+                        } else {
+                            (dead, format!("rank {peer} reports that rank {dead} failed"))
+                        };
+                        self.eng.failed_by_notice = true;
+                        return Err(Error::PeerFailed {
+                            rank: self.eng.rank,
+                            op: self.calls[self.cur].desc.to_string(),
+                            peer: culprit,
+                            detail,
+                        });
+                    }
+                    Imm::Notice(Notice::Aborted) => {
+                        let peer = lk.peer;
+                        return Err(Error::Aborted {
+                            rank: self.eng.rank,
+                            op: self.calls[self.cur].desc.to_string(),
+                            reason: format!("rank {peer} aborted the communicator"),
+                        });
+                    }
+                    Imm::Mismatch { seq } => {
+                        let peer = lk.peer;
+                        // A notice about a call this rank has not started (it is behind)
+                        // fails that call when it starts, not this one.
+                        let last = self.calls.last().map_or(0, |o| o.desc.seq);
+                        let ahead = seq.wrapping_sub(last as u32) & 0xff_ffff;
+                        if ahead != 0 && ahead < 1 << 23 {
+                            self.eng.pending_mismatch.get_or_insert((seq, peer));
+                            return Ok(());
+                        }
+                        let theirs = self
+                            .eng
+                            .recent
+                            .newest_first()
+                            .find(|d| d.seq & 0xff_ffff == u64::from(seq))
+                            .map_or(format!("call #{seq} (modulo 2^24)"), |d| d.to_string());
+                        return Err(Error::Mismatch {
+                            rank: self.eng.rank,
+                            detail: format!(
+                                "rank {peer} found that what this rank sent in {theirs} does not \
+                                 match its own call; this rank is now in {} (rank {peer}'s error \
+                                 names both sides)",
+                                self.calls[self.cur].desc
+                            ),
+                        });
+                    }
+                    _ => {}
+                }
+            }
+            WR_DATA => {
+                // Every fragment is metered, also one an earlier call posted.
+                if let Some(m) = link
+                    .and_then(|l| self.eng.links.get_mut(l))
+                    .and_then(|l| l.meter.as_mut())
+                {
+                    let now = Instant::now();
+                    if let Some(len) = m.completed(now) {
+                        self.eng.egress.completed(len, now);
+                    }
+                }
+                self.data_completed(wc.wr_id, true);
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// A data fragment completed: tells the call that posted it (by its tag), if it is one of
+    /// these (an inline fragment's completion may come during a later call).
+    pub(super) fn data_completed(&mut self, wr_id: u64, ok: bool) {
+        for one in self.calls.iter_mut() {
+            if let Some(s) = data_wr_step(wr_id, one.tag) {
+                one.m.completed(s, ok);
+                return;
+            }
+        }
+    }
+
+    /// Fails the call if a connection it still needs has failed (a queue pair in ERR counts,
+    /// even before a completion says so), or if the communicator was aborted.
+    pub(super) fn check_health(&mut self) -> Result<()> {
+        for l in 0..self.eng.links.len() {
+            self.eng.links[l].refresh_failed();
+            if self.check_link(l).is_err() {
+                // What arrived before the connection failed comes first: a notice (a peer that
+                // reported a failure, then closed) explains it better, and the last data of a
+                // peer that finished this call and left (its completions may still wait in
+                // the completion queue) means the link is no longer needed.
+                self.poll_cqs()?;
+                self.check_link(l)?;
+            }
+        }
+        if self.eng.abort.is_set() {
+            return Err(Error::Aborted {
+                rank: self.eng.rank,
+                op: self.calls[self.cur].desc.to_string(),
+                reason: self.eng.abort.reason().to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Fails the call if link `l` has failed and a step not yet done involves its peer.
+    pub(super) fn check_link(&self, l: usize) -> Result<()> {
+        let peer = self.eng.links[l].peer;
+        let Some(why) = &self.eng.links[l].failed else {
+            return Ok(());
+        };
+        // Data that arrived before the failure still counts: in slots, or a message waiting in
+        // the mailbox (a peer that sent its last message and closed at once).
+        let link = &self.eng.links[l];
+        let ch = self.eng.geo.channels;
+        let nothing_left = (0..ch).all(|c| self.eng.flows.get(l * ch + c).arrived.is_empty())
+            && !(self.calls[self.cur].m.is_mailbox() && link.mailbox_arrived(&self.eng.geo));
+        let (sends, recvs) = self
+            .calls
+            .iter()
+            .map(|o| o.m.needs_link(l))
+            .fold((false, false), |(a, b), (c, d)| (a || c, b || d));
+        let needed = sends || (recvs && nothing_left);
+        if needed {
+            return Err(Error::PeerFailed {
+                rank: self.eng.rank,
+                op: self.calls[self.cur].desc.to_string(),
+                peer,
+                detail: why.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn timeout_error(&self, timeout: Duration) -> Error {
+        let flows = &self.eng.flows;
+        let peer_of = |q: usize| self.eng.links[flows.link_channel(q).0].peer;
+        let w = self.calls[self.cur].m.waiting(flows);
+        let (step, waiting, peer) = match w {
+            Some(Waiting::Data { step, q }) if self.calls[self.cur].m.is_mailbox() => (
+                step,
+                format!("waiting for rank {}'s message in its mailbox", peer_of(q)),
+                Some(peer_of(q)),
+            ),
+            Some(Waiting::Data { step, q }) => (
+                step,
+                format!(
+                    "waiting for data from rank {} (channel {})",
+                    peer_of(q),
+                    flows.link_channel(q).1
+                ),
+                Some(peer_of(q)),
+            ),
+            Some(Waiting::Slot {
+                step, q, posted, ..
+            }) => {
+                let (l, ch) = flows.link_channel(q);
+                let link = &self.eng.links[l];
+                (
+                    step,
+                    format!(
+                        "waiting for rank {} to free a slot (channel {ch}, {posted} fragments \
+                         posted, {} consumed)",
+                        link.peer,
+                        link.credit_word(ch, &self.eng.geo)
+                    ),
+                    Some(link.peer),
+                )
+            }
+            Some(Waiting::Transport { step, q }) => (
+                step,
+                format!(
+                    "waiting for the transport to finish a send to rank {}",
+                    peer_of(q)
+                ),
+                Some(peer_of(q)),
+            ),
+            Some(Waiting::Earlier { step, q: Some(q) })
+                if matches!(self.calls[self.cur].sched.steps[step].op, Op::Send { .. }) =>
+            {
+                (
+                    step,
+                    format!("waiting to send to rank {} after earlier steps", peer_of(q)),
+                    Some(peer_of(q)),
+                )
+            }
+            Some(Waiting::Earlier { step, .. }) => {
+                (step, "waiting for earlier steps".to_string(), None)
+            }
+            None => (0, "waiting for earlier steps".to_string(), None),
+        };
+        Error::Timeout {
+            rank: self.eng.rank,
+            op: Box::new(*self.calls[self.cur].desc),
+            timeout,
+            waiting,
+            peer,
+            step,
+            steps: self.calls[self.cur].sched.steps.len(),
+            bytes: self.bytes_in,
+        }
+    }
+
+    /// After an error: stop every connection (so no transport still reads the caller's
+    /// buffers) and drain what completes, briefly.
+    pub(super) fn quiesce(&mut self) {
+        // Wait (briefly) for the transport to finish reading the caller's buffers; only links
+        // still busy after that are stopped, so peers are not told that a live rank failed.
+        let end = Instant::now() + Duration::from_millis(500);
+        while self.calls.iter().any(|o| o.m.outstanding()) {
+            if Instant::now() >= end {
+                for l in &self.eng.links {
+                    l.qp.to_error();
+                }
+                break;
+            }
+            let mut wcs = std::mem::take(&mut self.eng.wcs);
+            for c in 0..self.eng.cqs.len() {
+                let n = self.eng.cqs[c].poll(&mut wcs);
+                for wc in &wcs[..n] {
+                    if wc.wr_id & (0xff << 56) == WR_DATA {
+                        self.data_completed(wc.wr_id, false);
+                    }
+                }
+            }
+            self.eng.wcs = wcs;
+            std::thread::yield_now();
+        }
+    }
+
+    /// Data that no step of this call will take: a fragment in a slot with no receive left
+    /// for its (peer, channel), or a message in a mailbox this call does not read. Data for a
+    /// later call (a peer that is ahead) is fine; data for this call or an earlier one means
+    /// the ranks disagree about what they are doing.
+    pub(super) fn check_strays(&self, mailbox: bool) -> Result<()> {
+        let geo = self.eng.geo;
+        let nch = geo.channels;
+        let flows = &self.eng.flows;
+        for (l, link) in self.eng.links.iter().enumerate() {
+            for ch in 0..nch {
+                let q = flows.queue(l, ch);
+                let waiting = self
+                    .calls
+                    .iter()
+                    .any(|o| !o.m.is_mailbox() && o.m.receiving_on(q));
+                let Some(&slot) = flows.get(q).arrived.front() else {
+                    continue;
+                };
+                if waiting || slot as usize >= geo.slots {
+                    continue;
+                }
+                if let Ok(h) = link.header_at(geo.slot_offset(ch, slot as usize)) {
+                    self.stray(&h, link.peer)?;
+                }
+            }
+            // In a mailbox call, a message from a peer it receives from is its own.
+            let ours = mailbox
+                && self.calls[0]
+                    .sched
+                    .steps
+                    .iter()
+                    .any(|s| matches!(s.op, Op::Recv { peer, .. } if peer == link.peer));
+            if !ours && link.mailbox_arrived(&geo) {
+                self.stray(&link.inbox(&geo).header(), link.peer)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn stray(&self, h: &Header, peer: usize) -> Result<()> {
+        let p2p = h.coll == CollectiveKind::Send.code()
+            || self.calls.iter().any(|o| o.desc.coll.is_point_to_point());
+        // A later call's data is a peer that is ahead, not a mismatch (sequence numbers
+        // compare with wrap-around: init's probe numbers its calls just below 0). In a group,
+        // later than its last call.
+        let last = self.calls.last().map_or(0, |o| o.desc.seq);
+        let later = (h.seq.wrapping_sub(last) as i64) > 0;
+        if h.magic == protocol::MAGIC && (p2p || later) {
+            return Ok(());
+        }
+        Err(self.mismatch_at(
+            h.seq,
+            format!(
+                "rank {} is in {}, but rank {peer} sent data this call does not expect, for \
+                 {}{}",
+                self.eng.rank,
+                self.calls[self.cur].desc,
+                h.describe(),
+                self.our_side(h)
+            ),
+        ))
+    }
+
+    /// This rank's own side of an earlier call a peer's data belongs to, when it still knows
+    /// it: ", where this rank ran broadcast #1 (...)".
+    pub(super) fn our_side(&self, h: &Header) -> String {
+        self.eng
+            .recent
+            .newest_first()
+            .find(|d| d.seq == h.seq && h.seq != self.calls[self.cur].desc.seq)
+            .map_or(String::new(), |d| format!(", where this rank ran {d}"))
+    }
+}

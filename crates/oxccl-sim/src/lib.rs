@@ -60,6 +60,7 @@
 
 pub mod engine;
 pub mod fabric;
+mod queue;
 pub mod run;
 pub mod sym;
 pub mod topo_file;

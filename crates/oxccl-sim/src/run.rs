@@ -119,9 +119,11 @@
 //! per step, its dependents in one list per rank); the event loop is sequential, and bound
 //! by the memory it touches: each queue's cursor keeps what it needs of its step
 //! (`Cursor`), so that a step's record is read when a cursor reaches it and written when it
-//! is done, and the queues follow links between their steps instead of lists.
+//! is done, and the queues follow links between their steps instead of lists. The timed
+//! events wait in a radix heap (`crate::queue`: the run never schedules an event before the
+//! one it is serving, and the symmetric runs have several events at each time).
 
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 
 use oxccl_core::protocol::{Config, Flows, Geometry, MAILBOX_DATA, mailbox_eligible};
 #[cfg(doc)]
@@ -130,6 +132,7 @@ use oxccl_core::schedule::{Algorithm, Buf, Collective, Op, Region, Schedule};
 use oxccl_core::tuner::Tuning;
 
 use crate::engine::Net;
+use crate::queue::EventQueue;
 use crate::sym::{self, Cycles};
 use crate::{Fabric, NodeKind};
 
@@ -996,37 +999,6 @@ impl Ev {
     }
 }
 
-/// An event at a time, packed in 16 bytes for the queue: the time's bits (times are never
-/// negative, so their bits order as the times do), then the event (its kind, participant
-/// and step or queue break ties, deterministically).
-#[derive(Clone, Copy, PartialEq, Eq)]
-struct Timed(u64, u64);
-
-impl Timed {
-    fn new(t: f64, ev: Ev) -> Timed {
-        debug_assert!(t >= 0.0);
-        Timed((t + 0.0).to_bits(), ev.pack())
-    }
-    fn time(&self) -> f64 {
-        f64::from_bits(self.0)
-    }
-    fn ev(&self) -> Ev {
-        Ev::unpack(self.1)
-    }
-}
-
-impl PartialOrd for Timed {
-    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Timed {
-    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
-        // Reversed: BinaryHeap is a max-heap.
-        (o.0, o.1).cmp(&(self.0, self.1))
-    }
-}
-
 /// A route, as classes and weights, and its latency.
 struct Route {
     path: Vec<(u32, f64)>,
@@ -1046,7 +1018,10 @@ struct Sim<'a> {
     ranks: Cycles,
     links: Cycles,
     net: Net,
-    heap: BinaryHeap<Timed>,
+    /// The timed events: the bits of their times (never negative, so the bits order as
+    /// the times do) and the packed events ([`Ev::pack`]: kind, participant and step or
+    /// queue break ties, deterministically).
+    events_at: EventQueue,
     now: f64,
     work: VecDeque<Ev>,
     route_list: Vec<Route>,
@@ -1170,7 +1145,7 @@ impl<'a> Sim<'a> {
             ranks,
             links,
             net: Net::new(&caps, spec.trace),
-            heap: BinaryHeap::new(),
+            events_at: EventQueue::new(),
             now: 0.0,
             work: VecDeque::new(),
             route_list,
@@ -1182,7 +1157,8 @@ impl<'a> Sim<'a> {
     }
 
     fn push(&mut self, t: f64, ev: Ev) {
-        self.heap.push(Timed::new(t, ev));
+        debug_assert!(t >= 0.0);
+        self.events_at.push((t + 0.0).to_bits(), ev.pack());
     }
 
     /// Connects every send queue with the receive queue it feeds (and back, for the
@@ -1267,7 +1243,7 @@ impl<'a> Sim<'a> {
         self.drain_work();
         self.net.settle(self.now);
         loop {
-            let next_ev = self.heap.peek().map(|e| e.time());
+            let next_ev = self.events_at.peek_time().map(f64::from_bits);
             let next_drain = self.net.next_drain().map(|d| d.0);
             let t = match (next_ev, next_drain) {
                 (None, None) => break,
@@ -1278,9 +1254,13 @@ impl<'a> Sim<'a> {
             self.now = t;
             // Everything due at t: events first, then drains, then rates once.
             loop {
-                if self.heap.peek().is_some_and(|e| e.time() == t) {
-                    let ev = self.heap.pop().expect("peeked").ev();
-                    self.work.push_back(ev);
+                if self
+                    .events_at
+                    .peek_time()
+                    .is_some_and(|e| f64::from_bits(e) == t)
+                {
+                    let (_, ev) = self.events_at.pop().expect("peeked");
+                    self.work.push_back(Ev::unpack(ev));
                     self.drain_work();
                 } else if let Some((d, f)) = self.net.next_drain()
                     && d == t

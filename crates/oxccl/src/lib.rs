@@ -70,8 +70,8 @@ use oxccl_core::{dtype, learn, meter};
 pub use oxccl_core::{schedule, topology, tuner, verify};
 
 pub use comm::{
-    Buffers, Communicator, Group, Options, Registered, Registration, WatchdogAction, Work,
-    default_host_id,
+    Buffers, CallBuffers, Communicator, Group, Input, Options, Output, Registered, Registration,
+    WatchdogAction, Work, default_host_id,
 };
 pub use engine::Stats;
 pub use error::{Error, OpDesc, Result};

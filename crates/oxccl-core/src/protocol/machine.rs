@@ -526,6 +526,12 @@ impl<'a> Machine<'a> {
         self
     }
 
+    /// Renumbers this call in its group (an earlier call of a group that calls join and leave
+    /// left it: [`Flows::pass_turns`] hands turns by the new numbers).
+    pub fn set_id(&mut self, id: u32) {
+        self.id = id;
+    }
+
     /// Gives back the buffers for the next call.
     pub fn into_reuse(mut self) -> Reuse {
         self.take_reuse()

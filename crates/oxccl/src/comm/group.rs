@@ -233,10 +233,10 @@ impl<'b> Group<'_, 'b> {
             .zip(&prepared)
             .map(|(c, p)| CallSpec {
                 plan: &p.plan,
-                desc: &p.desc,
+                desc: p.desc,
                 dtype: c.dtype,
                 op: c.op,
-                bufs: &c.checked.raw,
+                bufs: c.checked.raw,
                 in_place: c.checked.in_place,
             })
             .collect();

@@ -485,6 +485,8 @@ impl Communicator {
                 queue: Mutex::new(None),
                 pending: (Mutex::new(0), Condvar::new()),
                 queued: Default::default(),
+                waiting_jobs: Default::default(),
+                wanting: Default::default(),
             }),
         };
         // A barrier over the new connections: when it returns, every rank is past the store

@@ -25,11 +25,13 @@ mod init;
 mod rates;
 mod register;
 mod work;
+mod worker;
 
 pub use group::Group;
 pub(crate) use register::{RegCache, Registry};
 pub use register::{Registered, Registration};
 pub use work::Work;
+pub use worker::{CallBuffers, Input, Output};
 
 /// Bytes each host sends per measurement of the link probe at init (`OXCCL_TOPO_PROBE`).
 pub const PROBE_BYTES: usize = 1 << 20;
@@ -405,16 +407,14 @@ struct Inner {
     timeout_ns: AtomicU64,
     bootstrap: Arc<Bootstrap>,
     split_seq: Mutex<u64>,
-    queue: Mutex<Option<mpsc::Sender<Job>>>,
+    queue: Mutex<Option<mpsc::Sender<worker::Job>>>,
     pending: (Mutex<usize>, Condvar),
     /// The count in `pending`, read without its lock (a blocking call's fast path).
     queued: std::sync::atomic::AtomicUsize,
-}
-
-type Job = Box<dyn FnOnce(&Communicator) + Send>;
-
-thread_local! {
-    static ON_WORKER: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// Jobs queued and not yet taken by the worker (a session in flight stops to admit them).
+    waiting_jobs: std::sync::atomic::AtomicUsize,
+    /// Threads waiting for the state lock (a session in flight lets them have it).
+    wanting: std::sync::atomic::AtomicUsize,
 }
 
 /// A group of ranks that run collectives together, like an `ncclComm_t`.
@@ -550,7 +550,14 @@ impl Communicator {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+        if let Ok(g) = self.inner.state.try_lock() {
+            return g;
+        }
+        // Held (by calls in flight, say): say so while waiting, so that they let go soon.
+        self.inner.wanting.fetch_add(1, Ordering::AcqRel);
+        let g = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
+        self.inner.wanting.fetch_sub(1, Ordering::AcqRel);
+        g
     }
 
     /// Runs one collective on raw bytes of `dtype`: the general entry point the typed calls
@@ -579,12 +586,28 @@ impl Communicator {
         timeout: Duration,
     ) -> Result<()> {
         self.wait_for_queue();
+        let checked = self.check_call(coll, dtype, bufs)?;
+        self.run_checked(coll, dtype, op, checked, timeout)
+    }
+
+    /// Runs a call whose buffers were checked: numbered, planned, executed under the state
+    /// lock, then (a call that meters the links) a round of learning, then an average's
+    /// division.
+    #[inline]
+    fn run_checked(
+        &self,
+        coll: &Collective,
+        dtype: DataType,
+        op: ReduceOp,
+        checked: Checked,
+        timeout: Duration,
+    ) -> Result<()> {
         let Checked {
             raw,
             in_place,
             in_len,
             out_len,
-        } = self.check_call(coll, dtype, bufs)?;
+        } = checked;
         let es = dtype.size();
         let mut guard = self.lock();
         let st = &mut *guard;
@@ -601,6 +624,53 @@ impl Communicator {
         drop(guard);
         r?;
         self.finish_avg(coll, dtype, op, &raw, in_place, out_len);
+        Ok(())
+    }
+
+    /// Runs a call numbered and planned already (started, then run alone by the worker: a call
+    /// in mailbox mode), as a blocking call runs.
+    #[allow(clippy::too_many_arguments)]
+    fn run_planned(
+        &self,
+        coll: &Collective,
+        dtype: DataType,
+        op: ReduceOp,
+        desc: &OpDesc,
+        plan: &Plan,
+        info: (Algorithm, Protocol),
+        checked: Checked,
+        timeout: Duration,
+    ) -> Result<()> {
+        let mut st = self.lock();
+        self.check_usable(&st, coll)?;
+        let call = CallInfo {
+            desc,
+            algorithm: info.0,
+            protocol: info.1,
+            steps: plan.sched.steps.len(),
+        };
+        let id = flight::start(&self.inner.probe, &call);
+        let r = st.engine.execute(
+            plan,
+            desc,
+            dtype,
+            op,
+            &checked.raw,
+            checked.in_place,
+            timeout,
+        );
+        flight::end(&self.inner.probe, id, desc, &r);
+        let r = r.map_err(|e| self.failed(&mut st, e));
+        drop(st);
+        r?;
+        self.finish_avg(
+            coll,
+            dtype,
+            op,
+            &checked.raw,
+            checked.in_place,
+            checked.out_len,
+        );
         Ok(())
     }
 
@@ -1171,63 +1241,6 @@ impl Communicator {
         )
     }
 
-    /// Runs `f` on this communicator's worker thread, after every earlier submitted call, and
-    /// returns a handle; blocking calls made meanwhile wait for submitted work first, so the
-    /// order of collectives is the order of calls. `f` owns its buffers:
-    /// `comm.submit(move |c| c.all_reduce_in_place(&mut v, ReduceOp::Sum).map(|_| v))`.
-    pub fn submit<R, F>(&self, f: F) -> Work<R>
-    where
-        R: Send + 'static,
-        F: FnOnce(&Communicator) -> Result<R> + Send + 'static,
-    {
-        let (work, done) = work::pair(self.inner.rank);
-        let job: Job = Box::new(move |c: &Communicator| done.complete(f(c)));
-        {
-            let mut p = self
-                .inner
-                .pending
-                .0
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            *p += 1;
-            self.inner.queued.store(*p, Ordering::Release);
-        }
-        let mut q = self.inner.queue.lock().unwrap_or_else(|e| e.into_inner());
-        let sender = q.get_or_insert_with(|| spawn_worker(Arc::downgrade(&self.inner)));
-        if sender.send(job).is_err() {
-            let mut p = self
-                .inner
-                .pending
-                .0
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            *p -= 1;
-            self.inner.queued.store(*p, Ordering::Release);
-        }
-        work
-    }
-
-    /// Non-blocking in-place all-reduce of an owned buffer, returned by [`Work::wait`].
-    pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
-        self.submit(move |c| c.all_reduce_in_place(&mut buf, op).map(|()| buf))
-    }
-
-    #[inline]
-    fn wait_for_queue(&self) {
-        if self.inner.queued.load(Ordering::Acquire) == 0 {
-            return;
-        }
-        let me = Arc::as_ptr(&self.inner) as usize;
-        if ON_WORKER.with(|w| w.get()) == me {
-            return;
-        }
-        let (m, cv) = &self.inner.pending;
-        let mut p = m.lock().unwrap_or_else(|e| e.into_inner());
-        while *p > 0 {
-            p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
-        }
-    }
-
     /// Stops this communicator: a collective running on another thread returns
     /// [`Error::Aborted`] within about 50 ms, every peer it can reach is told (their pending
     /// and later calls fail the same way), and later calls here fail at once.
@@ -1359,28 +1372,6 @@ fn spawn_watchdog(inner: Weak<Inner>, action: WatchdogAction, limit: Duration) {
     if let Err(e) = spawned {
         crate::log_warn(format!("cannot start the oxccl watchdog thread: {e}"));
     }
-}
-
-fn spawn_worker(inner: Weak<Inner>) -> mpsc::Sender<Job> {
-    let (tx, rx) = mpsc::channel::<Job>();
-    std::thread::Builder::new()
-        .name("oxccl-worker".into())
-        .spawn(move || {
-            while let Ok(job) = rx.recv() {
-                let Some(inner) = inner.upgrade() else { break };
-                let comm = Communicator { inner };
-                ON_WORKER.with(|w| w.set(Arc::as_ptr(&comm.inner) as usize));
-                job(&comm);
-                ON_WORKER.with(|w| w.set(0));
-                let (m, cv) = &comm.inner.pending;
-                let mut p = m.lock().unwrap_or_else(|e| e.into_inner());
-                *p -= 1;
-                comm.inner.queued.store(*p, Ordering::Release);
-                cv.notify_all();
-            }
-        })
-        .expect("spawning the oxccl worker thread");
-    tx
 }
 
 #[cfg(test)]

@@ -66,23 +66,12 @@ impl Call<'_, '_> {
         ))
     }
 
-    /// The memory region covering `reg`'s buffer on context `ctx`, registered on first use.
+    /// The memory region covering `reg`'s buffer on context `ctx`, registered on first use
+    /// (or registered already: `Communicator::register`), and `reg`'s offset in it.
     pub(super) fn mr_for(&mut self, reg: Region, ctx: usize) -> Result<(MrRef, usize)> {
-        let (ptr, _) = self.locate(reg)?;
-        let (base, len) = match (reg.buf, self.calls[self.cur].in_place) {
-            (Buf::Scratch, _) => (
-                self.eng.scratch.as_ptr() as *mut u8,
-                self.eng.scratch.len() * 8,
-            ),
-            (Buf::Input, None) => (
-                self.calls[self.cur].bufs.input as *mut u8,
-                self.calls[self.cur].bufs.input_len,
-            ),
-            _ => (
-                self.calls[self.cur].bufs.output,
-                self.calls[self.cur].bufs.output_len,
-            ),
-        };
+        let (ptr, bytes) = self.locate(reg)?;
+        let one = &self.calls[self.cur];
+        let (base, len, _) = one.spans[reg.buf as usize];
         let off = ptr as usize - base as usize;
         let rank = self.eng.rank;
         if self
@@ -99,16 +88,14 @@ impl Call<'_, '_> {
                 ),
             });
         }
-        if reg.buf != Buf::Scratch
-            && let Some((i, r)) = self
-                .eng
-                .regs
-                .find(ptr as usize, reg.len * self.calls[self.cur].esize)
+        let shared_scratch = reg.buf == Buf::Scratch && !one.own_scratch;
+        if !shared_scratch
+            && let Some((i, r)) = self.eng.regs.find(ptr as usize, bytes)
             && r.mrs.get(ctx).is_some_and(|m| m.is_registered())
         {
             return Ok((MrRef::Registered(i, ctx), ptr as usize - r.addr));
         }
-        if reg.buf == Buf::Scratch {
+        if shared_scratch {
             if self.eng.scratch_mrs[ctx].is_none() {
                 // SAFETY: the scratch vector lives in the engine and is only replaced (after
                 // dropping its registrations) when a call needs more.
@@ -123,18 +110,13 @@ impl Call<'_, '_> {
             }
             return Ok((MrRef::Scratch(ctx), off));
         }
-        let key = (u8::from(base == self.calls[self.cur].bufs.output), ctx);
-        if let Some(i) = self.calls[self.cur]
-            .mrs
-            .mrs
-            .iter()
-            .position(|(k, _)| *k == key)
-        {
+        let key = (base as usize, ctx);
+        if let Some(i) = one.mrs.mrs.iter().position(|(k, _)| *k == key) {
             return Ok((MrRef::Call(i), off));
         }
-        // SAFETY: the caller's buffers stay valid and untouched by the caller until the call
-        // returns, and the registration is dropped before it does (`Call::mrs`); the region
-        // is only read locally (no remote access).
+        // SAFETY: the call's buffers stay valid and untouched by their owner until the call
+        // returns (or its work completes), and the registration is dropped before that
+        // (`Call::mrs`); the region is only read locally (no remote access).
         let mr = unsafe { self.eng.pds[ctx].reg_mr_raw(base, len, AccessFlags::LOCAL_WRITE) }
             .map_err(|e| Error::Verbs {
                 rank,

@@ -43,8 +43,10 @@ use crate::{DataType, ReduceOp};
 mod data;
 mod link;
 mod run;
+mod session;
 
 pub(crate) use link::Link;
+pub(crate) use session::Scratch;
 
 // wr_id: kind in the top byte; then, for data, the call (the engine's count of calls, modulo
 // 2^24) and the step; for receives, the link index.
@@ -136,6 +138,7 @@ fn expired(deadline: &mut Instant, graced: &mut bool, now: Instant) -> bool {
 
 /// The caller's buffers for one call, as raw memory: the engine is their only user until the
 /// call returns.
+#[derive(Clone, Copy)]
 pub(crate) struct Bufs {
     pub input: *const u8,
     pub input_len: usize,
@@ -156,7 +159,8 @@ enum MrRef {
 /// Memory registrations of one call's buffers, per provider context, made on first use.
 #[derive(Default)]
 struct CallMrs {
-    mrs: Vec<((u8, usize), MemoryRegion)>,
+    /// (the buffer's address, the context) and its registration.
+    mrs: Vec<((usize, usize), MemoryRegion)>,
 }
 
 /// A communicator's abort switch: set by `Communicator::abort` or the watchdog, with why.
@@ -414,10 +418,10 @@ impl Engine {
     ) -> Result<()> {
         let spec = CallSpec {
             plan,
-            desc,
+            desc: *desc,
             dtype,
             op,
-            bufs,
+            bufs: *bufs,
             in_place,
         };
         self.execute_group(std::slice::from_ref(&spec), timeout)
@@ -437,7 +441,7 @@ impl Engine {
             return Ok(());
         };
         for spec in specs {
-            self.recent.push(*spec.desc);
+            self.recent.push(spec.desc);
         }
         self.failed_by_notice = false;
         self.regs.refresh(&self.registry);
@@ -447,7 +451,7 @@ impl Engine {
                 f.steps_done(0);
             }
         }
-        for desc in specs.iter().map(|s| s.desc) {
+        for desc in specs.iter().map(|s| &s.desc) {
             if let Some((seq, peer)) = self.pending_mismatch
                 && (desc.seq as u32).wrapping_sub(seq) & 0xff_ffff < 1 << 23
             {
@@ -528,15 +532,14 @@ impl Engine {
                 spec.op
             },
             esize,
-            bufs: spec.bufs,
-            in_place: spec.in_place,
             m,
             mrs: CallMrs::default(),
             tag: self.calls,
-            want: Header::expected(spec.desc, 0),
+            want: Header::expected(&spec.desc, 0),
+            own_scratch: false,
             announce: !mailbox && !self.regs.is_empty(),
             spans: spans(
-                spec.bufs,
+                &spec.bufs,
                 spec.in_place,
                 esize,
                 &mut self.scratch,
@@ -621,26 +624,24 @@ pub(crate) struct CallSpec<'a> {
     /// Its schedule.
     pub plan: &'a Plan,
     /// What it is (errors, the wire header's fingerprint).
-    pub desc: &'a OpDesc,
+    pub desc: OpDesc,
     /// Its elements' type.
     pub dtype: DataType,
     /// Its reduction (`Avg` reduces as a sum; the caller divides afterwards).
     pub op: ReduceOp,
     /// The caller's buffers.
-    pub bufs: &'a Bufs,
+    pub bufs: Bufs,
     /// In place: the input's and the output's element offsets in the one buffer.
     pub in_place: Option<(usize, usize)>,
 }
 
 /// One call's state while it runs.
-struct One<'a> {
+pub(crate) struct One<'a> {
     sched: &'a Schedule,
-    desc: &'a OpDesc,
+    desc: OpDesc,
     dtype: DataType,
     op: ReduceOp,
     esize: usize,
-    bufs: &'a Bufs,
-    in_place: Option<(usize, usize)>,
     /// The call's protocol state ([`oxccl_core::protocol`]).
     m: Machine<'a>,
     mrs: CallMrs,
@@ -648,6 +649,9 @@ struct One<'a> {
     tag: u64,
     /// What every fragment of this call carries ([`Header::expected`], sender 0).
     want: Header,
+    /// Whether its scratch space is its own (a call in flight with others that come and go:
+    /// [`Engine::fly`]) rather than its part of the engine's.
+    own_scratch: bool,
     /// Whether its receives are announced to their senders ([`Call::announce_ready`]): slot
     /// calls, while some buffer is registered.
     announce: bool,

@@ -142,6 +142,64 @@ impl Call<'_, '_> {
         }
     }
 
+    /// One round of the slot protocol over every call: what the completion queues hold,
+    /// announcements, each call's pass, then turns between the calls. Returns whether
+    /// anything moved.
+    pub(super) fn round(&mut self, geo: &Geometry) -> Result<bool> {
+        let mut progress = self.poll_cqs()?;
+        if self.calls.iter().any(|o| o.announce) {
+            self.announce_ready();
+        }
+        for c in 0..self.calls.len() {
+            self.cur = c;
+            while let Some(a) = self.calls[c].m.next(&mut self.eng.flows) {
+                progress |= self.perform(&a, geo)?;
+            }
+        }
+        if self.calls.len() > 1 {
+            self.eng.flows.pass_turns(self.calls.iter().map(|o| &o.m));
+        }
+        self.cur = self.lead();
+        Ok(progress)
+    }
+
+    /// What an idle call does between rounds: looks for strays, failed links and credits,
+    /// then spins, yields or sleeps on the completion queues (at most until `deadline`, or
+    /// 50 ms), as long as it has been idle (since `idle_since`).
+    pub(super) fn idle(
+        &mut self,
+        now: Instant,
+        idle_since: Instant,
+        deadline: Instant,
+    ) -> Result<()> {
+        let idle = now - idle_since;
+        if idle < self.eng.spin_now {
+            std::hint::spin_loop();
+            return Ok(());
+        }
+        self.spun_out = true;
+        if idle < self.eng.yield_for {
+            // Poll, and let other runnable threads (more ranks than cores) use the CPU.
+            std::thread::yield_now();
+            return Ok(());
+        }
+        self.wait(
+            deadline
+                .min(now + Duration::from_millis(50))
+                .saturating_duration_since(now),
+        )
+    }
+
+    /// Looks for what an idle call cannot see in its rounds: data nobody takes, a failed
+    /// link, credits written without a completion.
+    pub(super) fn inspect(&mut self) -> Result<()> {
+        self.check_strays(false)?;
+        self.check_health()?;
+        // (A credit's completion updates the count; its word in memory is the truth.)
+        self.refresh_credits();
+        Ok(())
+    }
+
     pub(super) fn run(&mut self, timeout: Duration) -> Result<()> {
         // The clock is read only once the call idles (a call that never waits never reads it).
         let mut deadline: Option<Instant> = None;
@@ -150,23 +208,8 @@ impl Call<'_, '_> {
         self.check_health()?;
         self.refresh_credits();
         let mut idle_since: Option<Instant> = None;
-        let group = self.calls.len() > 1;
-        let announcing = self.calls.iter().any(|o| o.announce);
         while !self.all_done() {
-            let mut progress = self.poll_cqs()?;
-            if announcing {
-                self.announce_ready();
-            }
-            for c in 0..self.calls.len() {
-                self.cur = c;
-                while let Some(a) = self.calls[c].m.next(&mut self.eng.flows) {
-                    progress |= self.perform(&a, &geo)?;
-                }
-            }
-            if group {
-                self.eng.flows.pass_turns(self.calls.iter().map(|o| &o.m));
-            }
-            self.cur = self.lead();
+            let progress = self.round(&geo)?;
             if self.all_done() {
                 break;
             }
@@ -174,27 +217,14 @@ impl Call<'_, '_> {
                 idle_since = None;
                 continue;
             }
-            self.check_strays(false)?;
-            self.check_health()?;
-            // (A credit's completion updates the count; its word in memory is the truth.)
-            self.refresh_credits();
+            self.inspect()?;
             let now = Instant::now();
             let deadline = deadline.get_or_insert(now + timeout);
             if expired(deadline, &mut graced, now) {
                 return Err(self.timeout_error(timeout));
             }
-            let idle = now - *idle_since.get_or_insert(now);
-            if idle < self.eng.spin_now {
-                std::hint::spin_loop();
-                continue;
-            }
-            self.spun_out = true;
-            if idle < self.eng.yield_for {
-                // Poll, and let other runnable threads (more ranks than cores) use the CPU.
-                std::thread::yield_now();
-                continue;
-            }
-            self.wait((*deadline).min(now + Duration::from_millis(50)) - now)?;
+            let since = *idle_since.get_or_insert(now);
+            self.idle(now, since, *deadline)?;
         }
         Ok(())
     }
@@ -604,7 +634,7 @@ impl Call<'_, '_> {
         };
         Error::Timeout {
             rank: self.eng.rank,
-            op: Box::new(*self.calls[self.cur].desc),
+            op: Box::new(self.calls[self.cur].desc),
             timeout,
             waiting,
             peer,

@@ -1,0 +1,263 @@
+//! Calls in flight (`Communicator::start` and the `_async` calls), by real processes on shm
+//! and tcp: a send and a receive started one after the other with the same peer progress
+//! together whenever each was started (a large exchange deadlocks if they run one at a
+//! time), many collectives in flight at once and waited for in any order, blocking calls
+//! and submitted closures between them, the buffers handed back, bad arguments reported
+//! through the work at once, and a peer that dies failing every call in flight.
+
+mod common;
+
+use std::time::Duration;
+
+use oxccl::schedule::Collective;
+use oxccl::{Communicator, ReduceOp, Work};
+use serde_json::{Value, json};
+
+use common::{error_kind, expect_results, mix, run_ranks};
+
+/// The peer processes' entry point (a no-op unless `OXCCL_TEST_CHILD` is set).
+#[test]
+fn child_entry() {
+    common::child_entry(dispatch);
+}
+
+fn dispatch(scenario: &str, args: &Value) -> Value {
+    let comm = Communicator::from_env().unwrap_or_else(|e| panic!("init: {e}"));
+    let r = match scenario {
+        "exchange" => exchange(&comm, args),
+        "many" => many(&comm, args),
+        "dies" => dies(comm),
+        other => panic!("unknown scenario {other:?}"),
+    };
+    let v = match r {
+        Ok(wrong) => json!({ "ok": true, "wrong": wrong }),
+        Err(e) => json!({ "ok": false, "kind": error_kind(&e), "msg": e.to_string() }),
+    };
+    common::mark_done();
+    common::linger();
+    drop(comm);
+    v
+}
+
+fn wait<T>(w: &mut Work<T>) -> oxccl::Result<T> {
+    w.wait(Duration::from_secs(60))
+}
+
+/// What rank `from` sends rank `to`, element `i`.
+fn value(from: usize, to: usize, round: usize, i: usize) -> u32 {
+    mix((from * 1_000_003 + to * 7919 + round * 31 + i) as u64) as u32
+}
+
+/// Each rank sends a large buffer to its right neighbour and receives one from its left:
+/// the send started first, the receive after it (on odd ranks, after a pause), which
+/// deadlocks unless both fly together.
+fn exchange(comm: &Communicator, args: &Value) -> oxccl::Result<Vec<String>> {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let count = args["count"].as_u64().unwrap() as usize;
+    let (right, left) = ((rank + 1) % n, (rank + n - 1) % n);
+    let mut wrong = Vec::new();
+    for round in 0..3 {
+        let mine: Vec<u32> = (0..count).map(|i| value(rank, right, round, i)).collect();
+        let mut sent = comm.send_async(mine, right);
+        if rank % 2 == 1 {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let mut got = comm.recv_async(vec![0u32; count], left);
+        let theirs = wait(&mut got)?;
+        let mine = wait(&mut sent)?;
+        if mine.len() != count || mine[count - 1] != value(rank, right, round, count - 1) {
+            wrong.push(format!(
+                "round {round}: the send's buffer came back changed"
+            ));
+        }
+        if let Some(i) = (0..count).find(|&i| theirs[i] != value(left, rank, round, i)) {
+            wrong.push(format!("round {round}: element {i} from rank {left}"));
+        }
+    }
+    Ok(wrong)
+}
+
+/// An out-of-place call's buffers: input, output.
+type Pair = (Vec<f32>, Vec<f32>);
+
+/// Rank `r`'s element `i` of call `k`: small integers, exact in f32 sums.
+fn input(r: usize, k: usize, i: usize) -> f32 {
+    ((r * 5 + k * 11 + i) % 97) as f32
+}
+
+/// Many all-reduces in flight (mailbox-sized, slot-sized, in and out of place), with a
+/// blocking call and a submitted closure among them, waited for in reverse order; then a
+/// call with bad buffers, whose work says so at once.
+fn many(comm: &Communicator, args: &Value) -> oxccl::Result<Vec<String>> {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let large = args["large"].as_u64().unwrap() as usize;
+    let sizes = [4usize, large, 1000, large / 2 + 3, 7, large];
+    let want = |k: usize, i: usize| (0..n).map(|r| input(r, k, i)).sum::<f32>();
+    let mut wrong = Vec::new();
+    let mut inplace: Vec<(usize, Work<Vec<f32>>)> = Vec::new();
+    let mut outplace: Vec<(usize, Work<Pair>)> = Vec::new();
+    for (k, &len) in sizes.iter().enumerate() {
+        let v: Vec<f32> = (0..len).map(|i| input(rank, k, i)).collect();
+        if k % 2 == 0 {
+            inplace.push((k, comm.all_reduce_async(v, ReduceOp::Sum)));
+        } else {
+            let out = vec![-1.0f32; len];
+            let coll = Collective::AllReduce { count: len };
+            outplace.push((k, comm.start(coll, ReduceOp::Sum, (v, out))));
+        }
+        if k == 2 {
+            // A blocking call among them runs after those started before it.
+            let mut b = vec![rank as u64; 3];
+            comm.all_reduce_in_place(&mut b, ReduceOp::Max)?;
+            if b != vec![n as u64 - 1; 3] {
+                wrong.push(format!("blocking all_reduce among calls in flight: {b:?}"));
+            }
+        }
+        if k == 3 {
+            let mut w = comm.submit(|c| {
+                let mut x = [c.rank() as i32 + 1];
+                c.all_reduce_in_place(&mut x, ReduceOp::Sum).map(|()| x[0])
+            });
+            let got = wait(&mut w)?;
+            if got != (n * (n + 1) / 2) as i32 {
+                wrong.push(format!("submitted closure among calls in flight: {got}"));
+            }
+        }
+    }
+    for (k, mut w) in outplace.into_iter().rev() {
+        let (input_back, out) = wait(&mut w)?;
+        if input_back.first().is_some_and(|&x| x != input(rank, k, 0)) {
+            wrong.push(format!("call {k}: the input came back changed"));
+        }
+        if let Some(i) = (0..out.len()).find(|&i| out[i] != want(k, i)) {
+            wrong.push(format!("call {k} (out of place): element {i}"));
+        }
+    }
+    for (k, mut w) in inplace.into_iter().rev() {
+        let out = wait(&mut w)?;
+        if let Some(i) = (0..out.len()).find(|&i| out[i] != want(k, i)) {
+            wrong.push(format!("call {k} (in place): element {i}"));
+        }
+    }
+    // Bad buffers: an out-of-place all-reduce whose output is too short.
+    let coll = Collective::AllReduce { count: 10 };
+    let mut bad = comm.start(coll, ReduceOp::Sum, (vec![1f32; 10], vec![0f32; 9]));
+    match bad.wait(Duration::from_secs(1)) {
+        Err(e) if error_kind(&e) == "InvalidArgument" && e.to_string().contains("output") => {}
+        other => wrong.push(format!("bad buffers: {:?}", other.map(|_| ()))),
+    }
+    // The communicator still works.
+    let mut x = [1u8];
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+    if x[0] as usize != n {
+        wrong.push(format!("after the bad call: {}", x[0]));
+    }
+    Ok(wrong)
+}
+
+/// Rank 1 exits while rank 0 has several calls in flight: every one of them fails, naming
+/// rank 1, within the timeout.
+fn dies(comm: Communicator) -> ! {
+    if comm.rank() == 1 {
+        // Let rank 0 start its calls, then vanish (the others need not wait for it).
+        common::mark_done();
+        std::thread::sleep(Duration::from_millis(300));
+        std::process::exit(0);
+    }
+    let mut works: Vec<Work<Vec<f32>>> = (0..4)
+        .map(|k| comm.all_reduce_async(vec![1.0f32; 100_000 + k], ReduceOp::Sum))
+        .collect();
+    let results: Vec<Value> = works
+        .iter_mut()
+        .map(|w| match w.wait(Duration::from_secs(30)) {
+            Ok(_) => json!({ "ok": true }),
+            Err(e) => json!({ "ok": false, "kind": error_kind(&e), "msg": e.to_string() }),
+        })
+        .collect();
+    let out = json!({ "ok": true, "calls": results });
+    // A survivor's result, then exit at once (closing the communicator would wait for the
+    // dead rank).
+    common::emit(&out);
+    common::mark_done();
+    common::linger();
+    drop(comm);
+    std::process::exit(0);
+}
+
+fn run_exchange(provider: &str, n: usize) {
+    // Larger than the receiver's slots (8 of 128 KiB on shm, 4 of 1 MiB on tcp): a send
+    // alone cannot finish before its receive runs.
+    let out = run_ranks(
+        n,
+        &[("OXCCL_PROVIDER", provider)],
+        "exchange",
+        &json!({ "count": 4 << 20 }),
+    );
+    for (rank, v) in expect_results("exchange in flight", &out)
+        .iter()
+        .enumerate()
+    {
+        assert_eq!(v["ok"], true, "rank {rank}: {v}");
+        assert_eq!(v["wrong"], json!([]), "rank {rank}: {v}");
+    }
+}
+
+#[test]
+fn send_and_receive_in_flight_together_shm() {
+    run_exchange("shm", 2);
+}
+
+#[test]
+fn send_and_receive_in_flight_together_tcp() {
+    run_exchange("tcp", 2);
+}
+
+#[test]
+fn a_ring_of_exchanges_in_flight_shm() {
+    run_exchange("shm", 3);
+}
+
+fn run_many(provider: &str) {
+    let out = run_ranks(
+        2,
+        &[("OXCCL_PROVIDER", provider)],
+        "many",
+        &json!({ "large": 300_000 }),
+    );
+    for (rank, v) in expect_results("many in flight", &out).iter().enumerate() {
+        assert_eq!(v["ok"], true, "rank {rank}: {v}");
+        assert_eq!(v["wrong"], json!([]), "rank {rank}: {v}");
+    }
+}
+
+#[test]
+fn many_calls_in_flight_shm() {
+    run_many("shm");
+}
+
+#[test]
+fn many_calls_in_flight_tcp() {
+    run_many("tcp");
+}
+
+#[test]
+fn a_dead_peer_fails_every_call_in_flight() {
+    let out = run_ranks(2, &[("OXCCL_TIMEOUT", "20")], "dies", &json!({}));
+    let r0 = &out[0];
+    assert!(r0.ok(), "rank 0: {}\n{}", r0.stdout, r0.stderr);
+    let calls = r0.result()["calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 4);
+    for c in calls {
+        assert_eq!(c["ok"], false, "{c}");
+        let msg = c["msg"].as_str().unwrap();
+        assert!(
+            msg.contains("rank 1"),
+            "every call in flight fails naming the dead peer: {c}"
+        );
+    }
+    assert!(
+        calls[0]["msg"].as_str().unwrap().contains("rank 1"),
+        "the first names the dead peer: {}",
+        calls[0]
+    );
+}

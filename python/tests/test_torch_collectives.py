@@ -208,6 +208,17 @@ def worker_collectives():
         e = torch.empty(0)
         dist.all_reduce(e, group=ox)
         check("empty all_reduce", e, torch.empty(0), torch.float32)
+        # isend, then irecv, not batched: the two fly together (one call at a time, a ring
+        # of exchanges larger than the receivers' slots would never finish).
+        big = 4 << 20
+        mine = torch.arange(big, dtype=torch.int32) + rank * 7
+        got = torch.zeros(big, dtype=torch.int32)
+        s = dist.isend(mine, (rank + 1) % n, group=ox)
+        r = dist.irecv(got, (rank - 1) % n, group=ox)
+        r.wait()
+        s.wait()
+        want = torch.arange(big, dtype=torch.int32) + ((rank - 1) % n) * 7
+        check("isend then irecv in flight", got, want, torch.int32)
 
     attempt("async, coalesced, complex, subgroup", others)
     dist.barrier()

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use oxccl::schedule::Collective;
-use oxccl::{Buffers, Communicator, DataType, Options, ReduceOp};
+use oxccl::{Buffers, CallBuffers, Communicator, DataType, Options, ReduceOp};
 use oxccl_bootstrap::Bootstrap;
 use pyo3::prelude::*;
 
@@ -34,20 +34,36 @@ enum Layout {
     Out { input: bool, output: bool },
 }
 
-/// Runs one collective on `views`.
-fn run_views(
-    c: &Communicator,
-    coll: &Collective,
-    dtype: DataType,
-    op: ReduceOp,
+/// A call that does not block, with the views it owns while it flies.
+struct Flying {
+    views: Vec<View>,
     layout: Layout,
-    views: &[View],
-    timeout: Option<Duration>,
-) -> oxccl::Result<()> {
-    // SAFETY (every slice below): the views are alive for this call; `check_overlap` refused
-    // out-of-place views that share memory, so the input slice and the output slice do not
-    // alias; outputs were checked writable when their views were made.
-    let bufs = match layout {
+    dtype: DataType,
+}
+
+impl CallBuffers for Flying {
+    fn dtype(&self) -> DataType {
+        self.dtype
+    }
+
+    fn elements(&self) -> usize {
+        self.views
+            .first()
+            .map_or(0, |v| v.len() / self.dtype.size())
+    }
+
+    fn buffers(&mut self) -> Buffers<'_> {
+        buffers(self.layout, &self.views)
+    }
+}
+
+/// The buffers of a call on `views` laid out as `layout`.
+fn buffers(layout: Layout, views: &[View]) -> Buffers<'_> {
+    // SAFETY (every slice below): the views are alive while the buffers are (they borrow
+    // them); `check_overlap` refused out-of-place views that share memory, so the input slice
+    // and the output slice do not alias; outputs were checked writable when their views were
+    // made.
+    match layout {
         Layout::Empty => Buffers::OutOfPlace {
             input: &[],
             output: &mut [],
@@ -69,7 +85,20 @@ fn run_views(
                 output: o,
             }
         }
-    };
+    }
+}
+
+/// Runs one collective on `views`.
+fn run_views(
+    c: &Communicator,
+    coll: &Collective,
+    dtype: DataType,
+    op: ReduceOp,
+    layout: Layout,
+    views: &[View],
+    timeout: Option<Duration>,
+) -> oxccl::Result<()> {
+    let bufs = buffers(layout, views);
     match timeout {
         Some(t) => c.run_timeout(coll, dtype, op, bufs, t),
         None => c.run(coll, dtype, op, bufs),
@@ -273,11 +302,17 @@ impl PyCommunicator {
             views,
             output,
         );
+        // The call flies with the calls started before and after it (a send and a receive
+        // with the same peer progress together), owning its views until it is done.
+        let call = Flying {
+            views: shared.take_views(),
+            layout,
+            dtype,
+        };
         let s = shared.clone();
-        drop(comm.submit(move |c| {
-            s.run(|views| run_views(c, &coll, dtype, op, layout, views, timeout));
-            Ok(())
-        }));
+        comm.start_with(coll, op, call, timeout, move |call, r| {
+            s.finish(call.views, r)
+        });
         Ok(Py::new(py, PyWork::new(shared))?.into_any())
     }
 

@@ -1,8 +1,8 @@
 //! [`PyWork`] (`oxccl.Work`): the handle of an asynchronous call.
 //!
-//! The call runs on the communicator's worker thread (in the order of calls, as
-//! [`oxccl::Communicator::submit`] guarantees). When it ends, the result is stored and waiters
-//! wake; callbacks and futures (and the release of the call's buffers) run on one completion
+//! The call flies on the communicator's worker thread with the calls started before and
+//! after it ([`oxccl::Communicator::start_with`]: in the order of calls, several at once).
+//! When it ends, the result is stored and waiters wake; callbacks and futures (and the release of the call's buffers) run on one completion
 //! thread per process, which takes the GIL, so that the worker goes on with the next call at
 //! once.
 
@@ -75,8 +75,20 @@ impl Shared {
     pub fn run(self: &Arc<Self>, f: impl FnOnce(&[View]) -> oxccl::Result<()>) {
         // The views stay in the state (the call only borrows them), so that they outlive the
         // call even if the handle is dropped meanwhile.
-        let views = std::mem::take(&mut self.lock().views);
+        let views = self.take_views();
         let r = f(&views);
+        self.finish(views, r);
+    }
+
+    /// The call's views, for the call to own while it runs (they come back with
+    /// [`Shared::finish`]).
+    pub fn take_views(&self) -> Vec<View> {
+        std::mem::take(&mut self.lock().views)
+    }
+
+    /// Ends the call: its views back, its result stored, waiters woken, Python's part
+    /// (callbacks, releasing the buffers) handed to the completion thread.
+    pub fn finish(self: &Arc<Self>, views: Vec<View>, r: oxccl::Result<()>) {
         let mut st = self.lock();
         st.views = views;
         st.result = Some(r);

@@ -87,8 +87,9 @@
 //! steps) per pass, and here there would be one pass per event) over the full [`Schedule`]
 //! (a heap vector of dependencies per step): a 16,384-rank 1 GiB all-reduce
 //! (`examples/topologies/cluster-2048x8.toml`) keeps the 16.7 million steps of its 256
-//! simulated ranks in 16-byte records and advances by events, where schedules and machines
-//! would take gigabytes and a pass per event. The walk's rules are the `Machine`'s (queue
+//! simulated ranks as one shared list of 65,532 16-byte records and a byte of state per step
+//! and rank, and advances by events, where schedules and machines would take gigabytes and
+//! a pass per event. The walk's rules are the `Machine`'s (queue
 //! heads, dependencies, fragments in order, a receive done when its last fragment is
 //! consumed, a send when every fragment is posted and every signaled one completed); the
 //! time each action takes is the fabric's.
@@ -115,13 +116,16 @@
 //! [`APPROXIMATE_ABOVE_STEPS`]); above, symmetrised as if every rank ran its
 //! representative's schedule, and [`Report::approximate`] says so.
 //!
-//! Costs: schedules are built on two threads and kept in a compact form (one 16-byte record
-//! per step, its dependents in one list per rank); the event loop is sequential, and bound
-//! by the memory it touches: each queue's cursor keeps what it needs of its step
-//! (`Cursor`), so that a step's record is read when a cursor reaches it and written when it
-//! is done, and the queues follow links between their steps instead of lists. The timed
-//! events wait in a radix heap (`crate::queue`: the run never schedules an event before the
-//! one it is serving, and the symmetric runs have several events at each time).
+//! Costs: schedules are built on two threads and kept in a compact form: a `Shape` (one
+//! 16-byte record per step, the steps' dependents in one list, the queues' first steps) that
+//! every participant whose schedule differs only in its peers shares (all 256
+//! representatives of the 16,384-rank all-reduces: one copy, which stays in the cache), and
+//! per participant its queues, a byte per step counting the dependencies left and a bit per
+//! step done. The event loop is sequential, and bound by the memory it touches: each
+//! queue's cursor keeps what it needs of its step (`Cursor`), the queues follow links
+//! between their steps instead of lists, and the timed events wait in a radix heap
+//! (`crate::queue`: the run never schedules an event before the one it is serving, and the
+//! symmetric runs have several events at each time).
 
 use std::collections::{HashMap, VecDeque};
 
@@ -397,9 +401,11 @@ pub fn simulate_with(fabric: &Fabric, spec: &Spec, opts: &Options) -> Result<Rep
                 p < world && host(p) == host(r)
             })
     };
+    // Participants of the same shape share it (one copy per run).
+    let shapes = Shapes::default();
     let compact = |r: usize, s: Schedule| {
         let mb = mailbox(r, &s);
-        Part::new(r, s, spec, world, agg_node.is_some(), mb)
+        Part::new(r, s, spec, world, agg_node.is_some(), mb, &shapes)
     };
 
     // Symmetry: the rank cycles of the generator, if the schedules are invariant.
@@ -448,8 +454,8 @@ pub fn simulate_with(fabric: &Fabric, spec: &Spec, opts: &Options) -> Result<Rep
             relaxed &= r;
             reps.push(part);
         }
-        let full_steps = reps[0].st.len() as u128 * world as u128;
-        first_len = Some(reps[0].st.len());
+        let full_steps = reps[0].shape.st.len() as u128 * world as u128;
+        first_len = Some(reps[0].shape.st.len());
         if exact || (relaxed && full_steps > opts.approximate_above_steps) {
             mode = if exact {
                 Mode::Exact
@@ -558,8 +564,6 @@ fn copy_skipped(
 struct SendQ {
     peer: usize,
     ch: u8,
-    /// Its steps, in order (for the checks before the run; the run follows [`St::next`]).
-    steps: Vec<u32>,
     /// The step being posted (`NONE` once all are) and its fragments posted so far.
     post: u32,
     post_frag: u32,
@@ -587,14 +591,35 @@ struct SendQ {
     credits: VecDeque<u64>,
 }
 
+impl SendQ {
+    /// The queue of the sends to `peer` on `ch`, before its first step is known.
+    fn new(peer: usize, ch: u8) -> SendQ {
+        SendQ {
+            peer,
+            ch,
+            post: NONE,
+            post_frag: 0,
+            post_at: Cursor::default(),
+            posting: false,
+            xmit: NONE,
+            xmit_frag: 0,
+            xmit_at: Cursor::default(),
+            busy: false,
+            route: 0,
+            target: None,
+            per_message_s: 0.0,
+            credit_delay: 0.0,
+            credits: VecDeque::new(),
+        }
+    }
+}
+
 /// A receive queue. Its flow control (fragments arrived, consumed, reported) is its entry in
 /// [`Part::recvs`].
 #[derive(Debug)]
 struct RecvQ {
     peer: usize,
     ch: u8,
-    /// Its steps, in order (for the checks before the run; the run follows [`St::next`]).
-    steps: Vec<u32>,
     /// The receive at the head (`NONE` once all are done) and its fragments consumed so far.
     head: u32,
     head_frag: u32,
@@ -603,6 +628,21 @@ struct RecvQ {
     consuming: bool,
     /// The send queue (participant, queue) whose messages it receives: where its credits go.
     source: Option<(u32, u32)>,
+}
+
+impl RecvQ {
+    /// The queue of the receives from `peer` on `ch`, before its first step is known.
+    fn new(peer: usize, ch: u8) -> RecvQ {
+        RecvQ {
+            peer,
+            ch,
+            head: NONE,
+            head_frag: 0,
+            head_at: Cursor::default(),
+            consuming: false,
+            source: None,
+        }
+    }
 }
 
 /// What the run needs of the step a queue's cursor is on, read once when the cursor gets
@@ -636,10 +676,6 @@ const COPY: u8 = 3;
 const COPY_SKIPPED: u8 = 4;
 const REDUCE: u8 = 5;
 
-/// The kind's bits of [`St::kf`], and its flag: the step is done.
-const KIND: u8 = 7;
-const DONE: u8 = 8;
-
 /// Fragments of a message of `bytes` (one in mailbox mode).
 fn frags(cfg: &Config, mailbox: bool, bytes: usize) -> u32 {
     if mailbox {
@@ -669,51 +705,138 @@ fn last_signaled(cfg: &Config, bytes: usize) -> Option<u32> {
         .map(|k| k as u32)
 }
 
-/// A step in compact form, 16 bytes (four to a cache line: the run is bound by the memory
-/// it touches).
-#[derive(Clone, Copy, Debug)]
+/// A step in compact form, 16 bytes: what the run reads of it, never written during the
+/// run (the mutable state, dependencies left and done, is the participant's: see [`Part`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct St {
-    /// Elements moved, reduced or copied (`u32::MAX`: more, in [`Part::big`]).
+    /// Elements moved, reduced or copied (`u32::MAX`: more, in [`Shape::big`]).
     elems: u32,
     /// Its queue (send or receive; `NO_Q` for a local step).
     queue: u32,
     /// The next step of its queue (`NONE` for the last): the queues' cursors follow these,
     /// so that the run reads no list beside the steps.
     next: u32,
-    /// Dependencies not done yet (`u16::MAX`: more, in [`Part::many`]).
-    ndeps: u16,
-    /// The kind (`KIND` bits) and the flags.
-    kf: u8,
+    /// The kind.
+    kind: u8,
 }
 
-impl St {
-    fn kind(&self) -> u8 {
-        self.kf & KIND
-    }
-    fn has(&self, flag: u8) -> bool {
-        self.kf & flag != 0
-    }
-    fn set(&mut self, flag: u8) {
-        self.kf |= flag;
-    }
-}
-
-/// A simulated participant (a rank or the aggregator), its schedule in compact form.
-struct Part {
-    rank: usize,
-    node: usize,
+/// A schedule in compact form, as far as the run only reads it: the steps, their
+/// dependents and the queues' first steps. Participants whose schedules differ only in
+/// their peers (the same steps, kinds, sizes, queue numbers and dependencies) share one
+/// ([`Shapes`]): every representative of the symmetric 16,384-rank all-reduces has the same
+/// shape, so the run reads one copy of it (hot in the cache) instead of one per participant
+/// (a quarter of a gigabyte, read from memory).
+#[derive(Debug, PartialEq)]
+struct Shape {
+    /// A digest of the rest (its lengths and a sample of its steps), compared first.
+    digest: u64,
     /// The steps.
     st: Vec<St>,
     /// Dependents of every step: step `s`'s are `dep_list[dep_at[s]..dep_at[s + 1]]`.
     dep_at: Vec<u32>,
     dep_list: Vec<u32>,
-    /// Element counts of steps above `u32::MAX - 1` elements, and dependency counts of steps
-    /// waiting for `u16::MAX` or more (rare: kept aside to keep [`St`] small).
-    big: HashMap<u32, u64>,
+    /// Each step's dependencies, the count a run starts from (`u8::MAX`: that many or more,
+    /// the count in [`Shape::many`]).
+    ndeps: Vec<u8>,
+    /// Dependency counts of steps waiting for `u8::MAX` or more, and element counts of
+    /// steps of `u32::MAX` elements or more (rare: kept aside to keep the records small).
+    many: Vec<(u32, u32)>,
+    big: Vec<(u32, u64)>,
+    /// Each send queue's and each receive queue's first step and number of steps.
+    send_first: Vec<(u32, u32)>,
+    recv_first: Vec<(u32, u32)>,
+}
+
+impl Shape {
+    /// Elements of step `i`.
+    fn elems(&self, i: usize) -> u64 {
+        match self.st[i].elems {
+            u32::MAX => {
+                let at = self.big.partition_point(|x| (x.0 as usize) < i);
+                self.big[at].1
+            }
+            e => e as u64,
+        }
+    }
+
+    /// Bytes of step `i` on elements of `elem` bytes.
+    fn bytes(&self, i: usize, elem: usize) -> usize {
+        self.elems(i) as usize * elem
+    }
+
+    /// The steps of a queue that starts at `first`, in order.
+    fn queue_steps(&self, first: u32) -> impl Iterator<Item = u32> + '_ {
+        std::iter::successors((first != NONE).then_some(first), |&s| {
+            let n = self.st[s as usize].next;
+            (n != NONE).then_some(n)
+        })
+    }
+}
+
+/// The shapes of a run's participants, each kept once (see [`Shape`]); filled by the
+/// threads that build the schedules.
+#[derive(Default)]
+struct Shapes(std::sync::Mutex<Vec<std::sync::Arc<Shape>>>);
+
+impl Shapes {
+    /// The shape equal to `s`, the one kept if there is one, else `s` (kept from now on).
+    fn intern(&self, s: Shape) -> std::sync::Arc<Shape> {
+        let mut kept = self.0.lock().expect("no thread panics holding it");
+        if let Some(k) = kept.iter().find(|k| ***k == s) {
+            return k.clone();
+        }
+        let s = std::sync::Arc::new(s);
+        kept.push(s.clone());
+        s
+    }
+}
+
+/// A participant's queues by (peer, channel). Looked up for every send and receive step
+/// while its schedule is made compact: hashed by a multiply (a peer and a channel need no
+/// protection against collisions chosen by an adversary).
+type QueueIndex = HashMap<(usize, u8), u32, std::hash::BuildHasherDefault<PeerHasher>>;
+
+/// The hasher of [`QueueIndex`]: each word folded in with a rotate, a xor and a multiply
+/// (as rustc's FxHasher).
+#[derive(Default)]
+struct PeerHasher(u64);
+
+impl std::hash::Hasher for PeerHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(b as u64);
+        }
+    }
+    fn write_u8(&mut self, x: u8) {
+        self.write_u64(x as u64);
+    }
+    fn write_usize(&mut self, x: usize) {
+        self.write_u64(x as u64);
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+}
+
+/// A simulated participant (a rank or the aggregator): its schedule's [`Shape`] and the
+/// run's state of it.
+struct Part {
+    rank: usize,
+    node: usize,
+    /// The schedule, shared with the participants of the same shape.
+    shape: std::sync::Arc<Shape>,
+    /// Dependencies not done yet of every step (`u8::MAX`: more, in [`Part::many`]): one
+    /// byte each, 64 to a cache line, as a step done counts down its dependents far ahead.
+    ndeps: Vec<u8>,
     many: HashMap<u32, u32>,
+    /// Which steps are done, a bit each.
+    done: Vec<u64>,
     sendq: Vec<SendQ>,
     recvq: Vec<RecvQ>,
-    recv_index: HashMap<(usize, u8), u32>,
+    recv_index: QueueIndex,
     /// The core's flow-control state of every send queue and of every receive queue (one
     /// [`Flows`] queue each, indexed as `sendq` and `recvq`).
     sends: Flows,
@@ -729,41 +852,30 @@ struct Part {
     done_at: f64,
 }
 
-/// Elements of step `i` of `st` (see [`Part::big`]).
-fn elems_of(st: &[St], big: &HashMap<u32, u64>, i: usize) -> u64 {
-    match st[i].elems {
-        u32::MAX => big[&(i as u32)],
-        e => e as u64,
+/// One dependency of step `i` is done (`ndeps` and `many` as in [`Part`]): whether all
+/// are now.
+fn dep_done(ndeps: &mut [u8], many: &mut HashMap<u32, u32>, i: usize) -> bool {
+    let n = &mut ndeps[i];
+    if *n < u8::MAX {
+        *n -= 1;
+        return *n == 0;
     }
+    let m = many.get_mut(&(i as u32)).expect("counted aside");
+    *m -= 1;
+    if *m < u8::MAX as u32 {
+        *n = *m as u8;
+        many.remove(&(i as u32));
+    }
+    false
 }
 
 impl Part {
-    /// Elements of step `i`.
-    fn elems(&self, i: usize) -> u64 {
-        elems_of(&self.st, &self.big, i)
+    /// Whether step `i` is done.
+    fn is_done(&self, i: usize) -> bool {
+        self.done[i / 64] >> (i % 64) & 1 != 0
     }
 
-    /// Bytes of step `i` on elements of `elem` bytes.
-    fn bytes(&self, i: usize, elem: usize) -> usize {
-        self.elems(i) as usize * elem
-    }
-
-    /// One dependency of step `i` is done: whether all are now.
-    fn dep_done(&mut self, i: usize) -> bool {
-        let st = &mut self.st[i];
-        if st.ndeps < u16::MAX {
-            st.ndeps -= 1;
-            return st.ndeps == 0;
-        }
-        let m = self.many.get_mut(&(i as u32)).expect("counted aside");
-        *m -= 1;
-        if *m < u16::MAX as u32 {
-            st.ndeps = *m as u16;
-            self.many.remove(&(i as u32));
-        }
-        false
-    }
-
+    /// `sched` of `rank` in compact form, its shape kept in `shapes`.
     fn new(
         rank: usize,
         sched: Schedule,
@@ -771,12 +883,20 @@ impl Part {
         world: usize,
         agg: bool,
         mailbox: bool,
+        shapes: &Shapes,
     ) -> Result<Part, String> {
         let n = sched.steps.len();
-        let mut ndeps = vec![0u32; n];
+        let mut ndeps = vec![0u8; n];
+        let mut many = Vec::new();
         let mut count = vec![0u32; n + 1];
         for (s, step) in sched.steps.iter().enumerate() {
-            ndeps[s] = step.deps.len() as u32;
+            let k = step.deps.len();
+            if k >= u8::MAX as usize {
+                ndeps[s] = u8::MAX;
+                many.push((s as u32, k as u32));
+            } else {
+                ndeps[s] = k as u8;
+            }
             for &d in &step.deps {
                 if d as usize >= s {
                     return Err(format!("rank {rank} step {s} depends on a later step {d}"));
@@ -796,26 +916,21 @@ impl Part {
                 fill[d as usize] += 1;
             }
         }
-        let mut many = HashMap::new();
-        let mut st: Vec<St> = (0..n)
-            .map(|i| St {
+        drop(fill);
+        let mut st = vec![
+            St {
                 elems: 0,
                 queue: NO_Q,
                 next: NONE,
-                ndeps: if ndeps[i] >= u16::MAX as u32 {
-                    many.insert(i as u32, ndeps[i]);
-                    u16::MAX
-                } else {
-                    ndeps[i] as u16
-                },
-                kf: 0,
-            })
-            .collect();
-        let mut big = HashMap::new();
+                kind: 0,
+            };
+            n
+        ];
+        let mut big = Vec::new();
         let mut set = |st: &mut St, s: usize, kind: u8, elems: usize| {
-            st.kf = kind;
+            st.kind = kind;
             st.elems = if elems >= u32::MAX as usize {
-                big.insert(s as u32, elems as u64);
+                big.push((s as u32, elems as u64));
                 u32::MAX
             } else {
                 elems as u32
@@ -823,8 +938,13 @@ impl Part {
         };
         let mut sendq: Vec<SendQ> = Vec::new();
         let mut recvq: Vec<RecvQ> = Vec::new();
-        let mut send_index: HashMap<(usize, u8), u32> = HashMap::new();
-        let mut recv_index: HashMap<(usize, u8), u32> = HashMap::new();
+        let mut send_index = QueueIndex::default();
+        let mut recv_index = QueueIndex::default();
+        // Each queue's first and last step, and its steps.
+        let mut send_first: Vec<(u32, u32)> = Vec::new();
+        let mut recv_first: Vec<(u32, u32)> = Vec::new();
+        let mut send_last: Vec<u32> = Vec::new();
+        let mut recv_last: Vec<u32> = Vec::new();
         let bad_peer = |peer: usize| peer > world || peer == rank || (peer == world && !agg);
         for (s, step) in sched.steps.iter().enumerate() {
             match step.op {
@@ -833,29 +953,19 @@ impl Part {
                         return Err(format!("rank {rank} step {s} sends to rank {peer}"));
                     }
                     let q = *send_index.entry((peer, channel)).or_insert_with(|| {
-                        sendq.push(SendQ {
-                            peer,
-                            ch: channel,
-                            steps: Vec::new(),
-                            post: NONE,
-                            post_frag: 0,
-                            post_at: Cursor::default(),
-                            posting: false,
-                            xmit: NONE,
-                            xmit_frag: 0,
-                            xmit_at: Cursor::default(),
-                            busy: false,
-                            route: 0,
-                            target: None,
-                            per_message_s: 0.0,
-                            credit_delay: 0.0,
-                            credits: VecDeque::new(),
-                        });
+                        sendq.push(SendQ::new(peer, channel));
+                        send_first.push((s as u32, 0));
+                        send_last.push(NONE);
                         (sendq.len() - 1) as u32
                     });
                     set(&mut st[s], s, SEND, src.len);
                     st[s].queue = q;
-                    sendq[q as usize].steps.push(s as u32);
+                    let last = &mut send_last[q as usize];
+                    if *last != NONE {
+                        st[*last as usize].next = s as u32;
+                    }
+                    *last = s as u32;
+                    send_first[q as usize].1 += 1;
                 }
                 Op::Recv {
                     peer,
@@ -867,16 +977,9 @@ impl Part {
                         return Err(format!("rank {rank} step {s} receives from rank {peer}"));
                     }
                     let q = *recv_index.entry((peer, channel)).or_insert_with(|| {
-                        recvq.push(RecvQ {
-                            peer,
-                            ch: channel,
-                            steps: Vec::new(),
-                            head: NONE,
-                            head_frag: 0,
-                            head_at: Cursor::default(),
-                            consuming: false,
-                            source: None,
-                        });
+                        recvq.push(RecvQ::new(peer, channel));
+                        recv_first.push((s as u32, 0));
+                        recv_last.push(NONE);
                         (recvq.len() - 1) as u32
                     });
                     let kind = if reduce_with.is_some() {
@@ -886,7 +989,12 @@ impl Part {
                     };
                     set(&mut st[s], s, kind, dst.len);
                     st[s].queue = q;
-                    recvq[q as usize].steps.push(s as u32);
+                    let last = &mut recv_last[q as usize];
+                    if *last != NONE {
+                        st[*last as usize].next = s as u32;
+                    }
+                    *last = s as u32;
+                    recv_first[q as usize].1 += 1;
                 }
                 Op::Copy { src, dst } => {
                     let same = copy_skipped(&spec.coll, world, rank, spec.in_place, src, dst);
@@ -903,28 +1011,33 @@ impl Part {
             }
         }
         drop(sched);
-        // Link each queue's steps, and put its cursors on its first.
-        for sq in &mut sendq {
-            for w in sq.steps.windows(2) {
-                st[w[0] as usize].next = w[1];
-            }
-            sq.post = sq.steps.first().copied().unwrap_or(NONE);
-            sq.xmit = sq.post;
+        // Put each queue's cursors on its first step.
+        for (sq, &(first, _)) in sendq.iter_mut().zip(&send_first) {
+            sq.post = first;
+            sq.xmit = first;
         }
-        for rq in &mut recvq {
-            for w in rq.steps.windows(2) {
-                st[w[0] as usize].next = w[1];
-            }
-            rq.head = rq.steps.first().copied().unwrap_or(NONE);
+        for (rq, &(first, _)) in recvq.iter_mut().zip(&recv_first) {
+            rq.head = first;
         }
-        Ok(Part {
-            rank,
-            node: rank,
+        let digest = digest(&st, &dep_list);
+        let shape = shapes.intern(Shape {
+            digest,
             st,
             dep_at,
             dep_list,
-            big,
+            ndeps,
             many,
+            big,
+            send_first,
+            recv_first,
+        });
+        Ok(Part {
+            rank,
+            node: rank,
+            ndeps: shape.ndeps.clone(),
+            many: shape.many.iter().copied().collect(),
+            done: vec![0; n.div_ceil(64)],
+            shape,
             sends: Flows::new(sendq.len(), 1),
             recvs: Flows::new(recvq.len(), 1),
             sendq,
@@ -943,6 +1056,25 @@ impl Part {
             done_at: 0.0,
         })
     }
+}
+
+/// A digest of a shape's steps and dependents: their numbers and 64 steps evenly spread
+/// (FNV-1a), enough to tell most different shapes apart before comparing them whole.
+fn digest(st: &[St], dep_list: &[u32]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |x: u64| {
+        h ^= x;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    };
+    eat(st.len() as u64);
+    eat(dep_list.len() as u64);
+    let n = st.len();
+    for k in 0..64.min(n) {
+        let s = st[k * n / 64.min(n)];
+        eat(s.elems as u64 | (s.queue as u64) << 32);
+        eat(s.next as u64 | (s.kind as u64) << 32);
+    }
+    h
 }
 
 /// Something that happens to a participant (`p`): timed in the event queue, or due now in
@@ -1176,19 +1308,18 @@ impl<'a> Sim<'a> {
                         receiver.rank
                     ));
                 }
-                if sq.steps.len() > r.steps.len() {
+                let (a0, na) = sender.shape.send_first[q];
+                let (b0, nb) = receiver.shape.recv_first[rq as usize];
+                if na > nb {
                     return Err(format!(
-                        "rank {} sends {} messages to rank {} on channel {}, which receives \
-                         only {}",
-                        sender.rank,
-                        sq.steps.len(),
-                        sq.peer,
-                        sq.ch,
-                        r.steps.len()
+                        "rank {} sends {na} messages to rank {} on channel {}, which receives \
+                         only {nb}",
+                        sender.rank, sq.peer, sq.ch,
                     ));
                 }
-                for (n, (&a, &b)) in sq.steps.iter().zip(&r.steps).enumerate() {
-                    let (ea, eb) = (sender.elems(a as usize), receiver.elems(b as usize));
+                let (sa, sb) = (&sender.shape, &receiver.shape);
+                for (n, (a, b)) in sa.queue_steps(a0).zip(sb.queue_steps(b0)).enumerate() {
+                    let (ea, eb) = (sa.elems(a as usize), sb.elems(b as usize));
                     if ea != eb {
                         return Err(format!(
                             "rank {} sends {ea} elements to rank {} (message {n}), which \
@@ -1218,14 +1349,7 @@ impl<'a> Sim<'a> {
         self.connect()?;
         // The run follows the steps' links from every queue's first step.
         for p in 0..self.parts.len() {
-            let part = &mut self.parts[p];
-            for sq in &mut part.sendq {
-                sq.steps = Vec::new();
-            }
-            for rq in &mut part.recvq {
-                rq.steps = Vec::new();
-            }
-            for q in 0..part.sendq.len() {
+            for q in 0..self.parts[p].sendq.len() {
                 self.load_post(p as u32, q as u32);
                 self.load_xmit(p as u32, q as u32);
             }
@@ -1234,8 +1358,8 @@ impl<'a> Sim<'a> {
             }
         }
         for p in 0..self.parts.len() {
-            for s in 0..self.parts[p].st.len() {
-                if self.parts[p].st[s].ndeps == 0 {
+            for s in 0..self.parts[p].ndeps.len() {
+                if self.parts[p].ndeps[s] == 0 {
                     self.work.push_back(Ev::DepsDone(p as u32, s as u32));
                 }
             }
@@ -1285,10 +1409,11 @@ impl<'a> Sim<'a> {
 
     /// What a participant that did not finish waits for.
     fn stuck(&self, p: &Part) -> String {
-        let s = (0..p.st.len()).find(|&s| !p.st[s].has(DONE)).unwrap_or(0);
-        let what = match p.st[s].queue {
+        let st = &p.shape.st;
+        let s = (0..st.len()).find(|&s| !p.is_done(s)).unwrap_or(0);
+        let what = match st[s].queue {
             NO_Q => "a local step".to_string(),
-            q if p.st[s].kind() == SEND => {
+            q if st[s].kind == SEND => {
                 let f = p.sends.get(q as usize);
                 format!(
                     "a send to rank {} on channel {} ({} fragments posted there, {} reported \
@@ -1333,19 +1458,19 @@ impl<'a> Sim<'a> {
         }
         let part = &self.parts[p as usize];
         let i = s as usize;
-        let bytes = part.bytes(i, self.elem);
-        let st = part.st[i];
+        let bytes = part.shape.bytes(i, self.elem);
+        let st = part.shape.st[i];
         Cursor {
             bytes,
             frags: frags(&self.cfg, part.mailbox, bytes),
-            last_signaled: if part.mailbox || st.kind() != SEND {
+            last_signaled: if part.mailbox || st.kind != SEND {
                 NONE
             } else {
                 last_signaled(&self.cfg, bytes).unwrap_or(NONE)
             },
             next: st.next,
-            ready: st.ndeps == 0,
-            reduces: st.kind() == RECV_REDUCE,
+            ready: part.ndeps[i] == 0,
+            reduces: st.kind == RECV_REDUCE,
         }
     }
 
@@ -1370,8 +1495,8 @@ impl<'a> Sim<'a> {
     fn deps_done(&mut self, p: u32, s: u32) {
         let part = &mut self.parts[p as usize];
         let i = s as usize;
-        let q = part.st[i].queue;
-        match part.st[i].kind() {
+        let St { queue: q, kind, .. } = part.shape.st[i];
+        match kind {
             SEND => {
                 let sq = &mut part.sendq[q as usize];
                 if sq.post == s {
@@ -1393,7 +1518,7 @@ impl<'a> Sim<'a> {
                 let cost = if k == COPY_SKIPPED {
                     0.0
                 } else {
-                    part.bytes(i, self.elem) as f64 / part.reduce_rate
+                    part.shape.bytes(i, self.elem) as f64 / part.reduce_rate
                 };
                 self.cpu(p, cost, Ev::LocalDone(p, s));
             }
@@ -1584,7 +1709,7 @@ impl<'a> Sim<'a> {
         let part = &self.parts[p as usize];
         let head = part.recvq[rq as usize].head;
         let more = head != NONE
-            && part.st[head as usize].ndeps == 0
+            && part.ndeps[head as usize] == 0
             && !part.recvs.get(rq as usize).arrived.is_empty();
         if !part.mailbox && !more && part.recvs.credit_due(rq as usize, every) {
             self.work.push_back(Ev::ReturnCredit(p, rq));
@@ -1667,7 +1792,7 @@ impl<'a> Sim<'a> {
         let now = self.now;
         let part = &mut self.parts[p as usize];
         let i = s as usize;
-        part.st[i].set(DONE);
+        part.done[i / 64] |= 1 << (i % 64);
         part.left -= 1;
         part.done_at = now;
         if self.trace {
@@ -1680,10 +1805,12 @@ impl<'a> Sim<'a> {
                 bytes,
             });
         }
-        let (a, b) = (part.dep_at[i] as usize, part.dep_at[i + 1] as usize);
-        for k in a..b {
-            let d = part.dep_list[k];
-            if part.dep_done(d as usize) {
+        let Part {
+            shape, ndeps, many, ..
+        } = part;
+        let (a, b) = (shape.dep_at[i] as usize, shape.dep_at[i + 1] as usize);
+        for &d in &shape.dep_list[a..b] {
+            if dep_done(ndeps, many, d as usize) {
                 self.work.push_back(Ev::DepsDone(p, d));
             }
         }
@@ -1732,7 +1859,7 @@ impl<'a> Sim<'a> {
             simulated_ranks: self.parts.iter().filter(|p| p.rank < world).count(),
             symmetric: mode != Mode::Full,
             approximate: mode == Mode::Approximate,
-            steps: self.parts.iter().map(|p| p.st.len() as u64).sum(),
+            steps: self.parts.iter().map(|p| p.ndeps.len() as u64).sum(),
             flows: self.flows,
             credits: self.credits,
         }
@@ -1742,17 +1869,18 @@ impl<'a> Sim<'a> {
 /// A step's trace name and bytes.
 fn step_name(part: &Part, i: usize, elem: usize) -> (String, u64) {
     let rank = part.rank;
-    let b = part.elems(i) * elem as u64;
-    match part.st[i].kind() {
+    let b = part.shape.elems(i) * elem as u64;
+    let st = part.shape.st[i];
+    match st.kind {
         SEND => {
-            let sq = &part.sendq[part.st[i].queue as usize];
+            let sq = &part.sendq[st.queue as usize];
             (
                 format!("send {rank}->{} ch{} {}", sq.peer, sq.ch, human(b)),
                 b,
             )
         }
         k @ (RECV | RECV_REDUCE) => {
-            let rq = &part.recvq[part.st[i].queue as usize];
+            let rq = &part.recvq[st.queue as usize];
             let what = if k == RECV_REDUCE {
                 "recv+reduce"
             } else {
@@ -1781,5 +1909,129 @@ fn human(b: u64) -> String {
         format!("{b} B")
     } else {
         format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use oxccl_core::schedule::Step;
+
+    fn send(peer: usize, len: usize, deps: &[u32]) -> Step {
+        Step {
+            op: Op::Send {
+                peer,
+                channel: 0,
+                src: Region::new(Buf::Input, 0, len),
+            },
+            deps: deps.to_vec(),
+        }
+    }
+
+    fn recv(peer: usize, len: usize, deps: &[u32]) -> Step {
+        Step {
+            op: Op::Recv {
+                peer,
+                channel: 0,
+                dst: Region::new(Buf::Output, 0, len),
+                reduce_with: Some(Region::new(Buf::Input, 0, len)),
+            },
+            deps: deps.to_vec(),
+        }
+    }
+
+    fn sched(rank: usize, steps: Vec<Step>) -> Schedule {
+        Schedule {
+            rank,
+            steps,
+            scratch: 0,
+        }
+    }
+
+    fn part(rank: usize, steps: Vec<Step>, shapes: &Shapes) -> Part {
+        let spec = Spec::new(Collective::AllReduce { count: 1 }, 4);
+        Part::new(rank, sched(rank, steps), &spec, 4, false, false, shapes).unwrap()
+    }
+
+    /// Ranks whose schedules differ only in their peers share one shape; their queues keep
+    /// their own peers, and their dependency counts are their own.
+    #[test]
+    fn schedules_that_differ_in_peers_share_a_shape() {
+        let shapes = Shapes::default();
+        let ring = |r: usize| {
+            let (next, prev) = ((r + 1) % 4, (r + 3) % 4);
+            vec![
+                send(next, 10, &[]),
+                recv(prev, 10, &[]),
+                send(next, 10, &[1]),
+                recv(prev, 10, &[0, 1]),
+            ]
+        };
+        let mut a = part(0, ring(0), &shapes);
+        let b = part(1, ring(1), &shapes);
+        assert!(std::sync::Arc::ptr_eq(&a.shape, &b.shape));
+        assert_eq!((a.sendq[0].peer, b.sendq[0].peer), (1, 2));
+        assert_eq!((a.recvq[0].peer, b.recvq[0].peer), (3, 0));
+        let sh = &a.shape;
+        assert_eq!(sh.send_first, vec![(0, 2)]);
+        assert_eq!(sh.recv_first, vec![(1, 2)]);
+        assert_eq!(sh.queue_steps(0).collect::<Vec<_>>(), vec![0, 2]);
+        assert_eq!(sh.queue_steps(1).collect::<Vec<_>>(), vec![1, 3]);
+        // Step 1's dependents are steps 2 and 3, step 0's step 3.
+        let dependents = |s: usize| &sh.dep_list[sh.dep_at[s] as usize..sh.dep_at[s + 1] as usize];
+        assert_eq!((dependents(0), dependents(1)), (&[3][..], &[2, 3][..]));
+        assert_eq!(a.ndeps, vec![0, 0, 1, 2]);
+        assert!(!dep_done(&mut a.ndeps, &mut a.many, 3));
+        assert!(dep_done(&mut a.ndeps, &mut a.many, 3));
+        assert_eq!((a.ndeps[3], b.ndeps[3]), (0, 2));
+        // Another size, another dependency, another order of the queues: other shapes.
+        let mut other = ring(2);
+        other[2] = send(3, 11, &[1]);
+        let c = part(2, other, &shapes);
+        let mut other = ring(2);
+        other[3].deps = vec![1];
+        let d = part(2, other, &shapes);
+        let mut other = ring(3);
+        other.swap(0, 1);
+        let e = part(3, other, &shapes);
+        for x in [&c, &d, &e] {
+            assert!(!std::sync::Arc::ptr_eq(&a.shape, &x.shape));
+        }
+        assert_eq!(shapes.0.lock().unwrap().len(), 4);
+    }
+
+    /// Steps of `u32::MAX` elements or more, and steps waiting for `u8::MAX` dependencies or
+    /// more, are counted aside, and counted down exactly.
+    #[test]
+    fn big_steps_and_many_dependencies_are_kept_aside() {
+        let shapes = Shapes::default();
+        let big = 5_000_000_000usize;
+        let mut steps = vec![send(1, big, &[])];
+        let n = 300u32;
+        for _ in 0..n {
+            steps.push(send(1, 7, &[]));
+        }
+        let all: Vec<u32> = (1..=n).collect();
+        steps.push(Step {
+            op: Op::Copy {
+                src: Region::new(Buf::Input, 0, 5),
+                dst: Region::new(Buf::Output, 0, 5),
+            },
+            deps: all,
+        });
+        let mut p = part(0, steps, &shapes);
+        let last = n as usize + 1;
+        assert_eq!(p.shape.elems(0), big as u64);
+        assert_eq!(p.shape.bytes(0, 4), big * 4);
+        assert_eq!(p.shape.elems(1), 7);
+        assert_eq!(p.shape.elems(last), 5);
+        assert_eq!(p.ndeps[last], u8::MAX);
+        for k in 0..n {
+            let all_done = dep_done(&mut p.ndeps, &mut p.many, last);
+            assert_eq!(all_done, k + 1 == n, "after {}", k + 1);
+        }
+        assert!(p.many.is_empty());
+        assert_eq!(p.shape.send_first, vec![(0, n + 1)]);
+        assert_eq!(p.shape.queue_steps(0).count(), n as usize + 1);
     }
 }

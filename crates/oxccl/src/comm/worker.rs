@@ -19,7 +19,7 @@ use std::sync::mpsc::{self, Receiver, TryRecvError};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use super::{Buffers, Checked, Communicator, Inner, Last, work};
+use super::{Buffers, Checked, Communicator, Inner, work};
 use crate::engine::{One, Plan, Scratch};
 use crate::error::{Error, OpDesc, Result};
 use crate::flight::{self, CallInfo};
@@ -258,28 +258,16 @@ impl Communicator {
         let planned = {
             let mut st = self.lock();
             self.check_usable(&st, &coll)
-                .and_then(|()| self.plan_call(&mut st, &coll, dtype, op, checked.in_place))
-                .and_then(|desc| {
-                    let Some(Last {
-                        plan,
-                        algorithm,
-                        protocol,
-                        ..
-                    }) = st.last.as_ref()
-                    else {
-                        return Err(self.invalid(&coll, "no plan".into()));
-                    };
-                    Ok((desc, plan.clone(), (*algorithm, *protocol)))
-                })
+                .and_then(|()| self.prepare(&mut st, &coll, dtype, op, checked.in_place))
         };
         match planned {
-            Ok((desc, plan, info)) => self.enqueue(Job::Call(Box::new(Started {
+            Ok(p) => self.enqueue(Job::Call(Box::new(Started {
                 coll,
                 dtype,
                 op,
-                desc,
-                plan,
-                info,
+                desc: p.desc,
+                plan: p.plan,
+                info: (p.algorithm, p.protocol),
                 checked,
                 timeout,
                 done: finish,

@@ -674,31 +674,34 @@ impl Call<'_, '_> {
     /// The error of a send on link `l`, whose queue pair is no longer connected.
     pub(super) fn link_down(&self, l: usize) -> Error {
         let link = &self.eng.links[l];
-        Error::PeerFailed {
-            rank: self.eng.rank,
-            op: self.calls[self.cur].desc.to_string(),
-            peer: link.peer,
-            detail: format!(
-                "its {} connection is down ({:?}){}",
+        self.link_error(
+            l,
+            format!(
+                "its {} connection is down ({:?})",
                 link.provider.name(),
-                link.qp.state(),
-                link.qp
-                    .error_detail()
-                    .map(|d| format!(": {d}"))
-                    .unwrap_or_default()
+                link.qp.state()
             ),
-        }
+        )
     }
 
+    /// The error of a post to link `l` that the queue pair refused.
     pub(super) fn send_error(&self, l: usize, e: oxccl_verbs::Error) -> Error {
+        let link = &self.eng.links[l];
+        self.link_error(
+            l,
+            format!("posting to its {} connection: {e}", link.provider.name()),
+        )
+    }
+
+    /// A failure of link `l`'s peer in this call: `what`, and what the queue pair knows.
+    fn link_error(&self, l: usize, what: String) -> Error {
         let link = &self.eng.links[l];
         Error::PeerFailed {
             rank: self.eng.rank,
             op: self.calls[self.cur].desc.to_string(),
             peer: link.peer,
             detail: format!(
-                "posting to its {} connection: {e}{}",
-                link.provider.name(),
+                "{what}{}",
                 link.qp
                     .error_detail()
                     .map(|d| format!(" ({d})"))

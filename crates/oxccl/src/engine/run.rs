@@ -79,6 +79,11 @@ impl Call<'_, '_> {
                 idle_since = None;
                 idle_polls = 0;
                 napping = false;
+                // What is left waits for a message (the sends went out): watch its flag
+                // rather than make a pass that finds nothing.
+                if !self.eng.spin_now.is_zero() && !self.spun_out {
+                    self.spin_on_awaited(&geo);
+                }
                 continue;
             }
             // Reading the clock costs as much as a poll: look at it every 32 idle passes.

@@ -31,10 +31,6 @@ struct Flow {
     rate: f64,
     /// When `remaining` was last brought up to date.
     last: f64,
-    /// Predicted drain time.
-    due: f64,
-    /// Place in the drain heap (`NOT_QUEUED` when not in it).
-    hpos: u32,
     active: bool,
     /// Scratch: visited by the current component search / frozen by the current fill.
     mark: u32,
@@ -83,6 +79,109 @@ impl Ord for Share {
     }
 }
 
+/// The active flows with a finite drain time, a binary min-heap on (due, id) that knows
+/// where each flow is: the keys sit in the heap itself (no indirection to the flows when
+/// comparing), and the places in a vector of their own.
+#[derive(Debug, Default)]
+struct DrainHeap {
+    heap: Vec<(f64, FlowId)>,
+    /// Each flow's place in `heap` (`NOT_QUEUED` when not in it).
+    pos: Vec<u32>,
+}
+
+impl DrainHeap {
+    /// The first to drain (ties: the lowest id).
+    fn first(&self) -> Option<(f64, FlowId)> {
+        self.heap.first().copied()
+    }
+
+    fn before(a: (f64, FlowId), b: (f64, FlowId)) -> bool {
+        a.0 < b.0 || (a.0 == b.0 && a.1 < b.1)
+    }
+
+    fn place(&mut self, i: usize) {
+        let f = self.heap[i].1;
+        self.pos[f as usize] = i as u32;
+    }
+
+    /// Moves the entry at `i` up to its place; returns where it lands.
+    fn sift_up(&mut self, mut i: usize) -> usize {
+        let x = self.heap[i];
+        while i > 0 {
+            let parent = (i - 1) / 2;
+            if !Self::before(x, self.heap[parent]) {
+                break;
+            }
+            self.heap[i] = self.heap[parent];
+            self.place(i);
+            i = parent;
+        }
+        self.heap[i] = x;
+        self.place(i);
+        i
+    }
+
+    fn sift_down(&mut self, mut i: usize) {
+        let n = self.heap.len();
+        let x = self.heap[i];
+        loop {
+            let (l, r) = (2 * i + 1, 2 * i + 2);
+            let mut m = l;
+            if l >= n {
+                break;
+            }
+            if r < n && Self::before(self.heap[r], self.heap[l]) {
+                m = r;
+            }
+            if !Self::before(self.heap[m], x) {
+                break;
+            }
+            self.heap[i] = self.heap[m];
+            self.place(i);
+            i = m;
+        }
+        self.heap[i] = x;
+        self.place(i);
+    }
+
+    /// Queues flow `f` to drain at `due`, or moves it there.
+    fn set(&mut self, f: FlowId, due: f64) {
+        if self.pos.len() <= f as usize {
+            self.pos.resize(f as usize + 1, NOT_QUEUED);
+        }
+        let i = match self.pos[f as usize] {
+            NOT_QUEUED => {
+                self.heap.push((due, f));
+                self.heap.len() - 1
+            }
+            p => {
+                self.heap[p as usize].0 = due;
+                p as usize
+            }
+        };
+        let i = self.sift_up(i);
+        self.sift_down(i);
+    }
+
+    /// Takes flow `f` out, if it is in.
+    fn remove(&mut self, f: FlowId) {
+        let Some(&p) = self.pos.get(f as usize) else {
+            return;
+        };
+        if p == NOT_QUEUED {
+            return;
+        }
+        let i = p as usize;
+        self.pos[f as usize] = NOT_QUEUED;
+        let last = self.heap.pop().expect("queued");
+        if i < self.heap.len() {
+            self.heap[i] = last;
+            let i = self.sift_up(i);
+            self.sift_down(i);
+        }
+    }
+}
+
 /// Links (classes) and the flows crossing them. See the module docs.
 #[derive(Debug)]
 pub struct Net {
@@ -91,8 +190,8 @@ pub struct Net {
     free: Vec<FlowId>,
     /// Classes touched since the last [`Net::settle`].
     dirty: Vec<u32>,
-    /// Active flows with a finite drain time, a binary min-heap on (due, id).
-    dheap: Vec<FlowId>,
+    /// Active flows with a finite drain time, by (due, id).
+    drains: DrainHeap,
     epoch: u32,
     record: bool,
     /// Scratch of settle.
@@ -125,7 +224,7 @@ impl Net {
             flows: Vec::new(),
             free: Vec::new(),
             dirty: Vec::new(),
-            dheap: Vec::new(),
+            drains: DrainHeap::default(),
             epoch: 0,
             record,
             comp_flows: Vec::new(),
@@ -147,8 +246,6 @@ impl Net {
                 f.remaining = bytes;
                 f.rate = 0.0;
                 f.last = now;
-                f.due = f64::INFINITY;
-                f.hpos = NOT_QUEUED;
                 f.active = true;
                 f.mark = 0;
                 f.frozen = false;
@@ -160,8 +257,6 @@ impl Net {
                     remaining: bytes,
                     rate: 0.0,
                     last: now,
-                    due: f64::INFINITY,
-                    hpos: NOT_QUEUED,
                     active: true,
                     mark: 0,
                     frozen: false,
@@ -184,97 +279,21 @@ impl Net {
     /// The flow that drains first and when (ties: the lowest id), if any flow is active
     /// with a positive rate.
     pub fn next_drain(&self) -> Option<(f64, FlowId)> {
-        self.dheap.first().map(|&f| (self.flows[f as usize].due, f))
-    }
-
-    fn before(&self, a: FlowId, b: FlowId) -> bool {
-        let (x, y) = (&self.flows[a as usize], &self.flows[b as usize]);
-        x.due < y.due || (x.due == y.due && a < b)
-    }
-
-    fn place(&mut self, i: usize) {
-        let f = self.dheap[i];
-        self.flows[f as usize].hpos = i as u32;
-    }
-
-    fn sift_up(&mut self, mut i: usize) {
-        while i > 0 {
-            let parent = (i - 1) / 2;
-            if !self.before(self.dheap[i], self.dheap[parent]) {
-                break;
-            }
-            self.dheap.swap(i, parent);
-            self.place(i);
-            i = parent;
-        }
-        self.place(i);
-    }
-
-    fn sift_down(&mut self, mut i: usize) {
-        let n = self.dheap.len();
-        loop {
-            let (l, r) = (2 * i + 1, 2 * i + 2);
-            let mut m = i;
-            if l < n && self.before(self.dheap[l], self.dheap[m]) {
-                m = l;
-            }
-            if r < n && self.before(self.dheap[r], self.dheap[m]) {
-                m = r;
-            }
-            if m == i {
-                break;
-            }
-            self.dheap.swap(i, m);
-            self.place(i);
-            i = m;
-        }
-        self.place(i);
+        self.drains.first()
     }
 
     /// Sets flow `f`'s drain time (infinite: not queued).
     fn set_due(&mut self, f: FlowId, due: f64) {
-        let pos = self.flows[f as usize].hpos;
-        self.flows[f as usize].due = due;
-        if pos == NOT_QUEUED {
-            if due.is_finite() {
-                self.dheap.push(f);
-                let i = self.dheap.len() - 1;
-                self.sift_up(i);
-            }
-            return;
-        }
-        let i = pos as usize;
-        if !due.is_finite() {
-            self.unqueue(f);
-            return;
-        }
-        self.sift_up(i);
-        let i = self.flows[f as usize].hpos as usize;
-        self.sift_down(i);
-    }
-
-    fn unqueue(&mut self, f: FlowId) {
-        let pos = self.flows[f as usize].hpos;
-        if pos == NOT_QUEUED {
-            return;
-        }
-        let i = pos as usize;
-        let last = self.dheap.len() - 1;
-        self.dheap.swap(i, last);
-        self.dheap.pop();
-        self.flows[f as usize].hpos = NOT_QUEUED;
-        if i < self.dheap.len() {
-            let moved = self.dheap[i];
-            self.place(i);
-            self.sift_up(i);
-            let j = self.flows[moved as usize].hpos as usize;
-            self.sift_down(j);
+        if due.is_finite() {
+            self.drains.set(f, due);
+        } else {
+            self.drains.remove(f);
         }
     }
 
     /// Ends flow `id` (drained) at `now`.
     pub fn remove(&mut self, now: f64, id: FlowId) {
-        self.unqueue(id);
+        self.drains.remove(id);
         let f = &mut self.flows[id as usize];
         f.active = false;
         let path = std::mem::take(&mut f.path);
@@ -479,14 +498,41 @@ mod tests {
     /// Drain times of every active flow, in drain order.
     fn drains(net: &mut Net, now: f64) -> Vec<(f64, FlowId)> {
         net.settle(now);
-        let mut v: Vec<(f64, FlowId)> = net
-            .dheap
-            .iter()
-            .map(|&f| (net.flows[f as usize].due, f))
-            .collect();
+        let mut v: Vec<(f64, FlowId)> = net.drains.heap.clone();
         v.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         assert_eq!(net.next_drain(), v.first().copied());
         v
+    }
+
+    proptest::proptest! {
+        /// The drain heap's first entry is the least (due, id) of the flows queued, through
+        /// random sets (new flows and moves, dues that tie) and removals.
+        #[test]
+        fn drain_heap_gives_the_least_due_then_id(
+            ops in proptest::collection::vec((0u32..24, 0u8..12, proptest::bool::ANY), 0..300)
+        ) {
+            let mut h = DrainHeap::default();
+            let mut want: std::collections::BTreeMap<FlowId, f64> = Default::default();
+            for (f, due, remove) in ops {
+                if remove {
+                    h.remove(f);
+                    want.remove(&f);
+                } else {
+                    let due = due as f64 * 0.5;
+                    h.set(f, due);
+                    want.insert(f, due);
+                }
+                let least = want
+                    .iter()
+                    .map(|(&f, &d)| (d, f))
+                    .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+                proptest::prop_assert_eq!(h.first(), least);
+                proptest::prop_assert_eq!(h.heap.len(), want.len());
+                for (i, &(_, f)) in h.heap.iter().enumerate() {
+                    proptest::prop_assert_eq!(h.pos[f as usize], i as u32);
+                }
+            }
+        }
     }
 
     #[test]

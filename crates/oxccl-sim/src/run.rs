@@ -1159,6 +1159,8 @@ struct Sim<'a> {
     route_list: Vec<Route>,
     /// Per flow: (participant, send queue).
     flow_info: Vec<(u32, u32)>,
+    /// The last message size [`Sim::slot_sizes`] was asked, and its answer.
+    last_size: std::cell::Cell<(usize, u32, u32)>,
     flows: u64,
     credits: u64,
     events: Vec<crate::Event>,
@@ -1282,6 +1284,7 @@ impl<'a> Sim<'a> {
             work: VecDeque::new(),
             route_list,
             flow_info: Vec::new(),
+            last_size: std::cell::Cell::new((usize::MAX, 0, 0)),
             flows: 0,
             credits: 0,
             events: Vec::new(),
@@ -1447,6 +1450,20 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// The fragments of a message of `bytes` in slots, and its last signaled fragment
+    /// (`NONE`: every fragment is inline), remembered for the last size asked (the steps of
+    /// a schedule come in few sizes, and each would take two divisions).
+    fn slot_sizes(&self, bytes: usize) -> (u32, u32) {
+        let (b, f, l) = self.last_size.get();
+        if b == bytes {
+            return (f, l);
+        }
+        let f = frags(&self.cfg, false, bytes);
+        let l = last_signaled(&self.cfg, bytes).unwrap_or(NONE);
+        self.last_size.set((bytes, f, l));
+        (f, l)
+    }
+
     /// What the run needs of step `s` of `p` (see [`Cursor`]).
     fn cursor(&self, p: u32, s: u32) -> Cursor {
         if s == NONE {
@@ -1460,14 +1477,15 @@ impl<'a> Sim<'a> {
         let i = s as usize;
         let bytes = part.shape.bytes(i, self.elem);
         let st = part.shape.st[i];
+        let (frags, signaled) = if part.mailbox {
+            (1, NONE)
+        } else {
+            self.slot_sizes(bytes)
+        };
         Cursor {
             bytes,
-            frags: frags(&self.cfg, part.mailbox, bytes),
-            last_signaled: if part.mailbox || st.kind != SEND {
-                NONE
-            } else {
-                last_signaled(&self.cfg, bytes).unwrap_or(NONE)
-            },
+            frags,
+            last_signaled: if st.kind == SEND { signaled } else { NONE },
             next: st.next,
             ready: part.ndeps[i] == 0,
             reduces: st.kind == RECV_REDUCE,

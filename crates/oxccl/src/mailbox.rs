@@ -1,15 +1,15 @@
 //! Mailbox messages through mapped memory: the sender stores a message straight into the
 //! peer's mailbox (its receive region, mapped with `QueuePair::map_remote`), and the receiver
 //! reads it from its own memory. The layout, and why it is safe to read, is
-//! [`oxccl_core::protocol::mailbox`]'s: a first line with the short header, up to
-//! [`FIRST_DATA`] bytes of data and a flag; the rest of the data contiguous from the second
-//! line; a stamp after it. This module is the only one that touches those bytes.
+//! [`oxccl_core::protocol::mailbox`]'s: a first line with a flag, the short header and the
+//! start of the data; the data contiguous from [`DATA`]; a stamp after it when it does not fit
+//! the first line. This module is the only one that touches those bytes.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use oxccl_core::protocol::Header;
 use oxccl_core::protocol::mailbox::{
-    FIRST_DATA, FLAG, LINE, SHORT_HEADER, has_stamp, stamp_offset, used,
+    DATA, FLAG, HEADER, LINE, SHORT_HEADER, has_stamp, stamp_offset, used,
 };
 use oxccl_verbs::{MemoryRegion, RemoteMapping};
 
@@ -43,7 +43,6 @@ pub(crate) fn post(
             outbox.len()
         ));
     }
-    let first = total.min(FIRST_DATA);
     // SAFETY: `at + used(total)` lies inside the mapping (checked above) and `at` is on a
     // line, so every offset below is in bounds and each flag 8-byte aligned (the mapping
     // starts on a page). The receiver reads none of these bytes before it sees the flag that
@@ -51,11 +50,10 @@ pub(crate) fn post(
     // it has read them: nothing else touches them meanwhile. `data` is local memory.
     unsafe {
         let line = outbox.as_ptr().add(at);
-        std::ptr::copy_nonoverlapping(hdr.as_ptr(), line, SHORT_HEADER);
-        std::ptr::copy_nonoverlapping(data.as_ptr(), line.add(SHORT_HEADER), first);
+        std::ptr::copy_nonoverlapping(hdr.as_ptr(), line.add(HEADER), SHORT_HEADER);
+        std::ptr::copy_nonoverlapping(data.as_ptr(), line.add(DATA), total);
         word(line.add(FLAG)).store(flag, Ordering::Release);
         if has_stamp(total) {
-            std::ptr::copy_nonoverlapping(data.as_ptr().add(first), line.add(LINE), total - first);
             word(line.add(stamp_offset(total))).store(flag, Ordering::Release);
         }
     }
@@ -115,7 +113,7 @@ impl<'a> Inbox<'a> {
 
     fn header_bytes(&self) -> [u8; SHORT_HEADER] {
         let mut b = [0u8; SHORT_HEADER];
-        let _ = self.mr.read(self.at, &mut b);
+        let _ = self.mr.read(self.at + HEADER, &mut b);
         b
     }
 
@@ -125,14 +123,9 @@ impl<'a> Inbox<'a> {
         !has_stamp(total) || self.flag_at(stamp_offset(total)) == flag
     }
 
-    /// The message's `total` bytes, in their two pieces (the first line's, then the rest):
-    /// byte offset in the message and where they lie in the receive region. For a caller that
-    /// copies or reduces them straight out of the region.
-    pub(crate) fn pieces(&self, total: usize) -> [(usize, usize, usize); 2] {
-        let first = total.min(FIRST_DATA);
-        [
-            (0, first, self.at + SHORT_HEADER),
-            (first, total - first, self.at + LINE),
-        ]
+    /// Where the message's `total` bytes lie in the receive region (contiguous), for a caller
+    /// that copies or reduces them straight out of it.
+    pub(crate) fn data(&self) -> usize {
+        self.at + DATA
     }
 }

@@ -103,19 +103,20 @@ impl Imm {
 /// stores (the receive region is mapped into the sender: `QueuePair::map_remote`): no request,
 /// no completion, and no stamp of its own for a small message.
 ///
-/// The first 64-byte line holds the message's short header ([`Header::encode_short`]: the
-/// call's fingerprint and the message's length), the first [`FIRST_DATA`](mailbox::FIRST_DATA)
-/// bytes of data and, in its last 8 bytes, a flag: a message that fits is one line, written
-/// with one flag, as NCCL's LL protocol writes its lines. The rest of a larger message follows
-/// from the second line on, contiguous, and then one more flag, its stamp
+/// The first 64-byte line holds a flag, the message's short header
+/// ([`Header::encode_short`]: the call's fingerprint and the message's length) and the first
+/// [`FIRST_DATA`](mailbox::FIRST_DATA) bytes of data: a message that fits is one line, written
+/// with one flag, as NCCL's LL protocol writes its lines. The data of a larger message goes on
+/// from there, contiguous, and is followed by one more flag, its stamp
 /// ([`stamp_offset`](mailbox::stamp_offset)), in the line of its last bytes. The sender stores
-/// the data, then each flag with a release store; a receiver that reads a flag with an
-/// acquire load reads everything stored before it. The receiver looks at both flags: the
-/// first says the header can be checked (a sender whose message has another length or
-/// belongs to another call is found, not waited for), the stamp that the data is complete.
-/// Data is contiguous, so both ends copy and reduce it whole; the lines of a message arrive
-/// together rather than one by one (a flag in every line, as LL128, would let a receiver start
-/// sooner, but a rank here writes its whole message before it reads its peer's).
+/// the header and the data, then each flag with a release store; a receiver that reads a flag
+/// with an acquire load reads everything stored before it. The receiver looks at both flags:
+/// the first says the header can be checked (a sender whose message has another length or
+/// belongs to another call is found, not waited for), the stamp that the data is complete. The
+/// data is contiguous from [`DATA`](mailbox::DATA), so both ends copy and reduce it whole, in
+/// one piece; the lines of a message arrive together rather than one by one (a flag in every
+/// line, as LL128, would let a receiver start sooner, but a rank here writes its whole message
+/// before it reads its peer's).
 ///
 /// A flag's value is the message's number on its link, plus one (messages to a peer are
 /// counted from 0, and alternate between two mailboxes): a line left from an earlier message
@@ -124,11 +125,15 @@ pub mod mailbox {
     /// Bytes of a line.
     pub const LINE: usize = 64;
     /// Where the first line's flag lies.
-    pub const FLAG: usize = 56;
-    /// Bytes of the short header at the start of the first line.
+    pub const FLAG: usize = 0;
+    /// Where the short header lies.
+    pub const HEADER: usize = 8;
+    /// Bytes of the short header.
     pub const SHORT_HEADER: usize = 40;
-    /// Data bytes of the first line.
-    pub const FIRST_DATA: usize = FLAG - SHORT_HEADER;
+    /// Where the data starts.
+    pub const DATA: usize = HEADER + SHORT_HEADER;
+    /// Data bytes that fit the first line.
+    pub const FIRST_DATA: usize = LINE - DATA;
 
     /// Whether a message of `total` bytes has a stamp (it does not fit in the first line).
     pub fn has_stamp(total: usize) -> bool {
@@ -136,9 +141,9 @@ pub mod mailbox {
     }
 
     /// Where the stamp of a message of `total` bytes lies: the first 8-byte word after its
-    /// data, which continues at the second line.
+    /// data.
     pub fn stamp_offset(total: usize) -> usize {
-        LINE + total.saturating_sub(FIRST_DATA).next_multiple_of(8)
+        DATA + total.next_multiple_of(8)
     }
 
     /// Bytes of the mailbox a message of `total` bytes uses.
@@ -738,21 +743,16 @@ mod tests {
     #[test]
     fn mailbox_messages_fit_and_their_parts_do_not_overlap() {
         use mailbox::*;
-        assert_eq!(FIRST_DATA + SHORT_HEADER, FLAG);
+        const { assert!(FLAG + 8 <= HEADER && HEADER + SHORT_HEADER == DATA && DATA < LINE) };
         assert!(used(MAILBOX_DATA) <= MAILBOX);
         for total in (0..300).chain([4096, 10_000, MAILBOX_DATA]) {
-            let first = total.min(FIRST_DATA);
-            assert!(SHORT_HEADER + first <= FLAG);
             if has_stamp(total) {
                 let stamp = stamp_offset(total);
-                assert!(stamp.is_multiple_of(8) && stamp >= LINE + total - FIRST_DATA);
-                assert!(
-                    stamp < LINE + total - FIRST_DATA + 8,
-                    "{total}: no room wasted"
-                );
+                assert!(stamp.is_multiple_of(8) && stamp >= DATA + total);
+                assert!(stamp < DATA + total + 8, "{total}: no room wasted");
                 assert_eq!(used(total), stamp + 8);
             } else {
-                assert!(total <= FIRST_DATA);
+                assert!(DATA + total <= LINE);
                 assert_eq!(used(total), LINE);
             }
         }

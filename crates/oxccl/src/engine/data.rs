@@ -207,9 +207,7 @@ impl Call<'_, '_> {
             .probe
             .bytes_in
             .store(self.bytes_in, Ordering::Relaxed);
-        for (progress, len, at) in inbox.pieces(total) {
-            self.apply(l, at, len, dst, reduce_with, progress)?;
-        }
+        self.apply(l, inbox.data(), total, dst, reduce_with, 0)?;
         self.count_out(total, reduce_with.is_some());
         self.eng.links[l].mbox_recv += 1;
         Ok(true)

@@ -105,8 +105,12 @@ pub(crate) fn invariant(
     if a.steps.len() != b.steps.len() {
         return false;
     }
+    // Dependency lists compared element by element: they are short, and comparing them as
+    // slices calls memcmp for each (even two empty ones), a tenth of the time a 16k-rank
+    // run spends building its schedules.
+    let same = |x: &[u32], y: &[u32]| x.len() == y.len() && x.iter().zip(y).all(|(a, b)| a == b);
     a.steps.iter().zip(&b.steps).all(|(x, y)| {
-        (!deps || x.deps == y.deps)
+        (!deps || same(&x.deps, &y.deps))
             && match (&x.op, &y.op) {
                 (
                     Op::Send {

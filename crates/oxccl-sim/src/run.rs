@@ -132,7 +132,7 @@ use std::collections::{HashMap, VecDeque};
 use oxccl_core::protocol::{Config, Flows, Geometry, MAILBOX_DATA, mailbox_eligible};
 #[cfg(doc)]
 use oxccl_core::protocol::{Flow, INLINE};
-use oxccl_core::schedule::{Algorithm, Buf, Collective, Op, Region, Schedule};
+use oxccl_core::schedule::{Algorithm, Buf, Collective, Op, Region, Schedule, Step};
 use oxccl_core::tuner::Tuning;
 
 use crate::engine::Net;
@@ -735,6 +735,10 @@ struct Shape {
     /// Dependents of every step: step `s`'s are `dep_list[dep_at[s]..dep_at[s + 1]]`.
     dep_at: Vec<u32>,
     dep_list: Vec<u32>,
+    /// Dependencies of every step, as its schedule lists them: step `s`'s are
+    /// `deps[deps_at[s]..deps_at[s + 1]]` (to tell whether a schedule has this shape).
+    deps_at: Vec<u32>,
+    deps: Vec<u32>,
     /// Each step's dependencies, the count a run starts from (`u8::MAX`: that many or more,
     /// the count in [`Shape::many`]).
     ndeps: Vec<u8>,
@@ -779,6 +783,13 @@ impl Shape {
 struct Shapes(std::sync::Mutex<Vec<std::sync::Arc<Shape>>>);
 
 impl Shapes {
+    /// The shapes kept most recently (at most 8), the latest first: those a schedule is
+    /// compared with before it is made compact itself.
+    fn recent(&self) -> Vec<std::sync::Arc<Shape>> {
+        let kept = self.0.lock().expect("no thread panics holding it");
+        kept.iter().rev().take(8).cloned().collect()
+    }
+
     /// The shape equal to `s`, the one kept if there is one, else `s` (kept from now on).
     fn intern(&self, s: Shape) -> std::sync::Arc<Shape> {
         let mut kept = self.0.lock().expect("no thread panics holding it");
@@ -875,7 +886,9 @@ impl Part {
         self.done[i / 64] >> (i % 64) & 1 != 0
     }
 
-    /// `sched` of `rank` in compact form, its shape kept in `shapes`.
+    /// `sched` of `rank` in compact form: its shape, one of `shapes` when it has one of
+    /// them (the schedule compared with it step by step), else made from the schedule and
+    /// kept in `shapes`.
     fn new(
         rank: usize,
         sched: Schedule,
@@ -885,10 +898,156 @@ impl Part {
         mailbox: bool,
         shapes: &Shapes,
     ) -> Result<Part, String> {
+        let ctx = Ctx {
+            rank,
+            spec,
+            world,
+            agg,
+        };
+        let mut found = None;
+        for shape in shapes.recent() {
+            let mut named = Named::default();
+            if shape.matches(&ctx, &sched, &mut named) {
+                found = Some((shape, named));
+                break;
+            }
+        }
+        let (shape, mut named) = match found {
+            Some(x) => x,
+            None => {
+                let mut named = Named::default();
+                let shape = Shape::of(&ctx, &sched, &mut named)?;
+                (shapes.intern(shape), named)
+            }
+        };
+        drop(sched);
+        // Put each queue's cursors on its first step.
+        for (sq, &(first, _)) in named.sendq.iter_mut().zip(&shape.send_first) {
+            sq.post = first;
+            sq.xmit = first;
+        }
+        for (rq, &(first, _)) in named.recvq.iter_mut().zip(&shape.recv_first) {
+            rq.head = first;
+        }
+        let n = shape.st.len();
+        Ok(Part {
+            rank,
+            node: rank,
+            ndeps: shape.ndeps.clone(),
+            many: shape.many.iter().copied().collect(),
+            done: vec![0; n.div_ceil(64)],
+            shape,
+            sends: Flows::new(named.sendq.len(), 1),
+            recvs: Flows::new(named.recvq.len(), 1),
+            sendq: named.sendq,
+            recvq: named.recvq,
+            recv_index: named.recv_index,
+            mailbox,
+            begin: if spec.trace {
+                vec![f64::NAN; n]
+            } else {
+                Vec::new()
+            },
+            cpu_free: 0.0,
+            reduce_rate: 0.0,
+            copy_rate: f64::INFINITY,
+            left: n,
+            done_at: 0.0,
+        })
+    }
+}
+
+/// What making a schedule compact needs to know of its rank and the run.
+struct Ctx<'a> {
+    rank: usize,
+    spec: &'a Spec,
+    world: usize,
+    /// The run has an aggregator (rank `world`).
+    agg: bool,
+}
+
+/// A participant's queues, numbered in the order its schedule first names them (as its
+/// shape numbers them).
+#[derive(Default)]
+struct Named {
+    sendq: Vec<SendQ>,
+    recvq: Vec<RecvQ>,
+    send_index: QueueIndex,
+    recv_index: QueueIndex,
+}
+
+impl Named {
+    /// Step `s`'s record (with no next step yet) and its elements, its queue named (a new
+    /// one when the step is the first to name it).
+    fn step(&mut self, ctx: &Ctx<'_>, s: usize, step: &Step) -> Result<(St, u64), String> {
+        let rank = ctx.rank;
+        let bad_peer =
+            |peer: usize| peer > ctx.world || peer == rank || (peer == ctx.world && !ctx.agg);
+        let (kind, elems, queue) = match step.op {
+            Op::Send { peer, channel, src } => {
+                if bad_peer(peer) {
+                    return Err(format!("rank {rank} step {s} sends to rank {peer}"));
+                }
+                let sendq = &mut self.sendq;
+                let q = *self.send_index.entry((peer, channel)).or_insert_with(|| {
+                    sendq.push(SendQ::new(peer, channel));
+                    (sendq.len() - 1) as u32
+                });
+                (SEND, src.len, q)
+            }
+            Op::Recv {
+                peer,
+                channel,
+                dst,
+                reduce_with,
+            } => {
+                if bad_peer(peer) {
+                    return Err(format!("rank {rank} step {s} receives from rank {peer}"));
+                }
+                let recvq = &mut self.recvq;
+                let q = *self.recv_index.entry((peer, channel)).or_insert_with(|| {
+                    recvq.push(RecvQ::new(peer, channel));
+                    (recvq.len() - 1) as u32
+                });
+                let kind = if reduce_with.is_some() {
+                    RECV_REDUCE
+                } else {
+                    RECV
+                };
+                (kind, dst.len, q)
+            }
+            Op::Copy { src, dst } => {
+                let spec = ctx.spec;
+                let same = copy_skipped(&spec.coll, ctx.world, rank, spec.in_place, src, dst);
+                (if same { COPY_SKIPPED } else { COPY }, src.len, NO_Q)
+            }
+            Op::Reduce { dst, .. } => (REDUCE, dst.len, NO_Q),
+        };
+        let st = St {
+            elems: if elems >= u32::MAX as usize {
+                u32::MAX
+            } else {
+                elems as u32
+            },
+            queue,
+            next: NONE,
+            kind,
+        };
+        Ok((st, elems as u64))
+    }
+}
+
+impl Shape {
+    /// The shape of `sched` (of `ctx.rank`), its queues named in `named`.
+    fn of(ctx: &Ctx<'_>, sched: &Schedule, named: &mut Named) -> Result<Shape, String> {
+        let rank = ctx.rank;
         let n = sched.steps.len();
         let mut ndeps = vec![0u8; n];
         let mut many = Vec::new();
         let mut count = vec![0u32; n + 1];
+        let mut deps_at = Vec::with_capacity(n + 1);
+        let mut deps = Vec::new();
+        deps_at.push(0);
         for (s, step) in sched.steps.iter().enumerate() {
             let k = step.deps.len();
             if k >= u8::MAX as usize {
@@ -903,6 +1062,8 @@ impl Part {
                 }
                 count[d as usize + 1] += 1;
             }
+            deps.extend_from_slice(&step.deps);
+            deps_at.push(deps.len() as u32);
         }
         for s in 0..n {
             count[s + 1] += count[s];
@@ -917,144 +1078,74 @@ impl Part {
             }
         }
         drop(fill);
-        let mut st = vec![
-            St {
-                elems: 0,
-                queue: NO_Q,
-                next: NONE,
-                kind: 0,
-            };
-            n
-        ];
+        let mut st = Vec::with_capacity(n);
         let mut big = Vec::new();
-        let mut set = |st: &mut St, s: usize, kind: u8, elems: usize| {
-            st.kind = kind;
-            st.elems = if elems >= u32::MAX as usize {
-                big.push((s as u32, elems as u64));
-                u32::MAX
-            } else {
-                elems as u32
-            };
-        };
-        let mut sendq: Vec<SendQ> = Vec::new();
-        let mut recvq: Vec<RecvQ> = Vec::new();
-        let mut send_index = QueueIndex::default();
-        let mut recv_index = QueueIndex::default();
-        // Each queue's first and last step, and its steps.
+        // Each queue's first step and number of steps, and its last step so far.
         let mut send_first: Vec<(u32, u32)> = Vec::new();
         let mut recv_first: Vec<(u32, u32)> = Vec::new();
         let mut send_last: Vec<u32> = Vec::new();
         let mut recv_last: Vec<u32> = Vec::new();
-        let bad_peer = |peer: usize| peer > world || peer == rank || (peer == world && !agg);
         for (s, step) in sched.steps.iter().enumerate() {
-            match step.op {
-                Op::Send { peer, channel, src } => {
-                    if bad_peer(peer) {
-                        return Err(format!("rank {rank} step {s} sends to rank {peer}"));
-                    }
-                    let q = *send_index.entry((peer, channel)).or_insert_with(|| {
-                        sendq.push(SendQ::new(peer, channel));
-                        send_first.push((s as u32, 0));
-                        send_last.push(NONE);
-                        (sendq.len() - 1) as u32
-                    });
-                    set(&mut st[s], s, SEND, src.len);
-                    st[s].queue = q;
-                    let last = &mut send_last[q as usize];
-                    if *last != NONE {
-                        st[*last as usize].next = s as u32;
-                    }
-                    *last = s as u32;
-                    send_first[q as usize].1 += 1;
-                }
-                Op::Recv {
-                    peer,
-                    channel,
-                    dst,
-                    reduce_with,
-                } => {
-                    if bad_peer(peer) {
-                        return Err(format!("rank {rank} step {s} receives from rank {peer}"));
-                    }
-                    let q = *recv_index.entry((peer, channel)).or_insert_with(|| {
-                        recvq.push(RecvQ::new(peer, channel));
-                        recv_first.push((s as u32, 0));
-                        recv_last.push(NONE);
-                        (recvq.len() - 1) as u32
-                    });
-                    let kind = if reduce_with.is_some() {
-                        RECV_REDUCE
-                    } else {
-                        RECV
-                    };
-                    set(&mut st[s], s, kind, dst.len);
-                    st[s].queue = q;
-                    let last = &mut recv_last[q as usize];
-                    if *last != NONE {
-                        st[*last as usize].next = s as u32;
-                    }
-                    *last = s as u32;
-                    recv_first[q as usize].1 += 1;
-                }
-                Op::Copy { src, dst } => {
-                    let same = copy_skipped(&spec.coll, world, rank, spec.in_place, src, dst);
-                    set(
-                        &mut st[s],
-                        s,
-                        if same { COPY_SKIPPED } else { COPY },
-                        src.len,
-                    );
-                }
-                Op::Reduce { dst, .. } => {
-                    set(&mut st[s], s, REDUCE, dst.len);
-                }
+            let (rec, elems) = named.step(ctx, s, step)?;
+            if rec.elems == u32::MAX {
+                big.push((s as u32, elems));
             }
+            st.push(rec);
+            let (first, last) = match rec.kind {
+                SEND => (&mut send_first, &mut send_last),
+                RECV | RECV_REDUCE => (&mut recv_first, &mut recv_last),
+                _ => continue,
+            };
+            let q = rec.queue as usize;
+            if q == first.len() {
+                first.push((s as u32, 0));
+                last.push(NONE);
+            }
+            if last[q] != NONE {
+                st[last[q] as usize].next = s as u32;
+            }
+            last[q] = s as u32;
+            first[q].1 += 1;
         }
-        drop(sched);
-        // Put each queue's cursors on its first step.
-        for (sq, &(first, _)) in sendq.iter_mut().zip(&send_first) {
-            sq.post = first;
-            sq.xmit = first;
-        }
-        for (rq, &(first, _)) in recvq.iter_mut().zip(&recv_first) {
-            rq.head = first;
-        }
-        let digest = digest(&st, &dep_list);
-        let shape = shapes.intern(Shape {
-            digest,
+        Ok(Shape {
+            digest: digest(&st, &dep_list),
             st,
             dep_at,
             dep_list,
+            deps_at,
+            deps,
             ndeps,
             many,
             big,
             send_first,
             recv_first,
-        });
-        Ok(Part {
-            rank,
-            node: rank,
-            ndeps: shape.ndeps.clone(),
-            many: shape.many.iter().copied().collect(),
-            done: vec![0; n.div_ceil(64)],
-            shape,
-            sends: Flows::new(sendq.len(), 1),
-            recvs: Flows::new(recvq.len(), 1),
-            sendq,
-            recvq,
-            recv_index,
-            mailbox,
-            begin: if spec.trace {
-                vec![f64::NAN; n]
-            } else {
-                Vec::new()
-            },
-            cpu_free: 0.0,
-            reduce_rate: 0.0,
-            copy_rate: f64::INFINITY,
-            left: n,
-            done_at: 0.0,
         })
+    }
+
+    /// Whether `sched` (of `ctx.rank`) has this shape, its queues named in `named` (some
+    /// of them when it has not; a schedule that fails a check has not, and the error comes
+    /// from [`Shape::of`]).
+    fn matches(&self, ctx: &Ctx<'_>, sched: &Schedule, named: &mut Named) -> bool {
+        if sched.steps.len() != self.st.len() {
+            return false;
+        }
+        for (s, step) in sched.steps.iter().enumerate() {
+            let Ok((rec, elems)) = named.step(ctx, s, step) else {
+                return false;
+            };
+            let want = self.st[s];
+            let deps = &self.deps[self.deps_at[s] as usize..self.deps_at[s + 1] as usize];
+            // The lists compared element by element: they are short, and a slice compare
+            // calls memcmp (which took the time of the rest of the check together).
+            if (rec.kind, rec.elems, rec.queue) != (want.kind, want.elems, want.queue)
+                || (rec.elems == u32::MAX && self.elems(s) != elems)
+                || step.deps.len() != deps.len()
+                || step.deps.iter().zip(deps).any(|(a, b)| a != b)
+            {
+                return false;
+            }
+        }
+        named.sendq.len() == self.send_first.len() && named.recvq.len() == self.recv_first.len()
     }
 }
 
@@ -2016,6 +2107,24 @@ mod tests {
             assert!(!std::sync::Arc::ptr_eq(&a.shape, &x.shape));
         }
         assert_eq!(shapes.0.lock().unwrap().len(), 4);
+    }
+
+    /// A schedule that fails a check fails it the same way whether or not a shape it
+    /// nearly has was kept before.
+    #[test]
+    fn a_bad_schedule_fails_alike_with_or_without_shapes() {
+        let spec = Spec::new(Collective::AllReduce { count: 1 }, 4);
+        let ok = vec![send(1, 10, &[]), recv(3, 10, &[]), send(1, 10, &[1])];
+        let bad_peer = vec![send(1, 10, &[]), recv(3, 10, &[]), send(0, 10, &[1])];
+        let bad_dep = vec![send(1, 10, &[]), recv(3, 10, &[2]), send(1, 10, &[1])];
+        for bad in [bad_peer, bad_dep] {
+            let kept = Shapes::default();
+            part(0, ok.clone(), &kept);
+            let with = Part::new(0, sched(0, bad.clone()), &spec, 4, false, false, &kept);
+            let without = Part::new(0, sched(0, bad), &spec, 4, false, false, &Shapes::default());
+            let (with, without) = (with.err().unwrap(), without.err().unwrap());
+            assert_eq!(with, without);
+        }
     }
 
     /// Steps of `u32::MAX` elements or more, and steps waiting for `u8::MAX` dependencies or

@@ -20,10 +20,11 @@ from .errors import (
     PeerFailed,
     Timeout,
 )
-from ._oxccl import Communicator, ReduceOp, Work, __version__, dtypes
+from ._oxccl import Communicator, ReduceOp, Registration, Work, __version__, dtypes
 
 __all__ = [
     "Communicator",
+    "Registration",
     "Work",
     "ReduceOp",
     "dtypes",

@@ -88,6 +88,62 @@ fn buffers(layout: Layout, views: &[View]) -> Buffers<'_> {
     }
 }
 
+/// `oxccl.Registration`: a buffer registered with a communicator
+/// (`Communicator.register`), until closed.
+#[pyclass(frozen, module = "oxccl._oxccl", name = "Registration")]
+pub struct PyRegistration {
+    /// The registration, then the view that keeps the buffer alive (dropped after it).
+    reg: std::sync::Mutex<Option<(oxccl::Registration, View)>>,
+}
+
+#[pymethods]
+impl PyRegistration {
+    /// The registered memory's first address.
+    #[getter]
+    fn addr(&self) -> Option<usize> {
+        self.lock().as_ref().map(|(r, _)| r.addr())
+    }
+
+    /// Bytes registered (0 once closed).
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.lock().as_ref().map_or(0, |(r, _)| r.len())
+    }
+
+    /// Deregisters the buffer (no peer writes it afterwards) and lets it go; again is a no-op.
+    fn close(&self) {
+        let taken = self.lock().take();
+        drop(taken);
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        _ty: Option<&Bound<'_, PyAny>>,
+        _value: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> bool {
+        self.close();
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        match self.lock().as_ref() {
+            Some((r, _)) => format!("Registration({} bytes at {:#x})", r.len(), r.addr()),
+            None => "Registration(closed)".into(),
+        }
+    }
+}
+
+impl PyRegistration {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<(oxccl::Registration, View)>> {
+        self.reg.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 /// Runs one collective on `views`.
 fn run_views(
     c: &Communicator,
@@ -463,6 +519,41 @@ impl PyCommunicator {
     #[getter]
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// Registers `buffer` (a writable buffer, CPU tensor or DLPack object) with every
+    /// connection of this communicator (`ncclCommRegister`): calls on it skip the
+    /// registration every call of an unregistered buffer makes, and over tcp a receive into
+    /// it is written in place by the sender. Keeps the buffer alive until the returned
+    /// `Registration` is closed (`close()`, or leaving its `with` block) or collected.
+    fn register(&self, py: Python<'_>, buffer: &Bound<'_, PyAny>) -> PyResult<PyRegistration> {
+        let comm = self.get(py)?;
+        let v = self.view(py, buffer, "register: the buffer", true, None)?;
+        // SAFETY: the view keeps the buffer's memory alive (and, for buffer exports, locked
+        // against resizing) for as long as the registration, which holds both and drops the
+        // registration first.
+        let reg = unsafe { comm.register_raw(v.addr() as *mut u8, v.len()) }
+            .map_err(|e| errors::to_py(py, &e))?;
+        Ok(PyRegistration {
+            reg: std::sync::Mutex::new(Some((reg, v))),
+        })
+    }
+
+    /// What this rank's executor has moved through memory so far, in bytes: `sent` (through
+    /// a peer's slots), `placed` (written in place into a peer's destination), `copied` and
+    /// `reduced` (out of this rank's slots), `local` (local steps), `received_in_place`.
+    fn stats(&self, py: Python<'_>) -> PyResult<std::collections::BTreeMap<&'static str, u64>> {
+        let s = self.get(py)?.stats();
+        Ok([
+            ("sent", s.sent),
+            ("placed", s.placed),
+            ("copied", s.copied),
+            ("reduced", s.reduced),
+            ("local", s.local),
+            ("received_in_place", s.received_in_place),
+        ]
+        .into_iter()
+        .collect())
     }
 
     /// Number of ranks.

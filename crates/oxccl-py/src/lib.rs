@@ -75,6 +75,7 @@ fn dtypes() -> Vec<&'static str> {
 fn _oxccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<comm::PyCommunicator>()?;
+    m.add_class::<comm::PyRegistration>()?;
     m.add_class::<work::PyWork>()?;
     m.add_class::<PyReduceOp>()?;
     m.add_class::<kv::PyKvEngine>()?;

@@ -1,0 +1,1 @@
+$ mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 --mca pml ob1 --mca btl self,vader target/bench/mpi_allreduce -b 64M -e 256M -f 4 -w 3 -i 10 --json

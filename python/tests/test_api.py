@@ -280,7 +280,6 @@ def test_python_api(torch_available):
     assert all(r.returncode == 0 for r in ranks), launch.explain(ranks)
     failures = [f for r in ranks for f in r.result["failures"]]
     assert not failures, "\n".join(failures)
-    assert sum(r.result["in_place"] for r in ranks) > 0, [r.result for r in ranks]
 
 
 def test_torch_store_and_abort(torch_available):
@@ -288,7 +287,6 @@ def test_torch_store_and_abort(torch_available):
     assert all(r.returncode == 0 for r in ranks), launch.explain(ranks)
     failures = [f for r in ranks for f in r.result["failures"]]
     assert not failures, "\n".join(failures)
-    assert sum(r.result["in_place"] for r in ranks) > 0, [r.result for r in ranks]
 
 
 def test_plain_python_store_across_threads():

@@ -231,14 +231,7 @@ impl<'b> Group<'_, 'b> {
             .calls
             .iter()
             .zip(&prepared)
-            .map(|(c, p)| CallSpec {
-                plan: &p.plan,
-                desc: p.desc,
-                dtype: c.dtype,
-                op: c.op,
-                bufs: c.checked.raw,
-                in_place: c.checked.in_place,
-            })
+            .map(|(c, p)| c.checked.spec(&p.planned.plan, p.desc, c.dtype, c.op))
             .collect();
         let r = st.engine.execute_group(&specs, timeout);
         drop(specs);

@@ -10,7 +10,7 @@ use oxccl_bootstrap::{Bootstrap, CasOutcome, Store};
 use oxccl_verbs::Provider;
 
 use crate::dtype::{as_bytes, as_bytes_mut};
-use crate::engine::{AbortFlag, Bufs, Engine, Plan};
+use crate::engine::{AbortFlag, Bufs, CallSpec, Engine, Plan};
 use crate::error::{Error, OpDesc, Result};
 use crate::fault::Faults;
 use crate::flight::{self, CallInfo, Probe, Protocol};
@@ -330,22 +330,55 @@ struct Checked {
     out_len: usize,
 }
 
-/// A call numbered and planned ([`Communicator::prepare`]), ready for the engine.
-struct Prepared {
-    desc: OpDesc,
+impl Checked {
+    /// The call `desc` on these buffers, run as `plan` says, for the engine.
+    fn spec<'p>(
+        &self,
+        plan: &'p Plan,
+        desc: OpDesc,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> CallSpec<'p> {
+        CallSpec {
+            plan,
+            desc,
+            dtype,
+            op,
+            bufs: self.raw,
+            in_place: self.in_place,
+        }
+    }
+}
+
+/// A schedule and how it runs, as the tuner chose them for a call's arguments.
+#[derive(Clone)]
+struct Planned {
     plan: Arc<Plan>,
     algorithm: Algorithm,
     protocol: Protocol,
 }
 
-impl Prepared {
-    fn info(&self) -> CallInfo<'_> {
+impl Planned {
+    /// What the flight recorder is told of call `desc` run so.
+    fn info<'a>(&'a self, desc: &'a OpDesc) -> CallInfo<'a> {
         CallInfo {
-            desc: &self.desc,
+            desc,
             algorithm: self.algorithm,
             protocol: self.protocol,
             steps: self.plan.sched.steps.len(),
         }
+    }
+}
+
+/// A call numbered and planned ([`Communicator::prepare`]), ready for the engine.
+struct Prepared {
+    desc: OpDesc,
+    planned: Planned,
+}
+
+impl Prepared {
+    fn info(&self) -> CallInfo<'_> {
+        self.planned.info(&self.desc)
     }
 }
 
@@ -373,9 +406,7 @@ struct Last {
     coll: Collective,
     es: usize,
     in_place: bool,
-    plan: Arc<Plan>,
-    algorithm: Algorithm,
-    protocol: Protocol,
+    planned: Planned,
 }
 
 impl State {
@@ -627,50 +658,28 @@ impl Communicator {
         Ok(())
     }
 
-    /// Runs a call numbered and planned already (started, then run alone by the worker: a call
-    /// in mailbox mode), as a blocking call runs.
-    #[allow(clippy::too_many_arguments)]
+    /// Runs a call numbered and planned already (`p`: started, then run alone by the worker,
+    /// a call in mailbox mode), as a blocking call runs.
     fn run_planned(
         &self,
         coll: &Collective,
         dtype: DataType,
         op: ReduceOp,
-        desc: &OpDesc,
-        plan: &Plan,
-        info: (Algorithm, Protocol),
-        checked: Checked,
+        p: &Prepared,
+        checked: &Checked,
         timeout: Duration,
     ) -> Result<()> {
         let mut st = self.lock();
         self.check_usable(&st, coll)?;
-        let call = CallInfo {
-            desc,
-            algorithm: info.0,
-            protocol: info.1,
-            steps: plan.sched.steps.len(),
-        };
-        let id = flight::start(&self.inner.probe, &call);
-        let r = st.engine.execute(
-            plan,
-            desc,
-            dtype,
-            op,
-            &checked.raw,
-            checked.in_place,
-            timeout,
-        );
-        flight::end(&self.inner.probe, id, desc, &r);
+        let id = flight::start(&self.inner.probe, &p.info());
+        let spec = checked.spec(&p.planned.plan, p.desc, dtype, op);
+        let r = st.engine.execute(&spec, timeout);
+        flight::end(&self.inner.probe, id, &p.desc, &r);
         let r = r.map_err(|e| self.failed(&mut st, e));
         drop(st);
         r?;
-        self.finish_avg(
-            coll,
-            dtype,
-            op,
-            &checked.raw,
-            checked.in_place,
-            checked.out_len,
-        );
+        let k = checked;
+        self.finish_avg(coll, dtype, op, &k.raw, k.in_place, k.out_len);
         Ok(())
     }
 
@@ -818,19 +827,19 @@ impl Communicator {
         let desc = self.plan_call(st, coll, dtype, op, in_place)?;
         // The plan stays in `st.last` (borrowed beside the engine: no reference count).
         let State { engine, last, .. } = &mut *st;
-        let Some(last) = last.as_ref() else {
-            return Err(self.invalid(coll, "no plan".into()));
-        };
+        let planned = self.planned(last, coll)?;
         let probe = &self.inner.probe;
-        let info = CallInfo {
-            desc: &desc,
-            algorithm: last.algorithm,
-            protocol: last.protocol,
-            steps: last.plan.sched.steps.len(),
+        let id = flight::start(probe, &planned.info(&desc));
+        let spec = CallSpec {
+            plan: &planned.plan,
+            desc,
+            dtype,
+            op,
+            bufs: *raw,
+            in_place,
         };
-        let id = flight::start(probe, &info);
         engine.metering = metered;
-        let r = engine.execute(&last.plan, &desc, dtype, op, raw, in_place, timeout);
+        let r = engine.execute(&spec, timeout);
         engine.metering = false;
         flight::end(probe, id, &desc, &r);
         r.map_err(|e| self.failed(st, e))
@@ -868,16 +877,15 @@ impl Communicator {
         in_place: Option<(usize, usize)>,
     ) -> Result<Prepared> {
         let desc = self.plan_call(st, coll, dtype, op, in_place)?;
-        let last = st
-            .last
-            .as_ref()
-            .ok_or_else(|| self.invalid(coll, "no plan".into()))?;
-        Ok(Prepared {
-            desc,
-            plan: last.plan.clone(),
-            algorithm: last.algorithm,
-            protocol: last.protocol,
-        })
+        let planned = self.planned(&st.last, coll)?.clone();
+        Ok(Prepared { desc, planned })
+    }
+
+    /// The plan [`Communicator::plan_call`] left in [`State::last`].
+    fn planned<'s>(&self, last: &'s Option<Last>, coll: &Collective) -> Result<&'s Planned> {
+        last.as_ref()
+            .map(|l| &l.planned)
+            .ok_or_else(|| self.invalid(coll, "no plan".into()))
     }
 
     /// Numbers a call and finds its schedule, which it leaves in [`State::last`] (a call that
@@ -965,9 +973,11 @@ impl Communicator {
             coll: coll.clone(),
             es,
             in_place: in_place.is_some(),
-            plan,
-            algorithm: algo,
-            protocol,
+            planned: Planned {
+                plan,
+                algorithm: algo,
+                protocol,
+            },
         });
         Ok(desc)
     }

@@ -19,10 +19,10 @@ use std::sync::mpsc::{self, Receiver, TryRecvError};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use super::{Buffers, Checked, Communicator, Inner, work};
+use super::{Buffers, Checked, Communicator, Inner, Prepared, work};
 use crate::engine::{One, Plan, Scratch};
-use crate::error::{Error, OpDesc, Result};
-use crate::flight::{self, CallInfo};
+use crate::error::{Error, Result};
+use crate::flight;
 use crate::schedule::Collective;
 use crate::{DataType, Element, ReduceOp, Registered, Work, dtype};
 
@@ -40,9 +40,7 @@ pub(super) struct Started {
     coll: Collective,
     dtype: DataType,
     op: ReduceOp,
-    desc: OpDesc,
-    plan: Arc<Plan>,
-    info: (crate::schedule::Algorithm, flight::Protocol),
+    prepared: Prepared,
     checked: Checked,
     timeout: Duration,
     /// Completes the call's [`Work`], giving its buffers back on success.
@@ -237,42 +235,38 @@ impl Communicator {
         let finish: Box<dyn FnOnce(Result<()>) + Send> =
             Box::new(move |r: Result<()>| done(*owner, r));
         // Calls that must run alone go through the queue as closures: those that feed the
-        // link-rate learner.
-        let alone = {
-            let st = self.lock();
-            st.learner.is_some()
+        // link-rate learner. The others are numbered and planned now, in the caller's order.
+        let planned = {
+            let mut st = self.lock();
+            let alone = st.learner.is_some()
                 && crate::learn::eligible(
                     &coll,
                     &st.tuning,
                     dtype.size(),
                     checked.in_len.max(checked.out_len),
-                )
-        };
-        if alone {
-            let checked = Carried(checked);
-            self.enqueue(Job::Run(Box::new(move |c: &Communicator| {
-                finish(c.run_checked(&coll, dtype, op, checked.take(), timeout));
-            })));
-            return;
-        }
-        let planned = {
-            let mut st = self.lock();
-            self.check_usable(&st, &coll)
-                .and_then(|()| self.prepare(&mut st, &coll, dtype, op, checked.in_place))
+                );
+            (!alone).then(|| {
+                self.check_usable(&st, &coll)
+                    .and_then(|()| self.prepare(&mut st, &coll, dtype, op, checked.in_place))
+            })
         };
         match planned {
-            Ok(p) => self.enqueue(Job::Call(Box::new(Started {
+            None => {
+                let checked = Carried(checked);
+                self.enqueue(Job::Run(Box::new(move |c: &Communicator| {
+                    finish(c.run_checked(&coll, dtype, op, checked.take(), timeout));
+                })));
+            }
+            Some(Ok(prepared)) => self.enqueue(Job::Call(Box::new(Started {
                 coll,
                 dtype,
                 op,
-                desc: p.desc,
-                plan: p.plan,
-                info: (p.algorithm, p.protocol),
+                prepared,
                 checked,
                 timeout,
                 done: finish,
             }))),
-            Err(e) => finish(Err(e)),
+            Some(Err(e)) => finish(Err(e)),
         }
     }
 
@@ -406,14 +400,10 @@ fn worker(inner: Weak<Inner>, rx: Receiver<Job>) {
 
 /// A call in flight: what its work needs when it lands.
 struct Flying {
-    coll: Collective,
-    dtype: DataType,
-    op: ReduceOp,
-    desc: OpDesc,
-    checked: Checked,
+    call: Started,
+    /// Its id in the flight recorder.
     flight: u64,
-    deadline: (Instant, Duration),
-    done: Box<dyn FnOnce(Result<()>) + Send>,
+    deadline: Instant,
     _scratch: Scratch,
 }
 
@@ -488,10 +478,12 @@ impl<'c> Session<'c> {
 
     /// Whether a started call runs in mailbox mode (alone).
     fn mailbox(&self, s: &Started) -> bool {
-        s.info.1 == flight::Protocol::Mailbox
+        s.prepared.planned.protocol == flight::Protocol::Mailbox
     }
 
-    /// Makes a started call fly (or fails its work at once).
+    /// Makes a started call fly (or fails its work at once). Its start is recorded under the
+    /// communicator's lock, as every call's is (the flight recorder has one writer at a
+    /// time).
     fn admit<'p>(
         &self,
         s: Started,
@@ -500,41 +492,23 @@ impl<'c> Session<'c> {
         flying: &mut Vec<Flying>,
     ) {
         let comm = self.comm;
-        let plan: &'p Plan = plans.alloc(s.plan.clone());
+        let p = &s.prepared;
+        let plan: &'p Plan = plans.alloc(p.planned.plan.clone());
         let mut scratch = Scratch::new();
         let mut st = comm.lock();
-        let r = comm.check_usable(&st, &s.coll).and_then(|()| {
-            st.engine.fly(
-                plan,
-                &s.desc,
-                s.dtype,
-                s.op,
-                &s.checked.raw,
-                s.checked.in_place,
-                ones.len(),
-                &mut scratch,
-            )
-        });
+        let spec = s.checked.spec(plan, p.desc, s.dtype, s.op);
+        let r = comm
+            .check_usable(&st, &s.coll)
+            .and_then(|()| st.engine.fly(&spec, ones.len(), &mut scratch));
         match r {
             Ok(one) => {
+                let id = flight::start(&comm.inner.probe, &p.info());
                 drop(st);
-                let info = CallInfo {
-                    desc: &s.desc,
-                    algorithm: s.info.0,
-                    protocol: s.info.1,
-                    steps: plan.sched.steps.len(),
-                };
-                let id = flight::start(&comm.inner.probe, &info);
                 ones.push(one);
                 flying.push(Flying {
-                    coll: s.coll,
-                    dtype: s.dtype,
-                    op: s.op,
-                    desc: s.desc,
-                    checked: s.checked,
+                    deadline: Instant::now() + s.timeout,
+                    call: s,
                     flight: id,
-                    deadline: (Instant::now() + s.timeout, s.timeout),
-                    done: s.done,
                     _scratch: scratch,
                 });
             }
@@ -552,15 +526,15 @@ impl<'c> Session<'c> {
 
     /// Runs a call that must run alone, as a blocking call would.
     fn solo(&self, s: Started) {
-        let r = self.comm.run_planned(
-            &s.coll, s.dtype, s.op, &s.desc, &s.plan, s.info, s.checked, s.timeout,
-        );
+        let r = self
+            .comm
+            .run_planned(&s.coll, s.dtype, s.op, &s.prepared, &s.checked, s.timeout);
         (s.done)(r);
         self.comm.job_done();
     }
 
     /// Drives the calls in flight for a slice; lands those that are done; on a failure,
-    /// fails them all.
+    /// fails them all. Their ends are recorded before the lock is let go.
     fn drive(&self, ones: &mut Vec<One<'_>>, flying: &mut Vec<Flying>) {
         let comm = self.comm;
         let inner = &comm.inner;
@@ -568,33 +542,46 @@ impl<'c> Session<'c> {
             inner.waiting_jobs.load(Ordering::Acquire) > 0
                 || inner.wanting.load(Ordering::Acquire) > 0
         };
-        let deadlines: Vec<(Instant, Duration)> = flying.iter().map(|f| f.deadline).collect();
+        let deadlines: Vec<(Instant, Duration)> = flying
+            .iter()
+            .map(|f| (f.deadline, f.call.timeout))
+            .collect();
         let mut st = comm.lock();
-        let r = st.engine.drive(ones, &deadlines, &stop, SLICE);
-        match r {
+        let ended: Vec<(Flying, Result<()>)> = match st.engine.drive(ones, &deadlines, &stop, SLICE)
+        {
             Ok(()) => {
-                let landed = st.engine.land(ones).unwrap_or_default();
-                drop(st);
-                for &i in landed.iter().rev() {
-                    let f = flying.remove(i);
-                    self.finish(f, Ok(()));
-                }
+                let landed = st.engine.land(ones);
+                landed
+                    .iter()
+                    .rev()
+                    .map(|&i| (flying.remove(i), Ok(())))
+                    .collect()
             }
             Err(e) => {
                 let e = comm.failed(&mut st, e);
-                drop(st);
                 ones.clear();
-                // The call that failed gets the error; the others in flight, what it was.
+                // The first call in flight gets the error (which names the call that failed);
+                // the others, what it was.
                 let text = e.to_string();
                 let mut first = Some(e);
-                for f in flying.drain(..) {
-                    let e = first.take().unwrap_or_else(|| Error::Poisoned {
-                        rank: inner.rank,
-                        first: text.clone(),
-                    });
-                    self.finish(f, Err(e));
-                }
+                flying
+                    .drain(..)
+                    .map(|f| {
+                        let e = first.take().unwrap_or_else(|| Error::Poisoned {
+                            rank: inner.rank,
+                            first: text.clone(),
+                        });
+                        (f, Err(e))
+                    })
+                    .collect()
             }
+        };
+        for (f, r) in &ended {
+            flight::end(&inner.probe, f.flight, &f.call.prepared.desc, r);
+        }
+        drop(st);
+        for (f, r) in ended {
+            self.finish(f.call, r);
         }
         // Let a thread that waits for the engine (a call being started) have it.
         let mut spins = 0;
@@ -604,21 +591,14 @@ impl<'c> Session<'c> {
         }
     }
 
-    /// A call landed (or failed): the recorder, an average's division, its work.
-    fn finish(&self, f: Flying, r: Result<()>) {
+    /// A call landed (or failed): an average's division, its work.
+    fn finish(&self, s: Started, r: Result<()>) {
         let comm = self.comm;
-        flight::end(&comm.inner.probe, f.flight, &f.desc, &r);
         if r.is_ok() {
-            comm.finish_avg(
-                &f.coll,
-                f.dtype,
-                f.op,
-                &f.checked.raw,
-                f.checked.in_place,
-                f.checked.out_len,
-            );
+            let k = &s.checked;
+            comm.finish_avg(&s.coll, s.dtype, s.op, &k.raw, k.in_place, k.out_len);
         }
-        (f.done)(r);
+        (s.done)(r);
         comm.job_done();
     }
 }

@@ -403,28 +403,9 @@ impl Engine {
         };
     }
 
-    #[allow(clippy::too_many_arguments)]
-    /// Runs `plan` on `bufs`. `dtype`/`op` drive reductions (`Avg` reduces as a sum; the
-    /// caller divides afterwards).
-    pub(crate) fn execute(
-        &mut self,
-        plan: &Plan,
-        desc: &OpDesc,
-        dtype: DataType,
-        op: ReduceOp,
-        bufs: &Bufs,
-        in_place: Option<(usize, usize)>,
-        timeout: Duration,
-    ) -> Result<()> {
-        let spec = CallSpec {
-            plan,
-            desc: *desc,
-            dtype,
-            op,
-            bufs: *bufs,
-            in_place,
-        };
-        self.execute_group(std::slice::from_ref(&spec), timeout)
+    /// Runs one call (`Avg` reduces as a sum; the caller divides afterwards).
+    pub(crate) fn execute(&mut self, spec: &CallSpec<'_>, timeout: Duration) -> Result<()> {
+        self.execute_group(std::slice::from_ref(spec), timeout)
     }
 
     /// Runs several calls at once (a group: `group_start` ... `group_end`), each through its
@@ -553,14 +534,7 @@ impl Engine {
     fn run_calls(&mut self, calls: &mut [One<'_>], timeout: Duration) -> Result<()> {
         let alone = calls.len() == 1;
         let mailbox = calls[0].m.is_mailbox();
-        let mut call = Call {
-            eng: self,
-            calls,
-            cur: 0,
-            bytes_in: 0,
-            reported: 0,
-            spun_out: false,
-        };
+        let mut call = Call::new(self, calls);
         if !alone {
             call.eng.flows.pass_turns(call.calls.iter().map(|o| &o.m));
         }
@@ -586,11 +560,7 @@ impl Engine {
             .and_then(|()| call.check_strays(false));
         }
         if r.is_err() {
-            call.quiesce();
-            for m in call.eng.links.iter_mut().filter_map(|l| l.meter.as_mut()) {
-                m.reset_in_flight();
-            }
-            call.eng.egress.reset_in_flight();
+            call.stop_after_error();
         }
         let Call {
             eng,
@@ -672,6 +642,20 @@ struct Call<'a, 'c> {
     reported: usize,
     /// Whether a wait of this call outlasted its spin and yielded.
     spun_out: bool,
+}
+
+impl<'a, 'c> Call<'a, 'c> {
+    /// `calls` about to run on `eng`.
+    fn new(eng: &'a mut Engine, calls: &'a mut [One<'c>]) -> Call<'a, 'c> {
+        Call {
+            eng,
+            calls,
+            cur: 0,
+            bytes_in: 0,
+            reported: 0,
+            spun_out: false,
+        }
+    }
 }
 
 /// Where a call's buffers lie ([`One::spans`]): `Buf::Input`, `Buf::Output`, `Buf::Scratch`.

@@ -56,9 +56,9 @@ impl Call<'_, '_> {
         }
     }
 
-    /// Runs the schedule with the mailbox protocol: one WRITE of header and data and one of
-    /// the stamp per message, and the receiver polls the stamp in its own memory (RC ordering
-    /// on the queue pair orders the two writes). No completion queue, no credits.
+    /// Runs the schedule with the mailbox protocol: the sender stores each message straight
+    /// into the peer's mapped mailbox, flags last ([`crate::mailbox`]), and the receiver
+    /// polls the flags in its own memory. No request, no completion queue, no credits.
     pub(super) fn run_mailbox(&mut self, timeout: Duration) -> Result<()> {
         // The clock is read only once the call idles (most small calls never do).
         let mut deadline: Option<Instant> = None;
@@ -647,6 +647,16 @@ impl Call<'_, '_> {
             steps: self.calls[self.cur].sched.steps.len(),
             bytes: self.bytes_in,
         }
+    }
+
+    /// After an error: quiesces the connections ([`Call::quiesce`]) and forgets what the
+    /// meters counted in flight.
+    pub(super) fn stop_after_error(&mut self) {
+        self.quiesce();
+        for m in self.eng.links.iter_mut().filter_map(|l| l.meter.as_mut()) {
+            m.reset_in_flight();
+        }
+        self.eng.egress.reset_in_flight();
     }
 
     /// After an error: stop every connection (so no transport still reads the caller's

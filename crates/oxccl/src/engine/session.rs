@@ -17,35 +17,20 @@ use super::*;
 pub(crate) struct Scratch(Vec<u64>);
 
 impl Engine {
-    /// Makes call `desc` of `plan` on `bufs` (in place: `in_place`) ready to fly as number
-    /// `id` of the set, with its own scratch space (kept in `scratch` as long as the call
-    /// flies). Fails as a call alone would before it moves anything (a plan whose schedule
-    /// does not fit this communicator).
-    #[allow(clippy::too_many_arguments)]
+    /// Makes `spec` ready to fly as number `id` of the set, with its own scratch space (kept
+    /// in `scratch` as long as the call flies). Fails as a call alone would before it moves
+    /// anything (a plan whose schedule does not fit this communicator).
     pub(crate) fn fly<'p>(
         &mut self,
-        plan: &'p Plan,
-        desc: &OpDesc,
-        dtype: DataType,
-        op: ReduceOp,
-        bufs: &Bufs,
-        in_place: Option<(usize, usize)>,
+        spec: &CallSpec<'p>,
         id: usize,
         scratch: &mut Scratch,
     ) -> Result<One<'p>> {
-        self.recent.push(*desc);
+        self.recent.push(spec.desc);
         self.regs.refresh(&self.registry);
-        let spec = CallSpec {
-            plan,
-            desc: *desc,
-            dtype,
-            op,
-            bufs: *bufs,
-            in_place,
-        };
-        let words = (plan.sched.scratch * dtype.size()).div_ceil(8);
+        let words = (spec.plan.sched.scratch * spec.dtype.size()).div_ceil(8);
         scratch.0 = vec![0u64; words];
-        let mut one = self.prepare_call(&spec, id, 0, false)?;
+        let mut one = self.prepare_call(spec, id, 0, false)?;
         one.spans[Buf::Scratch as usize] = (scratch.0.as_mut_ptr() as *mut u8, words * 8, 0);
         one.own_scratch = true;
         Ok(one)
@@ -63,24 +48,13 @@ impl Engine {
         max: Duration,
     ) -> Result<()> {
         self.failed_by_notice = false;
-        let mut call = Call {
-            eng: self,
-            calls,
-            cur: 0,
-            bytes_in: 0,
-            reported: 0,
-            spun_out: false,
-        };
+        let mut call = Call::new(self, calls);
         call.eng.flows.pass_turns(call.calls.iter().map(|o| &o.m));
         let r = call
             .check_members()
             .and_then(|()| call.drive(deadlines, stop, max));
         if r.is_err() {
-            call.quiesce();
-            for m in call.eng.links.iter_mut().filter_map(|l| l.meter.as_mut()) {
-                m.reset_in_flight();
-            }
-            call.eng.egress.reset_in_flight();
+            call.stop_after_error();
         }
         let spun_out = call.spun_out;
         self.adapt_spin(spun_out);
@@ -88,9 +62,10 @@ impl Engine {
     }
 
     /// Takes the calls that are done out of the set (in order), renumbering the others;
-    /// returns the positions they had. Once the set is empty, checks that no peer sent what
-    /// no call took (as a call alone does before it returns) and gives turns back.
-    pub(crate) fn land(&mut self, calls: &mut Vec<One<'_>>) -> Result<Vec<usize>> {
+    /// returns the positions they had. Once the set is empty, gives turns back. (Data no
+    /// call takes is found while calls fly, by [`Engine::drive`]'s idle rounds, and after,
+    /// by the next call.)
+    pub(crate) fn land(&mut self, calls: &mut Vec<One<'_>>) -> Vec<usize> {
         let done: Vec<usize> = (0..calls.len()).filter(|&i| calls[i].m.is_done()).collect();
         for &i in done.iter().rev() {
             calls.remove(i);
@@ -101,7 +76,7 @@ impl Engine {
         if calls.is_empty() {
             self.flows.reset_turns();
         }
-        Ok(done)
+        done
     }
 }
 

@@ -10,7 +10,7 @@ use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use oxccl_verbs::{AccessFlags, MemoryRegion, ProtectionDomain};
+use oxccl_verbs::{AccessFlags, MemoryRegion};
 
 use super::Communicator;
 use crate::error::{Error, Result};
@@ -57,18 +57,14 @@ impl Registry {
         self.version.load(Ordering::Acquire)
     }
 
-    fn insert(&self, reg: Arc<Reg>) -> Result<()> {
+    /// Adds `reg`, unless it overlaps a buffer registered already (that one's range, then).
+    fn insert(&self, reg: Arc<Reg>) -> std::result::Result<(), (usize, usize)> {
         let mut regs = self.regs.lock().unwrap_or_else(|e| e.into_inner());
         let at = regs.partition_point(|r| r.addr < reg.addr);
-        let overlaps = |r: &Arc<Reg>| r.addr < reg.addr + reg.len && reg.addr < r.addr + r.len;
-        if regs.get(at).is_some_and(overlaps) || at > 0 && overlaps(&regs[at - 1]) {
-            return Err(Error::InvalidArgument {
-                rank: usize::MAX,
-                msg: format!(
-                    "register: {} bytes at {:#x} overlap a buffer registered already",
-                    reg.len, reg.addr
-                ),
-            });
+        let overlaps = |r: &&Arc<Reg>| r.addr < reg.addr + reg.len && reg.addr < r.addr + r.len;
+        let before = at.checked_sub(1).and_then(|b| regs.get(b));
+        if let Some(r) = regs.get(at).filter(overlaps).or(before.filter(overlaps)) {
+            return Err((r.addr, r.len));
         }
         regs.insert(at, reg);
         self.version.fetch_add(1, Ordering::AcqRel);
@@ -102,14 +98,21 @@ impl RegCache {
         self.regs.is_empty()
     }
 
-    /// The registered buffer holding `addr..addr + len`, if one does, and its index.
-    pub(crate) fn find(&self, addr: usize, len: usize) -> Option<(usize, &Reg)> {
+    /// The registered buffer holding `addr..addr + len`, if one does and it is registered
+    /// in provider context `ctx`: its index, its first address and that registration.
+    pub(crate) fn find(
+        &self,
+        addr: usize,
+        len: usize,
+        ctx: usize,
+    ) -> Option<(usize, usize, &MemoryRegion)> {
         let i = self
             .regs
             .partition_point(|r| r.addr <= addr)
             .checked_sub(1)?;
         let r = &self.regs[i];
-        r.covers(addr, len).then_some((i, &**r))
+        let mr = r.mrs.get(ctx).filter(|m| m.is_registered())?;
+        r.covers(addr, len).then_some((i, r.addr, mr))
     }
 
     /// Registered buffer number `i` (from [`RegCache::find`], until the next refresh).
@@ -342,14 +345,13 @@ impl Communicator {
         }
         let registry = st.engine.registry.clone();
         drop(st);
-        let reg = Arc::new(Reg { addr, len, mrs });
-        registry.insert(reg.clone())?;
+        let registration = self.add(registry, Reg { addr, len, mrs })?;
         Ok(Registered {
-            registration: Registration {
-                registry,
-                reg: reg.clone(),
+            memory: Memory::Provider {
+                reg: registration.reg.clone(),
+                len: count,
             },
-            memory: Memory::Provider { reg, len: count },
+            registration,
         })
     }
 
@@ -368,23 +370,34 @@ impl Communicator {
         let mut mrs = Vec::with_capacity(st.engine.pds.len());
         for pd in &st.engine.pds {
             // SAFETY: the caller's promise.
-            let mr = unsafe { register_in(pd, addr, len) }.map_err(|source| Error::Verbs {
-                rank: self.inner.rank,
-                what: format!("registering {len} bytes at {addr:p}"),
-                source,
+            let mr = unsafe { pd.reg_mr_raw(addr, len.max(1), ACCESS) }.map_err(|source| {
+                Error::Verbs {
+                    rank: self.inner.rank,
+                    what: format!("registering {len} bytes at {addr:p}"),
+                    source,
+                }
             })?;
             mrs.push(mr);
         }
         let registry = st.engine.registry.clone();
         drop(st);
-        let reg = Arc::new(Reg {
+        let reg = Reg {
             addr: addr as usize,
             len,
             mrs,
-        });
-        registry.insert(reg.clone()).map_err(|e| match e {
-            Error::InvalidArgument { msg, .. } => self.register_error(msg),
-            e => e,
+        };
+        self.add(registry, reg)
+    }
+
+    /// Adds a registered buffer to `registry`, unless it overlaps one registered already.
+    fn add(&self, registry: Arc<Registry>, reg: Reg) -> Result<Registration> {
+        let reg = Arc::new(reg);
+        registry.insert(reg.clone()).map_err(|(addr, len)| {
+            self.register_error(format!(
+                "{} bytes at {:#x} overlap a buffer registered already ({len} bytes at \
+                 {addr:#x})",
+                reg.len, reg.addr
+            ))
         })?;
         Ok(Registration { registry, reg })
     }
@@ -392,24 +405,7 @@ impl Communicator {
     fn register_error(&self, msg: String) -> Error {
         Error::InvalidArgument {
             rank: self.inner.rank,
-            msg: if msg.starts_with("register") {
-                msg
-            } else {
-                format!("register: {msg}")
-            },
+            msg: format!("register: {msg}"),
         }
     }
-}
-
-/// Registers `len` bytes at `addr` in `pd`.
-///
-/// # Safety
-/// As [`Communicator::register_raw`].
-unsafe fn register_in(
-    pd: &ProtectionDomain,
-    addr: *mut u8,
-    len: usize,
-) -> oxccl_verbs::Result<MemoryRegion> {
-    // SAFETY: the caller's promise.
-    unsafe { pd.reg_mr_raw(addr, len.max(1), ACCESS) }
 }

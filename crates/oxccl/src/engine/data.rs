@@ -89,11 +89,9 @@ impl Call<'_, '_> {
             });
         }
         let shared_scratch = reg.buf == Buf::Scratch && !one.own_scratch;
-        if !shared_scratch
-            && let Some((i, r)) = self.eng.regs.find(ptr as usize, bytes)
-            && r.mrs.get(ctx).is_some_and(|m| m.is_registered())
+        if !shared_scratch && let Some((i, start, _)) = self.eng.regs.find(ptr as usize, bytes, ctx)
         {
-            return Ok((MrRef::Registered(i, ctx), ptr as usize - r.addr));
+            return Ok((MrRef::Registered(i, ctx), ptr as usize - start));
         }
         if shared_scratch {
             if self.eng.scratch_mrs[ctx].is_none() {
@@ -631,10 +629,7 @@ impl Call<'_, '_> {
         };
         let (l, ch) = self.eng.flows.link_channel(q);
         let link = &self.eng.links[l];
-        let Some((_, r)) = self.eng.regs.find(p as usize, total) else {
-            return frags;
-        };
-        let Some(mr) = r.mrs.get(link.ctx).filter(|m| m.is_registered()) else {
+        let Some((_, start, mr)) = self.eng.regs.find(p as usize, total, link.ctx) else {
             return frags;
         };
         if link.provider == Provider::Shm && !mr.is_provider_memory() {
@@ -644,7 +639,7 @@ impl Call<'_, '_> {
             first,
             frags,
             total: total as u64,
-            addr: mr.addr() + (p as usize - r.addr) as u64,
+            addr: mr.addr() + (p as usize - start) as u64,
             rkey: mr.rkey(),
         };
         let geo = self.eng.geo;

@@ -2,9 +2,9 @@
 //!
 //! The call flies on the communicator's worker thread with the calls started before and
 //! after it ([`oxccl::Communicator::start_with`]: in the order of calls, several at once).
-//! When it ends, the result is stored and waiters wake; callbacks and futures (and the release of the call's buffers) run on one completion
-//! thread per process, which takes the GIL, so that the worker goes on with the next call at
-//! once.
+//! When it ends, the result is stored and waiters wake; callbacks and futures (and the
+//! release of the call's buffers) run on one completion thread per process, which takes the
+//! GIL, so that the worker goes on with the next call at once.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -71,17 +71,9 @@ impl Shared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Runs the call: `f` gets the views (on the worker thread), then the result is stored.
-    pub fn run(self: &Arc<Self>, f: impl FnOnce(&[View]) -> oxccl::Result<()>) {
-        // The views stay in the state (the call only borrows them), so that they outlive the
-        // call even if the handle is dropped meanwhile.
-        let views = self.take_views();
-        let r = f(&views);
-        self.finish(views, r);
-    }
-
     /// The call's views, for the call to own while it runs (they come back with
-    /// [`Shared::finish`]).
+    /// [`Shared::finish`], so that they outlive the call even if the handle is dropped
+    /// meanwhile).
     pub fn take_views(&self) -> Vec<View> {
         std::mem::take(&mut self.lock().views)
     }
@@ -105,7 +97,8 @@ impl Shared {
 
     /// Ends a call that could not be submitted.
     pub fn fail(self: &Arc<Self>, e: oxccl::Error) {
-        self.run(|_| Err(e));
+        let views = self.take_views();
+        self.finish(views, Err(e));
     }
 }
 

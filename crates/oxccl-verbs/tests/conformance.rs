@@ -1008,7 +1008,6 @@ pub fn shared_cq(p: &str) {
     }
 }
 
-/// Registered user memory at the target (reached with process_vm_readv/writev on shm).
 /// `map_remote`: where the provider maps the peer's memory (shm's provider memory), stores
 /// through the mapping are the peer's bytes; a key, range or access the peer does not grant is
 /// refused, naming it, and the queue pair stays usable; elsewhere (tcp, user memory) there is
@@ -1087,6 +1086,7 @@ pub fn map_remote(p: &str) {
     assert_eq!(peer.read(id, 16, 8), vec![9; 8]);
 }
 
+/// Registered user memory at the target (reached with process_vm_readv/writev on shm).
 pub fn user_memory(p: &str) {
     let mut peer = Peer::spawn(p);
     let l = Local::new(p);

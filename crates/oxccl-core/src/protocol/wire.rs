@@ -161,12 +161,19 @@ pub const ANNOUNCE: usize = 64;
 
 /// Announcements per channel: a receiver announces up to this many receives ahead of the
 /// one it is in, so that a sender running ahead by its window of slots still finds where its
-/// fragments go (receive number `k` of a queue uses record `k % ANNOUNCE_RING`).
+/// fragments go (a queue's announcement number `k` uses record `k % ANNOUNCE_RING`; the
+/// sender looks for the record that names its fragment).
 pub const ANNOUNCE_RING: usize = 16;
 
 /// Receives of at least this many bytes are announced ([`Announce`]): below, the write of the
 /// announcement and a fragment's header are a large part of what moves.
 pub const PLACE_MIN: usize = 64 << 10;
+
+/// Where record `i` of channel `ch`'s announcement ring lies in a region whose rings start
+/// at the first record boundary from byte `start`.
+fn announce_at(start: usize, ch: usize, i: usize) -> usize {
+    start.next_multiple_of(ANNOUNCE) + (ch * ANNOUNCE_RING + i) * ANNOUNCE
+}
 
 /// A receiver's announcement: a coming receive on a channel may be written in place, straight
 /// into its destination, rather than through the slots. The receiver writes it into the
@@ -266,9 +273,11 @@ impl Geometry {
     /// Where record `i` of channel `ch`'s announcements ([`Announce`]) lies in the receive
     /// region: the peer writes there where our data for that channel may go in place.
     pub fn announce_offset(&self, ch: usize, i: usize) -> usize {
-        (self.channels * self.slots * self.slot_bytes() + 8 * self.channels)
-            .next_multiple_of(ANNOUNCE)
-            + (ch * ANNOUNCE_RING + i) * ANNOUNCE
+        announce_at(
+            self.channels * self.slots * self.slot_bytes() + 8 * self.channels,
+            ch,
+            i,
+        )
     }
     /// Where mailbox `parity` starts in the receive region (on a line: a mailbox's lines are
     /// cache lines).
@@ -291,8 +300,11 @@ impl Geometry {
     /// source of the write that carries it; a ring as in the receive region, so that a record
     /// still being sent is not rewritten by the next).
     pub fn stage_announce(&self, ch: usize, i: usize) -> usize {
-        (self.channels * self.slots * STAGE + 8 * self.channels).next_multiple_of(ANNOUNCE)
-            + (ch * ANNOUNCE_RING + i) * ANNOUNCE
+        announce_at(
+            self.channels * self.slots * STAGE + 8 * self.channels,
+            ch,
+            i,
+        )
     }
     /// Bytes of the staging region: headers and inline data per slot, credit source words,
     /// then the announcement rings.

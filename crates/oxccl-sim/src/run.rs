@@ -786,13 +786,13 @@ impl Shapes {
     /// The shapes kept most recently (at most 8), the latest first: those a schedule is
     /// compared with before it is made compact itself.
     fn recent(&self) -> Vec<std::sync::Arc<Shape>> {
-        let kept = self.0.lock().expect("no thread panics holding it");
+        let kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
         kept.iter().rev().take(8).cloned().collect()
     }
 
     /// The shape equal to `s`, the one kept if there is one, else `s` (kept from now on).
     fn intern(&self, s: Shape) -> std::sync::Arc<Shape> {
-        let mut kept = self.0.lock().expect("no thread panics holding it");
+        let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(k) = kept.iter().find(|k| ***k == s) {
             return k.clone();
         }
@@ -803,34 +803,9 @@ impl Shapes {
 }
 
 /// A participant's queues by (peer, channel). Looked up for every send and receive step
-/// while its schedule is made compact: hashed by a multiply (a peer and a channel need no
+/// while its schedule is made compact: hashed as rustc hashes (a peer and a channel need no
 /// protection against collisions chosen by an adversary).
-type QueueIndex = HashMap<(usize, u8), u32, std::hash::BuildHasherDefault<PeerHasher>>;
-
-/// The hasher of [`QueueIndex`]: each word folded in with a rotate, a xor and a multiply
-/// (as rustc's FxHasher).
-#[derive(Default)]
-struct PeerHasher(u64);
-
-impl std::hash::Hasher for PeerHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(b as u64);
-        }
-    }
-    fn write_u8(&mut self, x: u8) {
-        self.write_u64(x as u64);
-    }
-    fn write_usize(&mut self, x: usize) {
-        self.write_u64(x as u64);
-    }
-    fn write_u64(&mut self, x: u64) {
-        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(0x517c_c1b7_2722_0a95);
-    }
-}
+type QueueIndex = rustc_hash::FxHashMap<(usize, u8), u32>;
 
 /// A simulated participant (a rank or the aggregator): its schedule's [`Shape`] and the
 /// run's state of it.

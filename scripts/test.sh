@@ -7,5 +7,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 echo "== cargo test --workspace =="
 cargo test --workspace "$@"
+# The tcp provider again with three connections per queue pair (OXCCL_TCP_NSOCKS): WRITEs of
+# 256 KiB and more are then striped, and the suites check that nothing else changes.
+echo "== tcp provider suites with striping (OXCCL_TCP_NSOCKS=3) =="
+OXCCL_TCP_NSOCKS=3 cargo test -p oxccl-verbs --test conformance --test properties --test hammer tcp
 echo "== Python tests (scripts/python-test.sh) =="
 scripts/python-test.sh

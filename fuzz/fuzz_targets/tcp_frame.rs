@@ -1,28 +1,32 @@
 //! Fuzzes the tcp provider's wire decoder (`crates/oxccl-verbs/src/tcp/frame.rs`).
 //!
-//! The input is read the way a connection's receive side reads its stream: an optional 32-byte
+//! The input is read the way a connection's receive side reads its stream: an optional 40-byte
 //! hello, then 64-byte headers, each followed by its payload. Every header that decodes must
 //! re-encode to the very same bytes and satisfy the per-opcode rules (payload caps, fixed lengths,
-//! NAK status); every rejection must name what is wrong with the bytes. `decode_hello` is also fed
-//! the first 32 bytes of every input, hello or not.
+//! NAK status, flags and the fields of a striped part); every rejection must name what is wrong
+//! with the bytes. `decode_hello` is also fed the first 40 bytes of every input, hello or not.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use oxccl_verbs::fuzzing::{
-    FrameError, HEADER_LEN, HELLO_LEN, Header, MAX_PAYLOAD, Opcode, decode_hello, encode_hello,
+    ACK_REQ, FrameError, HEADER_LEN, HELLO_LEN, Header, MAX_PARTS, MAX_PAYLOAD, Opcode, PART,
+    decode_hello, encode_hello,
 };
 
 fuzz_target!(|data: &[u8]| {
     let mut rest = data;
     if let Some(prefix) = rest.first_chunk::<HELLO_LEN>() {
-        if let Some((target, initiator, rnr_us)) = decode_hello(prefix) {
-            assert_eq!(&encode_hello(target, initiator, rnr_us), prefix);
+        if let Some(hello) = decode_hello(prefix) {
+            assert_eq!(&encode_hello(&hello), prefix);
+            assert!(hello.index < hello.count && hello.count as u64 <= MAX_PARTS);
             rest = &rest[HELLO_LEN..];
-        } else {
-            assert_ne!(
-                &prefix[..8],
-                b"OXTHELO1",
-                "a hello with its magic was refused"
+        } else if &prefix[..8] == b"OXTHELO2" {
+            // Refused only for a connection index or count out of range.
+            let count = u32::from_le_bytes(prefix[36..40].try_into().unwrap());
+            let index = u32::from_le_bytes(prefix[32..36].try_into().unwrap());
+            assert!(
+                count == 0 || count as u64 > MAX_PARTS || index >= count,
+                "a hello with its magic and valid fields was refused"
             );
         }
     }
@@ -47,15 +51,28 @@ fn check_header(bytes: &[u8; HEADER_LEN], hdr: &Header) {
     // Round trip, both ways.
     assert_eq!(&hdr.encode(), bytes, "{hdr:?} re-encodes differently");
     assert_eq!(Header::decode(&hdr.encode()), Ok(*hdr));
-    // Reserved bytes are zero.
-    assert_eq!(&bytes[5..8], &[0; 3]);
+    // Reserved bytes are zero; flags are known and fit the opcode.
+    assert_eq!(&bytes[6..8], &[0; 2]);
+    assert_eq!(hdr.flags, bytes[5]);
+    assert_eq!(hdr.flags & !(ACK_REQ | PART), 0, "{hdr:?}: unknown flags");
+    if hdr.flags & ACK_REQ != 0 {
+        assert!(hdr.opcode.is_request(), "{hdr:?}: ACK_REQ on an answer");
+    }
+    if hdr.flags & PART != 0 {
+        assert!(matches!(hdr.opcode, Opcode::Write | Opcode::WriteImm), "{hdr:?}");
+        let p = hdr.part().expect("a PART header has a part");
+        assert!(p.index < p.count && (2..=MAX_PARTS as u32).contains(&p.count));
+        assert!(hdr.addr >= p.base && hdr.addr + hdr.len as u64 <= p.base + p.total as u64);
+    }
     assert_eq!(&bytes[56..64], &[0; 8]);
     // Lengths and payloads.
     assert!(hdr.len <= MAX_PAYLOAD, "{hdr:?}: length over the cap");
     assert!(hdr.payload_len() <= MAX_PAYLOAD as usize);
     match hdr.opcode {
         Opcode::Cas | Opcode::Faa => assert_eq!(hdr.len, 8, "{hdr:?}"),
-        Opcode::Ack | Opcode::Nak | Opcode::AtomicResp => assert_eq!(hdr.len, 0, "{hdr:?}"),
+        Opcode::Ack | Opcode::Nak | Opcode::AtomicResp | Opcode::AckReq => {
+            assert_eq!(hdr.len, 0, "{hdr:?}")
+        }
         _ => {}
     }
     if hdr.opcode.has_payload() {
@@ -73,7 +90,7 @@ fn check_header(bytes: &[u8; HEADER_LEN], hdr: &Header) {
 /// A header the decoder refused: the error must match the bytes.
 fn check_rejection(bytes: &[u8; HEADER_LEN], e: FrameError) {
     assert!(!e.to_string().is_empty());
-    let magic_ok = &bytes[..4] == b"OXT1";
+    let magic_ok = &bytes[..4] == b"OXT2";
     match e {
         FrameError::BadMagic => assert!(!magic_ok),
         FrameError::BadOpcode(op) => {
@@ -82,7 +99,11 @@ fn check_rejection(bytes: &[u8; HEADER_LEN], e: FrameError) {
         }
         FrameError::Reserved => {
             assert!(magic_ok);
-            assert!(bytes[5..8].iter().chain(&bytes[56..64]).any(|&b| b != 0));
+            assert!(bytes[6..8].iter().chain(&bytes[56..64]).any(|&b| b != 0));
+        }
+        FrameError::BadFlags(flags) => {
+            assert!(magic_ok);
+            assert_eq!(flags, bytes[5]);
         }
         FrameError::BadLength(op, len) => {
             assert!(magic_ok);

@@ -32,6 +32,11 @@ pub struct DeviceConfig {
     /// is idle; larger ones are left to the progress thread, so a caller that posts (and then
     /// waits) does not spend its time in `sendmsg`. Default: every size (the poster writes).
     pub tcp_inline_max: usize,
+    /// tcp: TCP connections per queue pair (`1..=16`; the two sides use the smaller setting).
+    /// WRITEs of 256 KiB and more are striped over them. Default 1: on loopback and on the
+    /// namespace test bed a second connection does not add bandwidth (`bench/verbs-tcp.sh`
+    /// measures it); NICs whose single flow is limited by one core's copy gain from more.
+    pub tcp_nsocks: usize,
     /// How long a completion-queue wait spins before it yields and then sleeps.
     pub spin: Duration,
 }
@@ -42,14 +47,15 @@ impl Default for DeviceConfig {
             tcp_addr: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
             tcp_busy_poll: false,
             tcp_inline_max: usize::MAX,
+            tcp_nsocks: 1,
             spin: Duration::from_micros(50),
         }
     }
 }
 
 impl DeviceConfig {
-    /// The defaults overridden by `OXCCL_TCP_ADDR` (`IP` or `IP:port`), `OXCCL_TCP_POLL=busy`
-    /// and `OXCCL_SPIN_US`; a malformed value is an error naming the variable.
+    /// The defaults overridden by `OXCCL_TCP_ADDR` (`IP` or `IP:port`), `OXCCL_TCP_POLL=busy`,
+    /// `OXCCL_TCP_NSOCKS` and `OXCCL_SPIN_US`; a malformed value is an error naming the variable.
     pub fn from_env() -> Result<DeviceConfig> {
         DeviceConfig::from_vars(&|k| std::env::var(k).ok())
     }
@@ -70,6 +76,17 @@ impl DeviceConfig {
             })?;
         }
         c.tcp_busy_poll = get("OXCCL_TCP_POLL").is_some_and(|v| v == "busy");
+        if let Some(v) = get("OXCCL_TCP_NSOCKS") {
+            c.tcp_nsocks = v
+                .parse()
+                .ok()
+                .filter(|n| (1..=16).contains(n))
+                .ok_or_else(|| {
+                    Error::arg(format!(
+                        "OXCCL_TCP_NSOCKS={v:?} is not a number of connections from 1 to 16"
+                    ))
+                })?;
+        }
         if let Some(v) = get("OXCCL_SPIN_US") {
             let us: u64 = v.parse().map_err(|_| {
                 Error::arg(format!(

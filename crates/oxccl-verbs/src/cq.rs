@@ -69,6 +69,16 @@ impl CompletionQueue {
         self.inner.poll(out)
     }
 
+    /// Drives the software progress of this queue's queue pairs without taking completions:
+    /// what an application that waits by polling memory (a flag a peer's WRITE sets) calls in
+    /// its loop, as libfabric's manual-progress providers and UCX's `ucp_worker_progress` ask.
+    /// With the tcp provider this reads the sockets (a peer's WRITE lands here, in this
+    /// thread, rather than in the progress thread after a wake-up); with shm it costs a few
+    /// loads.
+    pub fn progress(&self) {
+        self.inner.poll(&mut []);
+    }
+
     /// A counter bumped whenever a completion is added to this queue (or a peer of it dies):
     /// when two reads return the same value, nothing arrived in between, so a caller can skip
     /// a [`CompletionQueue::poll`] with one memory load.
@@ -139,6 +149,11 @@ impl CompletionQueue {
             if inner.has_pending() {
                 nap = nap.min(Duration::from_micros(200));
             }
+            // A provider with its own wait (tcp: epoll on its sockets) sleeps there: the message
+            // wakes the thread that waits for it.
+            if inner.ctx.ops.block(nap) {
+                continue;
+            }
             sleepers.fetch_add(1, Ordering::SeqCst);
             if seq.load(Ordering::SeqCst) == observed {
                 futex_wait(seq, observed, nap);
@@ -174,6 +189,7 @@ impl CqInner {
     pub(crate) fn poll(&self, out: &mut [WorkCompletion]) -> usize {
         let mut n = 0;
         {
+            self.ctx.ops.progress();
             let sources = self.sources.lock().unwrap_or_else(|e| e.into_inner());
             for qp in sources.iter() {
                 qp.progress();
@@ -220,6 +236,7 @@ impl CqInner {
             self.ctx.seg.cq_word(self.index, SEQ),
             self.ctx.seg.cq_word(self.index, SLEEPERS),
         );
+        self.ctx.ops.notify();
     }
 }
 

@@ -193,6 +193,23 @@ pub(crate) trait ProviderContext: Send + Sync {
     fn listen_addr(&self) -> Option<std::net::SocketAddr> {
         None
     }
+
+    /// Called once per poll of a completion queue of this context, before its queue pairs'
+    /// [`QpTransport::progress`]: a provider whose progress is software (tcp) moves bytes here,
+    /// in the application's thread. Must be cheap when there is nothing to do.
+    fn progress(&self) {}
+
+    /// A completion-queue wait found nothing and would sleep on its doorbell for `nap`: a
+    /// provider may instead block in its own wait (tcp: `epoll_wait` on its sockets), handling
+    /// what arrives, for at most `nap`, and return true. False (the default): the waiter sleeps
+    /// on the doorbell.
+    fn block(&self, _nap: std::time::Duration) -> bool {
+        false
+    }
+
+    /// A completion was added to a queue of this context by some thread: wake a waiter that
+    /// blocks in [`ProviderContext::block`], if one does and this is another thread.
+    fn notify(&self) {}
 }
 
 /// A provider's half of one queue pair: how its requests reach the peer.

@@ -39,6 +39,10 @@ pub struct QpEndpoint {
     pub addr: EndpointAddr,
 }
 
+fn one() -> u32 {
+    1
+}
+
 /// The provider-specific part of an endpoint.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
@@ -60,6 +64,11 @@ pub enum EndpointAddr {
         addr: String,
         /// Secret token naming the queue pair in the connection handshake.
         qp_token: u64,
+        /// How many TCP connections the owner wants for the queue pair
+        /// ([`DeviceConfig::tcp_nsocks`](crate::DeviceConfig::tcp_nsocks)); the two sides use
+        /// the smaller wish.
+        #[serde(default = "one")]
+        nsocks: u32,
     },
     /// An address in a provider's own encoding, for providers whose addresses are none of the
     /// above (a libfabric endpoint name, say): only that provider reads it.

@@ -5,6 +5,9 @@
 //! atomics on (and where receives land), and `source`, the local buffer WRITEs and SENDs gather
 //! from and READs and atomics scatter into.
 //!
+//! A ping-pong side that waits by watching memory (write_lat) drives its provider's progress in
+//! the loop when that progress is software (tcp, ofi: [`CompletionQueue::progress`]).
+//!
 //! Waiting for completions spins on the completion queue (perftest's default), or with `events`
 //! (`-e`, perftest's `--events`) sleeps in [`CompletionQueue::wait`], which leaves the CPU to
 //! whoever needs it: the tcp provider's progress threads, on a machine with few cores.
@@ -43,6 +46,9 @@ pub struct VerbsSide {
     rx_posted: Cell<u64>,
     fetch_add_seen: Cell<u64>,
     events: bool,
+    /// The provider's progress is software (not shm): a side that waits by watching memory
+    /// polls its completion queue too, so that the peer's WRITE is read in this thread.
+    drive: bool,
 }
 
 impl VerbsSide {
@@ -89,6 +95,7 @@ impl VerbsSide {
             rx_posted: Cell::new(0),
             fetch_add_seen: Cell::new(0),
             events,
+            drive: provider != oxccl_verbs::Provider::Shm,
         })
     }
 
@@ -171,7 +178,7 @@ impl VerbsSide {
                 for i in 0..total {
                     let seq = run.seq + i + 1;
                     self.write_seq(&sge, remote, &watch, seq, i + 1 == total, i, spin)?;
-                    watch.wait(seq, spin)?;
+                    watch.wait(seq, spin, self.drive.then_some(&self.recv_cq))?;
                     stamp(i, &mut samples);
                 }
             }
@@ -233,7 +240,7 @@ impl VerbsSide {
                 let sge = [Sge::new(&self.source, 0, run.size)];
                 for i in 0..total {
                     let seq = run.seq + i + 1;
-                    watch.wait(seq, spin)?;
+                    watch.wait(seq, spin, self.drive.then_some(&self.recv_cq))?;
                     self.write_seq(&sge, remote, &watch, seq, i + 1 == total, i, spin)?;
                 }
             }
@@ -529,13 +536,17 @@ impl<'a> Watch<'a> {
         }
     }
 
-    /// Spins until the watched bytes hold `seq`.
+    /// Spins until the watched bytes hold `seq`, driving `cq`'s progress each turn (a
+    /// provider whose progress is software; `ucp_worker_progress` in UCX's perftest).
     #[inline]
-    pub fn wait(&self, seq: u64, spin: &mut Spin<'_>) -> Result<()> {
+    pub fn wait(&self, seq: u64, spin: &mut Spin<'_>, cq: Option<&CompletionQueue>) -> Result<()> {
         let mask = self.mask();
         let want = seq & mask;
         // Little-endian: byte `off` of the region is the low byte of the word.
         while self.word.load(std::sync::atomic::Ordering::Acquire) & mask != want {
+            if let Some(cq) = cq {
+                cq.progress();
+            }
             spin.turn(&|| format!("the peer's message #{seq}"))?;
         }
         spin.progress();

@@ -1,11 +1,17 @@
 //! The tcp provider's wire format: a fixed 64-byte header, then the payload (if the opcode has one).
 //!
 //! ```text
-//!  0  magic "OXT1"     4  opcode   5  flags (0)   6  reserved (0)
+//!  0  magic "OXT2"     4  opcode   5  flags        6  reserved (0)
 //!  8  seq (u64)       16  len (u32)  20  imm (u32)
 //! 24  remote addr    32  rkey      40  a (compare / add / old value / status)
 //! 48  b (swap)       56  reserved (0)
 //! ```
+//!
+//! Flags: [`ACK_REQ`] (the target acknowledges the request once it is executed; without it the
+//! target acknowledges only every [`ACK_EVERY`] requests, cumulatively), [`PART`] (one part of a
+//! WRITE striped across the queue pair's connections: `a` holds the part's index (bits 0-7), the
+//! number of parts (bits 8-15) and the whole request's length (bits 16-47), `b` the request's
+//! address, `addr` and `len` this part's; see [`Part`]). Every other bit is reserved (0).
 //!
 //! All integers are little endian. [`Header::decode`] is a pure function: it accepts exactly the
 //! headers this module encodes and rejects everything else with a [`FrameError`] (fuzzed by
@@ -15,7 +21,16 @@ use std::fmt;
 
 /// Size of every header.
 pub const HEADER_LEN: usize = 64;
-const MAGIC: [u8; 4] = *b"OXT1";
+const MAGIC: [u8; 4] = *b"OXT2";
+/// Flag: acknowledge this request once it is executed (the initiator asked for a completion).
+pub const ACK_REQ: u8 = 1;
+/// Flag: one part of a striped WRITE or WRITE_WITH_IMM ([`Part`]).
+pub const PART: u8 = 2;
+/// The most parts a striped request has (and connections a queue pair has).
+pub const MAX_PARTS: u64 = 16;
+/// A target acknowledges at least every this many requests, asked or not, so that the
+/// initiator's record of requests in flight stays bounded.
+pub const ACK_EVERY: u64 = 64;
 /// Largest payload of one frame (and largest READ).
 pub const MAX_PAYLOAD: u32 = 1 << 31;
 
@@ -45,6 +60,9 @@ pub enum Opcode {
     ReadResp = 18,
     /// Old value (`a`) of atomic `seq`.
     AtomicResp = 19,
+    /// Initiator to target: acknowledge every request up to `seq` once it is executed, asked
+    /// or not (a request that failed locally waits for the completions before it).
+    AckReq = 20,
 }
 
 impl Opcode {
@@ -62,6 +80,7 @@ impl Opcode {
             17 => Nak,
             18 => ReadResp,
             19 => AtomicResp,
+            20 => AckReq,
             _ => return None,
         })
     }
@@ -85,6 +104,8 @@ impl Opcode {
 pub struct Header {
     /// What the frame is.
     pub opcode: Opcode,
+    /// [`ACK_REQ`] and [`PART`].
+    pub flags: u8,
     /// Request sequence number (requests), or the request answered (responses).
     pub seq: u64,
     /// Payload length, or READ length.
@@ -101,6 +122,19 @@ pub struct Header {
     pub b: u64,
 }
 
+/// Where a part of a striped WRITE belongs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Part {
+    /// Which part (`0..count`).
+    pub index: u32,
+    /// How many parts the request has.
+    pub count: u32,
+    /// The request's length.
+    pub total: u32,
+    /// The request's address.
+    pub base: u64,
+}
+
 /// Why a header was rejected. Any of these closes the connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FrameError {
@@ -114,6 +148,8 @@ pub enum FrameError {
     BadLength(Opcode, u32),
     /// A NAK carries no known failure status.
     BadStatus(u64),
+    /// Flags the opcode cannot have, or a part index and count that do not fit.
+    BadFlags(u8),
 }
 
 impl fmt::Display for FrameError {
@@ -124,6 +160,7 @@ impl fmt::Display for FrameError {
             FrameError::Reserved => write!(f, "reserved header bytes are not zero"),
             FrameError::BadLength(op, l) => write!(f, "length {l} is invalid for {op:?}"),
             FrameError::BadStatus(s) => write!(f, "NAK with invalid status {s}"),
+            FrameError::BadFlags(x) => write!(f, "flags {x:#x} are invalid for this frame"),
         }
     }
 }
@@ -133,6 +170,7 @@ impl Header {
     pub fn new(opcode: Opcode, seq: u64, len: u32) -> Header {
         Header {
             opcode,
+            flags: 0,
             seq,
             len,
             imm: 0,
@@ -148,6 +186,7 @@ impl Header {
         let mut h = [0u8; HEADER_LEN];
         h[0..4].copy_from_slice(&MAGIC);
         h[4] = self.opcode as u8;
+        h[5] = self.flags;
         h[8..16].copy_from_slice(&self.seq.to_le_bytes());
         h[16..20].copy_from_slice(&self.len.to_le_bytes());
         h[20..24].copy_from_slice(&self.imm.to_le_bytes());
@@ -166,11 +205,12 @@ impl Header {
             return Err(FrameError::BadMagic);
         }
         let opcode = Opcode::from_u8(h[4]).ok_or(FrameError::BadOpcode(h[4]))?;
-        if h[5] != 0 || h[6] != 0 || h[7] != 0 || h[56..64].iter().any(|&b| b != 0) {
+        if h[6] != 0 || h[7] != 0 || h[56..64].iter().any(|&b| b != 0) {
             return Err(FrameError::Reserved);
         }
         let hdr = Header {
             opcode,
+            flags: h[5],
             seq: u64_at(8),
             len: u32_at(16),
             imm: u32_at(20),
@@ -181,7 +221,7 @@ impl Header {
         };
         let len_ok = match opcode {
             Opcode::Cas | Opcode::Faa => hdr.len == 8,
-            Opcode::Ack | Opcode::Nak | Opcode::AtomicResp => hdr.len == 0,
+            Opcode::Ack | Opcode::Nak | Opcode::AtomicResp | Opcode::AckReq => hdr.len == 0,
             _ => hdr.len <= MAX_PAYLOAD,
         };
         if !len_ok {
@@ -190,7 +230,42 @@ impl Header {
         if opcode == Opcode::Nak && !(1..=8).contains(&hdr.a) {
             return Err(FrameError::BadStatus(hdr.a));
         }
+        let flags_ok = match hdr.flags {
+            0 => true,
+            ACK_REQ => opcode.is_request(),
+            PART | 3 => matches!(opcode, Opcode::Write | Opcode::WriteImm) && hdr.part().is_some(),
+            _ => false,
+        };
+        if !flags_ok {
+            return Err(FrameError::BadFlags(hdr.flags));
+        }
         Ok(hdr)
+    }
+
+    /// The part a [`PART`] frame is, if its fields make one: index below count, count in
+    /// `2..=MAX_PARTS`, total at most [`MAX_PAYLOAD`], and the part inside the request.
+    pub fn part(&self) -> Option<Part> {
+        let p = Part {
+            index: (self.a & 0xff) as u32,
+            count: ((self.a >> 8) & 0xff) as u32,
+            total: (self.a >> 16) as u32,
+            base: self.b,
+        };
+        let end = p.base.checked_add(p.total as u64)?;
+        let ok = self.a >> 48 == 0
+            && (2..=MAX_PARTS as u32).contains(&p.count)
+            && p.index < p.count
+            && p.total <= MAX_PAYLOAD
+            && self.addr >= p.base
+            && self.addr.checked_add(self.len as u64)? <= end;
+        ok.then_some(p)
+    }
+
+    /// Makes this header part `index` of `count` of a request of `total` bytes at `base`.
+    pub fn set_part(&mut self, p: Part) {
+        self.flags |= PART;
+        self.a = p.index as u64 | (p.count as u64) << 8 | (p.total as u64) << 16;
+        self.b = p.base;
     }
 
     /// Bytes of payload after this header.
@@ -203,28 +278,54 @@ impl Header {
     }
 }
 
-/// The first message on a new connection: which queue pair it is for, proven by its secret token.
-pub const HELLO_LEN: usize = 32;
-const HELLO_MAGIC: [u8; 8] = *b"OXTHELO1";
+/// The first message on a new connection: which queue pair it is for, proven by its secret
+/// token, and which of the queue pair's connections it is.
+pub const HELLO_LEN: usize = 40;
+const HELLO_MAGIC: [u8; 8] = *b"OXTHELO2";
 
-/// Encodes the hello naming the target queue pair, the initiator's, and the initiator's RNR
-/// budget in µs (how long the target may hold its SEND waiting for a receive; 0 = forever).
-pub fn encode_hello(target_token: u64, initiator_token: u64, rnr_us: u64) -> [u8; HELLO_LEN] {
-    let mut h = [0u8; HELLO_LEN];
-    h[0..8].copy_from_slice(&HELLO_MAGIC);
-    h[8..16].copy_from_slice(&target_token.to_le_bytes());
-    h[16..24].copy_from_slice(&initiator_token.to_le_bytes());
-    h[24..32].copy_from_slice(&rnr_us.to_le_bytes());
-    h
+/// A decoded hello.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// The token of the queue pair the connection is for.
+    pub target: u64,
+    /// The token of the queue pair that connects.
+    pub initiator: u64,
+    /// The initiator's RNR budget in µs (how long the target may hold its SEND waiting for a
+    /// receive; 0 = forever).
+    pub rnr_us: u64,
+    /// Which of the queue pair's connections this is (`0..count`).
+    pub index: u32,
+    /// How many connections the queue pair has (`1..=MAX_PARTS`).
+    pub count: u32,
 }
 
-/// Decodes a hello: (target token, initiator token, RNR budget in µs).
-pub fn decode_hello(h: &[u8; HELLO_LEN]) -> Option<(u64, u64, u64)> {
-    if h[0..8] != HELLO_MAGIC {
+/// Encodes a hello.
+pub fn encode_hello(h: &Hello) -> [u8; HELLO_LEN] {
+    let mut b = [0u8; HELLO_LEN];
+    b[0..8].copy_from_slice(&HELLO_MAGIC);
+    b[8..16].copy_from_slice(&h.target.to_le_bytes());
+    b[16..24].copy_from_slice(&h.initiator.to_le_bytes());
+    b[24..32].copy_from_slice(&h.rnr_us.to_le_bytes());
+    b[32..36].copy_from_slice(&h.index.to_le_bytes());
+    b[36..40].copy_from_slice(&h.count.to_le_bytes());
+    b
+}
+
+/// Decodes a hello; `None` for anything [`encode_hello`] does not make.
+pub fn decode_hello(b: &[u8; HELLO_LEN]) -> Option<Hello> {
+    if b[0..8] != HELLO_MAGIC {
         return None;
     }
-    let u64_at = |o: usize| u64::from_le_bytes(h[o..o + 8].try_into().unwrap_or([0; 8]));
-    Some((u64_at(8), u64_at(16), u64_at(24)))
+    let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]));
+    let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap_or([0; 4]));
+    let h = Hello {
+        target: u64_at(8),
+        initiator: u64_at(16),
+        rnr_us: u64_at(24),
+        index: u32_at(32),
+        count: u32_at(36),
+    };
+    ((1..=MAX_PARTS as u32).contains(&h.count) && h.index < h.count).then_some(h)
 }
 
 #[cfg(test)]
@@ -245,6 +346,7 @@ mod tests {
             (Opcode::Ack, 0),
             (Opcode::ReadResp, 9),
             (Opcode::AtomicResp, 0),
+            (Opcode::AckReq, 0),
         ] {
             let mut h = Header::new(op, 42, len);
             h.imm = 7;
@@ -270,6 +372,9 @@ mod tests {
         let mut h = good;
         h[60] = 1;
         assert_eq!(Header::decode(&h), Err(FrameError::Reserved));
+        let mut h = good;
+        h[5] = 4;
+        assert_eq!(Header::decode(&h), Err(FrameError::BadFlags(4)));
         let h = Header::new(Opcode::Faa, 1, 16).encode();
         assert_eq!(
             Header::decode(&h),
@@ -279,9 +384,36 @@ mod tests {
         assert!(Header::decode(&h).is_err());
         let h = Header::new(Opcode::Nak, 1, 0).encode();
         assert_eq!(Header::decode(&h), Err(FrameError::BadStatus(0)));
-        let hello = encode_hello(1, 2, 3);
-        assert_eq!(decode_hello(&hello), Some((1, 2, 3)));
+        let hello = Hello {
+            target: 1,
+            initiator: 2,
+            rnr_us: 3,
+            index: 1,
+            count: 4,
+        };
+        assert_eq!(decode_hello(&encode_hello(&hello)), Some(hello));
         assert_eq!(decode_hello(&[0; HELLO_LEN]), None);
+        let bad = Hello { index: 4, ..hello };
+        assert_eq!(decode_hello(&encode_hello(&bad)), None);
+        let mut part = Header::new(Opcode::Write, 1, 10);
+        part.flags = ACK_REQ;
+        part.addr = 1010;
+        let p = Part {
+            index: 1,
+            count: 4,
+            total: 40,
+            base: 1000,
+        };
+        part.set_part(p);
+        assert_eq!(Header::decode(&part.encode()), Ok(part));
+        assert_eq!(part.part(), Some(p));
+        part.set_part(Part { index: 4, ..p });
+        assert_eq!(Header::decode(&part.encode()), Err(FrameError::BadFlags(3)));
+        part.set_part(Part { total: 15, ..p });
+        assert_eq!(Header::decode(&part.encode()), Err(FrameError::BadFlags(3)));
+        let mut ack = Header::new(Opcode::Ack, 1, 0);
+        ack.flags = ACK_REQ;
+        assert_eq!(Header::decode(&ack.encode()), Err(FrameError::BadFlags(1)));
     }
 
     proptest! {

@@ -25,11 +25,17 @@ impl QpTransport for TcpQp {
         EndpointAddr::Tcp {
             addr: super::advertised(&self.shared),
             qp_token: qp.token,
+            nsocks: self.conn.wanted(),
         }
     }
 
     fn connect(&self, qp: &QpInner, remote: &QpEndpoint) -> std::result::Result<(), String> {
-        let EndpointAddr::Tcp { addr, qp_token } = &remote.addr else {
+        let EndpointAddr::Tcp {
+            addr,
+            qp_token,
+            nsocks,
+        } = &remote.addr
+        else {
             return Err("not a tcp endpoint address".into());
         };
         if *qp_token == qp.token {
@@ -37,7 +43,10 @@ impl QpTransport for TcpQp {
         }
         let sa: std::net::SocketAddr = addr.parse().map_err(|_| format!("bad address {addr:?}"))?;
         let conn = &self.conn;
-        conn.set_remote(*qp_token, qp.cfg.timeout);
+        let count = (*nsocks)
+            .clamp(1, frame::MAX_PARTS as u32)
+            .min(conn.wanted());
+        conn.set_remote(*qp_token, count, qp.cfg.timeout);
         // The side with the smaller token connects, unless the caller chose; the other one
         // accepts.
         let active = match qp.cfg.connect {
@@ -87,6 +96,8 @@ impl QpTransport for TcpQp {
     }
 
     fn progress(&self, qp: &QpInner) {
+        // The bytes move in the context's progress (`TcpContext::progress`); here only a
+        // connection that failed is reported.
         if qp.is_connected() && self.conn.dead.load(Ordering::Acquire) {
             self.conn.report();
         }

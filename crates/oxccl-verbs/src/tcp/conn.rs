@@ -1,0 +1,572 @@
+//! A queue pair's connections: setting them up, failing them, and the initiator's record of
+//! the requests in flight.
+
+use std::collections::VecDeque;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use rustix::event::epoll;
+use smallvec::SmallVec;
+
+use super::frame::Hello;
+use super::rx::{Exec, Rx};
+use super::tx::Tx;
+use super::{Shared, read_reply, send_hello};
+use crate::error::{Error, Result};
+use crate::mr::{MrInner, Span};
+use crate::qp::QpInner;
+use crate::types::{WcOpcode, WcStatus};
+
+/// Spans of a request's local buffers (one or two, almost always: no allocation).
+pub(super) type Spans = SmallVec<[Span; 2]>;
+/// The regions a request keeps alive.
+pub(super) type Keep = SmallVec<[Arc<MrInner>; 2]>;
+
+/// One TCP connection of a queue pair.
+pub(super) struct Sock {
+    /// Its epoll key.
+    pub key: u64,
+    pub stream: OnceLock<TcpStream>,
+    pub tx: Mutex<Tx>,
+    pub rx: Mutex<Rx>,
+    /// Input is not watched (the connection waits for a receive, or for another connection).
+    pub stalled: AtomicBool,
+}
+
+/// Sequence numbers of posted requests; taken before any connection's transmit lock.
+#[derive(Default)]
+pub(super) struct Post {
+    pub next_seq: u64,
+    /// The queue pair failed and flushed its requests: nothing more is sent.
+    pub flushed: bool,
+}
+
+/// A request this side sent and has not seen answered.
+pub(super) struct Outstanding {
+    pub seq: u64,
+    pub wr_id: u64,
+    pub opcode: WcOpcode,
+    pub len: u32,
+    pub signaled: bool,
+    /// Where READ data or an atomic's old value lands.
+    pub dst: Spans,
+    pub _keep: Keep,
+    /// A request that failed locally (or follows one) and was never sent: it completes with
+    /// this status once every earlier request has, so completions stay in order.
+    pub error: Option<WcStatus>,
+}
+
+impl Outstanding {
+    /// A request never sent that completes with `status` in its turn.
+    fn unsent(seq: u64, wr_id: u64, opcode: WcOpcode, status: WcStatus) -> Outstanding {
+        Outstanding {
+            seq,
+            wr_id,
+            opcode,
+            len: 0,
+            signaled: true,
+            dst: Spans::new(),
+            _keep: Keep::new(),
+            error: Some(status),
+        }
+    }
+}
+
+/// One queue pair's connections.
+pub(crate) struct Conn {
+    pub(super) shared: Weak<Shared>,
+    pub(super) qp: Weak<QpInner>,
+    pub local_token: u64,
+    /// The peer queue pair's token, once `connect` named it (0 before).
+    remote_token: AtomicU64,
+    /// The connections, made when `connect` names the peer (and so their number).
+    socks: OnceLock<Box<[Sock]>>,
+    /// How many of them are attached to a socket.
+    attached: AtomicU32,
+    /// Connections that arrived before `connect`: (hello, epoll key, socket).
+    parked: Mutex<Vec<(Hello, u64, TcpStream)>>,
+    pub(super) post: Mutex<Post>,
+    pub(super) exec: Mutex<Exec>,
+    pub(super) out: Mutex<VecDeque<Outstanding>>,
+    pub dead: AtomicBool,
+    /// Why it died, for the queue pair's error detail.
+    reason: Mutex<Option<String>>,
+    /// Whether the queue pair was told.
+    reported: AtomicBool,
+    /// A send failed (the peer closed or reset the connection): the driver reads what the peer
+    /// sent before that, then fails the queue pair.
+    drain_first: AtomicBool,
+    /// The peer's RNR budget (how long we may stall its SEND before NAKing it), µs; 0 = forever.
+    pub(super) peer_rnr_us: AtomicU64,
+    pub(super) my_rnr_us: u64,
+    /// When the connections must be up (set by `connect`).
+    attach_by: Mutex<Option<Instant>>,
+}
+
+impl Conn {
+    pub(super) fn new(shared: &Arc<Shared>, qp: Weak<QpInner>, local_token: u64, rnr: u64) -> Conn {
+        Conn {
+            shared: Arc::downgrade(shared),
+            qp,
+            local_token,
+            remote_token: AtomicU64::new(0),
+            socks: OnceLock::new(),
+            attached: AtomicU32::new(0),
+            parked: Mutex::new(Vec::new()),
+            post: Mutex::new(Post::default()),
+            exec: Mutex::new(Exec::default()),
+            out: Mutex::new(VecDeque::new()),
+            dead: AtomicBool::new(false),
+            reason: Mutex::new(None),
+            reported: AtomicBool::new(false),
+            drain_first: AtomicBool::new(false),
+            peer_rnr_us: AtomicU64::new(0),
+            my_rnr_us: rnr,
+            attach_by: Mutex::new(None),
+        }
+    }
+
+    /// The connections (none before `connect`).
+    pub(super) fn socks(&self) -> &[Sock] {
+        self.socks.get().map_or(&[], |s| &s[..])
+    }
+
+    /// The epoll keys of the connections.
+    pub(super) fn keys(&self) -> Vec<u64> {
+        self.socks().iter().map(|s| s.key).collect()
+    }
+
+    /// How many connections this side asks for.
+    pub(super) fn wanted(&self) -> u32 {
+        self.shared.upgrade().map_or(1, |s| s.tuning.nsocks)
+    }
+
+    /// Names the peer (`connect`) and makes `count` connections; from now on they must come up
+    /// within `timeout`.
+    pub(crate) fn set_remote(&self, remote_token: u64, count: u32, timeout: Duration) {
+        let Some(sh) = self.shared.upgrade() else {
+            return;
+        };
+        let socks: Box<[Sock]> = (0..count)
+            .map(|_| Sock {
+                key: sh.key(),
+                stream: OnceLock::new(),
+                tx: Mutex::new(Tx::default()),
+                rx: Mutex::new(Rx::new()),
+                stalled: AtomicBool::new(false),
+            })
+            .collect();
+        let _ = self.socks.set(socks);
+        *self.attach_by.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + timeout);
+        self.remote_token.store(remote_token, Ordering::Release);
+        self.unpark();
+    }
+
+    /// Whether an arriving connection may be ours: from the named peer (if named yet), a
+    /// connection we do not have yet.
+    pub(super) fn accepts(&self, h: &Hello) -> std::result::Result<(), String> {
+        let remote = self.remote_token.load(Ordering::Acquire);
+        if remote != 0 && remote != h.initiator {
+            return Err("the queue pair is connected to another peer".into());
+        }
+        if let Some(s) = self.socks.get() {
+            if s.len() != h.count as usize {
+                return Err(format!(
+                    "the peer opens {} connections, the queue pair has {}",
+                    h.count,
+                    s.len()
+                ));
+            }
+            if s[h.index as usize].stream.get().is_some() {
+                return Err(format!("connection {} is already up", h.index));
+            }
+        }
+        Ok(())
+    }
+
+    /// An accepted connection said hello: attach it, or park it until `connect` names the peer.
+    pub(super) fn arrived(self: &Arc<Self>, h: Hello, key: u64, sock: TcpStream) {
+        self.parked
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((h, key, sock));
+        if self.remote_token.load(Ordering::Acquire) != 0 {
+            self.unpark();
+        }
+    }
+
+    /// Attaches the connections that arrived from the named peer.
+    fn unpark(&self) {
+        let remote = self.remote_token.load(Ordering::Acquire);
+        let parked = std::mem::take(&mut *self.parked.lock().unwrap_or_else(|e| e.into_inner()));
+        for (h, key, sock) in parked {
+            let ok = h.initiator == remote && h.count as usize == self.socks().len();
+            if !ok {
+                if let Some(sh) = self.shared.upgrade() {
+                    let _ = epoll::delete(&sh.epoll, &sock);
+                }
+                continue;
+            }
+            if let Err(e) = self.attach(h.index as usize, Some(key), sock) {
+                self.fail(&format!("attaching connection {}: {e}", h.index));
+            }
+        }
+    }
+
+    /// Connects actively to `addr` (the side with the smaller token connects), every
+    /// connection in turn.
+    pub(crate) fn connect_to(&self, addr: SocketAddr, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let count = self.socks().len() as u32;
+        for index in 0..count {
+            let mut sock = loop {
+                match TcpStream::connect_timeout(&addr, timeout.min(Duration::from_secs(5))) {
+                    Ok(s) => break s,
+                    Err(_) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    Err(e) => return Err(Error::os(format!("connecting to {addr}"), e)),
+                }
+            };
+            sock.set_read_timeout(Some(timeout.max(Duration::from_millis(100))))
+                .map_err(|e| Error::os(format!("handshake with {addr}"), e))?;
+            let hello = Hello {
+                target: self.remote_token.load(Ordering::Acquire),
+                initiator: self.local_token,
+                rnr_us: self.my_rnr_us,
+                index,
+                count,
+            };
+            send_hello(&mut sock, addr, &hello)?;
+            let rnr = read_reply(&mut sock, addr)?;
+            self.peer_rnr_us.store(rnr, Ordering::Relaxed);
+            self.attach(index as usize, None, sock)?;
+        }
+        Ok(())
+    }
+
+    /// Makes `sock` connection `idx`: configures it and watches it (under `key` when epoll
+    /// already has it: an accepted connection).
+    fn attach(&self, idx: usize, key: Option<u64>, sock: TcpStream) -> Result<()> {
+        let io = |e: std::io::Error| Error::os("configuring the queue pair's socket", e);
+        sock.set_nodelay(true).map_err(io)?;
+        sock.set_read_timeout(None).map_err(io)?;
+        sock.set_nonblocking(true).map_err(io)?;
+        let timeout = self
+            .qp
+            .upgrade()
+            .map(|q| q.timeout())
+            .unwrap_or(Duration::from_secs(5));
+        // A dead link (no FIN ever comes) is noticed within the queue pair's timeout.
+        let _ = rustix::net::sockopt::set_socket_keepalive(&sock, true);
+        let third = (timeout / 3).max(Duration::from_secs(1));
+        let _ = rustix::net::sockopt::set_tcp_keepidle(&sock, third);
+        let _ = rustix::net::sockopt::set_tcp_keepintvl(&sock, third / 2);
+        let _ = rustix::net::sockopt::set_tcp_keepcnt(&sock, 2);
+        let _ = rustix::net::sockopt::set_tcp_user_timeout(&sock, timeout.as_millis() as u32);
+        let shared = self
+            .shared
+            .upgrade()
+            .ok_or_else(|| Error::arg("context closed"))?;
+        let Some(s) = self.socks().get(idx) else {
+            return Err(Error::arg(format!("no connection {idx}")));
+        };
+        let me = shared
+            .conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&self.local_token)
+            .cloned()
+            .ok_or_else(|| Error::arg("queue pair destroyed"))?;
+        if s.stream.set(sock).is_err() {
+            return Err(Error::arg("queue pair already connected"));
+        }
+        let sock = s.stream.get().expect("just set");
+        shared.register_sock(s.key, &me, idx);
+        let mut tx = s.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let data = epoll::EventData::new_u64(s.key);
+        let flags = epoll::EventFlags::IN | epoll::EventFlags::OUT;
+        match key {
+            Some(_) => epoll::modify(&shared.epoll, sock, data, flags),
+            None => epoll::add(&shared.epoll, sock, data, flags),
+        }
+        .map_err(|e| Error::os("epoll add", e))?;
+        tx.want_out = true;
+        drop(tx);
+        self.attached.fetch_add(1, Ordering::AcqRel);
+        self.flush_tx(idx);
+        Ok(())
+    }
+
+    /// Whether every connection is attached.
+    pub(super) fn is_up(&self) -> bool {
+        let n = self.socks().len();
+        n > 0 && self.attached.load(Ordering::Acquire) as usize == n
+    }
+
+    /// Closes the sockets (the peer sees EOF) and stops polling them.
+    pub(crate) fn shutdown(&self) {
+        // Closed on purpose (the queue pair failed or is destroyed): nothing left to report.
+        self.reported.store(true, Ordering::Release);
+        self.dead.store(true, Ordering::Release);
+        let sh = self.shared.upgrade();
+        for s in self.socks() {
+            if let Some(st) = s.stream.get() {
+                if let Some(sh) = &sh {
+                    let _ = epoll::delete(&sh.epoll, st);
+                }
+                let _ = st.shutdown(std::net::Shutdown::Both);
+            }
+            s.tx.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .frames
+                .clear();
+        }
+        let parked = std::mem::take(&mut *self.parked.lock().unwrap_or_else(|e| e.into_inner()));
+        for (_, _, st) in parked {
+            if let Some(sh) = &sh {
+                let _ = epoll::delete(&sh.epoll, &st);
+            }
+        }
+    }
+
+    /// Fails the connection from the driver (which holds no queue-pair lock).
+    pub(super) fn fail(&self, why: &str) {
+        self.mark_failed(why);
+        self.report();
+    }
+
+    /// Records why the connection failed; the queue pair learns it on its next progress call or
+    /// the next sweep (callers may hold queue-pair locks).
+    pub(super) fn mark_failed(&self, why: &str) {
+        let mut reason = self.reason.lock().unwrap_or_else(|e| e.into_inner());
+        if reason.is_none() {
+            *reason = Some(why.to_string());
+        }
+        drop(reason);
+        self.dead.store(true, Ordering::Release);
+        if let Some(sh) = self.shared.upgrade() {
+            sh.kick();
+        }
+    }
+
+    /// Records a failed send (callers may hold queue-pair locks, so the queue pair is failed
+    /// later, by the driver or the next poll).
+    pub(super) fn check(&self, r: std::result::Result<(), String>) {
+        if let Err(why) = r {
+            // What the peer sent before it closed (its last messages: often why it closed)
+            // is still in the socket: the driver delivers it first.
+            self.drain_first.store(true, Ordering::Release);
+            self.mark_failed(&why);
+        }
+    }
+
+    /// Moves the queue pair to ERR, once, with the recorded reason.
+    pub(crate) fn report(&self) {
+        if !self.dead.load(Ordering::Acquire)
+            || self.drain_first.load(Ordering::Acquire)
+            || self.reported.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        let why = self
+            .reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .unwrap_or_else(|| "connection closed".into());
+        if let Some(qp) = self.qp.upgrade() {
+            qp.connection_failed(&why);
+        }
+        self.shutdown();
+    }
+
+    /// Sets what epoll watches on connection `i`: input unless it is stalled, output when
+    /// `want_out`.
+    pub(super) fn set_interest(&self, i: usize, want_out: bool) {
+        let (Some(s), Some(sh)) = (self.socks().get(i), self.shared.upgrade()) else {
+            return;
+        };
+        let Some(st) = s.stream.get() else { return };
+        let mut flags = epoll::EventFlags::empty();
+        if !s.stalled.load(Ordering::Acquire) {
+            flags |= epoll::EventFlags::IN;
+        }
+        if want_out {
+            flags |= epoll::EventFlags::OUT;
+        }
+        let _ = epoll::modify(&sh.epoll, st, epoll::EventData::new_u64(s.key), flags);
+    }
+
+    /// The periodic sweep: fail a connection that never came up, deliver what a failed one
+    /// still holds, retry stalled ones.
+    pub(super) fn sweep(&self) {
+        if self.dead.load(Ordering::Acquire) {
+            self.drain_then_report();
+            return;
+        }
+        if !self.is_up() {
+            let by = *self.attach_by.lock().unwrap_or_else(|e| e.into_inner());
+            if by.is_some_and(|by| Instant::now() >= by) {
+                self.fail("the peer never connected within the queue pair's timeout");
+            }
+            return;
+        }
+        for i in 0..self.socks().len() {
+            if self.socks()[i].stalled.load(Ordering::Acquire) {
+                self.on_readable(i);
+            }
+        }
+    }
+
+    /// After a failed send: executes the frames the peer sent before the connection broke,
+    /// then fails the queue pair.
+    fn drain_then_report(&self) {
+        if self.drain_first.swap(false, Ordering::AcqRel) {
+            for i in 0..self.socks().len() {
+                self.read_frames(i);
+            }
+        }
+        self.report();
+    }
+
+    /// Completes every outstanding request, oldest first (the queue pair failed), and stops
+    /// sending. Runs under the post lock, so a request being posted concurrently completes
+    /// (flushed) after these, keeping completions in order.
+    pub(crate) fn flush_outstanding(
+        &self,
+        mut status_of: impl FnMut() -> WcStatus,
+        mut complete: impl FnMut(u64, WcOpcode, WcStatus),
+    ) {
+        let mut post = self.post.lock().unwrap_or_else(|e| e.into_inner());
+        post.flushed = true;
+        for s in self.socks() {
+            let mut tx = s.tx.lock().unwrap_or_else(|e| e.into_inner());
+            // Frames not yet started are never sent; one half-sent stays to keep the stream
+            // framed, with its own copy of what it has left to send.
+            tx.frames.retain(|f| f.sent > 0 && f.sent < f.total());
+            tx.frames.iter_mut().for_each(|f| f.detach());
+        }
+        let drained: Vec<Outstanding> = self
+            .out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+            .collect();
+        for o in drained {
+            // A request that failed locally keeps its own status.
+            let status = match o.error {
+                Some(e) if e != WcStatus::WorkRequestFlushed => e,
+                _ => status_of(),
+            };
+            complete(o.wr_id, o.opcode, status);
+        }
+        drop(post);
+    }
+
+    /// Gives every frame still queued its own copy of its payload.
+    pub(super) fn detach_queued(&self) {
+        for s in self.socks() {
+            let mut tx = s.tx.lock().unwrap_or_else(|e| e.into_inner());
+            tx.frames.iter_mut().for_each(|f| f.detach());
+        }
+    }
+
+    /// Completes outstanding requests up to `seq` (inclusive) as successful.
+    pub(super) fn complete_upto(&self, qp: &QpInner, seq: u64) {
+        loop {
+            let o = {
+                let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
+                if out
+                    .front()
+                    .is_some_and(|o| o.seq <= seq && o.error.is_none())
+                {
+                    out.pop_front()
+                } else {
+                    None
+                }
+            };
+            let Some(o) = o else { break };
+            qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, o.len, o.signaled);
+        }
+        self.complete_local_failures(qp);
+    }
+
+    /// Completes the locally failed request at the front, if every earlier one has completed; the
+    /// queue pair then fails and flushes the rest.
+    pub(super) fn complete_local_failures(&self, qp: &QpInner) {
+        let failed = {
+            let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
+            if out.front().is_some_and(|o| o.error.is_some()) {
+                out.pop_front()
+            } else {
+                None
+            }
+        };
+        if let Some(o) = failed {
+            let status = o.error.unwrap_or(WcStatus::WorkRequestFlushed);
+            qp.complete_send(o.wr_id, o.opcode, status, 0, true);
+            qp.request_failed();
+        }
+    }
+
+    /// A request failed before it could be sent (a local error). With requests still in flight
+    /// it queues behind them (returns true); otherwise the caller fails the queue pair now.
+    pub(crate) fn post_failed(&self, wr_id: u64, opcode: WcOpcode, status: WcStatus) -> bool {
+        let post = self.post.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
+        if post.flushed || out.is_empty() || self.dead.load(Ordering::Acquire) {
+            return false;
+        }
+        // Requests posted after it are never sent either: they are flushed when it completes.
+        let status = if out.iter().any(|o| o.error.is_some()) {
+            WcStatus::WorkRequestFlushed
+        } else {
+            status
+        };
+        out.push_back(Outstanding::unsent(post.next_seq, wr_id, opcode, status));
+        drop(out);
+        // The requests before it may be unsignaled (the target would not acknowledge them):
+        // ask for the ACK that lets it complete.
+        let seq = post.next_seq;
+        self.queue(
+            0,
+            super::tx::TxFrame::header(&super::frame::Header::new(
+                super::frame::Opcode::AckReq,
+                seq,
+                0,
+            )),
+        );
+        true
+    }
+
+    /// Queues a request of a failed queue pair to complete as flushed once the flush under way
+    /// reaches it; false when the flush already happened (the caller completes it now).
+    pub(crate) fn post_flushed(&self, wr_id: u64, opcode: WcOpcode) -> bool {
+        let post = self.post.lock().unwrap_or_else(|e| e.into_inner());
+        if post.flushed {
+            return false;
+        }
+        self.out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(Outstanding::unsent(
+                post.next_seq,
+                wr_id,
+                opcode,
+                WcStatus::WorkRequestFlushed,
+            ));
+        true
+    }
+
+    /// Whether a locally failed request is waiting for earlier ones (later posts queue too).
+    pub(crate) fn failing(&self) -> bool {
+        self.out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|o| o.error.is_some())
+    }
+}

@@ -1,0 +1,886 @@
+//! The receiving side of a queue pair's connections: reading frames, executing requests in
+//! order (across connections), and taking the answers to our own requests.
+
+use std::io::IoSliceMut;
+use std::net::TcpStream;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use smallvec::SmallVec;
+
+use super::conn::{Conn, Keep, Spans};
+use super::frame::{ACK_EVERY, ACK_REQ, HEADER_LEN, Header, Opcode, PART};
+use super::tx::TxFrame;
+use crate::mr::{MrInner, Span, key_index};
+use crate::qp::QpInner;
+use crate::types::{AccessFlags, MAX_SGE, WcOpcode, WcStatus};
+
+/// Bytes a connection reads ahead: a small frame, header and payload, costs one `recv`.
+const STAGE: usize = 64 << 10;
+/// A payload with at least this much left to read is read straight into its target.
+const DIRECT: usize = 16 << 10;
+
+/// What happens once a request has been executed.
+enum After {
+    /// A WRITE placed: nothing else to do.
+    Nothing,
+    /// Complete receive `slot` (WRITE_WITH_IMM or SEND).
+    Recv {
+        slot: u64,
+        opcode: WcOpcode,
+        imm: Option<u32>,
+    },
+}
+
+/// What a payload that has all landed completes.
+enum Done {
+    /// Request `seq` (acknowledged if `ack`).
+    Request { seq: u64, after: After, ack: bool },
+    /// A part of the striped request under way.
+    Part,
+    /// READ `seq` of ours has all its data.
+    ReadData { seq: u64 },
+}
+
+enum RxState {
+    Header {
+        buf: [u8; HEADER_LEN],
+        got: usize,
+    },
+    Payload {
+        dst: Spans,
+        got: usize,
+        total: usize,
+        done: Done,
+        _keep: Keep,
+    },
+    /// Waiting for a receive to be posted (receiver not ready) since `since`.
+    Stalled {
+        hdr: Header,
+        since: Instant,
+    },
+    /// Waiting for an earlier request (on another connection) to be executed.
+    Blocked {
+        hdr: Header,
+    },
+    Discard {
+        left: usize,
+    },
+}
+
+const FRESH: RxState = RxState::Header {
+    buf: [0; HEADER_LEN],
+    got: 0,
+};
+
+/// One connection's receive side.
+pub(super) struct Rx {
+    state: RxState,
+    /// Read-ahead: `stage[lo..hi]` is received and not yet used.
+    stage: Vec<u8>,
+    lo: usize,
+    hi: usize,
+}
+
+/// A striped request being placed.
+struct Striped {
+    seq: u64,
+    /// Parts not yet landed.
+    left: u32,
+    /// The request's length.
+    total: u32,
+    after: After,
+    ack: bool,
+    /// The request's address, its target memory there, and the region.
+    base: u64,
+    ptr: *mut u8,
+    mr: Arc<MrInner>,
+}
+
+// SAFETY: `ptr` points into `mr`, which the struct keeps alive; only the driver uses it.
+unsafe impl Send for Striped {}
+
+/// The target's side of a queue pair: which requests are executed, what was acknowledged.
+#[derive(Default)]
+pub(super) struct Exec {
+    done_seq: u64,
+    acked_seq: u64,
+    /// A request that asked for an ACK was executed.
+    ack_due: bool,
+    /// The initiator asked for an ACK of every request up to this one ([`Opcode::AckReq`]).
+    ack_upto: u64,
+    /// After a NAK every later request of the queue pair is dropped.
+    dropping: bool,
+    cur: Option<Striped>,
+}
+
+impl Rx {
+    pub fn new() -> Rx {
+        Rx {
+            state: FRESH,
+            stage: Vec::new(),
+            lo: 0,
+            hi: 0,
+        }
+    }
+
+    fn staged(&self) -> usize {
+        self.hi - self.lo
+    }
+
+    /// Takes up to `out.len()` staged bytes into `out`.
+    fn take(&mut self, out: &mut [u8]) -> usize {
+        let k = out.len().min(self.staged());
+        out[..k].copy_from_slice(&self.stage[self.lo..self.lo + k]);
+        self.lo += k;
+        k
+    }
+
+    /// Copies staged payload bytes into `dst` at payload offset `got` (of `total`).
+    fn copy_out(&mut self, dst: &[Span], got: usize, total: usize) -> usize {
+        let mut want = (total - got).min(self.staged());
+        let n = want;
+        let mut skip = got;
+        for s in dst {
+            if want == 0 {
+                break;
+            }
+            if skip >= s.1 {
+                skip -= s.1;
+                continue;
+            }
+            let k = (s.1 - skip).min(want);
+            // SAFETY: each span is a validated range of a live registered region (kept alive by
+            // the frame state that owns `dst`); `skip + k <= s.1`; the stage holds `k` bytes.
+            unsafe {
+                crate::segment::copy_bytes(self.stage.as_ptr().add(self.lo), s.0.add(skip), k)
+            };
+            self.lo += k;
+            want -= k;
+            skip = 0;
+        }
+        n
+    }
+
+    /// Reads from the socket into the stage; `Ok(n)` with whether the socket gave less than
+    /// room (nothing more to read now).
+    fn fill(&mut self, sock: &TcpStream) -> Result<(usize, bool), rustix::io::Errno> {
+        if self.stage.is_empty() {
+            self.stage = vec![0; STAGE];
+        }
+        if self.lo == self.hi {
+            (self.lo, self.hi) = (0, 0);
+        } else if self.lo > 0 {
+            self.stage.copy_within(self.lo..self.hi, 0);
+            (self.lo, self.hi) = (0, self.hi - self.lo);
+        }
+        let room = STAGE - self.hi;
+        let (n, _) = rustix::net::recv(
+            sock,
+            &mut self.stage[self.hi..],
+            rustix::net::RecvFlags::DONTWAIT,
+        )?;
+        self.hi += n;
+        Ok((n, n < room))
+    }
+}
+
+/// How a read pass ended early.
+enum Stop {
+    /// Nothing more to read now.
+    Idle,
+    /// The connection failed (the reason).
+    Failed(String),
+}
+
+impl Conn {
+    /// Reads and executes frames of connection `i` until there is nothing more to read.
+    pub(super) fn on_readable(&self, i: usize) {
+        if self.dead.load(Ordering::Acquire) {
+            return;
+        }
+        self.read_frames(i);
+    }
+
+    /// Reads connection `i`, then the connections that waited for what it executed, then
+    /// acknowledges what was asked.
+    pub(super) fn read_frames(&self, i: usize) {
+        let Some(qp) = self.qp.upgrade() else {
+            return;
+        };
+        let mut again = self.read_socket(&qp, i);
+        while again {
+            again = false;
+            for j in 0..self.socks().len() {
+                if self.socks()[j].stalled.load(Ordering::Acquire) {
+                    again |= self.read_socket(&qp, j);
+                }
+            }
+        }
+        let ack = {
+            let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
+            let due = ex.done_seq > ex.acked_seq
+                && (ex.ack_due
+                    || ex.done_seq - ex.acked_seq >= ACK_EVERY
+                    || ex.ack_upto > ex.acked_seq);
+            ex.ack_due = false;
+            if due {
+                ex.acked_seq = ex.done_seq;
+            }
+            due.then_some(ex.done_seq)
+        };
+        if let Some(seq) = ack {
+            self.queue(0, TxFrame::header(&Header::new(Opcode::Ack, seq, 0)));
+        }
+    }
+
+    /// Reads and executes frames of connection `i` until the socket has nothing more, fails or
+    /// closes, or the connection must wait. Returns whether a request was executed.
+    fn read_socket(&self, qp: &QpInner, i: usize) -> bool {
+        let Some(s) = self.socks().get(i) else {
+            return false;
+        };
+        let Some(sock) = s.stream.get() else {
+            return false;
+        };
+        let mut rx = s.rx.lock().unwrap_or_else(|e| e.into_inner());
+        let mut executed = false;
+        let mut idle = false;
+        let r = loop {
+            match self.step(qp, i, sock, &mut rx, &mut idle, &mut executed) {
+                Ok(true) => continue,
+                Ok(false) => break Ok(()),
+                Err(e) => break Err(e),
+            }
+        };
+        drop(rx);
+        if let Err(Stop::Failed(why)) = r {
+            self.fail(&why);
+        }
+        executed
+    }
+
+    /// Reads more into the stage, unless the socket already said it has nothing more.
+    fn more(rx: &mut Rx, sock: &TcpStream, idle: &mut bool) -> Result<(), Stop> {
+        if *idle {
+            return Err(Stop::Idle);
+        }
+        match rx.fill(sock) {
+            Ok((0, _)) => Err(Stop::Failed(
+                "the peer closed the connection (process exited or queue pair destroyed)".into(),
+            )),
+            Ok((_, drained)) => {
+                *idle = drained;
+                Ok(())
+            }
+            Err(rustix::io::Errno::AGAIN) => Err(Stop::Idle),
+            Err(rustix::io::Errno::INTR) => Ok(()),
+            Err(e) => Err(Stop::Failed(format!("receiving from the peer failed: {e}"))),
+        }
+    }
+
+    /// One step of connection `i`'s receive state machine. `Ok(false)`: wait for more.
+    fn step(
+        &self,
+        qp: &QpInner,
+        i: usize,
+        sock: &TcpStream,
+        rx: &mut Rx,
+        idle: &mut bool,
+        executed: &mut bool,
+    ) -> Result<bool, Stop> {
+        let state = std::mem::replace(&mut rx.state, RxState::Discard { left: 0 });
+        match state {
+            RxState::Header { mut buf, mut got } => {
+                got += rx.take(&mut buf[got..]);
+                if got < HEADER_LEN {
+                    rx.state = RxState::Header { buf, got };
+                    return match Self::more(rx, sock, idle) {
+                        Ok(()) => Ok(true),
+                        Err(Stop::Idle) => Ok(false),
+                        Err(e) => Err(e),
+                    };
+                }
+                let h = Header::decode(&buf)
+                    .map_err(|e| Stop::Failed(format!("malformed frame from the peer: {e}")))?;
+                *executed |= self.begin(qp, i, rx, h).map_err(Stop::Failed)?;
+                Ok(true)
+            }
+            RxState::Payload {
+                dst,
+                mut got,
+                total,
+                done,
+                _keep,
+            } => {
+                if got < total {
+                    if rx.staged() > 0 {
+                        got += rx.copy_out(&dst, got, total);
+                    } else if *idle {
+                        rx.state = RxState::Payload {
+                            dst,
+                            got,
+                            total,
+                            done,
+                            _keep,
+                        };
+                        return Ok(false);
+                    } else if total - got >= DIRECT {
+                        match read_spans(sock, &dst, got, total) {
+                            Ok(0) => {
+                                return Err(Stop::Failed(
+                                    "the peer closed the connection mid-frame".into(),
+                                ));
+                            }
+                            Ok(n) => {
+                                *idle = n < total - got;
+                                got += n;
+                            }
+                            Err(rustix::io::Errno::AGAIN) => *idle = true,
+                            Err(rustix::io::Errno::INTR) => {}
+                            Err(e) => {
+                                return Err(Stop::Failed(format!(
+                                    "receiving from the peer failed: {e}"
+                                )));
+                            }
+                        }
+                    } else {
+                        match Self::more(rx, sock, idle) {
+                            Ok(()) | Err(Stop::Idle) => {}
+                            Err(e) => return Err(e),
+                        }
+                    }
+                }
+                if got < total {
+                    rx.state = RxState::Payload {
+                        dst,
+                        got,
+                        total,
+                        done,
+                        _keep,
+                    };
+                    return Ok(true);
+                }
+                rx.state = FRESH;
+                *executed |= self.landed(qp, done, total);
+                Ok(true)
+            }
+            RxState::Discard { left } => {
+                if left == 0 {
+                    rx.state = FRESH;
+                    return Ok(true);
+                }
+                let k = left.min(rx.staged());
+                rx.lo += k;
+                rx.state = RxState::Discard { left: left - k };
+                if left - k > 0 {
+                    return match Self::more(rx, sock, idle) {
+                        Ok(()) => Ok(true),
+                        Err(Stop::Idle) => Ok(false),
+                        Err(e) => Err(e),
+                    };
+                }
+                Ok(true)
+            }
+            RxState::Stalled { hdr, since } => {
+                let budget = self.peer_rnr_us.load(Ordering::Relaxed);
+                let dropping = self.exec.lock().unwrap_or_else(|e| e.into_inner()).dropping;
+                if dropping || qp.recv_available() {
+                    self.set_stalled(i, false);
+                    *executed |= self.begin(qp, i, rx, hdr).map_err(Stop::Failed)?;
+                    Ok(true)
+                } else if budget != 0 && since.elapsed() >= Duration::from_micros(budget) {
+                    self.set_stalled(i, false);
+                    self.nak(hdr.seq, WcStatus::RnrRetryExceeded);
+                    rx.state = RxState::Discard {
+                        left: hdr.payload_len(),
+                    };
+                    Ok(true)
+                } else {
+                    rx.state = RxState::Stalled { hdr, since };
+                    self.set_stalled(i, true);
+                    Ok(false)
+                }
+            }
+            RxState::Blocked { hdr } => {
+                self.set_stalled(i, false);
+                *executed |= self.begin(qp, i, rx, hdr).map_err(Stop::Failed)?;
+                Ok(!matches!(rx.state, RxState::Blocked { .. }))
+            }
+        }
+    }
+
+    /// Stops (or resumes) watching connection `i`'s input while it waits.
+    fn set_stalled(&self, i: usize, on: bool) {
+        let s = &self.socks()[i];
+        if s.stalled.swap(on, Ordering::AcqRel) == on {
+            return;
+        }
+        let want_out = s.tx.lock().unwrap_or_else(|e| e.into_inner()).want_out;
+        self.set_interest(i, want_out);
+    }
+
+    /// NAKs request `seq`: the target drops every later request.
+    fn nak(&self, seq: u64, status: WcStatus) {
+        {
+            let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
+            ex.dropping = true;
+            ex.cur = None;
+            ex.acked_seq = seq;
+        }
+        let mut h = Header::new(Opcode::Nak, seq, 0);
+        h.a = status as u64;
+        self.queue(0, TxFrame::header(&h));
+    }
+
+    /// A receive was posted: if a connection waits for one, let the driver retry.
+    pub(crate) fn receive_posted(&self) {
+        if self
+            .socks()
+            .iter()
+            .any(|s| s.stalled.load(Ordering::Acquire))
+            && let Some(sh) = self.shared.upgrade()
+        {
+            sh.kick();
+        }
+    }
+
+    /// Looks up a target region for `len` bytes at (`addr`, `rkey`) and checks access and
+    /// bounds.
+    fn target(
+        &self,
+        addr: u64,
+        rkey: u64,
+        len: usize,
+        need: AccessFlags,
+    ) -> Option<(Arc<MrInner>, *mut u8)> {
+        let shared = self.shared.upgrade()?;
+        let mr = shared
+            .regions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key_index(rkey))
+            .and_then(Weak::upgrade)?;
+        if mr.rkey != rkey || !mr.is_registered() || !mr.access.contains(need) {
+            return None;
+        }
+        let off = addr.checked_sub(mr.addr)?;
+        if off.checked_add(len as u64)? > mr.len as u64 {
+            return None;
+        }
+        let p = (mr.addr + off) as usize as *mut u8;
+        Some((mr, p))
+    }
+
+    /// Starts executing a frame whose header just arrived on connection `i`. Returns whether a
+    /// request was executed (one with no payload).
+    fn begin(
+        &self,
+        qp: &QpInner,
+        i: usize,
+        rx: &mut Rx,
+        h: Header,
+    ) -> std::result::Result<bool, String> {
+        if !h.opcode.is_request() {
+            self.answer(qp, rx, h)?;
+            return Ok(false);
+        }
+        let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
+        if ex.dropping {
+            rx.state = RxState::Discard {
+                left: h.payload_len(),
+            };
+            return Ok(false);
+        }
+        if h.flags & PART != 0
+            && let Some(cur) = ex.cur.as_mut().filter(|c| c.seq == h.seq)
+        {
+            // Another part of the striped request under way: validated with the request.
+            let part = h.part().ok_or("a part without its fields")?;
+            if part.base != cur.base {
+                return Err(format!("part of request {} at another address", h.seq));
+            }
+            // SAFETY: `part()` checked `addr..addr+len` lies in `base..base+total`, which was
+            // validated against `cur.mr` when the request started.
+            let p = unsafe { cur.ptr.add((h.addr - cur.base) as usize) };
+            rx.state = RxState::Payload {
+                dst: SmallVec::from_elem(Span(p, h.len as usize), 1),
+                got: 0,
+                total: h.len as usize,
+                done: Done::Part,
+                _keep: SmallVec::from_elem(cur.mr.clone(), 1),
+            };
+            return Ok(false);
+        }
+        if h.seq <= ex.done_seq {
+            return Err(format!(
+                "request {} again (requests up to {} were executed)",
+                h.seq, ex.done_seq
+            ));
+        }
+        if ex.cur.is_some() || h.seq != ex.done_seq + 1 {
+            if self.socks().len() > 1 {
+                // An earlier request is not done: it comes on another connection.
+                rx.state = RxState::Blocked { hdr: h };
+                drop(ex);
+                self.set_stalled(i, true);
+                return Ok(false);
+            }
+            return Err(format!(
+                "request sequence {} out of order (expected {})",
+                h.seq,
+                ex.done_seq + 1
+            ));
+        }
+        drop(ex);
+        self.execute(qp, rx, h)
+    }
+
+    /// Executes request `h`, the next in order (its payload, if any, follows).
+    fn execute(&self, qp: &QpInner, rx: &mut Rx, h: Header) -> std::result::Result<bool, String> {
+        let ack = h.flags & ACK_REQ != 0;
+        let fail = |rx: &mut Rx, status: WcStatus| -> std::result::Result<bool, String> {
+            self.nak(h.seq, status);
+            rx.state = RxState::Discard {
+                left: h.payload_len(),
+            };
+            Ok(false)
+        };
+        match h.opcode {
+            Opcode::Write | Opcode::WriteImm => {
+                let part = if h.flags & PART != 0 {
+                    Some(h.part().ok_or("a part without its fields")?)
+                } else {
+                    None
+                };
+                let (base, len) =
+                    part.map_or((h.addr, h.len as usize), |p| (p.base, p.total as usize));
+                let Some((mr, p)) = self.target(base, h.rkey, len, AccessFlags::REMOTE_WRITE)
+                else {
+                    return fail(rx, WcStatus::RemoteAccessError);
+                };
+                let after = if h.opcode == Opcode::WriteImm {
+                    let Some(slot) = qp.claim_recv() else {
+                        rx.state = RxState::Stalled {
+                            hdr: h,
+                            since: Instant::now(),
+                        };
+                        return Ok(false);
+                    };
+                    After::Recv {
+                        slot,
+                        opcode: WcOpcode::RecvRdmaWithImm,
+                        imm: Some(h.imm),
+                    }
+                } else {
+                    After::Nothing
+                };
+                let done = match part {
+                    Some(pt) => {
+                        let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
+                        ex.cur = Some(Striped {
+                            seq: h.seq,
+                            left: pt.count,
+                            total: pt.total,
+                            after,
+                            ack,
+                            base,
+                            ptr: p,
+                            mr: mr.clone(),
+                        });
+                        Done::Part
+                    }
+                    None => Done::Request {
+                        seq: h.seq,
+                        after,
+                        ack,
+                    },
+                };
+                // SAFETY: `addr - base < len` (checked by `part()` for a part; zero for a
+                // whole request), inside the validated range.
+                let at = unsafe { p.add((h.addr - base) as usize) };
+                rx.state = RxState::Payload {
+                    dst: SmallVec::from_elem(Span(at, h.len as usize), 1),
+                    got: 0,
+                    total: h.len as usize,
+                    done,
+                    _keep: SmallVec::from_elem(mr, 1),
+                };
+                Ok(false)
+            }
+            Opcode::Send | Opcode::SendImm => {
+                let Some(slot) = qp.claim_recv() else {
+                    rx.state = RxState::Stalled {
+                        hdr: h,
+                        since: Instant::now(),
+                    };
+                    return Ok(false);
+                };
+                let imm = (h.opcode == Opcode::SendImm).then_some(h.imm);
+                let (spans, keep, room) = match qp.recv_spans(slot) {
+                    Ok(r) => r,
+                    Err(st) => {
+                        qp.complete_recv(slot, st, WcOpcode::Recv, h.len, imm);
+                        let sender = if st == WcStatus::LocalLengthError {
+                            WcStatus::RemoteInvalidRequest
+                        } else {
+                            WcStatus::RemoteOperationError
+                        };
+                        return fail(rx, sender);
+                    }
+                };
+                if h.len as usize > room {
+                    qp.complete_recv(slot, WcStatus::LocalLengthError, WcOpcode::Recv, h.len, imm);
+                    return fail(rx, WcStatus::RemoteInvalidRequest);
+                }
+                rx.state = RxState::Payload {
+                    dst: spans.into_iter().collect(),
+                    got: 0,
+                    total: h.len as usize,
+                    done: Done::Request {
+                        seq: h.seq,
+                        after: After::Recv {
+                            slot,
+                            opcode: WcOpcode::Recv,
+                            imm,
+                        },
+                        ack,
+                    },
+                    _keep: keep.into_iter().collect(),
+                };
+                Ok(false)
+            }
+            Opcode::ReadReq => {
+                let Some((mr, p)) =
+                    self.target(h.addr, h.rkey, h.len as usize, AccessFlags::REMOTE_READ)
+                else {
+                    return fail(rx, WcStatus::RemoteAccessError);
+                };
+                self.responded(h.seq);
+                self.queue(
+                    0,
+                    TxFrame::new(
+                        &Header::new(Opcode::ReadResp, h.seq, h.len),
+                        SmallVec::from_elem(Span(p, h.len as usize), 1),
+                        SmallVec::from_elem(mr, 1),
+                    ),
+                );
+                rx.state = FRESH;
+                Ok(true)
+            }
+            Opcode::Cas | Opcode::Faa => {
+                if !h.addr.is_multiple_of(8) {
+                    return fail(rx, WcStatus::RemoteInvalidRequest);
+                }
+                let Some((_mr, p)) = self.target(h.addr, h.rkey, 8, AccessFlags::REMOTE_ATOMIC)
+                else {
+                    return fail(rx, WcStatus::RemoteAccessError);
+                };
+                // SAFETY: `p` is 8-byte aligned (region bases are, the address is checked) and
+                // inside a live registered region of this process (held by `_mr`).
+                let word = unsafe { &*(p as *const std::sync::atomic::AtomicU64) };
+                let old = if h.opcode == Opcode::Cas {
+                    match word.compare_exchange(h.a, h.b, Ordering::SeqCst, Ordering::SeqCst) {
+                        Ok(v) | Err(v) => v,
+                    }
+                } else {
+                    word.fetch_add(h.a, Ordering::SeqCst)
+                };
+                self.responded(h.seq);
+                let mut r = Header::new(Opcode::AtomicResp, h.seq, 0);
+                r.a = old;
+                self.queue(0, TxFrame::header(&r));
+                rx.state = FRESH;
+                Ok(true)
+            }
+            _ => Err(format!("{:?} is not a request", h.opcode)),
+        }
+    }
+
+    /// Request `seq` was executed and its answer (which acknowledges it) is on its way.
+    fn responded(&self, seq: u64) {
+        let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
+        ex.done_seq = seq;
+        ex.acked_seq = seq;
+    }
+
+    /// A payload has all landed.
+    fn landed(&self, qp: &QpInner, done: Done, total: usize) -> bool {
+        let (seq, after, ack, total) = match done {
+            Done::Request { seq, after, ack } => (seq, after, ack, total),
+            Done::Part => {
+                let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
+                let Some(cur) = ex.cur.as_mut() else {
+                    return false;
+                };
+                cur.left -= 1;
+                if cur.left > 0 {
+                    return false;
+                }
+                let Some(cur) = ex.cur.take() else {
+                    return false;
+                };
+                (cur.seq, cur.after, cur.ack, cur.total as usize)
+            }
+            Done::ReadData { seq } => {
+                let o = {
+                    let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
+                    if out.front().is_some_and(|o| o.seq == seq) {
+                        out.pop_front()
+                    } else {
+                        None
+                    }
+                };
+                if let Some(o) = o {
+                    qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, o.len, o.signaled);
+                }
+                self.complete_local_failures(qp);
+                return false;
+            }
+        };
+        if let After::Recv { slot, opcode, imm } = after {
+            qp.complete_recv(slot, WcStatus::Success, opcode, total as u32, imm);
+        }
+        let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
+        ex.done_seq = seq;
+        ex.ack_due |= ack;
+        true
+    }
+
+    /// Takes an answer to one of our requests.
+    fn answer(&self, qp: &QpInner, rx: &mut Rx, h: Header) -> std::result::Result<(), String> {
+        rx.state = FRESH;
+        if qp.is_failed() {
+            // Our queue pair failed and flushed its requests: late answers are dropped.
+            rx.state = RxState::Discard {
+                left: h.payload_len(),
+            };
+            return Ok(());
+        }
+        match h.opcode {
+            Opcode::AckReq => {
+                let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
+                ex.ack_upto = ex.ack_upto.max(h.seq);
+            }
+            Opcode::Ack => self.complete_upto(qp, h.seq),
+            Opcode::Nak => {
+                self.complete_upto(qp, h.seq.saturating_sub(1));
+                let status =
+                    WcStatus::from_u32(h.a as u32).unwrap_or(WcStatus::RemoteOperationError);
+                let failed = {
+                    let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
+                    if out.front().is_some_and(|o| o.seq == h.seq) {
+                        out.pop_front()
+                    } else {
+                        None
+                    }
+                };
+                let Some(o) = failed else {
+                    return Err(format!("NAK for request {} that is not outstanding", h.seq));
+                };
+                // The target NAKs on a request's header: its payload (and what follows it)
+                // may still be on its way out, and once the failure is polled the caller may
+                // free the buffers it is sent from.
+                self.detach_queued();
+                qp.complete_send(o.wr_id, o.opcode, status, 0, true);
+                qp.request_failed();
+            }
+            Opcode::ReadResp => {
+                self.complete_upto(qp, h.seq.saturating_sub(1));
+                let out = self.out.lock().unwrap_or_else(|e| e.into_inner());
+                let Some(o) = out
+                    .front()
+                    .filter(|o| o.seq == h.seq && o.opcode == WcOpcode::Read)
+                else {
+                    return Err(format!(
+                        "READ data for request {} that is not outstanding",
+                        h.seq
+                    ));
+                };
+                if o.len != h.len {
+                    return Err(format!(
+                        "READ data of {} bytes for a READ of {}",
+                        h.len, o.len
+                    ));
+                }
+                let dst = o.dst.clone();
+                drop(out);
+                rx.state = RxState::Payload {
+                    dst,
+                    got: 0,
+                    total: h.len as usize,
+                    done: Done::ReadData { seq: h.seq },
+                    _keep: Keep::new(),
+                };
+            }
+            Opcode::AtomicResp => {
+                self.complete_upto(qp, h.seq.saturating_sub(1));
+                let o = {
+                    let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
+                    if out.front().is_some_and(|o| {
+                        o.seq == h.seq
+                            && matches!(o.opcode, WcOpcode::CompareSwap | WcOpcode::FetchAdd)
+                    }) {
+                        out.pop_front()
+                    } else {
+                        None
+                    }
+                };
+                let Some(o) = o else {
+                    return Err(format!(
+                        "atomic result for request {} that is not outstanding",
+                        h.seq
+                    ));
+                };
+                if let Some(d) = o.dst.first().filter(|d| d.1 == 8) {
+                    let bytes = h.a.to_ne_bytes();
+                    // SAFETY: the 8-byte local SGE was validated at post time and is kept alive
+                    // by `o._keep`.
+                    unsafe { crate::segment::copy_bytes(bytes.as_ptr(), d.0, 8) };
+                }
+                qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, 8, o.signaled);
+                self.complete_local_failures(qp);
+            }
+            _ => return Err(format!("{:?} is not an answer", h.opcode)),
+        }
+        Ok(())
+    }
+}
+
+/// Receives the rest of a `total`-byte payload into the spans, skipping the `got` bytes already
+/// received; never reads past the payload (the spans may have more room than it needs).
+fn read_spans(
+    sock: &TcpStream,
+    dst: &[Span],
+    got: usize,
+    total: usize,
+) -> std::result::Result<usize, rustix::io::Errno> {
+    let mut skip = got;
+    let mut want = total - got;
+    let mut iov: SmallVec<[IoSliceMut<'_>; 4]> = SmallVec::with_capacity(dst.len().min(MAX_SGE));
+    for s in dst {
+        if want == 0 {
+            break;
+        }
+        if skip >= s.1 {
+            skip -= s.1;
+            continue;
+        }
+        let k = (s.1 - skip).min(want);
+        // SAFETY: each span is a validated range of a live registered region (kept alive by the
+        // frame state that owns `dst`); `skip + k <= s.1`.
+        iov.push(IoSliceMut::new(unsafe {
+            std::slice::from_raw_parts_mut(s.0.add(skip), k)
+        }));
+        want -= k;
+        skip = 0;
+    }
+    rustix::net::recvmsg(
+        sock,
+        &mut iov,
+        &mut rustix::net::RecvAncillaryBuffer::default(),
+        rustix::net::RecvFlags::DONTWAIT,
+    )
+    .map(|r| r.bytes)
+}

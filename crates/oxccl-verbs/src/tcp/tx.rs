@@ -1,0 +1,349 @@
+//! The sending side of a queue pair's connections: frames, posting, striping.
+
+use std::collections::VecDeque;
+use std::io::IoSlice;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use rustix::net::SendFlags;
+use smallvec::SmallVec;
+
+use super::STRIPE_MIN;
+use super::conn::{Conn, Keep, Outstanding, Spans};
+use super::frame::{ACK_REQ, HEADER_LEN, Header, Opcode, Part};
+use crate::mr::{MrInner, Span};
+use crate::types::{WcOpcode, WcStatus, WrOp};
+
+/// One frame waiting to be written.
+pub(super) struct TxFrame {
+    hdr: [u8; HEADER_LEN],
+    payload: Spans,
+    keep: Keep,
+    /// The payload's own copy, once [`TxFrame::detach`] made one (the spans point into it).
+    owned: Vec<u8>,
+    pub sent: usize,
+}
+
+impl TxFrame {
+    /// A frame of `hdr` and the payload at `payload` (in the regions of `keep`).
+    pub fn new(hdr: &Header, payload: Spans, keep: Keep) -> TxFrame {
+        TxFrame {
+            hdr: hdr.encode(),
+            payload,
+            keep,
+            owned: Vec::new(),
+            sent: 0,
+        }
+    }
+
+    /// A frame that is only a header (ACK, NAK, atomic result).
+    pub fn header(hdr: &Header) -> TxFrame {
+        TxFrame::new(hdr, Spans::new(), Keep::new())
+    }
+
+    /// Copies the payload into the frame itself, so that it no longer reads the memory it was
+    /// posted from: a frame that must still be finished (to keep the stream framed) after its
+    /// request was flushed would otherwise read a buffer its owner may free or reuse as soon
+    /// as the flush is reported (a user buffer registered for the call that failed).
+    pub fn detach(&mut self) {
+        if !self.owned.is_empty() || self.payload.is_empty() {
+            return;
+        }
+        let mut owned = Vec::with_capacity(self.payload.iter().map(|s| s.1).sum());
+        for s in &self.payload {
+            // SAFETY: the span lies in a registered region kept alive by `keep`, and its
+            // owner has not been told that the request ended (this runs in the flush that
+            // tells it), so the memory is still the caller's buffer.
+            owned.extend_from_slice(unsafe { std::slice::from_raw_parts(s.0, s.1) });
+        }
+        self.payload = SmallVec::from_elem(Span(owned.as_mut_ptr(), owned.len()), 1);
+        self.owned = owned;
+        self.keep.clear();
+    }
+
+    pub fn total(&self) -> usize {
+        HEADER_LEN + self.payload.iter().map(|s| s.1).sum::<usize>()
+    }
+
+    /// The frame, for an error: what it is, how far it got, and where its payload lies (which
+    /// region holds each span, and whether that region is still registered).
+    fn describe(&self) -> String {
+        let head = match Header::decode(&self.hdr) {
+            Ok(h) => format!("{:?} frame, request {}", h.opcode, h.seq),
+            Err(_) => "frame".to_string(),
+        };
+        let spans: Vec<String> = self
+            .payload
+            .iter()
+            .map(|s| {
+                let (p, n) = (s.0 as u64, s.1 as u64);
+                let region = if !self.owned.is_empty() {
+                    "its own copy".to_string()
+                } else {
+                    self.keep
+                        .iter()
+                        .find(|m| p >= m.addr && p + n <= m.addr + m.len as u64)
+                        .map_or("no region".to_string(), |m| {
+                            format!(
+                                "region lkey {:#x}{}",
+                                m.lkey,
+                                if m.is_registered() {
+                                    ""
+                                } else {
+                                    " (deregistered)"
+                                }
+                            )
+                        })
+                };
+                format!("{n} bytes at {p:#x} in {region}")
+            })
+            .collect();
+        format!(
+            "{head}, {} of {} bytes sent, payload: [{}]",
+            self.sent,
+            self.total(),
+            spans.join("; ")
+        )
+    }
+}
+
+/// A connection's frames waiting to be written.
+#[derive(Default)]
+pub(super) struct Tx {
+    pub frames: VecDeque<TxFrame>,
+    pub want_out: bool,
+}
+
+impl Conn {
+    /// Writes connection `i`'s queued frames until the socket would block.
+    pub(super) fn flush_tx(&self, i: usize) {
+        let Some(s) = self.socks().get(i) else { return };
+        let mut tx = s.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let r = self.flush_locked(i, &mut tx);
+        drop(tx);
+        self.check(r);
+    }
+
+    fn flush_locked(&self, i: usize, tx: &mut Tx) -> std::result::Result<(), String> {
+        let Some(sock) = self.socks().get(i).and_then(|s| s.stream.get()) else {
+            return Ok(());
+        };
+        while let Some(f) = tx.frames.front_mut() {
+            let total = f.total();
+            // Gather the unsent part: header rest, then payload spans.
+            let mut iov: SmallVec<[IoSlice<'_>; 4]> = SmallVec::new();
+            let mut skip = f.sent;
+            if skip < HEADER_LEN {
+                iov.push(IoSlice::new(&f.hdr[skip..]));
+                skip = 0;
+            } else {
+                skip -= HEADER_LEN;
+            }
+            for s in &f.payload {
+                if skip >= s.1 {
+                    skip -= s.1;
+                    continue;
+                }
+                // SAFETY: the span lies in a region kept alive by `f.keep` (or the target's
+                // registered region, or the frame's own copy); `skip < s.1`.
+                iov.push(IoSlice::new(unsafe {
+                    std::slice::from_raw_parts(s.0.add(skip), s.1 - skip)
+                }));
+                skip = 0;
+            }
+            let r = rustix::net::sendmsg(
+                sock,
+                &iov,
+                &mut rustix::net::SendAncillaryBuffer::default(),
+                SendFlags::NOSIGNAL | SendFlags::DONTWAIT,
+            );
+            drop(iov);
+            match r {
+                Ok(n) => {
+                    f.sent += n;
+                    if f.sent >= total {
+                        tx.frames.pop_front();
+                    }
+                }
+                Err(rustix::io::Errno::AGAIN) => break,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => {
+                    let what = tx.frames.front().map(TxFrame::describe).unwrap_or_default();
+                    tx.frames.clear();
+                    return Err(format!("sending to the peer failed: {e} ({what})"));
+                }
+            }
+        }
+        let want = !tx.frames.is_empty();
+        if tx.want_out != want {
+            tx.want_out = want;
+            self.set_interest(i, want);
+        }
+        Ok(())
+    }
+
+    /// Queues a frame on connection `i` (written at once when nothing waits before it).
+    pub(super) fn queue(&self, i: usize, f: TxFrame) {
+        let Some(s) = self.socks().get(i) else { return };
+        let mut tx = s.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let r = self.push_locked(i, &mut tx, f);
+        drop(tx);
+        self.check(r);
+    }
+
+    /// Appends a frame; writes it at once when nothing is queued before it, otherwise leaves it
+    /// to the driver (which is asked to watch for room in the socket).
+    fn push_locked(&self, i: usize, tx: &mut Tx, f: TxFrame) -> std::result::Result<(), String> {
+        let inline_max = self
+            .shared
+            .upgrade()
+            .map_or(usize::MAX, |s| s.tuning.inline_max);
+        let inline = tx.frames.is_empty() && f.total() <= inline_max;
+        tx.frames.push_back(f);
+        if inline {
+            self.flush_locked(i, tx)
+        } else {
+            if !tx.want_out {
+                tx.want_out = true;
+                self.set_interest(i, true);
+            }
+            Ok(())
+        }
+    }
+
+    /// Posts one send-queue request (the caller validated the QP state and local SGEs).
+    pub(crate) fn post(
+        &self,
+        wr_id: u64,
+        op: &WrOp,
+        local: &[(Arc<MrInner>, *mut u8, usize)],
+        signaled: bool,
+        qp_failed: impl Fn() -> bool,
+    ) -> Result<(), WcStatus> {
+        let total: usize = local.iter().map(|l| l.2).sum();
+        let keep: Keep = local.iter().map(|l| l.0.clone()).collect();
+        let spans: Spans = local.iter().map(|l| Span(l.1, l.2)).collect();
+        let (opcode, mut h, payload, dst) = match *op {
+            WrOp::Write { remote } | WrOp::WriteWithImm { remote, .. } => {
+                let (code, imm) = match *op {
+                    WrOp::WriteWithImm { imm, .. } => (Opcode::WriteImm, imm),
+                    _ => (Opcode::Write, 0),
+                };
+                let mut h = Header::new(code, 0, total as u32);
+                h.addr = remote.addr;
+                h.rkey = remote.rkey;
+                h.imm = imm;
+                (WcOpcode::Write, h, spans, Spans::new())
+            }
+            WrOp::Send | WrOp::SendWithImm { .. } => {
+                let (code, imm) = match *op {
+                    WrOp::SendWithImm { imm } => (Opcode::SendImm, imm),
+                    _ => (Opcode::Send, 0),
+                };
+                let mut h = Header::new(code, 0, total as u32);
+                h.imm = imm;
+                (WcOpcode::Send, h, spans, Spans::new())
+            }
+            WrOp::Read { remote } => {
+                let mut h = Header::new(Opcode::ReadReq, 0, total as u32);
+                h.addr = remote.addr;
+                h.rkey = remote.rkey;
+                (WcOpcode::Read, h, Spans::new(), spans)
+            }
+            WrOp::CompareSwap {
+                remote,
+                compare,
+                swap,
+            } => {
+                let mut h = Header::new(Opcode::Cas, 0, 8);
+                h.addr = remote.addr;
+                h.rkey = remote.rkey;
+                h.a = compare;
+                h.b = swap;
+                (WcOpcode::CompareSwap, h, Spans::new(), spans)
+            }
+            WrOp::FetchAdd { remote, add } => {
+                let mut h = Header::new(Opcode::Faa, 0, 8);
+                h.addr = remote.addr;
+                h.rkey = remote.rkey;
+                h.a = add;
+                (WcOpcode::FetchAdd, h, Spans::new(), spans)
+            }
+        };
+        if signaled {
+            h.flags = ACK_REQ;
+        }
+        // Sequence assignment and queueing happen under the post lock so frames go out in
+        // sequence order on every connection; the outstanding entry exists before any answer
+        // can arrive.
+        let mut post = self.post.lock().unwrap_or_else(|e| e.into_inner());
+        if post.flushed {
+            // The queue pair failed and flushed: this one completes (flushed) after those.
+            return Err(WcStatus::WorkRequestFlushed);
+        }
+        if qp_failed() || self.dead.load(Ordering::Acquire) {
+            // Failing right now (or about to be told the peer is gone): never sent; the flush
+            // that is on its way completes it in order.
+            drop(post);
+            return if self.post_flushed(wr_id, opcode) {
+                Ok(())
+            } else {
+                Err(WcStatus::WorkRequestFlushed)
+            };
+        }
+        post.next_seq += 1;
+        h.seq = post.next_seq;
+        self.out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(Outstanding {
+                seq: h.seq,
+                wr_id,
+                opcode,
+                len: total as u32,
+                signaled,
+                dst,
+                _keep: keep.clone(),
+                error: None,
+            });
+        let k = self.socks().len();
+        if k > 1 && total >= STRIPE_MIN && matches!(h.opcode, Opcode::Write | Opcode::WriteImm) {
+            self.post_striped(h, &payload, &keep, k);
+        } else {
+            self.queue(0, TxFrame::new(&h, payload, keep));
+        }
+        drop(post);
+        Ok(())
+    }
+
+    /// Cuts a WRITE into one part per connection (4 KiB aligned) and queues part `j` on
+    /// connection `j`. Called under the post lock.
+    fn post_striped(&self, h: Header, payload: &[Span], keep: &Keep, k: usize) {
+        let total = h.len as usize;
+        let part = total.div_ceil(k).next_multiple_of(4096);
+        let parts = total.div_ceil(part);
+        for j in 0..parts {
+            let (lo, hi) = (j * part, ((j + 1) * part).min(total));
+            let mut sub = Spans::new();
+            let mut at = 0usize;
+            for s in payload {
+                let (a, b) = (at.max(lo), (at + s.1).min(hi));
+                if a < b {
+                    // SAFETY: `a - at < s.1`: the pointer stays inside the span.
+                    sub.push(Span(unsafe { s.0.add(a - at) }, b - a));
+                }
+                at += s.1;
+            }
+            let mut p = h;
+            p.len = (hi - lo) as u32;
+            p.addr = h.addr + lo as u64;
+            p.set_part(Part {
+                index: j as u32,
+                count: parts as u32,
+                total: total as u32,
+                base: h.addr,
+            });
+            self.queue(j, TxFrame::new(&p, sub, keep.clone()));
+        }
+    }
+}

@@ -37,6 +37,17 @@ pub struct DeviceConfig {
     /// namespace test bed a second connection does not add bandwidth (`bench/verbs-tcp.sh`
     /// measures it); NICs whose single flow is limited by one core's copy gain from more.
     pub tcp_nsocks: usize,
+    /// ofi: the libfabric provider (`fi_info -l`), as `FI_PROVIDER` names it: `tcp;ofi_rxm`
+    /// (the default: any host), `shm` (one host), `verbs;ofi_rxm`, `efa`, `cxi` on RDMA NICs;
+    /// empty: libfabric's first choice.
+    pub ofi_provider: String,
+    /// ofi: the IP address a socket-based provider (`tcp`, `verbs`, `sockets`) binds. Default:
+    /// `127.0.0.1` for those (only this host can reach it), the provider's own choice for the
+    /// others.
+    pub ofi_addr: Option<std::net::IpAddr>,
+    /// ofi: the progress thread busy-polls the completion queue instead of blocking in
+    /// `fi_cq_sread` or sleeping between polls.
+    pub ofi_busy_poll: bool,
     /// How long a completion-queue wait spins before it yields and then sleeps.
     pub spin: Duration,
 }
@@ -48,6 +59,9 @@ impl Default for DeviceConfig {
             tcp_busy_poll: false,
             tcp_inline_max: usize::MAX,
             tcp_nsocks: 1,
+            ofi_provider: "tcp;ofi_rxm".to_string(),
+            ofi_addr: None,
+            ofi_busy_poll: false,
             spin: Duration::from_micros(50),
         }
     }
@@ -55,7 +69,8 @@ impl Default for DeviceConfig {
 
 impl DeviceConfig {
     /// The defaults overridden by `OXCCL_TCP_ADDR` (`IP` or `IP:port`), `OXCCL_TCP_POLL=busy`,
-    /// `OXCCL_TCP_NSOCKS` and `OXCCL_SPIN_US`; a malformed value is an error naming the variable.
+    /// `OXCCL_TCP_NSOCKS`, `OXCCL_OFI_PROVIDER`, `OXCCL_OFI_ADDR`, `OXCCL_OFI_POLL=busy` and
+    /// `OXCCL_SPIN_US`; a malformed value is an error naming the variable.
     pub fn from_env() -> Result<DeviceConfig> {
         DeviceConfig::from_vars(&|k| std::env::var(k).ok())
     }
@@ -87,6 +102,16 @@ impl DeviceConfig {
                     ))
                 })?;
         }
+        if let Some(p) = get("OXCCL_OFI_PROVIDER") {
+            c.ofi_provider = p;
+        }
+        if let Some(a) = get("OXCCL_OFI_ADDR") {
+            c.ofi_addr =
+                Some(a.parse().map_err(|_| {
+                    Error::arg(format!("OXCCL_OFI_ADDR={a:?} is not an IP address"))
+                })?);
+        }
+        c.ofi_busy_poll = get("OXCCL_OFI_POLL").is_some_and(|v| v == "busy");
         if let Some(v) = get("OXCCL_SPIN_US") {
             let us: u64 = v.parse().map_err(|_| {
                 Error::arg(format!(

@@ -439,7 +439,7 @@ pub struct Local {
 
 impl Local {
     pub fn new(provider: &str) -> Local {
-        let ctx = Device::by_name(provider).unwrap().open().unwrap();
+        let ctx = open_provider(provider);
         let pd = ctx.alloc_pd().unwrap();
         let cq = ctx.create_cq(1024).unwrap();
         Local { ctx, pd, cq }
@@ -486,12 +486,29 @@ impl Local {
     }
 }
 
+/// Opens a context for a provider spec: a provider's name, or `ofi:<libfabric provider>`
+/// (`ofi:shm`), which runs the ofi provider over that libfabric provider (both processes open
+/// the same spec). A provider that cannot open (libfabric missing) fails the test, never skips.
+pub fn open_provider(spec: &str) -> Context {
+    let (name, ofi) = match spec.split_once(':') {
+        Some((name, ofi)) => (name, Some(ofi)),
+        None => (spec, None),
+    };
+    let mut config = DeviceConfig::from_env().unwrap();
+    if let Some(ofi) = ofi {
+        config.ofi_provider = ofi.to_string();
+    }
+    let device = Device::by_name(name).unwrap();
+    Context::open_with(device.provider(), &config)
+        .unwrap_or_else(|e| panic!("opening provider {spec}: {e}"))
+}
+
 /// The peer process's main loop (runs inside the re-executed test binary).
 pub fn peer_main() {
     let Ok(provider) = std::env::var("OXCCL_TEST_PEER") else {
         return;
     };
-    let ctx = Device::by_name(&provider).unwrap().open().unwrap();
+    let ctx = open_provider(&provider);
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(4096).unwrap();
     let mut qps: HashMap<usize, QueuePair> = HashMap::new();

@@ -1,0 +1,725 @@
+//! The ofi provider: the verbs model over libfabric (OFI), for real NICs.
+//!
+//! # How the verbs model maps onto libfabric
+//!
+//! One context opens one libfabric endpoint of type `FI_EP_RDM` (reliable, connectionless) with
+//! `FI_MSG | FI_RMA`, one address vector (`FI_AV_TABLE`) and one completion queue
+//! (`FI_CQ_FORMAT_DATA`), with the provider [`DeviceConfig::ofi_provider`] names (default
+//! `tcp;ofi_rxm`). Every queue pair of the context shares it: a queue pair's endpoint address
+//! is the context endpoint's name (`fi_getname`, in [`EndpointAddr::Opaque`]) with its queue
+//! pair number and secret token, and connecting one is inserting the peer's name into the
+//! address vector (no handshake: RTR is local, as in InfiniBand). Every message names the target
+//! queue pair (number and token) and its sender's, so that the queue pairs of two contexts share
+//! one libfabric path and a stale or foreign message is dropped.
+//!
+//! Every region of the context is registered with libfabric (`fi_mr_reg` in
+//! [`ProviderContext::register_mr`]), whatever the provider's memory-registration mode: with
+//! `FI_MR_PROV_KEY` the provider's key is kept, otherwise the core's random rkey is requested;
+//! with `FI_MR_VIRT_ADDR` RMA addresses are virtual addresses, otherwise offsets into the
+//! region (computed here); `FI_MR_ENDPOINT` registrations are bound to the endpoint. The rkey a
+//! peer sees stays the core's (validated in software by the target, below); the libfabric key
+//! and address of each buffer travel inside the requests that need them.
+//!
+//! RC semantics are built on top, by a small protocol (`wire`) that the target executes in
+//! posting order, as a responder does:
+//! - A request (WRITE, WRITE_WITH_IMM, SEND, SEND_WITH_IMM, READ, atomics) is one message
+//!   (`fi_send`) into the target context's pool of receive buffers. Payloads up to
+//!   [`wire::INLINE_MAX`] travel in it; for larger ones it carries the initiator's buffers
+//!   (libfabric address and key), and the target moves the data itself with RMA: `fi_read`
+//!   from the initiator for WRITEs and SENDs (zero copy, straight into the target region or the
+//!   receive's buffers), `fi_writemsg` with `FI_DELIVERY_COMPLETE` into the initiator's buffers
+//!   for READs.
+//! - The target validates before any effect: rkey, range and access flags against its region
+//!   table (as the tcp provider's target does), alignment for atomics, the receive's buffers
+//!   and length for SENDs. A failure is NAKed with the IB status (`RemoteAccessError`,
+//!   `RemoteInvalidRequest`, `RemoteOperationError`) and every later request of the queue pair
+//!   is dropped, so a rejected request and those after it never touch the target's memory.
+//! - A WRITE_WITH_IMM or SEND claims one posted receive ([`QpInner::claim_recv`]) when it
+//!   starts, and completes it (`RecvRdmaWithImm` or `Recv`) once its data landed; with none
+//!   posted the queue pair's requests stall (receiver not ready) until a receive is posted or
+//!   the initiator's RNR budget (carried in the request) runs out, then the target NAKs it with
+//!   `RnrRetryExceeded`.
+//! - Ordering: requests start in sequence; WRITEs to disjoint ranges may move their data
+//!   concurrently, anything else waits for those before it, and completions, ACKs and receive
+//!   completions are issued in sequence, so a WRITE_WITH_IMM's receive completion is seen only
+//!   after every earlier WRITE landed. The initiator completes requests in posting order from
+//!   cumulative ACKs (and READ and atomic responses), failures included.
+//! - Atomics run at the target, as 64-bit CPU atomics on the validated word (the tcp provider's
+//!   way): libfabric's atomics (`fi_fetch_atomic`, `fi_compare_atomic`) would bypass the
+//!   software access check and are not offered by `tcp;ofi_rxm` or `shm` natively, so they are
+//!   not used; every provider thereby supports both atomics.
+//! - Peer loss: a failed send or RMA (`fi_cq_readerr`) fails the queue pair at once (a
+//!   connection refused or reset under `tcp;ofi_rxm`); a queue pair that is destroyed or
+//!   disconnected says so (`Bye`); and since an RDM endpoint has no connection to lose, each
+//!   connected queue pair pings its peer every quarter of [`QpConfig::timeout`] and fails as
+//!   "peer gone" (`RetryExceeded`) when nothing came back for the whole timeout (a dead
+//!   process, a queue pair that never connected to this one or is in ERR).
+//!
+//! Progress: libfabric's `tcp;ofi_rxm` and `shm` progress data manually, so a thread per context
+//! (the "NIC") reads the completion queue, executes requests and moves their data: one-sided
+//! operations cost the target's CPU here, as with the tcp provider. It blocks in
+//! `fi_cq_sread` where the completion queue has a wait object (`tcp;ofi_rxm`), and polls with
+//! short sleeps where not (`shm`, whose `fi_cq_sread` in libfabric 1.17 ignores its timeout), or
+//! busy-polls with [`DeviceConfig::ofi_busy_poll`].
+//!
+//! # On RDMA hardware
+//!
+//! The same code runs over `verbs;ofi_rxm` (InfiniBand, RoCE), `efa` (AWS) and `cxi`
+//! (Slingshot): set `OXCCL_OFI_PROVIDER` (and `OXCCL_OFI_ADDR` to the NIC's IP address for
+//! `verbs;ofi_rxm`). What differs there:
+//! - Memory registration: those providers ask for `FI_MR_VIRT_ADDR | FI_MR_PROV_KEY |
+//!   FI_MR_ALLOCATED` (all handled: keys come from `fi_mr_key`, addresses are virtual) and
+//!   `FI_MR_LOCAL` for local buffers, which this provider does not request yet: they are then
+//!   not offered, until control messages come from a registered pool (the receive pool already
+//!   is one buffer, easy to register) and every local RMA buffer passes its descriptor (it
+//!   does). `cxi` wants `FI_MR_ENDPOINT` (handled: registrations are bound to the endpoint).
+//! - `FI_CONTEXT`/`FI_CONTEXT2`: every operation's context is a heap block whose first 64
+//!   bytes are libfabric's scratch, so providers that require either mode (psm3, some verbs
+//!   paths) work.
+//! - Inject sizes and message sizes: control messages are sent with `fi_send` (they are 80
+//!   bytes, above `tcp;ofi_rxm`'s 64-byte inject size); on EFA and CXI `fi_inject` would save
+//!   a completion. `FI_EAGAIN` is absorbed by a backlog the progress thread drains in order.
+//! - Progress: EFA and CXI progress in hardware for RMA (`FI_PROGRESS_AUTO` data progress on
+//!   cxi), but the target still executes this protocol in software, so the progress thread
+//!   stays; the natural next step there is initiator-side RMA (`fi_writedata` for
+//!   WRITE_WITH_IMM, `fi_read`, `fi_fetch_atomic`) once rkeys are checked by the NIC, which
+//!   needs per-region access flags in the registration and a way to learn of remote access
+//!   errors without losing the connection (CXI and verbs report them as completion errors;
+//!   `tcp;ofi_rxm` tears the connection down, which is why the target checks in software).
+//!
+//! [`DeviceConfig::ofi_provider`]: crate::DeviceConfig::ofi_provider
+//! [`DeviceConfig::ofi_busy_poll`]: crate::DeviceConfig::ofi_busy_poll
+//! [`EndpointAddr::Opaque`]: crate::EndpointAddr::Opaque
+//! [`QpInner::claim_recv`]: crate::qp::QpInner::claim_recv
+//! [`QpConfig::timeout`]: crate::QpConfig::timeout
+
+mod ffi;
+mod link;
+mod qp;
+mod wire;
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::context::RegionMap;
+use crate::error::{Error, Result};
+use crate::mr::MrInner;
+use crate::provider::{OpenArgs, ProviderContext, QpSetup, QpTransport, RegionInfo};
+use ffi::{CqEntry, Fabric};
+use link::Link;
+
+/// Receive buffers posted per context.
+const RECV_POOL: usize = 256;
+
+/// Opens the ofi half of a context: a libfabric endpoint of the provider
+/// [`DeviceConfig::ofi_provider`](crate::DeviceConfig::ofi_provider) names, and its progress
+/// thread.
+pub(crate) fn open(args: &OpenArgs<'_>) -> Result<Box<dyn ProviderContext>> {
+    let c = args.config;
+    let prov = c.ofi_provider.trim().to_string();
+    // Socket-based providers bind an IP address: the configured one, else loopback (only this
+    // host can reach it, like the tcp provider's default).
+    let socket_based = prov.is_empty()
+        || ["tcp", "sockets", "udp", "verbs"]
+            .iter()
+            .any(|p| prov.starts_with(p));
+    let node = match c.ofi_addr {
+        Some(ip) => Some(ip.to_string()),
+        None if socket_based => Some("127.0.0.1".to_string()),
+        None => None,
+    };
+    // shm's fi_cq_sread ignores its timeout in libfabric 1.17: poll it.
+    let wait = !c.ofi_busy_poll && !prov.contains("shm");
+    let fab = Fabric::open(&prov, node.as_deref(), wait).map_err(|e| {
+        Error::arg(format!(
+            "ofi: opening libfabric provider {:?}{}: {e} (is it installed? `fi_info -l` lists \
+             the providers; OXCCL_OFI_PROVIDER picks one)",
+            if prov.is_empty() { "(any)" } else { &prov },
+            node.as_deref()
+                .map(|n| format!(" at {n}"))
+                .unwrap_or_default()
+        ))
+    })?;
+    let engine = Engine::new(fab, args.regions.clone(), c.ofi_busy_poll)?;
+    let thread = {
+        let engine = engine.clone();
+        std::thread::Builder::new()
+            .name("oxccl-ofi-progress".into())
+            .spawn(move || engine.run())
+            .map_err(|e| Error::os("spawning the ofi progress thread", e))?
+    };
+    Ok(Box::new(OfiContext {
+        engine,
+        thread: Mutex::new(Some(thread)),
+    }))
+}
+
+/// The ofi half of a context.
+struct OfiContext {
+    engine: Arc<Engine>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl ProviderContext for OfiContext {
+    fn create_qp(&self, setup: &QpSetup<'_>) -> Result<Box<dyn QpTransport>> {
+        let cfg = setup.cfg;
+        let rnr_us = if cfg.rnr_retry >= 7 {
+            0
+        } else {
+            (cfg.rnr_timer * (cfg.rnr_retry as u32 + 1))
+                .as_micros()
+                .clamp(1, u32::MAX as u128) as u32
+        };
+        let link = Link::new(&self.engine, setup, rnr_us);
+        self.engine
+            .links
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(link.token, link.clone());
+        Ok(Box::new(qp::OfiQp {
+            engine: self.engine.clone(),
+            link,
+            send: Mutex::new(()),
+        }))
+    }
+
+    fn register_mr(&self, mr: &RegionInfo<'_>) -> Result<Option<u64>> {
+        if mr.len == 0 {
+            // Nothing to move: zero-length requests never reach libfabric.
+            return Ok(None);
+        }
+        let e = &self.engine;
+        // SAFETY: the region's memory stays mapped until `deregister_mr` closes the
+        // registration (the core calls it before the memory goes).
+        let r = unsafe { e.fab.mr_reg(mr.addr, mr.len, mr.rkey) }.map_err(|err| {
+            Error::arg(format!(
+                "ofi: fi_mr_reg of {} bytes at {:#x} ({}): {}",
+                mr.len,
+                mr.addr,
+                e.fab.prov_name(),
+                ffi::strerror(err)
+            ))
+        })?;
+        e.mrs.write().unwrap_or_else(|e| e.into_inner()).insert(
+            mr.index,
+            LfMr {
+                mr: r,
+                base: mr.addr,
+            },
+        );
+        Ok(None)
+    }
+
+    fn deregister_mr(&self, mr: &MrInner) {
+        let gone = self
+            .engine
+            .mrs
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&mr.index);
+        if let Some(m) = gone {
+            self.engine.fab.mr_close(m.mr);
+        }
+    }
+}
+
+impl Drop for OfiContext {
+    fn drop(&mut self) {
+        self.engine.stop.store(true, Ordering::SeqCst);
+        self.engine.kick();
+        if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            // The progress thread may drop the last handle itself: never join yourself.
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+/// A region's libfabric registration.
+struct LfMr {
+    mr: ffi::Mr,
+    base: u64,
+}
+
+/// What a libfabric operation's context points to: 64 bytes of scratch for the provider
+/// (`FI_CONTEXT2`), then what the completion means.
+#[repr(C)]
+pub(super) struct Op {
+    scratch: [u64; 8],
+    what: What,
+}
+
+pub(super) enum What {
+    /// Receive buffer `i` of the pool.
+    Recv(usize),
+    /// A message; the buffer is sent from.
+    Send { buf: Vec<u8>, link: Weak<Link> },
+    /// RMA of request `seq` of the link (the target moving a request's data).
+    Rma {
+        link: Weak<Link>,
+        seq: u64,
+        _keep: Arc<MrInner>,
+    },
+}
+
+impl Op {
+    fn boxed(what: What) -> *mut Op {
+        Box::into_raw(Box::new(Op {
+            scratch: [0; 8],
+            what,
+        }))
+    }
+}
+
+/// An operation to issue (again, after `FI_EAGAIN`).
+pub(super) enum Issue {
+    Send {
+        dest: u64,
+        op: *mut Op,
+    },
+    Read {
+        buf: *mut u8,
+        len: usize,
+        desc: *mut c_void,
+        peer: u64,
+        addr: u64,
+        key: u64,
+        op: *mut Op,
+    },
+    Write {
+        buf: *const u8,
+        len: usize,
+        desc: *mut c_void,
+        peer: u64,
+        addr: u64,
+        key: u64,
+        op: *mut Op,
+    },
+}
+
+// SAFETY: the pointers are owned by the issue (its `Op`) or kept valid by the `Arc<MrInner>` the
+// op holds; whichever thread issues it hands them to the thread-safe endpoint.
+unsafe impl Send for Issue {}
+
+impl Issue {
+    fn op(&self) -> *mut Op {
+        match self {
+            Issue::Send { op, .. } | Issue::Read { op, .. } | Issue::Write { op, .. } => *op,
+        }
+    }
+}
+
+/// The receive pool: one allocation, `RECV_POOL` buffers of `wire::MSG_MAX` bytes.
+struct Pool {
+    base: *mut u8,
+    mem: *mut [u8],
+    ops: Vec<*mut Op>,
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        // SAFETY: the endpoint is closed (the Fabric field is dropped before the pool), so no
+        // buffer or context is in libfabric's hands; each pointer came from Box::into_raw.
+        unsafe {
+            drop(Box::from_raw(self.mem));
+            for &op in &self.ops {
+                drop(Box::from_raw(op));
+            }
+        }
+    }
+}
+
+/// The progress engine of an ofi context: the endpoint and what its thread serves.
+pub(crate) struct Engine {
+    /// Declared first: closed before the receive pool it reads into is freed.
+    fab: Fabric,
+    pool: Pool,
+    /// RMA addresses are virtual addresses (`FI_MR_VIRT_ADDR`); otherwise offsets.
+    virt: bool,
+    /// Queue pairs by secret token (messages name their target by it).
+    links: RwLock<HashMap<u64, Arc<Link>>>,
+    /// Peers' endpoint names, inserted into the address vector.
+    peers: Mutex<HashMap<Vec<u8>, u64>>,
+    /// libfabric registrations by region table index.
+    mrs: RwLock<HashMap<u32, LfMr>>,
+    /// The context's regions (the target validates against them).
+    regions: RegionMap,
+    /// Operations that met `FI_EAGAIN`, issued in order by the progress thread.
+    backlog: Mutex<VecDeque<Issue>>,
+    backlogged: AtomicBool,
+    stop: AtomicBool,
+    kicked: AtomicBool,
+    busy: bool,
+}
+
+// SAFETY: the pool's raw pointers are only used by the progress thread (and freed on drop);
+// the rest is Sync on its own.
+unsafe impl Send for Engine {}
+// SAFETY: as above.
+unsafe impl Sync for Engine {}
+
+impl Engine {
+    fn new(fab: Fabric, regions: RegionMap, busy: bool) -> Result<Arc<Engine>> {
+        let mem: *mut [u8] = Box::into_raw(vec![0u8; RECV_POOL * wire::MSG_MAX].into_boxed_slice());
+        let base = mem as *mut u8;
+        let ops = (0..RECV_POOL).map(|i| Op::boxed(What::Recv(i))).collect();
+        let virt = fab.attr.mr_mode & ffi::FI_MR_VIRT_ADDR != 0;
+        let e = Arc::new(Engine {
+            fab,
+            pool: Pool { base, mem, ops },
+            virt,
+            links: RwLock::new(HashMap::new()),
+            peers: Mutex::new(HashMap::new()),
+            mrs: RwLock::new(HashMap::new()),
+            regions,
+            backlog: Mutex::new(VecDeque::new()),
+            backlogged: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            kicked: AtomicBool::new(false),
+            busy,
+        });
+        for i in 0..RECV_POOL {
+            let r = e.post_recv(i);
+            if r != 0 {
+                return Err(Error::arg(format!(
+                    "ofi: posting receive buffers ({}): {}",
+                    e.fab.prov_name(),
+                    ffi::strerror(r)
+                )));
+            }
+        }
+        Ok(e)
+    }
+
+    fn post_recv(&self, i: usize) -> isize {
+        loop {
+            // SAFETY: buffer `i` lies inside the pool, which outlives the endpoint (field
+            // order); its op is the pool's, never freed before the pool.
+            let r = unsafe {
+                self.fab.recv(
+                    self.pool.base.add(i * wire::MSG_MAX),
+                    wire::MSG_MAX,
+                    self.pool.ops[i].cast(),
+                )
+            };
+            if r != -ffi::FI_EAGAIN {
+                return r;
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// Wakes the progress thread (retry stalled requests, drain the backlog, sweep).
+    pub(super) fn kick(&self) {
+        if !self.kicked.swap(true, Ordering::AcqRel) && self.fab.attr.waits != 0 {
+            self.fab.cq_signal();
+        }
+    }
+
+    /// The address-vector entry of a peer's endpoint name.
+    pub(super) fn peer(&self, name: &[u8]) -> std::result::Result<u64, String> {
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&a) = peers.get(name) {
+            return Ok(a);
+        }
+        // Names differ in length only where the provider's are strings (shm: "fi_shm://pid:..",
+        // NUL-terminated); a binary name (sockaddr) has the provider's one length.
+        let string = self.fab.name().last() == Some(&0);
+        let fits = if string {
+            name.last() == Some(&0)
+        } else {
+            name.len() == self.fab.name().len()
+        };
+        if !fits {
+            return Err(format!(
+                "the peer's address ({} bytes) is not a {} endpoint name",
+                name.len(),
+                self.fab.prov_name(),
+            ));
+        }
+        let a = self
+            .fab
+            .av_insert(name)
+            .map_err(|e| format!("fi_av_insert: {}", ffi::strerror(e)))?;
+        peers.insert(name.to_vec(), a);
+        Ok(a)
+    }
+
+    /// The libfabric descriptor, key and RMA address of `ptr` in region `index`.
+    pub(super) fn rma_of(&self, index: u32, ptr: *const u8) -> Option<(*mut c_void, u64, u64)> {
+        let mrs = self.mrs.read().unwrap_or_else(|e| e.into_inner());
+        let m = mrs.get(&index)?;
+        let addr = if self.virt {
+            ptr as u64
+        } else {
+            ptr as u64 - m.base
+        };
+        Some((m.mr.desc, m.mr.key, addr))
+    }
+
+    /// Issues an operation, in order behind any backlog; `FI_EAGAIN` queues it for the progress
+    /// thread. An error fails the operation's link (the op is freed).
+    pub(super) fn issue(&self, is: Issue) {
+        if self.backlogged.load(Ordering::Acquire) {
+            let mut bl = self.backlog.lock().unwrap_or_else(|e| e.into_inner());
+            if !bl.is_empty() {
+                bl.push_back(is);
+                drop(bl);
+                self.kick();
+                return;
+            }
+        }
+        let r = self.try_issue(&is);
+        if r == -ffi::FI_EAGAIN {
+            let mut bl = self.backlog.lock().unwrap_or_else(|e| e.into_inner());
+            bl.push_back(is);
+            self.backlogged.store(true, Ordering::Release);
+            drop(bl);
+            self.kick();
+        } else if r != 0 {
+            self.op_failed(
+                is.op(),
+                &format!("posting to libfabric: {}", ffi::strerror(r)),
+            );
+        }
+    }
+
+    fn try_issue(&self, is: &Issue) -> isize {
+        match *is {
+            Issue::Send { dest, op } => {
+                // SAFETY: `op` is a live boxed Op of kind Send that owns the buffer; both stay
+                // until the completion frees them.
+                unsafe {
+                    let What::Send { buf, .. } = &(*op).what else {
+                        return -22;
+                    };
+                    self.fab.send(buf, dest, op.cast())
+                }
+            }
+            Issue::Read {
+                buf,
+                len,
+                desc,
+                peer,
+                addr,
+                key,
+                op,
+            } => {
+                // SAFETY: `buf` lies in a registered region the op keeps alive (`_keep`); the op
+                // lives until its completion.
+                unsafe { self.fab.read(buf, len, desc, peer, addr, key, op.cast()) }
+            }
+            Issue::Write {
+                buf,
+                len,
+                desc,
+                peer,
+                addr,
+                key,
+                op,
+            } => {
+                // SAFETY: as for reads.
+                unsafe {
+                    self.fab
+                        .write(buf, len, desc, peer, addr, key, None, op.cast())
+                }
+            }
+        }
+    }
+
+    fn drain_backlog(&self) {
+        if !self.backlogged.load(Ordering::Acquire) {
+            return;
+        }
+        let mut bl = self.backlog.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(is) = bl.front() {
+            let r = self.try_issue(is);
+            if r == -ffi::FI_EAGAIN {
+                return;
+            }
+            let is = bl.pop_front().expect("front");
+            if r != 0 {
+                self.op_failed(
+                    is.op(),
+                    &format!("posting to libfabric: {}", ffi::strerror(r)),
+                );
+            }
+        }
+        self.backlogged.store(false, Ordering::Release);
+    }
+
+    /// Sends a message for `link` to `dest`.
+    pub(super) fn send_msg(&self, dest: u64, buf: Vec<u8>, link: Weak<Link>) {
+        // Small messages are injected (copied at once, no completion), unless a backlog must
+        // go first.
+        if buf.len() as u64 <= self.fab.attr.inject_size
+            && !self.backlogged.load(Ordering::Acquire)
+            && self.fab.inject(&buf, dest) == 0
+        {
+            return;
+        }
+        let op = Op::boxed(What::Send { buf, link });
+        self.issue(Issue::Send { dest, op });
+    }
+
+    /// An operation failed (posting it, or in its completion): its link fails; the op is freed.
+    fn op_failed(&self, op: *mut Op, why: &str) {
+        if op.is_null() {
+            return;
+        }
+        // SAFETY: `op` came from Op::boxed and is no longer in libfabric's hands (its post
+        // failed or its completion was read): this is its single release.
+        let op = unsafe { Box::from_raw(op) };
+        match op.what {
+            What::Recv(i) => {
+                // A receive buffer failed (canceled at close, or a truncated message): repost.
+                let _ = Box::into_raw(op);
+                if !self.stop.load(Ordering::Acquire) {
+                    self.post_recv(i);
+                }
+            }
+            What::Send { link, .. } | What::Rma { link, .. } => {
+                if let Some(l) = link.upgrade() {
+                    l.mark_failed(why);
+                    self.kick();
+                }
+            }
+        }
+    }
+
+    fn run(self: Arc<Self>) {
+        let mut entries = [CqEntry::default(); 32];
+        let mut idle = 0u32;
+        let mut last_sweep = Instant::now();
+        while !self.stop.load(Ordering::Acquire) {
+            self.drain_backlog();
+            let block = self.fab.attr.waits != 0
+                && idle > 32
+                && !self.backlogged.load(Ordering::Acquire)
+                && !self.kicked.load(Ordering::Acquire);
+            let n = if block {
+                self.fab.cq_sread(&mut entries, 5)
+            } else {
+                self.fab.cq_read(&mut entries)
+            };
+            if n > 0 {
+                idle = 0;
+                for e in &entries[..n as usize] {
+                    self.completed(e);
+                }
+            } else if n == -ffi::FI_EAVAIL {
+                idle = 0;
+                if let Some((ctx, _err, _flags, msg)) = self.fab.cq_readerr() {
+                    self.op_failed(
+                        ctx.cast(),
+                        &format!("{} reported: {msg}", self.fab.prov_name()),
+                    );
+                }
+            } else {
+                idle = idle.saturating_add(1);
+                if self.fab.attr.waits == 0 {
+                    if self.busy || idle < 64 {
+                        std::hint::spin_loop();
+                    } else if idle < 256 {
+                        std::thread::yield_now();
+                    } else {
+                        std::thread::sleep(Duration::from_micros(if idle < 4096 {
+                            20
+                        } else {
+                            200
+                        }));
+                    }
+                }
+            }
+            if self.kicked.swap(false, Ordering::AcqRel)
+                || last_sweep.elapsed() >= Duration::from_millis(2)
+            {
+                last_sweep = Instant::now();
+                self.sweep();
+            }
+        }
+    }
+
+    fn completed(self: &Arc<Self>, e: &CqEntry) {
+        let op: *mut Op = e.op_context.cast();
+        if op.is_null() {
+            // Remote CQ data or an event without context: this protocol sends none.
+            return;
+        }
+        // SAFETY: every context this engine hands to libfabric is an Op from Op::boxed (or the
+        // pool's); its completion is read once.
+        let what = unsafe { &(*op).what };
+        match what {
+            What::Recv(i) => {
+                let i = *i;
+                let len = e.len.min(wire::MSG_MAX);
+                // SAFETY: libfabric wrote `len` bytes into buffer `i`, ours again until reposted.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts(self.pool.base.add(i * wire::MSG_MAX), len)
+                };
+                let msg = wire::decode(bytes);
+                if !self.stop.load(Ordering::Acquire) {
+                    self.post_recv(i);
+                }
+                if e.flags & ffi::FI_RECV != 0
+                    && let Some(m) = msg
+                {
+                    self.deliver(m);
+                }
+            }
+            What::Send { .. } => {
+                // SAFETY: the send's single completion: release its op and buffer.
+                drop(unsafe { Box::from_raw(op) });
+            }
+            What::Rma { link, seq, .. } => {
+                let (link, seq) = (link.upgrade(), *seq);
+                // SAFETY: the RMA's single completion.
+                drop(unsafe { Box::from_raw(op) });
+                if let Some(l) = link {
+                    l.rma_done(self, seq);
+                }
+            }
+        }
+    }
+
+    /// A message arrived: hand it to the queue pair it names.
+    fn deliver(self: &Arc<Self>, m: wire::Msg) {
+        let link = self
+            .links
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&m.h.dst_token)
+            .cloned();
+        if let Some(l) = link {
+            l.receive(self, m);
+        }
+    }
+
+    /// Every few milliseconds and when kicked: failed links report, stalled ones retry,
+    /// connected ones ping their peers and notice silence.
+    fn sweep(self: &Arc<Self>) {
+        let links: Vec<Arc<Link>> = self
+            .links
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        for l in links {
+            l.sweep(self);
+        }
+    }
+
+    /// Forgets a queue pair (destroyed).
+    pub(super) fn forget(&self, token: u64) {
+        self.links
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&token);
+    }
+}

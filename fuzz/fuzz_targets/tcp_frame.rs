@@ -64,7 +64,7 @@ fn check_header(bytes: &[u8; HEADER_LEN], hdr: &Header) {
         assert!(p.index < p.count && (2..=MAX_PARTS as u32).contains(&p.count));
         assert!(hdr.addr >= p.base && hdr.addr + hdr.len as u64 <= p.base + p.total as u64);
     }
-    assert_eq!(&bytes[56..64], &[0; 8]);
+    assert_eq!(hdr.ack.to_le_bytes(), bytes[56..64]);
     // Lengths and payloads.
     assert!(hdr.len <= MAX_PAYLOAD, "{hdr:?}: length over the cap");
     assert!(hdr.payload_len() <= MAX_PAYLOAD as usize);
@@ -99,7 +99,7 @@ fn check_rejection(bytes: &[u8; HEADER_LEN], e: FrameError) {
         }
         FrameError::Reserved => {
             assert!(magic_ok);
-            assert!(bytes[6..8].iter().chain(&bytes[56..64]).any(|&b| b != 0));
+            assert!(bytes[6..8].iter().any(|&b| b != 0));
         }
         FrameError::BadFlags(flags) => {
             assert!(magic_ok);

@@ -204,6 +204,7 @@ impl CqInner {
                 }
             }
         }
+        self.ctx.ops.polled(n);
         n
     }
 

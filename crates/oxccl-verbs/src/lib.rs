@@ -51,6 +51,7 @@ mod context;
 mod cq;
 mod error;
 mod mr;
+mod ofi;
 mod provider;
 mod qp;
 mod ring;

@@ -199,6 +199,12 @@ pub(crate) trait ProviderContext: Send + Sync {
     /// in the application's thread. Must be cheap when there is nothing to do.
     fn progress(&self) {}
 
+    /// Called at the end of that poll with the number of completions it returned: a provider
+    /// that holds back acknowledgements to let them ride on the application's next message
+    /// (tcp) sends them when the poll found nothing (the application is waiting, not about to
+    /// answer).
+    fn polled(&self, _completions: usize) {}
+
     /// A completion-queue wait found nothing and would sleep on its doorbell for `nap`: a
     /// provider may instead block in its own wait (tcp: `epoll_wait` on its sockets), handling
     /// what arrives, for at most `nap`, and return true. False (the default): the waiter sleeps
@@ -316,6 +322,9 @@ registry! {
     Shm = "shm" => crate::shm::open,
     /// RDMA semantics over TCP sockets, for hosts without RDMA hardware.
     Tcp = "tcp" => crate::tcp::open,
+    /// libfabric (OFI): real NICs (verbs, EFA, Slingshot), or libfabric's own `tcp;ofi_rxm`
+    /// and `shm`.
+    Ofi = "ofi" => crate::ofi::open,
 }
 
 impl std::str::FromStr for Provider {

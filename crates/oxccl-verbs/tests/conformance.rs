@@ -1236,3 +1236,5 @@ macro_rules! conformance {
 
 conformance!(shm, "shm");
 conformance!(tcp, "tcp");
+conformance!(ofi, "ofi");
+conformance!(ofi_shm, "ofi:shm");

@@ -256,3 +256,5 @@ macro_rules! hammer {
 
 hammer!(shm, "shm");
 hammer!(tcp, "tcp");
+hammer!(ofi, "ofi");
+hammer!(ofi_shm, "ofi:shm");

@@ -1593,3 +1593,5 @@ macro_rules! properties {
 
 properties!(shm, "shm");
 properties!(tcp, "tcp");
+properties!(ofi, "ofi");
+properties!(ofi_shm, "ofi:shm");

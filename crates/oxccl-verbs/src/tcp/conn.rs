@@ -103,6 +103,9 @@ pub(crate) struct Conn {
     pub(super) my_rnr_us: u64,
     /// When the connections must be up (set by `connect`).
     attach_by: Mutex<Option<Instant>>,
+    /// An ACK held back (the highest request executed; 0: none): the next frame to start on
+    /// connection 0 carries it, or [`Conn::flush_ack`] sends it alone.
+    pub(super) ack_out: AtomicU64,
 }
 
 impl Conn {
@@ -125,6 +128,7 @@ impl Conn {
             peer_rnr_us: AtomicU64::new(0),
             my_rnr_us: rnr,
             attach_by: Mutex::new(None),
+            ack_out: AtomicU64::new(0),
         }
     }
 
@@ -298,6 +302,30 @@ impl Conn {
         self.attached.fetch_add(1, Ordering::AcqRel);
         self.flush_tx(idx);
         Ok(())
+    }
+
+    /// Holds back an ACK of every request up to `seq`, for a frame going back to carry.
+    pub(super) fn ack_later(&self, seq: u64) {
+        self.ack_out.fetch_max(seq, Ordering::AcqRel);
+        if let Some(sh) = self.shared.upgrade() {
+            sh.acks_due.store(true, Ordering::Release);
+        }
+    }
+
+    /// Sends the held-back ACK, if no frame took it.
+    pub(super) fn flush_ack(&self) {
+        let seq = self.ack_out.load(Ordering::Acquire);
+        if seq != 0 && !self.dead.load(Ordering::Acquire) {
+            // The frame's own stamp (in `flush_locked`) takes the held-back value.
+            self.queue(
+                0,
+                super::tx::TxFrame::header(&super::frame::Header::new(
+                    super::frame::Opcode::Ack,
+                    seq,
+                    0,
+                )),
+            );
+        }
     }
 
     /// Whether every connection is attached.

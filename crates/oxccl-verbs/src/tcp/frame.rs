@@ -4,7 +4,7 @@
 //!  0  magic "OXT2"     4  opcode   5  flags        6  reserved (0)
 //!  8  seq (u64)       16  len (u32)  20  imm (u32)
 //! 24  remote addr    32  rkey      40  a (compare / add / old value / status)
-//! 48  b (swap)       56  reserved (0)
+//! 48  b (swap)       56  ack (u64)
 //! ```
 //!
 //! Flags: [`ACK_REQ`] (the target acknowledges the request once it is executed; without it the
@@ -12,6 +12,9 @@
 //! WRITE striped across the queue pair's connections: `a` holds the part's index (bits 0-7), the
 //! number of parts (bits 8-15) and the whole request's length (bits 16-47), `b` the request's
 //! address, `addr` and `len` this part's; see [`Part`]). Every other bit is reserved (0).
+//!
+//! `ack`, on any frame: every request of the receiver's up to this one is done (a cumulative
+//! ACK riding on traffic that goes the other way anyway; 0: none).
 //!
 //! All integers are little endian. [`Header::decode`] is a pure function: it accepts exactly the
 //! headers this module encodes and rejects everything else with a [`FrameError`] (fuzzed by
@@ -120,6 +123,8 @@ pub struct Header {
     pub a: u64,
     /// Second operand: swap.
     pub b: u64,
+    /// A cumulative ACK of the receiver's requests (0: none).
+    pub ack: u64,
 }
 
 /// Where a part of a striped WRITE belongs.
@@ -178,6 +183,7 @@ impl Header {
             rkey: 0,
             a: 0,
             b: 0,
+            ack: 0,
         }
     }
 
@@ -194,6 +200,7 @@ impl Header {
         h[32..40].copy_from_slice(&self.rkey.to_le_bytes());
         h[40..48].copy_from_slice(&self.a.to_le_bytes());
         h[48..56].copy_from_slice(&self.b.to_le_bytes());
+        h[56..64].copy_from_slice(&self.ack.to_le_bytes());
         h
     }
 
@@ -205,7 +212,7 @@ impl Header {
             return Err(FrameError::BadMagic);
         }
         let opcode = Opcode::from_u8(h[4]).ok_or(FrameError::BadOpcode(h[4]))?;
-        if h[6] != 0 || h[7] != 0 || h[56..64].iter().any(|&b| b != 0) {
+        if h[6] != 0 || h[7] != 0 {
             return Err(FrameError::Reserved);
         }
         let hdr = Header {
@@ -218,6 +225,7 @@ impl Header {
             rkey: u64_at(32),
             a: u64_at(40),
             b: u64_at(48),
+            ack: u64_at(56),
         };
         let len_ok = match opcode {
             Opcode::Cas | Opcode::Faa => hdr.len == 8,
@@ -370,7 +378,7 @@ mod tests {
         h[4] = 99;
         assert_eq!(Header::decode(&h), Err(FrameError::BadOpcode(99)));
         let mut h = good;
-        h[60] = 1;
+        h[7] = 1;
         assert_eq!(Header::decode(&h), Err(FrameError::Reserved));
         let mut h = good;
         h[5] = 4;

@@ -26,8 +26,11 @@
 //! through a staging buffer, so a small message costs one `recv`).
 //!
 //! RC semantics: the target executes requests in order (across connections: a part of a later
-//! request waits until every earlier request is done); ACKs are cumulative, sent when a request
-//! that asked for one ([`frame::ACK_REQ`]: signaled, or one in [`frame::ACK_EVERY`]) is done; a
+//! request waits until every earlier request is done); ACKs are cumulative, due when a request
+//! that asked for one ([`frame::ACK_REQ`]: signaled, or one in [`frame::ACK_EVERY`]) is done,
+//! and ride in the `ack` field of the next frame that goes back on connection 0 (a credit, an
+//! answer); an ACK frame of its own goes when the application's poll finds nothing, before it
+//! sleeps, or when the progress thread drives (so at most [`LINGER`] late); a
 //! failed request is NAKed, the target drops every later request of the queue pair, and the
 //! initiator's queue pair goes to ERR (and closes the connections). A SEND or WRITE_WITH_IMM that
 //! finds no receive posted stalls its connection (receiver not ready) until one is posted or the
@@ -111,6 +114,12 @@ impl ProviderContext for TcpContext {
 
     fn progress(&self) {
         self.engine.shared.app_progress();
+    }
+
+    fn polled(&self, completions: usize) {
+        if completions == 0 {
+            self.engine.shared.flush_acks();
+        }
     }
 
     fn block(&self, nap: Duration) -> bool {
@@ -206,6 +215,8 @@ pub(crate) struct Shared {
     thread: OnceLock<std::thread::Thread>,
     /// When the sweep last ran, in µs since `epoch`.
     last_sweep: AtomicU64,
+    /// Some connection holds back an ACK ([`Conn::ack_out`]).
+    acks_due: AtomicBool,
 }
 
 impl Engine {
@@ -253,6 +264,7 @@ impl Engine {
             deep: AtomicBool::new(false),
             thread: OnceLock::new(),
             last_sweep: AtomicU64::new(0),
+            acks_due: AtomicBool::new(false),
         });
         let thread = {
             let shared = shared.clone();
@@ -389,6 +401,7 @@ impl Shared {
             }
             Err(_) => return false,
         }
+        self.flush_acks();
         self.blocked.store(true, Ordering::SeqCst);
         self.turn(Some(nap));
         self.blocked.store(false, Ordering::SeqCst);
@@ -399,6 +412,23 @@ impl Shared {
             self.unpark();
         }
         true
+    }
+
+    /// Sends the ACKs that no frame took along (see [`Conn::ack_out`]).
+    pub(crate) fn flush_acks(&self) {
+        if !self.acks_due.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let conns: Vec<Arc<Conn>> = self
+            .conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        for c in conns {
+            c.flush_ack();
+        }
     }
 
     fn ask_standby(&self) {
@@ -441,6 +471,8 @@ impl Shared {
             }
             let spin = self.tuning.busy && last_activity.elapsed() < Duration::from_millis(50);
             let got = self.turn(Some(if spin { Duration::ZERO } else { SWEEP }));
+            // Nobody here answers: acknowledge now.
+            self.flush_acks();
             self.driver.store(FREE, Ordering::Release);
             if got {
                 last_activity = Instant::now();

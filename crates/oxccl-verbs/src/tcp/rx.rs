@@ -231,7 +231,7 @@ impl Conn {
             due.then_some(ex.done_seq)
         };
         if let Some(seq) = ack {
-            self.queue(0, TxFrame::header(&Header::new(Opcode::Ack, seq, 0)));
+            self.ack_later(seq);
         }
     }
 
@@ -304,6 +304,10 @@ impl Conn {
                 }
                 let h = Header::decode(&buf)
                     .map_err(|e| Stop::Failed(format!("malformed frame from the peer: {e}")))?;
+                if h.ack != 0 && !qp.is_failed() {
+                    // An ACK riding on the peer's frame.
+                    self.complete_upto(qp, h.ack);
+                }
                 *executed |= self.begin(qp, i, rx, h).map_err(Stop::Failed)?;
                 Ok(true)
             }

@@ -129,6 +129,14 @@ impl Conn {
             return Ok(());
         };
         while let Some(f) = tx.frames.front_mut() {
+            if i == 0 && f.sent == 0 {
+                // Take the held-back ACK along.
+                let ack = self.ack_out.swap(0, Ordering::AcqRel);
+                let had = u64::from_le_bytes(f.hdr[56..64].try_into().unwrap_or_default());
+                if ack > had {
+                    f.hdr[56..64].copy_from_slice(&ack.to_le_bytes());
+                }
+            }
             let total = f.total();
             // Gather the unsent part: header rest, then payload spans.
             let mut iov: SmallVec<[IoSlice<'_>; 4]> = SmallVec::new();

@@ -171,7 +171,7 @@ fn connect_links(
             source,
         }
     };
-    let kinds: Vec<Provider> = [Provider::Shm, Provider::Tcp]
+    let kinds: Vec<Provider> = [Provider::Shm, Provider::Tcp, Provider::Ofi]
         .into_iter()
         .filter(|k| providers.contains(&Some(*k)))
         .collect();
@@ -323,7 +323,9 @@ impl Communicator {
             .collect();
         // Whether any pair of ranks talks over tcp: then larger chunks amortise the per-message
         // cost of the socket path (every rank computes the same answer).
-        let any_tcp = opts.provider == Some(Provider::Tcp) || hosts.iter().any(|h| h != &hosts[0]);
+        // (ofi, whose target executes requests in software, is costed as tcp is.)
+        let any_tcp = matches!(opts.provider, Some(Provider::Tcp | Provider::Ofi))
+            || hosts.iter().any(|h| h != &hosts[0]);
         let geo = Geometry {
             slot_data: opts
                 .chunk_size

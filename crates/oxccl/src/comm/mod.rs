@@ -41,7 +41,7 @@ pub const PROBE_BYTES: usize = 1 << 20;
 pub struct Options {
     /// How long one collective may take (`OXCCL_TIMEOUT`, seconds; default 300).
     pub timeout: Duration,
-    /// Force one provider for every peer (`OXCCL_PROVIDER=shm|tcp`); default: shm between
+    /// Force one provider for every peer (`OXCCL_PROVIDER=shm|tcp|ofi`); default: shm between
     /// ranks of one host, tcp across hosts.
     pub provider: Option<Provider>,
     /// This process's host identity (`OXCCL_HOST_ID`); default: the boot id plus the network
@@ -177,7 +177,8 @@ impl Options {
             o.provider = Some(match v.trim() {
                 "shm" => Provider::Shm,
                 "tcp" => Provider::Tcp,
-                _ => return Err(bad("OXCCL_PROVIDER", &v, "shm or tcp")),
+                "ofi" => Provider::Ofi,
+                _ => return Err(bad("OXCCL_PROVIDER", &v, "shm, tcp or ofi")),
             });
         }
         o.host_id = var("OXCCL_HOST_ID").filter(|v| !v.is_empty());

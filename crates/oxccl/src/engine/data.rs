@@ -713,6 +713,8 @@ impl Call<'_, '_> {
             return;
         }
         let sge = [Sge::new(&link.stage, src_off, 8)];
+        // Unsignaled: nothing waits for its completion (a failure is still reported), and a
+        // software provider (tcp) need not acknowledge it.
         let wr = SendWr::new(
             WR_CTRL,
             WrOp::WriteWithImm {
@@ -720,7 +722,8 @@ impl Call<'_, '_> {
                 imm: Imm::Credit { channel: ch }.encode(),
             },
             &sge,
-        );
+        )
+        .unsignaled();
         if link.qp.post_send(&[wr]).is_ok() {
             self.eng.flows.credit_sent(q, consumed);
         }

@@ -3,6 +3,9 @@
  * provider uses into plain functions over plain arguments, so that the Rust side declares them
  * with `extern "C"` and never lays out a libfabric struct itself (only fi_cq_data_entry, which
  * is five words). Every function returns libfabric's convention: 0 or a count, or -FI_E*. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -268,4 +271,28 @@ ssize_t oxofi_cq_readerr(struct oxofi *o, void **ctx, int *err, uint64_t *flags,
 const char *oxofi_strerror(int err)
 {
 	return fi_strerror(err);
+}
+
+/* libfabric pulls in libinfinipath and libpsm2 (its psm providers), whose load-time constructors
+ * install handlers for SIGSEGV, SIGBUS, SIGILL, SIGFPE and SIGABRT that print a backtrace and
+ * exit with status 1: a crash or abort() of any program linked with oxccl would no longer end by
+ * its signal (no core dump, a wrong exit status). This constructor runs after theirs and puts the
+ * default back for the handlers that are theirs, leaving anyone else's. */
+__attribute__((constructor)) static void oxccl_ofi_restore_signals(void) {
+    static const int sigs[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT};
+    for (unsigned i = 0; i < sizeof sigs / sizeof sigs[0]; i++) {
+        struct sigaction old;
+        if (sigaction(sigs[i], NULL, &old) != 0) {
+            continue;
+        }
+        void *h = (old.sa_flags & SA_SIGINFO) ? (void *)old.sa_sigaction : (void *)old.sa_handler;
+        if (h == (void *)SIG_DFL || h == (void *)SIG_IGN) {
+            continue;
+        }
+        Dl_info info;
+        if (dladdr(h, &info) && info.dli_fname &&
+            (strstr(info.dli_fname, "infinipath") || strstr(info.dli_fname, "psm"))) {
+            signal(sigs[i], SIG_DFL);
+        }
+    }
 }

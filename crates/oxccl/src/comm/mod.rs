@@ -1376,12 +1376,6 @@ fn spawn_watchdog(inner: Weak<Inner>, action: WatchdogAction, limit: Duration) {
                         "rank {}: OXCCL_WATCHDOG=exit: ending the process",
                         inner.rank
                     ));
-                    // Die of SIGABRT (a core, the signal in the exit status): libraries that
-                    // libfabric loads (libinfinipath, libpsm2) install a SIGABRT handler that
-                    // prints a backtrace and exits with status 1 instead.
-                    // SAFETY: resetting a signal's disposition to the default has no memory
-                    // effects; the process ends right after.
-                    unsafe { libc::signal(libc::SIGABRT, libc::SIG_DFL) };
                     std::process::abort();
                 }
             }

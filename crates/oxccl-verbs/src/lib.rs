@@ -56,6 +56,7 @@ mod provider;
 mod qp;
 mod ring;
 mod segment;
+mod sendq;
 mod shm;
 mod tcp;
 mod types;

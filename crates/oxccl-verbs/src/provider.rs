@@ -142,6 +142,22 @@ pub(crate) struct QpSetup<'a> {
     pub cfg: &'a QpConfig,
 }
 
+impl QpSetup<'_> {
+    /// The queue pair's RNR budget in µs: how long a target may hold its SEND or
+    /// WRITE_WITH_IMM waiting for a receive, `rnr_timer × (rnr_retry + 1)` and at least 1; 0
+    /// (forever) for 7 retries, as InfiniBand's "retry forever".
+    pub fn rnr_budget_us(&self) -> u64 {
+        let cfg = self.cfg;
+        if cfg.rnr_retry >= 7 {
+            0
+        } else {
+            (cfg.rnr_timer * (cfg.rnr_retry as u32 + 1))
+                .as_micros()
+                .clamp(1, u64::MAX as u128) as u64
+        }
+    }
+}
+
 /// A region about to be registered, as [`ProviderContext::register_mr`] sees it.
 #[allow(
     dead_code,

@@ -11,6 +11,7 @@ use super::{Engine, Issue, Op, What};
 use crate::mr::{MrInner, Span, key_index};
 use crate::provider::QpSetup;
 use crate::qp::QpInner;
+use crate::sendq::{Keep, Outstanding, SendQueue, Spans};
 use crate::types::{AccessFlags, QpState, WcOpcode, WcStatus, WrOp};
 
 /// Requests whose data a target moves at once, per queue pair (WRITEs to disjoint ranges).
@@ -35,8 +36,8 @@ pub(crate) struct Link {
     rnr_us: u32,
     timeout: Duration,
     pub peer: OnceLock<Peer>,
-    tx: Mutex<Tx>,
-    out: Mutex<VecDeque<Outstanding>>,
+    /// Our requests in flight.
+    pub(super) sendq: SendQueue,
     rx: Mutex<Rx>,
     /// Messages that arrived before `connect` named the peer.
     early: Mutex<Vec<Msg>>,
@@ -49,43 +50,6 @@ pub(crate) struct Link {
 struct Times {
     heard: Instant,
     pinged: Instant,
-}
-
-#[derive(Default)]
-struct Tx {
-    next_seq: u64,
-    /// The queue pair failed and flushed its requests: nothing more is sent.
-    flushed: bool,
-}
-
-/// A request this side sent and has not seen answered.
-struct Outstanding {
-    seq: u64,
-    wr_id: u64,
-    opcode: WcOpcode,
-    len: u32,
-    signaled: bool,
-    /// Where inline READ data or an atomic's old value lands.
-    dst: Vec<Span>,
-    _keep: Vec<Arc<MrInner>>,
-    /// A request that failed locally (or follows one) and was never sent: it completes with
-    /// this status once every earlier request has.
-    error: Option<WcStatus>,
-}
-
-impl Outstanding {
-    fn unsent(seq: u64, wr_id: u64, opcode: WcOpcode, status: WcStatus) -> Outstanding {
-        Outstanding {
-            seq,
-            wr_id,
-            opcode,
-            len: 0,
-            signaled: true,
-            dst: Vec::new(),
-            _keep: Vec::new(),
-            error: Some(status),
-        }
-    }
 }
 
 /// The target side: requests in sequence.
@@ -142,8 +106,7 @@ impl Link {
             rnr_us,
             timeout: setup.cfg.timeout,
             peer: OnceLock::new(),
-            tx: Mutex::new(Tx::default()),
-            out: Mutex::new(VecDeque::new()),
+            sendq: SendQueue::default(),
             rx: Mutex::new(Rx {
                 next: 1,
                 queue: BTreeMap::new(),
@@ -379,7 +342,7 @@ impl Link {
 
     /// Posts one send-queue request (the caller validated the state and local buffers).
     /// `local`: the validated buffers (region, pointer, length).
-    pub(super) fn post(
+    pub(super) fn send_request(
         &self,
         e: &Engine,
         wr_id: u64,
@@ -461,152 +424,31 @@ impl Link {
                 buf.extend_from_slice(unsafe { std::slice::from_raw_parts(*p, *len) });
             }
         }
-        let keep: Vec<Arc<MrInner>> = local.iter().map(|l| l.0.clone()).collect();
-        let dst: Vec<Span> = if gather {
-            Vec::new()
+        let keep: Keep = local.iter().map(|l| l.0.clone()).collect();
+        let dst: Spans = if gather {
+            Spans::new()
         } else {
             local.iter().map(|l| Span(l.1, l.2)).collect()
         };
-        // Sequence numbers are assigned and messages issued under the transmit lock, so they
-        // leave in sequence; the outstanding entry exists before any answer can arrive.
-        let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
-        if tx.flushed {
-            return Err(WcStatus::WorkRequestFlushed);
-        }
-        if qp_failed() || self.dead.load(Ordering::Acquire) {
-            drop(tx);
-            return if self.post_flushed(wr_id, opcode) {
-                Ok(())
-            } else {
-                Err(WcStatus::WorkRequestFlushed)
-            };
-        }
-        tx.next_seq += 1;
-        let seq = tx.next_seq;
-        buf[24..32].copy_from_slice(&seq.to_le_bytes());
-        self.out
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push_back(Outstanding {
-                seq,
-                wr_id,
-                opcode,
-                len: total as u32,
-                signaled,
-                dst,
-                _keep: keep,
-                error: None,
-            });
-        e.send_msg(dest, buf, self.me.clone());
-        drop(tx);
-        Ok(())
-    }
-
-    /// Completes every outstanding request, oldest first (the queue pair failed), and stops
-    /// sending. Runs under the transmit lock, so a request being posted concurrently completes
-    /// (flushed) after these.
-    pub(super) fn flush_outstanding(
-        &self,
-        mut status_of: impl FnMut() -> WcStatus,
-        mut complete: impl FnMut(u64, WcOpcode, WcStatus),
-    ) {
-        let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
-        tx.flushed = true;
-        let drained: Vec<Outstanding> = self
-            .out
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain(..)
-            .collect();
-        for o in drained {
-            let status = match o.error {
-                Some(e) if e != WcStatus::WorkRequestFlushed => e,
-                _ => status_of(),
-            };
-            complete(o.wr_id, o.opcode, status);
-        }
-        drop(tx);
-    }
-
-    /// Completes outstanding requests up to `seq` (inclusive) as successful.
-    fn complete_upto(&self, qp: &QpInner, seq: u64) {
-        let mut done = Vec::new();
-        {
-            let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
-            while out
-                .front()
-                .is_some_and(|o| o.seq <= seq && o.error.is_none())
-            {
-                done.push(out.pop_front().expect("front"));
-            }
-        }
-        for o in done {
-            qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, o.len, o.signaled);
-        }
-        self.complete_local_failures(qp);
-    }
-
-    /// Completes the locally failed request at the front, if every earlier one has completed;
-    /// the queue pair then fails and flushes the rest.
-    pub(super) fn complete_local_failures(&self, qp: &QpInner) {
-        let failed = {
-            let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
-            if out.front().is_some_and(|o| o.error.is_some()) {
-                out.pop_front()
-            } else {
-                None
-            }
+        let o = Outstanding {
+            seq: 0,
+            wr_id,
+            opcode,
+            len: total as u32,
+            signaled,
+            dst,
+            _keep: keep,
+            error: None,
         };
-        if let Some(o) = failed {
-            let status = o.error.unwrap_or(WcStatus::WorkRequestFlushed);
-            qp.complete_send(o.wr_id, o.opcode, status, 0, true);
-            qp.request_failed();
-        }
-    }
-
-    /// A request failed before it could be sent (a local error). With requests still in flight
-    /// it queues behind them (returns true); otherwise the caller fails the queue pair now.
-    pub(super) fn post_failed(&self, wr_id: u64, opcode: WcOpcode, status: WcStatus) -> bool {
-        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
-        let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
-        if tx.flushed || out.is_empty() || self.dead.load(Ordering::Acquire) {
-            return false;
-        }
-        let status = if out.iter().any(|o| o.error.is_some()) {
-            WcStatus::WorkRequestFlushed
-        } else {
-            status
-        };
-        out.push_back(Outstanding::unsent(tx.next_seq, wr_id, opcode, status));
-        true
-    }
-
-    /// Queues a request of a failed queue pair to complete as flushed once the flush under way
-    /// reaches it; false when the flush already happened (the caller completes it now).
-    pub(super) fn post_flushed(&self, wr_id: u64, opcode: WcOpcode) -> bool {
-        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
-        if tx.flushed {
-            return false;
-        }
-        self.out
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push_back(Outstanding::unsent(
-                tx.next_seq,
-                wr_id,
-                opcode,
-                WcStatus::WorkRequestFlushed,
-            ));
-        true
-    }
-
-    /// Whether a locally failed request is waiting for earlier ones (later posts queue too).
-    pub(super) fn failing(&self) -> bool {
-        self.out
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .any(|o| o.error.is_some())
+        // Messages leave in sequence (issued under the post lock).
+        self.sendq.post(
+            o,
+            || qp_failed() || self.dead.load(Ordering::Acquire),
+            |seq| {
+                buf[24..32].copy_from_slice(&seq.to_le_bytes());
+                e.send_msg(dest, buf, self.me.clone());
+            },
+        )
     }
 
     /// An answer from the target (progress thread).
@@ -617,12 +459,12 @@ impl Link {
         }
         let h = m.h;
         match h.kind {
-            Kind::Ack => self.complete_upto(qp, h.seq),
+            Kind::Ack => self.sendq.complete_upto(qp, h.seq),
             Kind::Nak => {
-                self.complete_upto(qp, h.seq.saturating_sub(1));
+                self.sendq.complete_upto(qp, h.seq.saturating_sub(1));
                 let status =
                     WcStatus::from_u32(h.a as u32).unwrap_or(WcStatus::RemoteOperationError);
-                let o = self.pop_front_if(|o| o.seq == h.seq);
+                let o = self.sendq.pop_front_if(|o| o.seq == h.seq);
                 let Some(o) = o else {
                     return Err(format!("NAK for request {} that is not outstanding", h.seq));
                 };
@@ -630,13 +472,13 @@ impl Link {
                 qp.request_failed();
             }
             Kind::ReadResp | Kind::AtomicResp => {
-                self.complete_upto(qp, h.seq.saturating_sub(1));
+                self.sendq.complete_upto(qp, h.seq.saturating_sub(1));
                 let want = if h.kind == Kind::ReadResp {
                     WcOpcode::Read
                 } else {
                     WcOpcode::FetchAdd
                 };
-                let o = self.pop_front_if(|o| {
+                let o = self.sendq.pop_front_if(|o| {
                     o.seq == h.seq
                         && (o.opcode == want
                             || (want == WcOpcode::FetchAdd && o.opcode == WcOpcode::CompareSwap))
@@ -665,20 +507,11 @@ impl Link {
                     unsafe { crate::segment::copy_bytes(bytes.as_ptr(), d.0, 8) };
                 }
                 qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, o.len, o.signaled);
-                self.complete_local_failures(qp);
+                self.sendq.complete_local_failures(qp);
             }
             k => return Err(format!("unexpected {k:?} message")),
         }
         Ok(())
-    }
-
-    fn pop_front_if(&self, f: impl Fn(&Outstanding) -> bool) -> Option<Outstanding> {
-        let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
-        if out.front().is_some_and(f) {
-            out.pop_front()
-        } else {
-            None
-        }
     }
 
     // ------------------------------------------------------------------------------------

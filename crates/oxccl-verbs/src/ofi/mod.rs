@@ -166,14 +166,7 @@ struct OfiContext {
 
 impl ProviderContext for OfiContext {
     fn create_qp(&self, setup: &QpSetup<'_>) -> Result<Box<dyn QpTransport>> {
-        let cfg = setup.cfg;
-        let rnr_us = if cfg.rnr_retry >= 7 {
-            0
-        } else {
-            (cfg.rnr_timer * (cfg.rnr_retry as u32 + 1))
-                .as_micros()
-                .clamp(1, u32::MAX as u128) as u32
-        };
+        let rnr_us = setup.rnr_budget_us().min(u32::MAX as u64) as u32;
         let link = Link::new(&self.engine, setup, rnr_us);
         self.engine
             .links

@@ -5,9 +5,9 @@ use std::sync::{Arc, Mutex};
 use super::Engine;
 use super::link::{Link, Peer};
 use crate::error::Result;
-use crate::mr::MrInner;
 use crate::provider::QpTransport;
-use crate::qp::{Cause, EndpointAddr, QpEndpoint, QpInner};
+use crate::qp::{EndpointAddr, QpEndpoint, QpInner};
+use crate::sendq::{self, Local, SendLink, SendQueue};
 use crate::types::*;
 
 /// The ofi half of a queue pair.
@@ -43,29 +43,7 @@ impl QpTransport for OfiQp {
     }
 
     fn post_send(&self, qp: &QpInner, wrs: &[SendWr<'_>]) -> Result<()> {
-        let mut s = self.send.lock().unwrap_or_else(|e| e.into_inner());
-        for (i, wr) in wrs.iter().enumerate() {
-            qp.check_sges(i, wr)?;
-            if !(matches!(qp.state(), QpState::Rts | QpState::Err) && qp.is_connected()) {
-                let status = qp.send_flush_status();
-                qp.complete_send(wr.wr_id, wr.op.wc_opcode(), status, 0, true);
-                continue;
-            }
-            match self.post_one(qp, wr) {
-                Ok(()) => {}
-                Err(WcStatus::WorkRequestFlushed) => {
-                    let status = qp.send_flush_status();
-                    qp.complete_send(wr.wr_id, wr.op.wc_opcode(), status, 0, true);
-                }
-                Err(status) => {
-                    drop(s);
-                    qp.complete_send(wr.wr_id, wr.op.wc_opcode(), status, 0, true);
-                    qp.set_error(Cause::Request);
-                    s = self.send.lock().unwrap_or_else(|e| e.into_inner());
-                }
-            }
-        }
-        Ok(())
+        sendq::post_send(qp, &self.send, self, wrs)
     }
 
     fn recv_posted(&self, qp: &QpInner) {
@@ -89,14 +67,7 @@ impl QpTransport for OfiQp {
     }
 
     fn flush_sends(&self, qp: &QpInner) {
-        if qp.is_connected() {
-            self.link.flush_outstanding(
-                || qp.send_flush_status(),
-                |wr_id, opcode, status| qp.complete_send(wr_id, opcode, status, 0, true),
-            );
-        }
-        // A batch being posted finishes first (its later requests find the link flushed).
-        drop(self.send.lock().unwrap_or_else(|e| e.into_inner()));
+        sendq::flush_sends(qp, &self.send, self);
     }
 
     fn disconnect(&self, _qp: &QpInner) {
@@ -104,61 +75,23 @@ impl QpTransport for OfiQp {
     }
 }
 
-impl OfiQp {
-    /// Validates a send request's local buffers and hands it to the link.
-    fn post_one(&self, qp: &QpInner, wr: &SendWr<'_>) -> Result<(), WcStatus> {
-        let link = &self.link;
-        let opcode = wr.op.wc_opcode();
-        if qp.is_failed() {
-            return if link.post_flushed(wr.wr_id, opcode) {
-                Ok(())
-            } else {
-                Err(WcStatus::WorkRequestFlushed)
-            };
-        }
-        match check_local(qp, wr) {
-            Ok(local) if !link.failing() => {
-                link.post(&self.engine, wr.wr_id, &wr.op, &local, wr.signaled, || {
-                    qp.is_failed()
-                })
-            }
-            Ok(_) => {
-                if link.post_failed(wr.wr_id, opcode, WcStatus::WorkRequestFlushed) {
-                    Ok(())
-                } else {
-                    Err(WcStatus::WorkRequestFlushed)
-                }
-            }
-            Err(status) if link.post_failed(wr.wr_id, opcode, status) => Ok(()),
-            Err(status) => Err(status),
-        }
+impl SendLink for OfiQp {
+    fn sendq(&self) -> &SendQueue {
+        &self.link.sendq
     }
-}
 
-/// The validated local buffers of a request.
-#[allow(clippy::type_complexity)]
-fn check_local(
-    qp: &QpInner,
-    wr: &SendWr<'_>,
-) -> Result<Vec<(Arc<MrInner>, *mut u8, usize)>, WcStatus> {
-    let scatter = matches!(
-        wr.op,
-        WrOp::Read { .. } | WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. }
-    );
-    let mut local = Vec::with_capacity(wr.sg_list.len());
-    let mut total = 0usize;
-    for g in wr.sg_list {
-        let p = g.mr.inner.local_ptr(qp.pd, g.offset, g.len, scatter)?;
-        local.push((g.mr.inner.clone(), p, g.len));
-        total += g.len;
+    fn dead(&self) -> bool {
+        self.link.dead.load(std::sync::atomic::Ordering::Acquire)
     }
-    if total > u32::MAX as usize {
-        return Err(WcStatus::LocalLengthError);
+
+    fn max_len(&self) -> usize {
+        u32::MAX as usize
     }
-    if matches!(wr.op, WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. })
-        && (local.len() != 1 || total != 8)
-    {
-        return Err(WcStatus::LocalLengthError);
+
+    fn post(&self, qp: &QpInner, wr: &SendWr<'_>, local: &Local) -> Result<(), WcStatus> {
+        self.link
+            .send_request(&self.engine, wr.wr_id, &wr.op, local, wr.signaled, || {
+                qp.is_failed()
+            })
     }
-    Ok(local)
 }

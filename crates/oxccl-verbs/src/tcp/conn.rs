@@ -1,28 +1,20 @@
 //! A queue pair's connections: setting them up, failing them, and the initiator's record of
 //! the requests in flight.
 
-use std::collections::VecDeque;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use rustix::event::epoll;
-use smallvec::SmallVec;
 
 use super::frame::Hello;
 use super::rx::{Exec, Rx};
 use super::tx::Tx;
 use super::{Shared, read_reply, send_hello};
 use crate::error::{Error, Result};
-use crate::mr::{MrInner, Span};
 use crate::qp::QpInner;
-use crate::types::{WcOpcode, WcStatus};
-
-/// Spans of a request's local buffers (one or two, almost always: no allocation).
-pub(super) type Spans = SmallVec<[Span; 2]>;
-/// The regions a request keeps alive.
-pub(super) type Keep = SmallVec<[Arc<MrInner>; 2]>;
+use crate::sendq::SendQueue;
 
 /// One TCP connection of a queue pair.
 pub(super) struct Sock {
@@ -35,47 +27,10 @@ pub(super) struct Sock {
     pub stalled: AtomicBool,
 }
 
-/// Sequence numbers of posted requests; taken before any connection's transmit lock.
-#[derive(Default)]
-pub(super) struct Post {
-    pub next_seq: u64,
-    /// The queue pair failed and flushed its requests: nothing more is sent.
-    pub flushed: bool,
-}
-
-/// A request this side sent and has not seen answered.
-pub(super) struct Outstanding {
-    pub seq: u64,
-    pub wr_id: u64,
-    pub opcode: WcOpcode,
-    pub len: u32,
-    pub signaled: bool,
-    /// Where READ data or an atomic's old value lands.
-    pub dst: Spans,
-    pub _keep: Keep,
-    /// A request that failed locally (or follows one) and was never sent: it completes with
-    /// this status once every earlier request has, so completions stay in order.
-    pub error: Option<WcStatus>,
-}
-
-impl Outstanding {
-    /// A request never sent that completes with `status` in its turn.
-    fn unsent(seq: u64, wr_id: u64, opcode: WcOpcode, status: WcStatus) -> Outstanding {
-        Outstanding {
-            seq,
-            wr_id,
-            opcode,
-            len: 0,
-            signaled: true,
-            dst: Spans::new(),
-            _keep: Keep::new(),
-            error: Some(status),
-        }
-    }
-}
-
 /// One queue pair's connections.
 pub(crate) struct Conn {
+    /// The context's settings (copied: read on every frame).
+    pub(super) tuning: super::Tuning,
     pub(super) shared: Weak<Shared>,
     pub(super) qp: Weak<QpInner>,
     pub local_token: u64,
@@ -87,9 +42,9 @@ pub(crate) struct Conn {
     attached: AtomicU32,
     /// Connections that arrived before `connect`: (hello, epoll key, socket).
     parked: Mutex<Vec<(Hello, u64, TcpStream)>>,
-    pub(super) post: Mutex<Post>,
+    /// Our requests in flight.
+    pub(super) sendq: SendQueue,
     pub(super) exec: Mutex<Exec>,
-    pub(super) out: Mutex<VecDeque<Outstanding>>,
     pub dead: AtomicBool,
     /// Why it died, for the queue pair's error detail.
     reason: Mutex<Option<String>>,
@@ -111,6 +66,7 @@ pub(crate) struct Conn {
 impl Conn {
     pub(super) fn new(shared: &Arc<Shared>, qp: Weak<QpInner>, local_token: u64, rnr: u64) -> Conn {
         Conn {
+            tuning: shared.tuning,
             shared: Arc::downgrade(shared),
             qp,
             local_token,
@@ -118,9 +74,8 @@ impl Conn {
             socks: OnceLock::new(),
             attached: AtomicU32::new(0),
             parked: Mutex::new(Vec::new()),
-            post: Mutex::new(Post::default()),
+            sendq: SendQueue::default(),
             exec: Mutex::new(Exec::default()),
-            out: Mutex::new(VecDeque::new()),
             dead: AtomicBool::new(false),
             reason: Mutex::new(None),
             reported: AtomicBool::new(false),
@@ -144,7 +99,7 @@ impl Conn {
 
     /// How many connections this side asks for.
     pub(super) fn wanted(&self) -> u32 {
-        self.shared.upgrade().map_or(1, |s| s.tuning.nsocks)
+        self.tuning.nsocks
     }
 
     /// Names the peer (`connect`) and makes `count` connections; from now on they must come up
@@ -460,38 +415,14 @@ impl Conn {
         self.report();
     }
 
-    /// Completes every outstanding request, oldest first (the queue pair failed), and stops
-    /// sending. Runs under the post lock, so a request being posted concurrently completes
-    /// (flushed) after these, keeping completions in order.
-    pub(crate) fn flush_outstanding(
-        &self,
-        mut status_of: impl FnMut() -> WcStatus,
-        mut complete: impl FnMut(u64, WcOpcode, WcStatus),
-    ) {
-        let mut post = self.post.lock().unwrap_or_else(|e| e.into_inner());
-        post.flushed = true;
+    /// The queue pair failed: frames not yet started are never sent; one half-sent stays to
+    /// keep the stream framed, with its own copy of what it has left to send.
+    pub(super) fn drop_unsent(&self) {
         for s in self.socks() {
             let mut tx = s.tx.lock().unwrap_or_else(|e| e.into_inner());
-            // Frames not yet started are never sent; one half-sent stays to keep the stream
-            // framed, with its own copy of what it has left to send.
             tx.frames.retain(|f| f.sent > 0 && f.sent < f.total());
             tx.frames.iter_mut().for_each(|f| f.detach());
         }
-        let drained: Vec<Outstanding> = self
-            .out
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain(..)
-            .collect();
-        for o in drained {
-            // A request that failed locally keeps its own status.
-            let status = match o.error {
-                Some(e) if e != WcStatus::WorkRequestFlushed => e,
-                _ => status_of(),
-            };
-            complete(o.wr_id, o.opcode, status);
-        }
-        drop(post);
     }
 
     /// Gives every frame still queued its own copy of its payload.
@@ -500,101 +431,5 @@ impl Conn {
             let mut tx = s.tx.lock().unwrap_or_else(|e| e.into_inner());
             tx.frames.iter_mut().for_each(|f| f.detach());
         }
-    }
-
-    /// Completes outstanding requests up to `seq` (inclusive) as successful.
-    pub(super) fn complete_upto(&self, qp: &QpInner, seq: u64) {
-        loop {
-            let o = {
-                let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
-                if out
-                    .front()
-                    .is_some_and(|o| o.seq <= seq && o.error.is_none())
-                {
-                    out.pop_front()
-                } else {
-                    None
-                }
-            };
-            let Some(o) = o else { break };
-            qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, o.len, o.signaled);
-        }
-        self.complete_local_failures(qp);
-    }
-
-    /// Completes the locally failed request at the front, if every earlier one has completed; the
-    /// queue pair then fails and flushes the rest.
-    pub(super) fn complete_local_failures(&self, qp: &QpInner) {
-        let failed = {
-            let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
-            if out.front().is_some_and(|o| o.error.is_some()) {
-                out.pop_front()
-            } else {
-                None
-            }
-        };
-        if let Some(o) = failed {
-            let status = o.error.unwrap_or(WcStatus::WorkRequestFlushed);
-            qp.complete_send(o.wr_id, o.opcode, status, 0, true);
-            qp.request_failed();
-        }
-    }
-
-    /// A request failed before it could be sent (a local error). With requests still in flight
-    /// it queues behind them (returns true); otherwise the caller fails the queue pair now.
-    pub(crate) fn post_failed(&self, wr_id: u64, opcode: WcOpcode, status: WcStatus) -> bool {
-        let post = self.post.lock().unwrap_or_else(|e| e.into_inner());
-        let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
-        if post.flushed || out.is_empty() || self.dead.load(Ordering::Acquire) {
-            return false;
-        }
-        // Requests posted after it are never sent either: they are flushed when it completes.
-        let status = if out.iter().any(|o| o.error.is_some()) {
-            WcStatus::WorkRequestFlushed
-        } else {
-            status
-        };
-        out.push_back(Outstanding::unsent(post.next_seq, wr_id, opcode, status));
-        drop(out);
-        // The requests before it may be unsignaled (the target would not acknowledge them):
-        // ask for the ACK that lets it complete.
-        let seq = post.next_seq;
-        self.queue(
-            0,
-            super::tx::TxFrame::header(&super::frame::Header::new(
-                super::frame::Opcode::AckReq,
-                seq,
-                0,
-            )),
-        );
-        true
-    }
-
-    /// Queues a request of a failed queue pair to complete as flushed once the flush under way
-    /// reaches it; false when the flush already happened (the caller completes it now).
-    pub(crate) fn post_flushed(&self, wr_id: u64, opcode: WcOpcode) -> bool {
-        let post = self.post.lock().unwrap_or_else(|e| e.into_inner());
-        if post.flushed {
-            return false;
-        }
-        self.out
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push_back(Outstanding::unsent(
-                post.next_seq,
-                wr_id,
-                opcode,
-                WcStatus::WorkRequestFlushed,
-            ));
-        true
-    }
-
-    /// Whether a locally failed request is waiting for earlier ones (later posts queue too).
-    pub(crate) fn failing(&self) -> bool {
-        self.out
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .any(|o| o.error.is_some())
     }
 }

@@ -91,14 +91,7 @@ struct TcpContext {
 
 impl ProviderContext for TcpContext {
     fn create_qp(&self, setup: &QpSetup<'_>) -> Result<Box<dyn QpTransport>> {
-        let cfg = setup.cfg;
-        let rnr_us = if cfg.rnr_retry >= 7 {
-            0
-        } else {
-            (cfg.rnr_timer * (cfg.rnr_retry as u32 + 1))
-                .as_micros()
-                .max(1) as u64
-        };
+        let rnr_us = setup.rnr_budget_us();
         let shared = self.engine.shared.clone();
         let conn = shared.conn(setup.qp.clone(), setup.token, rnr_us);
         Ok(Box::new(qp::TcpQp {

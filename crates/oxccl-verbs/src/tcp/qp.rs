@@ -5,9 +5,9 @@ use std::sync::{Arc, Mutex};
 
 use super::{Conn, Shared, frame};
 use crate::error::Result;
-use crate::mr::MrInner;
 use crate::provider::QpTransport;
-use crate::qp::{Cause, EndpointAddr, QpEndpoint, QpInner};
+use crate::qp::{EndpointAddr, QpEndpoint, QpInner};
+use crate::sendq::{self, Local, SendLink, SendQueue};
 use crate::types::*;
 
 /// The tcp half of a queue pair.
@@ -62,31 +62,7 @@ impl QpTransport for TcpQp {
     }
 
     fn post_send(&self, qp: &QpInner, wrs: &[SendWr<'_>]) -> Result<()> {
-        let mut s = self.send.lock().unwrap_or_else(|e| e.into_inner());
-        for (i, wr) in wrs.iter().enumerate() {
-            qp.check_sges(i, wr)?;
-            if !(matches!(qp.state(), QpState::Rts | QpState::Err) && qp.is_connected()) {
-                let status = qp.send_flush_status();
-                qp.complete_send(wr.wr_id, wr.op.wc_opcode(), status, 0, true);
-                continue;
-            }
-            match self.post_one(qp, wr) {
-                Ok(()) => {}
-                Err(WcStatus::WorkRequestFlushed) => {
-                    // Already failed and flushed: flushed too (or RetryExceeded, if this is the
-                    // first request to learn that the peer is gone).
-                    let status = qp.send_flush_status();
-                    qp.complete_send(wr.wr_id, wr.op.wc_opcode(), status, 0, true);
-                }
-                Err(status) => {
-                    drop(s);
-                    qp.complete_send(wr.wr_id, wr.op.wc_opcode(), status, 0, true);
-                    qp.set_error(Cause::Request);
-                    s = self.send.lock().unwrap_or_else(|e| e.into_inner());
-                }
-            }
-        }
-        Ok(())
+        sendq::post_send(qp, &self.send, self, wrs)
     }
 
     fn recv_posted(&self, qp: &QpInner) {
@@ -108,16 +84,7 @@ impl QpTransport for TcpQp {
     }
 
     fn flush_sends(&self, qp: &QpInner) {
-        if qp.is_connected() {
-            // Requests in flight, oldest first. The connection stays up (as an InfiniBand peer,
-            // the target is not told); it closes when the queue pair is destroyed.
-            self.conn.flush_outstanding(
-                || qp.send_flush_status(),
-                |wr_id, opcode, status| qp.complete_send(wr_id, opcode, status, 0, true),
-            );
-        }
-        // A batch being posted finishes first (its later requests find the connection flushed).
-        drop(self.send.lock().unwrap_or_else(|e| e.into_inner()));
+        sendq::flush_sends(qp, &self.send, self);
     }
 
     fn disconnect(&self, qp: &QpInner) {
@@ -125,62 +92,34 @@ impl QpTransport for TcpQp {
     }
 }
 
-impl TcpQp {
-    /// Validates a send request's local buffers and hands it to the tcp connection.
-    fn post_one(&self, qp: &QpInner, wr: &SendWr<'_>) -> Result<(), WcStatus> {
-        let conn = &self.conn;
-        let opcode = wr.op.wc_opcode();
-        if qp.is_failed() {
-            // In ERR nothing is validated or sent: flushed, in order behind what is in flight.
-            return if conn.post_flushed(wr.wr_id, opcode) {
-                Ok(())
-            } else {
-                Err(WcStatus::WorkRequestFlushed)
-            };
-        }
-        match check_local(qp, wr) {
-            Ok(local) if !conn.failing() => {
-                conn.post(wr.wr_id, &wr.op, &local, wr.signaled, || qp.is_failed())
-            }
-            Ok(_) => {
-                // An earlier request failed locally and waits for those before it: this one is
-                // flushed after it (or now, if the queue pair failed meanwhile).
-                if conn.post_failed(wr.wr_id, opcode, WcStatus::WorkRequestFlushed) {
-                    Ok(())
-                } else {
-                    Err(WcStatus::WorkRequestFlushed)
-                }
-            }
-            Err(status) if conn.post_failed(wr.wr_id, opcode, status) => Ok(()),
-            Err(status) => Err(status),
-        }
+impl SendLink for TcpQp {
+    fn sendq(&self) -> &SendQueue {
+        &self.conn.sendq
     }
-}
 
-/// The validated local buffers of a tcp request.
-#[allow(clippy::type_complexity)]
-fn check_local(
-    qp: &QpInner,
-    wr: &SendWr<'_>,
-) -> Result<Vec<(Arc<MrInner>, *mut u8, usize)>, WcStatus> {
-    let scatter = matches!(
-        wr.op,
-        WrOp::Read { .. } | WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. }
-    );
-    let mut local = Vec::with_capacity(wr.sg_list.len());
-    let mut total = 0usize;
-    for g in wr.sg_list {
-        let p = g.mr.inner.local_ptr(qp.pd, g.offset, g.len, scatter)?;
-        local.push((g.mr.inner.clone(), p, g.len));
-        total += g.len;
+    fn dead(&self) -> bool {
+        self.conn.dead.load(Ordering::Acquire)
     }
-    if total > frame::MAX_PAYLOAD as usize {
-        return Err(WcStatus::LocalLengthError);
+
+    fn max_len(&self) -> usize {
+        frame::MAX_PAYLOAD as usize
     }
-    if matches!(wr.op, WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. })
-        && (local.len() != 1 || total != 8)
-    {
-        return Err(WcStatus::LocalLengthError);
+
+    fn post(&self, qp: &QpInner, wr: &SendWr<'_>, local: &Local) -> Result<(), WcStatus> {
+        self.conn
+            .send_request(wr.wr_id, &wr.op, local, wr.signaled, || qp.is_failed())
     }
-    Ok(local)
+
+    fn failed_behind(&self, seq: u64) {
+        // The requests before it may be unsignaled (the target would not acknowledge them):
+        // ask for the ACK that lets it complete.
+        self.conn.queue(
+            0,
+            super::tx::TxFrame::header(&frame::Header::new(frame::Opcode::AckReq, seq, 0)),
+        );
+    }
+
+    fn drop_unsent(&self) {
+        self.conn.drop_unsent();
+    }
 }

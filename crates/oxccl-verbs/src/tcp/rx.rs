@@ -9,11 +9,12 @@ use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
 
-use super::conn::{Conn, Keep, Spans};
+use super::conn::Conn;
 use super::frame::{ACK_EVERY, ACK_REQ, HEADER_LEN, Header, Opcode, PART};
 use super::tx::TxFrame;
 use crate::mr::{MrInner, Span, key_index};
 use crate::qp::QpInner;
+use crate::sendq::{Keep, Spans};
 use crate::types::{AccessFlags, MAX_SGE, WcOpcode, WcStatus};
 
 /// Bytes a connection reads ahead: a small frame, header and payload, costs one `recv`.
@@ -306,7 +307,7 @@ impl Conn {
                     .map_err(|e| Stop::Failed(format!("malformed frame from the peer: {e}")))?;
                 if h.ack != 0 && !qp.is_failed() {
                     // An ACK riding on the peer's frame.
-                    self.complete_upto(qp, h.ack);
+                    self.sendq.complete_upto(qp, h.ack);
                 }
                 *executed |= self.begin(qp, i, rx, h).map_err(Stop::Failed)?;
                 Ok(true)
@@ -728,18 +729,10 @@ impl Conn {
                 (cur.seq, cur.after, cur.ack, cur.total as usize)
             }
             Done::ReadData { seq } => {
-                let o = {
-                    let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
-                    if out.front().is_some_and(|o| o.seq == seq) {
-                        out.pop_front()
-                    } else {
-                        None
-                    }
-                };
-                if let Some(o) = o {
+                if let Some(o) = self.sendq.pop_front_if(|o| o.seq == seq) {
                     qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, o.len, o.signaled);
                 }
-                self.complete_local_failures(qp);
+                self.sendq.complete_local_failures(qp);
                 return false;
             }
         };
@@ -767,20 +760,12 @@ impl Conn {
                 let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
                 ex.ack_upto = ex.ack_upto.max(h.seq);
             }
-            Opcode::Ack => self.complete_upto(qp, h.seq),
+            Opcode::Ack => self.sendq.complete_upto(qp, h.seq),
             Opcode::Nak => {
-                self.complete_upto(qp, h.seq.saturating_sub(1));
+                self.sendq.complete_upto(qp, h.seq.saturating_sub(1));
                 let status =
                     WcStatus::from_u32(h.a as u32).unwrap_or(WcStatus::RemoteOperationError);
-                let failed = {
-                    let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
-                    if out.front().is_some_and(|o| o.seq == h.seq) {
-                        out.pop_front()
-                    } else {
-                        None
-                    }
-                };
-                let Some(o) = failed else {
+                let Some(o) = self.sendq.pop_front_if(|o| o.seq == h.seq) else {
                     return Err(format!("NAK for request {} that is not outstanding", h.seq));
                 };
                 // The target NAKs on a request's header: its payload (and what follows it)
@@ -791,25 +776,18 @@ impl Conn {
                 qp.request_failed();
             }
             Opcode::ReadResp => {
-                self.complete_upto(qp, h.seq.saturating_sub(1));
-                let out = self.out.lock().unwrap_or_else(|e| e.into_inner());
-                let Some(o) = out
-                    .front()
-                    .filter(|o| o.seq == h.seq && o.opcode == WcOpcode::Read)
-                else {
+                self.sendq.complete_upto(qp, h.seq.saturating_sub(1));
+                let Some((len, dst)) = self.sendq.peek(|o| {
+                    (o.seq == h.seq && o.opcode == WcOpcode::Read).then(|| (o.len, o.dst.clone()))
+                }) else {
                     return Err(format!(
                         "READ data for request {} that is not outstanding",
                         h.seq
                     ));
                 };
-                if o.len != h.len {
-                    return Err(format!(
-                        "READ data of {} bytes for a READ of {}",
-                        h.len, o.len
-                    ));
+                if len != h.len {
+                    return Err(format!("READ data of {} bytes for a READ of {len}", h.len));
                 }
-                let dst = o.dst.clone();
-                drop(out);
                 rx.state = RxState::Payload {
                     dst,
                     got: 0,
@@ -819,19 +797,10 @@ impl Conn {
                 };
             }
             Opcode::AtomicResp => {
-                self.complete_upto(qp, h.seq.saturating_sub(1));
-                let o = {
-                    let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
-                    if out.front().is_some_and(|o| {
-                        o.seq == h.seq
-                            && matches!(o.opcode, WcOpcode::CompareSwap | WcOpcode::FetchAdd)
-                    }) {
-                        out.pop_front()
-                    } else {
-                        None
-                    }
-                };
-                let Some(o) = o else {
+                self.sendq.complete_upto(qp, h.seq.saturating_sub(1));
+                let Some(o) = self.sendq.pop_front_if(|o| {
+                    o.seq == h.seq && matches!(o.opcode, WcOpcode::CompareSwap | WcOpcode::FetchAdd)
+                }) else {
                     return Err(format!(
                         "atomic result for request {} that is not outstanding",
                         h.seq
@@ -844,7 +813,7 @@ impl Conn {
                     unsafe { crate::segment::copy_bytes(bytes.as_ptr(), d.0, 8) };
                 }
                 qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, 8, o.signaled);
-                self.complete_local_failures(qp);
+                self.sendq.complete_local_failures(qp);
             }
             _ => return Err(format!("{:?} is not an answer", h.opcode)),
         }

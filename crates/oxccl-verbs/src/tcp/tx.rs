@@ -9,9 +9,10 @@ use rustix::net::SendFlags;
 use smallvec::SmallVec;
 
 use super::STRIPE_MIN;
-use super::conn::{Conn, Keep, Outstanding, Spans};
+use super::conn::Conn;
 use super::frame::{ACK_REQ, HEADER_LEN, Header, Opcode, Part};
 use crate::mr::{MrInner, Span};
+use crate::sendq::{Keep, Outstanding, Spans};
 use crate::types::{WcOpcode, WcStatus, WrOp};
 
 /// One frame waiting to be written.
@@ -202,11 +203,7 @@ impl Conn {
     /// Appends a frame; writes it at once when nothing is queued before it, otherwise leaves it
     /// to the driver (which is asked to watch for room in the socket).
     fn push_locked(&self, i: usize, tx: &mut Tx, f: TxFrame) -> std::result::Result<(), String> {
-        let inline_max = self
-            .shared
-            .upgrade()
-            .map_or(usize::MAX, |s| s.tuning.inline_max);
-        let inline = tx.frames.is_empty() && f.total() <= inline_max;
+        let inline = tx.frames.is_empty() && f.total() <= self.tuning.inline_max;
         tx.frames.push_back(f);
         if inline {
             self.flush_locked(i, tx)
@@ -220,7 +217,7 @@ impl Conn {
     }
 
     /// Posts one send-queue request (the caller validated the QP state and local SGEs).
-    pub(crate) fn post(
+    pub(super) fn send_request(
         &self,
         wr_id: u64,
         op: &WrOp,
@@ -281,47 +278,33 @@ impl Conn {
         if signaled {
             h.flags = ACK_REQ;
         }
-        // Sequence assignment and queueing happen under the post lock so frames go out in
-        // sequence order on every connection; the outstanding entry exists before any answer
-        // can arrive.
-        let mut post = self.post.lock().unwrap_or_else(|e| e.into_inner());
-        if post.flushed {
-            // The queue pair failed and flushed: this one completes (flushed) after those.
-            return Err(WcStatus::WorkRequestFlushed);
-        }
-        if qp_failed() || self.dead.load(Ordering::Acquire) {
-            // Failing right now (or about to be told the peer is gone): never sent; the flush
-            // that is on its way completes it in order.
-            drop(post);
-            return if self.post_flushed(wr_id, opcode) {
-                Ok(())
-            } else {
-                Err(WcStatus::WorkRequestFlushed)
-            };
-        }
-        post.next_seq += 1;
-        h.seq = post.next_seq;
-        self.out
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push_back(Outstanding {
-                seq: h.seq,
-                wr_id,
-                opcode,
-                len: total as u32,
-                signaled,
-                dst,
-                _keep: keep.clone(),
-                error: None,
-            });
-        let k = self.socks().len();
-        if k > 1 && total >= STRIPE_MIN && matches!(h.opcode, Opcode::Write | Opcode::WriteImm) {
-            self.post_striped(h, &payload, &keep, k);
-        } else {
-            self.queue(0, TxFrame::new(&h, payload, keep));
-        }
-        drop(post);
-        Ok(())
+        let o = Outstanding {
+            seq: 0,
+            wr_id,
+            opcode,
+            len: total as u32,
+            signaled,
+            dst,
+            _keep: keep.clone(),
+            error: None,
+        };
+        // Frames go out in sequence order on every connection (under the post lock).
+        self.sendq.post(
+            o,
+            || qp_failed() || self.dead.load(Ordering::Acquire),
+            |seq| {
+                h.seq = seq;
+                let k = self.socks().len();
+                if k > 1
+                    && total >= STRIPE_MIN
+                    && matches!(h.opcode, Opcode::Write | Opcode::WriteImm)
+                {
+                    self.post_striped(h, &payload, &keep, k);
+                } else {
+                    self.queue(0, TxFrame::new(&h, payload, keep));
+                }
+            },
+        )
     }
 
     /// Cuts a WRITE into one part per connection (4 KiB aligned) and queues part `j` on

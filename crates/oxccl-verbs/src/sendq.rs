@@ -1,0 +1,351 @@
+//! The initiator's side of a software provider's queue pair (tcp, ofi): posting a batch, the
+//! requests in flight, and completing them in posting order from cumulative ACKs and answers,
+//! local failures included.
+//!
+//! A provider's link implements [`SendLink`]; its [`QpTransport`](crate::provider::QpTransport)
+//! calls [`post_send`] and [`flush_sends`], and its receive side completes requests through the
+//! link's [`SendQueue`].
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use smallvec::SmallVec;
+
+use crate::error::Result;
+use crate::mr::{MrInner, Span};
+use crate::qp::{Cause, QpInner};
+use crate::types::{QpState, SendWr, WcOpcode, WcStatus, WrOp};
+
+/// Spans of a request's local buffers (one or two, almost always: no allocation).
+pub(crate) type Spans = SmallVec<[Span; 2]>;
+/// The regions a request keeps alive.
+pub(crate) type Keep = SmallVec<[Arc<MrInner>; 2]>;
+/// A request's validated local buffers: region, pointer, length.
+pub(crate) type Local = SmallVec<[(Arc<MrInner>, *mut u8, usize); 2]>;
+
+/// A request this side sent and has not seen answered.
+pub(crate) struct Outstanding {
+    /// Its sequence number (assigned by [`SendQueue::post`]).
+    pub seq: u64,
+    pub wr_id: u64,
+    pub opcode: WcOpcode,
+    pub len: u32,
+    pub signaled: bool,
+    /// Where READ data or an atomic's old value lands.
+    pub dst: Spans,
+    pub _keep: Keep,
+    /// A request that failed locally (or follows one) and was never sent: it completes with
+    /// this status once every earlier request has, so completions stay in order.
+    pub error: Option<WcStatus>,
+}
+
+impl Outstanding {
+    /// A request never sent that completes with `status` in its turn.
+    fn unsent(seq: u64, wr_id: u64, opcode: WcOpcode, status: WcStatus) -> Outstanding {
+        Outstanding {
+            seq,
+            wr_id,
+            opcode,
+            len: 0,
+            signaled: true,
+            dst: Spans::new(),
+            _keep: Keep::new(),
+            error: Some(status),
+        }
+    }
+}
+
+/// Sequence numbers of posted requests.
+#[derive(Default)]
+struct Post {
+    next_seq: u64,
+    /// The queue pair failed and flushed its requests: nothing more is sent.
+    flushed: bool,
+}
+
+/// The requests a queue pair sent, oldest first.
+#[derive(Default)]
+pub(crate) struct SendQueue {
+    /// Taken before anything a link sends with (its transmit locks).
+    post: Mutex<Post>,
+    out: Mutex<VecDeque<Outstanding>>,
+}
+
+impl SendQueue {
+    /// Records `o` under the next sequence number and runs `send(seq)`, both under the post
+    /// lock, so requests leave in sequence and the record exists before any answer can arrive.
+    /// A queue pair that failed (`failed()`, evaluated under the lock) sends nothing: the
+    /// request completes flushed in its turn (`Ok`), or now (`Err`) when the flush is done.
+    pub fn post(
+        &self,
+        mut o: Outstanding,
+        failed: impl FnOnce() -> bool,
+        send: impl FnOnce(u64),
+    ) -> std::result::Result<(), WcStatus> {
+        let mut post = self.post.lock().unwrap_or_else(|e| e.into_inner());
+        if post.flushed {
+            return Err(WcStatus::WorkRequestFlushed);
+        }
+        if failed() {
+            drop(post);
+            return self.post_flushed(o.wr_id, o.opcode);
+        }
+        post.next_seq += 1;
+        o.seq = post.next_seq;
+        self.out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(o);
+        send(post.next_seq);
+        Ok(())
+    }
+
+    /// Completes every outstanding request, oldest first (the queue pair failed), and stops
+    /// sending; `under_lock` runs first, under the post lock (a link drops what it has not sent).
+    /// A request being posted concurrently completes (flushed) after these.
+    pub fn flush(
+        &self,
+        under_lock: impl FnOnce(),
+        mut status_of: impl FnMut() -> WcStatus,
+        mut complete: impl FnMut(u64, WcOpcode, WcStatus),
+    ) {
+        let mut post = self.post.lock().unwrap_or_else(|e| e.into_inner());
+        post.flushed = true;
+        under_lock();
+        let drained: Vec<Outstanding> = self
+            .out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+            .collect();
+        for o in drained {
+            // A request that failed locally keeps its own status.
+            let status = match o.error {
+                Some(e) if e != WcStatus::WorkRequestFlushed => e,
+                _ => status_of(),
+            };
+            complete(o.wr_id, o.opcode, status);
+        }
+        drop(post);
+    }
+
+    /// Takes the oldest outstanding request if `f` says it is the one.
+    pub fn pop_front_if(&self, f: impl FnOnce(&Outstanding) -> bool) -> Option<Outstanding> {
+        let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
+        if out.front().is_some_and(f) {
+            out.pop_front()
+        } else {
+            None
+        }
+    }
+
+    /// What `f` reads of the oldest outstanding request, which stays.
+    pub fn peek<R>(&self, f: impl FnOnce(&Outstanding) -> Option<R>) -> Option<R> {
+        self.out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .front()
+            .and_then(f)
+    }
+
+    /// Completes outstanding requests up to `seq` (inclusive) as successful.
+    pub fn complete_upto(&self, qp: &QpInner, seq: u64) {
+        while let Some(o) = self.pop_front_if(|o| o.seq <= seq && o.error.is_none()) {
+            qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, o.len, o.signaled);
+        }
+        self.complete_local_failures(qp);
+    }
+
+    /// Completes the locally failed request at the front, if every earlier one has completed;
+    /// the queue pair then fails and flushes the rest.
+    pub fn complete_local_failures(&self, qp: &QpInner) {
+        if let Some(o) = self.pop_front_if(|o| o.error.is_some()) {
+            let status = o.error.unwrap_or(WcStatus::WorkRequestFlushed);
+            qp.complete_send(o.wr_id, o.opcode, status, 0, true);
+            qp.request_failed();
+        }
+    }
+
+    /// A request failed before it could be sent (a local error). With requests still in flight
+    /// (and the link alive: not `dead`) it queues behind them and this returns the sequence
+    /// number of the last one sent; otherwise `None`, and the caller fails the queue pair now.
+    fn post_failed(
+        &self,
+        dead: bool,
+        wr_id: u64,
+        opcode: WcOpcode,
+        status: WcStatus,
+    ) -> Option<u64> {
+        let post = self.post.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
+        if post.flushed || out.is_empty() || dead {
+            return None;
+        }
+        // Requests posted after it are never sent either: they are flushed when it completes.
+        let status = if out.iter().any(|o| o.error.is_some()) {
+            WcStatus::WorkRequestFlushed
+        } else {
+            status
+        };
+        out.push_back(Outstanding::unsent(post.next_seq, wr_id, opcode, status));
+        Some(post.next_seq)
+    }
+
+    /// Queues a request of a failed queue pair to complete as flushed once the flush under way
+    /// reaches it (`Ok`); `Err` when the flush already happened (the caller completes it now).
+    fn post_flushed(&self, wr_id: u64, opcode: WcOpcode) -> std::result::Result<(), WcStatus> {
+        let post = self.post.lock().unwrap_or_else(|e| e.into_inner());
+        if post.flushed {
+            return Err(WcStatus::WorkRequestFlushed);
+        }
+        self.out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(Outstanding::unsent(
+                post.next_seq,
+                wr_id,
+                opcode,
+                WcStatus::WorkRequestFlushed,
+            ));
+        Ok(())
+    }
+
+    /// Whether a locally failed request is waiting for earlier ones (later posts queue too).
+    fn failing(&self) -> bool {
+        self.out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|o| o.error.is_some())
+    }
+}
+
+/// What the shared posting code needs of a software provider's link.
+pub(crate) trait SendLink {
+    /// The link's requests in flight.
+    fn sendq(&self) -> &SendQueue;
+    /// Whether the link is known to be dead.
+    fn dead(&self) -> bool;
+    /// The largest request, in bytes.
+    fn max_len(&self) -> usize;
+    /// Sends one request whose local buffers are `local` (validated), recording it with
+    /// [`SendQueue::post`].
+    fn post(
+        &self,
+        qp: &QpInner,
+        wr: &SendWr<'_>,
+        local: &Local,
+    ) -> std::result::Result<(), WcStatus>;
+    /// A request that failed locally queued behind the one numbered `seq` (which may be
+    /// unsignaled): a link whose target acknowledges only when asked asks now.
+    fn failed_behind(&self, _seq: u64) {}
+    /// Called by the flush under the post lock: drop what is queued and not yet sent.
+    fn drop_unsent(&self) {}
+}
+
+/// [`QpTransport::post_send`](crate::provider::QpTransport::post_send) for a software
+/// provider: posts `wrs` in order, one batch at a time per queue pair (`send`).
+pub(crate) fn post_send(
+    qp: &QpInner,
+    send: &Mutex<()>,
+    link: &impl SendLink,
+    wrs: &[SendWr<'_>],
+) -> Result<()> {
+    let mut s = send.lock().unwrap_or_else(|e| e.into_inner());
+    for (i, wr) in wrs.iter().enumerate() {
+        qp.check_sges(i, wr)?;
+        if !(matches!(qp.state(), QpState::Rts | QpState::Err) && qp.is_connected()) {
+            let status = qp.send_flush_status();
+            qp.complete_send(wr.wr_id, wr.op.wc_opcode(), status, 0, true);
+            continue;
+        }
+        match post_one(qp, link, wr) {
+            Ok(()) => {}
+            Err(WcStatus::WorkRequestFlushed) => {
+                // Already failed and flushed: flushed too (or RetryExceeded, if this is the
+                // first request to learn that the peer is gone).
+                let status = qp.send_flush_status();
+                qp.complete_send(wr.wr_id, wr.op.wc_opcode(), status, 0, true);
+            }
+            Err(status) => {
+                drop(s);
+                qp.complete_send(wr.wr_id, wr.op.wc_opcode(), status, 0, true);
+                qp.set_error(Cause::Request);
+                s = send.lock().unwrap_or_else(|e| e.into_inner());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Validates a send request's local buffers and hands it to the link.
+fn post_one(
+    qp: &QpInner,
+    link: &impl SendLink,
+    wr: &SendWr<'_>,
+) -> std::result::Result<(), WcStatus> {
+    let q = link.sendq();
+    let opcode = wr.op.wc_opcode();
+    if qp.is_failed() {
+        // In ERR nothing is validated or sent: flushed, in order behind what is in flight.
+        return q.post_flushed(wr.wr_id, opcode);
+    }
+    let status = match local_buffers(qp, wr, link.max_len()) {
+        Ok(local) if !q.failing() => return link.post(qp, wr, &local),
+        // An earlier request failed locally and waits for those before it: this one is
+        // flushed after it (or now, if the queue pair failed meanwhile).
+        Ok(_) => WcStatus::WorkRequestFlushed,
+        Err(status) => status,
+    };
+    match q.post_failed(link.dead(), wr.wr_id, opcode, status) {
+        Some(seq) => {
+            link.failed_behind(seq);
+            Ok(())
+        }
+        None => Err(status),
+    }
+}
+
+/// [`QpTransport::flush_sends`](crate::provider::QpTransport::flush_sends) for a software
+/// provider.
+pub(crate) fn flush_sends(qp: &QpInner, send: &Mutex<()>, link: &impl SendLink) {
+    if qp.is_connected() {
+        // Requests in flight, oldest first. The link stays up (as an InfiniBand peer, the
+        // target is not told); it closes when the queue pair is destroyed.
+        link.sendq().flush(
+            || link.drop_unsent(),
+            || qp.send_flush_status(),
+            |wr_id, opcode, status| qp.complete_send(wr_id, opcode, status, 0, true),
+        );
+    }
+    // A batch being posted finishes first (its later requests find the link flushed).
+    drop(send.lock().unwrap_or_else(|e| e.into_inner()));
+}
+
+/// The validated local buffers of a request of at most `max_len` bytes.
+fn local_buffers(
+    qp: &QpInner,
+    wr: &SendWr<'_>,
+    max_len: usize,
+) -> std::result::Result<Local, WcStatus> {
+    let scatter = matches!(
+        wr.op,
+        WrOp::Read { .. } | WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. }
+    );
+    let mut local = Local::new();
+    let mut total = 0usize;
+    for g in wr.sg_list {
+        let p = g.mr.inner.local_ptr(qp.pd, g.offset, g.len, scatter)?;
+        local.push((g.mr.inner.clone(), p, g.len));
+        total += g.len;
+    }
+    if total > max_len {
+        return Err(WcStatus::LocalLengthError);
+    }
+    if matches!(wr.op, WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. })
+        && (local.len() != 1 || total != 8)
+    {
+        return Err(WcStatus::LocalLengthError);
+    }
+    Ok(local)
+}

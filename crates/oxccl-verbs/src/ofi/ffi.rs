@@ -5,6 +5,7 @@
 //! small `unsafe` block over pointers it owns or that its caller vouches for.
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
 /// The shim's handle (fabric, domain, AV, CQ, endpoint).
 #[repr(C)]
@@ -151,12 +152,55 @@ pub(super) fn strerror(err: isize) -> String {
         .into_owned()
 }
 
+/// The calls into libfabric that should return at once, counted so that one that does not can
+/// be named ([`Fabric::calls`]): libfabric 1.17's `shm` provider spins on a lock inside a
+/// peer's shared memory, forever if that peer was killed while holding it.
+#[derive(Default)]
+pub(super) struct CallWatch {
+    entered: AtomicU64,
+    left: AtomicU64,
+    last: AtomicU8,
+}
+
+/// The calls [`CallWatch`] names.
+const CALLS: [&str; 6] = [
+    "fi_recv",
+    "fi_send",
+    "fi_inject",
+    "fi_read",
+    "fi_writemsg",
+    "fi_cq_read",
+];
+
+impl CallWatch {
+    fn run<R>(&self, call: usize, f: impl FnOnce() -> R) -> R {
+        self.last.store(call as u8, Ordering::Relaxed);
+        self.entered.fetch_add(1, Ordering::Relaxed);
+        let r = f();
+        self.left.fetch_add(1, Ordering::Relaxed);
+        r
+    }
+
+    /// Calls entered, calls returned, and the name of the last call entered.
+    pub(super) fn sample(&self) -> (u64, u64, &'static str) {
+        let left = self.left.load(Ordering::Relaxed);
+        let entered = self.entered.load(Ordering::Relaxed);
+        let last = CALLS
+            .get(self.last.load(Ordering::Relaxed) as usize)
+            .copied()
+            .unwrap_or("?");
+        (entered, left, last)
+    }
+}
+
 /// An opened RDM endpoint with its fabric, domain, AV and CQ. Opened with `FI_THREAD_SAFE`:
 /// every method may be called from any thread.
 pub(super) struct Fabric {
     raw: *mut RawFabric,
     /// What it is like.
     pub attr: Box<Attr>,
+    /// The data-path calls in progress.
+    pub calls: CallWatch,
 }
 
 // SAFETY: the endpoint was opened with FI_THREAD_SAFE threading: libfabric serializes access to
@@ -211,7 +255,11 @@ impl Fabric {
             let msg = unsafe { CStr::from_ptr(err.as_ptr()) };
             return Err(msg.to_string_lossy().into_owned());
         }
-        Ok(Fabric { raw, attr })
+        Ok(Fabric {
+            raw,
+            attr,
+            calls: CallWatch::default(),
+        })
     }
 
     /// The provider's name (`tcp;ofi_rxm`, `shm`, ...).
@@ -274,7 +322,9 @@ impl Fabric {
     /// the buffer's completion is read.
     pub(super) unsafe fn recv(&self, buf: *mut u8, len: usize, ctx: *mut c_void) -> isize {
         // SAFETY: forwarded from the caller.
-        unsafe { oxofi_recv(self.raw, buf.cast(), len, std::ptr::null_mut(), ctx) }
+        self.calls.run(0, || unsafe {
+            oxofi_recv(self.raw, buf.cast(), len, std::ptr::null_mut(), ctx)
+        })
     }
 
     /// Sends a message.
@@ -283,7 +333,7 @@ impl Fabric {
     /// `buf` and `ctx` must stay valid until the send's completion is read.
     pub(super) unsafe fn send(&self, buf: &[u8], dest: u64, ctx: *mut c_void) -> isize {
         // SAFETY: forwarded from the caller.
-        unsafe {
+        self.calls.run(1, || unsafe {
             oxofi_send(
                 self.raw,
                 buf.as_ptr().cast(),
@@ -292,13 +342,15 @@ impl Fabric {
                 dest,
                 ctx,
             )
-        }
+        })
     }
 
     /// Sends a small message without a completion (the buffer is copied).
     pub(super) fn inject(&self, buf: &[u8], dest: u64) -> isize {
         // SAFETY: fi_inject copies `buf` before returning.
-        unsafe { oxofi_inject(self.raw, buf.as_ptr().cast(), buf.len(), dest) }
+        self.calls.run(2, || unsafe {
+            oxofi_inject(self.raw, buf.as_ptr().cast(), buf.len(), dest)
+        })
     }
 
     /// RMA read of the peer's `(addr, key)` into `buf`.
@@ -318,7 +370,9 @@ impl Fabric {
         ctx: *mut c_void,
     ) -> isize {
         // SAFETY: forwarded from the caller.
-        unsafe { oxofi_read(self.raw, buf.cast(), len, desc, src, addr, key, ctx) }
+        self.calls.run(3, || unsafe {
+            oxofi_read(self.raw, buf.cast(), len, desc, src, addr, key, ctx)
+        })
     }
 
     /// RMA write of `buf` to the peer's `(addr, key)`, delivery-complete, with remote CQ data
@@ -339,7 +393,7 @@ impl Fabric {
         ctx: *mut c_void,
     ) -> isize {
         // SAFETY: forwarded from the caller.
-        unsafe {
+        self.calls.run(4, || unsafe {
             oxofi_write(
                 self.raw,
                 buf.cast(),
@@ -352,13 +406,15 @@ impl Fabric {
                 data.is_some() as c_int,
                 ctx,
             )
-        }
+        })
     }
 
     /// Reads completions (`fi_cq_read`): a count, `-FI_EAGAIN` or `-FI_EAVAIL`.
     pub(super) fn cq_read(&self, out: &mut [CqEntry]) -> isize {
         // SAFETY: `out` is valid for `out.len()` entries of the CQ's format (DATA).
-        unsafe { oxofi_cq_read(self.raw, out.as_mut_ptr(), out.len()) }
+        self.calls.run(5, || unsafe {
+            oxofi_cq_read(self.raw, out.as_mut_ptr(), out.len())
+        })
     }
 
     /// As [`Fabric::cq_read`], blocking up to `timeout_ms` (CQs with a wait object only).

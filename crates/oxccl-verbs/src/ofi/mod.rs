@@ -54,6 +54,14 @@
 //!   connected queue pair pings its peer every quarter of [`QpConfig::timeout`] and fails as
 //!   "peer gone" (`RetryExceeded`) when nothing came back for the whole timeout (a dead
 //!   process, a queue pair that never connected to this one or is in ERR).
+//! - A wedged libfabric: libfabric 1.17's `shm` provider takes a spinlock inside the receiver's
+//!   shared memory to send, and the receiver takes it to progress; a peer killed while holding
+//!   it leaves every sender spinning inside `fi_send` or `fi_inject` forever, and no timeout
+//!   outside libfabric can bring that thread back. A watch thread per context counts the calls
+//!   into libfabric: when one has not returned for 5 s it says so on stderr, naming the call
+//!   and the provider, fails every queue pair of the context, and from then on every request
+//!   fails at once with that message, so only the thread already inside libfabric stays stuck
+//!   and the context can still be dropped. `tcp;ofi_rxm` has no such lock.
 //!
 //! Progress: libfabric's `tcp;ofi_rxm` and `shm` progress data manually, so a thread per context
 //! (the "NIC") reads the completion queue, executes requests and moves their data: one-sided
@@ -152,16 +160,28 @@ pub(crate) fn open(args: &OpenArgs<'_>) -> Result<Box<dyn ProviderContext>> {
             .spawn(move || engine.run())
             .map_err(|e| Error::os("spawning the ofi progress thread", e))?
     };
+    let watch = {
+        let engine = engine.clone();
+        std::thread::Builder::new()
+            .name("oxccl-ofi-watch".into())
+            .spawn(move || engine.watch())
+            .map_err(|e| Error::os("spawning the ofi watch thread", e))?
+    };
     Ok(Box::new(OfiContext {
         engine,
         thread: Mutex::new(Some(thread)),
+        watch: Mutex::new(Some(watch)),
     }))
 }
+
+/// How long a call into libfabric may go without returning before the context is called wedged.
+const WEDGED_AFTER: Duration = Duration::from_secs(5);
 
 /// The ofi half of a context.
 struct OfiContext {
     engine: Arc<Engine>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    watch: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl ProviderContext for OfiContext {
@@ -224,9 +244,19 @@ impl Drop for OfiContext {
     fn drop(&mut self) {
         self.engine.stop.store(true, Ordering::SeqCst);
         self.engine.kick();
-        if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            // The progress thread may drop the last handle itself: never join yourself.
-            if t.thread().id() != std::thread::current().id() {
+        for slot in [&self.thread, &self.watch] {
+            let Some(t) = slot.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+                continue;
+            };
+            // The progress thread may drop the last handle itself: never join yourself. A
+            // thread stuck inside a wedged libfabric is left behind (it never returns).
+            if t.thread().id() == std::thread::current().id() {
+                continue;
+            }
+            while !t.is_finished() && !self.engine.wedged.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if t.is_finished() {
                 let _ = t.join();
             }
         }
@@ -347,6 +377,8 @@ pub(crate) struct Engine {
     backlogged: AtomicBool,
     stop: AtomicBool,
     kicked: AtomicBool,
+    /// A call into libfabric has not returned for [`WEDGED_AFTER`]: nothing more is issued.
+    wedged: AtomicBool,
     busy: bool,
 }
 
@@ -374,6 +406,7 @@ impl Engine {
             backlogged: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             kicked: AtomicBool::new(false),
+            wedged: AtomicBool::new(false),
             busy,
         });
         for i in 0..RECV_POOL {
@@ -458,6 +491,10 @@ impl Engine {
     /// Issues an operation, in order behind any backlog; `FI_EAGAIN` queues it for the progress
     /// thread. An error fails the operation's link (the op is freed).
     pub(super) fn issue(&self, is: Issue) {
+        if self.wedged.load(Ordering::Relaxed) {
+            self.op_failed(is.op(), &self.wedged_why());
+            return;
+        }
         if self.backlogged.load(Ordering::Acquire) {
             let mut bl = self.backlog.lock().unwrap_or_else(|e| e.into_inner());
             if !bl.is_empty() {
@@ -552,6 +589,7 @@ impl Engine {
         // go first.
         if buf.len() as u64 <= self.fab.attr.inject_size
             && !self.backlogged.load(Ordering::Acquire)
+            && !self.wedged.load(Ordering::Relaxed)
             && self.fab.inject(&buf, dest) == 0
         {
             return;
@@ -580,6 +618,45 @@ impl Engine {
                 if let Some(l) = link.upgrade() {
                     l.mark_failed(why);
                     self.kick();
+                }
+            }
+        }
+    }
+
+    /// Why nothing is issued any more.
+    fn wedged_why(&self) -> String {
+        let (_, _, call) = self.fab.calls.sample();
+        format!(
+            "ofi: libfabric's {} provider has not returned from {call} for over {:?}: the \
+             context is wedged (libfabric 1.17's shm provider spins on a lock inside a peer's \
+             shared memory, forever if the peer died holding it)",
+            self.fab.prov_name(),
+            WEDGED_AFTER
+        )
+    }
+
+    /// The watch thread: says once, and marks the context, when a call into libfabric (a
+    /// send, an RMA, a completion-queue read) has not returned for [`WEDGED_AFTER`]. Such a
+    /// thread cannot be got back; the watch makes the hang a named error for every other
+    /// caller (their requests fail at once) and lets the context be dropped.
+    fn watch(self: Arc<Self>) {
+        let mut seen = (0, Instant::now());
+        while !self.stop.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_millis(50));
+            let (entered, left, _) = self.fab.calls.sample();
+            if entered == left || left != seen.0 {
+                seen = (left, Instant::now());
+            } else if seen.1.elapsed() >= WEDGED_AFTER && !self.wedged.load(Ordering::Acquire) {
+                self.wedged.store(true, Ordering::Release);
+                eprintln!("oxccl {}", self.wedged_why());
+                for l in self
+                    .links
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .values()
+                {
+                    l.mark_failed(&self.wedged_why());
+                    l.report();
                 }
             }
         }

@@ -1011,7 +1011,8 @@ fn a_stopped_rank_times_the_others_out_and_fails_when_continued_tcp() {
 
 /// In one process, two ranks (threads): rank 0 blocks in an all-reduce that rank 1 never
 /// joins (as if stopped); another thread's `abort()` must make it return `Aborted` within
-/// 200 ms, and rank 1, told of the abort, must fail its next call at once.
+/// 200 ms, and rank 1, told of the abort, must fail its next call at once (or the one after,
+/// where the next could complete with what had already arrived).
 #[test]
 fn abort_from_another_thread_unblocks_a_blocked_call() {
     use oxccl::{Options, Provider};
@@ -1073,21 +1074,38 @@ fn abort_from_another_thread_unblocks_a_blocked_call() {
                     "{ctx}: the blocked call got {other:?}, not Aborted"
                 )),
             }
-            // The peer was told: its call fails at once, naming the abort.
-            let t = Instant::now();
-            let mut v = vec![1f32; count];
-            let r1 = c1.all_reduce_in_place(&mut v, ReduceOp::Sum);
-            let took = t.elapsed();
-            println!("{ctx}: the peer's next call after {took:?}: {r1:?}");
-            match &r1 {
-                Err(e @ Error::Aborted { .. }) if took < Duration::from_secs(2) => {
-                    if !e.to_string().contains("rank 0") {
-                        fails.push(format!("{ctx}: the peer's error does not name rank 0: {e}"));
+            // The peer was told: its calls fail at once, naming the abort. Its next call may
+            // still complete, correctly, where rank 0's part of it had already arrived ahead
+            // of the abort's notice (over tcp they share a connection, and the data comes
+            // first); the call after it has nothing to wait for but the notice.
+            for attempt in 0..2 {
+                let t = Instant::now();
+                let mut v = vec![1f32; count];
+                let r1 = c1.all_reduce_in_place(&mut v, ReduceOp::Sum);
+                let took = t.elapsed();
+                println!("{ctx}: the peer's call {attempt} after {took:?}: {r1:?}");
+                match &r1 {
+                    Ok(()) if attempt == 0 => {
+                        if v.iter().any(|&x| x != 2.0) {
+                            fails.push(format!(
+                                "{ctx}: the peer's call completed with a wrong sum: {:?}",
+                                &v[..4]
+                            ));
+                        }
+                        continue;
                     }
+                    Err(e @ Error::Aborted { .. }) if took < Duration::from_secs(2) => {
+                        if !e.to_string().contains("rank 0") {
+                            fails
+                                .push(format!("{ctx}: the peer's error does not name rank 0: {e}"));
+                        }
+                    }
+                    other => fails.push(format!(
+                        "{ctx}: the peer's call {attempt} got {other:?} after {took:?}, not \
+                         Aborted at once"
+                    )),
                 }
-                other => fails.push(format!(
-                    "{ctx}: the peer's next call got {other:?} after {took:?}, not Aborted at once"
-                )),
+                break;
             }
         });
         drop((c0, c1));

@@ -29,7 +29,8 @@ pub struct Args {
     /// Size multiplication factor between steps.
     #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
     factor: usize,
-    /// Data type (nccl-tests names: float, half, bfloat16, double, int8, uint8, int32, ...).
+    /// Data type (nccl-tests names: float, half, bfloat16, double, int8, uint8, int32, ...,
+    /// f8e4m3 (or e4m3), f8e5m2 (or e5m2)).
     #[arg(short = 'd', long = "datatype", default_value = "float")]
     dtype: DataType,
     /// Reduction operator: sum, prod, min, max, avg.
@@ -179,7 +180,8 @@ fn rank_main(args: &Args, kind: CollectiveKind) -> Result<u64, String> {
         };
     }
     let wrong = dispatch!(I8 => i8, U8 => u8, I32 => i32, U32 => u32, I64 => i64, U64 => u64,
-        F16 => half::f16, Bf16 => half::bf16, F32 => f32, F64 => f64)?;
+        F16 => half::f16, Bf16 => half::bf16, F32 => f32, F64 => f64,
+        F8E4M3 => oxccl::F8E4M3, F8E5M2 => oxccl::F8E5M2)?;
     comm.destroy().map_err(|e| e.to_string())?;
     Ok(wrong)
 }
@@ -282,12 +284,20 @@ fn expected(coll: &Collective, op: ReduceOp, n: usize, me: usize, i: usize, inte
     }
 }
 
-fn tolerance(d: DataType) -> f64 {
+/// Relative difference allowed on `n` ranks. The 8-bit floats round an input (9 is not an
+/// e5m2 value) and then once per step of a reduction: at most `n − 1` steps and a division,
+/// `n` roundings in all, each within the unit roundoff `u`; the inputs are nonnegative, so the
+/// sum of magnitudes in the error bound (see `oxccl_core::dtype`) is the result itself.
+fn tolerance(d: DataType, n: usize) -> f64 {
     match d {
         DataType::F16 => 1e-2,
         DataType::Bf16 => 2e-2,
         DataType::F32 => 1e-5,
         DataType::F64 => 1e-12,
+        DataType::F8E4M3 | DataType::F8E5M2 => {
+            let u = d.unit_roundoff().unwrap_or(0.0);
+            (1.0 + u).powi(n.max(1) as i32) - 1.0
+        }
         _ => 0.0,
     }
 }
@@ -393,7 +403,7 @@ fn bench<T: Element>(
                 } else {
                     &output
                 };
-                let tol = tolerance(T::DTYPE);
+                let tol = tolerance(T::DTYPE, n);
                 let bad = result
                     .iter()
                     .enumerate()

@@ -46,7 +46,8 @@ pub struct Args {
     /// Size multiplication factor between steps.
     #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
     factor: usize,
-    /// Data type (nccl-tests names: float, half, bfloat16, double, int8, ...).
+    /// Data type (nccl-tests names: float, half, bfloat16, double, int8, ..., f8e4m3 (or e4m3),
+    /// f8e5m2 (or e5m2)).
     #[arg(
         short = 'd',
         long = "datatype",

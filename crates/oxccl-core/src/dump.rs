@@ -242,6 +242,28 @@ mod tests {
     }
 
     #[test]
+    fn every_data_type_round_trips_by_its_name() {
+        for d in DataType::ALL {
+            let e = Entry {
+                dtype: Some(d),
+                ..entry()
+            };
+            let json = serde_json::to_string(&e).unwrap();
+            assert!(
+                json.contains(&format!(r#""dtype":"{}""#, d.name())),
+                "{json}"
+            );
+            assert_eq!(serde_json::from_str::<Entry>(&json).unwrap(), e);
+        }
+        let json = serde_json::to_string(&Entry {
+            dtype: Some(DataType::F8E5M2),
+            ..entry()
+        })
+        .unwrap();
+        assert!(json.contains(r#""dtype":"f8e5m2""#), "{json}");
+    }
+
+    #[test]
     fn a_dump_round_trips_with_the_names_doctor_reads() {
         let dump = Dump {
             oxccl_flight_recorder: DUMP_VERSION,

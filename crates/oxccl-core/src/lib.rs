@@ -1,6 +1,7 @@
 //! # oxccl-core: the parts of oxccl that do no I/O
 //!
-//! Data types and reduction operators ([`DataType`], [`ReduceOp`], [`Element`]), algorithms as
+//! Data types and reduction operators ([`DataType`], [`ReduceOp`], [`Element`], the 8-bit floats
+//! of [`fp8`]), algorithms as
 //! data ([`schedule`]: a pure function from a [`schedule::Request`] to one rank's
 //! [`schedule::Schedule`]), the [`tuner`] that picks an algorithm for a call, the job's
 //! [`topology`], the symbolic reference executor that checks schedules ([`verify`]), the wire
@@ -43,6 +44,7 @@
 
 pub mod dtype;
 pub mod dump;
+pub mod fp8;
 pub mod learn;
 pub mod meter;
 pub mod protocol;
@@ -52,6 +54,7 @@ pub mod tuner;
 pub mod verify;
 
 pub use dtype::{DataType, Element, ParseNameError, ReduceOp, as_bytes, as_bytes_mut};
+pub use fp8::{F8E4M3, F8E5M2};
 pub use schedule::CollectiveKind;
 pub use topology::{Host, Topology};
 

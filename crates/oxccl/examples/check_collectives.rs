@@ -25,7 +25,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
-use oxccl::{Communicator, DataType, Element, ReduceOp};
+use oxccl::{Communicator, DataType, Element, F8E4M3, F8E5M2, ReduceOp};
 
 type R<T = ()> = Result<T, String>;
 
@@ -70,6 +70,9 @@ fn value(op: Option<ReduceOp>, d: DataType, rank: usize, i: usize, salt: usize) 
             let modulus: u64 = match d {
                 DataType::I8 | DataType::U8 => 127,
                 DataType::Bf16 => 251,
+                // Every finite value: from_f64 rounds the others to them (e4m3 saturates).
+                DataType::F8E4M3 => 449,
+                DataType::F8E5M2 => 57_345,
                 DataType::F16 => 2039,
                 DataType::F32 => 16_777_213,
                 _ => 4_294_967_291,
@@ -393,10 +396,14 @@ fn run(comm: &Communicator, counts: &[usize]) -> R<(usize, usize, usize)> {
         c.reductions::<u32>(ReduceOp::Max, count, k)?;
         c.reductions::<i64>(ReduceOp::Prod, count, k)?;
         c.reductions::<u64>(ReduceOp::Sum, count, k)?;
+        // 8-bit floats: min and prod are exact (fp8 sums round; tests/fp8.rs bounds them).
+        c.reductions::<F8E4M3>(ReduceOp::Min, count, k)?;
+        c.reductions::<F8E5M2>(ReduceOp::Prod, count, k)?;
         c.movements::<f32>(count, k)?;
         c.movements::<u8>(count, k)?;
         c.movements::<f16>(count, k)?;
         c.movements::<i64>(count, k)?;
+        c.movements::<F8E4M3>(count, k)?;
     }
     c.barriers()?;
     Ok((c.checks, c.wrong_here, c.wrong_anywhere))

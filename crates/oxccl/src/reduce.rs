@@ -9,16 +9,23 @@
 //! - floats: IEEE 754 arithmetic rounded to nearest. `Min`/`Max` are IEEE 754-2008
 //!   `minNum`/`maxNum` (Rust's `f32::min`): a NaN operand is ignored when the other is a number,
 //!   and the result is NaN only when both are; which zero `min(-0.0, +0.0)` gives is unspecified;
-//! - `f16`/`bf16` are widened to `f32`, combined in `f32` and rounded back (nearest-even) after
-//!   every step, so a result is what the operation gives on the exact values rounded once;
+//! - `f16`/`bf16` and the 8-bit floats `f8e4m3`/`f8e5m2` are widened to `f32`, combined in
+//!   `f32` and rounded back (nearest-even) after every step, so a result is what the operation
+//!   gives on the exact values rounded once (a sum or product of two of them is exact in `f32`;
+//!   a quotient rounds twice, harmlessly, since `f32` has more than twice their precision plus
+//!   two bits). An `f8e4m3` result beyond 448 saturates to ±448 (torch's conversion); `f8e5m2`
+//!   overflows to ±∞. How these roundings add up over the steps of a collective:
+//!   [`crate::dtype`]'s module docs;
 //! - `Avg` acts as `Sum`; its division by the number of ranks is [`divide`], applied once.
 //!
-//! `f16` and `bf16` take AVX2 (and F16C) paths when the CPU has them, detected at run time since
-//! builds target baseline x86-64; the only `unsafe` in this module is the call into them.
+//! `f16`, `bf16` and the 8-bit floats take AVX2 (and F16C) paths when the CPU has them, detected
+//! at run time since builds target baseline x86-64; the only `unsafe` in this module is the call
+//! into them.
 
 use half::{bf16, f16};
 
 use crate::dtype::{DataType, Element, ReduceOp};
+use crate::fp8::{F8E4M3, F8E5M2};
 
 /// Calls `$f::<T>($args)` with `T` the element type of `$dtype`.
 macro_rules! dispatch {
@@ -34,6 +41,8 @@ macro_rules! dispatch {
             DataType::Bf16 => $f::<bf16>($($arg),*),
             DataType::F32 => $f::<f32>($($arg),*),
             DataType::F64 => $f::<f64>($($arg),*),
+            DataType::F8E4M3 => $f::<F8E4M3>($($arg),*),
+            DataType::F8E5M2 => $f::<F8E5M2>($($arg),*),
         }
     };
 }
@@ -377,6 +386,77 @@ fn bf16_portable(call: Call<'_, bf16>) {
     }
 }
 
+/// An 8-bit float: widened to `f32` exactly, rounded back to nearest even.
+trait Fp8: Element {
+    fn widen(self) -> f32;
+    fn narrow(v: f32) -> Self;
+}
+
+macro_rules! fp8_kernel {
+    ($($t:ty),*) => {$(
+        impl Fp8 for $t {
+            #[inline(always)]
+            fn widen(self) -> f32 {
+                self.to_f32()
+            }
+            #[inline(always)]
+            fn narrow(v: f32) -> $t {
+                <$t>::from_f32(v)
+            }
+        }
+        impl Kernel for $t {
+            fn in_place(op: ReduceOp, dst: &mut [$t], src: &[$t]) {
+                run_fp8(Call::InPlace(op, dst, src))
+            }
+            fn to(op: ReduceOp, dst: &mut [$t], a: &[$t], b: &[$t]) {
+                run_fp8(Call::To(op, dst, a, b))
+            }
+            fn divide(dst: &mut [$t], n: usize) {
+                run_fp8(Call::Divide(dst, n))
+            }
+        }
+    )*};
+}
+
+fp8_kernel!(F8E4M3, F8E5M2);
+
+fn run_fp8<T: Fp8>(call: Call<'_, T>) {
+    #[cfg(target_arch = "x86_64")]
+    if x86::has_avx2() {
+        // SAFETY: the CPU has AVX2 (just checked), the target feature of `x86::fp8`.
+        return unsafe { x86::fp8(call) };
+    }
+    fp8_portable(call)
+}
+
+/// 8-bit floats fused: widen, combine in `f32`, narrow (both conversions branch-free), one
+/// loop per operator.
+#[inline(always)]
+fn fp8_portable<T: Fp8>(call: Call<'_, T>) {
+    match call {
+        Call::InPlace(op, dst, src) => per_op!(
+            op,
+            zip_apply_in_place(dst, src),
+            sum = |x: T, y: T| T::narrow(x.widen() + y.widen()),
+            prod = |x: T, y: T| T::narrow(x.widen() * y.widen()),
+            min = |x: T, y: T| T::narrow(x.widen().min(y.widen())),
+            max = |x: T, y: T| T::narrow(x.widen().max(y.widen()))
+        ),
+        Call::To(op, dst, a, b) => per_op!(
+            op,
+            zip_apply(dst, a, b),
+            sum = |x: T, y: T| T::narrow(x.widen() + y.widen()),
+            prod = |x: T, y: T| T::narrow(x.widen() * y.widen()),
+            min = |x: T, y: T| T::narrow(x.widen().min(y.widen())),
+            max = |x: T, y: T| T::narrow(x.widen().max(y.widen()))
+        ),
+        Call::Divide(dst, n) => {
+            let n = n as f32;
+            dst.iter_mut().for_each(|x| *x = T::narrow(x.widen() / n));
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::{
@@ -401,6 +481,12 @@ mod x86 {
     #[target_feature(enable = "avx2")]
     pub(super) fn bf16(call: Call<'_, bf16>) {
         super::bf16_portable(call)
+    }
+
+    /// The portable 8-bit float loops, vectorised for AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) fn fp8<T: super::Fp8>(call: Call<'_, T>) {
+        super::fp8_portable(call)
     }
 
     /// 8 `f16` widened to `f32` by F16C.
@@ -621,6 +707,8 @@ mod tests {
     }
 
     float_reference! {
+        F8E4M3 => f64, F8E4M3::to_f64, F8E4M3::from_f64;
+        F8E5M2 => f64, F8E5M2::to_f64, F8E5M2::from_f64;
         f16 => f32, f16::to_f32, f16::from_f32;
         bf16 => f32, bf16::to_f32, bf16::from_f32;
         f32 => f64, |v: f32| v as f64, |v: f64| v as f32;
@@ -765,6 +853,99 @@ mod tests {
     #[test]
     fn every_op_double() {
         check_type::<f64>(10);
+    }
+    #[test]
+    fn every_op_f8e4m3() {
+        check_type::<F8E4M3>(11);
+    }
+    #[test]
+    fn every_op_f8e5m2() {
+        check_type::<F8E5M2>(12);
+    }
+
+    /// Every pair of 8-bit values, every operator and some divisors, through one path,
+    /// against the reference (computed in `f64`, rounded once by `from_f64`).
+    fn check_fp8_path<T: Reference + Fp8>(name: &str, run: fn(Call<'_, T>)) {
+        let (a, b): (Vec<T>, Vec<T>) = (0..=u16::MAX)
+            .map(|i| -> (T, T) { (bytemuck::cast(i as u8), bytemuck::cast((i >> 8) as u8)) })
+            .unzip();
+        for op in ReduceOp::ALL {
+            let want: Vec<T> = a.iter().zip(&b).map(|(&x, &y)| T::op(op, x, y)).collect();
+            let mut d = vec![T::zeroed(); a.len()];
+            run(Call::To(op, &mut d, &a, &b));
+            assert_same(&d, &want, &format!("{name} to {op}"));
+            let mut d = a.clone();
+            run(Call::InPlace(op, &mut d, &b));
+            assert_same(&d, &want, &format!("{name} in place {op}"));
+            for len in 0..20 {
+                let mut d = vec![T::zeroed(); len];
+                run(Call::To(op, &mut d, &a[..len], &b[..len]));
+                assert_same(&d, &want[..len], &format!("{name} to {op} len {len}"));
+            }
+        }
+        for n in [1, 2, 3, 7, 1000, 1 << 30] {
+            let want: Vec<T> = a.iter().map(|&x| T::div(x, n)).collect();
+            let mut d = a.clone();
+            run(Call::Divide(&mut d, n));
+            assert_same(&d, &want, &format!("{name} divide by {n}"));
+        }
+    }
+
+    #[test]
+    fn fp8_every_pair_on_every_path() {
+        check_fp8_path::<F8E4M3>("e4m3 portable", fp8_portable);
+        check_fp8_path::<F8E4M3>("e4m3 dispatched", run_fp8);
+        check_fp8_path::<F8E5M2>("e5m2 portable", fp8_portable);
+        check_fp8_path::<F8E5M2>("e5m2 dispatched", run_fp8);
+        #[cfg(target_arch = "x86_64")]
+        if x86::has_avx2() {
+            // SAFETY: the CPU has AVX2.
+            check_fp8_path::<F8E4M3>("e4m3 avx2", |c| unsafe { x86::fp8(c) });
+            // SAFETY: the CPU has AVX2.
+            check_fp8_path::<F8E5M2>("e5m2 avx2", |c| unsafe { x86::fp8(c) });
+        }
+    }
+
+    #[test]
+    fn fp8_accumulates_in_f32_and_rounds_once() {
+        let e4 = F8E4M3::from_f32;
+        let e5 = F8E5M2::from_f32;
+        // 16 + 1 = 17 is not an e4m3 value: a tie between 16 and 18, to even (16); 16 + 3 = 19
+        // rounds to 20.
+        assert_eq!(reduced(ReduceOp::Sum, &[e4(16.0)], &[e4(1.0)]), [e4(16.0)]);
+        assert_eq!(reduced(ReduceOp::Sum, &[e4(16.0)], &[e4(3.0)]), [e4(20.0)]);
+        // Saturation: 448 + 448 is 448 in e4m3 (torch's conversion), ∞ in e5m2 past 61440.
+        assert_eq!(
+            reduced(ReduceOp::Sum, &[F8E4M3::MAX], &[F8E4M3::MAX]),
+            [F8E4M3::MAX]
+        );
+        assert_eq!(
+            reduced(ReduceOp::Sum, &[F8E4M3::MIN], &[e4(-32.0)]),
+            [F8E4M3::MIN]
+        );
+        assert_eq!(
+            reduced(ReduceOp::Sum, &[F8E5M2::MAX], &[F8E5M2::MAX]),
+            [F8E5M2::INFINITY]
+        );
+        // 1.5 · 1.5 = 2.25, halfway between the e5m2 values 2 and 2.5: to even, 2.
+        assert_eq!(reduced(ReduceOp::Prod, &[e5(1.5)], &[e5(1.5)]), [e5(2.0)]);
+        // Subnormals: 3 steps / 2 is a tie between 1 and 2 steps (to even: 2); 1 step / 2 a tie
+        // between 0 and 1 (0).
+        let s = F8E4M3::MIN_POSITIVE_SUBNORMAL;
+        assert_eq!(reduced(ReduceOp::Sum, &[s], &[s]), [e4(2f32.powi(-8))]);
+        assert_eq!(
+            divided(vec![e4(3.0 * 2f32.powi(-9))], 2),
+            [e4(2f32.powi(-8))]
+        );
+        assert_eq!(divided(vec![s], 2), [F8E4M3::ZERO]);
+        assert_eq!(divided(vec![e4(3.0)], 2), [e4(1.5)]);
+        assert_eq!(divided(vec![e5(3.0)], 2), [e5(1.5)]);
+        assert_eq!(divided(vec![e4(1.0)], 3), [e4(0.34375)]);
+        assert_eq!(reduced(ReduceOp::Min, &[e5(-3.0)], &[e5(2.0)]), [e5(-3.0)]);
+        assert_eq!(
+            reduced(ReduceOp::Max, &[F8E4M3::NAN], &[e4(2.0)]),
+            [e4(2.0)]
+        );
     }
 
     fn reduced<T: Element>(op: ReduceOp, a: &[T], b: &[T]) -> Vec<T> {

@@ -4,9 +4,10 @@
 //! Each test launches one job (see `common::run_ranks`); its ranks run a whole [`Plan`] on one
 //! communicator, recording every wrong result rather than stopping, and report a summary that
 //! the test asserts on. Inputs are a deterministic function of (seed, rank, index), so each rank
-//! knows every rank's input. Values are small integers (sums exact in every type, products of
-//! ±1 and 2 with at most two 2s per element), so only `avg` on floating types needs a
-//! tolerance.
+//! knows every rank's input. Values are small integers (sums exact in every type: -1, 0 and 1
+//! for the 8-bit floats, whose partial sums up to 8 ranks stay exact; products of ±1 and 2 with
+//! at most two 2s per element), so only `avg` on floating types needs a tolerance. (The error
+//! bound of fp8 sums of arbitrary values is `tests/fp8.rs`'s subject.)
 
 mod common;
 
@@ -67,10 +68,16 @@ fn some_pairs() -> Vec<(DataType, ReduceOp)> {
         .map(|d| (d, ReduceOp::Sum))
         .collect();
     for (i, op) in ReduceOp::ALL.into_iter().enumerate().skip(1) {
-        for d in [DataType::F32, DataType::I8, DataType::U64, DataType::Bf16] {
+        for d in [
+            DataType::F32,
+            DataType::I8,
+            DataType::U64,
+            DataType::Bf16,
+            DataType::F8E4M3,
+        ] {
             v.push((d, op));
         }
-        v.push((DataType::ALL[(3 * i) % 10], op));
+        v.push((DataType::ALL[(3 * i) % DataType::ALL.len()], op));
     }
     v.dedup();
     v
@@ -118,6 +125,11 @@ fn signed(d: DataType) -> bool {
     !matches!(d, DataType::U8 | DataType::U32 | DataType::U64)
 }
 
+/// An 8-bit float: reduced inputs stay within -1..=1 so that every partial sum is exact.
+fn fp8(d: DataType) -> bool {
+    matches!(d, DataType::F8E4M3 | DataType::F8E5M2)
+}
+
 /// An output's initial value, outside every input range.
 fn sentinel<T: Element>() -> T {
     T::from_f64(if T::DTYPE.is_float() {
@@ -136,6 +148,9 @@ fn tolerance(d: DataType, op: Option<ReduceOp>) -> f64 {
         (Some(ReduceOp::Avg), DataType::Bf16) => 1e-2,
         (Some(ReduceOp::Avg), DataType::F32) => 1e-6,
         (Some(ReduceOp::Avg), DataType::F64) => 1e-12,
+        // One rounding (the division) of an exact sum: the unit roundoff.
+        (Some(ReduceOp::Avg), DataType::F8E4M3) => 1.0 / 16.0,
+        (Some(ReduceOp::Avg), DataType::F8E5M2) => 1.0 / 8.0,
         _ => 0.0,
     }
 }
@@ -182,6 +197,7 @@ impl Cx<'_> {
                     mag
                 }
             }
+            Some(_) if fp8(d) => (h % 3) as f64 - 1.0,
             Some(_) if signed(d) => (h % 17) as f64 - 8.0,
             Some(_) => (h % 16) as f64,
             None if signed(d) => (h % 201) as f64 - 100.0,
@@ -288,6 +304,8 @@ macro_rules! typed {
             DataType::Bf16 => $f::<half::bf16>($($a),*),
             DataType::F32 => $f::<f32>($($a),*),
             DataType::F64 => $f::<f64>($($a),*),
+            DataType::F8E4M3 => $f::<oxccl::F8E4M3>($($a),*),
+            DataType::F8E5M2 => $f::<oxccl::F8E5M2>($($a),*),
         }
     };
 }
@@ -953,6 +971,7 @@ fn run_section(cx: &mut Cx, plan: &Plan, section: &str) -> R {
                 DataType::I32,
                 DataType::U64,
                 DataType::I8,
+                DataType::F8E5M2,
             ] {
                 for (op, count) in [
                     (ReduceOp::Sum, 7),

@@ -10,7 +10,10 @@ __version__: str
 
 Buffer = Any
 """A buffer-protocol object (numpy array, bytearray, memoryview), a CPU torch tensor, or a
-DLPack object; contiguous; of a type oxccl reduces (or reinterpreted with ``dtype=``)."""
+DLPack object; contiguous; of a type oxccl reduces (or reinterpreted with ``dtype=``). The
+8-bit floats come as torch ``float8_e4m3fn``/``float8_e5m2`` tensors (or DLPack tensors of
+those types), or as raw bytes (e.g. a ``uint8`` numpy array) with ``dtype="f8e4m3"`` or
+``dtype="f8e5m2"``: numpy has no 8-bit float."""
 
 Op = "ReduceOp | str"
 
@@ -24,6 +27,11 @@ class ReduceOp(IntEnum):
 def dtypes() -> list[str]:
     """The data type names ``dtype=`` accepts (nccl-tests spelling; aliases such as
     ``float32``, ``bf16``, ``fp16`` also work)."""
+
+def _fp8_convert(data: bytes, dtype: str, widen: bool = False) -> bytes:
+    """Test hook, not a stable API: native-endian float32 values rounded to 8-bit float codes
+    (``f8e4m3``/``f8e5m2``) as the reductions round them, or (``widen=True``) codes widened to
+    float32 bytes."""
 
 class Work:
     """The handle of an ``async_op=True`` call."""

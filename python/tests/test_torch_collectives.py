@@ -13,7 +13,12 @@ WORLD = 3  # not a power of two; roots other than 0
 DTYPES = [
     "int8", "uint8", "int32", "uint32", "int64", "uint64",
     "float16", "bfloat16", "float32", "float64",
+    "float8_e4m3fn", "float8_e5m2",
 ]
+# The 8-bit floats' unit roundoff: a reduction rounds once per step (at most n - 1 steps on
+# n ranks, and AVG's division), each within this relative distance; the inputs are positive,
+# so the documented bound (oxccl_core::dtype) is relative to the exact result.
+FP8_U = {"float8_e4m3fn": 2.0 ** -4, "float8_e5m2": 2.0 ** -3}
 OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX"]
 
 
@@ -41,13 +46,32 @@ def _reference(torch, dtype, op, count, world):
     return y.to(dtype)
 
 
+def _fp8(torch, dtype):
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def _gloo_supports(torch, dtype, op):
-    return dtype not in (torch.uint32, torch.uint64) and op != "AVG"
+    return dtype not in (torch.uint32, torch.uint64) and not _fp8(torch, dtype) and op != "AVG"
 
 
-def _close(torch, a, b, dtype, op):
+def _close(torch, a, b, dtype, op, world=WORLD):
+    if _fp8(torch, dtype):
+        if a.shape != b.shape:
+            return False
+        u = FP8_U[str(dtype).removeprefix("torch.")]
+        # Reference and result each rounded: (1 + u)^n - 1 for the n roundings of the
+        # result, the reference's own rounding within u of the exact value besides.
+        rtol = (1 + u) ** world - 1 + u
+        return torch.allclose(a.double(), b.double(), rtol=rtol, atol=0.0)
     if op == "AVG" and dtype in (torch.float16, torch.bfloat16):
         return torch.allclose(a.double(), b.double(), rtol=1e-2)
+    return torch.equal(a, b)
+
+
+def _same(torch, a, b, dtype):
+    """Bit for bit (moved data); torch.equal has no 8-bit float kernel."""
+    if _fp8(torch, dtype):
+        return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     return torch.equal(a, b)
 
 
@@ -69,6 +93,12 @@ def worker_collectives():
         nonlocal cases
         cases += 1
         if not _close(torch, got, want, dtype, op):
+            failures.append(f"rank {rank}: {name}: got {got.tolist()}, expected {want.tolist()}")
+
+    def check_moved(name, got, want, dtype):
+        nonlocal cases
+        cases += 1
+        if not _same(torch, got, want, dtype):
             failures.append(f"rank {rank}: {name}: got {got.tolist()}, expected {want.tolist()}")
 
     def attempt(name, fn):
@@ -135,22 +165,22 @@ def worker_collectives():
             outs = [torch.empty(6, dtype=dtype) for _ in range(n)]
             dist.all_gather(outs, x, group=ox)
             for r in range(n):
-                check(f"all_gather {dname} block {r}", outs[r], every[r], dtype)
+                check_moved(f"all_gather {dname} block {r}", outs[r], every[r], dtype)
             flat = torch.empty(6 * n, dtype=dtype)
             dist.all_gather_into_tensor(flat, x, group=ox)
-            check(f"all_gather_into_tensor {dname}", flat, torch.cat(every), dtype)
+            check_moved(f"all_gather_into_tensor {dname}", flat, torch.cat(every), dtype)
             b = x.clone()
             dist.broadcast(b, src=1, group=ox)
-            check(f"broadcast {dname}", b, every[1], dtype)
+            check_moved(f"broadcast {dname}", b, every[1], dtype)
             # all_to_all: block j of rank i goes to rank j.
             send = [_inputs(torch, dtype, rank * n + j, 2) for j in range(n)]
             recv = [torch.empty(2, dtype=dtype) for _ in range(n)]
             dist.all_to_all(recv, send, group=ox)
             for i in range(n):
-                check(f"all_to_all {dname} from {i}", recv[i], _inputs(torch, dtype, i * n + rank, 2), dtype)
+                check_moved(f"all_to_all {dname} from {i}", recv[i], _inputs(torch, dtype, i * n + rank, 2), dtype)
             out = torch.empty(2 * n, dtype=dtype)
             dist.all_to_all_single(out, torch.cat(send), group=ox)
-            check(f"all_to_all_single {dname}", out, torch.cat([_inputs(torch, dtype, i * n + rank, 2) for i in range(n)]), dtype)
+            check_moved(f"all_to_all_single {dname}", out, torch.cat([_inputs(torch, dtype, i * n + rank, 2) for i in range(n)]), dtype)
             # Uneven splits: rank i sends i + j + 1 rows to rank j.
             sizes_in = [rank + j + 1 for j in range(n)]
             sizes_out = [i + rank + 1 for i in range(n)]
@@ -158,15 +188,15 @@ def worker_collectives():
             dst = torch.empty(sum(sizes_out), dtype=dtype)
             dist.all_to_all_single(dst, src, sizes_out, sizes_in, group=ox)
             want = torch.cat([_inputs(torch, dtype, 10 * i + rank, s) for i, s in enumerate(sizes_out)])
-            check(f"all_to_all_single uneven {dname}", dst, want, dtype)
+            check_moved(f"all_to_all_single uneven {dname}", dst, want, dtype)
             g = [torch.empty(6, dtype=dtype) for _ in range(n)] if rank == 1 else None
             dist.gather(x, g, dst=1, group=ox)
             if rank == 1:
                 for r in range(n):
-                    check(f"gather {dname} block {r}", g[r], every[r], dtype)
+                    check_moved(f"gather {dname} block {r}", g[r], every[r], dtype)
             s = torch.empty(6, dtype=dtype)
             dist.scatter(s, [_inputs(torch, dtype, 100 + r, 6) for r in range(n)] if rank == 2 else None, src=2, group=ox)
-            check(f"scatter {dname}", s, _inputs(torch, dtype, 100 + rank, 6), dtype)
+            check_moved(f"scatter {dname}", s, _inputs(torch, dtype, 100 + rank, 6), dtype)
             # send/recv around the ring.
             if rank % 2 == 0:
                 dist.send(x, (rank + 1) % n, group=ox)
@@ -176,7 +206,7 @@ def worker_collectives():
                 r = torch.empty(6, dtype=dtype)
                 dist.recv(r, (rank - 1) % n, group=ox)
                 dist.send(x, (rank + 1) % n, group=ox)
-            check(f"send/recv {dname}", r, every[(rank - 1) % n], dtype)
+            check_moved(f"send/recv {dname}", r, every[(rank - 1) % n], dtype)
 
         attempt(f"data movement {dname}", moves)
 

@@ -1,6 +1,12 @@
 //! The caller's memory: a [`View`] of a buffer-protocol object (numpy arrays, `bytearray`,
 //! `memoryview`, `array.array`), a CPU torch tensor, or a DLPack object, without copying.
 //!
+//! The 8-bit floats come as torch tensors (`torch.float8_e4m3fn`, `torch.float8_e5m2`), as
+//! DLPack tensors of those types (DLPack 1.1's `kDLFloat8_e4m3fn`, `kDLFloat8_e5m2`), or as any
+//! buffer of bytes with `dtype="f8e4m3"` / `"f8e5m2"`: numpy has no 8-bit float and the buffer
+//! protocol no format for one (a `uint8` array of the codes, or an `ml_dtypes` array viewed as
+//! `uint8`, works).
+//!
 //! A view holds what keeps the memory alive (the buffer export, the tensor, the DLPack
 //! capsule) until it is dropped, so an asynchronous call can own its views while it runs.
 
@@ -119,7 +125,8 @@ pub fn dtype_of_format(format: &str, itemsize: usize) -> Result<DataType, String
         _ => {
             return Err(format!(
                 "buffer format {format:?} ({itemsize}-byte items) is not a type oxccl reduces \
-                 (int8, uint8, int32, uint32, int64, uint64, float16, bfloat16, float32, float64)"
+                 (int8, uint8, int32, uint32, int64, uint64, float16, bfloat16, float32, float64; \
+                 8-bit floats as bytes with dtype=\"f8e4m3\" or \"f8e5m2\")"
             ));
         }
     };
@@ -172,6 +179,8 @@ fn torch(py: Python<'_>) -> Option<&Torch> {
         ("bfloat16", DataType::Bf16),
         ("float32", DataType::F32),
         ("float64", DataType::F64),
+        ("float8_e4m3fn", DataType::F8E4M3),
+        ("float8_e5m2", DataType::F8E5M2),
     ] {
         if let Some(t) = get(name) {
             dtypes.push((t, d));
@@ -286,7 +295,7 @@ fn tensor_view(
         .ok_or_else(|| {
             format!(
                 "dtype {dt} is not supported (oxccl reduces int8, uint8, int32, uint32, int64, \
-                 uint64, float16, bfloat16, float32, float64)"
+                 uint64, float16, bfloat16, float32, float64, float8_e4m3fn, float8_e5m2)"
             )
         });
     let dtype = pick(native, wanted)?;
@@ -377,6 +386,10 @@ struct DlManagedTensorVersioned {
 const DL_CPU: i32 = 1;
 const DL_CUDA_HOST: i32 = 3;
 const DL_FLAG_READ_ONLY: u64 = 1;
+/// DLPack 1.1's `kDLFloat8_e4m3fn`.
+const DL_FLOAT8_E4M3FN: u8 = 10;
+/// DLPack 1.1's `kDLFloat8_e5m2`.
+const DL_FLOAT8_E5M2: u8 = 12;
 
 fn dl_dtype(d: &DlDataType) -> Result<DataType, String> {
     if d.lanes != 1 {
@@ -396,6 +409,8 @@ fn dl_dtype(d: &DlDataType) -> Result<DataType, String> {
         (2, 32) => DataType::F32,
         (2, 64) => DataType::F64,
         (4, 16) => DataType::Bf16,
+        (DL_FLOAT8_E4M3FN, 8) => DataType::F8E4M3,
+        (DL_FLOAT8_E5M2, 8) => DataType::F8E5M2,
         (code, bits) => {
             let kind = match code {
                 0 => "int",
@@ -404,11 +419,14 @@ fn dl_dtype(d: &DlDataType) -> Result<DataType, String> {
                 4 => "bfloat",
                 5 => "complex",
                 6 => "bool",
+                // The float8/6/4 formats of DLPack 1.1 other than e4m3fn and e5m2.
+                7..=17 => "low-precision float ",
                 _ => "opaque",
             };
             return Err(format!(
-                "DLPack dtype {kind}{bits} is not supported (oxccl reduces int8, uint8, int32, \
-                 uint32, int64, uint64, float16, bfloat16, float32, float64)"
+                "DLPack dtype {kind}{bits} (code {code}) is not supported (oxccl reduces int8, uint8, int32, \
+                 uint32, int64, uint64, float16, bfloat16, float32, float64, float8_e4m3fn, \
+                 float8_e5m2)"
             ));
         }
     })
@@ -557,6 +575,12 @@ mod tests {
         assert_eq!(dl_dtype(&d(4, 16, 1)), Ok(DataType::Bf16));
         assert_eq!(dl_dtype(&d(1, 64, 1)), Ok(DataType::U64));
         assert!(dl_dtype(&d(6, 8, 1)).unwrap_err().contains("bool8"));
+        assert_eq!(dl_dtype(&d(10, 8, 1)), Ok(DataType::F8E4M3));
+        assert_eq!(dl_dtype(&d(12, 8, 1)), Ok(DataType::F8E5M2));
+        // e4m3fnuz and e5m2fnuz are other formats (no negative zero, other bias).
+        let e = dl_dtype(&d(11, 8, 1)).unwrap_err();
+        assert!(e.contains("code 11"), "{e}");
+        assert!(dl_dtype(&d(13, 8, 1)).is_err());
         assert!(dl_dtype(&d(2, 32, 4)).unwrap_err().contains("4 lanes"));
         let mut data = [0f32; 6];
         let mut shape = [2i64, 3];

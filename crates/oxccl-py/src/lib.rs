@@ -70,6 +70,56 @@ fn dtypes() -> Vec<&'static str> {
     oxccl::DataType::ALL.iter().map(|d| d.name()).collect()
 }
 
+/// Test hook, not a stable API: converts between `f32` values and the 8-bit float `dtype`
+/// (`f8e4m3` or `f8e5m2`, or an alias) exactly as the reductions do. `data` holds native-endian
+/// `f32` values, rounded to the 8-bit codes; with `widen=True` it holds codes, widened to
+/// `f32` bytes.
+#[pyfunction]
+#[pyo3(name = "_fp8_convert", signature = (data, dtype, widen = false))]
+fn fp8_convert<'py>(
+    py: Python<'py>,
+    data: &[u8],
+    dtype: &str,
+    widen: bool,
+) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+    use oxccl::{DataType, F8E4M3, F8E5M2};
+    use pyo3::exceptions::PyValueError;
+    let d: DataType = dtype
+        .parse()
+        .map_err(|e: oxccl::ParseNameError| PyValueError::new_err(e.to_string()))?;
+    type Narrow = fn(f32) -> u8;
+    type Widen = fn(u8) -> f32;
+    let (narrow, wide): (Narrow, Widen) = match d {
+        DataType::F8E4M3 => (
+            |v| F8E4M3::from_f32(v).to_bits(),
+            |b| F8E4M3::from_bits(b).to_f32(),
+        ),
+        DataType::F8E5M2 => (
+            |v| F8E5M2::from_f32(v).to_bits(),
+            |b| F8E5M2::from_bits(b).to_f32(),
+        ),
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "_fp8_convert: {other} is not an 8-bit float (f8e4m3, f8e5m2)"
+            )));
+        }
+    };
+    let out: Vec<u8> = if widen {
+        data.iter().flat_map(|&b| wide(b).to_ne_bytes()).collect()
+    } else {
+        if !data.len().is_multiple_of(4) {
+            return Err(PyValueError::new_err(format!(
+                "_fp8_convert: {} bytes are not a whole number of float32 values",
+                data.len()
+            )));
+        }
+        data.chunks_exact(4)
+            .map(|c| narrow(f32::from_ne_bytes([c[0], c[1], c[2], c[3]])))
+            .collect()
+    };
+    Ok(pyo3::types::PyBytes::new(py, &out))
+}
+
 /// The module `oxccl._oxccl`.
 #[pymodule]
 fn _oxccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -81,6 +131,7 @@ fn _oxccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<kv::PyKvEngine>()?;
     m.add_class::<kv::PyKvMetadataServer>()?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
+    m.add_function(wrap_pyfunction!(fp8_convert, m)?)?;
     m.add_function(wrap_pyfunction!(work::at_exit, m)?)?;
     // Completion callbacks must not start while the interpreter finalizes.
     let atexit = m.py().import("atexit")?;

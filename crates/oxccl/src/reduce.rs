@@ -1264,6 +1264,7 @@ mod tests {
             DataType::F32,
             DataType::F16,
             DataType::Bf16,
+            DataType::F8E4M3,
             DataType::I32,
             DataType::I8,
             DataType::F64,

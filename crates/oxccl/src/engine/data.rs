@@ -530,9 +530,12 @@ impl Call<'_, '_> {
                 let both = [first, Sge::new(self.mr(r), mr_off, len)];
                 link.qp.post_send(&[header_wr(&both)])
             }
+            // Inline: the bytes were copied, so nothing waits for the completion (a failure
+            // is still reported); without one the tcp target need not ACK each fragment, and a
+            // small call is one frame per peer instead of two.
             (None, _) => link
                 .qp
-                .post_send(&[header_wr(std::slice::from_ref(&first))]),
+                .post_send(&[header_wr(std::slice::from_ref(&first)).unsignaled()]),
         };
         posted.map_err(|e| self.send_error(l, e))?;
         if placed.is_some() {

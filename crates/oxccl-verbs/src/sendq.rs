@@ -241,6 +241,20 @@ pub(crate) trait SendLink {
     fn failed_behind(&self, _seq: u64) {}
     /// Called by the flush under the post lock: drop what is queued and not yet sent.
     fn drop_unsent(&self) {}
+    /// A list of more than one request is about to be posted: hold back their transmission
+    /// until [`SendLink::uncork`], to send them together.
+    fn cork(&self) {}
+    /// The list is posted: send what [`SendLink::cork`] held back.
+    fn uncork(&self) {}
+}
+
+/// Uncorks a link when dropped, so that every way out of a post sends what it held back.
+struct Corked<'a, L: SendLink>(&'a L);
+
+impl<L: SendLink> Drop for Corked<'_, L> {
+    fn drop(&mut self) {
+        self.0.uncork();
+    }
 }
 
 /// [`QpTransport::post_send`](crate::provider::QpTransport::post_send) for a software
@@ -252,6 +266,10 @@ pub(crate) fn post_send(
     wrs: &[SendWr<'_>],
 ) -> Result<()> {
     let mut s = send.lock().unwrap_or_else(|e| e.into_inner());
+    let _corked = (wrs.len() > 1).then(|| {
+        link.cork();
+        Corked(link)
+    });
     for (i, wr) in wrs.iter().enumerate() {
         qp.check_sges(i, wr)?;
         if !(matches!(qp.state(), QpState::Rts | QpState::Err) && qp.is_connected()) {

@@ -190,6 +190,16 @@ impl Flows {
         f.returned = f.returned.max(consumed);
     }
 
+    /// What queue `q` could report to its sender now, if it consumed anything since its last
+    /// report: a driver that posts a fragment on `q` (to the same peer, the other way) may
+    /// send this credit along with it, where it costs no message of its own (record it with
+    /// [`Flows::credit_sent`]). Reporting early is always safe: a credit only says what was
+    /// consumed.
+    pub fn credit_owed(&self, q: usize) -> Option<u64> {
+        let f = &self.q[q];
+        (f.consumed > f.returned).then_some(f.consumed)
+    }
+
     /// Whether queue `q` owes its sender a credit: `every` fragments or more consumed since
     /// the last report.
     pub fn credit_due(&self, q: usize, every: u64) -> bool {

@@ -122,4 +122,12 @@ impl SendLink for TcpQp {
     fn drop_unsent(&self) {
         self.conn.drop_unsent();
     }
+
+    fn cork(&self) {
+        self.conn.cork();
+    }
+
+    fn uncork(&self) {
+        self.conn.uncork();
+    }
 }

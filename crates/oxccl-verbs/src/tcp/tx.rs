@@ -108,11 +108,17 @@ impl TxFrame {
     }
 }
 
+/// The most slices one `sendmsg` gathers from several queued frames.
+const IOV_BATCH: usize = 8;
+
 /// A connection's frames waiting to be written.
 #[derive(Default)]
 pub(super) struct Tx {
     pub frames: VecDeque<TxFrame>,
     pub want_out: bool,
+    /// A list of requests is being posted ([`Conn::cork`]): frames wait for its end, to leave
+    /// in one `sendmsg`.
+    pub corked: bool,
 }
 
 impl Conn {
@@ -138,27 +144,33 @@ impl Conn {
                     f.hdr[56..64].copy_from_slice(&ack.to_le_bytes());
                 }
             }
-            let total = f.total();
-            // Gather the unsent part: header rest, then payload spans.
-            let mut iov: SmallVec<[IoSlice<'_>; 4]> = SmallVec::new();
-            let mut skip = f.sent;
-            if skip < HEADER_LEN {
-                iov.push(IoSlice::new(&f.hdr[skip..]));
-                skip = 0;
-            } else {
-                skip -= HEADER_LEN;
-            }
-            for s in &f.payload {
-                if skip >= s.1 {
-                    skip -= s.1;
-                    continue;
+            // The queued frames in one sendmsg, as far as IOV_BATCH slices go (a first frame
+            // with more slices goes alone): a credit posted with a fragment, or frames that
+            // queued behind a full socket, cost one system call, not one each.
+            let mut iov: SmallVec<[IoSlice<'_>; IOV_BATCH]> = SmallVec::new();
+            for f in tx.frames.iter() {
+                if !iov.is_empty() && iov.len() + 1 + f.payload.len() > IOV_BATCH {
+                    break;
                 }
-                // SAFETY: the span lies in a region kept alive by `f.keep` (or the target's
-                // registered region, or the frame's own copy); `skip < s.1`.
-                iov.push(IoSlice::new(unsafe {
-                    std::slice::from_raw_parts(s.0.add(skip), s.1 - skip)
-                }));
-                skip = 0;
+                let mut skip = f.sent;
+                if skip < HEADER_LEN {
+                    iov.push(IoSlice::new(&f.hdr[skip..]));
+                    skip = 0;
+                } else {
+                    skip -= HEADER_LEN;
+                }
+                for s in &f.payload {
+                    if skip >= s.1 {
+                        skip -= s.1;
+                        continue;
+                    }
+                    // SAFETY: the span lies in a region kept alive by `f.keep` (or the
+                    // target's registered region, or the frame's own copy); `skip < s.1`.
+                    iov.push(IoSlice::new(unsafe {
+                        std::slice::from_raw_parts(s.0.add(skip), s.1 - skip)
+                    }));
+                    skip = 0;
+                }
             }
             let r = rustix::net::sendmsg(
                 sock,
@@ -168,10 +180,20 @@ impl Conn {
             );
             drop(iov);
             match r {
-                Ok(n) => {
-                    f.sent += n;
-                    if f.sent >= total {
-                        tx.frames.pop_front();
+                Ok(mut n) => {
+                    // Retire the frames the bytes covered; the last may be partly sent.
+                    while n > 0 {
+                        let Some(f) = tx.frames.front_mut() else {
+                            break;
+                        };
+                        let left = f.total() - f.sent;
+                        if n >= left {
+                            n -= left;
+                            tx.frames.pop_front();
+                        } else {
+                            f.sent += n;
+                            n = 0;
+                        }
                     }
                 }
                 Err(rustix::io::Errno::AGAIN) => break,
@@ -191,6 +213,29 @@ impl Conn {
         Ok(())
     }
 
+    /// Holds back the frames of the requests posted from now until [`Conn::uncork`], so that a
+    /// list of requests posted together (a credit and a fragment) leaves in one `sendmsg` per
+    /// connection, as one doorbell rings for a list of work requests on an RDMA NIC.
+    pub(super) fn cork(&self) {
+        for s in self.socks() {
+            s.tx.lock().unwrap_or_else(|e| e.into_inner()).corked = true;
+        }
+    }
+
+    /// Ends [`Conn::cork`]: writes what was held back.
+    pub(super) fn uncork(&self) {
+        for (i, s) in self.socks().iter().enumerate() {
+            let mut tx = s.tx.lock().unwrap_or_else(|e| e.into_inner());
+            tx.corked = false;
+            if tx.frames.is_empty() {
+                continue;
+            }
+            let r = self.flush_locked(i, &mut tx);
+            drop(tx);
+            self.check(r);
+        }
+    }
+
     /// Queues a frame on connection `i` (written at once when nothing waits before it).
     pub(super) fn queue(&self, i: usize, f: TxFrame) {
         let Some(s) = self.socks().get(i) else { return };
@@ -205,7 +250,10 @@ impl Conn {
     fn push_locked(&self, i: usize, tx: &mut Tx, f: TxFrame) -> std::result::Result<(), String> {
         let inline = tx.frames.is_empty() && f.total() <= self.tuning.inline_max;
         tx.frames.push_back(f);
-        if inline {
+        if tx.corked {
+            // Written by `uncork`, with the rest of the list.
+            Ok(())
+        } else if inline {
             self.flush_locked(i, tx)
         } else {
             if !tx.want_out {

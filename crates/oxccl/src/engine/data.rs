@@ -507,13 +507,29 @@ impl Call<'_, '_> {
                 sges,
             )
         };
-        let posted = match (source, placed) {
+        // A credit owed to this peer rides along: posted in the same list, the provider sends
+        // both at once (one sendmsg over tcp), and the peer needs no credit of its own.
+        let q = self.eng.flows.queue(l, ch);
+        let owed = self.eng.flows.credit_owed(q).filter(|c| {
+            link.stage
+                .write(geo.stage_credit(ch), &c.to_le_bytes())
+                .is_ok()
+        });
+        let credit_sge = [Sge::new(&link.stage, geo.stage_credit(ch), 8)];
+        let mut wrs: smallvec::SmallVec<[SendWr<'_>; 3]> = smallvec::SmallVec::new();
+        if owed.is_some() {
+            wrs.push(credit_wr(link, ch, &geo, &credit_sge));
+        }
+        let data;
+        let head;
+        let both;
+        match (source, placed) {
             // In place: the data to the destination, then (ordered after it on the connection)
             // the header alone, whose completion says both are done.
             (Some((r, mr_off)), Some((addr, rkey))) => {
-                let data = [Sge::new(self.mr(r), mr_off, len)];
-                let head = [first];
-                let wrs = [
+                data = [Sge::new(self.mr(r), mr_off, len)];
+                head = [first];
+                wrs.push(
                     SendWr::new(
                         wr_id,
                         WrOp::Write {
@@ -522,21 +538,25 @@ impl Call<'_, '_> {
                         &data,
                     )
                     .unsignaled(),
-                    header_wr(&head),
-                ];
-                link.qp.post_send(&wrs)
+                );
+                wrs.push(header_wr(&head));
             }
             (Some((r, mr_off)), None) => {
-                let both = [first, Sge::new(self.mr(r), mr_off, len)];
-                link.qp.post_send(&[header_wr(&both)])
+                both = [first, Sge::new(self.mr(r), mr_off, len)];
+                wrs.push(header_wr(&both));
             }
             // Inline: the bytes were copied, so nothing waits for the completion (a failure
-            // is still reported); without one the tcp target need not ACK each fragment, and a
-            // small call is one frame per peer instead of two.
-            (None, _) => link
-                .qp
-                .post_send(&[header_wr(std::slice::from_ref(&first)).unsignaled()]),
-        };
+            // is still reported); without one the tcp target need not ACK each fragment.
+            (None, _) => {
+                head = [first];
+                wrs.push(header_wr(&head).unsignaled());
+            }
+        }
+        let posted = link.qp.post_send(&wrs);
+        drop(wrs);
+        if let (Ok(()), Some(c)) = (&posted, owed) {
+            self.eng.flows.credit_sent(q, c);
+        }
         posted.map_err(|e| self.send_error(l, e))?;
         if placed.is_some() {
             self.eng.stats.placed += len as u64;
@@ -716,17 +736,7 @@ impl Call<'_, '_> {
             return;
         }
         let sge = [Sge::new(&link.stage, src_off, 8)];
-        // Unsignaled: nothing waits for its completion (a failure is still reported), and a
-        // software provider (tcp) need not acknowledge it.
-        let wr = SendWr::new(
-            WR_CTRL,
-            WrOp::WriteWithImm {
-                remote: link.remote.at(geo.credit_offset(ch) as u64),
-                imm: Imm::Credit { channel: ch }.encode(),
-            },
-            &sge,
-        )
-        .unsignaled();
+        let wr = credit_wr(link, ch, geo, &sge);
         if link.qp.post_send(&[wr]).is_ok() {
             self.eng.flows.credit_sent(q, consumed);
         }
@@ -781,4 +791,20 @@ impl Call<'_, '_> {
         }
         Ok(())
     }
+}
+
+/// The WRITE_WITH_IMM that reports a credit on channel `ch` of `link`: the consumed count,
+/// staged in `sge`, into the sender's credit word. Unsignaled: nothing waits for its
+/// completion (a failure is still reported), and a software provider (tcp) need not
+/// acknowledge it.
+fn credit_wr<'a>(link: &Link, ch: usize, geo: &Geometry, sge: &'a [Sge<'a>]) -> SendWr<'a> {
+    SendWr::new(
+        WR_CTRL,
+        WrOp::WriteWithImm {
+            remote: link.remote.at(geo.credit_offset(ch) as u64),
+            imm: Imm::Credit { channel: ch }.encode(),
+        },
+        sge,
+    )
+    .unsignaled()
 }

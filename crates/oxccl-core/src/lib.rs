@@ -6,7 +6,7 @@
 //! [`schedule::Schedule`]), the [`tuner`] that picks an algorithm for a call, the job's
 //! [`topology`], the symbolic reference executor that checks schedules ([`verify`]), the wire
 //! protocol ([`protocol`]), the flight recorder's dump format ([`dump`]) and the link-rate
-//! learning rule ([`learn`], [`meter`]).
+//! learning rule ([`learn`], [`meter`]), and the block-floating-point codec ([`compress`]).
 //! The runtime (`oxccl`) drives these over verbs, and the fabric simulator (`oxccl-sim`) over a
 //! modelled network; like quinn-proto, this crate is unit-testable alone.
 //!
@@ -42,6 +42,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod compress;
 pub mod dtype;
 pub mod dump;
 pub mod fp8;

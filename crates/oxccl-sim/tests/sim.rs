@@ -530,7 +530,9 @@ fn a_sender_waits_for_the_receivers_slots() {
         ..Params::star(3)
     };
     let f = cluster(p);
-    let (k, c) = (16usize, 4096usize);
+    // Slices above INLINE: signaled fragments, whose wire time the pacing below assumes (an
+    // inline slice also costs the sender a copy into its staging region).
+    let (k, c) = (16usize, 32768usize);
     let r = simulate(
         &f,
         &spec(

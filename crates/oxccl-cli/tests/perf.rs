@@ -247,3 +247,63 @@ fn bad_arguments_are_refused() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `--compress`: the compressed sum all-reduce, checked exactly (small integer inputs), with
+/// fewer bytes on the wire than a ring of the uncompressed type would send; other collectives,
+/// operators and types are refused.
+#[test]
+fn compressed_all_reduce() {
+    for (c, dtype, most) in [("bfp8", "float", 0.45), ("bfp4/64", "half", 0.75)] {
+        // Per value, 1 (bfp8) or 0.5 (bfp4) byte of mantissa out and a 2-byte sum back, against
+        // a ring's 2 values of 4 (float) or 2 (half) bytes: 0.375 and 0.625, plus the exponents
+        // and the padding of shares to whole blocks at small sizes.
+        let doc = json(
+            &[
+                "all_reduce",
+                "-n",
+                "3",
+                "-b",
+                "1K",
+                "-e",
+                "256K",
+                "-f",
+                "16",
+                "-d",
+                dtype,
+                "--compress",
+                c,
+                "-c",
+                "1",
+                "-w",
+                "1",
+                "-i",
+                "3",
+            ],
+            &[],
+        );
+        let rows = doc["rows"].as_array().expect("rows");
+        assert_eq!(rows.len(), 3, "{doc}");
+        for r in rows {
+            assert_eq!(r["wrong"], 0, "{c}: {r}");
+            let ratio = r["wire_vs_ring"].as_f64().expect("wire_vs_ring");
+            assert!(
+                ratio > 0.0 && ratio < most,
+                "{c} {dtype}: wire/ring {ratio}: {r}"
+            );
+        }
+    }
+    for bad in [
+        &["all_gather", "--compress", "bfp8"][..],
+        &["all_reduce", "-o", "max", "--compress", "bfp8"],
+        &["all_reduce", "-d", "double", "--compress", "bfp8"],
+        &["all_reduce", "--compress", "bfp7"],
+    ] {
+        let o = perf(bad, &[]);
+        assert_eq!(o.status.code(), Some(2), "{bad:?}");
+        assert!(
+            String::from_utf8_lossy(&o.stderr).contains("--compress"),
+            "{bad:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+}

@@ -77,6 +77,7 @@ pub use engine::Stats;
 pub use error::{Error, OpDesc, Result};
 pub use fault::{Fault, FaultKind, Faults};
 pub use flight::DUMP_VERSION;
+pub use oxccl_core::compress;
 pub use oxccl_core::dtype::{DataType, Element, ParseNameError, ReduceOp, as_bytes, as_bytes_mut};
 pub use oxccl_core::fp8::{self, F8E4M3, F8E5M2};
 pub use oxccl_core::schedule::CollectiveKind;

@@ -20,6 +20,7 @@ use crate::topology::Topology;
 use crate::tuner::Tuning;
 use crate::{DataType, Element, ReduceOp, log_enabled};
 
+mod compress;
 mod group;
 mod init;
 mod rates;

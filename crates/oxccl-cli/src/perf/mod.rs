@@ -3,6 +3,8 @@
 //! Started without a launcher, it launches its own `-n` ranks on this host (`oxccl run`);
 //! under a launcher (torchrun, Slurm, `oxccl run`) each process is one rank. Rank 0 prints.
 
+mod compress;
+
 use std::io::Write;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -56,6 +58,11 @@ pub struct Args {
     /// Print one JSON document instead of the table.
     #[arg(long)]
     json: bool,
+    /// Compress a sum all-reduce of float, half or bfloat16 with block floating point:
+    /// `bfp8`, `bfp4` (blocks of 32; `bfp8/16`, `bfp4/64`, ...) or `off`
+    /// (`Communicator::all_reduce_compressed`: exact integer sums, the same bits on every rank).
+    #[arg(long, default_value = "off")]
+    compress: String,
 }
 
 /// A benchmark buffer: a vector, registered or not, or memory the communicator allocated.
@@ -138,6 +145,26 @@ pub fn main(args: Args) -> ExitCode {
         );
         return ExitCode::from(2);
     }
+    let compressed = match compress::parse(&args.compress) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("oxccl perf: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if compressed.is_some()
+        && (kind != CollectiveKind::AllReduce
+            || args.op != ReduceOp::Sum
+            || !matches!(args.dtype, DataType::F32 | DataType::F16 | DataType::Bf16))
+    {
+        eprintln!(
+            "oxccl perf: --compress runs a sum all_reduce of float, half or bfloat16 (got {kind} \
+             {} {})",
+            args.dtype,
+            args.op.name()
+        );
+        return ExitCode::from(2);
+    }
     if oxccl_bootstrap::Launcher::in_env().is_none() {
         // Not under a launcher: start our own ranks.
         let exe = match std::env::current_exe() {
@@ -172,6 +199,15 @@ pub fn main(args: Args) -> ExitCode {
 
 fn rank_main(args: &Args, kind: CollectiveKind) -> Result<u64, String> {
     let comm = Communicator::from_env().map_err(|e| e.to_string())?;
+    if let Some(fmt) = compress::parse(&args.compress)? {
+        let wrong = match args.dtype {
+            DataType::F16 => compress::bench::<half::f16>(&comm, args, fmt),
+            DataType::Bf16 => compress::bench::<half::bf16>(&comm, args, fmt),
+            _ => compress::bench::<f32>(&comm, args, fmt),
+        }?;
+        comm.destroy().map_err(|e| e.to_string())?;
+        return Ok(wrong);
+    }
     macro_rules! dispatch {
         ($($d:ident => $t:ty),*) => {
             match args.dtype {

@@ -1,0 +1,144 @@
+//! `oxccl perf all_reduce --compress bfp8|bfp4`: the compressed sum all-reduce
+//! (`Communicator::all_reduce_compressed`), timed in place, with busbw in the caller's
+//! uncompressed bytes and, beside it, the bytes that left rank 0 per call.
+
+use std::time::Instant;
+
+use oxccl::compress::{Float, Format, Width};
+use oxccl::{Communicator, ReduceOp};
+
+use super::{Args, bus_factor, input_value, reduce_ref};
+use oxccl::schedule::CollectiveKind;
+
+/// A `--compress` value: `off`, `bfp8` or `bfp4`, with blocks of 32 (`bfp8/16`, `bfp4/64`, ...
+/// pick 16, 32 or 64).
+pub(crate) fn parse(arg: &str) -> Result<Option<Format>, String> {
+    let (w, b) = arg.split_once('/').unwrap_or((arg, "32"));
+    let width = match w {
+        "off" if b == "32" => return Ok(None),
+        "bfp8" => Width::Bfp8,
+        "bfp4" => Width::Bfp4,
+        _ => {
+            return Err(format!(
+                "--compress {arg:?}: off, bfp8 or bfp4 (optionally /16, /32 or /64)"
+            ));
+        }
+    };
+    let block = match b {
+        "16" => oxccl::compress::BlockSize::B16,
+        "32" => oxccl::compress::BlockSize::B32,
+        "64" => oxccl::compress::BlockSize::B64,
+        _ => return Err(format!("--compress {arg:?}: blocks of 16, 32 or 64 values")),
+    };
+    Ok(Some(Format { width, block }))
+}
+
+/// Runs the sizes of `args` compressed with `fmt`; the number of wrong values.
+pub(crate) fn bench<T: Float>(
+    comm: &Communicator,
+    args: &Args,
+    fmt: Format,
+) -> Result<u64, String> {
+    let (n, me) = (comm.world_size(), comm.rank());
+    let es = T::DTYPE.size();
+    let mut w = [0u64];
+    for _ in 0..args.warmup.max(1) * 4 {
+        comm.all_reduce_in_place(&mut w, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
+    }
+    if me == 0 && !args.json {
+        println!(
+            "# oxccl perf all_reduce --compress {fmt:?}: nranks {n} minBytes {} maxBytes {} \
+             step: {}(factor) warmup iters: {} iters: {} validation: {}",
+            args.min_bytes, args.max_bytes, args.factor, args.warmup, args.iters, args.check
+        );
+        println!(
+            "# in place; each iteration first copies the input back (timed). busbw counts the \
+             uncompressed bytes; wire: bytes rank 0 sent per call, and that against a ring's \
+             2(n-1)/n of the buffer"
+        );
+        println!(
+            "#{:>11} {:>12} {:>8} {:>10} {:>9} {:>9} {:>13} {:>10} {:>8}",
+            "size", "count", "type", "time(us)", "algbw", "busbw", "wire(B)", "wire/ring", "#wrong"
+        );
+    }
+    let mut rows = Vec::new();
+    let mut total_wrong = 0;
+    let mut size = args.min_bytes;
+    loop {
+        let count = size / es;
+        let input: Vec<T> = (0..count)
+            .map(|i| T::from_f64(input_value(ReduceOp::Sum, me, i)))
+            .collect();
+        let mut buf = input.clone();
+        let once = |buf: &mut Vec<T>| {
+            buf.copy_from_slice(&input);
+            comm.all_reduce_compressed(buf, fmt)
+                .map_err(|e| e.to_string())
+        };
+        for _ in 0..args.warmup {
+            once(&mut buf)?;
+        }
+        comm.barrier().map_err(|e| e.to_string())?;
+        let s0 = comm.stats();
+        let t0 = Instant::now();
+        for _ in 0..args.iters {
+            once(&mut buf)?;
+        }
+        let mut t = [t0.elapsed().as_secs_f64() * 1e6 / args.iters as f64];
+        let s1 = comm.stats();
+        let wire = (s1.sent + s1.placed - s0.sent - s0.placed) / args.iters as u64;
+        comm.all_reduce_in_place(&mut t, ReduceOp::Max)
+            .map_err(|e| e.to_string())?;
+        let mut wrong = 0;
+        if args.check != 0 {
+            once(&mut buf)?;
+            // The inputs are small integers: every block's sums are exact.
+            let bad = buf
+                .iter()
+                .enumerate()
+                .filter(|&(i, x)| x.to_f64() != reduce_ref(ReduceOp::Sum, n, i, false))
+                .count() as u64;
+            let mut w = [bad];
+            comm.all_reduce_in_place(&mut w, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            wrong = w[0];
+        }
+        let bytes = count * es;
+        let algbw = bytes as f64 / t[0] / 1e3;
+        let busbw = algbw * bus_factor(CollectiveKind::AllReduce, n);
+        let ring = 2.0 * (n as f64 - 1.0) / n as f64 * bytes as f64;
+        if me == 0 {
+            if args.json {
+                rows.push(serde_json::json!({
+                    "size": bytes, "count": count, "type": T::DTYPE.name(),
+                    "compress": format!("{fmt:?}"), "time_us": t[0], "algbw": algbw,
+                    "busbw": busbw, "wire_bytes": wire, "wire_vs_ring": wire as f64 / ring,
+                    "wrong": wrong,
+                }));
+            } else {
+                println!(
+                    "{:>12} {:>12} {:>8} {:>10.2} {:>9.3} {:>9.3} {:>13} {:>10.3} {:>8}",
+                    bytes,
+                    count,
+                    T::DTYPE.name(),
+                    t[0],
+                    algbw,
+                    busbw,
+                    wire,
+                    wire as f64 / ring,
+                    wrong
+                );
+            }
+        }
+        total_wrong += wrong;
+        match size.checked_mul(args.factor) {
+            Some(s) if s <= args.max_bytes => size = s,
+            _ => break,
+        }
+    }
+    if me == 0 && args.json {
+        println!("{}", serde_json::json!({ "rows": rows }));
+    }
+    Ok(total_wrong)
+}

@@ -1,0 +1,236 @@
+//! The compressed all-reduce (`Communicator::all_reduce_compressed`) over 4 in-process ranks:
+//! the same bits on every rank, the same bits whether the ranks share one host or form two
+//! (where the collectives under it run two-tier algorithms), and within one quantisation per
+//! input of an `f64` sum: per value at most `n · 2a / (2^M − 1)`, with `a` the largest magnitude
+//! of the value's block over every rank and `M` the mantissa bits (the bound
+//! `oxccl_core::compress` derives for a quantisation at a block's exponent). A block with a NaN
+//! on one rank is NaN on every rank.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use half::{bf16, f16};
+use oxccl::compress::{BlockSize, Float, Format, Width};
+use oxccl::{Communicator, Options, Provider};
+use oxccl_bootstrap::{Bootstrap, Config, Secret, StoreServer};
+
+const N: usize = 4;
+
+/// One job at a time: 4 ranks already outnumber this machine's CPUs.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// A small deterministic generator (splitmix64).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+/// 4 communicators in this process over `provider`, `per_host` ranks per host id.
+fn communicators(provider: Provider, per_host: usize) -> Vec<Communicator> {
+    let secret = Secret::new("compressed all-reduce test").expect("a secret");
+    let server = StoreServer::bind("127.0.0.1:0", secret.clone()).expect("a store");
+    let addr = server.addr().to_string();
+    let comms: Vec<oxccl::Result<Communicator>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..N)
+            .map(|rank| {
+                let (addr, secret) = (addr.clone(), secret.clone());
+                s.spawn(move || {
+                    let mut config = Config::new(rank, N, addr, secret);
+                    config.serve_store = false;
+                    config.timeout = Duration::from_secs(60);
+                    let opts = Options {
+                        timeout: Duration::from_secs(60),
+                        provider: Some(provider),
+                        host_id: Some(format!("compress-host-{}", rank / per_host)),
+                        ..Options::default()
+                    };
+                    Communicator::init(Bootstrap::new(config)?, opts)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("init thread"))
+            .collect()
+    });
+    comms
+        .into_iter()
+        .enumerate()
+        .map(|(r, c)| c.unwrap_or_else(|e| panic!("{provider:?}: init rank {r}: {e}")))
+        .collect()
+}
+
+/// Rank `rank`'s input: each block of 16 values at its own scale (2^-20 .. 2^20), both signs,
+/// some exact zeros.
+fn input<T: Float>(seed: u64, rank: usize, len: usize) -> Vec<T> {
+    let mut rng = Rng(seed ^ (rank as u64 + 1).wrapping_mul(0x5851_f42d_4c95_7f2d));
+    let mut scale = 1.0;
+    (0..len)
+        .map(|i| {
+            let r = rng.next();
+            if i % 16 == 0 {
+                scale = 2f64.powi((r % 41) as i32 - 20);
+            }
+            let x = if r.is_multiple_of(11) {
+                0.0
+            } else {
+                ((r >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale
+            };
+            T::from_f64(x)
+        })
+        .collect()
+}
+
+/// Runs the compressed all-reduce of `inputs` (one per rank) on `comms`; every rank's result.
+fn run<T: Float>(comms: &[Communicator], inputs: &[Vec<T>], fmt: Format) -> Vec<Vec<T>> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .zip(inputs)
+            .map(|(c, x)| {
+                s.spawn(move || {
+                    let mut buf = x.clone();
+                    c.all_reduce_compressed(&mut buf, fmt)
+                        .unwrap_or_else(|e| panic!("{fmt:?}, {} values: {e}", x.len()));
+                    buf
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    })
+}
+
+/// Whether every rank holds the same bits.
+fn same_bits<T: Float>(out: &[Vec<T>]) -> bool {
+    out.iter().all(|o| {
+        o.len() == out[0].len()
+            && o.iter()
+                .zip(&out[0])
+                .all(|(a, b)| a.to_f64().to_bits() == b.to_f64().to_bits())
+    })
+}
+
+/// The first value outside `n · 2a / (2^M − 1)` of the `f64` sum, if any.
+fn outside_bound<T: Float + Stored>(inputs: &[Vec<T>], out: &[T], fmt: Format) -> Option<String> {
+    let b = fmt.block.values();
+    let m = fmt.width.bits() as i32;
+    for (blk, chunk) in out.chunks(b).enumerate() {
+        let range = blk * b..blk * b + chunk.len();
+        let a = inputs
+            .iter()
+            .flat_map(|x| x[range.clone()].iter().map(|v| v.to_f64().abs()))
+            .fold(0.0, f64::max);
+        let bound = N as f64 * 2.0 * a / (2f64.powi(m) - 1.0);
+        for (k, got) in range.clone().zip(chunk) {
+            let sum: f64 = inputs.iter().map(|x| x[k].to_f64()).sum();
+            // A bf16/f16 result also rounds once when it is stored.
+            let store = got.to_f64().abs() * 2f64.powi(-(T::mantissa_bits() as i32));
+            if (got.to_f64() - sum).abs() > bound + store {
+                return Some(format!(
+                    "value {k}: {} against the sum {sum}, bound {bound} (block max {a})",
+                    got.to_f64()
+                ));
+            }
+        }
+    }
+    None
+}
+
+/// The stored precision of the test's element types.
+trait Stored {
+    fn mantissa_bits() -> u32;
+}
+
+impl Stored for f32 {
+    fn mantissa_bits() -> u32 {
+        // The i16 sums decode exactly into f32.
+        64
+    }
+}
+
+impl Stored for f16 {
+    fn mantissa_bits() -> u32 {
+        11
+    }
+}
+
+impl Stored for bf16 {
+    fn mantissa_bits() -> u32 {
+        8
+    }
+}
+
+fn check<T: Float + Stored>(
+    flat: &[Communicator],
+    two_hosts: &[Communicator],
+    ctx: &str,
+    seed: u64,
+) {
+    let formats = [
+        Format::BFP8,
+        Format::BFP4,
+        Format {
+            width: Width::Bfp8,
+            block: BlockSize::B16,
+        },
+        Format {
+            width: Width::Bfp4,
+            block: BlockSize::B64,
+        },
+    ];
+    for fmt in formats {
+        for len in [0usize, 1, 31, 32, 33, 1000, 4099, 70_001] {
+            let inputs: Vec<Vec<T>> = (0..N).map(|r| input(seed ^ len as u64, r, len)).collect();
+            let out = run(flat, &inputs, fmt);
+            let what = format!("{ctx}, {fmt:?}, {len} values");
+            assert!(same_bits(&out), "{what}: the ranks' results differ");
+            if let Some(w) = outside_bound(&inputs, &out[0], fmt) {
+                panic!("{what}: {w}");
+            }
+            let other = run(two_hosts, &inputs, fmt);
+            assert!(
+                same_bits(&[out[0].clone(), other[0].clone()]) && same_bits(&other),
+                "{what}: two hosts give other bits than one"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_same_bits_everywhere_within_one_quantisation() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for provider in [Provider::Shm, Provider::Tcp] {
+        let flat = communicators(provider, N);
+        let two = communicators(provider, 2);
+        let ctx = format!("{provider:?}");
+        check::<f32>(&flat, &two, &format!("{ctx}, f32"), 1);
+        check::<bf16>(&flat, &two, &format!("{ctx}, bf16"), 2);
+        check::<f16>(&flat, &two, &format!("{ctx}, f16"), 3);
+    }
+}
+
+#[test]
+fn a_nan_block_on_one_rank_is_nan_on_every_rank() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let comms = communicators(Provider::Shm, N);
+    let fmt = Format::BFP8;
+    let mut inputs: Vec<Vec<f32>> = (0..N).map(|r| input(7, r, 100)).collect();
+    inputs[2][40] = f32::NAN;
+    inputs[3][70] = f32::INFINITY;
+    let out = run(&comms, &inputs, fmt);
+    assert!(same_bits(&out));
+    for (k, v) in out[0].iter().enumerate() {
+        // Blocks of 32: values 32..64 hold the NaN, 64..96 the infinity.
+        let poisoned = (32..96).contains(&k);
+        assert_eq!(v.is_nan(), poisoned, "value {k} = {v}");
+    }
+    // The finite blocks are still within the bound.
+    let finite: Vec<Vec<f32>> = inputs.iter().map(|x| x[..32].to_vec()).collect();
+    assert_eq!(outside_bound(&finite, &out[0][..32], fmt), None);
+}

@@ -79,6 +79,11 @@ class Communicator:
     def all_reduce(self, tensor: Buffer, op: Optional[Op] = None, *, out: Optional[Buffer] = None,
                    dtype: Optional[str] = None, async_op: bool = False,
                    timeout: Optional[float] = None) -> Any: ...
+    def all_reduce_compressed(self, tensor: Buffer, compress: str = "bfp8", *,
+                              dtype: Optional[str] = None) -> None:
+        """Sum in place, compressed with block floating point ("bfp8", "bfp4", "bfp8/16", ...):
+        float32, float16 or bfloat16; the same bits on every rank. Blocking."""
+        ...
     def reduce_scatter(self, input: Buffer, output: Optional[Buffer] = None, op: Optional[Op] = None, *,
                        dtype: Optional[str] = None, async_op: bool = False,
                        timeout: Optional[float] = None) -> Any: ...

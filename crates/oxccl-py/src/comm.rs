@@ -598,6 +598,34 @@ impl PyCommunicator {
         Ok(())
     }
 
+    /// `tensor = sum over ranks of tensor`, in place, compressed with block floating point
+    /// (`compress`: `"bfp8"`, `"bfp4"`, `"bfp8/16"`, ...): float32, float16 or bfloat16 values;
+    /// the result is the same bits on every rank, within one quantisation per rank of the
+    /// exact sum (`Communicator::all_reduce_compressed` in the Rust crate). Blocking.
+    #[pyo3(signature = (tensor, compress="bfp8", *, dtype=None))]
+    fn all_reduce_compressed(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        compress: &str,
+        dtype: Option<&str>,
+    ) -> PyResult<Py<PyAny>> {
+        let fmt: oxccl::compress::Format = compress
+            .parse()
+            .map_err(|e| errors::value_error(format!("compress={compress:?}: {e}")))?;
+        let v = self.view(py, tensor, "tensor", true, parse_dtype(dtype)?)?;
+        let comm = self.get(py)?;
+        let r = py.detach(|| {
+            // SAFETY: the view is this call's only one, writable (asked for above), and alive
+            // until the call returns.
+            let bytes = unsafe { v.bytes_mut() };
+            comm.all_reduce_compressed_bytes(bytes, v.dtype(), fmt)
+        });
+        drop(v);
+        r.map_err(|e| errors::to_py(py, &e))?;
+        Ok(py.None())
+    }
+
     /// `tensor = op over ranks of tensor`, in place; with `out`, the result goes there.
     #[pyo3(signature = (tensor, op=None, *, out=None, dtype=None, async_op=false, timeout=None))]
     #[allow(clippy::too_many_arguments)]

@@ -234,3 +234,35 @@ fn a_nan_block_on_one_rank_is_nan_on_every_rank() {
     let finite: Vec<Vec<f32>> = inputs.iter().map(|x| x[..32].to_vec()).collect();
     assert_eq!(outside_bound(&finite, &out[0][..32], fmt), None);
 }
+
+#[test]
+fn untyped_buffers_of_the_wrong_type_or_shape_are_refused() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let comms = communicators(Provider::Shm, N);
+    let c = &comms[0];
+    let mut aligned = vec![0f32; 4];
+    // Refused before any collective runs, so one rank alone gets its answer.
+    for (range, dtype, says) in [
+        (
+            0..6,
+            oxccl::DataType::F32,
+            "not whole, aligned float values",
+        ),
+        (
+            1..9,
+            oxccl::DataType::F32,
+            "not whole, aligned float values",
+        ),
+        (0..8, oxccl::DataType::I32, "float32, float16 or bfloat16"),
+    ] {
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut aligned);
+        let e = c
+            .all_reduce_compressed_bytes(&mut bytes[range], dtype, Format::BFP8)
+            .unwrap_err();
+        assert!(
+            matches!(e, oxccl::Error::InvalidArgument { rank: 0, .. })
+                && e.to_string().contains(says),
+            "{dtype}: {e}"
+        );
+    }
+}

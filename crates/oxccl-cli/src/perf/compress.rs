@@ -4,33 +4,20 @@
 
 use std::time::Instant;
 
-use oxccl::compress::{Float, Format, Width};
+use oxccl::compress::{Float, Format};
 use oxccl::{Communicator, ReduceOp};
 
 use super::{Args, bus_factor, input_value, reduce_ref};
 use oxccl::schedule::CollectiveKind;
 
-/// A `--compress` value: `off`, `bfp8` or `bfp4`, with blocks of 32 (`bfp8/16`, `bfp4/64`, ...
-/// pick 16, 32 or 64).
+/// A `--compress` value: `off`, or a [`Format`] name (`bfp8`, `bfp4`, `bfp8/16`, ...).
 pub(crate) fn parse(arg: &str) -> Result<Option<Format>, String> {
-    let (w, b) = arg.split_once('/').unwrap_or((arg, "32"));
-    let width = match w {
-        "off" if b == "32" => return Ok(None),
-        "bfp8" => Width::Bfp8,
-        "bfp4" => Width::Bfp4,
-        _ => {
-            return Err(format!(
-                "--compress {arg:?}: off, bfp8 or bfp4 (optionally /16, /32 or /64)"
-            ));
-        }
-    };
-    let block = match b {
-        "16" => oxccl::compress::BlockSize::B16,
-        "32" => oxccl::compress::BlockSize::B32,
-        "64" => oxccl::compress::BlockSize::B64,
-        _ => return Err(format!("--compress {arg:?}: blocks of 16, 32 or 64 values")),
-    };
-    Ok(Some(Format { width, block }))
+    if arg == "off" {
+        return Ok(None);
+    }
+    arg.parse()
+        .map(Some)
+        .map_err(|e| format!("--compress: {e}, or off"))
 }
 
 /// Runs the sizes of `args` compressed with `fmt`; the number of wrong values.
@@ -48,7 +35,7 @@ pub(crate) fn bench<T: Float>(
     }
     if me == 0 && !args.json {
         println!(
-            "# oxccl perf all_reduce --compress {fmt:?}: nranks {n} minBytes {} maxBytes {} \
+            "# oxccl perf all_reduce --compress {fmt}: nranks {n} minBytes {} maxBytes {} \
              step: {}(factor) warmup iters: {} iters: {} validation: {}",
             args.min_bytes, args.max_bytes, args.factor, args.warmup, args.iters, args.check
         );
@@ -112,7 +99,7 @@ pub(crate) fn bench<T: Float>(
             if args.json {
                 rows.push(serde_json::json!({
                     "size": bytes, "count": count, "type": T::DTYPE.name(),
-                    "compress": format!("{fmt:?}"), "time_us": t[0], "algbw": algbw,
+                    "compress": fmt.to_string(), "time_us": t[0], "algbw": algbw,
                     "busbw": busbw, "wire_bytes": wire, "wire_vs_ring": wire as f64 / ring,
                     "wrong": wrong,
                 }));

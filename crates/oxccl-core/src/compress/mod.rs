@@ -253,6 +253,43 @@ impl Format {
     }
 }
 
+/// `bfp8` or `bfp4`, with blocks of 32, or `bfp8/16`, `bfp4/64`, ... (blocks of 16, 32 or 64):
+/// the names `oxccl perf --compress` and the Python API take.
+impl std::str::FromStr for Format {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Format, String> {
+        let (w, b) = s.split_once('/').unwrap_or((s, "32"));
+        let width = match w {
+            "bfp8" => Width::Bfp8,
+            "bfp4" => Width::Bfp4,
+            _ => {
+                return Err(format!(
+                    "{s:?} is not a BFP format: bfp8 or bfp4, optionally /16, /32 or /64"
+                ));
+            }
+        };
+        let block = match b {
+            "16" => BlockSize::B16,
+            "32" => BlockSize::B32,
+            "64" => BlockSize::B64,
+            _ => return Err(format!("{s:?}: blocks of 16, 32 or 64 values")),
+        };
+        Ok(Format { width, block })
+    }
+}
+
+/// The name [`Format::from_str`](std::str::FromStr) reads: `bfp8`, or `bfp4/64`.
+impl std::fmt::Display for Format {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "bfp{}", self.width.bits())?;
+        if self.block != BlockSize::B32 {
+            write!(f, "/{}", self.block.values())?;
+        }
+        Ok(())
+    }
+}
+
 /// What went wrong in a codec call. The output buffers' contents are unspecified after an error.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]

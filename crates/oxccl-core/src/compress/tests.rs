@@ -528,3 +528,34 @@ fn lengths_and_headers_are_checked() {
     decode::<f32>(&wire, &mut []).unwrap();
     assert!(kernel() == "avx512" || kernel() == "avx2" || kernel() == "scalar");
 }
+
+#[test]
+fn format_names_round_trip_and_bad_ones_are_refused() {
+    for w in [Width::Bfp8, Width::Bfp4] {
+        for b in [BlockSize::B16, BlockSize::B32, BlockSize::B64] {
+            let f = Format { width: w, block: b };
+            assert_eq!(f.to_string().parse::<Format>(), Ok(f), "{f}");
+        }
+    }
+    assert_eq!(Format::BFP8.to_string(), "bfp8");
+    assert_eq!(
+        "bfp4/64".parse::<Format>().map(|f| f.block),
+        Ok(BlockSize::B64)
+    );
+    for bad in [
+        "",
+        "off",
+        "bfp",
+        "bfp16",
+        "bfp8/8",
+        "bfp8/",
+        "BFP8",
+        "bfp8/32/1",
+    ] {
+        let e = bad.parse::<Format>().unwrap_err();
+        assert!(
+            e.contains("bfp8") || e.contains("16, 32 or 64"),
+            "{bad:?}: {e}"
+        );
+    }
+}

@@ -640,13 +640,19 @@ impl Engine {
     /// thread cannot be got back; the watch makes the hang a named error for every other
     /// caller (their requests fail at once) and lets the context be dropped.
     fn watch(self: Arc<Self>) {
-        let mut seen = (0, Instant::now());
+        // Counted in the watch's own ticks, not by the clock: a process stopped and resumed
+        // (SIGSTOP, a debugger) inside a call has not waited on libfabric meanwhile.
+        const TICK: Duration = Duration::from_millis(50);
+        let (mut last_left, mut stale) = (0, 0u32);
         while !self.stop.load(Ordering::Acquire) {
-            std::thread::sleep(Duration::from_millis(50));
+            std::thread::sleep(TICK);
             let (entered, left, _) = self.fab.calls.sample();
-            if entered == left || left != seen.0 {
-                seen = (left, Instant::now());
-            } else if seen.1.elapsed() >= WEDGED_AFTER && !self.wedged.load(Ordering::Acquire) {
+            if entered == left || left != last_left {
+                (last_left, stale) = (left, 0);
+                continue;
+            }
+            stale += 1;
+            if TICK * stale >= WEDGED_AFTER && !self.wedged.load(Ordering::Acquire) {
                 self.wedged.store(true, Ordering::Release);
                 eprintln!("oxccl {}", self.wedged_why());
                 for l in self

@@ -25,10 +25,11 @@
 //! 0.38× of an `f32` ring for `bfp8` and 0.31× for `bfp4`. (Sending the sums narrower, at
 //! `M + ⌈log2 n⌉` bits, is the next step toward the 0.26× bound.)
 
+use half::{bf16, f16};
 use oxccl_core::compress::{self, Format, Width};
 
 use super::Communicator;
-use crate::{Error, ReduceOp, Result};
+use crate::{DataType, Error, ReduceOp, Result};
 
 impl Communicator {
     /// Sums `buf` over every rank in place, compressed with block floating point `fmt`: the
@@ -76,7 +77,7 @@ impl Communicator {
         let (n, me, len) = (self.world_size(), self.rank(), buf.len());
         let bad = |msg: String| Error::InvalidArgument {
             rank: me,
-            msg: format!("compressed all_reduce ({fmt:?}, {len} values): {msg}"),
+            msg: format!("compressed all_reduce ({fmt}, {len} values): {msg}"),
         };
         if n > compress::max_ranks::<i16>(fmt.width) {
             return Err(bad(format!(
@@ -126,5 +127,43 @@ impl Communicator {
         )?;
         compress::dequantize(&all[..len], &exps, fmt, buf).map_err(codec)?;
         Ok(())
+    }
+
+    /// [`Communicator::all_reduce_compressed`] on the bytes of `dtype` values, for bindings
+    /// that hold untyped memory: `float32`, `float16` or `bfloat16`, native-endian and aligned
+    /// to the value's size.
+    pub fn all_reduce_compressed_bytes(
+        &self,
+        buf: &mut [u8],
+        dtype: DataType,
+        fmt: Format,
+    ) -> Result<()> {
+        let (len, at, me) = (buf.len(), buf.as_ptr() as usize, self.rank());
+        let bad = move |msg: String| Error::InvalidArgument {
+            rank: me,
+            msg: format!("compressed all_reduce ({fmt}, {len} bytes of {dtype}): {msg}"),
+        };
+        let cast = |e: bytemuck::PodCastError| {
+            bad(format!(
+                "not whole, aligned {dtype} values ({e:?}; the buffer starts at {at:#x})"
+            ))
+        };
+        match dtype {
+            DataType::F32 => {
+                let v = bytemuck::try_cast_slice_mut::<u8, f32>(buf).map_err(cast)?;
+                self.all_reduce_compressed(v, fmt)
+            }
+            DataType::F16 => {
+                let v = bytemuck::try_cast_slice_mut::<u8, f16>(buf).map_err(cast)?;
+                self.all_reduce_compressed(v, fmt)
+            }
+            DataType::Bf16 => {
+                let v = bytemuck::try_cast_slice_mut::<u8, bf16>(buf).map_err(cast)?;
+                self.all_reduce_compressed(v, fmt)
+            }
+            _ => Err(bad(
+                "compression sums float32, float16 or bfloat16 values".into()
+            )),
+        }
     }
 }

@@ -1,0 +1,80 @@
+"""The compressed all-reduce from Python (`Communicator.all_reduce_compressed`): numpy float32
+and float16, torch bfloat16, in place, the same bits on every rank, within one quantisation per
+rank of the exact sum; bad formats and types are refused with errors that say why."""
+
+from __future__ import annotations
+
+import traceback
+
+import launch
+
+
+def worker_compress():
+    import numpy as np
+
+    import oxccl
+
+    comm = oxccl.Communicator.from_env(timeout=30)
+    rank, n = comm.rank, comm.world_size
+    failures = []
+
+    def expect(name, cond, detail=""):
+        if not cond:
+            failures.append(f"rank {rank}: {name} {detail}")
+
+    def inputs(r, count, dt):
+        g = np.random.default_rng(1234 + r)
+        # Blocks of 32 at scales 2^-10 .. 2^10, both signs.
+        scale = np.repeat(2.0 ** g.integers(-10, 11, size=(count + 31) // 32), 32)[:count]
+        return (g.uniform(-1, 1, size=count) * scale).astype(dt)
+
+    def within_bound(got, every, bits, block=32):
+        exact = np.sum([e.astype(np.float64) for e in every], axis=0)
+        for b in range(0, len(got), block):
+            a = max(float(np.max(np.abs(e[b:b + block].astype(np.float64)))) for e in every)
+            bound = n * 2 * a / (2 ** bits - 1) + abs(exact[b:b + block]).max() * 2.0 ** -10
+            err = float(np.max(np.abs(got[b:b + block].astype(np.float64) - exact[b:b + block])))
+            if err > bound:
+                return f"block {b // 32}: error {err} > bound {bound}"
+        return None
+
+    try:
+        for fmt, bits in (("bfp8", 8), ("bfp4", 4)):
+            for dt in (np.float32, np.float16):
+                x = inputs(rank, 1000, dt)
+                every = [inputs(r, 1000, dt) for r in range(n)]
+                comm.all_reduce_compressed(x, fmt)
+                why = within_bound(x, every, bits)
+                expect(f"{fmt} {dt.__name__} within the bound", why is None, why)
+                # The same bits on every rank: all-gather them and compare.
+                mine = np.frombuffer(x.tobytes(), dtype=np.uint8).copy()
+                allb = np.zeros(n * mine.size, dtype=np.uint8)
+                comm.all_gather(mine, allb)
+                parts = allb.reshape(n, -1)
+                expect(f"{fmt} {dt.__name__} same bits", all((p == parts[0]).all() for p in parts))
+        import torch
+
+        t = torch.full((4, 64), float(rank + 1), dtype=torch.bfloat16)
+        comm.all_reduce_compressed(t, "bfp8/16")
+        expect("torch bf16 (small integers sum exactly)",
+               bool((t == sum(range(1, n + 1))).all()), t)
+        for bad, what in ((lambda: comm.all_reduce_compressed(np.zeros(4, np.float32), "bfp9"),
+                           "bfp8 or bfp4"),
+                          (lambda: comm.all_reduce_compressed(np.zeros(4, np.int32)),
+                           "float32, float16 or bfloat16")):
+            try:
+                bad()
+                expect(f"refused ({what})", False)
+            except (ValueError, oxccl.InvalidArgument) as e:
+                expect(f"message names {what}", what in str(e), e)
+    except Exception:  # noqa: BLE001
+        failures.append(f"rank {rank}: raised:\n{traceback.format_exc()}")
+    comm.destroy()
+    launch.report({"failures": failures})
+
+
+def test_compressed_all_reduce(torch_available):
+    ranks = launch.run("test_compress", "worker_compress", 3, timeout=120)
+    assert all(r.returncode == 0 for r in ranks), launch.explain(ranks)
+    failures = [f for r in ranks for f in r.result["failures"]]
+    assert not failures, "\n".join(failures)

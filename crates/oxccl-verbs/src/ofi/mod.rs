@@ -142,6 +142,9 @@ pub(crate) fn open(args: &OpenArgs<'_>) -> Result<Box<dyn ProviderContext>> {
     };
     // shm's fi_cq_sread ignores its timeout in libfabric 1.17: poll it.
     let wait = !c.ofi_busy_poll && !prov.contains("shm");
+    if prov.contains("shm") {
+        remove_stale_shm_regions();
+    }
     let fab = Fabric::open(&prov, node.as_deref(), wait).map_err(|e| {
         Error::arg(format!(
             "ofi: opening libfabric provider {:?}{}: {e} (is it installed? `fi_info -l` lists \
@@ -172,6 +175,37 @@ pub(crate) fn open(args: &OpenArgs<'_>) -> Result<Box<dyn ProviderContext>> {
         thread: Mutex::new(Some(thread)),
         watch: Mutex::new(Some(watch)),
     }))
+}
+
+/// Removes, once per process and before its first `shm` endpoint, the regions libfabric's shm
+/// provider left under `/dev/shm` for a process that had this one's PID. The provider names an
+/// endpoint's region `<pid>:<n>:<m>` and unlinks it when the endpoint closes, so a process that
+/// was killed leaves its regions behind; a later process that gets the same PID (PIDs wrap at
+/// `kernel.pid_max`, 32768 here) then fails `fi_enable` with EBUSY. No live process but this one
+/// can own a region named after its PID; one that another library of this process opened
+/// through libfabric's shm before oxccl did would lose its name too, so that case is said.
+fn remove_stale_shm_regions() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let pid = std::process::id().to_string();
+        let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+            return;
+        };
+        for entry in dir.flatten() {
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            let mut parts = name.split(':');
+            let ours = parts.next() == Some(pid.as_str())
+                && parts.clone().count() == 2
+                && parts.all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+            if ours && std::fs::remove_file(entry.path()).is_ok() {
+                eprintln!(
+                    "oxccl ofi: removed /dev/shm/{name}, a libfabric shm region of an earlier \
+                     process with this PID ({pid}) that did not close it"
+                );
+            }
+        }
+    });
 }
 
 /// How long a call into libfabric may go without returning before the context is called wedged.

@@ -12,58 +12,23 @@ use std::time::Duration;
 use half::{bf16, f16};
 use oxccl::compress::{BlockSize, Float, Format, Width};
 use oxccl::{Communicator, Options, Provider};
-use oxccl_bootstrap::{Bootstrap, Config, Secret, StoreServer};
+
+mod common;
+use common::Rng;
 
 const N: usize = 4;
 
 /// One job at a time: 4 ranks already outnumber this machine's CPUs.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-/// A small deterministic generator (splitmix64).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-}
-
 /// 4 communicators in this process over `provider`, `per_host` ranks per host id.
 fn communicators(provider: Provider, per_host: usize) -> Vec<Communicator> {
-    let secret = Secret::new("compressed all-reduce test").expect("a secret");
-    let server = StoreServer::bind("127.0.0.1:0", secret.clone()).expect("a store");
-    let addr = server.addr().to_string();
-    let comms: Vec<oxccl::Result<Communicator>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..N)
-            .map(|rank| {
-                let (addr, secret) = (addr.clone(), secret.clone());
-                s.spawn(move || {
-                    let mut config = Config::new(rank, N, addr, secret);
-                    config.serve_store = false;
-                    config.timeout = Duration::from_secs(60);
-                    let opts = Options {
-                        timeout: Duration::from_secs(60),
-                        provider: Some(provider),
-                        host_id: Some(format!("compress-host-{}", rank / per_host)),
-                        ..Options::default()
-                    };
-                    Communicator::init(Bootstrap::new(config)?, opts)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().expect("init thread"))
-            .collect()
-    });
-    comms
-        .into_iter()
-        .enumerate()
-        .map(|(r, c)| c.unwrap_or_else(|e| panic!("{provider:?}: init rank {r}: {e}")))
-        .collect()
+    common::in_process(N, &format!("{provider:?}"), |rank| Options {
+        timeout: Duration::from_secs(60),
+        provider: Some(provider),
+        host_id: Some(format!("compress-host-{}", rank / per_host)),
+        ..Options::default()
+    })
 }
 
 /// Rank `rank`'s input: each block of 16 values at its own scale (2^-20 .. 2^20), both signs,

@@ -21,27 +21,16 @@ use std::time::Duration;
 
 use oxccl::schedule::Algorithm;
 use oxccl::{Communicator, DataType, Element, F8E4M3, F8E5M2, Options, Provider, ReduceOp};
-use oxccl_bootstrap::{Bootstrap, Config, Secret, StoreServer};
 use proptest::prelude::*;
 use proptest::test_runner::{Config as PropConfig, TestCaseError, TestRunner};
+
+mod common;
+use common::Rng;
 
 const N: usize = 8;
 
 /// One job at a time: 8 ranks each already outnumber this machine's CPUs.
 static SERIAL: Mutex<()> = Mutex::new(());
-
-/// A small deterministic generator (splitmix64).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-}
 
 /// What the test needs of an fp8 type.
 trait Fp8: Element {
@@ -94,42 +83,18 @@ fn input<T: Fp8>(seed: u64, rank: usize, count: usize, narrow: bool) -> Vec<T> {
         .collect()
 }
 
-/// 8 communicators joined in this process with `algo` forced; `hosts` ranks per host id.
+/// 8 communicators joined in this process with `algo` forced; `per_host` ranks per host id.
 fn communicators(algo: Algorithm, per_host: usize) -> Vec<Communicator> {
-    let secret = Secret::new("fp8 property test").expect("a secret");
-    let server = StoreServer::bind("127.0.0.1:0", secret.clone()).expect("a store");
-    let addr = server.addr().to_string();
-    let comms: Vec<oxccl::Result<Communicator>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..N)
-            .map(|rank| {
-                let (addr, secret) = (addr.clone(), secret.clone());
-                s.spawn(move || {
-                    let mut config = Config::new(rank, N, addr, secret);
-                    config.serve_store = false;
-                    config.timeout = Duration::from_secs(60);
-                    let opts = Options {
-                        timeout: Duration::from_secs(60),
-                        provider: Some(Provider::Shm),
-                        host_id: Some(format!("fp8-host-{}", rank / per_host)),
-                        algo: Some(algo),
-                        // Small chunks: long messages pipeline over many steps.
-                        chunk_size: Some(256),
-                        channels: Some(2),
-                        ..Options::default()
-                    };
-                    Communicator::init(Bootstrap::new(config)?, opts)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().expect("init thread"))
-            .collect()
-    });
-    comms
-        .into_iter()
-        .enumerate()
-        .map(|(r, c)| c.unwrap_or_else(|e| panic!("{algo:?}: init rank {r}: {e}")))
-        .collect()
+    common::in_process(N, &format!("{algo:?}"), |rank| Options {
+        timeout: Duration::from_secs(60),
+        provider: Some(Provider::Shm),
+        host_id: Some(format!("fp8-host-{}", rank / per_host)),
+        algo: Some(algo),
+        // Small chunks: long messages pipeline over many steps.
+        chunk_size: Some(256),
+        channels: Some(2),
+        ..Options::default()
+    })
 }
 
 /// The largest error seen, as a fraction of the bound and of Σ|x_i|.

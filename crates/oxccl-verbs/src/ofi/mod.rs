@@ -688,14 +688,15 @@ impl Engine {
             stale += 1;
             if TICK * stale >= WEDGED_AFTER && !self.wedged.load(Ordering::Acquire) {
                 self.wedged.store(true, Ordering::Release);
-                eprintln!("oxccl {}", self.wedged_why());
+                let why = self.wedged_why();
+                eprintln!("oxccl {why}");
                 for l in self
                     .links
                     .read()
                     .unwrap_or_else(|e| e.into_inner())
                     .values()
                 {
-                    l.mark_failed(&self.wedged_why());
+                    l.mark_failed(&why);
                     l.report();
                 }
             }

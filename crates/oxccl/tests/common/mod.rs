@@ -657,3 +657,51 @@ pub fn wait_file(name: &str, timeout: Duration) -> bool {
     }
     true
 }
+
+/// A small deterministic generator (splitmix64) for test inputs.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+/// `n` communicators of one job joined in this process (a thread each, with a store of their
+/// own), rank `r` with the options `opts(r)`; panics naming `what` and the rank that failed.
+pub fn in_process(
+    n: usize,
+    what: &str,
+    opts: impl Fn(usize) -> oxccl::Options + Sync,
+) -> Vec<oxccl::Communicator> {
+    use oxccl_bootstrap::{Bootstrap, Config, Secret, StoreServer};
+    let secret = Secret::new("an in-process test job").expect("a secret");
+    let server = StoreServer::bind("127.0.0.1:0", secret.clone()).expect("a store");
+    let addr = server.addr().to_string();
+    let opts = &opts;
+    let comms: Vec<oxccl::Result<oxccl::Communicator>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|rank| {
+                let (addr, secret) = (addr.clone(), secret.clone());
+                s.spawn(move || {
+                    let mut config = Config::new(rank, n, addr, secret);
+                    config.serve_store = false;
+                    config.timeout = Duration::from_secs(60);
+                    oxccl::Communicator::init(Bootstrap::new(config)?, opts(rank))
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("init thread"))
+            .collect()
+    });
+    comms
+        .into_iter()
+        .enumerate()
+        .map(|(r, c)| c.unwrap_or_else(|e| panic!("{what}: init rank {r}: {e}")))
+        .collect()
+}

@@ -66,6 +66,9 @@ pub struct Tuning {
     pub interleaved: bool,
     /// An algorithm forced by `OXCCL_ALGO` (used where it applies).
     pub algo: Option<Algorithm>,
+    /// The job has an aggregation service (`oxccl agg`): large all-reduces across hosts of
+    /// one rank each stream through it.
+    pub aggregator: bool,
     /// Bytes per pipelined slice (`OXCCL_CHUNK_SIZE`).
     pub chunk_bytes: usize,
     /// Channels (`OXCCL_NCHANNELS`).
@@ -93,6 +96,7 @@ impl Tuning {
                 t.windows(2).filter(|w| w[0] != w[1]).count() + 1 > topo.hosts.len()
             },
             algo: None,
+            aggregator: false,
             chunk_bytes: if net { CHUNK_NET } else { CHUNK_SHM },
             channels: 1,
             slots: if net { SLOTS_NET } else { SLOTS_SHM },
@@ -122,6 +126,11 @@ impl Tuning {
                 Algorithm::Hierarchical
             }
             Collective::Broadcast { .. } if self.two_tier && !small => Algorithm::Hierarchical,
+            // An aggregator across hosts: each rank's link carries its data once each way,
+            // where a ring's carries it 2(n-1)/n times (two ranks gain nothing).
+            Collective::AllReduce { .. } if self.aggregator && !self.all_shm && self.world > 2 => {
+                Algorithm::Aggregation
+            }
             // Uneven links: each rank reduces what its link can carry.
             Collective::AllReduce { .. } if !self.weights.is_empty() => Algorithm::Proportional,
             Collective::AllReduce { .. }

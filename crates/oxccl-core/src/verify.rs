@@ -252,7 +252,8 @@ pub fn verify_schedules(
         ranks.push(RankState::new(r, sched, input, output, in_place));
     }
     if agg {
-        let sched = build_aggregator(&reqs[0]).map_err(|e| format!("aggregator: {e}"))?;
+        // A pool of two slots: slot reuse is checked too.
+        let sched = build_aggregator(&reqs[0], 2).map_err(|e| format!("aggregator: {e}"))?;
         let mut aggregator = RankState::new(n, &sched, Vec::new(), Vec::new(), None);
         // It holds no contribution of its own.
         aggregator.know = 0;

@@ -493,7 +493,7 @@ pub fn simulate_with(fabric: &Fabric, spec: &Spec, opts: &Options) -> Result<Rep
         .into_iter()
         .collect::<Result<Vec<_>, _>>()?;
     if agg_node.is_some() {
-        let s = oxccl_core::schedule::build_aggregator(&req0)?;
+        let s = oxccl_core::schedule::build_aggregator(&req0, 0)?;
         parts.push(compact(world, s)?);
     }
     let mut sim = Sim::new(fabric, spec, &tuning, parts, ranks, links, agg_node)?;

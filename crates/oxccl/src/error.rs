@@ -67,6 +67,18 @@ pub enum Error {
         /// What the transport said.
         detail: String,
     },
+    /// The aggregation service ([`crate::agg`]) failed, or the connection to it did.
+    #[error("rank {rank}: {op}: the aggregation service at {addr} failed: {detail}")]
+    AggregatorFailed {
+        /// The calling rank.
+        rank: usize,
+        /// The collective.
+        op: String,
+        /// The service's address.
+        addr: String,
+        /// What happened.
+        detail: String,
+    },
     /// A peer's advertised address could not be reached while connecting.
     #[error("rank {rank} cannot reach rank {peer}: {detail}")]
     Unreachable {

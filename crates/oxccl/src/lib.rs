@@ -56,6 +56,7 @@
 //! dumps). [`fault`] injects failures for tests (`OXCCL_FAULT`).
 #![deny(missing_docs)]
 
+pub mod agg;
 mod comm;
 mod engine;
 mod error;

@@ -20,8 +20,14 @@ pub(super) fn aggregation_all_reduce(b: &mut Builder, req: &Request, count: usiz
 
 /// The aggregator's schedule for an [`Algorithm::Aggregation`] all-reduce of `req` (any
 /// rank's request): its peers are ranks `0..world`; slice by slice it receives every rank's
-/// contribution into scratch, folding them in as they come, then sends the sum to every rank.
-pub fn build_aggregator(req: &Request) -> Result<Schedule, String> {
+/// contribution into an aggregation slot, folding them in rank order as they come (so the
+/// sum is the same bits whatever order they arrive in), then sends the sum to every rank.
+///
+/// `pool` bounds the slots (each of `req.chunk` elements; 0: one per slice): slice `s` uses
+/// slot `s % pool`, and its first receive waits until every rank has taken slice
+/// `s - pool`'s result (its sends completed), so the stream clocks itself, as SwitchML's
+/// switch slots do. The schedule's scratch is `min(pool, slices) * chunk` elements.
+pub fn build_aggregator(req: &Request, pool: usize) -> Result<Schedule, String> {
     let (n, count) = match req.coll {
         Collective::AllReduce { count } if req.algo == Algorithm::Aggregation => (req.world, count),
         _ => {
@@ -35,23 +41,33 @@ pub fn build_aggregator(req: &Request) -> Result<Schedule, String> {
     if n == 0 || req.chunk == 0 {
         return Err(format!("world {n} and chunk {} must be ≥ 1", req.chunk));
     }
+    let k = slices(count, req.chunk);
+    let pool = if pool == 0 { k } else { pool.min(k) };
+    // The largest slice (`split` makes the first ones the longest).
+    let slot = split(count, k, 0).1;
     let mut b = Builder {
         steps: Vec::new(),
-        scratch: count,
+        scratch: pool * slot,
     };
     // One rank copies its input; nothing moves for zero elements.
     if count > 0 && n > 1 {
-        let k = slices(count, req.chunk);
+        // Per slot, the sends of the slice that used it last.
+        let mut sent: Vec<Vec<Option<u32>>> = vec![Vec::new(); pool];
         for s in 0..k {
-            let (o, l) = split(count, k, s);
-            let acc = Region::new(Buf::Scratch, o, l);
+            let l = split(count, k, s).1;
+            let acc = Region::new(Buf::Scratch, (s % pool) * slot, l);
             let mut last = None;
             for p in 0..n {
                 let with = (p > 0).then_some(acc);
-                last = Some(b.recv(p, 0, acc, with, &[last]));
+                let mut deps = vec![last];
+                if p == 0 {
+                    deps.append(&mut sent[s % pool]);
+                }
+                last = Some(b.recv(p, 0, acc, with, &deps));
             }
             for p in 0..n {
-                b.send(p, 0, acc, &[last]);
+                let id = b.send(p, 0, acc, &[last]);
+                sent[s % pool].push(Some(id));
             }
         }
     }

@@ -142,6 +142,8 @@ struct Established {
     pds: Vec<oxccl_verbs::ProtectionDomain>,
     cqs: Vec<oxccl_verbs::CompletionQueue>,
     tcp_addrs: Vec<Option<Chosen>>,
+    /// The aggregation service this job joined, with the slots it got.
+    agg: Option<(crate::agg::Membership, usize)>,
 }
 
 type Connected = (
@@ -154,13 +156,16 @@ type Connected = (
 
 /// Opens a context per provider in use, makes a queue pair and slots per peer, exchanges
 /// them through the store and connects every link. A peer that cannot be reached is named
-/// with its address, its interface and how it chose it.
+/// with its address, its interface and how it chose it. `before_exchange` runs once the
+/// links exist, before any is connected (it joins the aggregation service: a refusal then
+/// fails every rank there, not some of them while connecting).
 fn connect_links(
     bootstrap: &Bootstrap,
     opts: &Options,
     providers: &[Option<Provider>],
     geo: &Geometry,
     tcp: Option<Chosen>,
+    before_exchange: impl FnOnce(&mut Vec<Link>, &mut Vec<usize>) -> Result<()>,
 ) -> Result<Connected> {
     let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
     let verbs = |what: &str| {
@@ -212,7 +217,9 @@ fn connect_links(
         ..QpConfig::default()
     };
     let mut links = Vec::new();
-    let mut link_of = vec![usize::MAX; world];
+    // `providers` may have one more entry than ranks: the aggregation service (peer
+    // `world`), connected through its own handshake, not the store's.
+    let mut link_of = vec![usize::MAX; providers.len()];
     for (p, prov) in providers.iter().enumerate() {
         let Some(prov) = prov else { continue };
         let c = kinds.iter().position(|k| k == prov).unwrap_or(0);
@@ -228,13 +235,14 @@ fn connect_links(
         };
         let qp = pds[c]
             .create_qp(&cqs[c], &cqs[c], &cfg)
-            .map_err(verbs(&format!("creating a queue pair for rank {p}")))?;
+            .map_err(verbs(&format!("creating a queue pair for peer {p}")))?;
         link_of[p] = links.len();
         links.push(
             Link::new(p, *prov, c, &pds[c], qp, geo)
                 .map_err(verbs(&format!("allocating slots for rank {p}")))?,
         );
     }
+    before_exchange(&mut links, &mut link_of)?;
     let mine = Links {
         tcp: tcp.clone(),
         peers: (0..world)
@@ -310,7 +318,18 @@ impl Communicator {
                 ),
             });
         }
-        let providers: Vec<Option<Provider>> = (0..world)
+        if opts.algo == Some(crate::schedule::Algorithm::Aggregation) && opts.agg_addr.is_none() {
+            return Err(Error::Config(format!(
+                "rank {rank}: OXCCL_ALGO=agg needs an aggregation service to stream through: \
+                 set OXCCL_AGG_ADDR (see `oxccl agg`)"
+            )));
+        }
+        // The aggregation service first: its host decides whether we talk shm or tcp to it.
+        let contact = match &opts.agg_addr {
+            Some(a) => Some(crate::agg::contact(a, rank, opts.timeout)?),
+            None => None,
+        };
+        let mut providers: Vec<Option<Provider>> = (0..world)
             .map(|p| {
                 (p != rank).then(|| {
                     opts.provider.unwrap_or(if hosts[p] == host {
@@ -324,8 +343,15 @@ impl Communicator {
         // Whether any pair of ranks talks over tcp: then larger chunks amortise the per-message
         // cost of the socket path (every rank computes the same answer).
         // (ofi, whose target executes requests in software, is costed as tcp is.)
+        // The service speaks shm and tcp.
+        let agg_provider = contact.as_ref().map(|c| match opts.provider {
+            Some(p @ (Provider::Shm | Provider::Tcp)) => p,
+            _ if c.host == host => Provider::Shm,
+            _ => Provider::Tcp,
+        });
         let any_tcp = matches!(opts.provider, Some(Provider::Tcp | Provider::Ofi))
-            || hosts.iter().any(|h| h != &hosts[0]);
+            || hosts.iter().any(|h| h != &hosts[0])
+            || agg_provider == Some(Provider::Tcp);
         let geo = Geometry {
             slot_data: opts
                 .chunk_size
@@ -340,17 +366,28 @@ impl Communicator {
         opts.chunk_size = Some(geo.slot_data);
         opts.slots = Some(geo.slots);
         opts.channels = Some(geo.channels);
+        providers.extend(agg_provider.map(Some));
         let tcp = if providers.contains(&Some(Provider::Tcp)) {
-            let others: Vec<std::net::IpAddr> = (0..world)
+            let mut others: Vec<std::net::IpAddr> = (0..world)
                 .filter(|&p| hosts[p] != host)
                 .filter_map(|p| routes[p])
                 .collect();
+            if let Some(ip) = opts.agg_addr.as_deref().and_then(oxccl_bootstrap::route_to) {
+                others.push(ip);
+            }
             Some(choose_tcp_addr(opts, rank, routes[rank], &others)?)
         } else {
             None
         };
+        let mut agg = None;
         let (links, link_of, pds, cqs, tcp_addrs) =
-            connect_links(bootstrap, opts, &providers, &geo, tcp)?;
+            connect_links(bootstrap, opts, &providers, &geo, tcp, |links, link_of| {
+                if let Some(c) = contact {
+                    agg = join_aggregator(bootstrap, opts, c, comm_id, geo, links, link_of)?;
+                }
+                Ok(())
+            })?;
+        providers.truncate(world);
         bootstrap.barrier("oxccl/connected", opts.timeout)?;
         Ok(Established {
             comm_id,
@@ -366,6 +403,7 @@ impl Communicator {
             pds,
             cqs,
             tcp_addrs,
+            agg,
         })
     }
 
@@ -392,6 +430,7 @@ impl Communicator {
             pds,
             cqs,
             tcp_addrs,
+            agg,
         } = Communicator::establish(bootstrap, &mut opts)
             .inspect_err(|e| bootstrap.fail(&e.to_string()))?;
         let chosen = tcp_addrs[rank].clone();
@@ -440,11 +479,25 @@ impl Communicator {
         }));
         engine.yield_for = opts.idle_yield;
         engine.mailbox_allowed = opts.mailboxes != Some(false);
+        let joined = agg.is_some();
+        if let Some((membership, pool)) = agg {
+            if log_enabled() {
+                crate::log_line(format!(
+                    "rank {rank}: joined the aggregation service at {} ({pool} slots of {} KiB)",
+                    membership.addr,
+                    geo.slot_data >> 10
+                ));
+            }
+            engine.agg = Some(membership);
+        }
         let tuning = Tuning {
+            aggregator: joined,
+            algo: opts
+                .algo
+                .filter(|a| joined || *a != crate::schedule::Algorithm::Aggregation),
             all_shm: providers.iter().flatten().all(|p| *p == Provider::Shm),
             small_bytes: opts.small_bytes,
             weights,
-            algo: opts.algo,
             chunk_bytes: geo.slot_data,
             channels: geo.channels,
             slots: geo.slots,
@@ -507,4 +560,84 @@ impl Communicator {
         }
         Ok(comm)
     }
+}
+
+/// Joins the aggregation service (`contact`) with the link `connect_links` made for it (the
+/// last), and agrees with every rank whether the job has it: unless every rank joined, none
+/// uses it. Returns the membership and the slots the job got.
+fn join_aggregator(
+    bootstrap: &Bootstrap,
+    opts: &Options,
+    contact: crate::agg::Contact,
+    comm_id: u64,
+    geo: Geometry,
+    links: &mut Vec<Link>,
+    link_of: &mut Vec<usize>,
+) -> Result<Option<(crate::agg::Membership, usize)>> {
+    let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
+    let addr = opts.agg_addr.clone().unwrap_or_default();
+    let secret = bootstrap.secret().ok_or_else(|| {
+        Error::Config(format!(
+            "rank {rank}: the aggregation service at {addr} admits jobs by their secret, and \
+             this job has none: set OXCCL_SECRET or OXCCL_SECRET_FILE"
+        ))
+    })?;
+    let l = link_of[world];
+    let verbs = |what: &str, source| Error::Verbs {
+        rank,
+        what: format!("{what} the aggregation service at {addr}"),
+        source,
+    };
+    let joined = contact.join(
+        secret,
+        comm_id,
+        rank,
+        world,
+        geo,
+        links[l].provider.name(),
+        links[l].qp.endpoint(),
+        links[l].local_region(),
+        opts.timeout,
+    )?;
+    let mut joined = match joined {
+        crate::agg::Joined::Accepted {
+            membership,
+            endpoint,
+            region,
+            pool,
+        } => {
+            links[l]
+                .qp
+                .connect(&endpoint)
+                .map_err(|e| verbs("connecting to", e))?;
+            links[l]
+                .connect(region, &geo, l)
+                .map_err(|e| verbs("posting receives for", e))?;
+            Some((membership, pool))
+        }
+        crate::agg::Joined::Busy(why) => {
+            if log_enabled() {
+                crate::log_line(format!(
+                    "rank {rank}: the aggregation service at {addr} has no room for this job \
+                     ({why}): its all-reduces run without it"
+                ));
+            }
+            None
+        }
+    };
+    let all: Vec<bool> = bootstrap.all_gather_serde("oxccl/agg", &joined.is_some())?;
+    if !all.iter().all(|&j| j) {
+        if joined.is_some() && log_enabled() {
+            crate::log_line(format!(
+                "rank {rank}: not every rank joined the aggregation service at {addr}: the job \
+                 runs without it"
+            ));
+        }
+        joined = None;
+    }
+    if joined.is_none() {
+        links.truncate(l);
+        link_of.truncate(world);
+    }
+    Ok(joined)
 }

@@ -97,6 +97,10 @@ pub struct Options {
     /// the completion queue (`OXCCL_YIELD_US`, default 2 ms: long enough to cover a wake-up
     /// through the hypervisor, short enough not to burn a core a peer could use).
     pub idle_yield: Duration,
+    /// The aggregation service to join (`OXCCL_AGG_ADDR`, `host:port`; [`crate::agg`]): its
+    /// all-reduces can then stream through it (`OXCCL_ALGO=agg`, or the tuner's choice
+    /// across hosts). Default: none.
+    pub agg_addr: Option<String>,
 }
 
 /// What the watchdog does to a call that runs too long.
@@ -131,6 +135,7 @@ impl Default for Options {
             device: oxccl_verbs::DeviceConfig::default(),
             idle_spin: None,
             idle_yield: Duration::from_millis(2),
+            agg_addr: None,
         }
     }
 }
@@ -188,19 +193,14 @@ impl Options {
                 bad(
                     "OXCCL_ALGO",
                     &v,
-                    "ring, rd, tree, chain, direct, dissemination, prop or hier",
+                    "ring, rd, tree, chain, direct, dissemination, prop, hier or agg",
                 )
             })?;
-            if algo == Algorithm::Aggregation {
-                return Err(bad(
-                    "OXCCL_ALGO",
-                    &v,
-                    "an algorithm this job can run: in-network aggregation needs an aggregator, \
-                     which only the simulator (oxccl sim) has so far",
-                ));
-            }
             o.algo = Some(algo);
         }
+        o.agg_addr = var("OXCCL_AGG_ADDR")
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty());
         if let Some(v) = var("OXCCL_NCHANNELS") {
             let c: usize = v
                 .trim()
@@ -944,9 +944,17 @@ impl Communicator {
                 // The mailbox protocol must be chosen alike at both ends of a link: not where
                 // one end's schedule alone can't tell (all_to_allv's private counts; blocks that
                 // are empty on some ranks only).
+                // (The aggregation service never runs mailboxes.)
                 let mailbox_ok = !matches!(coll, Collective::AllToAllV { .. })
-                    && !matches!(algo, Algorithm::Proportional | Algorithm::Hierarchical);
-                let s = Arc::new(Plan::new(build(&key.0).map_err(invalid)?, mailbox_ok));
+                    && !matches!(
+                        algo,
+                        Algorithm::Proportional | Algorithm::Hierarchical | Algorithm::Aggregation
+                    );
+                let mut p = Plan::new(build(&key.0).map_err(invalid)?, mailbox_ok);
+                if algo == Algorithm::Aggregation {
+                    p.agg_chunk = Some(chunk);
+                }
+                let s = Arc::new(p);
                 if st.cache.len() >= 256 {
                     st.cache.clear();
                 }
@@ -991,6 +999,23 @@ impl Communicator {
         match &e {
             Error::Aborted { .. } if self.inner.abort.is_set() => st.engine.notify_abort(),
             // Pass a failure on, unless it was passed to us.
+            // The aggregation service (peer `world`): every rank finds that out itself.
+            Error::PeerFailed {
+                peer, op, detail, ..
+            } if *peer == world => {
+                let addr = st
+                    .engine
+                    .agg
+                    .as_ref()
+                    .map_or_else(String::new, |a| a.addr.clone());
+                let e = Error::AggregatorFailed {
+                    rank,
+                    op: op.clone(),
+                    addr,
+                    detail: detail.replace(&format!("rank {world} "), "the service "),
+                };
+                return self.failed_poisoned(st, e);
+            }
             Error::PeerFailed { peer, .. } if *peer < world => {
                 if st.engine.failed_by_notice {
                     st.engine.remember_failure(*peer)
@@ -1003,6 +1028,11 @@ impl Communicator {
             Error::Timeout { .. } => st.engine.request_dumps(),
             _ => {}
         }
+        self.failed_poisoned(st, e)
+    }
+
+    /// The end of [`Communicator::failed`]: poisons, logs, dumps.
+    fn failed_poisoned(&self, st: &mut State, e: Error) -> Error {
         st.poisoned = Some(e.to_string());
         crate::log_warn(e.to_string());
         flight::dump_on_error(&self.inner.probe, &e);

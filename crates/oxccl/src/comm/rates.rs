@@ -198,7 +198,9 @@ impl Communicator {
         }
         let hosts = st.topology.hosts.len();
         let host_of = &self.inner.host_of;
-        let (delivered, egress) = st.engine.take_delivered();
+        let (mut delivered, egress) = st.engine.take_delivered();
+        // Ranks only (not an aggregation service).
+        delivered.retain(|(p, _)| *p < self.inner.world);
         let me = host_of[self.inner.rank];
         if crate::trace_enabled() {
             let flows: Vec<String> = delivered

@@ -74,6 +74,9 @@ pub(crate) struct Plan {
     mailbox: std::sync::OnceLock<bool>,
     /// The protocol's queues, derived on first use.
     queues: std::sync::OnceLock<std::result::Result<Queues, String>>,
+    /// An aggregation all-reduce's slice (elements): the call is named to the aggregation
+    /// service before it runs ([`crate::agg`]).
+    pub(crate) agg_chunk: Option<usize>,
 }
 
 impl Plan {
@@ -90,6 +93,7 @@ impl Plan {
             sched,
             mailbox,
             queues: std::sync::OnceLock::new(),
+            agg_chunk: None,
         }
     }
 }
@@ -144,6 +148,16 @@ pub(crate) struct Bufs {
     pub input_len: usize,
     pub output: *mut u8,
     pub output_len: usize,
+}
+
+impl Bufs {
+    /// No buffers: a schedule that only uses scratch (the aggregation service's).
+    pub(crate) const EMPTY: Bufs = Bufs {
+        input: std::ptr::null(),
+        input_len: 0,
+        output: std::ptr::null_mut(),
+        output_len: 0,
+    };
 }
 
 /// Which registration covers a region: the engine's scratch (per context) or one of the
@@ -248,6 +262,9 @@ pub(crate) struct Engine {
     announcements: Vec<u64>,
     /// Bytes moved, by how ([`Stats`]).
     pub(crate) stats: Stats,
+    /// This rank's membership of an aggregation service, if it joined one: the service is
+    /// peer `world` (the last link).
+    pub(crate) agg: Option<crate::agg::Membership>,
 }
 
 /// What an engine has moved through memory since it started, counted by the executor:
@@ -334,6 +351,7 @@ impl Engine {
             announced: vec![0; flows_queues],
             announcements: vec![0; flows_queues],
             stats: Stats::default(),
+            agg: None,
         }
     }
 
@@ -423,6 +441,9 @@ impl Engine {
         };
         for spec in specs {
             self.recent.push(spec.desc);
+            if let (Some(chunk), Some(agg)) = (spec.plan.agg_chunk, self.agg.as_mut()) {
+                agg.announce(self.rank, &spec.desc, chunk)?;
+            }
         }
         self.failed_by_notice = false;
         self.regs.refresh(&self.registry);

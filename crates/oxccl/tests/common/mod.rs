@@ -671,6 +671,9 @@ impl Rng {
     }
 }
 
+/// The secret of [`in_process`] jobs.
+pub const IN_PROCESS_SECRET: &str = "an in-process test job";
+
 /// `n` communicators of one job joined in this process (a thread each, with a store of their
 /// own), rank `r` with the options `opts(r)`; panics naming `what` and the rank that failed.
 pub fn in_process(
@@ -679,7 +682,7 @@ pub fn in_process(
     opts: impl Fn(usize) -> oxccl::Options + Sync,
 ) -> Vec<oxccl::Communicator> {
     use oxccl_bootstrap::{Bootstrap, Config, Secret, StoreServer};
-    let secret = Secret::new("an in-process test job").expect("a secret");
+    let secret = Secret::new(IN_PROCESS_SECRET).expect("a secret");
     let server = StoreServer::bind("127.0.0.1:0", secret.clone()).expect("a store");
     let addr = server.addr().to_string();
     let opts = &opts;

@@ -1,0 +1,174 @@
+//! A rank's side of the aggregation service: contact, join, and naming each call.
+
+use std::net::{TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+use oxccl_bootstrap::Secret;
+use oxccl_verbs::{QpEndpoint, RemoteBuffer};
+
+use super::wire::{self, ACCEPT_LABEL, JOIN_LABEL, Join, MAGIC, Msg};
+use crate::engine::Geometry;
+use crate::error::{Error, OpDesc, Result};
+
+/// A connection to the service that has said hello.
+pub(crate) struct Contact {
+    stream: TcpStream,
+    addr: String,
+    /// The service's host (ranks on it talk shm to it).
+    pub(crate) host: String,
+    nonce: [u8; 32],
+}
+
+/// What joining gave.
+pub(crate) enum Joined {
+    /// Admitted: the service's queue pair and region, and the membership.
+    Accepted {
+        membership: Membership,
+        endpoint: QpEndpoint,
+        region: RemoteBuffer,
+        pool: usize,
+    },
+    /// The service has no room now; the job runs without it.
+    Busy(String),
+}
+
+/// A rank's membership: its control connection, over which rank 0 names each call.
+pub(crate) struct Membership {
+    ctl: TcpStream,
+    /// The service's address, as the user gave it.
+    pub(crate) addr: String,
+    /// Whether this rank names the calls (rank 0).
+    names_calls: bool,
+}
+
+/// Connects to the service at `addr` and reads its hello.
+pub(crate) fn contact(addr: &str, rank: usize, timeout: Duration) -> Result<Contact> {
+    let fail = |what: String| {
+        Error::Config(format!(
+            "rank {rank}: the aggregation service at {addr} (OXCCL_AGG_ADDR): {what}"
+        ))
+    };
+    let sa = addr
+        .to_socket_addrs()
+        .map_err(|e| fail(format!("not an address: {e}")))?
+        .next()
+        .ok_or_else(|| fail("resolves to no address".into()))?;
+    let mut stream = TcpStream::connect_timeout(&sa, timeout.min(Duration::from_secs(10)))
+        .map_err(|e| fail(format!("cannot connect: {e}")))?;
+    let _ = stream.set_nodelay(true);
+    stream
+        .set_read_timeout(Some(timeout))
+        .map_err(|e| fail(e.to_string()))?;
+    match wire::recv(&mut stream) {
+        Ok(Msg::Hello { magic, host, nonce }) if magic == MAGIC => Ok(Contact {
+            stream,
+            addr: addr.to_string(),
+            host,
+            nonce,
+        }),
+        Ok(m) => Err(fail(format!(
+            "not an oxccl aggregation service (it said {m:?})"
+        ))),
+        Err(e) => Err(fail(format!("no hello: {e}"))),
+    }
+}
+
+impl Contact {
+    /// Joins job `job` as `rank` of `world`, handing over this rank's side of the connection;
+    /// waits (up to `timeout`) until every member has joined.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn join(
+        mut self,
+        secret: &Secret,
+        job: u64,
+        rank: usize,
+        world: usize,
+        geo: Geometry,
+        provider: &str,
+        endpoint: QpEndpoint,
+        region: RemoteBuffer,
+        timeout: Duration,
+    ) -> Result<Joined> {
+        let addr = self.addr.clone();
+        let fail = |what: String| {
+            Error::Config(format!(
+                "rank {rank}: the aggregation service at {addr}: {what}"
+            ))
+        };
+        let nc = wire::nonce().map_err(|e| fail(e.to_string()))?;
+        let mut join = Join {
+            nonce: nc,
+            proof: Vec::new(),
+            job,
+            rank,
+            world,
+            geo,
+            provider: provider.to_string(),
+            endpoint,
+            region,
+            timeout_ms: timeout.as_millis().min(u64::MAX as u128) as u64,
+        };
+        join.proof = secret
+            .mac_of(JOIN_LABEL, &[&self.nonce, &nc, &join.claims()])
+            .to_vec();
+        wire::send(&mut self.stream, &Msg::Join(Box::new(join)))
+            .map_err(|e| fail(format!("cannot join: {e}")))?;
+        // The service answers once every member has joined (or it gave up waiting).
+        let _ = self
+            .stream
+            .set_read_timeout(Some(timeout + Duration::from_secs(5)));
+        match wire::recv(&mut self.stream) {
+            Ok(Msg::Accept {
+                proof,
+                endpoint,
+                region,
+                pool,
+            }) => {
+                if !secret.verify_mac(ACCEPT_LABEL, &[&nc, &self.nonce], &proof) {
+                    return Err(fail(
+                        "it did not prove the job's secret: not the service this job trusts".into(),
+                    ));
+                }
+                // From now on, reads only tell that the service is gone.
+                let _ = self.stream.set_read_timeout(None);
+                Ok(Joined::Accepted {
+                    membership: Membership {
+                        ctl: self.stream,
+                        addr: self.addr,
+                        names_calls: rank == 0,
+                    },
+                    endpoint,
+                    region,
+                    pool,
+                })
+            }
+            Ok(Msg::Refused { reason, busy: true }) => Ok(Joined::Busy(reason)),
+            Ok(Msg::Refused { reason, .. }) => Err(fail(format!("refused this rank: {reason}"))),
+            Ok(m) => Err(fail(format!("answered the join with {m:?}"))),
+            Err(e) => Err(fail(format!("no answer to the join: {e}"))),
+        }
+    }
+}
+
+impl Membership {
+    /// Names an aggregation call to the service, before its data (rank 0 only; the others'
+    /// data carries their fingerprints, which the service checks against this).
+    pub(crate) fn announce(&mut self, rank: usize, desc: &OpDesc, chunk: usize) -> Result<()> {
+        if !self.names_calls {
+            return Ok(());
+        }
+        let m = Msg::Call {
+            seq: desc.seq,
+            count: desc.count,
+            dtype: wire::dtype_code(desc.dtype),
+            op: wire::op_code(desc.op),
+            chunk: chunk as u64,
+        };
+        wire::send(&mut self.ctl, &m).map_err(|e| Error::AggregatorFailed {
+            rank,
+            op: desc.to_string(),
+            addr: self.addr.clone(),
+            detail: format!("cannot name the call to it: {e}"),
+        })
+    }
+}

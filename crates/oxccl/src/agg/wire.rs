@@ -1,0 +1,130 @@
+//! The aggregation service's control protocol: JSON messages, each after a 4-byte
+//! little-endian length, on one TCP connection per member (the data travels over verbs).
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+
+use oxccl_verbs::{QpEndpoint, RemoteBuffer};
+use serde::{Deserialize, Serialize};
+
+use crate::engine::Geometry;
+use crate::{DataType, ReduceOp};
+
+/// Largest message accepted (a join with its endpoint is a few hundred bytes).
+pub(crate) const MAX_MSG: usize = 64 << 10;
+
+/// What the service says first.
+pub(crate) const MAGIC: &str = "oxccl-agg v1";
+/// The member's proof covers the service's and its own challenge and what it asks for.
+pub(crate) const JOIN_LABEL: &str = "oxccl-agg v1 join";
+/// The service's proof covers both challenges the other way round.
+pub(crate) const ACCEPT_LABEL: &str = "oxccl-agg v1 accept";
+
+/// One control message.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "msg", rename_all = "snake_case")]
+pub(crate) enum Msg {
+    /// Service → member, first: who it is, its host (a member on it talks shm), a challenge.
+    Hello {
+        magic: String,
+        host: String,
+        nonce: [u8; 32],
+    },
+    /// Member → service: the job it belongs to and its side of the connection.
+    Join(Box<Join>),
+    /// Service → member: every member has joined; the service's side of the connection.
+    Accept {
+        proof: Vec<u8>,
+        endpoint: QpEndpoint,
+        region: RemoteBuffer,
+        /// Aggregation slots this job got.
+        pool: usize,
+    },
+    /// Service → member: not admitted, and why. `busy`: the service has no room now (the
+    /// job runs without it); otherwise the job is wrong (a stranger, mismatched members).
+    Refused { reason: String, busy: bool },
+    /// Rank 0 → service: the next aggregation call, before its data.
+    Call {
+        seq: u64,
+        count: u64,
+        dtype: u8,
+        op: u8,
+        chunk: u64,
+    },
+}
+
+/// A member's join.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Join {
+    pub nonce: [u8; 32],
+    pub proof: Vec<u8>,
+    /// The job: its communicator id (rank 0's, the same on every rank).
+    pub job: u64,
+    pub rank: usize,
+    pub world: usize,
+    pub geo: Geometry,
+    /// `shm` or `tcp`.
+    pub provider: String,
+    pub endpoint: QpEndpoint,
+    pub region: RemoteBuffer,
+    /// How long the member waits for the others (milliseconds): the service waits as long.
+    pub timeout_ms: u64,
+}
+
+impl Join {
+    /// What the member's proof covers, besides the two challenges.
+    pub(crate) fn claims(&self) -> [u8; 24] {
+        let mut c = [0u8; 24];
+        c[..8].copy_from_slice(&self.job.to_le_bytes());
+        c[8..16].copy_from_slice(&(self.rank as u64).to_le_bytes());
+        c[16..].copy_from_slice(&(self.world as u64).to_le_bytes());
+        c
+    }
+}
+
+/// Writes one message.
+pub(crate) fn send(s: &mut TcpStream, m: &Msg) -> std::io::Result<()> {
+    let body = serde_json::to_vec(m).map_err(std::io::Error::other)?;
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&body);
+    s.write_all(&out)
+}
+
+/// Reads one message of at most [`MAX_MSG`] bytes.
+pub(crate) fn recv(s: &mut TcpStream) -> std::io::Result<Msg> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_MSG {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("a control message of {len} bytes (at most {MAX_MSG})"),
+        ));
+    }
+    let mut body = vec![0; len];
+    s.read_exact(&mut body)?;
+    serde_json::from_slice(&body).map_err(|e| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("a malformed control message: {e}"),
+        )
+    })
+}
+
+/// A fresh challenge.
+pub(crate) fn nonce() -> std::io::Result<[u8; 32]> {
+    let mut n = [0; 32];
+    getrandom::fill(&mut n).map_err(|e| std::io::Error::other(format!("no randomness: {e}")))?;
+    Ok(n)
+}
+
+/// A data type's code: its index in [`DataType::ALL`] (as the fragment header has it).
+pub(crate) fn dtype_code(d: DataType) -> u8 {
+    d.index()
+}
+
+/// An operator's code: its index in [`ReduceOp::ALL`].
+pub(crate) fn op_code(o: ReduceOp) -> u8 {
+    o.index()
+}

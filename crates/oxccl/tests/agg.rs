@@ -1,0 +1,345 @@
+//! The aggregation service (`oxccl::agg`) with in-process jobs: all-reduces through it are
+//! exact for every data type and operator (against a reference computed here), the same bits
+//! on every rank as a rank-order fold, over shm and tcp, with the slot pool reused many times
+//! per call; two jobs share one service; a job the service has no room for runs without it; a
+//! stranger is refused; a service that dies fails every rank naming its address.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use half::{bf16, f16};
+use oxccl::agg::{Service, ServiceOptions};
+use oxccl::schedule::{Algorithm, Collective};
+use oxccl::{Buffers, Communicator, DataType, F8E4M3, F8E5M2, Options, Provider, ReduceOp};
+use oxccl_bootstrap::Secret;
+
+mod common;
+use common::Rng;
+
+/// One job at a time: a few ranks already outnumber this machine's CPUs.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A service for in-process jobs: `pool_bytes` of slots, `max_jobs` jobs.
+fn service(pool_bytes: usize, max_jobs: usize) -> Service {
+    let secret = Secret::new(common::IN_PROCESS_SECRET).expect("a secret");
+    let mut opts = ServiceOptions::new("127.0.0.1:0".parse().unwrap(), vec![secret]);
+    opts.pool_bytes = pool_bytes;
+    opts.max_jobs = max_jobs;
+    Service::start(opts).expect("the service starts")
+}
+
+/// `n` ranks joined to `svc` over `provider` with `chunk`-byte slices, aggregation forced.
+fn job(n: usize, svc: &Service, provider: Provider, chunk: usize) -> Vec<Communicator> {
+    let addr = svc.addr().to_string();
+    common::in_process(n, &format!("agg over {provider:?}"), |rank| Options {
+        timeout: Duration::from_secs(60),
+        provider: Some(provider),
+        host_id: Some(format!("agg-host-{rank}")),
+        algo: Some(Algorithm::Aggregation),
+        chunk_size: Some(chunk),
+        agg_addr: Some(addr.clone()),
+        ..Options::default()
+    })
+}
+
+/// Destroys a job's communicators (a collective: all at once).
+fn destroy_all(comms: Vec<Communicator>) {
+    std::thread::scope(|s| {
+        for c in comms {
+            s.spawn(move || c.destroy().expect("destroy"));
+        }
+    });
+}
+
+/// `v` as one element of `dtype`, little-endian.
+fn encode(dtype: DataType, v: f64) -> Vec<u8> {
+    match dtype {
+        DataType::I8 => (v as i8).to_le_bytes().to_vec(),
+        DataType::U8 => (v as u8).to_le_bytes().to_vec(),
+        DataType::I32 => (v as i32).to_le_bytes().to_vec(),
+        DataType::U32 => (v as u32).to_le_bytes().to_vec(),
+        DataType::I64 => (v as i64).to_le_bytes().to_vec(),
+        DataType::U64 => (v as u64).to_le_bytes().to_vec(),
+        DataType::F16 => f16::from_f64(v).to_le_bytes().to_vec(),
+        DataType::Bf16 => bf16::from_f64(v).to_le_bytes().to_vec(),
+        DataType::F32 => (v as f32).to_le_bytes().to_vec(),
+        DataType::F64 => v.to_le_bytes().to_vec(),
+        DataType::F8E4M3 => vec![F8E4M3::from_f64(v).to_bits()],
+        DataType::F8E5M2 => vec![F8E5M2::from_f64(v).to_bits()],
+    }
+}
+
+/// Every rank's all-reduce of its `bytes` (in place); the results.
+fn all_reduce(
+    comms: &[Communicator],
+    dtype: DataType,
+    op: ReduceOp,
+    inputs: &[Vec<u8>],
+) -> Vec<oxccl::Result<Vec<u8>>> {
+    let count = inputs[0].len() / dtype.size();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .zip(inputs)
+            .map(|(c, inp)| {
+                s.spawn(move || {
+                    let mut buf = inp.clone();
+                    c.run(
+                        &Collective::AllReduce { count },
+                        dtype,
+                        op,
+                        Buffers::InPlace(&mut buf),
+                    )
+                    .map(|()| buf)
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    })
+}
+
+/// Small integers (exact in every type, their sums and products too, over 3 ranks): rank
+/// `r`'s value `i` and the reference result of `op` over the ranks.
+fn exact_case(n: usize, count: usize, op: ReduceOp, seed: u64) -> (Vec<Vec<f64>>, Vec<f64>) {
+    let mut rng = Rng(seed);
+    let vals: Vec<Vec<f64>> = (0..n)
+        .map(|_| (0..count).map(|_| (rng.next() % 3) as f64).collect())
+        .collect();
+    let reference = (0..count)
+        .map(|i| {
+            let col = vals.iter().map(|v| v[i]);
+            match op {
+                ReduceOp::Sum | ReduceOp::Avg => col.sum(),
+                ReduceOp::Prod => col.product(),
+                ReduceOp::Min => col.fold(f64::INFINITY, f64::min),
+                ReduceOp::Max => col.fold(f64::NEG_INFINITY, f64::max),
+            }
+        })
+        .collect();
+    (vals, reference)
+}
+
+fn check_every_type(provider: Provider) {
+    let _g = serial();
+    let svc = service(64 << 10, 2);
+    let n = 3;
+    // 4 KiB slices and a pool of 8 KiB per job: 2 slots, each reused many times per call.
+    let comms = job(n, &svc, provider, 4 << 10);
+    for (t, &dtype) in DataType::ALL.iter().enumerate() {
+        for (o, &op) in ReduceOp::ALL.iter().enumerate() {
+            // Avg is the sum divided afterwards, by the ranks: the sum is checked.
+            if op == ReduceOp::Avg {
+                continue;
+            }
+            for count in [0usize, 1, 1000, 9001] {
+                let (vals, reference) =
+                    exact_case(n, count, op, (t * 8 + o) as u64 * 7919 + count as u64);
+                let inputs: Vec<Vec<u8>> = vals
+                    .iter()
+                    .map(|v| v.iter().flat_map(|&x| encode(dtype, x)).collect())
+                    .collect();
+                let want: Vec<u8> = reference.iter().flat_map(|&x| encode(dtype, x)).collect();
+                for (r, got) in all_reduce(&comms, dtype, op, &inputs)
+                    .into_iter()
+                    .enumerate()
+                {
+                    let got =
+                        got.unwrap_or_else(|e| panic!("{dtype} {op} count {count}: rank {r}: {e}"));
+                    assert!(
+                        got == want,
+                        "{provider:?} {dtype} {op} count {count}: rank {r} differs from the reference"
+                    );
+                }
+            }
+        }
+    }
+    let stats = svc.stats();
+    assert_eq!(stats.jobs, 1);
+    assert!(
+        stats.calls >= 12 * 4 * 3,
+        "the service ran {} calls",
+        stats.calls
+    );
+    destroy_all(comms);
+}
+
+#[test]
+fn every_type_and_op_is_exact_over_tcp() {
+    check_every_type(Provider::Tcp);
+}
+
+#[test]
+fn every_type_and_op_is_exact_over_shm() {
+    check_every_type(Provider::Shm);
+}
+
+/// Random f32 values: every rank gets the same bits, those of the rank-order fold
+/// `((x0 + x1) + x2) + x3` in f32, whatever order the contributions arrived in.
+#[test]
+fn floats_are_a_rank_order_fold_on_every_rank() {
+    let _g = serial();
+    let svc = service(1 << 20, 1);
+    let n = 4;
+    let comms = job(n, &svc, Provider::Tcp, 16 << 10);
+    let count = 50_001;
+    let mut rng = Rng(42);
+    let vals: Vec<Vec<f32>> = (0..n)
+        .map(|_| {
+            (0..count)
+                .map(|_| ((rng.next() >> 40) as f32 / (1u32 << 24) as f32 - 0.5) * 1e3)
+                .collect()
+        })
+        .collect();
+    let want: Vec<f32> = (0..count)
+        .map(|i| vals[1..].iter().fold(vals[0][i], |a, v| a + v[i]))
+        .collect();
+    for round in 0..3 {
+        let inputs: Vec<Vec<u8>> = vals.iter().map(|v| oxccl::as_bytes(v).to_vec()).collect();
+        for (r, got) in all_reduce(&comms, DataType::F32, ReduceOp::Sum, &inputs)
+            .into_iter()
+            .enumerate()
+        {
+            let got = got.expect("all-reduce");
+            assert!(
+                got == oxccl::as_bytes(&want),
+                "round {round}: rank {r} is not the fold"
+            );
+        }
+    }
+    destroy_all(comms);
+}
+
+/// Two jobs at once on one service: both exact. A third, beyond `max_jobs`, is told the
+/// service is busy and runs its ring: still exact.
+#[test]
+fn jobs_share_the_service_and_one_beyond_its_room_runs_without_it() {
+    let _g = serial();
+    let svc = service(1 << 20, 2);
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(|| job(2, &svc, Provider::Tcp, 8 << 10));
+        let b = s.spawn(|| job(3, &svc, Provider::Tcp, 8 << 10));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert_eq!(svc.stats().running, 2);
+    let c = job(3, &svc, Provider::Tcp, 8 << 10);
+    assert_eq!(svc.stats().jobs, 2, "the third job was not admitted");
+    std::thread::scope(|s| {
+        for comms in [&a, &b, &c] {
+            s.spawn(move || {
+                let n = comms.len();
+                let (vals, reference) = exact_case(n, 20_000, ReduceOp::Sum, n as u64);
+                let inputs: Vec<Vec<u8>> = vals
+                    .iter()
+                    .map(|v| v.iter().flat_map(|&x| encode(DataType::F32, x)).collect())
+                    .collect();
+                let want: Vec<u8> = reference
+                    .iter()
+                    .flat_map(|&x| encode(DataType::F32, x))
+                    .collect();
+                for _ in 0..5 {
+                    for got in all_reduce(comms, DataType::F32, ReduceOp::Sum, &inputs) {
+                        assert!(got.expect("all-reduce") == want);
+                    }
+                }
+            });
+        }
+    });
+    for comms in [a, b, c] {
+        destroy_all(comms);
+    }
+    // Both jobs end once their members have left.
+    let t = std::time::Instant::now();
+    while svc.stats().running > 0 && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        svc.stats().running,
+        0,
+        "jobs still running after their members left"
+    );
+}
+
+/// A service that does not hold the job's secret refuses it: init fails saying so.
+#[test]
+fn a_stranger_is_refused() {
+    let _g = serial();
+    let other = Secret::new("another job's secret").unwrap();
+    let svc = Service::start(ServiceOptions::new(
+        "127.0.0.1:0".parse().unwrap(),
+        vec![other],
+    ))
+    .expect("the service starts");
+    let addr = svc.addr().to_string();
+    let r = std::panic::catch_unwind(|| {
+        common::in_process(2, "stranger", |_| Options {
+            timeout: Duration::from_secs(20),
+            provider: Some(Provider::Tcp),
+            agg_addr: Some(addr.clone()),
+            ..Options::default()
+        })
+    });
+    let msg = match r {
+        Ok(_) => panic!("a job without the service's secret was admitted"),
+        Err(p) => p.downcast_ref::<String>().cloned().unwrap_or_default(),
+    };
+    assert!(msg.contains("secret was not proven"), "{msg}");
+    assert!(msg.contains(&addr), "{msg}");
+    assert_eq!(svc.stats().jobs, 0);
+}
+
+/// `OXCCL_ALGO=agg` without a service is an error that says what to set.
+#[test]
+fn agg_without_a_service_says_what_to_set() {
+    let _g = serial();
+    let r = std::panic::catch_unwind(|| {
+        common::in_process(2, "no service", |_| Options {
+            timeout: Duration::from_secs(20),
+            algo: Some(Algorithm::Aggregation),
+            ..Options::default()
+        })
+    });
+    let msg = r
+        .err()
+        .and_then(|p| p.downcast_ref::<String>().cloned())
+        .expect("init without a service fails");
+    assert!(msg.contains("OXCCL_AGG_ADDR"), "{msg}");
+}
+
+/// The service goes away between calls: every rank's next call fails, naming its address.
+#[test]
+fn a_dead_service_fails_every_rank_naming_it() {
+    let _g = serial();
+    let svc = service(1 << 20, 1);
+    let addr = svc.addr().to_string();
+    let comms = job(3, &svc, Provider::Tcp, 8 << 10);
+    let inputs = vec![encode(DataType::F32, 1.0).repeat(10_000); 3];
+    for got in all_reduce(&comms, DataType::F32, ReduceOp::Sum, &inputs) {
+        assert!(got.expect("before") == encode(DataType::F32, 3.0).repeat(10_000));
+    }
+    drop(svc);
+    // The idle job notices the stop within its tick and closes its connections.
+    std::thread::sleep(Duration::from_millis(500));
+    let t = std::time::Instant::now();
+    for (r, got) in all_reduce(&comms, DataType::F32, ReduceOp::Sum, &inputs)
+        .into_iter()
+        .enumerate()
+    {
+        let e = got.expect_err("a call through a dead service");
+        let msg = e.to_string();
+        assert!(
+            matches!(e, oxccl::Error::AggregatorFailed { .. }) && msg.contains(&addr),
+            "rank {r}: {msg}"
+        );
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        t.elapsed()
+    );
+}

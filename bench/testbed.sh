@@ -16,6 +16,12 @@
 #   --rates    one rate per host, in Mbit/s or with a suffix (250m, 1g), or `none` (unshaped);
 #              default 1g,1g. Example: --rates 1g,1g,1g,0.25g
 #   --host I   run COMMAND only in host I
+#   --switch CMD
+#              also run CMD (a shell command) in the bridge's namespace, where the switch
+#              stands, with the address 10.77.0.254 on the bridge: it sees every host through
+#              that host's shaped link, as a switch port does (the aggregation service, `oxccl
+#              agg`, runs there). It starts first, output prefixed [sw]; it is stopped once
+#              COMMAND ends. Hosts see OXCCL_TESTBED_SWITCH_ADDR=10.77.0.254.
 #   --mtu, --burst-us, --queue-us
 #              link MTU (default 9000), tbf bucket and queue as time at the link rate
 #              (defaults 2000 and 50000 us); see oxccl_testbed::Shaping
@@ -48,11 +54,13 @@ esac
 
 RATES=1g,1g
 HOST=
+SWITCH=
 UP_OPTS=()
 while [ $# -gt 0 ]; do
     case "$1" in
     --rates) RATES=$2; shift 2 ;;
     --host) HOST=$2; shift 2 ;;
+    --switch) SWITCH=$2; shift 2 ;;
     --mtu | --burst-us | --queue-us) UP_OPTS+=("$1" "$2"); shift 2 ;;
     --) shift; break ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
@@ -67,9 +75,14 @@ fi
 
 # Everything this script brings up is owned by this shell's pid: `down --owner $$` removes it
 # all, including a bed whose `up` was interrupted before it printed its name.
+SWITCH_PID=
 cleanup() {
     local rc=$?
     trap - EXIT INT TERM
+    if [ -n "$SWITCH_PID" ]; then
+        pkill -TERM -P "$SWITCH_PID" 2>/dev/null || true
+        kill "$SWITCH_PID" 2>/dev/null || true
+    fi
     "$BIN" down --owner $$ || echo "testbed.sh: teardown failed; \`$BIN gc\` retries" >&2
     wait 2>/dev/null || true
     exit "$rc"
@@ -82,6 +95,15 @@ NAME=$("$BIN" up --rates "$RATES" --owner-pid $$ "${UP_OPTS[@]}")
 IFS=, read -r -a HOSTS <<<"$RATES"
 N=${#HOSTS[@]}
 echo "== test bed $NAME: $N hosts, rates $RATES (Mbit/s unless suffixed) ==" >&2
+
+if [ -n "$SWITCH" ]; then
+    ip -n "$NAME-br" link set lo up
+    ip -n "$NAME-br" addr add 10.77.0.254/24 dev br0
+    (ip netns exec "$NAME-br" sh -c "$SWITCH" </dev/null 2>&1 | sed -u "s/^/[sw] /") &
+    SWITCH_PID=$!
+    export OXCCL_TESTBED_SWITCH_ADDR=10.77.0.254
+    sleep 0.5
+fi
 
 if [ -n "$HOST" ]; then
     # One host, in the foreground, with this terminal.

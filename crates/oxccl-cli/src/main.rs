@@ -16,9 +16,12 @@
 //! - `kv-bench`: throughput and latency of the KV-cache transfer engine (`oxccl-kv`), batched
 //!   READ/WRITE or one request at a time, against a spawned target process or one started by
 //!   hand, like Mooncake's `transfer_engine_bench`: `oxccl kv-bench --protocol tcp --block-size 4M`.
+//! - `agg`: the in-network aggregation service (the "switch"): `oxccl agg --listen IP:PORT`;
+//!   jobs join it with `OXCCL_AGG_ADDR`, and their all-reduces stream through it.
 //! - `sim`: predicts a collective on a modelled fabric (`oxccl-sim`) in `perf`'s table:
 //!   `oxccl sim --topo examples/topologies/testbed-b.toml all_reduce -b 1M -e 64M`.
 
+mod agg;
 mod doctor;
 mod kv_bench;
 mod perf;
@@ -71,6 +74,9 @@ enum Command {
     /// request at a time with --sync), against a spawned target process or one started by hand.
     #[command(name = "kv-bench")]
     KvBench(kv_bench::Args),
+    /// The in-network aggregation service: jobs that join it (OXCCL_AGG_ADDR) stream their
+    /// all-reduces through it; serves until killed.
+    Agg(agg::Args),
 }
 
 /// Options of `oxccl store`.
@@ -128,6 +134,7 @@ fn main() -> ExitCode {
         Command::Topo(args) => return topo::main(args),
         Command::Sim(args) => return sim::main(args),
         Command::KvBench(args) => return kv_bench::main(args),
+        Command::Agg(args) => return agg::main(args),
         Command::Store(args) => {
             return match store_main(args) {
                 Ok(()) => ExitCode::SUCCESS,

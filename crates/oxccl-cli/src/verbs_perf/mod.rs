@@ -419,7 +419,7 @@ fn init_logging() {
 
 /// CPU seconds (user + system) this process has used so far, all its threads included (the
 /// tcp provider's progress thread too).
-fn cpu_secs() -> f64 {
+pub(crate) fn cpu_secs() -> f64 {
     // SAFETY: getrusage only writes the struct we hand it.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: a valid pointer to a rusage struct.

@@ -86,10 +86,18 @@ fn serve(args: Args) -> Result<(), String> {
         }
     }
     let every = Duration::from_secs_f64(args.stats_every);
-    let (mut last, mut t, mut cpu) = (service.stats(), Instant::now(), crate::verbs_perf::cpu_secs());
+    let (mut last, mut t, mut cpu) = (
+        service.stats(),
+        Instant::now(),
+        crate::verbs_perf::cpu_secs(),
+    );
     loop {
         std::thread::sleep(every);
-        let (now, t1, cpu1) = (service.stats(), Instant::now(), crate::verbs_perf::cpu_secs());
+        let (now, t1, cpu1) = (
+            service.stats(),
+            Instant::now(),
+            crate::verbs_perf::cpu_secs(),
+        );
         let bytes = (now.bytes_in - last.bytes_in) as f64;
         let secs = (t1 - t).as_secs_f64();
         let cpu_used = cpu1 - cpu;
@@ -101,7 +109,11 @@ fn serve(args: Args) -> Result<(), String> {
             bytes / 1e9,
             bytes / 1e9 / secs.max(1e-9),
             cpu_used,
-            if cpu_used > 0.0 { bytes / 1e9 / cpu_used } else { 0.0 },
+            if cpu_used > 0.0 {
+                bytes / 1e9 / cpu_used
+            } else {
+                0.0
+            },
         );
         (last, t, cpu) = (now, t1, cpu1);
     }

@@ -343,3 +343,147 @@ fn a_dead_service_fails_every_rank_naming_it() {
         t.elapsed()
     );
 }
+
+/// Rank 1 calls with another count than rank 0 (which named the call to the service): every
+/// rank fails with a mismatch, none hangs.
+#[test]
+fn a_mismatched_call_fails_every_rank() {
+    let _g = serial();
+    let svc = service(1 << 20, 1);
+    let comms = job(3, &svc, Provider::Tcp, 8 << 10);
+    for c in &comms {
+        c.set_timeout(Duration::from_secs(20));
+    }
+    let t = std::time::Instant::now();
+    let errors: Vec<oxccl::Error> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .enumerate()
+            .map(|(r, c)| {
+                s.spawn(move || {
+                    let mut buf = vec![1.0f32; if r == 1 { 10_001 } else { 10_000 }];
+                    c.all_reduce_in_place(&mut buf, ReduceOp::Sum)
+                        .expect_err("a mismatched call succeeded")
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, e) in errors.iter().enumerate() {
+        assert!(
+            matches!(
+                e,
+                oxccl::Error::Mismatch { .. } | oxccl::Error::PeerFailed { .. }
+            ),
+            "rank {r}: {e}"
+        );
+    }
+    assert!(
+        errors
+            .iter()
+            .any(|e| matches!(e, oxccl::Error::Mismatch { .. })),
+        "nobody named a mismatch: {errors:?}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(15),
+        "took {:?}",
+        t.elapsed()
+    );
+}
+
+/// The peer processes' entry point (a no-op unless `OXCCL_TEST_CHILD` is set).
+#[test]
+fn child_entry() {
+    common::child_entry(|scenario, _| match scenario {
+        "agg_loop" => agg_loop(),
+        other => panic!("unknown scenario {other:?}"),
+    });
+}
+
+/// In a rank: all-reduces through the service until a call fails; reports the error.
+fn agg_loop() -> serde_json::Value {
+    let (rank, _) = common::env_rank();
+    let comm = match Communicator::from_env() {
+        Ok(c) => c,
+        Err(e) => return serde_json::json!({"init": e.to_string()}),
+    };
+    let mut buf = vec![1.0f32; 1 << 20];
+    let start = std::time::Instant::now();
+    let mut calls = 0u64;
+    let error = loop {
+        if let Err(e) = comm.all_reduce_in_place(&mut buf, ReduceOp::Sum) {
+            break e;
+        }
+        buf.fill(1.0);
+        calls += 1;
+        if calls == 2 {
+            common::touch(&format!("ready-{rank}"));
+        }
+        if start.elapsed() > Duration::from_secs(90) {
+            return serde_json::json!({"error": null, "calls": calls});
+        }
+    };
+    serde_json::json!({
+        "error": error.to_string(),
+        "kind": common::error_kind(&error),
+        "calls": calls,
+        "failed_at_ns": common::realtime_ns(),
+    })
+}
+
+/// A member SIGKILLed in the middle of the stream: the service tells the others, which fail
+/// within their timeout naming it.
+#[test]
+fn a_dead_member_is_named_on_every_other_rank() {
+    let _g = serial();
+    let secret = common::random_hex();
+    let mut opts = ServiceOptions::new(
+        "127.0.0.1:0".parse().unwrap(),
+        vec![Secret::new(secret.as_str()).unwrap()],
+    );
+    opts.max_jobs = 1;
+    let svc = Service::start(opts).expect("the service starts");
+    let addr = svc.addr().to_string();
+    let n = 3;
+    let victim = 2;
+    let env = [
+        ("OXCCL_SECRET", secret.as_str()),
+        ("OXCCL_AGG_ADDR", addr.as_str()),
+        ("OXCCL_ALGO", "agg"),
+        ("OXCCL_PROVIDER", "tcp"),
+        ("OXCCL_TIMEOUT", "10"),
+    ];
+    let mut job = common::spawn_job(n, &env, "agg_loop", &serde_json::Value::Null, &|_, exe| {
+        std::process::Command::new(exe)
+    });
+    let ready = job.wait_until(std::time::Instant::now() + Duration::from_secs(60), |j| {
+        (0..n).all(|r| j.path(&format!("ready-{r}")).exists())
+    });
+    assert!(ready, "the ranks did not start streaming");
+    let killed_at = common::realtime_ns();
+    job.signal(victim, libc::SIGKILL).expect("kill");
+    job.touch(&format!("done-{victim}"));
+    let outs = job.finish(Duration::from_secs(40));
+    for (r, o) in outs.iter().enumerate() {
+        if r == victim {
+            continue;
+        }
+        let v = o.result();
+        let msg = v["error"]
+            .as_str()
+            .unwrap_or_else(|| panic!("rank {r}: {}", common::report(&outs)));
+        assert!(
+            msg.contains(&format!("rank {victim}")),
+            "rank {r} does not name rank {victim}: {msg}"
+        );
+        let after = v["failed_at_ns"]
+            .as_u64()
+            .unwrap()
+            .saturating_sub(killed_at);
+        assert!(
+            after < 12_000_000_000,
+            "rank {r} failed {} ms after the kill: {msg}",
+            after / 1_000_000
+        );
+    }
+}

@@ -362,6 +362,11 @@ impl Engine {
             .get_or_init(|| self.mailbox_allowed && mailbox_eligible(self, &plan.sched, esize))
     }
 
+    /// Whether peer `p` is the aggregation service this rank joined (peer `world`, the last).
+    pub(crate) fn is_aggregator(&self, p: usize) -> bool {
+        self.agg.is_some() && p + 1 == self.link_of.len()
+    }
+
     /// Tells every peer this communicator was aborted; best effort.
     pub(crate) fn notify_abort(&mut self) {
         let notice = Imm::Notice(Notice::Aborted).encode();

@@ -485,14 +485,25 @@ impl Call<'_, '_> {
                             .newest_first()
                             .find(|d| d.seq & 0xff_ffff == u64::from(seq))
                             .map_or(format!("call #{seq} (modulo 2^24)"), |d| d.to_string());
-                        return Err(Error::Mismatch {
-                            rank: self.eng.rank,
-                            detail: format!(
+                        let detail = if self.eng.is_aggregator(peer) {
+                            let addr = self.eng.agg.as_ref().map_or("", |a| a.addr.as_str());
+                            format!(
+                                "the aggregation service at {addr} found that the ranks' calls \
+                                 differ in {theirs} (this rank's); this rank is now in {} (the \
+                                 service's log names both sides)",
+                                self.calls[self.cur].desc
+                            )
+                        } else {
+                            format!(
                                 "rank {peer} found that what this rank sent in {theirs} does not \
                                  match its own call; this rank is now in {} (rank {peer}'s error \
                                  names both sides)",
                                 self.calls[self.cur].desc
-                            ),
+                            )
+                        };
+                        return Err(Error::Mismatch {
+                            rank: self.eng.rank,
+                            detail,
                         });
                     }
                     _ => {}

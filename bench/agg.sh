@@ -64,17 +64,19 @@ if [[ " $SECTIONS " == *" busbw "* ]]; then
             echo "-- round $r, OXCCL_ALGO=$algo"
             out=$(perf_bed "$HOSTS" "$algo" -b "$MIN" -e "$MAX" -f 4 -d float -c 1 -w "$WARMUP" -i "$ITERS")
             echo "$out" | grep -E '^\[h0\]|^\[sw\]' || true
-            # Out-of-place busbw is field 9 after the [hI] prefix.
+            # Out-of-place time (us) is field 7 after the [hI] prefix.
             echo "$out" | awk -v r="$r" -v a="$algo" -v w="$(wrong "$out")" \
-                '/^\[h0\] +[0-9]+ / { print r, a, $2, $9, w }' >>"$res"
+                '/^\[h0\] +[0-9]+ / { print r, a, $2, $7, w }' >>"$res"
         done
     done
     echo
-    echo "== summary: out-of-place busbw (GB/s) of rank 0, agg against $BASE in the same round =="
+    echo "== summary: rank 0's out-of-place busbw (GB/s, from its time: bytes/time x 2(n-1)/n), agg against $BASE in the same round =="
     printf '%-6s %12s %10s %10s %8s %8s\n' round bytes "$BASE" agg ratio wrong
-    awk -v base="$BASE" '$2 == base { b[$1 " " $3] = $4; wb[$1 " " $3] = $5 }
+    awk -v base="$BASE" -v n=$((HOSTS * PER_HOST)) '
+         function bw(bytes, us) { return bytes / us / 1e3 * 2 * (n - 1) / n }
+         $2 == base { b[$1 " " $3] = $4; wb[$1 " " $3] = $5 }
          $2 == "agg" { k = $1 " " $3; w = $5 > wb[k] ? $5 : wb[k];
-                       printf "%-6s %12s %10.3f %10.3f %8.3f %8s\n", $1, $3, b[k], $4, $4 / b[k], w }' "$res"
+                       printf "%-6s %12s %10.4f %10.4f %8.3f %8s\n", $1, $3, bw($3, b[k]), bw($3, $4), b[k] / $4, w }' "$res"
 fi
 
 if [[ " $SECTIONS " == *" dtypes "* ]]; then
@@ -111,7 +113,9 @@ if [[ " $SECTIONS " == *" twojobs "* ]]; then
         label=$([ $both = 0 ] && echo "A alone" || echo "A and B at once")
         echo "-- $label"
         echo "$out" | grep -E '^\[h[02]\] +[0-9]+ |^\[sw\]' || true
-        echo "$out" | awk -v l="$label" '/^\[h[02]\] +[0-9]+ / { printf "%s: %s busbw %s GB/s\n", l, ($1 == "[h0]" ? "job A" : "job B"), $9 }'
+        # 2 ranks: busbw = bytes / time.
+        echo "$out" | awk -v l="$label" '/^\[h[02]\] +[0-9]+ / {
+            printf "%s: %s %s us, busbw %.4f GB/s\n", l, ($1 == "[h0]" ? "job A" : "job B"), $7, $2 / $7 / 1e3 }'
         echo "largest #wrong: $(wrong "$out")"
     done
 fi

@@ -8,8 +8,9 @@ spec() {
     b) echo "1,1 2" ;;
     c) echo "1,1,1,0.25 1" ;;
     d) echo "2,1,1,0.5 1" ;;
+    e) echo "0.5,0.5,0.5,0.5,0.5,0.5,0.5,0.5 1" ;;
     *)
-        echo "unknown scenario $1 (a, b, c, d)" >&2
+        echo "unknown scenario $1 (a, b, c, d, e)" >&2
         exit 2
         ;;
     esac

@@ -8,7 +8,16 @@
 #   c  4 hosts x 1 rank, links 1, 1, 1, 0.25 Gbit/s
 #   d  4 hosts x 1 rank, links 2, 1, 1, 0.5 Gbit/s
 #
-#   bench/sim-validate.sh [a b c d]      # default: all four
+#   e  8 hosts x 1 rank, links 0.5 Gbit/s each
+#
+#   bench/sim-validate.sh [a b c d e]    # default: a b c d
+#   ALGOS="ring agg" bench/sim-validate.sh a e   # the aggregation rows (issue 18)
+#
+# ALGOS (default "auto ring") names the algorithms each scenario runs. `agg` runs the
+# aggregation service (`oxccl agg`) in the bridge's namespace (testbed.sh --switch), and the
+# simulator's core switch aggregates (core_reduce_gbytes_per_s = AGG_REDUCE_GBYTES, default
+# 1.0: what bench/agg.sh's service reduced per CPU-second over tcp; above what 8 links of
+# 1 Gbit/s bring it, so the links decide).
 #
 # Calibration (measured here, once per run, never fitted per scenario): for every link rate
 # the scenarios use, a bed of 2 hosts on links of that rate runs `oxccl verbs-perf` over the
@@ -47,6 +56,8 @@ iters=${ITERS:-3}
 reps=${REPS:-2}
 warmup=${WARMUP:-1}
 port=${PORT:-29800}
+read -r -a algos <<<"${ALGOS:-auto ring}"
+agg_reduce=${AGG_REDUCE_GBYTES:-1.0}
 work=$(mktemp -d)
 
 # shellcheck source=bench/scenarios.sh
@@ -61,8 +72,15 @@ perf_rows() {
     world=$((hosts * rph))
     mbit=$(echo "$rates" | tr ',' '\n' | awk '{printf "%s%dm", (NR>1?",":""), $1*1000}')
     port=$((port + reps))
-    [ "$algo" = ring ] && algo_env="OXCCL_ALGO=ring"
-    bench/testbed.sh --rates "$mbit" -- sh -c "
+    local switch=()
+    case $algo in
+    ring) algo_env="OXCCL_ALGO=ring" ;;
+    agg)
+        algo_env="OXCCL_ALGO=agg OXCCL_AGG_ADDR=10.77.0.254:29600"
+        switch=(--switch "$BIN agg --listen 10.77.0.254:29600 --quiet")
+        ;;
+    esac
+    bench/testbed.sh --rates "$mbit" "${switch[@]}" -- sh -c "
         for rep in \$(seq 1 $reps); do
             for i in \$(seq 0 $((rph - 1))); do
                 env RANK=\$((OXCCL_TESTBED_HOST * $rph + i)) LOCAL_RANK=\$i LOCAL_WORLD_SIZE=$rph \
@@ -81,7 +99,7 @@ perf_rows() {
 sim_rows() {
     local topo=$1 algo=$2
     local args=(sim --topo "$topo" all_reduce -b "$minb" -e "$maxb" -f "$factor" --links 0)
-    [ "$algo" = ring ] && args+=(--algo ring)
+    [ "$algo" != auto ] && args+=(--algo "$algo")
     "$BIN" "${args[@]}" | awk '
         /^# algorithm: / { print "algo", $3 }
         /^ +[0-9]+ / { print $1, $6, $10 }'
@@ -163,10 +181,12 @@ for s in "${scenarios[@]}"; do
             "$per_msg" "$shm_msg"
         cat "$work/hosts-$s.toml"
     } >"$st"
+    # The same fabric whose core switch aggregates, for the agg rows.
+    { printf 'core_reduce_gbytes_per_s = %s\n' "$agg_reduce"; cat "$st"; } >"$st.agg"
     echo "== scenario $s: $hosts hosts x $rph rank(s), links $rates Gbit/s"
     printf '%-5s %-5s %10s %12s %12s %8s %12s %12s %8s\n' algo sim size meas_us pred_us err% meas_ip_us pred_ip_us err_ip%
-    for algo in auto ring; do
-        sim=$(sim_rows "$st" "$algo")
+    for algo in "${algos[@]}"; do
+        sim=$(sim_rows "$st$([ "$algo" = agg ] && echo .agg)" "$algo")
         name=$(echo "$sim" | awk '$1 == "algo" { print $2 }')
         meas=$(perf_rows "$rates" "$rph" "$rt" "$algo" all_reduce "$minb" "$maxb" "$factor")
         if [ -z "$meas" ]; then

@@ -116,6 +116,12 @@ impl Tuning {
                 Algorithm::Direct
             }
             Collective::AllReduce { .. } if small => Algorithm::RecursiveDoubling,
+            // An aggregator across hosts: each host's link carries its data once each way,
+            // where a ring's (or a two-tier schedule's rails) carry it 2(h-1)/h times (two
+            // hosts gain nothing). In two tiers, each rail streams through it.
+            Collective::AllReduce { .. } if self.aggregator && !self.all_shm && self.hosts > 2 => {
+                Algorithm::Aggregation
+            }
             // Several hosts of several ranks: reduce inside each host first, cross the network
             // once per rail.
             Collective::AllReduce { .. } | Collective::AllGather { .. } if self.two_tier => {
@@ -126,11 +132,6 @@ impl Tuning {
                 Algorithm::Hierarchical
             }
             Collective::Broadcast { .. } if self.two_tier && !small => Algorithm::Hierarchical,
-            // An aggregator across hosts: each rank's link carries its data once each way,
-            // where a ring's carries it 2(n-1)/n times (two ranks gain nothing).
-            Collective::AllReduce { .. } if self.aggregator && !self.all_shm && self.world > 2 => {
-                Algorithm::Aggregation
-            }
             // Uneven links: each rank reduces what its link can carry.
             Collective::AllReduce { .. } if !self.weights.is_empty() => Algorithm::Proportional,
             Collective::AllReduce { .. }
@@ -168,6 +169,7 @@ impl Tuning {
             rank,
             in_place,
             hosts: if algo == Algorithm::Hierarchical
+                || (algo == Algorithm::Aggregation && self.two_tier)
                 || (algo == Algorithm::Ring && self.interleaved)
             {
                 self.host_index.clone()
@@ -254,5 +256,42 @@ mod tests {
             false,
         );
         assert_eq!(b.algo, Algorithm::Hierarchical);
+    }
+
+    #[test]
+    fn an_aggregator_takes_large_all_reduces_across_more_than_two_hosts() {
+        let big = Collective::AllReduce { count: 1 << 24 };
+        let four = topo(
+            r#"{"hosts": [{"name": "a", "ranks": [0]}, {"name": "b", "ranks": [1]},
+                          {"name": "c", "ranks": [2]}, {"name": "d", "ranks": [3]}]}"#,
+        );
+        let mut t = Tuning::new(&four, true);
+        assert_eq!(t.choose(&big, 4).0, Algorithm::Ring);
+        t.aggregator = true;
+        assert_eq!(t.choose(&big, 4).0, Algorithm::Aggregation);
+        // Small calls keep their latency algorithm; other collectives theirs.
+        assert_eq!(
+            t.choose(&Collective::AllReduce { count: 16 }, 4).0,
+            Algorithm::RecursiveDoubling
+        );
+        assert_eq!(
+            t.choose(&Collective::AllGather { count: 1 << 24 }, 4).0,
+            Algorithm::Ring
+        );
+        // Two tiers of three hosts: each rail streams through it (the request has the hosts).
+        let tiers = topo(
+            r#"{"hosts": [{"name": "a", "ranks": [0, 1]}, {"name": "b", "ranks": [2, 3]},
+                          {"name": "c", "ranks": [4, 5]}]}"#,
+        );
+        let mut t = Tuning::new(&tiers, true);
+        t.aggregator = true;
+        let req = t.request(&big, 4, 0, false);
+        assert_eq!((req.algo, req.hosts.len()), (Algorithm::Aggregation, 6));
+        // Two hosts gain nothing from it: the two-tier schedule stays.
+        let two =
+            topo(r#"{"hosts": [{"name": "a", "ranks": [0, 1]}, {"name": "b", "ranks": [2, 3]}]}"#);
+        let mut t = Tuning::new(&two, true);
+        t.aggregator = true;
+        assert_eq!(t.choose(&big, 4).0, Algorithm::Hierarchical);
     }
 }

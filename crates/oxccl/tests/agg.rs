@@ -487,3 +487,44 @@ fn a_dead_member_is_named_on_every_other_rank() {
         );
     }
 }
+
+/// Two hosts of two ranks (shm inside, tcp across): the ranks of a host reduce first and each
+/// rail streams its half through the service, which receives each host's buffer once.
+#[test]
+fn two_tiers_stream_each_rail_through_the_service() {
+    let _g = serial();
+    let svc = service(1 << 20, 1);
+    let addr = svc.addr().to_string();
+    let comms = common::in_process(4, "two tiers", |rank| Options {
+        timeout: Duration::from_secs(60),
+        host_id: Some(format!("agg-tier-host-{}", rank / 2)),
+        algo: Some(Algorithm::Aggregation),
+        chunk_size: Some(16 << 10),
+        agg_addr: Some(addr.clone()),
+        topo_probe: Some(0),
+        ..Options::default()
+    });
+    let count = 100_003;
+    for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Prod] {
+        let (vals, reference) = exact_case(4, count, op, 99);
+        let inputs: Vec<Vec<u8>> = vals
+            .iter()
+            .map(|v| v.iter().flat_map(|&x| encode(DataType::F64, x)).collect())
+            .collect();
+        let want: Vec<u8> = reference
+            .iter()
+            .flat_map(|&x| encode(DataType::F64, x))
+            .collect();
+        for (r, got) in all_reduce(&comms, DataType::F64, op, &inputs)
+            .into_iter()
+            .enumerate()
+        {
+            assert!(got.expect("all-reduce") == want, "{op}: rank {r}");
+        }
+    }
+    let st = svc.stats();
+    assert_eq!(st.calls, 3);
+    // Two hosts' buffers per call, not four ranks'.
+    assert_eq!(st.bytes_in, 3 * 2 * count as u64 * 8);
+    destroy_all(comms);
+}

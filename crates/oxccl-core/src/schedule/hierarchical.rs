@@ -2,12 +2,13 @@
 //! then along the rails across hosts (the ranks with the same local index on every host), the
 //! tiers overlapping slice by slice.
 
+use super::aggregation::aggregation_slices;
 use super::direct::{
     Cut, direct_all_gather, direct_all_reduce_part, direct_reduce_scatter, even_cut, phase_slices,
 };
 use super::proportional::weighted_blocks;
 use super::ring::{ring_all_gather_part, ring_all_reduce_part};
-use super::{Buf, Builder, Done, NOTHING, Region, Request, split};
+use super::{Algorithm, Buf, Builder, Done, NOTHING, Region, Request, split};
 
 /// The longest rail a hierarchical schedule crosses with direct exchanges (every rank talks
 /// to its rail-mate on every other host); longer rails run a ring.
@@ -24,15 +25,24 @@ struct Tiers {
     ri: usize,
 }
 
-fn tiers(req: &Request) -> Tiers {
-    let mut ids: Vec<u32> = req.hosts.clone();
+/// Every host's ranks (hosts in ascending number, ranks ascending) of a host table.
+pub(super) fn host_groups(table: &[u32]) -> Vec<Vec<usize>> {
+    let mut ids: Vec<u32> = table.to_vec();
     ids.sort_unstable();
     ids.dedup();
     let mut hosts: Vec<Vec<usize>> = vec![Vec::new(); ids.len()];
-    for (x, h) in req.hosts.iter().enumerate() {
+    for (x, h) in table.iter().enumerate() {
         hosts[ids.binary_search(h).expect("listed")].push(x);
     }
-    let ri = ids.binary_search(&req.hosts[req.rank]).expect("its host");
+    hosts
+}
+
+fn tiers(req: &Request) -> Tiers {
+    let hosts = host_groups(&req.hosts);
+    let ri = hosts
+        .iter()
+        .position(|h| h.contains(&req.rank))
+        .expect("its host");
     let locals = hosts[ri].clone();
     let li = locals
         .iter()
@@ -159,6 +169,8 @@ pub(super) fn hierarchical_all_reduce(b: &mut Builder, req: &Request, count: usi
     //    soon as the first tier has reduced it.
     let p2 = if h == 1 {
         Done::default()
+    } else if req.algo == Algorithm::Aggregation {
+        aggregated_rail(b, req, (off, len), &after1)
     } else if h <= RAIL_DIRECT_MAX {
         let rblocks: Vec<(usize, usize)> =
             splits[li].iter().map(|&(o, sl)| (off + o, sl)).collect();
@@ -179,6 +191,30 @@ pub(super) fn hierarchical_all_reduce(b: &mut Builder, req: &Request, count: usi
         })
         .collect();
     direct_all_gather(b, &locals, r, (k1, &cut), &ready3, &rs1.sent);
+}
+
+/// The rail tier of an aggregation all-reduce in two tiers: this rank's local block, slice
+/// by slice ([`aggregation_slices`]), up to the aggregator (peer `world`) as soon as the first
+/// tier has reduced it, and the rail's sum back in its place.
+fn aggregated_rail(
+    b: &mut Builder,
+    req: &Request,
+    (off, len): (usize, usize),
+    after1: &dyn Fn(usize, usize) -> Vec<Option<u32>>,
+) -> Done {
+    let mut done = Done::default();
+    let k = aggregation_slices(len, req.chunk);
+    for s in 0..k {
+        let (so, sl) = split(len, k, s);
+        let r = Region::new(Buf::Output, off + so, sl);
+        let sent = b.send(req.world, 0, r, &after1(off + so, sl));
+        done.add(
+            off + so,
+            sl,
+            Some(b.recv(req.world, 0, r, None, &[Some(sent)])),
+        );
+    }
+    done
 }
 
 /// See `Algorithm::Hierarchical`: inside each host, a reduce-scatter of the blocks bound
@@ -365,7 +401,11 @@ mod tests {
                 },
             };
             // The same layouts order rings host by host.
-            for algo in [Algorithm::Hierarchical, Algorithm::Ring] {
+            for algo in [
+                Algorithm::Hierarchical,
+                Algorithm::Ring,
+                Algorithm::Aggregation,
+            ] {
                 if !algo.supports(&coll) {
                     continue;
                 }

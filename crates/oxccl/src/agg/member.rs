@@ -153,7 +153,13 @@ impl Contact {
 impl Membership {
     /// Names an aggregation call to the service, before its data (rank 0 only; the others'
     /// data carries their fingerprints, which the service checks against this).
-    pub(crate) fn announce(&mut self, rank: usize, desc: &OpDesc, chunk: usize) -> Result<()> {
+    pub(crate) fn announce(
+        &mut self,
+        rank: usize,
+        desc: &OpDesc,
+        chunk: usize,
+        hosts: &[u32],
+    ) -> Result<()> {
         if !self.names_calls {
             return Ok(());
         }
@@ -163,6 +169,7 @@ impl Membership {
             dtype: wire::dtype_code(desc.dtype),
             op: wire::op_code(desc.op),
             chunk: chunk as u64,
+            hosts: hosts.to_vec(),
         };
         wire::send(&mut self.ctl, &m).map_err(|e| Error::AggregatorFailed {
             rank,

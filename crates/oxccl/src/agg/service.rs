@@ -524,7 +524,7 @@ fn run_job(
 ) -> Result<u64, String> {
     let n = members.len();
     let timeout = Duration::from_millis(members[0].join.timeout_ms);
-    let mut plans: HashMap<(usize, usize, usize), Plan> = HashMap::new();
+    let mut plans: HashMap<(usize, usize, usize, Vec<u32>), Plan> = HashMap::new();
     let mut calls = 0u64;
     let _ = members[0].stream.set_read_timeout(Some(IDLE_TICK));
     for m in &members[1..] {
@@ -539,7 +539,8 @@ fn run_job(
                 dtype,
                 op,
                 chunk,
-            }) => (seq, count, dtype, op, chunk),
+                hosts,
+            }) => (seq, count, dtype, op, chunk, hosts),
             Ok(m) => return Err(format!("rank 0 sent {m:?} where a call belongs")),
             Err(e)
                 if matches!(
@@ -565,7 +566,7 @@ fn run_job(
             // own connections to it fail).
             Err(_) => return Ok(calls),
         };
-        let (seq, count, dtype, op, chunk) = call;
+        let (seq, count, dtype, op, chunk, hosts) = call;
         let (Some(&dtype), Some(&op)) = (
             DataType::ALL.get(dtype as usize),
             ReduceOp::ALL.get(op as usize),
@@ -576,7 +577,15 @@ fn run_job(
         };
         let (count, chunk) = (count as usize, (chunk as usize).max(1));
         let es = dtype.size();
-        let plan = match plans.get(&(count, chunk, es)) {
+        if !hosts.is_empty() && hosts.len() != n {
+            return Err(format!(
+                "rank 0 named a call with {} hosts for {n} ranks",
+                hosts.len()
+            ));
+        }
+        let key_hosts = hosts.clone();
+        let key = (count, chunk, es, hosts);
+        let plan = match plans.get(&key) {
             Some(p) => p,
             None => {
                 let req = Request {
@@ -588,15 +597,13 @@ fn run_job(
                     chunk,
                     channels: 1,
                     weights: Vec::new(),
-                    hosts: Vec::new(),
+                    hosts: key.3.clone(),
                 };
                 let sched = build_aggregator(&req, pool)?;
                 if plans.len() >= 64 {
                     plans.clear();
                 }
-                plans
-                    .entry((count, chunk, es))
-                    .or_insert(Plan::new(sched, false))
+                plans.entry(key).or_insert(Plan::new(sched, false))
             }
         };
         let desc = OpDesc {
@@ -622,9 +629,19 @@ fn run_job(
         }
         calls += 1;
         shared.calls.fetch_add(1, Ordering::Relaxed);
+        // Every member sends its buffer; in two tiers, every host (its rails) does.
+        let senders = match &key_hosts {
+            h if h.is_empty() => n,
+            h => {
+                let mut d = h.clone();
+                d.sort_unstable();
+                d.dedup();
+                d.len()
+            }
+        };
         shared
             .bytes_in
-            .fetch_add((count * es * n) as u64, Ordering::Relaxed);
+            .fetch_add((count * es * senders) as u64, Ordering::Relaxed);
     }
 }
 

@@ -50,6 +50,10 @@ pub(crate) enum Msg {
         dtype: u8,
         op: u8,
         chunk: u64,
+        /// Each rank's host, when the ranks reduce inside their hosts first and stream
+        /// along rails (two tiers); empty otherwise.
+        #[serde(default)]
+        hosts: Vec<u32>,
     },
 }
 

@@ -952,7 +952,7 @@ impl Communicator {
                     );
                 let mut p = Plan::new(build(&key.0).map_err(invalid)?, mailbox_ok);
                 if algo == Algorithm::Aggregation {
-                    p.agg_chunk = Some(chunk);
+                    p.agg = Some((chunk, key.0.hosts.clone()));
                 }
                 let s = Arc::new(p);
                 if st.cache.len() >= 256 {

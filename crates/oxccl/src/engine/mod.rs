@@ -74,9 +74,9 @@ pub(crate) struct Plan {
     mailbox: std::sync::OnceLock<bool>,
     /// The protocol's queues, derived on first use.
     queues: std::sync::OnceLock<std::result::Result<Queues, String>>,
-    /// An aggregation all-reduce's slice (elements): the call is named to the aggregation
-    /// service before it runs ([`crate::agg`]).
-    pub(crate) agg_chunk: Option<usize>,
+    /// An aggregation all-reduce's slice (elements) and host table (two tiers; else empty):
+    /// the call is named to the aggregation service before it runs ([`crate::agg`]).
+    pub(crate) agg: Option<(usize, Vec<u32>)>,
 }
 
 impl Plan {
@@ -93,7 +93,7 @@ impl Plan {
             sched,
             mailbox,
             queues: std::sync::OnceLock::new(),
-            agg_chunk: None,
+            agg: None,
         }
     }
 }
@@ -446,8 +446,8 @@ impl Engine {
         };
         for spec in specs {
             self.recent.push(spec.desc);
-            if let (Some(chunk), Some(agg)) = (spec.plan.agg_chunk, self.agg.as_mut()) {
-                agg.announce(self.rank, &spec.desc, chunk)?;
+            if let (Some((chunk, hosts)), Some(agg)) = (&spec.plan.agg, self.agg.as_mut()) {
+                agg.announce(self.rank, &spec.desc, *chunk, hosts)?;
             }
         }
         self.failed_by_notice = false;

@@ -77,7 +77,7 @@ perf_rows() {
     ring) algo_env="OXCCL_ALGO=ring" ;;
     agg)
         algo_env="OXCCL_ALGO=agg OXCCL_AGG_ADDR=10.77.0.254:29600"
-        switch=(--switch "$BIN agg --listen 10.77.0.254:29600 --quiet")
+        switch=(--switch "OXCCL_SECRET=sim-validate $BIN agg --listen 10.77.0.254:29600 --quiet")
         ;;
     esac
     bench/testbed.sh --rates "$mbit" "${switch[@]}" -- sh -c "

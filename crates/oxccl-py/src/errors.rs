@@ -75,6 +75,8 @@ pub fn classify(e: &oxccl::Error) -> (Kind, Option<usize>, Option<usize>) {
         E::Verbs { rank, .. } => (Kind::Error, Some(*rank), None),
         E::Timeout { rank, peer, .. } => (Kind::Timeout, Some(*rank), *peer),
         E::PeerFailed { rank, peer, .. } => (Kind::PeerFailed, Some(*rank), Some(*peer)),
+        // The aggregation service is the peer that failed (it has no rank of the job's).
+        E::AggregatorFailed { rank, .. } => (Kind::PeerFailed, Some(*rank), None),
         E::Mismatch { rank, .. } => (Kind::Mismatch, Some(*rank), None),
         E::Aborted { rank, .. } => (Kind::Aborted, Some(*rank), None),
         E::WaitTimeout { rank, .. } => (Kind::Timeout, Some(*rank), None),

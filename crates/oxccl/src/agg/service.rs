@@ -103,11 +103,10 @@ struct Member {
     nonce: [u8; 32],
 }
 
-/// A job some of whose members have joined.
+/// A job some of whose members have joined (removed from [`Shared::pending`] once taken:
+/// admitted or refused).
 struct Pending {
     members: Vec<Option<Member>>,
-    /// Set once the job is taken (admitted or refused): waiters leave.
-    gone: bool,
 }
 
 impl Service {
@@ -260,7 +259,6 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>) {
     let mut pending = shared.pending.lock().unwrap_or_else(|p| p.into_inner());
     let entry = pending.entry(key).or_insert_with(|| Pending {
         members: (0..world).map(|_| None).collect(),
-        gone: false,
     });
     let mut member = member;
     if let Some(why) = mismatch(entry, &member.join) {
@@ -270,8 +268,9 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>) {
     }
     entry.members[rank] = Some(member);
     if entry.members.iter().all(Option::is_some) {
-        let mut job = pending.remove(&key).unwrap_or_else(|| unreachable!());
-        job.gone = true;
+        let Some(job) = pending.remove(&key) else {
+            return;
+        };
         shared.joined.notify_all();
         drop(pending);
         let members = job.members.into_iter().flatten().collect();
@@ -282,8 +281,7 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>) {
     let deadline = Instant::now() + timeout;
     loop {
         let now = Instant::now();
-        let still = pending.get(&key).is_some_and(|p| !p.gone);
-        if !still {
+        if !pending.contains_key(&key) {
             return;
         }
         if now >= deadline {
@@ -549,7 +547,6 @@ fn run_job(
                 ) =>
             {
                 // Idle: has everyone left?
-                left[0] = false;
                 for (r, m) in members.iter().enumerate().skip(1) {
                     left[r] |= closed(&m.stream);
                 }
@@ -564,7 +561,15 @@ fn run_job(
             }
             // Rank 0 left (its communicator closed, or it died: the others then see their
             // own connections to it fail).
-            Err(_) => return Ok(calls),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                return Ok(calls);
+            }
+            Err(e) => return Err(format!("rank 0's control connection: {e}")),
         };
         let (seq, count, dtype, op, chunk, hosts) = call;
         let (Some(&dtype), Some(&op)) = (
@@ -583,7 +588,15 @@ fn run_job(
                 hosts.len()
             ));
         }
-        let key_hosts = hosts.clone();
+        // Every member sends its buffer; in two tiers, every host (its rails) does.
+        let senders = if hosts.is_empty() {
+            n
+        } else {
+            let mut d = hosts.clone();
+            d.sort_unstable();
+            d.dedup();
+            d.len()
+        };
         let key = (count, chunk, es, hosts);
         let plan = match plans.get(&key) {
             Some(p) => p,
@@ -629,16 +642,6 @@ fn run_job(
         }
         calls += 1;
         shared.calls.fetch_add(1, Ordering::Relaxed);
-        // Every member sends its buffer; in two tiers, every host (its rails) does.
-        let senders = match &key_hosts {
-            h if h.is_empty() => n,
-            h => {
-                let mut d = h.clone();
-                d.sort_unstable();
-                d.dedup();
-                d.len()
-            }
-        };
         shared
             .bytes_in
             .fetch_add((count * es * senders) as u64, Ordering::Relaxed);

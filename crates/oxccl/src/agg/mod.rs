@@ -22,6 +22,10 @@
 //! [`ServiceOptions::max_jobs`] are running) says so, and the job runs its other algorithms,
 //! saying so at `OXCCL_DEBUG=INFO`.
 //!
+//! Only all-reduces go through it: a reduce-scatter through a service moves `N` up and `N/n`
+//! down per rank where a ring moves `(n-1)/n · N` each way, an all-gather `N/n` up and `N`
+//! down; on full-duplex links neither carries less than its ring.
+//!
 //! ```
 //! use std::time::Duration;
 //! use oxccl::agg::{Service, ServiceOptions};

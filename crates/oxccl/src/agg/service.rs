@@ -24,6 +24,8 @@ const AUTH_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_UNADMITTED: usize = 256;
 /// How often an idle job looks at its members' connections.
 const IDLE_TICK: Duration = Duration::from_millis(100);
+/// How long a dropped service waits for its jobs to end.
+const STOP_WAIT: Duration = Duration::from_secs(5);
 
 /// How a [`Service`] runs.
 #[derive(Clone, Debug)]
@@ -77,7 +79,9 @@ pub struct ServiceStats {
     pub bytes_in: u64,
 }
 
-/// A running aggregation service; stops when dropped (running jobs end with it).
+/// A running aggregation service; stops when dropped: it admits no more members, and its
+/// running jobs end (each at its next idle moment; the drop waits up to 5 s for them), which
+/// their ranks see as the service's failure.
 pub struct Service {
     addr: SocketAddr,
     shared: Arc<Shared>,
@@ -178,6 +182,10 @@ impl Drop for Service {
         let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1));
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+        let t = Instant::now();
+        while self.shared.running.load(Ordering::Acquire) > 0 && t.elapsed() < STOP_WAIT {
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 }
@@ -530,6 +538,9 @@ fn run_job(
     }
     let mut left = vec![false; n];
     loop {
+        if shared.stop.load(Ordering::Acquire) {
+            return Ok(calls);
+        }
         let call = match wire::recv(&mut members[0].stream) {
             Ok(Msg::Call {
                 seq,
@@ -549,9 +560,6 @@ fn run_job(
                 // Idle: has everyone left?
                 for (r, m) in members.iter().enumerate().skip(1) {
                     left[r] |= closed(&m.stream);
-                }
-                if shared.stop.load(Ordering::Acquire) {
-                    return Ok(calls);
                 }
                 if members.len() > 1 && left[1..].iter().all(|&l| l) {
                     // The others are gone; rank 0 will see its connection close.

@@ -82,6 +82,10 @@ pub const TOPO_FILE_VAR: &str = "OXCCL_TOPO_FILE";
 pub struct Topology {
     /// The hosts; detected ones are in order of their lowest rank.
     pub hosts: Vec<Host>,
+    /// The network's aggregation service (`oxccl agg`), `host:port`, if it has one: jobs
+    /// join it as with `OXCCL_AGG_ADDR` (which wins).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aggregator: Option<String>,
 }
 
 /// One host: a group of ranks that reach each other without the network.
@@ -116,7 +120,10 @@ impl Topology {
             });
             hosts[h].ranks.push(rank);
         }
-        Topology { hosts }
+        Topology {
+            hosts,
+            aggregator: None,
+        }
     }
 
     /// Parses a topology from JSON (when the first non-blank character is `{`) or TOML. The
@@ -145,6 +152,13 @@ impl Topology {
     pub fn validate(&self, world: usize) -> Result<(), String> {
         if self.hosts.is_empty() {
             return Err("the topology has no hosts".into());
+        }
+        if let Some(a) = &self.aggregator
+            && !a.contains(':')
+        {
+            return Err(format!(
+                "aggregator {a:?} is not a host:port address (of `oxccl agg --listen`)"
+            ));
         }
         let mut names: HashMap<&str, usize> = HashMap::new();
         let mut seen: Vec<Option<usize>> = vec![None; world];
@@ -501,6 +515,7 @@ mod tests {
                 host("h0", &[0, 1], Some(1.0)),
                 host("h1", &[2, 3], Some(0.25)),
             ],
+            aggregator: None,
         }
     }
 
@@ -588,10 +603,18 @@ mod tests {
             }
         };
         two_by_two().validate(4).unwrap();
-        check(Topology { hosts: vec![] }, 0, &["no hosts"]);
+        check(
+            Topology {
+                hosts: vec![],
+                aggregator: None,
+            },
+            0,
+            &["no hosts"],
+        );
         check(
             Topology {
                 hosts: vec![host("h0", &[0, 1], None), host("h1", &[], None)],
+                aggregator: None,
             },
             2,
             &["host 1", "\"h1\"", "no ranks"],
@@ -599,6 +622,7 @@ mod tests {
         check(
             Topology {
                 hosts: vec![host("h0", &[0], None), host("h0", &[1], None)],
+                aggregator: None,
             },
             2,
             &["hosts 0 and 1", "\"h0\""],
@@ -606,6 +630,7 @@ mod tests {
         check(
             Topology {
                 hosts: vec![host(" ", &[0], None)],
+                aggregator: None,
             },
             1,
             &["host 0", "empty name"],
@@ -614,6 +639,7 @@ mod tests {
             check(
                 Topology {
                     hosts: vec![host("h0", &[0], None), host("h1", &[1], Some(bad))],
+                    aggregator: None,
                 },
                 2,
                 &["host 1", "\"h1\"", "link_gbps"],
@@ -622,6 +648,7 @@ mod tests {
         check(
             Topology {
                 hosts: vec![host("h0", &[0, 1], None), host("h1", &[1, 2], None)],
+                aggregator: None,
             },
             3,
             &["rank 1", "two hosts", "0 (\"h0\")", "1 (\"h1\")"],
@@ -629,6 +656,7 @@ mod tests {
         check(
             Topology {
                 hosts: vec![host("h0", &[0, 0], None)],
+                aggregator: None,
             },
             1,
             &["rank 0", "twice", "host 0"],
@@ -636,6 +664,7 @@ mod tests {
         check(
             Topology {
                 hosts: vec![host("h0", &[0, 1], None), host("h1", &[4], None)],
+                aggregator: None,
             },
             3,
             &["host 1", "rank 4", "3 ranks", "(0-2)"],
@@ -644,6 +673,7 @@ mod tests {
         check(
             Topology {
                 hosts: vec![host("h0", &[0, 2], None)],
+                aggregator: None,
             },
             3,
             &["rank 1 ", "no host"],
@@ -671,6 +701,7 @@ mod tests {
                 host("second", &[4, 6, 7], Some(0.5)),
                 host("h2", &[5], None),
             ],
+            aggregator: None,
         };
         let want = "\
 host  name    ranks  link
@@ -730,5 +761,20 @@ host  name                           ranks  link
             "{e}"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_file_names_the_aggregation_service() {
+        let t = Topology::parse(
+            "aggregator = \"10.0.0.254:29600\"\n[[hosts]]\nname = \"a\"\nranks = [0]\n",
+        )
+        .unwrap();
+        assert_eq!(t.aggregator.as_deref(), Some("10.0.0.254:29600"));
+        t.validate(1).unwrap();
+        let bad = Topology {
+            aggregator: Some("10.0.0.254".into()),
+            ..t
+        };
+        assert!(bad.validate(1).unwrap_err().contains("host:port"));
     }
 }

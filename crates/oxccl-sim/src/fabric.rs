@@ -480,7 +480,10 @@ impl Fabric {
                     }
                 })
                 .collect();
-            return oxccl_core::Topology { hosts };
+            return oxccl_core::Topology {
+                hosts,
+                aggregator: None,
+            };
         }
         let hosts = self
             .hosts
@@ -492,7 +495,10 @@ impl Fabric {
                 link_gbps: self.layout.host_gbps.get(h).copied().flatten(),
             })
             .collect();
-        oxccl_core::Topology { hosts }
+        oxccl_core::Topology {
+            hosts,
+            aggregator: None,
+        }
     }
 
     /// Completes a candidate automorphism given by where each node goes: `None` unless it is

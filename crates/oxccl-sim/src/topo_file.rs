@@ -88,6 +88,10 @@ pub const WAN_S_PER_KM: f64 = 5e-6;
 #[serde(deny_unknown_fields)]
 struct File {
     hosts: Option<Vec<HostSpec>>,
+    /// The runtime's aggregation service address: accepted (a runtime file is a simulator
+    /// file); the simulator's aggregation is `core_reduce_gbytes_per_s`.
+    #[allow(dead_code)]
+    aggregator: Option<String>,
     cluster: Option<ClusterSpec>,
     wan: Option<WanSpec>,
     reduce_gbytes_per_s: Option<f64>,
@@ -358,7 +362,10 @@ fn build_star(f: File) -> Result<Fabric, String> {
     let specs = f.hosts.as_ref().expect("hosts");
     // The runtime's checks first (every rank once, names unique, rates valid).
     let mut next = 0;
-    let mut topo = oxccl_core::Topology { hosts: Vec::new() };
+    let mut topo = oxccl_core::Topology {
+        hosts: Vec::new(),
+        aggregator: None,
+    };
     for (h, s) in specs.iter().enumerate() {
         let ranks = match &s.ranks {
             Ranks::List(r) => r.clone(),

@@ -393,6 +393,9 @@ fn a_mismatched_call_fails_every_rank() {
 /// The peer processes' entry point (a no-op unless `OXCCL_TEST_CHILD` is set).
 #[test]
 fn child_entry() {
+    // Holds SERIAL like every test here, so that none reads the environment while
+    // `the_topology_file_names_the_service` sets a variable.
+    let _g = serial();
     common::child_entry(|scenario, _| match scenario {
         "agg_loop" => agg_loop(),
         other => panic!("unknown scenario {other:?}"),
@@ -525,5 +528,45 @@ fn two_tiers_stream_each_rail_through_the_service() {
     assert_eq!(st.calls, 3);
     // Two hosts' buffers per call, not four ranks'.
     assert_eq!(st.bytes_in, 3 * 2 * count as u64 * 8);
+    destroy_all(comms);
+}
+
+/// A topology file that names the service: the job joins it without `OXCCL_AGG_ADDR`.
+#[test]
+fn the_topology_file_names_the_service() {
+    let _g = serial();
+    let svc = service(1 << 20, 1);
+    let dir = common::TempDir::new("agg-topo");
+    let file = dir.0.join("topo.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "aggregator = \"{}\"\n[[hosts]]\nname = \"a\"\nranks = [0]\n\
+             [[hosts]]\nname = \"b\"\nranks = [1]\n[[hosts]]\nname = \"c\"\nranks = [2]\n",
+            svc.addr()
+        ),
+    )
+    .unwrap();
+    // SAFETY: every test of this binary holds SERIAL (child_entry too), so no other thread
+    // reads or writes the environment meanwhile.
+    unsafe { std::env::set_var("OXCCL_TOPO_FILE", &file) };
+    let comms = common::in_process(3, "topology file", |rank| Options {
+        timeout: Duration::from_secs(60),
+        provider: Some(Provider::Tcp),
+        host_id: Some(format!("agg-topo-host-{rank}")),
+        algo: Some(Algorithm::Aggregation),
+        topo_probe: Some(0),
+        ..Options::default()
+    });
+    unsafe { std::env::remove_var("OXCCL_TOPO_FILE") };
+    let inputs = vec![encode(DataType::I32, 2.0).repeat(5000); 3];
+    for got in all_reduce(&comms, DataType::I32, ReduceOp::Sum, &inputs) {
+        assert!(got.expect("all-reduce") == encode(DataType::I32, 6.0).repeat(5000));
+    }
+    assert_eq!(
+        svc.stats().calls,
+        1,
+        "the call did not go through the service"
+    );
     destroy_all(comms);
 }

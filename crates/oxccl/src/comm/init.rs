@@ -318,10 +318,14 @@ impl Communicator {
                 ),
             });
         }
+        // A topology file may name the network's aggregation service; the variable wins.
+        if opts.agg_addr.is_none() {
+            opts.agg_addr.clone_from(&topology.aggregator);
+        }
         if opts.algo == Some(crate::schedule::Algorithm::Aggregation) && opts.agg_addr.is_none() {
             return Err(Error::Config(format!(
                 "rank {rank}: OXCCL_ALGO=agg needs an aggregation service to stream through: \
-                 set OXCCL_AGG_ADDR (see `oxccl agg`)"
+                 set OXCCL_AGG_ADDR, or `aggregator` in the topology file (see `oxccl agg`)"
             )));
         }
         // The aggregation service first: its host decides whether we talk shm or tcp to it.

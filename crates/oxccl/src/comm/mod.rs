@@ -99,7 +99,7 @@ pub struct Options {
     pub idle_yield: Duration,
     /// The aggregation service to join (`OXCCL_AGG_ADDR`, `host:port`; [`crate::agg`]): its
     /// all-reduces can then stream through it (`OXCCL_ALGO=agg`, or the tuner's choice
-    /// across hosts). Default: none.
+    /// across hosts). Default: the topology file's `aggregator`, if any.
     pub agg_addr: Option<String>,
 }
 

@@ -46,6 +46,16 @@ fn job(n: usize, svc: &Service, provider: Provider, chunk: usize) -> Vec<Communi
     })
 }
 
+/// The service's stats once it has counted `calls` calls (it counts after its side of a
+/// call ends, which may be after the ranks' sides did); at most 10 s.
+fn stats_after(svc: &Service, calls: u64) -> oxccl::agg::ServiceStats {
+    let t = std::time::Instant::now();
+    while svc.stats().calls < calls && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    svc.stats()
+}
+
 /// Destroys a job's communicators (a collective: all at once).
 fn destroy_all(comms: Vec<Communicator>) {
     std::thread::scope(|s| {
@@ -159,7 +169,7 @@ fn check_every_type(provider: Provider) {
             }
         }
     }
-    let stats = svc.stats();
+    let stats = stats_after(&svc, 12 * 4 * 3);
     assert_eq!(stats.jobs, 1);
     assert!(
         stats.calls >= 12 * 4 * 3,
@@ -524,7 +534,7 @@ fn two_tiers_stream_each_rail_through_the_service() {
             assert!(got.expect("all-reduce") == want, "{op}: rank {r}");
         }
     }
-    let st = svc.stats();
+    let st = stats_after(&svc, 3);
     assert_eq!(st.calls, 3);
     // Two hosts' buffers per call, not four ranks'.
     assert_eq!(st.bytes_in, 3 * 2 * count as u64 * 8);
@@ -564,9 +574,51 @@ fn the_topology_file_names_the_service() {
         assert!(got.expect("all-reduce") == encode(DataType::I32, 6.0).repeat(5000));
     }
     assert_eq!(
-        svc.stats().calls,
+        stats_after(&svc, 1).calls,
         1,
         "the call did not go through the service"
     );
+    destroy_all(comms);
+}
+
+/// A group of two aggregation all-reduces and an all-gather: the service runs the two as a
+/// group too (rank 0 names them together), in the turns the ranks take on their queues.
+#[test]
+fn a_group_of_aggregation_calls_runs_as_one() {
+    let _g = serial();
+    let svc = service(1 << 20, 1);
+    let n = 3;
+    // Small slices: each call streams many, so the two calls' fragments interleave.
+    let comms = job(n, &svc, Provider::Tcp, 4 << 10);
+    let results: Vec<(Vec<i64>, Vec<f32>, Vec<u32>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .enumerate()
+            .map(|(r, c)| {
+                s.spawn(move || {
+                    let mut a = vec![r as i64 + 1; 30_000];
+                    let mut b = vec![(r * 2) as f32; 20_001];
+                    let mine = vec![r as u32; 1000];
+                    let mut all = vec![0u32; 1000 * n];
+                    let mut g = c.group();
+                    g.all_reduce_in_place(&mut a, ReduceOp::Sum).unwrap();
+                    g.all_gather(&mine, &mut all).unwrap();
+                    g.all_reduce_in_place(&mut b, ReduceOp::Max).unwrap();
+                    g.end().expect("the group");
+                    (a, b, all)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, (a, b, all)) in results.iter().enumerate() {
+        assert!(a.iter().all(|&x| x == 6), "rank {r}: sum");
+        assert!(b.iter().all(|&x| x == 4.0), "rank {r}: max");
+        assert!(
+            all.iter().enumerate().all(|(i, &x)| x == (i / 1000) as u32),
+            "rank {r}: all-gather"
+        );
+    }
+    assert_eq!(stats_after(&svc, 2).calls, 2);
     destroy_all(comms);
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use oxccl_bootstrap::Secret;
 use oxccl_verbs::{QpEndpoint, RemoteBuffer};
 
-use super::wire::{self, ACCEPT_LABEL, JOIN_LABEL, Join, MAGIC, Msg};
+use super::wire::{self, ACCEPT_LABEL, CallDesc, JOIN_LABEL, Join, MAGIC, Msg};
 use crate::engine::Geometry;
 use crate::error::{Error, OpDesc, Result};
 
@@ -151,29 +151,33 @@ impl Contact {
 }
 
 impl Membership {
-    /// Names an aggregation call to the service, before its data (rank 0 only; the others'
-    /// data carries their fingerprints, which the service checks against this).
+    /// Names aggregation calls to the service before their data (rank 0 only; the others'
+    /// data carries their fingerprints, which the service checks against these): `calls`,
+    /// each with its slice (elements) and host table, run as one group.
     pub(crate) fn announce(
         &mut self,
         rank: usize,
-        desc: &OpDesc,
-        chunk: usize,
-        hosts: &[u32],
+        calls: &[(OpDesc, usize, &[u32])],
     ) -> Result<()> {
-        if !self.names_calls {
+        if !self.names_calls || calls.is_empty() {
             return Ok(());
         }
-        let m = Msg::Call {
-            seq: desc.seq,
-            count: desc.count,
-            dtype: wire::dtype_code(desc.dtype),
-            op: wire::op_code(desc.op),
-            chunk: chunk as u64,
-            hosts: hosts.to_vec(),
+        let m = Msg::Calls {
+            calls: calls
+                .iter()
+                .map(|(desc, chunk, hosts)| CallDesc {
+                    seq: desc.seq,
+                    count: desc.count,
+                    dtype: wire::dtype_code(desc.dtype),
+                    op: wire::op_code(desc.op),
+                    chunk: *chunk as u64,
+                    hosts: hosts.to_vec(),
+                })
+                .collect(),
         };
         wire::send(&mut self.ctl, &m).map_err(|e| Error::AggregatorFailed {
             rank,
-            op: desc.to_string(),
+            op: calls[0].0.to_string(),
             addr: self.addr.clone(),
             detail: format!("cannot name the call to it: {e}"),
         })

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use oxccl_bootstrap::Secret;
 use oxccl_verbs::{ConnectRole, Context, DeviceConfig, Provider, QpConfig, RemoteBuffer};
 
-use super::wire::{self, ACCEPT_LABEL, JOIN_LABEL, Join, MAGIC, Msg};
+use super::wire::{self, ACCEPT_LABEL, CallDesc, JOIN_LABEL, Join, MAGIC, Msg};
 use crate::engine::{AbortFlag, Bufs, CallSpec, Engine, Link, Plan};
 use crate::error::{Error, OpDesc};
 use crate::flight::Probe;
@@ -530,7 +530,7 @@ fn run_job(
 ) -> Result<u64, String> {
     let n = members.len();
     let timeout = Duration::from_millis(members[0].join.timeout_ms);
-    let mut plans: HashMap<(usize, usize, usize, Vec<u32>), Plan> = HashMap::new();
+    let mut plans: HashMap<PlanKey, Plan> = HashMap::new();
     let mut calls = 0u64;
     let _ = members[0].stream.set_read_timeout(Some(IDLE_TICK));
     for m in &members[1..] {
@@ -541,16 +541,9 @@ fn run_job(
         if shared.stop.load(Ordering::Acquire) {
             return Ok(calls);
         }
-        let call = match wire::recv(&mut members[0].stream) {
-            Ok(Msg::Call {
-                seq,
-                count,
-                dtype,
-                op,
-                chunk,
-                hosts,
-            }) => (seq, count, dtype, op, chunk, hosts),
-            Ok(m) => return Err(format!("rank 0 sent {m:?} where a call belongs")),
+        let named = match wire::recv(&mut members[0].stream) {
+            Ok(Msg::Calls { calls }) if !calls.is_empty() => calls,
+            Ok(m) => return Err(format!("rank 0 sent {m:?} where calls belong")),
             Err(e)
                 if matches!(
                     e.kind(),
@@ -579,81 +572,117 @@ fn run_job(
             }
             Err(e) => return Err(format!("rank 0's control connection: {e}")),
         };
-        let (seq, count, dtype, op, chunk, hosts) = call;
-        let (Some(&dtype), Some(&op)) = (
-            DataType::ALL.get(dtype as usize),
-            ReduceOp::ALL.get(op as usize),
-        ) else {
-            return Err(format!(
-                "rank 0 named a call with data type {dtype} and op {op}"
-            ));
-        };
-        let (count, chunk) = (count as usize, (chunk as usize).max(1));
-        let es = dtype.size();
-        if !hosts.is_empty() && hosts.len() != n {
-            return Err(format!(
-                "rank 0 named a call with {} hosts for {n} ranks",
-                hosts.len()
-            ));
+        // The calls rank 0 named together run together (a group), as on the ranks.
+        let mut keyed = Vec::with_capacity(named.len());
+        for c in &named {
+            let (key, desc) = plan_key(c, n)?;
+            if !plans.contains_key(&key) {
+                let sched = build_aggregator(&key.request(n), pool)?;
+                if plans.len() >= 64 {
+                    plans.clear();
+                }
+                plans.insert(key.clone(), Plan::new(sched, false));
+            }
+            keyed.push((key, desc));
         }
-        // Every member sends its buffer; in two tiers, every host (its rails) does.
-        let senders = if hosts.is_empty() {
+        let specs: Vec<CallSpec<'_>> = keyed
+            .iter()
+            .map(|(key, desc)| CallSpec {
+                plan: &plans[key],
+                desc: *desc,
+                dtype: desc.dtype,
+                op: desc.op,
+                bufs: Bufs::EMPTY,
+                in_place: None,
+            })
+            .collect();
+        // The last member may start its call up to a timeout after rank 0.
+        if let Err(e) = engine.execute_group(&specs, timeout * 2) {
+            tell_members(&mut engine, &e, n);
+            return Err(e.to_string());
+        }
+        calls += specs.len() as u64;
+        shared
+            .calls
+            .fetch_add(specs.len() as u64, Ordering::Relaxed);
+        let bytes: usize = keyed.iter().map(|(k, _)| k.bytes_in(n)).sum();
+        shared.bytes_in.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+}
+
+/// What an aggregator's schedule depends on: count, chunk, element size, host table.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct PlanKey {
+    count: usize,
+    chunk: usize,
+    es: usize,
+    hosts: Vec<u32>,
+}
+
+impl PlanKey {
+    /// The aggregator's request for a job of `n` ranks.
+    fn request(&self, n: usize) -> Request {
+        Request {
+            coll: Collective::AllReduce { count: self.count },
+            world: n,
+            rank: n,
+            in_place: false,
+            algo: Algorithm::Aggregation,
+            chunk: self.chunk,
+            channels: 1,
+            weights: Vec::new(),
+            hosts: self.hosts.clone(),
+        }
+    }
+
+    /// Bytes the service receives: every member's buffer; in two tiers, every host's (its
+    /// rails').
+    fn bytes_in(&self, n: usize) -> usize {
+        let senders = if self.hosts.is_empty() {
             n
         } else {
-            let mut d = hosts.clone();
+            let mut d = self.hosts.clone();
             d.sort_unstable();
             d.dedup();
             d.len()
         };
-        let key = (count, chunk, es, hosts);
-        let plan = match plans.get(&key) {
-            Some(p) => p,
-            None => {
-                let req = Request {
-                    coll: Collective::AllReduce { count },
-                    world: n,
-                    rank: n,
-                    in_place: false,
-                    algo: Algorithm::Aggregation,
-                    chunk,
-                    channels: 1,
-                    weights: Vec::new(),
-                    hosts: key.3.clone(),
-                };
-                let sched = build_aggregator(&req, pool)?;
-                if plans.len() >= 64 {
-                    plans.clear();
-                }
-                plans.entry(key).or_insert(Plan::new(sched, false))
-            }
-        };
-        let desc = OpDesc {
-            seq,
-            coll: CollectiveKind::AllReduce,
-            count: count as u64,
-            dtype,
-            op,
-            root: None,
-        };
-        let spec = CallSpec {
-            plan,
-            desc,
-            dtype,
-            op,
-            bufs: Bufs::EMPTY,
-            in_place: None,
-        };
-        // The last member may start its call up to a timeout after rank 0.
-        if let Err(e) = engine.execute(&spec, timeout * 2) {
-            tell_members(&mut engine, &e, n);
-            return Err(e.to_string());
-        }
-        calls += 1;
-        shared.calls.fetch_add(1, Ordering::Relaxed);
-        shared
-            .bytes_in
-            .fetch_add((count * es * senders) as u64, Ordering::Relaxed);
+        self.count * self.es * senders
     }
+}
+
+/// A named call's plan key and fingerprint, checked.
+fn plan_key(c: &CallDesc, n: usize) -> Result<(PlanKey, OpDesc), String> {
+    let (Some(&dtype), Some(&op)) = (
+        DataType::ALL.get(c.dtype as usize),
+        ReduceOp::ALL.get(c.op as usize),
+    ) else {
+        return Err(format!(
+            "rank 0 named a call with data type {} and op {}",
+            c.dtype, c.op
+        ));
+    };
+    if !c.hosts.is_empty() && c.hosts.len() != n {
+        return Err(format!(
+            "rank 0 named a call with {} hosts for {n} ranks",
+            c.hosts.len()
+        ));
+    }
+    let count = usize::try_from(c.count).map_err(|_| format!("count {}", c.count))?;
+    let key = PlanKey {
+        count,
+        chunk: (c.chunk as usize).max(1),
+        es: dtype.size(),
+        hosts: c.hosts.clone(),
+    };
+    let desc = OpDesc {
+        seq: c.seq,
+        coll: CollectiveKind::AllReduce,
+        count: c.count,
+        dtype,
+        op,
+        root: None,
+    };
+    Ok((key, desc))
 }
 
 /// A failed call: tells every member whom to blame.

@@ -43,18 +43,26 @@ pub(crate) enum Msg {
     /// Service → member: not admitted, and why. `busy`: the service has no room now (the
     /// job runs without it); otherwise the job is wrong (a stranger, mismatched members).
     Refused { reason: String, busy: bool },
-    /// Rank 0 → service: the next aggregation call, before its data.
-    Call {
-        seq: u64,
-        count: u64,
-        dtype: u8,
-        op: u8,
-        chunk: u64,
-        /// Each rank's host, when the ranks reduce inside their hosts first and stream
-        /// along rails (two tiers); empty otherwise.
-        #[serde(default)]
-        hosts: Vec<u32>,
-    },
+    /// Rank 0 → service: the next aggregation calls, before their data; several when the
+    /// ranks run them as a group (together, in turns on the queues they share).
+    Calls { calls: Vec<CallDesc> },
+}
+
+/// One aggregation call, as rank 0 names it.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct CallDesc {
+    pub seq: u64,
+    pub count: u64,
+    /// [`dtype_code`].
+    pub dtype: u8,
+    /// [`op_code`].
+    pub op: u8,
+    /// Elements per slice.
+    pub chunk: u64,
+    /// Each rank's host, when the ranks reduce inside their hosts first and stream along
+    /// rails (two tiers); empty otherwise.
+    #[serde(default)]
+    pub hosts: Vec<u32>,
 }
 
 /// A member's join.

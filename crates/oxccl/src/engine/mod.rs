@@ -446,9 +446,13 @@ impl Engine {
         };
         for spec in specs {
             self.recent.push(spec.desc);
-            if let (Some((chunk, hosts)), Some(agg)) = (&spec.plan.agg, self.agg.as_mut()) {
-                agg.announce(self.rank, &spec.desc, *chunk, hosts)?;
-            }
+        }
+        if let Some(agg) = self.agg.as_mut() {
+            let named: smallvec::SmallVec<[(OpDesc, usize, &[u32]); 2]> = specs
+                .iter()
+                .filter_map(|s| s.plan.agg.as_ref().map(|(c, h)| (s.desc, *c, h.as_slice())))
+                .collect();
+            agg.announce(self.rank, &named)?;
         }
         self.failed_by_notice = false;
         self.regs.refresh(&self.registry);

@@ -104,7 +104,10 @@ struct Shared {
 struct Member {
     stream: TcpStream,
     join: Box<Join>,
+    /// The service's challenge to it.
     nonce: [u8; 32],
+    /// The secret it proved (an index into [`ServiceOptions::secrets`]).
+    tenant: usize,
 }
 
 /// A job some of whose members have joined (removed from [`Shared::pending`] once taken:
@@ -263,6 +266,7 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>) {
         stream,
         join,
         nonce: ns,
+        tenant,
     };
     let mut pending = shared.pending.lock().unwrap_or_else(|p| p.into_inner());
     let entry = pending.entry(key).or_insert_with(|| Pending {
@@ -473,9 +477,9 @@ fn connect_job(members: &mut [Member], opts: &ServiceOptions) -> Result<(Engine,
     let share = opts.pool_bytes / opts.max_jobs;
     let pool = (share / geo.slot_data.max(1)).max(2);
     for (r, m) in members.iter_mut().enumerate() {
-        let proof = find_secret(opts, &m.join, &m.nonce)
-            .map(|s| s.mac_of(ACCEPT_LABEL, &[&m.join.nonce, &m.nonce]).to_vec())
-            .unwrap_or_default();
+        let proof = opts.secrets[m.tenant]
+            .mac_of(ACCEPT_LABEL, &[&m.join.nonce, &m.nonce])
+            .to_vec();
         let accept = Msg::Accept {
             proof,
             endpoint: links[r].qp.endpoint(),
@@ -511,13 +515,6 @@ fn connect_job(members: &mut [Member], opts: &ServiceOptions) -> Result<(Engine,
     );
     engine.mailbox_allowed = false;
     Ok((engine, pool))
-}
-
-/// The secret `join` proved (checked again: the member is known to have proven one).
-fn find_secret<'a>(opts: &'a ServiceOptions, join: &Join, ns: &[u8; 32]) -> Option<&'a Secret> {
-    opts.secrets
-        .iter()
-        .find(|s| s.verify_mac(JOIN_LABEL, &[ns, &join.nonce, &join.claims()], &join.proof))
 }
 
 /// Runs the job's calls as rank 0 names them, until every member has left or a call fails.

@@ -28,6 +28,10 @@ def dtypes() -> list[str]:
     """The data type names ``dtype=`` accepts (nccl-tests spelling; aliases such as
     ``float32``, ``bf16``, ``fp16`` also work)."""
 
+def compress_format(name: Optional[str]) -> Optional[str]:
+    """The canonical name of a compress= value ("bfp8", "bfp4/64"), None for None/"off"/"none";
+    ValueError naming the allowed values otherwise."""
+    ...
 def _fp8_convert(data: bytes, dtype: str, widen: bool = False) -> bytes:
     """Test hook, not a stable API: native-endian float32 values rounded to 8-bit float codes
     (``f8e4m3``/``f8e5m2``) as the reductions round them, or (``widen=True``) codes widened to
@@ -78,11 +82,19 @@ class Communicator:
     timeout: float
     def all_reduce(self, tensor: Buffer, op: Optional[Op] = None, *, out: Optional[Buffer] = None,
                    dtype: Optional[str] = None, async_op: bool = False,
-                   timeout: Optional[float] = None) -> Any: ...
+                   timeout: Optional[float] = None, compress: Optional[str] = None,
+                   residual: Optional[Buffer] = None) -> Any:
+        """op over ranks, in place or into out. compress="bfp8" ("bfp4", "bfp8/16", ...; None
+        or "off": exact) sums float32/float16/bfloat16 compressed, in place, as
+        all_reduce_compressed (sum only, no out, no timeout)."""
+        ...
     def all_reduce_compressed(self, tensor: Buffer, compress: str = "bfp8", *,
-                              dtype: Optional[str] = None) -> None:
+                              dtype: Optional[str] = None, residual: Optional[Buffer] = None,
+                              async_op: bool = False) -> Any:
         """Sum in place, compressed with block floating point ("bfp8", "bfp4", "bfp8/16", ...):
-        float32, float16 or bfloat16; the same bits on every rank. Blocking."""
+        float32, float16 or bfloat16; the same bits on every rank. residual (same type and
+        length) receives this rank's quantisation error x - Q(x) at the agreed block exponents
+        (error feedback). Returns the tensor, or a Work with async_op=True."""
         ...
     def reduce_scatter(self, input: Buffer, output: Optional[Buffer] = None, op: Optional[Op] = None, *,
                        dtype: Optional[str] = None, async_op: bool = False,

@@ -12,6 +12,7 @@ use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use oxccl::compress::{self, Format};
 use oxccl::schedule::Collective;
 use oxccl::{Buffers, CallBuffers, Communicator, DataType, Options, ReduceOp};
 use oxccl_bootstrap::Bootstrap;
@@ -159,6 +160,85 @@ fn run_views(
         Some(t) => c.run_timeout(coll, dtype, op, bufs, t),
         None => c.run(coll, dtype, op, bufs),
     }
+}
+
+/// A `compress=` value: `None`, `"off"` or `"none"` for none, else a BFP format's name.
+pub(crate) fn parse_compress(s: Option<&str>) -> PyResult<Option<Format>> {
+    match s {
+        None | Some("off") | Some("none") => Ok(None),
+        Some(s) => s.parse().map(Some).map_err(|e| {
+            errors::value_error(format!(
+                "compress={s:?}: {e}; or \"off\" (bfp8, bfp4, bfp8/16, bfp4/64, ...)"
+            ))
+        }),
+    }
+}
+
+/// The compressed sum of `views[0]` in place, this rank's quantisation error first written
+/// into `views[1]` when there is one.
+fn run_compressed(
+    c: &Communicator,
+    views: &[View],
+    dtype: DataType,
+    fmt: Format,
+) -> oxccl::Result<()> {
+    // SAFETY: the views are this call's own, writable (checked when they were made), do not
+    // overlap (checked by `compressed`), and alive until it returns.
+    let buf = unsafe { views[0].bytes_mut() };
+    if let Some(r) = views.get(1) {
+        let res = unsafe { r.bytes_mut() };
+        match dtype {
+            DataType::F32 => residual::<f32>(c, buf, res, fmt)?,
+            DataType::F16 => residual::<half::f16>(c, buf, res, fmt)?,
+            DataType::Bf16 => residual::<half::bf16>(c, buf, res, fmt)?,
+            _ => {}
+        }
+    }
+    c.all_reduce_compressed_bytes(buf, dtype, fmt)
+}
+
+/// `res = x − Q(x)`, `Q` the quantisation at the block exponents the ranks agree on (a max
+/// all-reduce of every rank's exponents: those the compressed all-reduce then computes and
+/// uses). Zero in a block that holds a NaN or an infinity on some rank (its sum is NaN; a
+/// residual should not carry that into later calls).
+fn residual<T: compress::Float + bytemuck::Pod>(
+    c: &Communicator,
+    x: &[u8],
+    res: &mut [u8],
+    fmt: Format,
+) -> oxccl::Result<()> {
+    let me = c.rank();
+    let bad = |msg: String| oxccl::Error::InvalidArgument {
+        rank: me,
+        msg: format!("compressed all_reduce ({fmt}): residual: {msg}"),
+    };
+    let cast = |e: bytemuck::PodCastError| bad(format!("not whole, aligned values ({e:?})"));
+    let x: &[T] = bytemuck::try_cast_slice(x).map_err(cast)?;
+    let res: &mut [T] = bytemuck::try_cast_slice_mut(res).map_err(cast)?;
+    let codec = |e: compress::CodecError| bad(e.to_string());
+    let n = x.len();
+    let mut xf = vec![0f32; n];
+    T::widen(x, &mut xf);
+    let mut exps = vec![0u8; compress::block_count(n, fmt.block)];
+    compress::block_exponents(&xf, fmt, &mut exps).map_err(codec)?;
+    c.all_reduce_in_place(&mut exps, ReduceOp::Max)?;
+    let mut mant = vec![0i8; n];
+    compress::quantize(&xf, &exps, fmt, &mut mant).map_err(codec)?;
+    let mut q = vec![0f32; n];
+    compress::dequantize(&mant, &exps, fmt, &mut q).map_err(codec)?;
+    let b = fmt.block.values();
+    for ((xs, qs), &e) in xf.chunks_mut(b).zip(q.chunks(b)).zip(&exps) {
+        for (x, &q) in xs.iter_mut().zip(qs) {
+            // Exact in f32: q is x rounded to a multiple of the block's unit.
+            *x = if e == compress::NON_FINITE {
+                0.0
+            } else {
+                *x - q
+            };
+        }
+    }
+    T::narrow(&xf, res);
+    Ok(())
 }
 
 fn parse_op(op: Option<&Bound<'_, PyAny>>) -> PyResult<ReduceOp> {
@@ -419,6 +499,84 @@ impl PyCommunicator {
         }
     }
 
+    /// A compressed sum all-reduce of `tensor` in place (with this rank's quantisation error
+    /// into `residual` when given): blocking, or submitted to the worker.
+    fn compressed(
+        &self,
+        py: Python<'_>,
+        tensor: &Bound<'_, PyAny>,
+        fmt: Format,
+        dtype: Option<&str>,
+        residual: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let name = format!("all_reduce (compress={fmt})");
+        let v = self.view(
+            py,
+            tensor,
+            &format!("{name}: the tensor"),
+            true,
+            parse_dtype(dtype)?,
+        )?;
+        let dt = v.dtype();
+        if !matches!(dt, DataType::F32 | DataType::F16 | DataType::Bf16) {
+            return Err(self.invalid(
+                py,
+                format!("{name}: compression sums float32, float16 or bfloat16 values, not {dt}"),
+            ));
+        }
+        let mut views = vec![v];
+        if let Some(r) = residual {
+            let rv = self.view(py, r, &format!("{name}: the residual"), true, None)?;
+            let v = &views[0];
+            if rv.dtype() != dt || rv.count() != v.count() {
+                return Err(self.invalid(
+                    py,
+                    format!(
+                        "{name}: the residual is {} {} values; the tensor's {} {dt}",
+                        rv.count(),
+                        rv.dtype(),
+                        v.count()
+                    ),
+                ));
+            }
+            let overlap =
+                !v.is_empty() && v.addr() < rv.addr() + rv.len() && rv.addr() < v.addr() + v.len();
+            if overlap {
+                return Err(self.invalid(
+                    py,
+                    format!("{name}: the residual shares memory with the tensor"),
+                ));
+            }
+            views.push(rv);
+        }
+        let comm = self.get(py)?;
+        if !async_op {
+            let r = py.detach(|| run_compressed(&comm, &views, dt, fmt));
+            drop(views);
+            r.map_err(|e| errors::to_py(py, &e))?;
+            return Ok(tensor.clone().unbind());
+        }
+        let what = format!("{name} of {} {dt} elements", views[0].count());
+        let shared = Shared::new(
+            what,
+            self.rank,
+            comm.timeout(),
+            views,
+            Some(tensor.clone().unbind()),
+        );
+        let views = shared.take_views();
+        let s = shared.clone();
+        // Runs alone on the worker, after every call made before it: the order of
+        // collectives stays the order of calls on every rank.
+        drop(comm.submit(move |c| {
+            let r = run_compressed(c, &views, dt, fmt);
+            s.finish(views, r);
+            Ok(())
+        }));
+        Ok(Py::new(py, PyWork::new(shared))?.into_any())
+    }
+
     fn check_rank(&self, py: Python<'_>, what: &str, r: usize) -> PyResult<()> {
         if r >= self.world {
             return Err(self.invalid(
@@ -601,33 +759,36 @@ impl PyCommunicator {
     /// `tensor = sum over ranks of tensor`, in place, compressed with block floating point
     /// (`compress`: `"bfp8"`, `"bfp4"`, `"bfp8/16"`, ...): float32, float16 or bfloat16 values;
     /// the result is the same bits on every rank, within one quantisation per rank of the
-    /// exact sum (`Communicator::all_reduce_compressed` in the Rust crate). Blocking.
-    #[pyo3(signature = (tensor, compress="bfp8", *, dtype=None))]
+    /// exact sum (`Communicator::all_reduce_compressed` in the Rust crate).
+    ///
+    /// `residual` (a writable buffer of the tensor's type and length), when given, receives
+    /// this rank's quantisation error `x − Q(x)`: the input minus its value quantised at the
+    /// block exponents the ranks agree on (what the sum actually added for this rank), for error
+    /// feedback; that costs one more max all-reduce of one byte per block. Blocking, or with
+    /// `async_op=True` an `oxccl.Work` (run on the communicator's worker, in call order).
+    #[pyo3(signature = (tensor, compress="bfp8", *, dtype=None, residual=None, async_op=false))]
     fn all_reduce_compressed(
         &self,
         py: Python<'_>,
         tensor: &Bound<'_, PyAny>,
         compress: &str,
         dtype: Option<&str>,
+        residual: Option<&Bound<'_, PyAny>>,
+        async_op: bool,
     ) -> PyResult<Py<PyAny>> {
         let fmt: oxccl::compress::Format = compress
             .parse()
             .map_err(|e| errors::value_error(format!("compress={compress:?}: {e}")))?;
-        let v = self.view(py, tensor, "tensor", true, parse_dtype(dtype)?)?;
-        let comm = self.get(py)?;
-        let r = py.detach(|| {
-            // SAFETY: the view is this call's only one, writable (asked for above), and alive
-            // until the call returns.
-            let bytes = unsafe { v.bytes_mut() };
-            comm.all_reduce_compressed_bytes(bytes, v.dtype(), fmt)
-        });
-        drop(v);
-        r.map_err(|e| errors::to_py(py, &e))?;
-        Ok(py.None())
+        self.compressed(py, tensor, fmt, dtype, residual, async_op)
     }
 
     /// `tensor = op over ranks of tensor`, in place; with `out`, the result goes there.
-    #[pyo3(signature = (tensor, op=None, *, out=None, dtype=None, async_op=false, timeout=None))]
+    ///
+    /// `compress="bfp8"` (`"bfp4"`, `"bfp8/16"`, ...; `None` or `"off"`: exact) sums float32,
+    /// float16 or bfloat16 values compressed with block floating point, in place, as
+    /// `all_reduce_compressed` (with its `residual=`); it takes only the sum, no `out` and no
+    /// `timeout` (the communicator's applies).
+    #[pyo3(signature = (tensor, op=None, *, out=None, dtype=None, async_op=false, timeout=None, compress=None, residual=None))]
     #[allow(clippy::too_many_arguments)]
     fn all_reduce(
         &self,
@@ -638,8 +799,32 @@ impl PyCommunicator {
         dtype: Option<&str>,
         async_op: bool,
         timeout: Option<f64>,
+        compress: Option<&str>,
+        residual: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         let op = parse_op(op)?;
+        if let Some(fmt) = parse_compress(compress)? {
+            let refuse =
+                |what: &str| Err(self.invalid(py, format!("all_reduce: compress={fmt} {what}")));
+            if op != ReduceOp::Sum {
+                return refuse(&format!("sums; op={op:?} is not supported compressed"));
+            }
+            if out.is_some() {
+                return refuse("runs in place; leave out out=");
+            }
+            if timeout.is_some() {
+                return refuse("runs under the communicator's timeout; leave out timeout=");
+            }
+            return self.compressed(py, tensor, fmt, dtype, residual, async_op);
+        }
+        if residual.is_some() {
+            return Err(self.invalid(
+                py,
+                "all_reduce: residual= is the quantisation error of a compressed call; it needs \
+                 compress="
+                    .into(),
+            ));
+        }
         let p = self.simple(
             py,
             "all_reduce",

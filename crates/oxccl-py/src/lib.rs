@@ -120,6 +120,14 @@ fn fp8_convert<'py>(
     Ok(pyo3::types::PyBytes::new(py, &out))
 }
 
+/// The canonical name of a `compress=` value (`"bfp8"`, `"bfp4/64"`, ...), or None for `None`,
+/// `"off"` and `"none"`; a ValueError naming the allowed values otherwise.
+#[pyfunction]
+#[pyo3(signature = (name))]
+fn compress_format(name: Option<&str>) -> PyResult<Option<String>> {
+    Ok(comm::parse_compress(name)?.map(|f| f.to_string()))
+}
+
 /// The module `oxccl._oxccl`.
 #[pymodule]
 fn _oxccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -132,6 +140,7 @@ fn _oxccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<kv::PyKvMetadataServer>()?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
     m.add_function(wrap_pyfunction!(fp8_convert, m)?)?;
+    m.add_function(wrap_pyfunction!(compress_format, m)?)?;
     m.add_function(wrap_pyfunction!(work::at_exit, m)?)?;
     // Completion callbacks must not start while the interpreter finalizes.
     let atexit = m.py().import("atexit")?;

@@ -10,12 +10,28 @@ calls made with ``async_op=False`` run on the calling thread (no hand-off), the 
 communicator's worker thread, in the order they were made. Reductions: SUM, AVG, PRODUCT, MIN,
 MAX (complex tensors: SUM and AVG). ``OXCCL_TIMEOUT`` (seconds), when set, wins over the
 ``timeout`` of ``init_process_group``.
+
+Compression (block floating point, issue 17): ``OXCCL_COMPRESS=bfp8|bfp4|bfp8/16|...|off``
+(default off), read when a group is created, makes the group's SUM and AVG all-reduces of
+float32, float16 and bfloat16 tensors compressed (``Communicator.all_reduce(...,
+compress=...)``: exact integer sums at a common block exponent, the same bits on every rank,
+within one quantisation per rank of the exact sum); ``group.compress`` changes it per group,
+and ``with oxccl.torch.compressed("bfp4"):`` (or ``compressed("off")``) overrides every group
+of the process inside the block. Every other all-reduce (other dtypes, PRODUCT/MIN/MAX,
+complex tensors) and every other collective stays exact; with ``OXCCL_DEBUG=INFO`` the group
+says so on stderr, once per dtype and operator. A compressed call runs alone on the
+communicator's worker, after the calls made before it.
+
+For training, ``bfp_hook`` with a ``BfpState`` is a DDP communication hook that compresses the
+gradient buckets with error feedback (a residual per bucket).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import sys
 import threading
 import time
 import weakref
@@ -27,7 +43,15 @@ import torch.distributed as dist
 from . import _oxccl
 from .errors import InvalidArgument
 
-__all__ = ["ProcessGroupOxccl", "BACKEND", "communicators"]
+__all__ = [
+    "ProcessGroupOxccl",
+    "BACKEND",
+    "communicators",
+    "compressed",
+    "BfpState",
+    "bfp_hook",
+    "backend",
+]
 
 BACKEND = "oxccl"
 
@@ -170,6 +194,58 @@ def _defaults() -> dict:
     return {k: v for k, v in _DEFAULTS.items() if k not in os.environ}
 
 
+# -- compression ---------------------------------------------------------------------------
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_COMPRESS_VALUES = "bfp8, bfp4, optionally /16, /32 or /64 (bfp8/16, bfp4/64), or off"
+
+
+def _format(value: Optional[str], what: str) -> Optional[str]:
+    """The canonical BFP format name of ``value`` (None for None, "" and "off"), or a
+    ValueError naming ``what`` and the allowed values."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"{what}={value!r}: expected a string: {_COMPRESS_VALUES}")
+    try:
+        return _oxccl.compress_format(value.strip().lower())
+    except ValueError:
+        raise ValueError(f"{what}={value!r} is not a compression: {_COMPRESS_VALUES}") from None
+
+
+def _env_compress() -> Optional[str]:
+    return _format(os.environ.get("OXCCL_COMPRESS"), "OXCCL_COMPRESS")
+
+
+# The process-wide override of ``compressed()``: a stack of formats (None: off), innermost last.
+_SCOPE: list = []
+_SCOPE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def compressed(compress: Optional[str] = "bfp8"):
+    """Inside the block, every "oxccl" group of this process compresses its float32, float16
+    and bfloat16 SUM/AVG all-reduces with ``compress`` ("bfp8", "bfp4", "bfp8/16", ...), or
+    none with ``"off"``/None, whatever ``OXCCL_COMPRESS`` or ``group.compress`` say. The
+    override is process-wide (DDP's reducer may call from another thread), so enter it on every
+    rank around the same calls. Nested blocks: the innermost wins.
+
+        with oxccl.torch.compressed("bfp4"):
+            dist.all_reduce(grad)
+    """
+    fmt = _format(compress if compress not in ("off", "none") else None, "compress")
+    with _SCOPE_LOCK:
+        _SCOPE.append(fmt)
+    try:
+        yield fmt
+    finally:
+        with _SCOPE_LOCK:
+            _SCOPE.pop()
+
+
+def _debug_info() -> bool:
+    return os.environ.get("OXCCL_DEBUG", "").upper() in ("INFO", "DEBUG", "TRACE")
+
+
 class ProcessGroupOxccl(dist.ProcessGroup):
     """The ``"oxccl"`` backend: a ``torch.distributed.ProcessGroup`` over an
     ``oxccl.Communicator`` joined through the store torch hands it."""
@@ -178,6 +254,9 @@ class ProcessGroupOxccl(dist.ProcessGroup):
         super().__init__(rank, size)
         env = os.environ.get("OXCCL_TIMEOUT")
         seconds = None if env else _seconds(timeout)
+        # Checked before joining: a bad value fails every rank alike, at once.
+        self._compress: Optional[str] = _env_compress()
+        self._noted: set = set()
         self._comm = _oxccl.Communicator(
             store=store,
             rank=rank,
@@ -187,6 +266,51 @@ class ProcessGroupOxccl(dist.ProcessGroup):
             options=_defaults(),
         )
         self._coalescing: Optional[list] = None
+
+    @property
+    def compress(self) -> Optional[str]:
+        """The BFP format this group compresses its float SUM/AVG all-reduces with ("bfp8",
+        ...), None when off; starts as ``OXCCL_COMPRESS``. Set it alike on every rank."""
+        return self._compress
+
+    @compress.setter
+    def compress(self, value: Optional[str]) -> None:
+        self._compress = _format(value if value not in ("off", "none") else None, "compress")
+
+    def _compress_for(self, t: torch.Tensor, op: Any) -> Optional[str]:
+        """The format an all-reduce of ``t`` with ``op`` runs compressed with, or None."""
+        with _SCOPE_LOCK:
+            fmt = _SCOPE[-1] if _SCOPE else self._compress
+        if fmt is None:
+            return None
+        ok = t.dtype in _FLOATS and op in (_oxccl.ReduceOp.SUM, _oxccl.ReduceOp.AVG)
+        key = (t.dtype, str(op), fmt)
+        if _debug_info() and key not in self._noted:
+            self._noted.add(key)
+            how = (
+                f"compressed ({fmt})"
+                if ok
+                else "exact: compression sums float32, float16 or bfloat16 (SUM, AVG)"
+            )
+            print(
+                f"oxccl INFO rank {self.rank()}: all_reduce of {t.dtype} "
+                f"{str(op).rsplit('.', 1)[-1]}: {how}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return fmt if ok else None
+
+    def _allreduce_call(self, t: torch.Tensor, op: Any) -> tuple:
+        """One tensor's all-reduce call (``call(async_op)``) and whether it needs dividing by
+        the world size afterwards (a compressed AVG is a compressed SUM)."""
+        comm = self._comm
+        fmt = self._compress_for(t, op)
+        if fmt is None:
+            r = _real(t, op)
+            return (lambda a: comm.all_reduce(r, op, async_op=a)), False
+        return (lambda a: comm.all_reduce(t, compress=fmt, async_op=a)), (
+            op == _oxccl.ReduceOp.AVG
+        )
 
     # -- identity -----------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -245,26 +369,50 @@ class ProcessGroupOxccl(dist.ProcessGroup):
     # -- collectives --------------------------------------------------------------------
     def allreduce(self, tensors: list, opts: Any = None) -> _Work:
         op = _op(opts.reduceOp)
-        comm = self._comm
-        calls = [
-            (lambda a, t=_real(t, op): comm.all_reduce(t, op, async_op=a)) for t in tensors
-        ]
-        return self._issue(opts, calls, tensors)
+        calls = []
+        avg = []
+        for t in tensors:
+            call, divide = self._allreduce_call(t, op)
+            calls.append(call)
+            if divide:
+                avg.append(t)
+        return self._issue(opts, calls, tensors, self._divide(avg))
+
+    def _divide(self, tensors: list) -> Optional[Callable[[], None]]:
+        if not tensors:
+            return None
+        n = self.size()
+
+        def after() -> None:
+            for t in tensors:
+                t.div_(n)
+
+        return after
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> _Work:
         op = _op(opts.reduceOp)
-        comm = self._comm
         groups: dict = {}
         for t in tensors:
-            groups.setdefault(t.dtype, []).append(_real(t, op))
+            # Complex tensors travel as their real view, apart from real ones of their type.
+            groups.setdefault((t.dtype, t.is_complex()), []).append(t)
         calls = []
         flats = []
+        avg = []
         for group in groups.values():
-            flat = _cat(group)
-            flats.append((flat, group))
-            calls.append(lambda a, f=flat: comm.all_reduce(f, op, async_op=a))
+            flat = _cat([_real(t, op) for t in group])
+            flats.append((flat, [_real(t, op) for t in group]))
+            if group[0].is_complex():
+                calls.append(lambda a, f=flat: self._comm.all_reduce(f, op, async_op=a))
+                continue
+            call, divide = self._allreduce_call(flat, op)
+            calls.append(call)
+            if divide:
+                avg.append(flat)
+        divide = self._divide(avg)
 
         def after() -> None:
+            if divide is not None:
+                divide()
             for flat, group in flats:
                 off = 0
                 for t in group:
@@ -527,6 +675,149 @@ def _p2p(works: list, tensors: list) -> _Work:
             w.wait()
 
     return _Work(works[-1], tensors, after)
+
+
+# -- the DDP communication hook ---------------------------------------------------------------
+def backend(group: Any = None, what: str = "oxccl.torch.backend") -> ProcessGroupOxccl:
+    """The ``ProcessGroupOxccl`` behind ``group`` (None: the default group), e.g. to set its
+    ``compress``; an InvalidArgument naming the backend the group has instead."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if isinstance(pg, ProcessGroupOxccl):
+        return pg
+    found = None
+    try:
+        found = pg._get_backend(torch.device("cpu"))
+    except Exception:  # noqa: BLE001 - no CPU backend: reported below
+        pass
+    if isinstance(found, ProcessGroupOxccl):
+        return found
+    try:
+        name = pg.name()
+    except Exception:  # noqa: BLE001
+        name = type(pg).__name__
+    raise InvalidArgument(
+        f"{what}: the process group's backend is {name!r}, not \"oxccl\": compression needs "
+        "an oxccl group (init_process_group(\"oxccl\") or new_group(backend=\"oxccl\"))"
+    )
+
+
+class BfpState:
+    """The state of ``bfp_hook``: the group, the format and, with error feedback, one residual
+    per gradient bucket.
+
+    ``process_group``: the oxccl group DDP runs on (None: the default group); ``compress``:
+    "bfp8" (default), "bfp4", "bfp8/16", ...; ``error_feedback``: keep each rank's quantisation
+    error ``e`` of each bucket and add it to the bucket's next gradient (``x = g + e``, then
+    ``e = x - Q(x)``), so that what compression drops is sent later instead of lost (as
+    PowerSGD and 1-bit Adam do). Residuals are keyed by bucket index and start again at zero
+    when a bucket's size, type or parameters change (DDP rebuilds its buckets after the first
+    step). A bad ``compress`` raises ValueError naming the allowed values.
+    """
+
+    def __init__(
+        self,
+        process_group: Any = None,
+        compress: str = "bfp8",
+        error_feedback: bool = True,
+    ):
+        fmt = _format(compress, "BfpState: compress")
+        if fmt is None:
+            raise ValueError(
+                f"BfpState: compress={compress!r}: the hook compresses ({_COMPRESS_VALUES[:-7]}); "
+                "for exact gradients register no hook"
+            )
+        self.process_group = process_group
+        self.compress: str = fmt
+        self.error_feedback = bool(error_feedback)
+        self.residuals: dict = {}
+        self._keys: dict = {}
+        self._comm: Optional[_oxccl.Communicator] = None
+
+    def communicator(self) -> _oxccl.Communicator:
+        """The oxccl.Communicator the hook sums on (found on first use)."""
+        if self._comm is None:
+            self._comm = backend(self.process_group, "bfp_hook").communicator
+        return self._comm
+
+    def residual(self, index: int, grads: torch.Tensor, params: Any = ()) -> torch.Tensor:
+        """Bucket ``index``'s residual, zeros when new or when the bucket changed."""
+        key = (grads.numel(), grads.dtype, tuple(id(p) for p in params))
+        e = self.residuals.get(index)
+        if e is None or self._keys.get(index) != key:
+            e = torch.zeros(grads.numel(), dtype=grads.dtype)
+            self.residuals[index] = e
+            self._keys[index] = key
+        return e
+
+    def __repr__(self) -> str:
+        return (
+            f"BfpState(compress={self.compress!r}, error_feedback={self.error_feedback}, "
+            f"{len(self.residuals)} residuals)"
+        )
+
+
+def bfp_hook(state: BfpState, bucket: Any) -> torch.futures.Future:
+    """A DDP communication hook: the bucket's gradients averaged over the ranks with a BFP
+    compressed all-reduce, with error feedback when ``state.error_feedback``::
+
+        ddp.register_comm_hook(oxccl.torch.BfpState(compress="bfp8"), oxccl.torch.bfp_hook)
+
+    Per bucket and rank: ``x = g + e``; the ranks sum ``Q(x)``, ``x`` quantised at the block
+    exponents they agree on (exactly, in integers: the same bits on every rank); ``e = x -
+    Q(x)``; the bucket becomes the sum divided by the world size. Each step's average is within
+    ``u/2`` per value of the average of the ``x`` (``u``: the unit of the value's block at the
+    agreed exponent, ``2^(e-(M-1))`` with ``M`` = 8 or 4 mantissa bits: at most
+    ``2/(2^M - 1)`` of the largest magnitude of the block over the ranks), and with error
+    feedback the sum of the averages over any number of steps stays within that of the sum of
+    the exact averages (the residuals telescope). Returns a ``torch.futures.Future`` completed
+    with the bucket's tensor from the communicator's worker; float32, float16 and bfloat16
+    buckets (others raise InvalidArgument).
+    """
+    if not isinstance(state, BfpState):
+        raise InvalidArgument(
+            f"bfp_hook: the state is a {type(state).__name__}, not an oxccl.torch.BfpState"
+        )
+    t = bucket.buffer()
+    index = bucket.index()
+    if t.dtype not in _FLOATS:
+        raise InvalidArgument(
+            f"bfp_hook: bucket {index} holds {t.dtype} gradients; BFP compression sums float32, "
+            "float16 or bfloat16"
+        )
+    comm = state.communicator()
+    n = comm.world_size
+    flat = t.view(-1)
+    if state.error_feedback:
+        params = bucket.parameters() if hasattr(bucket, "parameters") else ()
+        e = state.residual(index, flat, params)
+        flat.add_(e)
+        work = comm.all_reduce(flat, compress=state.compress, residual=e, async_op=True)
+    else:
+        work = comm.all_reduce(flat, compress=state.compress, async_op=True)
+    fut: torch.futures.Future = torch.futures.Future()
+
+    def done(w: Any) -> None:
+        exc = w.exception()
+        if exc is None:
+            try:
+                t.div_(n)
+            except BaseException as err:  # noqa: BLE001 - handed to the future's waiters
+                exc = err
+        if exc is None:
+            fut.set_result(t)
+        else:
+            fut.set_exception(exc)
+
+    work.add_done_callback(done)
+    return fut
+
+
+# DDP checks a hook's annotations as objects (this module's are strings).
+bfp_hook.__annotations__ = {
+    "state": BfpState,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
 
 
 _GROUPS: "weakref.WeakSet[ProcessGroupOxccl]" = weakref.WeakSet()

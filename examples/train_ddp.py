@@ -3,6 +3,7 @@
 
     torchrun --nproc-per-node 4 examples/train_ddp.py --backend oxccl --json /tmp/ox.json
     torchrun --nproc-per-node 4 examples/train_ddp.py --backend gloo  --json /tmp/gloo.json
+    torchrun --nproc-per-node 4 examples/train_ddp.py --compress bfp8 --json /tmp/bfp8.json
     python examples/train_ddp.py --plot /tmp/ox.json /tmp/gloo.json -o ddp.png
 
 The corpus is the Python standard library's own sources (every ``*.py`` file under
@@ -14,7 +15,13 @@ context) has 10.8 M parameters.
 Rank 0 prints each step's loss and time, and at the end the median step time, the median time
 of the same step without gradient synchronisation (``no_sync``: compute only, measured in the
 same run) and the share of the step that communication adds; ``--json`` writes all of it as
-JSON, ``--plot`` draws loss and step time of several logs overlaid.
+JSON, ``--plot`` draws loss and step time of several logs overlaid (and, beside them, each
+log's loss relative to the first one's).
+
+``--compress bfp8`` (``bfp4``, ``bfp8/16``, ...; oxccl only) registers the DDP communication
+hook ``oxccl.torch.bfp_hook``: the gradient buckets are averaged with a block-floating-point
+compressed all-reduce, with error feedback (a residual per bucket) unless
+``--no-error-feedback``.
 """
 
 from __future__ import annotations
@@ -100,6 +107,10 @@ def train(args) -> dict:
     model = build_model(torch, args)
     params = sum(p.numel() for p in model.parameters())
     ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+    if args.compress:
+        state = oxccl.torch.BfpState(compress=args.compress,
+                                     error_feedback=not args.no_error_feedback)
+        ddp.register_comm_hook(state, oxccl.torch.bfp_hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.0)
     data = torch.frombuffer(bytearray(corpus(args.corpus_mb << 20)), dtype=torch.uint8).long()
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
@@ -154,6 +165,8 @@ def train(args) -> dict:
     ring_bytes = 2 * (world - 1) / world * grad_bytes
     out = {
         "backend": args.backend,
+        "compress": args.compress,
+        "error_feedback": bool(args.compress) and not args.no_error_feedback,
         "world": world,
         "params": params,
         "batch": args.batch,
@@ -172,7 +185,7 @@ def train(args) -> dict:
         out["link_share"] = ring_bytes / max(med - comp, 1e-9) / (args.link_gbps * 1e9 / 8)
     if rank == 0:
         print(
-            f"{args.backend}: {world} ranks, {params / 1e6:.2f} M parameters, batch "
+            f"{label(out)}: {world} ranks, {params / 1e6:.2f} M parameters, batch "
             f"{args.batch}x{args.context}: median step {med * 1e3:.1f} ms, compute only "
             f"{comp * 1e3:.1f} ms, communication {100 * (out['comm_share'] or 0):.1f}% of the "
             f"step; final loss {losses[-1]:.6f}",
@@ -184,27 +197,49 @@ def train(args) -> dict:
     return out
 
 
+def label(d: dict) -> str:
+    """A log's name: its backend, and its compression (with or without error feedback)."""
+    name = d["backend"]
+    if d.get("compress"):
+        name += f" {d['compress']}" + (" + EF" if d.get("error_feedback") else " no EF")
+    return name
+
+
 def plot(logs: list[str], output: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for path in logs:
-        d = json.loads(Path(path).read_text())
-        label = f"{d['backend']} ({d['world']} ranks)"
+    runs = [json.loads(Path(p).read_text()) for p in logs]
+    panels = 3 if len(runs) > 1 else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.3))
+    a, b = axes[0], axes[-1]
+    base = runs[0]["losses"]
+    win = 5
+    for d in runs:
+        lab = f"{label(d)} ({d['world']} ranks)"
         steps = range(len(d["losses"]))
-        a.plot(steps, d["losses"], label=label)
+        a.plot(steps, d["losses"], label=f"{lab}: final {d['losses'][-1]:.4f}")
         b.plot(steps, [t * 1e3 for t in d["step_s"]],
-               label=f"{label}: median {d['median_step_s'] * 1e3:.0f} ms")
+               label=f"{lab}: median {d['median_step_s'] * 1e3:.0f} ms")
+        if panels == 3:
+            # Relative to the first log, each a moving average over `win` steps.
+            rel = [100 * (x - y) / y for x, y in zip(d["losses"], base)]
+            avg = [sum(rel[max(0, i - win + 1) : i + 1]) / len(rel[max(0, i - win + 1) : i + 1])
+                   for i in range(len(rel))]
+            axes[1].plot(range(len(avg)), avg, label=lab)
     a.set(xlabel="step", ylabel="loss (cross-entropy, nats/byte)", title="training loss")
     b.set(xlabel="step", ylabel="step time (ms)", title="step time")
     b.set_ylim(bottom=0)
-    for ax in (a, b):
+    if panels == 3:
+        axes[1].set(xlabel="step", ylabel="%",
+                    title=f"loss relative to {label(runs[0])} ({win}-step mean)")
+        axes[1].axhline(0, color="black", lw=0.6)
+    for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend()
-    d0 = json.loads(Path(logs[0]).read_text())
+        ax.legend(fontsize=7)
+    d0 = runs[0]
     fig.suptitle(
         f"DDP, byte-level GPT, {d0['params'] / 1e6:.1f} M parameters, batch "
         f"{d0['batch']}x{d0['context']} per rank"
@@ -233,6 +268,11 @@ def main(argv=None) -> None:
     p.add_argument("--print-every", type=int, default=10)
     p.add_argument("--link-gbps", type=float, default=0.0,
                    help="each host's link rate, to report the share of it the gradients use")
+    p.add_argument("--compress", default=None,
+                   help="oxccl only: average the gradients with oxccl.torch.bfp_hook in this "
+                   "BFP format (bfp8, bfp4, bfp8/16, ...)")
+    p.add_argument("--no-error-feedback", action="store_true",
+                   help="with --compress: no residual (what quantisation drops is lost)")
     p.add_argument("--json", help="write the run's figures as JSON (rank 0)")
     p.add_argument("--plot", nargs="+", metavar="LOG", help="plot these logs instead of training")
     p.add_argument("-o", "--output", default="ddp.png")
@@ -242,6 +282,12 @@ def main(argv=None) -> None:
     else:
         if "RANK" not in os.environ:
             p.error("run it under torchrun (torchrun --nproc-per-node 4 examples/train_ddp.py)")
+        if args.compress in ("off", "none", ""):
+            args.compress = None
+        if args.compress and args.backend != "oxccl":
+            p.error(f"--compress {args.compress} needs --backend oxccl")
+        if args.no_error_feedback and not args.compress:
+            p.error("--no-error-feedback goes with --compress")
         train(args)
 
 

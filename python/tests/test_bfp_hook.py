@@ -359,3 +359,33 @@ def test_bad_oxccl_compress(torch_available, monkeypatch):
     for ok, want in (("off", None), ("", None), ("BFP4", "bfp4"), ("bfp8/16", "bfp8/16")):
         monkeypatch.setenv("OXCCL_COMPRESS", ok)
         assert oxccl.torch._env_compress() == want
+
+
+def test_example_compressed(torch_available, tmp_path):
+    """examples/train_ddp.py --compress under torchrun: the hook registered, the log says so;
+    --compress with Gloo is refused."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    example = str(root / "examples" / "train_ddp.py")
+    small = ["--steps", "3", "--width", "64", "--layers", "2", "--heads", "4", "--context", "32",
+             "--compute-steps", "1", "--warmup", "1"]
+    log = tmp_path / "bfp4.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(launch.free_port()), example, "--compress", "bfp4",
+           "--no-error-feedback", *small, "--json", str(log)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    d = json.loads(log.read_text())
+    assert d["compress"] == "bfp4" and d["error_feedback"] is False and len(d["losses"]) == 3, d
+    assert "oxccl bfp4 no EF: 2 ranks" in p.stdout, p.stdout
+    q = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                        "--master-port", str(launch.free_port()), example, "--backend", "gloo",
+                        "--compress", "bfp8", *small], capture_output=True, text=True,
+                       timeout=120)
+    assert q.returncode != 0 and "--compress bfp8 needs --backend oxccl" in q.stderr, q.stderr

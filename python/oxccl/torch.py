@@ -393,7 +393,7 @@ class ProcessGroupOxccl(dist.ProcessGroup):
         op = _op(opts.reduceOp)
         groups: dict = {}
         for t in tensors:
-            # Complex tensors travel as their real view, apart from real ones of their type.
+            # Complex tensors travel as their real view, exact (never compressed).
             groups.setdefault((t.dtype, t.is_complex()), []).append(t)
         calls = []
         flats = []
@@ -741,7 +741,7 @@ class BfpState:
 
     def residual(self, index: int, grads: torch.Tensor, params: Any = ()) -> torch.Tensor:
         """Bucket ``index``'s residual, zeros when new or when the bucket changed."""
-        key = (grads.numel(), grads.dtype, tuple(id(p) for p in params))
+        key = (grads.numel(), grads.dtype, tuple(p.data_ptr() for p in params))
         e = self.residuals.get(index)
         if e is None or self._keys.get(index) != key:
             e = torch.zeros(grads.numel(), dtype=grads.dtype)

@@ -208,7 +208,11 @@ def worker_hook():
             opt.step()
             opt.zero_grad(set_to_none=True)
             prev_a = a
+            if step == 1:  # after DDP rebuilt its buckets (at the end of the first step)
+                kept = {i: e for i, e in state.residuals.items()}
         expect("DDP: one residual per bucket", len(state.residuals) >= 2, state)
+        expect("DDP: the residuals are kept from step to step",
+               all(state.residuals[i] is e for i, e in kept.items()), state)
         out["ddp_devs"] = devs
 
         # -- C: bad inputs, refused with errors that say what was wrong.

@@ -104,7 +104,7 @@ def worker_hook():
 
     try:
         # -- A: the hook driven directly, against the float64 reference, step by step.
-        count = 1000  # 31 whole blocks and a short one
+        count = 33_000  # 1031 whole blocks and a short one; over two of the residual's chunks
         for fmt, m in (("bfp8", 8), ("bfp4", 4)):
             for ef in (True, False):
                 state = oxccl.torch.BfpState(compress=fmt, error_feedback=ef)

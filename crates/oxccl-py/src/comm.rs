@@ -216,30 +216,38 @@ fn residual<T: compress::Float + bytemuck::Pod>(
     let x: &[T] = bytemuck::try_cast_slice(x).map_err(cast)?;
     let res: &mut [T] = bytemuck::try_cast_slice_mut(res).map_err(cast)?;
     let codec = |e: compress::CodecError| bad(e.to_string());
-    let n = x.len();
-    let mut xf = vec![0f32; n];
-    T::widen(x, &mut xf);
-    let mut exps = vec![0u8; compress::block_count(n, fmt.block)];
-    compress::block_exponents(&xf, fmt, &mut exps).map_err(codec)?;
+    let mut exps = vec![0u8; compress::block_count(x.len(), fmt.block)];
+    compress::block_exponents(x, fmt, &mut exps).map_err(codec)?;
     c.all_reduce_in_place(&mut exps, ReduceOp::Max)?;
-    let mut mant = vec![0i8; n];
-    compress::quantize(&xf, &exps, fmt, &mut mant).map_err(codec)?;
-    let mut q = vec![0f32; n];
-    compress::dequantize(&mant, &exps, fmt, &mut q).map_err(codec)?;
+    // In chunks of whole blocks, through buffers that stay in cache (no copy of the whole
+    // tensor is made: buckets are tens of MB).
     let b = fmt.block.values();
-    for ((xs, qs), &e) in xf.chunks_mut(b).zip(q.chunks(b)).zip(&exps) {
-        for (x, &q) in xs.iter_mut().zip(qs) {
-            // Exact in f32: q is x rounded to a multiple of the block's unit.
-            *x = if e == compress::NON_FINITE {
-                0.0
-            } else {
-                *x - q
-            };
+    let chunk = RESIDUAL_CHUNK - RESIDUAL_CHUNK % b;
+    let (mut xf, mut mant, mut q) = (vec![0f32; chunk], vec![0i8; chunk], vec![0f32; chunk]);
+    let chunks = x.chunks(chunk).zip(res.chunks_mut(chunk));
+    for ((xs, rs), es) in chunks.zip(exps.chunks(chunk / b)) {
+        let m = xs.len();
+        let (xf, mant, q) = (&mut xf[..m], &mut mant[..m], &mut q[..m]);
+        T::widen(xs, xf);
+        compress::quantize(&*xf, es, fmt, mant).map_err(codec)?;
+        compress::dequantize(&*mant, es, fmt, q).map_err(codec)?;
+        for ((xb, qb), &e) in xf.chunks_mut(b).zip(q.chunks(b)).zip(es) {
+            for (x, &q) in xb.iter_mut().zip(qb) {
+                // Exact in f32: q is x rounded to a multiple of the block's unit.
+                *x = if e == compress::NON_FINITE {
+                    0.0
+                } else {
+                    *x - q
+                };
+            }
         }
+        T::narrow(xf, rs);
     }
-    T::narrow(&xf, res);
     Ok(())
 }
+
+/// Values per chunk of [`residual`]'s passes.
+const RESIDUAL_CHUNK: usize = 1 << 14;
 
 fn parse_op(op: Option<&Bound<'_, PyAny>>) -> PyResult<ReduceOp> {
     let Some(op) = op else {

@@ -54,19 +54,21 @@ def worker_compress():
                 expect(f"{fmt} {dt.__name__} same bits", all((p == parts[0]).all() for p in parts))
         # all_reduce(compress=...) is the same call, blocking or not; residual= is the
         # quantisation error: input - residual is a multiple of the block unit.
+        for dt in (np.float32, np.float16):
+            x = inputs(rank, 1000, dt)
+            a, b, e = x.copy(), x.copy(), np.zeros_like(x)
+            comm.all_reduce_compressed(a, "bfp4")
+            comm.all_reduce(b, compress="bfp4", residual=e, async_op=True).wait()
+            expect(f"{dt.__name__} all_reduce(compress=) same bits", a.tobytes() == b.tobytes())
+            # (Half the unit of the agreed exponent: below the block's largest magnitude over
+            # the ranks / 7.)
+            every = [inputs(r, 1000, dt).astype(np.float64) for r in range(n)]
+            expect(f"{dt.__name__} residual within half the agreed block unit",
+                   all(np.abs(e[i:i + 32]).max()
+                       <= max(np.abs(v[i:i + 32]).max() for v in every) / 7
+                       for i in range(0, 1000, 32)), np.abs(e).max())
+            expect(f"{dt.__name__} residual not zero", np.abs(e).max() > 0)
         x = inputs(rank, 1000, np.float32)
-        a, b, e = x.copy(), x.copy(), np.zeros_like(x)
-        comm.all_reduce_compressed(a, "bfp4")
-        comm.all_reduce(b, compress="bfp4", residual=e, async_op=True).wait()
-        expect("all_reduce(compress=) same bits", a.tobytes() == b.tobytes())
-        # (Half the unit of the agreed exponent: below the block's largest magnitude over the
-        # ranks / 7.)
-        every = [inputs(r, 1000, np.float32) for r in range(n)]
-        expect("residual within half the agreed block unit",
-               all(np.abs(e[i:i + 32]).max()
-                   <= max(np.abs(v[i:i + 32]).max() for v in every) / 7
-                   for i in range(0, 1000, 32)), np.abs(e).max())
-        expect("residual not zero", np.abs(e).max() > 0)
         for bad, what in ((lambda: comm.all_reduce(x.copy(), "max", compress="bfp8"), "sums"),
                           (lambda: comm.all_reduce(x.copy(), out=np.zeros_like(x),
                                                    compress="bfp8"), "in place"),

@@ -615,6 +615,73 @@ pub fn dequantize<S: Mantissa, T: Float>(
     Ok(())
 }
 
+/// Re-encodes exact sums of mantissas at common exponents (`sums`, one block exponent each in
+/// `exps`) as mantissas of the same width: the result phase of the compressed all-reduce, where
+/// the owner of a share of blocks sends its sums back as BFP rather than as `i16`.
+///
+/// Each block gets the new exponent `E' = E + k`, `k ≥ 0` the smallest shift at which every sum
+/// of the block rounds within range, `|rne(S / 2^k)| ≤ 2^(M−1) − 1`, and each value the mantissa
+/// `rne(S / 2^k)` (round to nearest, ties to even, on the integers: exact, no floating point).
+/// Where `E + k` would pass 254 (a sum beyond every float's range) `E'` is 254 and the
+/// mantissas saturate at `±(2^(M−1) − 1)`, which decode as ±infinity in `f32`. A
+/// [`NON_FINITE`] block stays [`NON_FINITE`] with zero mantissas.
+///
+/// `S · u(E) = (S / 2^k) · u(E')`, so the value changes by one rounding, at most `u(E')/2`; with
+/// `k ≥ 1` the block's largest sum `A = max |S| · u(E)` did not fit at `k − 1`, hence
+/// `u(E')/2 ≤ 2A / (2^M − 1)`, and with `k = 0` nothing changes. The function is pure integer
+/// arithmetic, so every rank that runs it on the same sums gets the same bits.
+///
+/// `new_exps` holds as many bytes as `exps` ([`block_count`] of `sums.len()`), `mantissas` one
+/// per sum.
+pub fn requantize(
+    sums: &[i16],
+    exps: &[u8],
+    fmt: Format,
+    new_exps: &mut [u8],
+    mantissas: &mut [i8],
+) -> Result<(), CodecError> {
+    let b = fmt.block.values();
+    check_len("exponents", block_count(sums.len(), fmt.block), exps.len())?;
+    check_len("new exponents", exps.len(), new_exps.len())?;
+    check_len("mantissas", sums.len(), mantissas.len())?;
+    let max = fmt.width.max_mantissa();
+    let blocks = sums.chunks(b).zip(mantissas.chunks_mut(b));
+    for (((s, out), &e), ne) in blocks.zip(exps).zip(new_exps.iter_mut()) {
+        if e == NON_FINITE {
+            *ne = NON_FINITE;
+            out.fill(0);
+            continue;
+        }
+        let top = s.iter().map(|&v| i32::from(v).abs()).max().unwrap_or(0);
+        let mut k = 0u32;
+        while rne_shift(top, k) > max {
+            k += 1;
+        }
+        let k = k.min(u32::from(NON_FINITE - 1 - e));
+        *ne = e + k as u8;
+        for (o, &v) in out.iter_mut().zip(s) {
+            *o = rne_shift(i32::from(v), k).clamp(-max, max) as i8;
+        }
+    }
+    Ok(())
+}
+
+/// `rne(v / 2^k)`: round to nearest, ties to even, on integers.
+#[inline]
+fn rne_shift(v: i32, k: u32) -> i32 {
+    if k == 0 {
+        return v;
+    }
+    let q = v >> k; // floor
+    let r = v - (q << k);
+    let half = 1 << (k - 1);
+    if r > half || (r == half && q & 1 == 1) {
+        q + 1
+    } else {
+        q
+    }
+}
+
 /// Packs `bfp4` mantissas (in `−8..=7`; [`quantize`] gives `−7..=7`) two to a byte: value `2i` in
 /// the low nibble of `packed[i]`, `2i + 1` in the high one (0 past an odd end).
 /// `packed.len()` must be `ceil(mantissas.len() / 2)`; values outside `−8..=7` keep their low

@@ -559,3 +559,94 @@ fn format_names_round_trip_and_bad_ones_are_refused() {
         );
     }
 }
+
+// ---- re-encoding exact sums (the result phase of the compressed all-reduce) ------------------
+
+/// The reference: the smallest shift by search, rounding in `f64` by `floor`.
+fn ref_requantize(s: &[i16], e: u8, m: u32) -> (u8, Vec<i8>) {
+    if e == NON_FINITE {
+        return (NON_FINITE, vec![0; s.len()]);
+    }
+    let max = (1u32 << (m - 1)) as f64 - 1.0;
+    let top = s.iter().map(|&v| (v as f64).abs()).fold(0.0, f64::max);
+    let k = (0..=16)
+        .find(|&k| ref_round(top / 2f64.powi(k)) <= max)
+        .unwrap()
+        .min(254 - e as i32);
+    let q = s
+        .iter()
+        .map(|&v| ref_round(v as f64 / 2f64.powi(k)).clamp(-max, max) as i8)
+        .collect();
+    (e + k as u8, q)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+
+    #[test]
+    fn requantized_sums_match_the_reference_and_the_bound(
+        sums in prop::collection::vec(-32512i16..=32512, 0..200),
+        scale in 0u32..16,
+        e0 in 0u8..=255,
+        fmt in format(),
+    ) {
+        let (b, m) = (fmt.block.values(), fmt.width.bits());
+        // Sums of every size, from a few units to 256 ranks' worth.
+        let sums: Vec<i16> = sums.iter().map(|&s| s >> scale).collect();
+        let nb = block_count(sums.len(), fmt.block);
+        let exps: Vec<u8> = (0..nb).map(|i| e0.wrapping_add((i as u8).wrapping_mul(37))).collect();
+        let (mut ne, mut q) = (vec![0u8; nb], vec![0i8; sums.len()]);
+        requantize(&sums, &exps, fmt, &mut ne, &mut q).unwrap();
+        for (i, (s, qb)) in sums.chunks(b).zip(q.chunks(b)).enumerate() {
+            let (re, rq) = ref_requantize(s, exps[i], m);
+            prop_assert_eq!(ne[i], re, "block {}", i);
+            prop_assert_eq!(qb, &rq[..], "block {}", i);
+            if re == NON_FINITE || re == 254 {
+                continue;
+            }
+            // One rounding: within u(E')/2 of the exact sum, and u(E')/2 ≤ 2A/(2^M − 1) once
+            // the block was shifted.
+            let top = s.iter().map(|&v| (v as f64).abs()).fold(0.0, f64::max);
+            let a = top * ref_unit(exps[i], m);
+            for (&v, &w) in s.iter().zip(qb) {
+                let err = (ref_dequant(v as i64, exps[i], m) - ref_dequant(w as i64, re, m)).abs();
+                prop_assert!(err <= ref_unit(re, m) / 2.0);
+                if re > exps[i] {
+                    prop_assert!(err <= 2.0 * a / ((1u32 << m) as f64 - 1.0));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn requantize_ties_saturation_and_lengths() {
+    let fmt = Format {
+        block: BlockSize::B16,
+        ..Format::BFP4
+    };
+    // Largest 9: shift 1 (9/2 = 4.5 → 4 fits 7), ties to even: 3/2 → 2, 5/2 → 2, -3/2 → -2.
+    let mut s = [0i16; 16];
+    s[..4].copy_from_slice(&[9, 3, 5, -3]);
+    let (mut ne, mut q) = ([0u8; 1], [0i8; 16]);
+    requantize(&s, &[100], fmt, &mut ne, &mut q).unwrap();
+    assert_eq!((ne[0], &q[..4]), (101, &[4i8, 2, 2, -2][..]));
+    // Already in range: unchanged.
+    s[..4].copy_from_slice(&[7, -7, 1, 0]);
+    requantize(&s, &[100], fmt, &mut ne, &mut q).unwrap();
+    assert_eq!((ne[0], &q[..4]), (100, &[7i8, -7, 1, 0][..]));
+    // Past exponent 254: saturated, and f32 decodes ±infinity, as the float sum would be.
+    s[..2].copy_from_slice(&[100, -100]);
+    requantize(&s, &[253], fmt, &mut ne, &mut q).unwrap();
+    assert_eq!((ne[0], &q[..2]), (254, &[7i8, -7][..]));
+    let mut f = [0f32; 16];
+    dequantize(&q, &ne, fmt, &mut f).unwrap();
+    assert_eq!((f[0], f[1]), (f32::INFINITY, f32::NEG_INFINITY));
+    // Non-finite blocks stay so.
+    requantize(&s, &[NON_FINITE], fmt, &mut ne, &mut q).unwrap();
+    assert_eq!((ne[0], q), (NON_FINITE, [0; 16]));
+    // Lengths.
+    assert!(requantize(&s, &[1, 2], fmt, &mut ne, &mut q).is_err());
+    assert!(requantize(&s, &[1], fmt, &mut [0; 2], &mut q).is_err());
+    assert!(requantize(&s, &[1], fmt, &mut ne, &mut [0; 15]).is_err());
+}

@@ -71,7 +71,8 @@ use oxccl_core::{dtype, learn, meter};
 pub use oxccl_core::{schedule, topology, tuner, verify};
 
 pub use comm::{
-    Buffers, CallBuffers, Communicator, Group, Input, Options, Output, Registered, Registration,
+    Buffers, COMPRESS_AUTO_MIN_BYTES, CallBuffers, Communicator, Compression,
+    DEFAULT_COMPRESS_CHUNK, Group, Input, Options, Output, Registered, Registration,
     WatchdogAction, Work, default_host_id,
 };
 pub use engine::Stats;

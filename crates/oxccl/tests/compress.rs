@@ -1,17 +1,20 @@
 //! The compressed all-reduce (`Communicator::all_reduce_compressed`) over 4 in-process ranks:
 //! the same bits on every rank, the same bits whether the ranks share one host or form two
-//! (where the collectives under it run two-tier algorithms), and within one quantisation per
-//! input of an `f64` sum: per value at most `n · 2a / (2^M − 1)`, with `a` the largest magnitude
-//! of the value's block over every rank and `M` the mantissa bits (the bound
-//! `oxccl_core::compress` derives for a quantisation at a block's exponent). A block with a NaN
-//! on one rank is NaN on every rank.
+//! (where the collectives under it run two-tier algorithms), whatever the pipeline's chunk size,
+//! and within one quantisation per input plus one rounding of the sum of an `f64` sum: per value
+//! at most `n · 2a / (2^M − 1) + 2·max(a, A) / (2^M − 1)`, with `a` the largest magnitude of the
+//! value's block over every rank's input, `A` the largest magnitude of the block's quantised sum
+//! (at most that of its `f64` sum plus the first term) and `M` the mantissa bits (the bounds
+//! `oxccl_core::compress` derives for a quantisation at a block's exponent and for
+//! `requantize`). A block with a NaN on one rank is NaN on every rank. Then `OXCCL_COMPRESS`:
+//! its parsing, and a plain `all_reduce` that goes compressed exactly when it should.
 
 use std::sync::Mutex;
 use std::time::Duration;
 
 use half::{bf16, f16};
 use oxccl::compress::{BlockSize, Float, Format, Width};
-use oxccl::{Communicator, Options, Provider};
+use oxccl::{Communicator, Compression, Options, Provider, ReduceOp};
 
 mod common;
 use common::Rng;
@@ -23,11 +26,16 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 /// 4 communicators in this process over `provider`, `per_host` ranks per host id.
 fn communicators(provider: Provider, per_host: usize) -> Vec<Communicator> {
+    with_options(provider, per_host, Options::default())
+}
+
+/// [`communicators`] with other options.
+fn with_options(provider: Provider, per_host: usize, o: Options) -> Vec<Communicator> {
     common::in_process(N, &format!("{provider:?}"), |rank| Options {
         timeout: Duration::from_secs(60),
         provider: Some(provider),
         host_id: Some(format!("compress-host-{}", rank / per_host)),
-        ..Options::default()
+        ..o.clone()
     })
 }
 
@@ -81,7 +89,8 @@ fn same_bits<T: Float>(out: &[Vec<T>]) -> bool {
     })
 }
 
-/// The first value outside `n · 2a / (2^M − 1)` of the `f64` sum, if any.
+/// The first value outside `n · 2a / (2^M − 1) + 2·max(a, A) / (2^M − 1)` of the `f64` sum, if
+/// any.
 fn outside_bound<T: Float + Stored>(inputs: &[Vec<T>], out: &[T], fmt: Format) -> Option<String> {
     let b = fmt.block.values();
     let m = fmt.width.bits() as i32;
@@ -91,7 +100,13 @@ fn outside_bound<T: Float + Stored>(inputs: &[Vec<T>], out: &[T], fmt: Format) -
             .iter()
             .flat_map(|x| x[range.clone()].iter().map(|v| v.to_f64().abs()))
             .fold(0.0, f64::max);
-        let bound = N as f64 * 2.0 * a / (2f64.powi(m) - 1.0);
+        let inputs_err = N as f64 * 2.0 * a / (2f64.powi(m) - 1.0);
+        let sums = range
+            .clone()
+            .map(|k| inputs.iter().map(|x| x[k].to_f64()).sum::<f64>().abs())
+            .fold(0.0, f64::max);
+        let big = sums + inputs_err;
+        let bound = inputs_err + 2.0 * a.max(big) / (2f64.powi(m) - 1.0);
         for (k, got) in range.clone().zip(chunk) {
             let sum: f64 = inputs.iter().map(|x| x[k].to_f64()).sum();
             // A bf16/f16 result also rounds once when it is stored.
@@ -134,6 +149,7 @@ impl Stored for bf16 {
 fn check<T: Float + Stored>(
     flat: &[Communicator],
     two_hosts: &[Communicator],
+    small_chunks: &[Communicator],
     ctx: &str,
     seed: u64,
 ) {
@@ -163,6 +179,11 @@ fn check<T: Float + Stored>(
                 same_bits(&[out[0].clone(), other[0].clone()]) && same_bits(&other),
                 "{what}: two hosts give other bits than one"
             );
+            let piped = run(small_chunks, &inputs, fmt);
+            assert!(
+                same_bits(&[out[0].clone(), piped[0].clone()]) && same_bits(&piped),
+                "{what}: pipeline chunks of 64 KiB give other bits than one chunk"
+            );
         }
     }
 }
@@ -173,10 +194,18 @@ fn the_same_bits_everywhere_within_one_quantisation() {
     for provider in [Provider::Shm, Provider::Tcp] {
         let flat = communicators(provider, N);
         let two = communicators(provider, 2);
+        let small = with_options(
+            provider,
+            N,
+            Options {
+                compress_chunk: 64 << 10,
+                ..Options::default()
+            },
+        );
         let ctx = format!("{provider:?}");
-        check::<f32>(&flat, &two, &format!("{ctx}, f32"), 1);
-        check::<bf16>(&flat, &two, &format!("{ctx}, bf16"), 2);
-        check::<f16>(&flat, &two, &format!("{ctx}, f16"), 3);
+        check::<f32>(&flat, &two, &small, &format!("{ctx}, f32"), 1);
+        check::<bf16>(&flat, &two, &small, &format!("{ctx}, bf16"), 2);
+        check::<f16>(&flat, &two, &small, &format!("{ctx}, f16"), 3);
     }
 }
 
@@ -230,4 +259,126 @@ fn untyped_buffers_of_the_wrong_type_or_shape_are_refused() {
             "{dtype}: {e}"
         );
     }
+}
+
+#[test]
+fn oxccl_compress_is_parsed_and_bad_values_are_refused() {
+    let parse = |v: &str| {
+        Options::from_vars(&|k| (k == "OXCCL_COMPRESS").then(|| v.to_string())).map(|o| o.compress)
+    };
+    assert_eq!(parse("off").unwrap(), Compression::Off);
+    assert_eq!(parse("auto").unwrap(), Compression::Auto);
+    assert_eq!(parse("bfp8").unwrap(), Compression::Always(Format::BFP8));
+    assert_eq!(parse(" bfp4 ").unwrap(), Compression::Always(Format::BFP4));
+    assert_eq!(
+        parse("bfp8/16").unwrap(),
+        Compression::Always(Format {
+            width: Width::Bfp8,
+            block: BlockSize::B16
+        })
+    );
+    for bad in ["bfp7", "bfp8/48", "on", "fp8"] {
+        let e = parse(bad).unwrap_err().to_string();
+        assert!(
+            e.contains("OXCCL_COMPRESS") && e.contains("off, auto, bfp8 or bfp4"),
+            "{bad}: {e}"
+        );
+    }
+    assert_eq!(Options::default().compress, Compression::Off);
+    let chunk = |v: &str| {
+        Options::from_vars(&|k| (k == "OXCCL_COMPRESS_CHUNK").then(|| v.to_string()))
+            .map(|o| o.compress_chunk)
+    };
+    assert_eq!(chunk("1M").unwrap(), 1 << 20);
+    let e = chunk("1K").unwrap_err().to_string();
+    assert!(e.contains("OXCCL_COMPRESS_CHUNK"), "{e}");
+}
+
+/// Every rank's plain `all_reduce` (out of place) of `inputs` with `op`.
+fn plain<T: oxccl::Element>(
+    comms: &[Communicator],
+    inputs: &[Vec<T>],
+    op: ReduceOp,
+) -> Vec<Vec<T>> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .zip(inputs)
+            .map(|(c, x)| {
+                s.spawn(move || {
+                    let mut out = x.clone();
+                    c.all_reduce(x, &mut out, op).expect("all_reduce");
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    })
+}
+
+#[test]
+fn plain_all_reduce_goes_compressed_when_asked() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let len = 70_001;
+    let inputs: Vec<Vec<f32>> = (0..N).map(|r| input(11, r, len)).collect();
+    let exact = plain(&communicators(Provider::Shm, N), &inputs, ReduceOp::Sum);
+    let bfp4 = run(&communicators(Provider::Shm, N), &inputs, Format::BFP4);
+    assert!(!same_bits(&[exact[0].clone(), bfp4[0].clone()]));
+    let asked = |c| Options {
+        compress: c,
+        ..Options::default()
+    };
+    // Asked for bfp4: a float sum is the compressed sum, bit for bit; an average that divided
+    // by the world size.
+    let comms = with_options(Provider::Shm, N, asked(Compression::Always(Format::BFP4)));
+    let got = plain(&comms, &inputs, ReduceOp::Sum);
+    assert!(same_bits(&got) && same_bits(&[got[0].clone(), bfp4[0].clone()]));
+    let avg = plain(&comms, &inputs, ReduceOp::Avg);
+    assert!(avg[0].iter().zip(&bfp4[0]).all(|(a, s)| *a == s / N as f32));
+    // Other types and operators stay exact.
+    let ints: Vec<Vec<i32>> = (0..N)
+        .map(|r| (0..1000).map(|i| i * 7 - r as i32 * 1001).collect())
+        .collect();
+    let sums = plain(&comms, &ints, ReduceOp::Sum);
+    for (i, s) in sums[0].iter().enumerate() {
+        assert_eq!(*s as i64, (0..N).map(|r| ints[r][i] as i64).sum::<i64>());
+    }
+    let max = plain(&comms, &inputs, ReduceOp::Max);
+    for (i, m) in max[0].iter().enumerate() {
+        let want = (0..N).map(|r| inputs[r][i]).fold(f32::MIN, f32::max);
+        assert_eq!(*m, want, "max at {i}");
+    }
+    // In place too.
+    std::thread::scope(|s| {
+        for (c, x) in comms.iter().zip(&inputs) {
+            let want = &bfp4[0];
+            s.spawn(move || {
+                let mut b = x.clone();
+                c.all_reduce_in_place(&mut b, ReduceOp::Sum)
+                    .expect("in place");
+                assert!(b.iter().zip(want).all(|(a, w)| a.to_bits() == w.to_bits()));
+            });
+        }
+    });
+    // Auto: every rank on one host (shared memory) stays exact, even when large...
+    let big: Vec<Vec<f32>> = (0..N).map(|r| input(12, r, 300_000)).collect();
+    let auto = with_options(Provider::Shm, N, asked(Compression::Auto));
+    let exact_big = plain(&communicators(Provider::Shm, N), &big, ReduceOp::Sum);
+    let got = plain(&auto, &big, ReduceOp::Sum);
+    assert!(same_bits(&[got[0].clone(), exact_big[0].clone()]));
+    for (i, g) in got[0].iter().enumerate() {
+        let sum: f64 = (0..N).map(|r| big[r][i] as f64).sum();
+        let size: f64 = (0..N).map(|r| (big[r][i] as f64).abs()).sum();
+        assert!((*g as f64 - sum).abs() <= size * 1e-6, "{i}");
+    }
+    // ... across two hosts it compresses (bfp8) from COMPRESS_AUTO_MIN_BYTES, not below.
+    let auto2 = with_options(Provider::Tcp, 2, asked(Compression::Auto));
+    let bfp8 = run(&communicators(Provider::Tcp, 2), &big, Format::BFP8);
+    let got = plain(&auto2, &big, ReduceOp::Sum);
+    assert!(same_bits(&got) && same_bits(&[got[0].clone(), bfp8[0].clone()]));
+    const { assert!(300_000 * 4 >= oxccl::COMPRESS_AUTO_MIN_BYTES) };
+    let got = plain(&auto2, &inputs, ReduceOp::Sum);
+    const { assert!(70_001 * 4 < oxccl::COMPRESS_AUTO_MIN_BYTES) };
+    let exact2 = plain(&communicators(Provider::Tcp, 2), &inputs, ReduceOp::Sum);
+    assert!(same_bits(&[got[0].clone(), exact2[0].clone()]));
 }

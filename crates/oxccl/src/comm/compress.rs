@@ -1,6 +1,6 @@
-//! A compressed sum all-reduce whose result is exact and the same bits on every rank (issue 17):
-//! block floating point ([`oxccl_core::compress`]) with exponents the ranks agree on and
-//! mantissas summed as integers.
+//! A compressed sum all-reduce whose result is the same bits on every rank (issue 17): block
+//! floating point ([`oxccl_core::compress`]) with exponents the ranks agree on, mantissas
+//! summed as integers, and the sums sent back compressed.
 //!
 //! The steps, each an ordinary collective of this communicator:
 //! 1. every rank computes its blocks' exponents and the ranks take their max (an all-reduce of
@@ -10,31 +10,309 @@
 //! 3. an all-to-all sends each rank the `i8` mantissas of the blocks it owns (a share of the
 //!    blocks per rank; `bfp4` packs two mantissas a byte);
 //! 4. each rank adds the mantissas of its blocks as integers (`i16`: no overflow up to
-//!    [`compress::max_ranks`] ranks), exactly and in any order;
-//! 5. an all-gather gives every rank every block's sums, and each decodes them once.
+//!    [`compress::max_ranks`] ranks), exactly and in any order, and re-encodes the sums in the
+//!    same format ([`compress::requantize`]: a new exponent per block from the largest sum,
+//!    one rounding to nearest even, on integers);
+//! 5. an all-gather gives every rank every share's re-encoded blocks (exponent bytes and
+//!    mantissas), and each decodes them once.
 //!
-//! Integer addition is exact and associative, and moving bytes does not change them, so the
-//! result is the same bits on every rank, whatever algorithm moves them, and its error is that
-//! of the one quantisation per input: at most `n · u/2` per value, `u` the unit of the block's
-//! agreed exponent (see [`oxccl_core::compress`] for the bound). A block holding a NaN or an
-//! infinity on any rank is NaN on every rank.
+//! Integer addition is exact and associative, the one re-encoding is done once, by the share's
+//! owner, in integer arithmetic, and moving bytes does not change them, so the result is the
+//! same bits on every rank, whatever algorithm moves them.
 //!
-//! On the wire, per rank and value of the caller's buffer, against `2(n−1)/n` values of the
-//! element type for a plain ring: `(n−1)/n` mantissas (1 byte, or half a byte for `bfp4`) out in
-//! the all-to-all and `(n−1)/n` sums (2 bytes) in the all-gather, plus the exponents: about
-//! 0.38× of an `f32` ring for `bfp8` and 0.31× for `bfp4`. (Sending the sums narrower, at
-//! `M + ⌈log2 n⌉` bits, is the next step toward the 0.26× bound.)
+//! **Error bound.** Per value, with `u = u(E)` the unit of the block's agreed exponent and
+//! `u' = u(E')` that of the re-encoded sum: `|result − Σ_r x_r| ≤ n · u/2 + u'/2`, one
+//! quantisation of each input at the common exponent plus one rounding of the sum. `u' = u`
+//! when the block's sums fit the mantissa as they are; otherwise `u'/2 ≤ 2A/(2^M − 1)`, `A` the
+//! largest magnitude of the block's (quantised) sum: the result is accurate to one BFP
+//! quantisation of the sum on top of the inputs' own. A block holding a NaN or an infinity on
+//! any rank is NaN on every rank; a sum beyond the float's range is ±infinity.
+//!
+//! **On the wire**, per rank and value of the caller's buffer, against `2(n−1)/n` values of
+//! the element type for a plain ring: `(n−1)/n` mantissas out in the all-to-all and `(n−1)/n`
+//! mantissas plus an exponent byte per block in the all-gather, plus the exponents' all-reduce:
+//! `2(n−1)/n · (M/8 + 1.5/B)` bytes, 0.262× an `f32` ring for `bfp8` and 0.137× for `bfp4` at
+//! `B` = 32 (the format's own 8.25/32 and 4.25/32, plus the exponents' max).
+//!
+//! **Pipelining.** A call is cut into chunks of [`Options::compress_chunk`] bytes of input
+//! (`OXCCL_COMPRESS_CHUNK`, default [`DEFAULT_CHUNK`]; whole shares of blocks, so the result
+//! does not depend on it). Each chunk's three collectives are started without blocking
+//! ([`Communicator::start`]) and the calling thread codes the next chunks while the worker
+//! moves the earlier ones: at step `k` it computes chunk `k`'s exponents, quantises chunk
+//! `k − 1`, sums and re-encodes chunk `k − 2` and decodes chunk `k − 3`. Every rank starts
+//! the same calls in the same order. The work buffers come from a pool kept by the calling
+//! thread, so a training loop's calls reuse them instead of faulting in fresh pages.
+//!
+//! [`Options::compress_chunk`]: super::Options::compress_chunk
+
+use std::cell::RefCell;
+use std::ops::Range;
+use std::time::Duration;
 
 use half::{bf16, f16};
 use oxccl_core::compress::{self, Format, Width};
 
-use super::Communicator;
-use crate::{DataType, Error, ReduceOp, Result};
+use super::{Communicator, Work};
+use crate::schedule::Collective;
+use crate::{DataType, Element, Error, ReduceOp, Result, log_enabled};
+
+/// Bytes of input per pipeline chunk unless `OXCCL_COMPRESS_CHUNK` says otherwise.
+pub const DEFAULT_CHUNK: usize = 4 << 20;
+
+/// With [`Compression::Auto`], the smallest all-reduce (bytes) that goes compressed across
+/// hosts.
+pub const AUTO_MIN_BYTES: usize = 1 << 20;
+
+/// When a plain [`Communicator::all_reduce`] compresses (`OXCCL_COMPRESS`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Compression {
+    /// Never (`off`, the default): every all-reduce is exact.
+    #[default]
+    Off,
+    /// The tuner decides (`auto`): `bfp8` for `f32`/`f16`/`bf16` sums and averages of at
+    /// least [`AUTO_MIN_BYTES`](crate::COMPRESS_AUTO_MIN_BYTES) when the ranks are on more than one host (a wire-bound job);
+    /// never when every rank is on one host (shared memory is memory-bound: compressing
+    /// costs more than the bytes it saves).
+    Auto,
+    /// Always, in this format, for `f32`/`f16`/`bf16` sums and averages (`bfp8`, `bfp4`,
+    /// `bfp8/16`, ...).
+    Always(Format),
+}
+
+impl std::str::FromStr for Compression {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Compression, String> {
+        match s.trim() {
+            "" | "off" | "0" => Ok(Compression::Off),
+            "auto" => Ok(Compression::Auto),
+            f => f.parse::<Format>().map(Compression::Always).map_err(|_| {
+                "off, auto, bfp8 or bfp4, optionally with a block size (bfp8/16, bfp4/64)"
+                    .to_string()
+            }),
+        }
+    }
+}
+
+thread_local! {
+    /// Work buffers of finished chunks, for the next ones (at most [`POOL`] kept).
+    static BUFFERS: RefCell<Vec<Vec<u8>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Buffers the pool of a thread keeps at most.
+const POOL: usize = 24;
+
+/// A buffer of `len` bytes from the pool (its contents are stale: callers write all of it).
+fn take(len: usize) -> Vec<u8> {
+    let mut v = BUFFERS
+        .with(|p| {
+            let mut p = p.borrow_mut();
+            let i = p.iter().position(|b| b.capacity() >= len)?;
+            Some(p.swap_remove(i))
+        })
+        .unwrap_or_default();
+    v.resize(len, 0);
+    v
+}
+
+/// Gives a buffer back to the pool.
+fn give(v: Vec<u8>) {
+    BUFFERS.with(|p| {
+        let mut p = p.borrow_mut();
+        if p.len() < POOL {
+            p.push(v);
+        }
+    });
+}
+
+/// The sizes of one chunk's exchange.
+#[derive(Clone, Copy)]
+struct Shape {
+    /// Values of the chunk.
+    len: usize,
+    /// Blocks of the chunk.
+    blocks: usize,
+    /// Blocks per rank's share (the last shares may be padding).
+    share_blocks: usize,
+    /// Values per share.
+    share: usize,
+    /// Bytes of a share's mantissas on the wire.
+    mbytes: usize,
+}
+
+impl Shape {
+    fn new(len: usize, n: usize, fmt: Format) -> Shape {
+        let blocks = compress::block_count(len, fmt.block);
+        let share_blocks = blocks.div_ceil(n);
+        let share = share_blocks * fmt.block.values();
+        let mbytes = match fmt.width {
+            Width::Bfp8 => share,
+            Width::Bfp4 => share / 2, // blocks hold an even number of values
+        };
+        Shape {
+            len,
+            blocks,
+            share_blocks,
+            share,
+            mbytes,
+        }
+    }
+
+    /// Bytes of a share in the all-gather: exponents, then mantissas.
+    fn gbytes(&self) -> usize {
+        self.share_blocks + self.mbytes
+    }
+
+    /// The values of share `r` that exist (the last shares may be short or empty).
+    fn values(&self, r: usize) -> Range<usize> {
+        (r * self.share).min(self.len)..((r + 1) * self.share).min(self.len)
+    }
+}
+
+/// One pipeline chunk's state between its steps.
+struct Chunk {
+    range: Range<usize>,
+    shape: Shape,
+    exps: Vec<u8>,
+    max: Option<Work<Vec<u8>>>,
+    a2a: Option<Work<(Vec<u8>, Vec<u8>)>>,
+    gather: Option<Work<(Vec<u8>, Vec<u8>)>>,
+}
+
+/// Call-wide settings and scratch.
+struct Call<'a> {
+    comm: &'a Communicator,
+    fmt: Format,
+    n: usize,
+    me: usize,
+    wait: Duration,
+    /// Unpacked mantissas (`n` shares).
+    q: Vec<i8>,
+    /// One share's sums.
+    sums: Vec<i16>,
+    /// One share's agreed exponents.
+    sexps: Vec<u8>,
+    bad: &'a dyn Fn(String) -> Error,
+}
+
+impl Call<'_> {
+    /// The result of a started call, which must be there.
+    fn wait<R>(&self, w: &mut Option<Work<R>>) -> Result<R> {
+        match w.take() {
+            Some(mut w) => w.wait(self.wait),
+            None => Err((self.bad)(
+                "a pipeline step ran before the one it follows (a bug)".into(),
+            )),
+        }
+    }
+
+    /// Step 1: the chunk's exponents, and the start of their max all-reduce.
+    fn exponents<T: compress::Float>(&self, c: &mut Chunk, buf: &[T]) -> Result<()> {
+        let bad = self.bad;
+        let codec = |e: compress::CodecError| bad(e.to_string());
+        let mut exps = take(c.shape.blocks);
+        compress::block_exponents(&buf[c.range.clone()], self.fmt, &mut exps).map_err(codec)?;
+        c.max = Some(self.comm.all_reduce_async(exps, ReduceOp::Max));
+        Ok(())
+    }
+
+    /// Step 2: quantised to the agreed exponents; the start of the all-to-all.
+    fn quantise<T: compress::Float>(&mut self, c: &mut Chunk, buf: &[T]) -> Result<()> {
+        let bad = self.bad;
+        let codec = |e: compress::CodecError| bad(e.to_string());
+        let s = c.shape;
+        c.exps = self.wait(&mut c.max)?;
+        let q = &mut self.q[..s.share * self.n];
+        compress::quantize(&buf[c.range.clone()], &c.exps, self.fmt, &mut q[..s.len])
+            .map_err(codec)?;
+        q[s.len..].fill(0);
+        let mut send = take(s.mbytes * self.n);
+        match self.fmt.width {
+            Width::Bfp8 => send.copy_from_slice(bytemuck::cast_slice(q)),
+            Width::Bfp4 => compress::pack4(q, &mut send).map_err(codec)?,
+        }
+        let recv = take(s.mbytes * self.n);
+        let coll = Collective::AllToAll { count: s.mbytes };
+        c.a2a = Some(self.comm.start(coll, ReduceOp::Sum, (send, recv)));
+        Ok(())
+    }
+
+    /// Step 3: this rank's share summed exactly and re-encoded; the start of the all-gather.
+    fn sum(&mut self, c: &mut Chunk) -> Result<()> {
+        let bad = self.bad;
+        let codec = |e: compress::CodecError| bad(e.to_string());
+        let s = c.shape;
+        let (send, recv) = self.wait(&mut c.a2a)?;
+        give(send);
+        let q = &mut self.q[..s.share * self.n];
+        match self.fmt.width {
+            Width::Bfp8 => q.copy_from_slice(bytemuck::cast_slice(&recv)),
+            Width::Bfp4 => compress::unpack4(&recv, q).map_err(codec)?,
+        }
+        give(recv);
+        let sums = &mut self.sums[..s.share];
+        sums.fill(0);
+        if s.share > 0 {
+            for from in q.chunks_exact(s.share) {
+                for (t, &m) in sums.iter_mut().zip(from) {
+                    *t += i16::from(m);
+                }
+            }
+        }
+        // The share's agreed exponents (0 for padding blocks past the end, whose sums are 0).
+        let first = (self.me * s.share_blocks).min(s.blocks);
+        let last = ((self.me + 1) * s.share_blocks).min(s.blocks);
+        let sexps = &mut self.sexps[..s.share_blocks];
+        sexps[..last - first].copy_from_slice(&c.exps[first..last]);
+        sexps[last - first..].fill(0);
+        let mut gin = take(s.gbytes());
+        let (new_exps, mant) = gin.split_at_mut(s.share_blocks);
+        let q = &mut self.q[..s.share];
+        compress::requantize(sums, sexps, self.fmt, new_exps, q).map_err(codec)?;
+        match self.fmt.width {
+            Width::Bfp8 => mant.copy_from_slice(bytemuck::cast_slice(q)),
+            Width::Bfp4 => compress::pack4(q, mant).map_err(codec)?,
+        }
+        let gout = take(s.gbytes() * self.n);
+        let coll = Collective::AllGather { count: s.gbytes() };
+        c.gather = Some(self.comm.start(coll, ReduceOp::Sum, (gin, gout)));
+        Ok(())
+    }
+
+    /// Step 4: every share's re-encoded sums decoded into the chunk.
+    fn decode<T: compress::Float>(&mut self, c: &mut Chunk, buf: &mut [T]) -> Result<()> {
+        let bad = self.bad;
+        let codec = |e: compress::CodecError| bad(e.to_string());
+        let s = c.shape;
+        let (gin, gout) = self.wait(&mut c.gather)?;
+        give(gin);
+        let out = &mut buf[c.range.clone()];
+        for r in 0..self.n {
+            let v = s.values(r);
+            if v.is_empty() {
+                break;
+            }
+            let at = r * s.gbytes();
+            let exps = &gout[at..at + compress::block_count(v.len(), self.fmt.block)];
+            let mant = &gout[at + s.share_blocks..at + s.gbytes()];
+            let q = &mut self.q[..v.len()];
+            match self.fmt.width {
+                Width::Bfp8 => q.copy_from_slice(bytemuck::cast_slice(&mant[..v.len()])),
+                Width::Bfp4 => compress::unpack4(&mant[..v.len().div_ceil(2)], q).map_err(codec)?,
+            }
+            compress::dequantize(&*q, exps, self.fmt, &mut out[v]).map_err(codec)?;
+        }
+        give(gout);
+        give(std::mem::take(&mut c.exps));
+        Ok(())
+    }
+}
 
 impl Communicator {
     /// Sums `buf` over every rank in place, compressed with block floating point `fmt`: the
-    /// result is exact for the values quantised to the ranks' common block exponents, and the
-    /// same bits on every rank (see the [module docs](self)).
+    /// ranks quantise to common block exponents, sum the mantissas exactly, and the owner of
+    /// each share of blocks rounds its sums once into `fmt` again, so the result is the same
+    /// bits on every rank, within one quantisation of each input plus one of the sum (see the
+    /// [module docs](self)).
     ///
     /// Every rank passes the same length and format. Fails with
     /// [`Error::InvalidArgument`] beyond [`compress::max_ranks`] ranks (258 for `bfp8`), and
@@ -63,8 +341,9 @@ impl Communicator {
     ///     })
     ///     .collect();
     /// let sums: Vec<Vec<f32>> = ranks.into_iter().map(|r| r.join().unwrap()).collect::<Result<_, _>>()?;
-    /// // Twice sin(i), within one quantisation per rank: 2 · 2/255 of a block's largest value.
-    /// assert!(sums[0].iter().enumerate().all(|(i, s)| (s - 2.0 * (i as f32).sin()).abs() <= 4.0 / 255.0));
+    /// // Twice sin(i), within one quantisation per rank and one of the sum: 2 · 2/255 of a
+    /// // block's largest value (at most 1), plus 2/255 of the sum's (at most 2).
+    /// assert!(sums[0].iter().enumerate().all(|(i, s)| (s - 2.0 * (i as f32).sin()).abs() <= 8.0 / 255.0));
     /// // The same bits on both ranks.
     /// assert!(sums[0].iter().zip(&sums[1]).all(|(a, b)| a.to_bits() == b.to_bits()));
     /// # Ok(()) }
@@ -86,46 +365,55 @@ impl Communicator {
                 compress::max_ranks::<i16>(fmt.width)
             )));
         }
-        let codec = |e: compress::CodecError| bad(e.to_string());
-        let b = fmt.block.values();
-        let nb = compress::block_count(len, fmt.block);
-        // 1. The common exponents.
-        let mut exps = vec![0u8; nb];
-        compress::block_exponents(buf, fmt, &mut exps).map_err(codec)?;
-        self.all_reduce_in_place(&mut exps, ReduceOp::Max)?;
-        // 2. Mantissas at those exponents, padded to n equal shares of whole blocks (an even
-        // count, so that bfp4 shares pack into whole bytes).
-        let share = (nb.div_ceil(n) * b).next_multiple_of(2);
-        let mut mant = vec![0i8; share * n];
-        compress::quantize(buf, &exps, fmt, &mut mant[..len]).map_err(codec)?;
-        // 3. Each rank gets every rank's mantissas of its share.
-        let mut mine = vec![0i8; share * n];
-        match fmt.width {
-            Width::Bfp8 => self.all_to_all(&mant, &mut mine)?,
-            Width::Bfp4 => {
-                let mut packed = vec![0u8; share * n / 2];
-                compress::pack4(&mant, &mut packed).map_err(codec)?;
-                let mut got = vec![0u8; share * n / 2];
-                self.all_to_all(&packed, &mut got)?;
-                compress::unpack4(&got, &mut mine).map_err(codec)?;
+        // Chunks of whole shares of blocks (so that block boundaries, hence the result, do
+        // not depend on the chunk size); an empty buffer is one empty chunk, so that a rank
+        // whose length differs is reported as a mismatch, not left waiting.
+        let whole = n * fmt.block.values();
+        let per = (self.options().compress_chunk / T::DTYPE.size()) / whole * whole;
+        let per = per.max(whole);
+        let ranges: Vec<Range<usize>> = (0..len.max(1))
+            .step_by(per)
+            .map(|a| a..(a + per).min(len))
+            .collect();
+        let first = Shape::new(ranges[0].len(), n, fmt);
+        let mut call = Call {
+            comm: self,
+            fmt,
+            n,
+            me,
+            wait: self.timeout() + Duration::from_secs(5),
+            q: vec![0; first.share * n],
+            sums: vec![0; first.share],
+            sexps: vec![0; first.share_blocks],
+            bad: &bad,
+        };
+        let mut chunks: Vec<Chunk> = ranges
+            .into_iter()
+            .map(|range| Chunk {
+                shape: Shape::new(range.len(), n, fmt),
+                range,
+                exps: Vec::new(),
+                max: None,
+                a2a: None,
+                gather: None,
+            })
+            .collect();
+        // Step k: exponents of chunk k, quantisation of k − 1, sums of k − 2, decoding of k − 3.
+        let count = chunks.len();
+        for k in 0..count + 3 {
+            if let Some(c) = chunks.get_mut(k) {
+                call.exponents(c, buf)?;
+            }
+            if let Some(c) = k.checked_sub(1).and_then(|i| chunks.get_mut(i)) {
+                call.quantise(c, buf)?;
+            }
+            if let Some(c) = k.checked_sub(2).and_then(|i| chunks.get_mut(i)) {
+                call.sum(c)?;
+            }
+            if let Some(c) = k.checked_sub(3).and_then(|i| chunks.get_mut(i)) {
+                call.decode(c, buf)?;
             }
         }
-        // 4. Exact integer sums of the share.
-        let mut sums = vec![0i16; share];
-        // (An empty buffer still runs every collective, so that a rank whose length differs
-        // is reported as a mismatch, not left waiting.)
-        for from in mine.chunks_exact(share.max(1)) {
-            for (s, &m) in sums.iter_mut().zip(from) {
-                *s += i16::from(m);
-            }
-        }
-        // 5. Every share's sums to every rank, decoded once.
-        let mut all = vec![0i16; share * n];
-        self.all_gather::<u8>(
-            bytemuck::cast_slice(&sums),
-            bytemuck::cast_slice_mut(&mut all),
-        )?;
-        compress::dequantize(&all[..len], &exps, fmt, buf).map_err(codec)?;
         Ok(())
     }
 
@@ -165,5 +453,93 @@ impl Communicator {
                 "compression sums float32, float16 or bfloat16 values".into()
             )),
         }
+    }
+
+    /// The format a plain all-reduce of `count` values of `T` with `op` goes compressed in,
+    /// if [`Options::compress`](super::Options::compress) asks for it and the call qualifies;
+    /// says once (at `OXCCL_DEBUG=INFO`) why a call that could not be compressed stays exact.
+    pub(super) fn compressed_format<T: Element>(
+        &self,
+        count: usize,
+        op: ReduceOp,
+    ) -> Option<Format> {
+        let fmt = match self.options().compress {
+            Compression::Off => return None,
+            Compression::Always(f) => f,
+            Compression::Auto => {
+                let hosts = self.hosts();
+                let one_host = hosts.iter().all(|h| *h == hosts[0]);
+                if one_host || count * T::DTYPE.size() < AUTO_MIN_BYTES {
+                    return None;
+                }
+                Format::BFP8
+            }
+        };
+        let float = matches!(T::DTYPE, DataType::F32 | DataType::F16 | DataType::Bf16);
+        let sum = matches!(op, ReduceOp::Sum | ReduceOp::Avg);
+        let fits = self.world_size() <= compress::max_ranks::<i16>(fmt.width);
+        if float && sum && fits {
+            return Some(fmt);
+        }
+        if log_enabled() {
+            let why = if !fits {
+                format!(
+                    "{} ranks are more than {fmt} sums in 16 bits",
+                    self.world_size()
+                )
+            } else {
+                format!(
+                    "{} {:?} is not a float32/float16/bfloat16 sum or average",
+                    T::DTYPE,
+                    op
+                )
+            };
+            say_once(format!(
+                "rank {}: OXCCL_COMPRESS={fmt}: all_reduce stays exact: {why}",
+                self.rank()
+            ));
+        }
+        None
+    }
+
+    /// A plain all-reduce, compressed in `fmt` (see [`Communicator::compressed_format`]): the
+    /// input copied to the output, summed compressed there, divided by the world size for an
+    /// average.
+    pub(super) fn all_reduce_compressed_as<T: Element>(
+        &self,
+        input: Option<&[T]>,
+        output: &mut [T],
+        op: ReduceOp,
+        fmt: Format,
+    ) -> Result<()> {
+        if let Some(input) = input {
+            if input.len() != output.len() {
+                return Err(Error::InvalidArgument {
+                    rank: self.rank(),
+                    msg: format!(
+                        "all_reduce: input of {} values, output of {}",
+                        input.len(),
+                        output.len()
+                    ),
+                });
+            }
+            output.copy_from_slice(input);
+        }
+        let bytes = crate::dtype::as_bytes_mut(output);
+        self.all_reduce_compressed_bytes(bytes, T::DTYPE, fmt)?;
+        if op == ReduceOp::Avg && self.world_size() > 1 {
+            crate::reduce::divide(T::DTYPE, bytes, self.world_size());
+        }
+        Ok(())
+    }
+}
+
+/// Writes an `OXCCL_DEBUG` line unless this process wrote the same one before.
+fn say_once(line: String) {
+    static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
+    if !said.contains(&line) {
+        crate::log_line(line.clone());
+        said.push(line);
     }
 }

@@ -28,6 +28,9 @@ mod register;
 mod work;
 mod worker;
 
+pub use compress::{
+    AUTO_MIN_BYTES as COMPRESS_AUTO_MIN_BYTES, Compression, DEFAULT_CHUNK as DEFAULT_COMPRESS_CHUNK,
+};
 pub use group::Group;
 pub(crate) use register::{RegCache, Registry};
 pub use register::{Registered, Registration};
@@ -101,6 +104,13 @@ pub struct Options {
     /// all-reduces can then stream through it (`OXCCL_ALGO=agg`, or the tuner's choice
     /// across hosts). Default: the topology file's `aggregator`, if any.
     pub agg_addr: Option<String>,
+    /// Whether a plain [`Communicator::all_reduce`] of `f32`/`f16`/`bf16` with `Sum` or
+    /// `Avg` goes compressed (`OXCCL_COMPRESS=off|auto|bfp8|bfp4|bfp8/16|...`; default off).
+    pub compress: Compression,
+    /// Bytes of input per pipeline chunk of a compressed all-reduce
+    /// (`OXCCL_COMPRESS_CHUNK`, 64K..=1G; default [`DEFAULT_COMPRESS_CHUNK`]). Every rank
+    /// must use the same.
+    pub compress_chunk: usize,
 }
 
 /// What the watchdog does to a call that runs too long.
@@ -136,6 +146,8 @@ impl Default for Options {
             idle_spin: None,
             idle_yield: Duration::from_millis(2),
             agg_addr: None,
+            compress: Compression::Off,
+            compress_chunk: DEFAULT_COMPRESS_CHUNK,
         }
     }
 }
@@ -285,6 +297,16 @@ impl Options {
         }
         if var("OXCCL_TCP_ADDR").is_some_and(|v| !v.trim().is_empty()) {
             o.tcp_addr = Some(o.device.tcp_addr);
+        }
+        if let Some(v) = var("OXCCL_COMPRESS") {
+            o.compress = v
+                .parse()
+                .map_err(|want: String| bad("OXCCL_COMPRESS", &v, &want))?;
+        }
+        if let Some(v) = var("OXCCL_COMPRESS_CHUNK") {
+            o.compress_chunk = oxccl_bootstrap::parse_size(&v)
+                .filter(|c| (64 << 10..=1 << 30).contains(c))
+                .ok_or_else(|| bad("OXCCL_COMPRESS_CHUNK", &v, "bytes (K/M suffixes), 64K..=1G"))?;
         }
         if let Some(v) = var("OXCCL_SOCKET_IFNAME").filter(|v| !v.trim().is_empty()) {
             o.socket_ifname = Some(
@@ -1068,12 +1090,19 @@ impl Communicator {
     }
 
     /// `output[i] = op over ranks of input[i]`, on every rank.
+    ///
+    /// With [`Options::compress`] set, an `f32`/`f16`/`bf16` sum or average goes compressed
+    /// ([`Communicator::all_reduce_compressed`]): the same bits on every rank, within the
+    /// compression's error bound of the exact sum.
     pub fn all_reduce<T: Element>(
         &self,
         input: &[T],
         output: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
+        if let Some(fmt) = self.compressed_format::<T>(input.len(), op) {
+            return self.all_reduce_compressed_as(Some(input), output, op, fmt);
+        }
         self.typed(
             Collective::AllReduce { count: input.len() },
             op,
@@ -1084,6 +1113,9 @@ impl Communicator {
 
     /// [`Communicator::all_reduce`] in place.
     pub fn all_reduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        if let Some(fmt) = self.compressed_format::<T>(buf.len(), op) {
+            return self.all_reduce_compressed_as(None, buf, op, fmt);
+        }
         self.typed_in_place(Collective::AllReduce { count: buf.len() }, op, buf)
     }
 

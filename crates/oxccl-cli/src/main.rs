@@ -27,6 +27,7 @@ mod kv_bench;
 mod perf;
 mod run;
 mod sim;
+mod sim_compress;
 mod topo;
 mod verbs_perf;
 

@@ -33,19 +33,19 @@ use crate::perf::{Row, Table, parse_collective, sized, write_table};
 pub struct Args {
     /// The collective: all_reduce, reduce_scatter, all_gather, broadcast, reduce, all_to_all,
     /// gather, scatter.
-    collective: String,
+    pub(crate) collective: String,
     /// Topology file (the format of OXCCL_TOPO_FILE, extended: see examples/topologies).
     #[arg(long)]
-    topo: PathBuf,
+    pub(crate) topo: PathBuf,
     /// Smallest size in bytes (K/M/G suffixes).
     #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = crate::verbs_perf::parse_size)]
-    min_bytes: usize,
+    pub(crate) min_bytes: usize,
     /// Largest size in bytes.
     #[arg(short = 'e', long = "maxbytes", default_value = "256M", value_parser = crate::verbs_perf::parse_size)]
-    max_bytes: usize,
+    pub(crate) max_bytes: usize,
     /// Size multiplication factor between steps.
     #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
-    factor: usize,
+    pub(crate) factor: usize,
     /// Data type (nccl-tests names: float, half, bfloat16, double, int8, ..., f8e4m3 (or e4m3),
     /// f8e5m2 (or e5m2)).
     #[arg(
@@ -54,10 +54,10 @@ pub struct Args {
         alias = "dtype",
         default_value = "float"
     )]
-    dtype: DataType,
+    pub(crate) dtype: DataType,
     /// Reduction operator (shown in the table; every operator costs the same).
     #[arg(short = 'o', long = "op", default_value = "sum")]
-    op: ReduceOp,
+    pub(crate) op: ReduceOp,
     /// Root rank of rooted collectives.
     #[arg(short = 'r', long = "root", default_value_t = 0)]
     root: usize,
@@ -70,26 +70,37 @@ pub struct Args {
     chunk: Option<usize>,
     /// Channels [default: the tuner's].
     #[arg(long)]
-    channels: Option<usize>,
+    pub(crate) channels: Option<usize>,
     /// Receive slots per peer and channel, as OXCCL_SLOTS [default: the runtime's, 4 across
     /// hosts, 8 on one].
     #[arg(long)]
-    slots: Option<usize>,
+    pub(crate) slots: Option<usize>,
     /// Print one JSON document instead of the table.
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
     /// Write the largest size's timeline as a Chrome/Perfetto trace (JSON) to this file.
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Simulate every rank even where the fabric's symmetry would allow fewer.
     #[arg(long)]
-    no_symmetry: bool,
+    pub(crate) no_symmetry: bool,
     /// Only out of place (the in-place columns read N/A): half the work.
     #[arg(long)]
     oop_only: bool,
     /// Busiest links to list.
     #[arg(long, default_value_t = 10)]
     links: usize,
+    /// Predict the compressed all-reduce instead (`bfp8`, `bfp4`, `bfp8/16`, ...; `off`):
+    /// its three phases on the fabric plus the codec, pipelined, beside the plain one.
+    #[arg(long, default_value = "off")]
+    pub(crate) compress: String,
+    /// The codec's rate per core for --compress, GB/s of uncompressed input, encode and
+    /// decode alike [default: the rate measured here, 14].
+    #[arg(long)]
+    pub(crate) codec_gbps: Option<f64>,
+    /// Bytes of input per pipeline chunk for --compress (as OXCCL_COMPRESS_CHUNK).
+    #[arg(long, value_parser = crate::verbs_perf::parse_size, default_value = "4M")]
+    pub(crate) compress_chunk: usize,
 }
 
 /// Entry point.
@@ -132,7 +143,11 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
     if args.channels == Some(0) || args.chunk == Some(0) {
         return Err(usage("--channels and --chunk must be at least 1".into()));
     }
+    let compress = crate::perf::parse_compress(&args.compress).map_err(usage)?;
     let fabric = Fabric::from_file(&args.topo).map_err(|e| (1, e))?;
+    if let Some(fmt) = compress {
+        return crate::sim_compress::run(args, kind, &fabric, fmt, algo);
+    }
     let n = fabric.world;
     if args.root >= n {
         return Err(usage(format!(

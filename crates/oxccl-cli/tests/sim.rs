@@ -332,3 +332,71 @@ fn errors_are_clear() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn compressed_all_reduce_is_predicted_beside_the_plain_one() {
+    let t = topo("testbed-a.toml");
+    let row = |extra: &[&str]| {
+        let mut a = vec![
+            "sim",
+            "--topo",
+            &t,
+            "all_reduce",
+            "-b",
+            "64M",
+            "-e",
+            "64M",
+            "--compress",
+        ];
+        a.extend_from_slice(extra);
+        json(&a)["rows"][0].clone()
+    };
+    // The 1 Gbit/s bed is wire-bound: compressed well below plain, near the format's bytes.
+    for (fmt, bytes) in [("bfp8", 8.25 / 32.0), ("bfp4", 4.25 / 32.0)] {
+        let r = row(&[fmt]);
+        let (ratio, wire) = (
+            r["ratio"].as_f64().unwrap(),
+            r["wire_vs_ring"].as_f64().unwrap(),
+        );
+        assert!(ratio > bytes && ratio < bytes + 0.06, "{fmt}: {r}");
+        assert!(wire > bytes && wire < bytes + 0.01, "{fmt}: {r}");
+        assert_eq!(r["compress"], fmt);
+        // An unrealistically slow codec (50 MB/s a core) makes it slower than plain.
+        let slow = row(&[fmt, "--codec-gbps", "0.05"]);
+        assert!(slow["ratio"].as_f64().unwrap() > 1.0, "{fmt}: {slow}");
+    }
+    // The two-datacenter scenario runs too (its tuner's algorithms for every phase).
+    let dc = topo("two-dc-1000km.toml");
+    let d = json(&[
+        "sim",
+        "--topo",
+        &dc,
+        "all_reduce",
+        "-b",
+        "256M",
+        "-e",
+        "256M",
+        "--compress",
+        "bfp8",
+    ]);
+    assert!(d["rows"][0]["time_us"].as_f64().unwrap() > 0.0, "{d}");
+    // Errors name the flag.
+    for (args, want) in [
+        (vec!["--compress", "bfp3"], "--compress"),
+        (
+            vec!["--compress", "bfp8", "--codec-gbps", "0"],
+            "--codec-gbps",
+        ),
+        (
+            vec!["--compress", "bfp8", "-d", "int32"],
+            "--compress predicts",
+        ),
+    ] {
+        let mut a = vec!["sim", "--topo", &t, "all_reduce", "-b", "1M", "-e", "1M"];
+        a.extend(args);
+        let o = oxccl(&a);
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{a:?}: {e}");
+        assert!(e.contains(want), "{a:?}: {e}");
+    }
+}

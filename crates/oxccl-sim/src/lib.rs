@@ -58,6 +58,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod compress;
 pub mod engine;
 pub mod fabric;
 mod queue;
@@ -65,5 +66,6 @@ pub mod run;
 pub mod sym;
 pub mod topo_file;
 
+pub use compress::{Codec, CompressedReport, simulate_compressed};
 pub use fabric::{Fabric, Link, Node, NodeKind, Symmetry};
 pub use run::{Event, Options, Report, Spec, Track, simulate, simulate_with};

@@ -4,6 +4,7 @@
 //! under a launcher (torchrun, Slurm, `oxccl run`) each process is one rank. Rank 0 prints.
 
 mod compress;
+pub(crate) use compress::parse as parse_compress;
 
 use std::io::Write;
 use std::process::ExitCode;

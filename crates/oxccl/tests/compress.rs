@@ -382,3 +382,28 @@ fn plain_all_reduce_goes_compressed_when_asked() {
     let exact2 = plain(&communicators(Provider::Tcp, 2), &inputs, ReduceOp::Sum);
     assert!(same_bits(&[got[0].clone(), exact2[0].clone()]));
 }
+
+#[test]
+fn large_pipelined_calls_across_hosts_keep_their_order() {
+    // Chunks of 4 MiB on two hosts over tcp: each chunk's all-gather (1.03 MiB) is large enough for the
+    // link-rate learner, whose metered calls run alone and are numbered late; the pipeline's
+    // calls must not be (they were, and ranks saw each other in different calls).
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let opts = |chunk| Options {
+        compress_chunk: chunk,
+        ..Options::default()
+    };
+    let piped = with_options(Provider::Tcp, 2, opts(4 << 20));
+    let whole = with_options(Provider::Tcp, 2, opts(1 << 30));
+    let len = 3_000_000;
+    let inputs: Vec<Vec<f32>> = (0..N).map(|r| input(21, r, len)).collect();
+    for fmt in [Format::BFP8, Format::BFP4] {
+        let a = run(&piped, &inputs, fmt);
+        let b = run(&whole, &inputs, fmt);
+        assert!(
+            same_bits(&a) && same_bits(&[a[0].clone(), b[0].clone()]),
+            "{fmt:?}"
+        );
+        assert_eq!(outside_bound(&inputs, &a[0], fmt), None, "{fmt:?}");
+    }
+}

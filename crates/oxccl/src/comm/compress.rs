@@ -40,7 +40,9 @@
 //! ([`Communicator::start`]) and the calling thread codes the next chunks while the worker
 //! moves the earlier ones: at step `k` it computes chunk `k`'s exponents, quantises chunk
 //! `k − 1`, sums and re-encodes chunk `k − 2` and decodes chunk `k − 3`. Every rank starts
-//! the same calls in the same order. The work buffers come from a pool kept by the calling
+//! the same calls in the same order, and they never feed the link-rate learner (a metered call
+//! runs alone and takes its sequence number late, which calls started behind it would
+//! overtake). The work buffers come from a pool kept by the calling
 //! thread, so a training loop's calls reuse them instead of faulting in fresh pages.
 //!
 //! [`Options::compress_chunk`]: super::Options::compress_chunk
@@ -211,7 +213,8 @@ impl Call<'_> {
         let codec = |e: compress::CodecError| bad(e.to_string());
         let mut exps = take(c.shape.blocks);
         compress::block_exponents(&buf[c.range.clone()], self.fmt, &mut exps).map_err(codec)?;
-        c.max = Some(self.comm.all_reduce_async(exps, ReduceOp::Max));
+        let coll = Collective::AllReduce { count: exps.len() };
+        c.max = Some(self.comm.start_unmetered(coll, ReduceOp::Max, exps));
         Ok(())
     }
 
@@ -232,7 +235,7 @@ impl Call<'_> {
         }
         let recv = take(s.mbytes * self.n);
         let coll = Collective::AllToAll { count: s.mbytes };
-        c.a2a = Some(self.comm.start(coll, ReduceOp::Sum, (send, recv)));
+        c.a2a = Some(self.comm.start_unmetered(coll, ReduceOp::Sum, (send, recv)));
         Ok(())
     }
 
@@ -274,7 +277,7 @@ impl Call<'_> {
         }
         let gout = take(s.gbytes() * self.n);
         let coll = Collective::AllGather { count: s.gbytes() };
-        c.gather = Some(self.comm.start(coll, ReduceOp::Sum, (gin, gout)));
+        c.gather = Some(self.comm.start_unmetered(coll, ReduceOp::Sum, (gin, gout)));
         Ok(())
     }
 

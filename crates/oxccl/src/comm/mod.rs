@@ -104,8 +104,10 @@ pub struct Options {
     /// all-reduces can then stream through it (`OXCCL_ALGO=agg`, or the tuner's choice
     /// across hosts). Default: the topology file's `aggregator`, if any.
     pub agg_addr: Option<String>,
-    /// Whether a plain [`Communicator::all_reduce`] of `f32`/`f16`/`bf16` with `Sum` or
-    /// `Avg` goes compressed (`OXCCL_COMPRESS=off|auto|bfp8|bfp4|bfp8/16|...`; default off).
+    /// Whether a plain [`Communicator::all_reduce`] (or `all_reduce_in_place`) of
+    /// `f32`/`f16`/`bf16` with `Sum` or `Avg` goes compressed
+    /// (`OXCCL_COMPRESS=off|auto|bfp8|bfp4|bfp8/16|...`; default off). Calls started without
+    /// blocking and group calls stay exact.
     pub compress: Compression,
     /// Bytes of input per pipeline chunk of a compressed all-reduce
     /// (`OXCCL_COMPRESS_CHUNK`, 64K..=1G; default [`DEFAULT_COMPRESS_CHUNK`]). Every rank

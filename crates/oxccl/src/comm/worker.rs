@@ -211,6 +211,45 @@ impl Communicator {
         B: CallBuffers,
         F: FnOnce(B, Result<()>) + Send + 'static,
     {
+        self.start_metered(coll, op, bufs, timeout, done, true)
+    }
+
+    /// [`Communicator::start`] for a call that never feeds the link-rate learner, so it always
+    /// flies with the others and is numbered now, in the caller's order. (A metered call runs
+    /// alone and is numbered when the worker reaches it, so calls started after it while it
+    /// waits would take numbers before it, in an order that depends on timing: pipelines
+    /// that start calls while others are queued use this.)
+    pub(super) fn start_unmetered<B: CallBuffers>(
+        &self,
+        coll: Collective,
+        op: ReduceOp,
+        bufs: B,
+    ) -> Work<B> {
+        let (work, done) = work::pair(self.inner.rank);
+        self.start_metered(
+            coll,
+            op,
+            bufs,
+            None,
+            move |b, r| done.complete(r.map(|()| b)),
+            false,
+        );
+        work
+    }
+
+    /// [`Communicator::start_with`], the call metered (when the learner wants it) or not.
+    fn start_metered<B, F>(
+        &self,
+        coll: Collective,
+        op: ReduceOp,
+        bufs: B,
+        timeout: Option<Duration>,
+        done: F,
+        metered: bool,
+    ) where
+        B: CallBuffers,
+        F: FnOnce(B, Result<()>) + Send + 'static,
+    {
         let timeout = timeout.unwrap_or_else(|| self.timeout());
         let mut owner = Box::new(bufs);
         let dtype = owner.dtype();
@@ -238,7 +277,8 @@ impl Communicator {
         // link-rate learner. The others are numbered and planned now, in the caller's order.
         let planned = {
             let mut st = self.lock();
-            let alone = st.learner.is_some()
+            let alone = metered
+                && st.learner.is_some()
                 && crate::learn::eligible(
                     &coll,
                     &st.tuning,

@@ -112,6 +112,24 @@
 //! bits) unless it exceeds `f32`'s range, where it is ±infinity as a floating-point sum would
 //! be; from `i32` it is rounded once (computed in `f64`, then rounded to the output type).
 //!
+//! # The result phase: one rounding of the sum
+//!
+//! Sending the sums `S` back as `i16` costs two bytes a value. The compressed all-reduce
+//! instead has the owner of each block re-encode its exact sums in the same format
+//! ([`requantize`]): a new exponent `E' = E + k`, `k` the smallest shift at which the block's
+//! largest `|S|` rounds within `2^(M−1) − 1`, and mantissas `rne(S / 2^k)`, computed on the
+//! integers. The owner does this once and every rank decodes the same bytes, so the result is
+//! still the same bits everywhere and for every algorithm. Its error against the exact sum is
+//! one quantisation of each input at the common exponent plus one rounding of the sum:
+//!
+//! ```text
+//! |result − Σ_r x_r| ≤ n · u(E)/2 + u(E')/2,   u(E')/2 ≤ max(u(E)/2, 2A / (2^M − 1)),
+//! ```
+//!
+//! `A` the largest magnitude of the block's quantised sum (`k = 0` leaves the sum as it is; for
+//! `k ≥ 1` it did not fit at `k − 1`, which bounds `u(E')` as for [`block_exponents`]). A sum
+//! beyond `f32`'s range saturates at exponent 254 and decodes as ±infinity.
+//!
 //! # NaN and infinity
 //!
 //! A block holding a NaN or an infinity gets the exponent [`NON_FINITE`] (255): [`quantize`]

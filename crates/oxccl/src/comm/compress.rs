@@ -49,7 +49,7 @@
 
 use std::cell::RefCell;
 use std::ops::Range;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 use oxccl_core::compress::{self, Format, Width};
@@ -194,13 +194,20 @@ struct Call<'a> {
     /// One share's agreed exponents.
     sexps: Vec<u8>,
     bad: &'a dyn Fn(String) -> Error,
+    /// Seconds the caller waited for each phase (exponents, all-to-all, all-gather).
+    waited: [f64; 3],
 }
 
 impl Call<'_> {
-    /// The result of a started call, which must be there.
-    fn wait<R>(&self, w: &mut Option<Work<R>>) -> Result<R> {
+    /// The result of a started call of phase `phase`, which must be there.
+    fn wait<R>(&mut self, w: &mut Option<Work<R>>, phase: usize) -> Result<R> {
         match w.take() {
-            Some(mut w) => w.wait(self.wait),
+            Some(mut w) => {
+                let t = Instant::now();
+                let r = w.wait(self.wait);
+                self.waited[phase] += t.elapsed().as_secs_f64();
+                r
+            }
             None => Err((self.bad)(
                 "a pipeline step ran before the one it follows (a bug)".into(),
             )),
@@ -223,7 +230,7 @@ impl Call<'_> {
         let bad = self.bad;
         let codec = |e: compress::CodecError| bad(e.to_string());
         let s = c.shape;
-        c.exps = self.wait(&mut c.max)?;
+        c.exps = self.wait(&mut c.max, 0)?;
         let q = &mut self.q[..s.share * self.n];
         compress::quantize(&buf[c.range.clone()], &c.exps, self.fmt, &mut q[..s.len])
             .map_err(codec)?;
@@ -244,7 +251,7 @@ impl Call<'_> {
         let bad = self.bad;
         let codec = |e: compress::CodecError| bad(e.to_string());
         let s = c.shape;
-        let (send, recv) = self.wait(&mut c.a2a)?;
+        let (send, recv) = self.wait(&mut c.a2a, 1)?;
         give(send);
         let q = &mut self.q[..s.share * self.n];
         match self.fmt.width {
@@ -286,7 +293,7 @@ impl Call<'_> {
         let bad = self.bad;
         let codec = |e: compress::CodecError| bad(e.to_string());
         let s = c.shape;
-        let (gin, gout) = self.wait(&mut c.gather)?;
+        let (gin, gout) = self.wait(&mut c.gather, 2)?;
         give(gin);
         let out = &mut buf[c.range.clone()];
         for r in 0..self.n {
@@ -322,7 +329,7 @@ impl Communicator {
     /// with the error of any of the collectives it runs.
     ///
     /// ```
-    /// # use std::time::Duration;
+    /// # use std::time::{Duration, Instant};
     /// # use oxccl::{Communicator, Options};
     /// # use oxccl_bootstrap::{Bootstrap, Config, Secret, StoreServer};
     /// use oxccl::compress::Format;
@@ -389,7 +396,9 @@ impl Communicator {
             sums: vec![0; first.share],
             sexps: vec![0; first.share_blocks],
             bad: &bad,
+            waited: [0.0; 3],
         };
+        let t0 = Instant::now();
         let mut chunks: Vec<Chunk> = ranges
             .into_iter()
             .map(|range| Chunk {
@@ -416,6 +425,17 @@ impl Communicator {
             if let Some(c) = k.checked_sub(3).and_then(|i| chunks.get_mut(i)) {
                 call.decode(c, buf)?;
             }
+        }
+        if log_enabled() {
+            let total = t0.elapsed().as_secs_f64();
+            let [e, a, g] = call.waited.map(|w| w * 1e3);
+            crate::log_line(format!(
+                "rank {me}: compressed all_reduce ({fmt}, {len} values, {count} chunks): \
+                 {:.1} ms: coding {:.1} ms; waiting for the exponents {e:.1} ms, the \
+                 all-to-all {a:.1} ms, the all-gather {g:.1} ms",
+                total * 1e3,
+                (total - call.waited.iter().sum::<f64>()) * 1e3,
+            ));
         }
         Ok(())
     }

@@ -677,8 +677,18 @@ pub fn requantize(
         }
         let k = k.min(u32::from(NON_FINITE - 1 - e));
         *ne = e + k as u8;
-        for (o, &v) in out.iter_mut().zip(s) {
-            *o = rne_shift(i32::from(v), k).clamp(-max, max) as i8;
+        if k == 0 {
+            for (o, &v) in out.iter_mut().zip(s) {
+                *o = i32::from(v).clamp(-max, max) as i8;
+            }
+        } else {
+            // rne(v / 2^k) without a branch per value (so that it vectorises): adding
+            // 2^(k−1) − 1, plus 1 when the floor is odd, then shifting, rounds ties to even.
+            let bias = (1i32 << (k - 1)) - 1;
+            for (o, &v) in out.iter_mut().zip(s) {
+                let v = i32::from(v);
+                *o = ((v + bias + ((v >> k) & 1)) >> k).clamp(-max, max) as i8;
+            }
         }
     }
     Ok(())

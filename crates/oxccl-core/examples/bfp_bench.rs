@@ -146,6 +146,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 compress::dequantize(black_box(&sum), &e, fmt, &mut out).expect("lengths match");
             }),
         );
+        // The result phase: re-encoding the sums (plain Rust, the same for every kernel set),
+        // and decoding the re-encoded i8 mantissas.
+        let mut ne = vec![0u8; e.len()];
+        row(
+            kernel,
+            "bfp8",
+            "32",
+            "requant",
+            time(reps, || {
+                compress::requantize(black_box(&sum), &e, fmt, &mut ne, &mut q)
+                    .expect("lengths match");
+            }),
+        );
+        row(
+            kernel,
+            "bfp8",
+            "32",
+            "deq-i8",
+            time(reps, || {
+                compress::dequantize(black_box(&q), &ne, fmt, &mut out).expect("lengths match");
+            }),
+        );
     }
     // Half-precision inputs (widened on the stack), bfp8 at 32, the best kernels.
     compress::force_kernel(best);

@@ -95,7 +95,7 @@ pub struct Args {
     #[arg(long, default_value = "off")]
     pub(crate) compress: String,
     /// The codec's rate per core for --compress, GB/s of uncompressed input, encode and
-    /// decode alike [default: the rate measured here, 14].
+    /// decode alike [default: the rates measured here, 9 encoding and 5 decoding].
     #[arg(long)]
     pub(crate) codec_gbps: Option<f64>,
     /// Bytes of input per pipeline chunk for --compress (as OXCCL_COMPRESS_CHUNK).

@@ -12,7 +12,6 @@ use std::io::Write;
 use oxccl::compress::Format;
 use oxccl::schedule::{Algorithm, Collective, CollectiveKind};
 use oxccl::{DataType, ReduceOp};
-use oxccl_sim::compress::DEFAULT_CODEC_BYTES_PER_S;
 use oxccl_sim::{Codec, Fabric, Spec, simulate, simulate_compressed};
 use serde_json::json;
 
@@ -38,19 +37,21 @@ pub(crate) fn run(
             args.dtype, args.op
         )));
     }
-    let gbps = args.codec_gbps.unwrap_or(DEFAULT_CODEC_BYTES_PER_S / 1e9);
-    if !(gbps > 0.0 && gbps.is_finite()) {
-        return Err(usage(format!(
-            "--codec-gbps must be a positive rate (got {gbps})"
-        )));
-    }
+    let codec = match args.codec_gbps {
+        None => Codec::default(),
+        Some(g) if g > 0.0 && g.is_finite() => Codec {
+            encode_bytes_per_s: g * 1e9,
+            decode_bytes_per_s: g * 1e9,
+        },
+        Some(g) => {
+            return Err(usage(format!(
+                "--codec-gbps must be a positive rate (got {g})"
+            )));
+        }
+    };
     if args.compress_chunk == 0 {
         return Err(usage("--compress-chunk must be at least 1".into()));
     }
-    let codec = Codec {
-        encode_bytes_per_s: gbps * 1e9,
-        decode_bytes_per_s: gbps * 1e9,
-    };
     let (n, es) = (fabric.world, args.dtype.size());
     let mut out = std::io::stdout().lock();
     let io = |e: std::io::Error| (1u8, e.to_string());
@@ -58,9 +59,11 @@ pub(crate) fn run(
         writeln!(
             out,
             "# oxccl sim all_reduce --compress {fmt}: nranks {n} topology: {} hosts: {} codec: \
-             {gbps} GB/s per core, chunks of {} bytes",
+             {} / {} GB/s per core (encode / decode), chunks of {} bytes",
             args.topo.display(),
             fabric.hosts.len(),
+            codec.encode_bytes_per_s / 1e9,
+            codec.decode_bytes_per_s / 1e9,
             args.compress_chunk
         )
         .map_err(io)?;
@@ -140,7 +143,9 @@ pub(crate) fn run(
             out,
             "{}",
             json!({ "rows": rows, "topology": args.topo.display().to_string(),
-                    "nranks": n, "codec_gbps": gbps, "chunk_bytes": args.compress_chunk })
+                    "nranks": n, "codec_encode_gbps": codec.encode_bytes_per_s / 1e9,
+                    "codec_decode_gbps": codec.decode_bytes_per_s / 1e9,
+                    "chunk_bytes": args.compress_chunk })
         )
         .map_err(io)?;
     }

@@ -12,15 +12,24 @@
 //! so its wire time `w` includes the fabric's latencies, contention and protocol. The codec
 //! costs `e = c·size/encode` (exponents and quantisation) before the wire and
 //! `d = c·size/decode` (integer sums, re-encoding, decoding) after it, on each rank's own
-//! core ([`Codec`]). The runtime keeps up to four chunks in flight, so the codec of one chunk
-//! overlaps the wire time of others; the model is a two-resource pipeline (CPU, wire):
-//! `T = e₁ + Σ_{i<k} max(w_i, e_i + d_i) + w_k + d_k` over `k` chunks, i.e. one chunk's encode
-//! to fill it, then the slower of wire and codec per chunk, then the last chunk's wire and
-//! decode to drain it. With one chunk it is `e + w + d`, the phases one after another.
-//! (The three phases of one chunk are summed, although the runtime overlaps them with other
-//! chunks' phases: a latency-bound fabric is predicted pessimistically.)
+//! core ([`Codec`]). The runtime keeps the phases of three chunks in flight at once (the
+//! exponents of chunk `i`, the all-to-all of `i − 1`, the all-gather of `i − 2`) while the
+//! caller codes, so the codec overlaps the wire, and the latencies of chunks in flight overlap
+//! each other. The model, over `k` chunks of wire time `w` (the three phases of one chunk,
+//! simulated one after another) and codec time `e + d` each, with `W` the three phases
+//! simulated once for the whole buffer (the bandwidth the fabric gives them, its latencies
+//! paid once):
+//!
+//! ```text
+//! T = e + max(W, k·w / 3, k·(e + d)) + d      (one chunk: e + w + d, the phases in sequence)
+//! ```
+//!
+//! one chunk's encoding to fill the pipeline, then the slowest of the wire's bandwidth, the
+//! wire's per-chunk latency shared by three chunks in flight, and the codec, then one chunk's
+//! decoding to drain it. Contention between the phases of different chunks is not modelled
+//! beyond `W`.
 
-use oxccl_core::compress::{Format, Width, block_count};
+use oxccl_core::compress::{Format, Width, block_count, max_ranks};
 use oxccl_core::schedule::{Algorithm, Collective};
 
 use crate::{Fabric, Report, Spec, simulate};
@@ -35,19 +44,27 @@ pub struct Codec {
 }
 
 impl Default for Codec {
-    /// [`DEFAULT_CODEC_BYTES_PER_S`] both ways.
+    /// [`DEFAULT_ENCODE_BYTES_PER_S`] and [`DEFAULT_DECODE_BYTES_PER_S`].
     fn default() -> Codec {
         Codec {
-            encode_bytes_per_s: DEFAULT_CODEC_BYTES_PER_S,
-            decode_bytes_per_s: DEFAULT_CODEC_BYTES_PER_S,
+            encode_bytes_per_s: DEFAULT_ENCODE_BYTES_PER_S,
+            decode_bytes_per_s: DEFAULT_DECODE_BYTES_PER_S,
         }
     }
 }
 
-/// The codec's rate measured on this project's machine (one core of a 2-vCPU x86-64 VM,
-/// AVX2, 64 MiB of `f32`, `bench/bfp-codec.sh`): about 15 GB/s encoding and 18 GB/s
-/// decoding; the lower, rounded down.
-pub const DEFAULT_CODEC_BYTES_PER_S: f64 = 14e9;
+/// The all-reduce's encoding rate measured on this project's machine (one core of a 2-vCPU
+/// x86-64 VM, AVX2/AVX-512, 64 MiB of `f32`, `bench/bfp-codec.sh`): exponents at about
+/// 23 GB/s and quantisation at about 14.5 GB/s, one after the other: about 9 GB/s.
+pub const DEFAULT_ENCODE_BYTES_PER_S: f64 = 9e9;
+
+/// The all-reduce's decoding rate measured there: the integer sums (about as fast as a copy,
+/// taken as 20 GB/s), re-encoding a `1/n` share (about 3 GB/s, so 12 GB/s at 4 ranks) and
+/// decoding `i8` mantissas (about 19 GB/s), one after the other: about 5 GB/s.
+pub const DEFAULT_DECODE_BYTES_PER_S: f64 = 5e9;
+
+/// Chunks whose phases the runtime has in flight at once.
+pub const IN_FLIGHT: usize = 3;
 
 /// The runtime's default pipeline chunk (bytes of input; `OXCCL_COMPRESS_CHUNK`).
 pub const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
@@ -66,7 +83,8 @@ pub struct CompressedReport {
     pub time_s: f64,
     /// Chunks of the pipeline.
     pub chunks: usize,
-    /// Wire time of all chunks' phases (exponents, all-to-all, all-gather), seconds.
+    /// Wire time of all chunks' phases (exponents, all-to-all, all-gather), each chunk's
+    /// three one after another, summed over the chunks (before overlapping), seconds.
     pub wire_s: f64,
     /// Codec time of all chunks on one rank's core, seconds.
     pub codec_s: f64,
@@ -115,6 +133,8 @@ fn chunk(fabric: &Fabric, spec: &Spec, values: usize, fmt: Format) -> Result<[Re
 /// values of `spec.elem_size` bytes: 4 for `f32`, 2 for `f16`/`bf16`) in `fmt`, cut into
 /// chunks of `chunk_bytes` of input, with the codec running at `codec` (see the module docs).
 /// `spec.algo` applies to the phases it supports; its chunk size and trace are not used.
+/// Refused, as the runtime refuses it, beyond [`max_ranks`]`::<i16>` ranks (258 for `bfp8`,
+/// 4681 for `bfp4`).
 pub fn simulate_compressed(
     fabric: &Fabric,
     spec: &Spec,
@@ -132,6 +152,13 @@ pub fn simulate_compressed(
         return Err("the codec's rates must be positive".into());
     }
     let n = fabric.world;
+    let most = max_ranks::<i16>(fmt.width);
+    if n > most {
+        return Err(format!(
+            "{n} ranks: the runtime's compressed all-reduce sums {fmt} mantissas in 16 bits, \
+             which hold the sums of up to {most} ranks, and refuses more"
+        ));
+    }
     let per = chunk_values(chunk_bytes, spec.elem_size, n, fmt);
     let full = count / per;
     let rest = count % per;
@@ -148,10 +175,16 @@ pub fn simulate_compressed(
     };
     let enc = |v: f64| v * es / codec.encode_bytes_per_s;
     let dec = |v: f64| v * es / codec.decode_bytes_per_s;
-    let steady = (chunks - 1) as f64 * w1.max(enc(v1) + dec(v1));
-    let time_s = enc(v1) + steady + wl + dec(vl);
-    let wire_s = w1 * (chunks - 1) as f64 + wl;
-    let codec_s = (enc(v1) + dec(v1)) * (chunks - 1) as f64 + enc(vl) + dec(vl);
+    let k = (chunks - 1) as f64;
+    let wire_s = w1 * k + wl;
+    let codec_s = (enc(v1) + dec(v1)) * k + enc(vl) + dec(vl);
+    let time_s = if chunks == 1 {
+        enc(v1) + w1 + dec(v1)
+    } else {
+        let whole = wire(&chunk(fabric, spec, count, fmt)?);
+        let in_flight = wire_s / IN_FLIGHT as f64;
+        enc(v1) + whole.max(in_flight).max(codec_s - enc(v1) - dec(vl)) + dec(vl)
+    };
     // Bytes per rank, as the phases move them.
     let blocks = block_count(count, fmt.block) as f64;
     let nf = n as f64;

@@ -121,4 +121,8 @@ fn one_chunk_is_its_phases_one_after_another() {
     };
     let e = simulate_compressed(&fabric, &spec(10), Format::BFP8, &zero, 1 << 20).unwrap_err();
     assert!(e.contains("positive"), "{e}");
+    // More ranks than 16-bit sums hold: refused, as the runtime refuses them.
+    let e =
+        simulate_compressed(&star(259, 1.0), &spec(10), Format::BFP8, &codec, 1 << 20).unwrap_err();
+    assert!(e.contains("259 ranks") && e.contains("up to 258"), "{e}");
 }

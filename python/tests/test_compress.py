@@ -1,6 +1,6 @@
 """The compressed all-reduce from Python (`Communicator.all_reduce_compressed`): numpy float32
 and float16, torch bfloat16, in place, the same bits on every rank, within one quantisation per
-rank of the exact sum; bad formats and types are refused with errors that say why."""
+rank plus one rounding of the sum of the exact sum; bad formats and types are refused with errors that say why."""
 
 from __future__ import annotations
 
@@ -32,7 +32,13 @@ def worker_compress():
         exact = np.sum([e.astype(np.float64) for e in every], axis=0)
         for b in range(0, len(got), block):
             a = max(float(np.max(np.abs(e[b:b + block].astype(np.float64)))) for e in every)
-            bound = n * 2 * a / (2 ** bits - 1) + abs(exact[b:b + block]).max() * 2.0 ** -10
+            inputs_err = n * 2 * a / (2 ** bits - 1)
+            # One quantisation per input, one rounding of the sum (re-encoded by its owner,
+            # at most 2 max(a, A) / (2^M - 1), A the block's largest quantised sum), and f16's
+            # own rounding when stored.
+            big = abs(exact[b:b + block]).max() + inputs_err
+            bound = (inputs_err + 2 * max(a, big) / (2 ** bits - 1)
+                     + abs(exact[b:b + block]).max() * 2.0 ** -10)
             err = float(np.max(np.abs(got[b:b + block].astype(np.float64) - exact[b:b + block])))
             if err > bound:
                 return f"block {b // 32}: error {err} > bound {bound}"

@@ -321,8 +321,10 @@ impl Communicator {
     /// Sums `buf` over every rank in place, compressed with block floating point `fmt`: the
     /// ranks quantise to common block exponents, sum the mantissas exactly, and the owner of
     /// each share of blocks rounds its sums once into `fmt` again, so the result is the same
-    /// bits on every rank, within one quantisation of each input plus one of the sum (see the
-    /// [module docs](self)).
+    /// bits on every rank, within one quantisation of each input plus one of the sum (the
+    /// derivation and the bound: [`compress`](crate::compress), "The result phase"). Large
+    /// calls are pipelined in chunks of [`Options::compress_chunk`](crate::Options::compress_chunk)
+    /// bytes, whose collectives run while the caller codes the next chunks.
     ///
     /// Every rank passes the same length and format. Fails with
     /// [`Error::InvalidArgument`] beyond [`compress::max_ranks`] ranks (258 for `bfp8`), and

@@ -263,7 +263,10 @@ class ProcessGroupOxccl(dist.ProcessGroup):
             world_size=size,
             timeout=seconds,
             job_id="torch",
-            options=_defaults(),
+            # The backend decides per call what goes compressed (OXCCL_COMPRESS read above,
+            # group.compress, compressed()): the Rust side's own reading of OXCCL_COMPRESS
+            # would compress every plain all-reduce and could not be turned off per call.
+            options={**_defaults(), "OXCCL_COMPRESS": "off"},
         )
         self._coalescing: Optional[list] = None
 

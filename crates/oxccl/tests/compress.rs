@@ -407,3 +407,39 @@ fn large_pipelined_calls_across_hosts_keep_their_order() {
         assert_eq!(outside_bound(&inputs, &a[0], fmt), None, "{fmt:?}");
     }
 }
+
+/// A compressed all-reduce inside a job submitted to the worker (as Python's `async_op=True`
+/// and the DDP hook run it): its pipeline's calls run on the worker, in the job, and give the
+/// bits of the blocking call (they were queued behind the job that waited for them: a hang).
+#[test]
+fn inside_a_submitted_job_the_pipeline_runs_on_the_worker() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let comms = with_options(
+        Provider::Shm,
+        N,
+        Options {
+            compress_chunk: 64 << 10,
+            ..Options::default()
+        },
+    );
+    let len = 100_003;
+    let inputs: Vec<Vec<f32>> = (0..N).map(|r| input(33, r, len)).collect();
+    let blocking = run(&comms, &inputs, Format::BFP8);
+    let submitted: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .iter()
+            .zip(&inputs)
+            .map(|(c, inp)| {
+                let mut v = inp.clone();
+                s.spawn(move || {
+                    let mut w = c
+                        .submit(move |c| c.all_reduce_compressed(&mut v, Format::BFP8).map(|()| v));
+                    w.wait(Duration::from_secs(60)).expect("the submitted job")
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(same_bits(&[blocking[0].clone(), submitted[0].clone()]));
+    assert!(same_bits(&submitted));
+}

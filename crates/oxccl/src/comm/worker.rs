@@ -273,6 +273,13 @@ impl Communicator {
         };
         let finish: Box<dyn FnOnce(Result<()>) + Send> =
             Box::new(move |r: Result<()>| done(*owner, r));
+        // Started from a job the worker runs (`submit`): the worker is busy with that job, so
+        // the call runs now, on it, in the job's order (queued, it would wait for the job that
+        // waits for it).
+        if ON_WORKER.with(|w| w.get()) == Arc::as_ptr(&self.inner) as usize {
+            finish(self.run_checked(&coll, dtype, op, checked, timeout));
+            return;
+        }
         // Calls that must run alone go through the queue as closures: those that feed the
         // link-rate learner. The others are numbered and planned now, in the caller's order.
         let planned = {

@@ -770,9 +770,10 @@ def bfp_hook(state: BfpState, bucket: Any) -> torch.futures.Future:
     Q(x)``; the bucket becomes the sum divided by the world size. Each step's average is within
     ``u/2`` per value of the average of the ``x`` (``u``: the unit of the value's block at the
     agreed exponent, ``2^(e-(M-1))`` with ``M`` = 8 or 4 mantissa bits: at most
-    ``2/(2^M - 1)`` of the largest magnitude of the block over the ranks), and with error
-    feedback the sum of the averages over any number of steps stays within that of the sum of
-    the exact averages (the residuals telescope). Returns a ``torch.futures.Future`` completed
+    ``2/(2^M - 1)`` of the largest magnitude of the block over the ranks) plus ``u'/2n``, the
+    re-encoded sum's one rounding over the world size. With error feedback the inputs'
+    quantisation telescopes over the steps; the sums' rounding is not fed back (no rank holds
+    the exact sum) and wanders by up to ``u'/2n`` a step. Returns a ``torch.futures.Future`` completed
     with the bucket's tensor from the communicator's worker; float32, float16 and bfloat16
     buckets (others raise InvalidArgument).
     """

@@ -57,6 +57,27 @@ def quantise(x, exps, m, block=BLOCK):
     return np.clip(np.rint(np.asarray(x, np.float64) / u), -lim, lim) * u, u
 
 
+def requantise(total, u, m, block=BLOCK):
+    """The exact sum `total` of values quantised at units `u` (per value), re-encoded as the
+    all-reduce's result phase does: per block the smallest shift k >= 0 at which every
+    rne(S / 2^k) of the block's integer sums S fits +-(2^(M-1) - 1), each value rne(S / 2^k)
+    at the unit u * 2^k. Returns the re-encoded sum and its units."""
+    lim = 2 ** (m - 1) - 1
+    sums = np.rint(total / u)  # exact integers
+    nb = -(-len(sums) // block)
+    pad = np.zeros(nb * block)
+    pad[: len(sums)] = np.abs(sums)
+    a = pad.reshape(nb, block).max(axis=1)
+    k = np.zeros(nb)
+    while True:
+        over = np.rint(a / 2.0**k) > lim
+        if not over.any():
+            break
+        k = k + over
+    shift = np.repeat(2.0**k, block)[: len(sums)]
+    return np.rint(sums / shift) * u * shift, u * shift
+
+
 def gradients(step, rank, count, m):
     """Rank `rank`'s gradient of step `step`: blocks at scales 2^-8 .. 2^4, and block 0 one
     large value beside small ones that one quantisation drops (a fifth of its unit)."""
@@ -112,6 +133,7 @@ def worker_hook():
                 cum_out = np.zeros(count)
                 cum_exact = np.zeros(count)
                 worst = 0.0
+                rounding = np.zeros(count)  # the sums' roundings so far, at most u2/2n each
                 for k in range(K):
                     gs = [gradients(k, r, count, m) for r in range(n)]
                     t = torch.from_numpy(gs[rank].copy())
@@ -125,17 +147,21 @@ def worker_hook():
                     exps = np.max([own_exponents(x, m) for x in xs], axis=0)
                     qs = [quantise(x, exps, m) for x in xs]
                     u = qs[0][1]
-                    ref = (np.sum([q for q, _ in qs], axis=0).astype(np.float32)
-                           / np.float32(n)).astype(np.float64)
+                    # The sum as the result phase re-encodes it (one rounding, unit u2).
+                    total, u2 = requantise(np.sum([q for q, _ in qs], axis=0), u, m)
+                    ref = (total.astype(np.float32) / np.float32(n)).astype(np.float64)
                     err = np.abs(got - ref)
                     expect(f"{fmt} ef={ef} step {k}: equals the reference",
                            (err <= 2.0 ** -23 * np.abs(ref)).all(),
                            f"max error {err.max()} at {int(err.argmax())}")
-                    # Within u/2 per value of the exact average of the x.
+                    # Within u/2 per value of the exact average of the x, plus the sum's
+                    # one rounding over n.
                     mean_x = np.mean([x.astype(np.float64) for x in xs], axis=0)
                     dev = np.abs(got - mean_x)
-                    expect(f"{fmt} ef={ef} step {k}: within u/2 of the exact average",
-                           (dev <= u / 2 * (1 + 1e-6) + 2.0 ** -23 * np.abs(mean_x)).all(),
+                    rounding += u2 / (2 * n)
+                    lim = (u / 2 + u2 / (2 * n)) * (1 + 1e-6) + 2.0 ** -23 * np.abs(mean_x)
+                    expect(f"{fmt} ef={ef} step {k}: within u/2 + u'/2n of the exact average",
+                           (dev <= lim).all(),
                            f"max {float((dev / u).max())} units")
                     if ef:
                         ref_e = [(x.astype(np.float64) - q).astype(np.float32)
@@ -149,8 +175,10 @@ def worker_hook():
                     worst = max(worst, float(np.abs(cum_out - cum_exact)[1:BLOCK].max()))
                 cum_err = np.abs(cum_out - cum_exact)
                 # The residuals telescope: the cumulative error is the mean of the last
-                # residuals (each within u/2), plus float32 rounding of each step's x.
-                bound = u / 2 + K * 2.0 ** -22 * np.abs(cum_exact / K).max()
+                # residuals (each within u/2), plus float32 rounding of each step's x, plus
+                # the sums' roundings of the result phase, which no rank can feed back (none
+                # knows the exact sum): at most u2/2n a step.
+                bound = u / 2 + rounding + K * 2.0 ** -22 * np.abs(cum_exact / K).max()
                 out[f"{fmt} ef={ef}"] = {
                     "cum_err_small": float(cum_err[1:BLOCK].max()),
                     "unit_block0": float(u[0]),
@@ -269,7 +297,9 @@ def worker_backend():
     def bfp_sum(m):
         xs = [data(r) for r in range(n)]
         exps = np.max([own_exponents(x, m) for x in xs], axis=0)
-        return np.sum([quantise(x, exps, m)[0] for x in xs], axis=0).astype(np.float32)
+        qs = [quantise(x, exps, m) for x in xs]
+        total, _ = requantise(np.sum([q for q, _ in qs], axis=0), qs[0][1], m)
+        return total.astype(np.float32)
 
     try:
         exact = np.sum([data(r).astype(np.float64) for r in range(n)], axis=0)
@@ -334,11 +364,16 @@ def test_bfp_hook(torch_available):
     failures = [f for r in ranks for f in r.result["failures"]]
     assert not failures, "\n".join(failures)
     fig = ranks[0].result["figures"]
-    # Error feedback: the small values' cumulative error stays within a unit; without it,
-    # it grows with the steps (K * the value).
+    # Error feedback: the small values' cumulative error stays within a few units (the
+    # inputs' quantisation is fed back; the sums' one rounding a step is not, and wanders);
+    # without it, it grows with the steps (K * the value). Measured after 30 steps: bfp8
+    # 0.035 against 0.09, bfp4 0.47 against 1.2 (units 0.016 and 0.25): feedback gains 2.6x.
+    # (It gained over 10x before the result phase rounded the sums: the owner of a share
+    # could feed its sums' rounding back too; not done.)
     for fmt in ("bfp8", "bfp4"):
-        assert fig[f"{fmt} ef=True"]["worst_small"] <= fig[f"{fmt} ef=True"]["unit_block0"], fig
-        assert fig[f"{fmt} ef=False"]["cum_err_small"] > 10 * fig[f"{fmt} ef=True"]["cum_err_small"], fig
+        ef, no = fig[f"{fmt} ef=True"], fig[f"{fmt} ef=False"]
+        assert ef["worst_small"] <= 4 * ef["unit_block0"], repr(fig)
+        assert no["cum_err_small"] > 2 * ef["cum_err_small"], repr(fig)
 
 
 def test_backend_compress(torch_available):

@@ -58,10 +58,11 @@ fn stats_after(svc: &Service, calls: u64) -> oxccl::agg::ServiceStats {
 
 /// Destroys a job's communicators (a collective: all at once).
 fn destroy_all(comms: Vec<Communicator>) {
-    std::thread::scope(|s| {
-        for c in comms {
-            s.spawn(move || c.destroy().expect("destroy"));
-        }
+    let comms: Vec<Mutex<Option<Communicator>>> =
+        comms.into_iter().map(|c| Mutex::new(Some(c))).collect();
+    common::per_rank(&comms, |_, c| {
+        let c = c.lock().unwrap().take().expect("a communicator");
+        c.destroy().expect("destroy")
     });
 }
 
@@ -91,26 +92,15 @@ fn all_reduce(
     inputs: &[Vec<u8>],
 ) -> Vec<oxccl::Result<Vec<u8>>> {
     let count = inputs[0].len() / dtype.size();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .iter()
-            .zip(inputs)
-            .map(|(c, inp)| {
-                s.spawn(move || {
-                    let mut buf = inp.clone();
-                    c.run(
-                        &Collective::AllReduce { count },
-                        dtype,
-                        op,
-                        Buffers::InPlace(&mut buf),
-                    )
-                    .map(|()| buf)
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().expect("rank thread"))
-            .collect()
+    common::per_rank(comms, |r, c| {
+        let mut buf = inputs[r].clone();
+        c.run(
+            &Collective::AllReduce { count },
+            dtype,
+            op,
+            Buffers::InPlace(&mut buf),
+        )
+        .map(|()| buf)
     })
 }
 

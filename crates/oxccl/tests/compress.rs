@@ -62,20 +62,11 @@ fn input<T: Float>(seed: u64, rank: usize, len: usize) -> Vec<T> {
 
 /// Runs the compressed all-reduce of `inputs` (one per rank) on `comms`; every rank's result.
 fn run<T: Float>(comms: &[Communicator], inputs: &[Vec<T>], fmt: Format) -> Vec<Vec<T>> {
-    std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .iter()
-            .zip(inputs)
-            .map(|(c, x)| {
-                s.spawn(move || {
-                    let mut buf = x.clone();
-                    c.all_reduce_compressed(&mut buf, fmt)
-                        .unwrap_or_else(|e| panic!("{fmt:?}, {} values: {e}", x.len()));
-                    buf
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    common::per_rank(comms, |r, c| {
+        let mut buf = inputs[r].clone();
+        c.all_reduce_compressed(&mut buf, fmt)
+            .unwrap_or_else(|e| panic!("{fmt:?}, {} values: {e}", buf.len()));
+        buf
     })
 }
 
@@ -300,19 +291,10 @@ fn plain<T: oxccl::Element>(
     inputs: &[Vec<T>],
     op: ReduceOp,
 ) -> Vec<Vec<T>> {
-    std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .iter()
-            .zip(inputs)
-            .map(|(c, x)| {
-                s.spawn(move || {
-                    let mut out = x.clone();
-                    c.all_reduce(x, &mut out, op).expect("all_reduce");
-                    out
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    common::per_rank(comms, |r, c| {
+        let mut out = inputs[r].clone();
+        c.all_reduce(&inputs[r], &mut out, op).expect("all_reduce");
+        out
     })
 }
 

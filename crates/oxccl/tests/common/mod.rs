@@ -708,3 +708,19 @@ pub fn in_process(
         .map(|(r, c)| c.unwrap_or_else(|e| panic!("{what}: init rank {r}: {e}")))
         .collect()
 }
+
+/// Runs `f(rank, item)` for every item of `items` (one per rank) on a thread each, at once, and
+/// returns the results in rank order: a collective call on every rank of an in-process job.
+pub fn per_rank<I: Sync, R: Send>(items: &[I], f: impl Fn(usize, &I) -> R + Sync) -> Vec<R> {
+    let f = &f;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = items
+            .iter()
+            .enumerate()
+            .map(|(r, x)| s.spawn(move || f(r, x)))
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    })
+}

@@ -188,11 +188,7 @@ impl Communicator {
     /// buffer as its input, a receive as its output, any other call in place unless given a
     /// pair (input, output). Its timeout is the communicator's at the time of the call.
     pub fn start<B: CallBuffers>(&self, coll: Collective, op: ReduceOp, bufs: B) -> Work<B> {
-        let (work, done) = work::pair(self.inner.rank);
-        self.start_with(coll, op, bufs, None, move |b, r| {
-            done.complete(r.map(|()| b))
-        });
-        work
+        self.start_work(coll, op, bufs, true)
     }
 
     /// [`Communicator::start`] with its own timeout (`None`: the communicator's) and, instead
@@ -225,15 +221,20 @@ impl Communicator {
         op: ReduceOp,
         bufs: B,
     ) -> Work<B> {
+        self.start_work(coll, op, bufs, false)
+    }
+
+    /// [`Communicator::start`], metered or not: the [`Work`] the buffers come back through.
+    fn start_work<B: CallBuffers>(
+        &self,
+        coll: Collective,
+        op: ReduceOp,
+        bufs: B,
+        metered: bool,
+    ) -> Work<B> {
         let (work, done) = work::pair(self.inner.rank);
-        self.start_metered(
-            coll,
-            op,
-            bufs,
-            None,
-            move |b, r| done.complete(r.map(|()| b)),
-            false,
-        );
+        let done = move |b, r: Result<()>| done.complete(r.map(|()| b));
+        self.start_metered(coll, op, bufs, None, done, metered);
         work
     }
 

@@ -14,6 +14,15 @@ pub enum Error {
     /// The named provider does not exist or is not built in.
     #[error("unknown provider {0:?} (available: {1})")]
     UnknownProvider(String, String),
+    /// The provider exists but this build or this machine cannot run it; the message says what
+    /// to install or rebuild.
+    #[error("provider {provider:?} is not available: {why}")]
+    ProviderUnavailable {
+        /// The provider's name.
+        provider: &'static str,
+        /// Why, and what to do about it.
+        why: String,
+    },
     /// An argument was out of range; the message says which.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -51,7 +51,25 @@ mod context;
 mod cq;
 mod error;
 mod mr;
+#[cfg(feature = "ofi")]
 mod ofi;
+#[cfg(not(feature = "ofi"))]
+mod ofi {
+    //! This build has no ofi provider (the `ofi` feature is off): opening it says how to get it.
+    use crate::provider::{OpenArgs, ProviderContext};
+    use crate::{Error, Result};
+
+    pub(crate) fn open(_: &OpenArgs<'_>) -> Result<Box<dyn ProviderContext>> {
+        Err(Error::ProviderUnavailable {
+            provider: "ofi",
+            why: "this build of oxccl does not include it: rebuild with the `ofi` cargo feature \
+                  (e.g. `cargo build --features oxccl-verbs/ofi`), which needs libfabric's \
+                  headers (Debian/Ubuntu: apt-get install libfabric-dev); or use \
+                  OXCCL_PROVIDER=shm or tcp"
+                .to_string(),
+        })
+    }
+}
 mod provider;
 mod qp;
 mod ring;

@@ -256,5 +256,7 @@ macro_rules! hammer {
 
 hammer!(shm, "shm");
 hammer!(tcp, "tcp");
+#[cfg(feature = "ofi")]
 hammer!(ofi, "ofi");
+#[cfg(feature = "ofi")]
 hammer!(ofi_shm, "ofi:shm");

@@ -1593,5 +1593,7 @@ macro_rules! properties {
 
 properties!(shm, "shm");
 properties!(tcp, "tcp");
+#[cfg(feature = "ofi")]
 properties!(ofi, "ofi");
+#[cfg(feature = "ofi")]
 properties!(ofi_shm, "ofi:shm");

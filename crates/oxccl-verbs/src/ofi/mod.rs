@@ -142,7 +142,8 @@ pub(crate) fn open(args: &OpenArgs<'_>) -> Result<Box<dyn ProviderContext>> {
     };
     // shm's fi_cq_sread ignores its timeout in libfabric 1.17: poll it.
     let wait = !c.ofi_busy_poll && !prov.contains("shm");
-    if prov.contains("shm") {
+    let shm = prov.contains("shm");
+    if shm {
         remove_stale_shm_regions();
     }
     let fab = Fabric::open(&prov, node.as_deref(), wait).map_err(|e| {
@@ -171,6 +172,7 @@ pub(crate) fn open(args: &OpenArgs<'_>) -> Result<Box<dyn ProviderContext>> {
             .map_err(|e| Error::os("spawning the ofi watch thread", e))?
     };
     Ok(Box::new(OfiContext {
+        shm,
         engine,
         thread: Mutex::new(Some(thread)),
         watch: Mutex::new(Some(watch)),
@@ -178,34 +180,100 @@ pub(crate) fn open(args: &OpenArgs<'_>) -> Result<Box<dyn ProviderContext>> {
 }
 
 /// Removes, once per process and before its first `shm` endpoint, the regions libfabric's shm
-/// provider left under `/dev/shm` for a process that had this one's PID. The provider names an
+/// provider left under `/dev/shm` for processes that no longer run. The provider names an
 /// endpoint's region `<pid>:<n>:<m>` and unlinks it when the endpoint closes, so a process that
-/// was killed leaves its regions behind; a later process that gets the same PID (PIDs wrap at
-/// `kernel.pid_max`, 32768 here) then fails `fi_enable` with EBUSY. No live process but this one
-/// can own a region named after its PID; one that another library of this process opened
-/// through libfabric's shm before oxccl did would lose its name too, so that case is said.
+/// was killed leaves its regions behind: memory nobody frees until reboot, and a later process
+/// that gets the same PID (PIDs wrap at `kernel.pid_max`) fails `fi_enable` with EBUSY.
+///
+/// A region is stale when its owner is gone, checked rather than guessed from its age: no
+/// process of this PID namespace has the owner's PID (or the owner's PID is this process's,
+/// which has opened no endpoint yet), and no process visible in `/proc` maps the region. Only
+/// this user's regions are touched. One case stays ambiguous: a process of another PID
+/// namespace that shares this `/dev/shm` and is invisible in this `/proc`, whose PID is free
+/// here; containers mount their own `/dev/shm`, which rules it out in practice.
+///
+/// A context over `shm` sweeps again when it closes ([`sweep_shm_regions`], leaving this
+/// process's own names alone then), so that a process whose peers were killed leaves no
+/// region of theirs behind either.
 fn remove_stale_shm_regions() {
     static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let pid = std::process::id().to_string();
-        let Ok(dir) = std::fs::read_dir("/dev/shm") else {
-            return;
+    ONCE.call_once(|| sweep_shm_regions(true));
+}
+
+/// Removes the stale libfabric shm regions under `/dev/shm` ([`stale_shm_regions`]).
+fn sweep_shm_regions(own: bool) {
+    let dir = std::path::Path::new("/dev/shm");
+    for (name, why) in stale_shm_regions(dir, own) {
+        if std::fs::remove_file(dir.join(&name)).is_ok() {
+            eprintln!("oxccl ofi: removed /dev/shm/{name}, a libfabric shm region {why}");
+        }
+    }
+}
+
+/// The libfabric shm regions under `dir` whose owner is gone (see
+/// [`remove_stale_shm_regions`]), each with the reason in words. `own`: count regions named
+/// after this process as gone (true only before it opens its first endpoint).
+fn stale_shm_regions(dir: &std::path::Path, own: bool) -> Vec<(String, String)> {
+    use std::os::unix::fs::MetadataExt;
+    let me = std::process::id();
+    let uid = rustix::process::geteuid().as_raw();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut candidates = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let parts: Vec<&str> = name.split(':').collect();
+        let numeric = parts.len() == 3
+            && parts
+                .iter()
+                .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+        let Some(owner) = numeric.then(|| parts[0].parse::<u32>().ok()).flatten() else {
+            continue;
         };
-        for entry in dir.flatten() {
-            let name = entry.file_name();
-            let Some(name) = name.to_str() else { continue };
-            let mut parts = name.split(':');
-            let ours = parts.next() == Some(pid.as_str())
-                && parts.clone().count() == 2
-                && parts.all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
-            if ours && std::fs::remove_file(entry.path()).is_ok() {
-                eprintln!(
-                    "oxccl ofi: removed /dev/shm/{name}, a libfabric shm region of an earlier \
-                     process with this PID ({pid}) that did not close it"
-                );
+        if entry.metadata().map(|m| m.uid()).ok() != Some(uid) {
+            continue;
+        }
+        let why = if owner == me {
+            if !own {
+                continue;
+            }
+            format!("of an earlier process with this PID ({me}) that did not close it")
+        } else if std::path::Path::new(&format!("/proc/{owner}")).exists() {
+            continue;
+        } else {
+            format!("of process {owner}, which no longer runs, that did not close it")
+        };
+        candidates.push((name.to_string(), why));
+    }
+    if candidates.is_empty() {
+        return candidates;
+    }
+    let mapped = mapped_shm_names(dir);
+    candidates.retain(|(name, _)| !mapped.contains(name));
+    candidates
+}
+
+/// The names under `dir` that some process visible in `/proc` has mapped.
+fn mapped_shm_names(dir: &std::path::Path) -> std::collections::HashSet<String> {
+    let prefix = format!("{}/", dir.display());
+    let mut names = std::collections::HashSet::new();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return names;
+    };
+    for p in procs.flatten() {
+        let Ok(maps) = std::fs::read_to_string(p.path().join("maps")) else {
+            continue;
+        };
+        for line in maps.lines() {
+            if let Some(at) = line.find(&prefix) {
+                let rest = &line[at + prefix.len()..];
+                names.insert(rest.trim_end_matches(" (deleted)").to_string());
             }
         }
-    });
+    }
+    names
 }
 
 /// How long a call into libfabric may go without returning before the context is called wedged.
@@ -213,6 +281,8 @@ const WEDGED_AFTER: Duration = Duration::from_secs(5);
 
 /// The ofi half of a context.
 struct OfiContext {
+    /// Over libfabric's `shm`: sweep stale regions when closing.
+    shm: bool,
     engine: Arc<Engine>,
     thread: Mutex<Option<JoinHandle<()>>>,
     watch: Mutex<Option<JoinHandle<()>>>,
@@ -293,6 +363,9 @@ impl Drop for OfiContext {
             if t.is_finished() {
                 let _ = t.join();
             }
+        }
+        if self.shm {
+            sweep_shm_regions(false);
         }
     }
 }

@@ -5,11 +5,25 @@
  * is five words). Every function returns libfabric's convention: 0 or a count, or -FI_E*. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* libfabric is loaded at run time (dlopen, as NCCL loads its net plugins), never linked: a
+ * program built with this provider runs on a machine without libfabric until it asks for ofi.
+ * Only these six of its calls are exported symbols (the rest are inline calls through a fid's
+ * ops table, some of which call these): the macros rename them, in libfabric's own headers
+ * too, to the functions below, which call through the pointers oxofi_load fills. A libfabric
+ * symbol used without a line here stays undefined and fails the link of every binary. */
+#define fi_version oxofi_dl_version
+#define fi_getinfo oxofi_dl_getinfo
+#define fi_freeinfo oxofi_dl_freeinfo
+#define fi_dupinfo oxofi_dl_dupinfo
+#define fi_fabric oxofi_dl_fabric
+#define fi_strerror oxofi_dl_strerror
 
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
@@ -17,6 +31,98 @@
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
+
+static struct {
+	uint32_t (*version)(void);
+	int (*getinfo)(uint32_t, const char *, const char *, uint64_t, const struct fi_info *,
+		       struct fi_info **);
+	void (*freeinfo)(struct fi_info *);
+	struct fi_info *(*dupinfo)(const struct fi_info *);
+	int (*fabric)(struct fi_fabric_attr *, struct fid_fabric **, void *);
+	const char *(*strerror)(int);
+} lib;
+static char load_err[512];
+static pthread_once_t load_once = PTHREAD_ONCE_INIT;
+
+uint32_t fi_version(void) { return lib.version(); }
+int fi_getinfo(uint32_t version, const char *node, const char *service, uint64_t flags,
+	       const struct fi_info *hints, struct fi_info **info)
+{
+	return lib.getinfo(version, node, service, flags, hints, info);
+}
+void fi_freeinfo(struct fi_info *info)
+{
+	if (info) lib.freeinfo(info);
+}
+struct fi_info *fi_dupinfo(const struct fi_info *info) { return lib.dupinfo(info); }
+int fi_fabric(struct fi_fabric_attr *attr, struct fid_fabric **fabric, void *context)
+{
+	return lib.fabric(attr, fabric, context);
+}
+const char *fi_strerror(int errnum)
+{
+	return lib.strerror ? lib.strerror(errnum) : "libfabric is not loaded";
+}
+
+static void restore_signals(void);
+
+/* The oldest libfabric whose ABI this shim is written for (fi_getinfo asks for it too). */
+#define OXOFI_MIN_VERSION FI_VERSION(1, 17)
+
+static void load(void)
+{
+	static const char *const names[] = {"libfabric.so.1", "libfabric.so"};
+	const char *why = "";
+	void *h = NULL;
+	for (unsigned i = 0; i < sizeof names / sizeof names[0] && !h; i++) {
+		h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+		if (!h && i == 0) why = dlerror();
+	}
+	if (!h) {
+		snprintf(load_err, sizeof load_err,
+			 "cannot load libfabric (%s): install libfabric 1.17 or later (Debian/Ubuntu: "
+			 "apt-get install libfabric1), or use another provider (OXCCL_PROVIDER=shm or tcp)",
+			 why);
+		return;
+	}
+#define SYM(field, name)                                                                    \
+	do {                                                                               \
+		*(void **)&lib.field = dlsym(h, name);                                         \
+		if (!lib.field) {                                                          \
+			snprintf(load_err, sizeof load_err,                                \
+				 "libfabric loaded but has no %s: a libfabric older than 1.17?", \
+				 name);                                                    \
+			return;                                                            \
+		}                                                                          \
+	} while (0)
+	SYM(version, "fi_version");
+	SYM(getinfo, "fi_getinfo");
+	SYM(freeinfo, "fi_freeinfo");
+	SYM(dupinfo, "fi_dupinfo");
+	SYM(fabric, "fi_fabric");
+	SYM(strerror, "fi_strerror");
+#undef SYM
+	uint32_t v = lib.version();
+	if (v < OXOFI_MIN_VERSION) {
+		snprintf(load_err, sizeof load_err,
+			 "libfabric %u.%u is older than 1.17, the oldest the ofi provider supports",
+			 FI_MAJOR(v), FI_MINOR(v));
+		lib.strerror = NULL;
+		return;
+	}
+	restore_signals();
+}
+
+/* Loads libfabric once. 0, or -FI_ENOSYS with the reason in `err`. */
+int oxofi_load(char *err, size_t errlen)
+{
+	pthread_once(&load_once, load);
+	if (load_err[0]) {
+		snprintf(err, errlen, "%s", load_err);
+		return -FI_ENOSYS;
+	}
+	return 0;
+}
 
 struct oxofi {
 	struct fi_info *info;
@@ -69,9 +175,10 @@ static void close_all(struct oxofi *o)
 int oxofi_open(const char *prov, const char *node, int wait, struct oxofi **out,
 	       struct oxofi_attr *attr, char *err, size_t errlen)
 {
+	int ret = oxofi_load(err, errlen);
+	if (ret) return ret;
 	struct oxofi *o = calloc(1, sizeof *o);
 	struct fi_info *hints = fi_allocinfo();
-	int ret;
 	if (!o || !hints) {
 		snprintf(err, errlen, "out of memory");
 		free(o);
@@ -275,10 +382,10 @@ const char *oxofi_strerror(int err)
 
 /* libfabric pulls in libinfinipath and libpsm2 (its psm providers), whose load-time constructors
  * install handlers for SIGSEGV, SIGBUS, SIGILL, SIGFPE and SIGABRT that print a backtrace and
- * exit with status 1: a crash or abort() of any program linked with oxccl would no longer end by
- * its signal (no core dump, a wrong exit status). This constructor runs after theirs and puts the
+ * exit with status 1: a crash or abort() of any program using oxccl would no longer end by its
+ * signal (no core dump, a wrong exit status). Run right after loading libfabric, this puts the
  * default back for the handlers that are theirs, leaving anyone else's. */
-__attribute__((constructor)) static void oxccl_ofi_restore_signals(void) {
+static void restore_signals(void) {
     static const int sigs[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT};
     for (unsigned i = 0; i < sizeof sigs / sizeof sigs[0]; i++) {
         struct sigaction old;

@@ -694,7 +694,11 @@ pub fn peer_main() {
         };
         reply(r);
     }
+    // Close everything before exiting (exit runs no destructors): a provider's context that
+    // is never closed leaves its resources behind (libfabric's shm regions under /dev/shm).
     drop(qps);
+    drop(mrs);
+    drop((cq, pd, ctx));
     std::process::exit(0);
 }
 

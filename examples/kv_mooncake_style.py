@@ -15,9 +15,10 @@ Two processes, as in a disaggregated vLLM/SGLang deployment:
   and checks every block byte for byte.
 
 The engine code is Mooncake's API unchanged: only the import differs
-(``from mooncake.engine import ...`` there). The job secret that authenticates the two
-engines comes from ``OXCCL_SECRET``; when it is unset, this script makes one for its two
-processes (a launcher would set it for a real job).
+(``from mooncake.engine import ...`` there), and no variable needs setting: the job secret
+that authenticates the two engines comes from ``OXCCL_SECRET`` or ``OXCCL_SECRET_FILE`` when
+set, else from the user's secret file (``~/.config/oxccl/secret``, created with mode 0600 on
+first use), which both processes share.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import secrets
 import sys
 import time
 
@@ -127,7 +127,6 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=33)
     ap.add_argument("--block-size", type=int, default=256 << 10)
     args = ap.parse_args()
-    os.environ.setdefault("OXCCL_SECRET", secrets.token_hex(16))
     ctx = mp.get_context("spawn")
     d2p, p2d = ctx.Queue(), ctx.Queue()
     procs = [

@@ -486,8 +486,11 @@ def test_bad_input_returns_negative_and_says_why(targets, store, caplog):
 def test_missing_secret_and_unknown_store_segment(monkeypatch, store):
     from oxccl.kv import TransferEngine
 
+    # No secret set and no home for the per-user secret file: the error says what to set.
     monkeypatch.delenv("OXCCL_SECRET")
     monkeypatch.delenv("OXCCL_SECRET_FILE", raising=False)
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    monkeypatch.delenv("HOME", raising=False)
     e = TransferEngine()
     assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1
     assert "OXCCL_SECRET" in e.last_error()
@@ -572,12 +575,19 @@ def test_waits_release_the_gil(store):
 
 
 @pytest.mark.parametrize("proto", ["tcp", "shm"])
-def test_mooncake_style_example_runs(proto):
+def test_mooncake_style_example_runs(proto, tmp_path):
+    """The example runs as a Mooncake user runs it: no OXCCL_* variable at all, in a home
+    that has no oxccl secret yet (the per-user secret file is made on first use)."""
     need("numpy")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OXCCL_")}
+    env.pop("XDG_CONFIG_HOME", None)
+    env["HOME"] = str(tmp_path)
     r = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "kv_mooncake_style.py"), "--protocol", proto],
-        capture_output=True, text=True, timeout=120,
-        env=dict(os.environ, OXCCL_SECRET=SECRET),
+        capture_output=True, text=True, timeout=120, env=env,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "decode: all blocks verified" in r.stdout, r.stdout + r.stderr
+    secret = tmp_path / ".config" / "oxccl" / "secret"
+    assert secret.stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / ".config" / "oxccl").stat().st_mode & 0o777 == 0o700

@@ -113,7 +113,7 @@ impl Abort {
     }
 }
 
-fn hostname() -> String {
+pub(crate) fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .map(|s| s.trim().to_owned())
@@ -250,14 +250,11 @@ impl Bootstrap {
     /// [`Error::WorldSizeMismatch`] (every rank still joining fails with the same error), or
     /// [`Error::RanksMissing`] listing the ranks that did not join within the timeout.
     pub fn new(config: Config) -> Result<Bootstrap> {
-        let secret = config.secret.clone().ok_or_else(|| {
-            Error::Secret(
-                "no secret configured: set OXCCL_SECRET (e.g. to the output of `openssl rand \
-                 -hex 32`) or OXCCL_SECRET_FILE to the same value on every rank (`oxccl run` \
-                 generates one for its ranks)"
-                    .into(),
-            )
-        })?;
+        // No secret set: the per-user secret file (Secret::user_default).
+        let secret = match config.secret.clone() {
+            Some(s) => s,
+            None => Secret::user_default()?,
+        };
         if config.world_size == 0 {
             return Err(Error::Config("the world size is 0".into()));
         }

@@ -414,6 +414,7 @@ fn handshake(
         Ok(Msg::AuthFail { reason }) => Err(Error::AuthRefused {
             addr: addr.to_owned(),
             reason,
+            hint: secret.mismatch_hint(),
         }),
         Ok(other) => Err(protocol(format!(
             "a {} message instead of an authentication reply",

@@ -46,15 +46,15 @@ pub enum Error {
         reason: String,
     },
     /// The store refused our credentials.
-    #[error(
-        "the store at {addr} refused this process: {reason} (every rank and the store need the \
-         same secret in OXCCL_SECRET or OXCCL_SECRET_FILE)"
-    )]
+    #[error("the store at {addr} refused this process: {reason} ({hint})")]
     AuthRefused {
         /// The store's address.
         addr: String,
         /// The store's reason.
         reason: String,
+        /// Where this process's secret came from and how to make the ranks agree
+        /// ([`Secret::mismatch_hint`](crate::Secret::mismatch_hint)).
+        hint: String,
     },
     /// The server could not prove it knows the secret: it is not this job's store.
     #[error(

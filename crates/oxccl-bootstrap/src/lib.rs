@@ -45,7 +45,11 @@
 //! unauthenticated peer. A client sends nothing to a server that fails to answer its challenge.
 //! The secret comes from `OXCCL_SECRET` or the file named by `OXCCL_SECRET_FILE`; a launcher
 //! without one generates it ([`Secret::from_env_or_generate`]) and hands it to its children
-//! ([`Secret::export_to`]). The wire is not encrypted: run the store on a trusted network, and
+//! ([`Secret::export_to`]). A rank with neither, outside such a launcher (torchrun, Slurm,
+//! mpirun), uses the per-user secret file ([`Secret::user_default`]:
+//! `~/.config/oxccl/secret`, created with mode 0600 on first use), which every process of the
+//! user on the host shares, and every host sharing the home directory. A secret file that other
+//! users may read is refused. The wire is not encrypted: run the store on a trusted network, and
 //! use a long random secret ([`Secret::generate`], `openssl rand -hex 32`): a short one could
 //! be guessed offline from an observed handshake.
 //!

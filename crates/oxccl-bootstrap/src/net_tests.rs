@@ -87,6 +87,29 @@ fn a_wait_is_woken_by_another_client() {
     assert_eq!(s.store().get("k", T).unwrap(), b"v");
 }
 
+/// Two hosts that share no home directory each make their own per-user secret: the store's
+/// refusal tells the rank which file it used, on which host, and the two ways to agree.
+#[test]
+fn per_user_secrets_of_two_homes_are_refused_with_the_file_host_and_fixes() {
+    let base = std::env::temp_dir().join(format!("oxccl-two-homes-{}", std::process::id()));
+    let (a, b) = (base.join("a/secret"), base.join("b/secret"));
+    let store_secret = Secret::user_default_at(&a).unwrap();
+    let s = StoreServer::bind("127.0.0.1:0", store_secret).unwrap();
+    let rank_secret = Secret::user_default_at(&b).unwrap();
+    let e = TcpStore::connect(&s.addr().to_string(), &rank_secret, T).unwrap_err();
+    let m = e.to_string();
+    assert!(matches!(e, Error::AuthRefused { .. }), "{m}");
+    for want in [
+        b.to_str().unwrap(),
+        &crate::bootstrap::hostname(),
+        "copy that file",
+        "OXCCL_SECRET",
+    ] {
+        assert!(m.contains(want), "{want:?} not in {m}");
+    }
+    std::fs::remove_dir_all(&base).unwrap();
+}
+
 #[test]
 fn a_wrong_secret_is_refused_and_others_are_undisturbed() {
     let s = server();

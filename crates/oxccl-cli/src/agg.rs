@@ -48,10 +48,7 @@ pub fn main(args: Args) -> ExitCode {
 
 fn serve(args: Args) -> Result<(), String> {
     let secrets = if args.secret_file.is_empty() {
-        vec![Secret::from_env().map_err(|e| e.to_string())?.ok_or(
-            "no secret: pass --secret-file (once per job served), or set OXCCL_SECRET or \
-             OXCCL_SECRET_FILE (the jobs' ranks need the same one)",
-        )?]
+        vec![Secret::from_env_or_user_file().map_err(|e| e.to_string())?]
     } else {
         args.secret_file
             .iter()

@@ -307,13 +307,7 @@ fn secret(generate: bool) -> Result<Secret> {
     if generate {
         Secret::from_env_or_generate().map_err(|e| e.to_string())
     } else {
-        Secret::from_env()
-            .map_err(|e| e.to_string())?
-            .ok_or_else(|| {
-                "no secret: set OXCCL_SECRET (or OXCCL_SECRET_FILE) to the same value for the \
-             target and the initiator"
-                    .to_string()
-            })
+        Secret::from_env_or_user_file().map_err(|e| e.to_string())
     }
 }
 

@@ -103,15 +103,7 @@ fn store_main(args: StoreArgs) -> Result<(), String> {
         .init();
     let secret = match &args.secret_file {
         Some(path) => oxccl_bootstrap::Secret::from_file(path),
-        None => oxccl_bootstrap::Secret::from_env().and_then(|s| {
-            s.ok_or_else(|| {
-                oxccl_bootstrap::Error::Secret(
-                    "none configured: pass --secret-file, or set OXCCL_SECRET or \
-                     OXCCL_SECRET_FILE (the ranks need the same one)"
-                        .into(),
-                )
-            })
-        }),
+        None => oxccl_bootstrap::Secret::from_env_or_user_file(),
     }
     .map_err(|e| e.to_string())?;
     let server =

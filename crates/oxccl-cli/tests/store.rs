@@ -36,6 +36,10 @@ fn serves_the_job_and_logs_strangers() {
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("secret");
     std::fs::write(&file, "cli-secret\n").unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
@@ -96,12 +100,16 @@ fn serves_the_job_and_logs_strangers() {
 
 #[test]
 fn says_what_is_missing_or_taken() {
-    // No secret at all.
-    let out = oxccl_store(&["--bind", "127.0.0.1:0"]).output().unwrap();
+    // No secret at all, and no home for the per-user secret file.
+    let out = oxccl_store(&["--bind", "127.0.0.1:0"])
+        .env_remove("HOME")
+        .env_remove("XDG_CONFIG_HOME")
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("--secret-file") && err.contains("OXCCL_SECRET"),
+        err.contains("OXCCL_SECRET") && err.contains("HOME"),
         "{err}"
     );
 

@@ -92,14 +92,13 @@ impl EngineConfig {
 
     /// [`EngineConfig::from_env`] over any variable source.
     pub fn from_vars(var: &dyn Fn(&str) -> Option<String>) -> Result<EngineConfig> {
-        let secret = Secret::from_vars(var)
-            .map_err(|e| Error::arg(e.to_string()))?
-            .ok_or_else(|| {
-                Error::arg(
-                    "no job secret: set OXCCL_SECRET (or OXCCL_SECRET_FILE) to the same value \
-                     in every process of the job",
-                )
-            })?;
+        // No secret set: the per-user secret file, as for a communicator.
+        let secret = match Secret::from_vars(var) {
+            Ok(Some(s)) => Ok(s),
+            Ok(None) => Secret::user_file_path(var).and_then(|p| Secret::user_default_at(&p)),
+            Err(e) => Err(e),
+        }
+        .map_err(|e| Error::arg(e.to_string()))?;
         let mut c = EngineConfig::new(secret);
         let get = |k: &str| {
             var(k)
@@ -215,8 +214,15 @@ mod tests {
             (Protocol::Tcp, 4, 256 << 10)
         );
         assert_eq!(c.timeout, Duration::from_millis(2500));
+        // No secret set and no home to keep the per-user file in: the error says what to set.
         let e = EngineConfig::from_vars(&vars(&[])).unwrap_err();
         assert!(e.to_string().contains("OXCCL_SECRET"), "{e}");
+        // With a home, the per-user secret file is made there and used.
+        let home = std::env::temp_dir().join(format!("oxccl-kv-home-{}", std::process::id()));
+        let c = EngineConfig::from_vars(&vars(&[("HOME", home.to_str().unwrap())])).unwrap();
+        let file = std::fs::read_to_string(home.join(".config/oxccl/secret")).unwrap();
+        assert_eq!(c.secret.as_bytes(), file.trim_end().as_bytes());
+        std::fs::remove_dir_all(&home).unwrap();
         for (k, v) in [
             ("OXCCL_KV_LANES", "0"),
             ("OXCCL_KV_SLICE", "12"),

@@ -869,16 +869,8 @@ impl PyKvMetadataServer {
     #[new]
     #[pyo3(signature = (bind="127.0.0.1:0"))]
     fn new(py: Python<'_>, bind: &str) -> PyResult<PyKvMetadataServer> {
-        let secret = oxccl_bootstrap::Secret::from_env()
-            .map_err(|e| config_error(py, e.to_string()))?
-            .ok_or_else(|| {
-                config_error(
-                    py,
-                    "no job secret: set OXCCL_SECRET (or OXCCL_SECRET_FILE) to the same value \
-                     in every process of the job"
-                        .into(),
-                )
-            })?;
+        let secret = oxccl_bootstrap::Secret::from_env_or_user_file()
+            .map_err(|e| config_error(py, e.to_string()))?;
         let s = py
             .detach(|| oxccl_bootstrap::StoreServer::bind(bind, secret))
             .map_err(|e| config_error(py, format!("metadata server on {bind}: {e}")))?;

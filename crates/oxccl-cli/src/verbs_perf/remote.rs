@@ -60,16 +60,10 @@ struct Rendezvous {
     token: String,
 }
 
-/// The job's shared secret: `OXCCL_SECRET` or `OXCCL_SECRET_FILE`, required.
+/// The job's shared secret: `OXCCL_SECRET` or `OXCCL_SECRET_FILE`, else the per-user secret
+/// file (the same on both sides when they share a home directory).
 pub fn secret() -> Result<Secret> {
-    match Secret::from_env() {
-        Ok(Some(s)) => Ok(s),
-        Ok(None) => Err(Error::new(
-            "--server and --connect need a shared secret: set OXCCL_SECRET (e.g. to the output \
-             of `openssl rand -hex 32`) or OXCCL_SECRET_FILE to the same value on both sides",
-        )),
-        Err(e) => Err(Error::new(e.to_string())),
-    }
+    Secret::from_env_or_user_file().map_err(|e| Error::new(e.to_string()))
 }
 
 /// A `--bind` or `--connect` address (`HOST`, `HOST:PORT`, `IP`, `IP:PORT`, `[IPv6]:PORT`)

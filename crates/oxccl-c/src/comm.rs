@@ -34,13 +34,34 @@ impl oxcclComm {
     }
 
     /// An oxccl error as a failure, remembered when it broke the communicator (every error
-    /// but an invalid argument, which is found before anything moves).
+    /// but an invalid argument, which is found before anything moves). A call refused because
+    /// the communicator is broken gets the code of what broke it.
     #[cold]
     pub(crate) fn failed(&self, e: oxccl::Error) -> Failure {
+        let poisoned = matches!(e, oxccl::Error::Poisoned { .. });
         if !matches!(e, oxccl::Error::InvalidArgument { .. }) {
             self.broken(crate::error::code_of(&e));
         }
-        e.into()
+        let mut f = Failure::from(e);
+        if poisoned {
+            f.code = self.async_code();
+        }
+        f
+    }
+
+    /// The first error that broke the communicator (`oxcclSuccess`: none).
+    fn async_code(&self) -> oxcclResult_t {
+        match self.async_error.load(Ordering::Acquire) {
+            0 => oxcclSuccess,
+            1 => oxcclUnhandledError,
+            2 => oxcclSystemError,
+            3 => oxcclInternalError,
+            4 => oxcclInvalidArgument,
+            5 => oxcclInvalidUsage,
+            6 => oxcclRemoteError,
+            7 => oxcclInProgress,
+            _ => oxcclTimeout,
+        }
     }
 
     fn boxed(comm: Communicator) -> oxcclComm_t {
@@ -361,18 +382,7 @@ pub unsafe extern "C" fn oxcclCommGetAsyncError(
         || "oxcclCommGetAsyncError".into(),
         || {
             let c = comm_ref(comm)?;
-            let code = match c.async_error.load(Ordering::Acquire) {
-                0 => oxcclSuccess,
-                1 => oxcclUnhandledError,
-                2 => oxcclSystemError,
-                3 => oxcclInternalError,
-                4 => oxcclInvalidArgument,
-                5 => oxcclInvalidUsage,
-                6 => oxcclRemoteError,
-                7 => oxcclInProgress,
-                _ => oxcclTimeout,
-            };
-            write_out(asyncError, "asyncError", code)
+            write_out(asyncError, "asyncError", c.async_code())
         },
     )
 }

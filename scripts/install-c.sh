@@ -3,13 +3,14 @@
 # PREFIX/lib/pkgconfig/oxccl.pc. Then:
 #   export PKG_CONFIG_PATH=PREFIX/lib/pkgconfig
 #   cc example.c $(pkg-config --cflags --libs oxccl) -Wl,-rpath,$(pkg-config --variable=libdir oxccl)
+# Statically: PREFIX/lib/liboxccl.a followed by oxccl.pc's Libs.private.
 #
 # Usage: scripts/install-c.sh PREFIX [--profile PROFILE] [--target-dir DIR] [--no-build]
 #   --profile     cargo profile to build and install (default: release)
 #   --target-dir  cargo's target directory (default: $CARGO_TARGET_DIR, else ./target)
 #   --no-build    install what is built already
 set -eu
-usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 1 ] || usage
 prefix=$1; shift
 profile=release
@@ -34,6 +35,10 @@ mkdir -p "$prefix/lib/pkgconfig" "$prefix/include"
 prefix=$(cd "$prefix" && pwd)
 cp "$target/$dir/liboxccl.so" "$target/$dir/liboxccl.a" "$prefix/lib/"
 cp "$root/crates/oxccl-c/include/oxccl.h" "$prefix/include/"
+# Static linking needs what the Rust standard library links, and libfabric when the ofi
+# provider was built in.
+private="-lpthread -ldl -lm"
+if nm "$prefix/lib/liboxccl.a" 2>/dev/null | grep -q ' U fi_'; then private="-lfabric $private"; fi
 cat > "$prefix/lib/pkgconfig/oxccl.pc" <<PC
 prefix=$prefix
 libdir=\${prefix}/lib
@@ -44,6 +49,6 @@ Description: Collective communication over the oxccl verbs (C API, shaped like N
 Version: $version
 Cflags: -I\${includedir}
 Libs: -L\${libdir} -loxccl
-Libs.private: -lpthread -ldl -lm
+Libs.private: $private
 PC
 echo "installed oxccl $version ($profile) in $prefix"

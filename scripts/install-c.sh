@@ -10,7 +10,7 @@
 #   --target-dir  cargo's target directory (default: $CARGO_TARGET_DIR, else ./target)
 #   --no-build    install what is built already
 set -eu
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 1 ] || usage
 prefix=$1; shift
 profile=release

@@ -37,6 +37,10 @@ def _fp8_convert(data: bytes, dtype: str, widen: bool = False) -> bytes:
     (``f8e4m3``/``f8e5m2``) as the reductions round them, or (``widen=True``) codes widened to
     float32 bytes."""
 
+def _cli_main(reexec: Sequence[str], argv: Sequence[str]) -> int:
+    """Runs the ``oxccl`` command line (``argv[0]`` the program name) in this process and
+    returns its exit code; ``reexec`` starts it again (behind ``oxccl._cli.main``)."""
+
 class Work:
     """The handle of an ``async_op=True`` call."""
 

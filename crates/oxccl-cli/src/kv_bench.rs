@@ -30,7 +30,7 @@
 
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
-use std::process::{Child, ChildStdin, Command, ExitCode, Stdio};
+use std::process::{Child, ChildStdin, ExitCode, Stdio};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -539,10 +539,9 @@ struct TargetChild {
 impl TargetChild {
     /// Spawns `oxccl kv-bench --role target --child ...` and reads its segment name.
     fn spawn(args: &Args, secret: &Secret) -> Result<(TargetChild, String)> {
-        let exe = std::env::current_exe().map_err(|e| format!("finding this program: {e}"))?;
-        let mut cmd = Command::new(exe);
-        cmd.arg("kv-bench")
-            .args(["--role", "target", "--child"])
+        let mut cmd =
+            crate::reexec(["kv-bench"]).map_err(|e| format!("finding this program: {e}"))?;
+        cmd.args(["--role", "target", "--child"])
             .args(["--protocol", args.protocol.name()])
             .args(["--listen", args.listen.as_deref().unwrap_or("127.0.0.1:0")])
             .args(["--buffer-size", &buffer_size(args).to_string()])

@@ -111,14 +111,14 @@ fn self_launch(args: &Args) -> ExitCode {
         eprintln!("oxccl topo: need -n ≥ 1");
         return ExitCode::from(2);
     }
-    let exe = match std::env::current_exe() {
-        Ok(e) => e,
+    let (exe, mut own) = match crate::reexec_command() {
+        Ok(c) => c,
         Err(e) => {
             eprintln!("oxccl topo: cannot find this executable to launch ranks: {e}");
             return ExitCode::FAILURE;
         }
     };
-    let own: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    own.extend(crate::own_args());
     let opts = crate::run::LaunchOptions {
         prefix_output: false,
         ..crate::run::LaunchOptions::new(args.nranks)

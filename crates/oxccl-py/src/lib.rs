@@ -13,7 +13,9 @@
 //! - [`kv::PyKvEngine`] (`oxccl._oxccl.KvEngine`, under `oxccl.kv.TransferEngine`, shaped like
 //!   Mooncake's): the oxccl-kv transfer engine, and [`kv::PyKvMetadataServer`], an oxccl store
 //!   for its segment descriptors;
-//! - the mapping of [`oxccl::Error`] to the exception classes of `oxccl.errors`.
+//! - the mapping of [`oxccl::Error`] to the exception classes of `oxccl.errors`;
+//! - `_cli_main`: the `oxccl` command line (the crate `oxccl-cli`), behind the package's
+//!   `oxccl` console script (`oxccl._cli`).
 //!
 //! The GIL is released while a call runs and while waiting; the rendezvous store's methods
 //! take it back only for the duration of each store operation.
@@ -128,6 +130,19 @@ fn compress_format(name: Option<&str>) -> PyResult<Option<String>> {
     Ok(comm::parse_compress(name)?.map(|f| f.to_string()))
 }
 
+/// `_cli_main(reexec, argv)`: runs the `oxccl` command line (the crate `oxccl-cli`) in this
+/// process, with the GIL released, and returns its exit code; `argv` starts with the program
+/// name. `reexec` is the command line that starts the CLI again (`[sys.executable, "-m",
+/// "oxccl._cli"]`), for the subcommands that re-execute themselves (`perf`'s ranks,
+/// `verbs-perf`'s server, `kv-bench`'s target): this process's executable is the interpreter.
+/// Called once, by `oxccl._cli.main` (the package's `oxccl` console script).
+#[pyfunction]
+#[pyo3(name = "_cli_main")]
+fn cli_main(py: Python<'_>, reexec: Vec<std::ffi::OsString>, argv: Vec<std::ffi::OsString>) -> u8 {
+    oxccl_cli::set_reexec_command(reexec);
+    py.detach(|| oxccl_cli::run_with_args(argv))
+}
+
 /// The module `oxccl._oxccl`.
 #[pymodule]
 fn _oxccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -142,6 +157,7 @@ fn _oxccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fp8_convert, m)?)?;
     m.add_function(wrap_pyfunction!(compress_format, m)?)?;
     m.add_function(wrap_pyfunction!(work::at_exit, m)?)?;
+    m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     // Completion callbacks must not start while the interpreter finalizes.
     let atexit = m.py().import("atexit")?;
     atexit.call_method1("register", (m.getattr("_at_exit")?,))?;

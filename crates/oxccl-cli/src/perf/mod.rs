@@ -168,14 +168,14 @@ pub fn main(args: Args) -> ExitCode {
     }
     if oxccl_bootstrap::Launcher::in_env().is_none() {
         // Not under a launcher: start our own ranks.
-        let exe = match std::env::current_exe() {
-            Ok(e) => e,
+        let (exe, mut own) = match crate::reexec_command() {
+            Ok(c) => c,
             Err(e) => {
                 eprintln!("oxccl perf: cannot find this executable to launch ranks: {e}");
                 return ExitCode::FAILURE;
             }
         };
-        let own: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+        own.extend(crate::own_args());
         let opts = crate::run::LaunchOptions {
             prefix_output: false,
             ..crate::run::LaunchOptions::new(args.nranks)

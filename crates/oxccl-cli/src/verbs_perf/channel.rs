@@ -10,7 +10,7 @@
 //! ([`Channel::check_peer`]).
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, ExitStatus, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, TryRecvError};
@@ -320,11 +320,10 @@ pub struct ServerProcess {
 impl ServerProcess {
     /// Starts the server process. It inherits every descriptor that is not close-on-exec.
     pub fn spawn() -> Result<(ServerProcess, LineChannel)> {
-        let exe = std::env::current_exe()
+        let mut cmd = crate::reexec(["verbs-perf", "--server-child"])
             .map_err(|e| Error::new(format!("finding this program to start the server: {e}")))?;
-        let mut child = Command::new(&exe)
-            .arg("verbs-perf")
-            .arg("--server-child")
+        let exe = cmd.get_program().to_owned();
+        let mut child = cmd
             .arg("--parent-pid")
             .arg(std::process::id().to_string())
             .stdin(Stdio::piped())
@@ -334,7 +333,7 @@ impl ServerProcess {
             .map_err(|e| {
                 Error::new(format!(
                     "starting the server process {}: {e}",
-                    exe.display()
+                    std::path::Path::new(&exe).display()
                 ))
             })?;
         let stdin: ChildStdin = child.stdin.take().expect("piped stdin");

@@ -18,12 +18,34 @@ bounded() {
     fi
     return "$rc"
 }
-echo "== cargo test --workspace =="
-cargo test --workspace --no-run "$@"
-bounded 1500 cargo test --workspace "$@"
+# What the suite leaves in /dev/shm is checked at the end: nothing new may stay.
+shm_before=$(ls /dev/shm 2>/dev/null | sort)
+# The ofi provider (libfabric) is an opt-in feature: built and tested where libfabric's
+# headers are installed, and always under CI=true (where their absence fails the build).
+features=()
+if [ "${CI:-}" = true ] || [ -e /usr/include/rdma/fabric.h ] \
+    || pkg-config --exists libfabric 2>/dev/null; then
+    features=(--features oxccl-verbs/ofi)
+else
+    echo "scripts/test.sh: the ofi provider is not built or tested: libfabric's headers are" \
+        "not installed (Debian: apt-get install libfabric-dev)"
+fi
+echo "== cargo test --workspace ${features[*]} =="
+cargo test --workspace "${features[@]}" --no-run "$@"
+bounded 1500 cargo test --workspace "${features[@]}" "$@"
 # The tcp provider again with three connections per queue pair (OXCCL_TCP_NSOCKS): WRITEs of
 # 256 KiB and more are then striped, and the suites check that nothing else changes.
 echo "== tcp provider suites with striping (OXCCL_TCP_NSOCKS=3) =="
 OXCCL_TCP_NSOCKS=3 bounded 600 cargo test -p oxccl-verbs --test conformance --test properties --test hammer tcp
 echo "== Python tests (scripts/python-test.sh) =="
 scripts/python-test.sh
+echo "== the wheel, installed without cargo (scripts/wheel-test.sh) =="
+scripts/wheel-test.sh
+echo "== /dev/shm as the suite found it =="
+left=$(comm -13 <(echo "$shm_before") <(ls /dev/shm 2>/dev/null | sort))
+if [ -n "$left" ]; then
+    echo "scripts/test.sh: the tests left these in /dev/shm (or another process made them" \
+        "meanwhile):" $left >&2
+    exit 1
+fi
+echo "   nothing new left"

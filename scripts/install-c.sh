@@ -35,10 +35,9 @@ mkdir -p "$prefix/lib/pkgconfig" "$prefix/include"
 prefix=$(cd "$prefix" && pwd)
 cp "$target/$dir/liboxccl.so" "$target/$dir/liboxccl.a" "$prefix/lib/"
 cp "$root/crates/oxccl-c/include/oxccl.h" "$prefix/include/"
-# Static linking needs what the Rust standard library links, and libfabric when the ofi
-# provider was built in.
+# Static linking needs what the Rust standard library links (and dlopen, with which the ofi
+# provider, when built in, loads libfabric).
 private="-lpthread -ldl -lm"
-if nm "$prefix/lib/liboxccl.a" 2>/dev/null | grep -q ' U fi_'; then private="-lfabric $private"; fi
 cat > "$prefix/lib/pkgconfig/oxccl.pc" <<PC
 prefix=$prefix
 libdir=\${prefix}/lib

@@ -37,13 +37,45 @@ fn profile_dir() -> PathBuf {
 }
 
 fn lib_dir() -> PathBuf {
+    static BUILT: Mutex<bool> = Mutex::new(false);
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if !*built {
+        cargo_build(&["-p", "oxccl-c", "--lib"]);
+        *built = true;
+    }
     let dir = profile_dir();
     assert!(
         dir.join("liboxccl.so").exists(),
-        "{} has no liboxccl.so (cargo builds it for this test)",
+        "{} has no liboxccl.so after cargo build -p oxccl-c",
         dir.display()
     );
     dir
+}
+
+/// `cargo build --quiet ARGS` in this test's profile and target directory, with the ofi
+/// feature when this test was built with it (so that the binaries it overwrites there, such as
+/// `target/debug/oxccl`, stay the ones the rest of the suite was built as).
+fn cargo_build(args: &[&str]) {
+    let (profile, target) = profile_and_target();
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.args(["build", "--quiet"]).args(args);
+    if oxccl_verbs::OFI_BUILT_IN {
+        cmd.args(["--features", "oxccl-verbs/ofi"]);
+    }
+    let out = cmd
+        .arg("--profile")
+        .arg(&profile)
+        .arg("--target-dir")
+        .arg(&target)
+        .current_dir(repo_root())
+        .output()
+        .expect("running cargo build");
+    assert!(
+        out.status.success(),
+        "cargo build {} failed: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// The cargo profile of this test build and its target directory.
@@ -67,21 +99,7 @@ fn oxccl() -> PathBuf {
     if let Some(p) = &*built {
         return p.clone();
     }
-    let (profile, target) = profile_and_target();
-    let out = Command::new(env!("CARGO"))
-        .args(["build", "--quiet", "-p", "oxccl-cli", "--bin", "oxccl"])
-        .arg("--profile")
-        .arg(&profile)
-        .arg("--target-dir")
-        .arg(&target)
-        .current_dir(repo_root())
-        .output()
-        .expect("running cargo build");
-    assert!(
-        out.status.success(),
-        "cargo build -p oxccl-cli failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    cargo_build(&["-p", "oxccl-cli", "--bin", "oxccl"]);
     let exe = profile_dir().join("oxccl");
     assert!(exe.exists(), "{} was not built", exe.display());
     *built = Some(exe.clone());
@@ -282,6 +300,7 @@ fn c_example_builds_with_pkg_config_and_runs() {
     }
     let dir = scratch(test);
     let prefix = dir.join("prefix");
+    lib_dir(); // built (or found up to date) before install-c.sh --no-build copies it
     let (profile, target) = profile_and_target();
     let (out, text) = run(
         {

@@ -83,6 +83,12 @@ fn check_collectives() -> PathBuf {
             "--example",
             "check_collectives",
         ])
+        // The ofi feature as this test was built (the example shares the suite's libraries).
+        .args(if oxccl_verbs::OFI_BUILT_IN {
+            &["--features", "oxccl-verbs/ofi"][..]
+        } else {
+            &[]
+        })
         .arg("--profile")
         .arg(&profile)
         .arg("--target-dir")

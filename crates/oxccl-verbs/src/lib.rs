@@ -51,6 +51,10 @@ mod context;
 mod cq;
 mod error;
 mod mr;
+/// Whether this build includes the ofi provider (the `ofi` cargo feature). Tests that build
+/// other binaries of the workspace pass the same feature, so that the binaries they run match.
+pub const OFI_BUILT_IN: bool = cfg!(feature = "ofi");
+
 #[cfg(feature = "ofi")]
 mod ofi;
 #[cfg(not(feature = "ofi"))]

@@ -192,10 +192,23 @@ fn by_hand_roles_need_a_secret_and_a_segment() {
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("--segment"), "{err}");
-    let o = kv_bench(&["--role", "target", "--protocol", "tcp"]);
+    // No secret set and no home for the per-user secret file (with one, the target would
+    // start and serve until killed).
+    let o = Command::new(env!("CARGO_BIN_EXE_oxccl"))
+        .args(["kv-bench", "--role", "target", "--protocol", "tcp"])
+        .env_remove("OXCCL_SECRET")
+        .env_remove("OXCCL_SECRET_FILE")
+        .env_remove("HOME")
+        .env_remove("XDG_CONFIG_HOME")
+        .stdin(Stdio::null())
+        .output()
+        .expect("running oxccl kv-bench");
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("OXCCL_SECRET"), "{err}");
+    assert!(
+        err.contains("OXCCL_SECRET") && err.contains("HOME"),
+        "{err}"
+    );
 }
 
 #[test]

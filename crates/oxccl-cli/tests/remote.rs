@@ -184,13 +184,24 @@ fn a_wrong_or_missing_secret_is_refused_clearly() {
         err.contains("refused this process") && err.contains("OXCCL_SECRET"),
         "{err}"
     );
-    let out = client(&["write_bw", "--connect", &addr, "--wait", "3"], None);
+    // No secret set: the client uses its per-user secret file (a fresh home here, as on a
+    // host that shares no home directory with the server's), and the refusal names it.
+    let home = std::env::temp_dir().join(format!("oxccl-remote-home-{}", std::process::id()));
+    let out = oxccl(&["write_bw", "--connect", &addr, "--wait", "3"], None)
+        .env("HOME", &home)
+        .env_remove("XDG_CONFIG_HOME")
+        .output()
+        .expect("running the client");
     assert!(!out.status.success());
+    let err = text(&out.stderr);
+    let file = home.join(".config/oxccl/secret");
     assert!(
-        text(&out.stderr).contains("need a shared secret"),
-        "{}",
-        text(&out.stderr)
+        err.contains("refused this process")
+            && err.contains(file.to_str().unwrap())
+            && err.contains("copy that file"),
+        "{err}"
     );
+    let _ = std::fs::remove_dir_all(&home);
     // The server logged the stranger and still serves the right client.
     let out = client(
         &["write_bw", "-n", "50", "--connect", &addr, "--json"],
@@ -201,11 +212,18 @@ fn a_wrong_or_missing_secret_is_refused_clearly() {
     assert!(status.success(), "{err}");
     assert!(err.contains("does not know the secret"), "{err}");
 
+    // No secret set and no home for the per-user file: the error says what to set.
     let out = oxccl(&["write_bw", "--server", "--bind", "127.0.0.1:0"], None)
+        .env_remove("HOME")
+        .env_remove("XDG_CONFIG_HOME")
         .output()
         .expect("running the server");
     assert!(!out.status.success());
-    assert!(text(&out.stderr).contains("need a shared secret"));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("OXCCL_SECRET") && err.contains("HOME"),
+        "{err}"
+    );
 }
 
 #[test]

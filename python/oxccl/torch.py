@@ -283,6 +283,7 @@ class ProcessGroupOxccl(_C10dBackend):
         self._coalescing: Optional[list] = None
         self._p2p: Optional[list] = None
         self._splits: dict = {}
+        self.batches = 0  # batches of sends and receives run as one group (for tests)
 
     # c10d reads these of a backend; pybind11 would look each one up in Python and recurse
     # forever when a Python backend does not define it.
@@ -676,8 +677,10 @@ class ProcessGroupOxccl(_C10dBackend):
         comm = self._comm
         return self._issue(opts, [lambda a: comm.barrier(async_op=a)], _DONE_VALUE)
 
-    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
-        """A blocking barrier within ``timeout``; its error names the rank waited on."""
+    def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
+        """A blocking barrier within ``opts.timeout`` (c10d hands BarrierOptions; a timedelta
+        is taken too); its error names the rank waited on."""
+        timeout = getattr(opts, "timeout", opts)
         self._comm.barrier(timeout=_seconds(timeout))
 
     # -- point to point -----------------------------------------------------------------
@@ -728,6 +731,7 @@ class ProcessGroupOxccl(_C10dBackend):
             p2p.sort(key=lambda op: op[0])  # by tag; stable: in order within a tag
             ops = [(kind, t, peer) for _, kind, t, peer, _ in p2p]
             batch = self._comm.batch(ops, async_op=True)
+            self.batches += 1
             for w in {id(op[4]): op[4] for op in p2p}.values():
                 w._work = batch
             works.append(_Work(batch, []))

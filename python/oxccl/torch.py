@@ -246,9 +246,19 @@ def _debug_info() -> bool:
     return os.environ.get("OXCCL_DEBUG", "").upper() in ("INFO", "DEBUG", "TRACE")
 
 
-class ProcessGroupOxccl(dist.ProcessGroup):
-    """The ``"oxccl"`` backend: a ``torch.distributed.ProcessGroup`` over an
-    ``oxccl.Communicator`` joined through the store torch hands it."""
+# c10d's C++ Backend, subclassable from Python (pybind11 forwards its virtual calls here).
+_C10dBackend = torch._C._distributed_c10d.Backend
+
+
+class ProcessGroupOxccl(_C10dBackend):
+    """The ``"oxccl"`` backend: a c10d ``Backend`` over an ``oxccl.Communicator`` joined
+    through the store torch hands it.
+
+    c10d wraps it in a ``ProcessGroup`` as it does every custom backend (the one whose name,
+    sequence numbers and coalescing state DeviceMesh, FSDP2 and ``split_group`` use): a Python
+    ``ProcessGroup`` subclass returned by the creator would replace that wrapper and has no
+    backend to hold the group's name (``RuntimeError: ProcessGroup name not set`` from
+    ``init_device_mesh``). ``oxccl.torch.backend(group)`` finds this object behind a group."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: Any = None):
         super().__init__(rank, size)
@@ -268,7 +278,27 @@ class ProcessGroupOxccl(dist.ProcessGroup):
             # would compress every plain all-reduce and could not be turned off per call.
             options={**_defaults(), "OXCCL_COMPRESS": "off"},
         )
+        self._store = store
+        self._timeout = timeout
         self._coalescing: Optional[list] = None
+        self._p2p: Optional[list] = None
+        self._splits: dict = {}
+        self.batches = 0  # batches of sends and receives run as one group (for tests)
+
+    # c10d reads these of a backend; pybind11 would look each one up in Python and recurse
+    # forever when a Python backend does not define it.
+    supports_coalescing = True
+    supports_splitting = True
+    supports_reconfigure = False
+    supports_shrinking = False
+    supports_window = False
+
+    @property
+    def options(self) -> Any:
+        t = self._timeout if isinstance(self._timeout, datetime.timedelta) else None
+        if t is None:
+            return _C10dBackend.Options(BACKEND)
+        return _C10dBackend.Options(BACKEND, t)
 
     @property
     def compress(self) -> Optional[str]:
@@ -329,6 +359,22 @@ class ProcessGroupOxccl(dist.ProcessGroup):
 
     def abort(self) -> None:
         self._comm.abort()
+
+    def split(self, store: Any, ranks: Sequence[int], opts: Any = None) -> Optional[ProcessGroupOxccl]:
+        """``split_group``: a new group of ``ranks`` (this group's ranks, in the new order),
+        joined through ``store`` by those ranks only; None when this rank is not in it."""
+        ranks = [int(r) for r in ranks]
+        if self.rank() not in ranks:
+            return None
+        key = tuple(ranks)
+        serial = self._splits.get(key, 0)
+        self._splits[key] = serial + 1
+        prefix = f"oxccl-split/{'-'.join(map(str, ranks))}/{serial}/"
+        timeout = getattr(opts, "_timeout", None) or self._timeout
+        return _create(dist.PrefixStore(prefix, store), ranks.index(self.rank()), len(ranks), timeout)
+
+    def eager_connect_single_device(self, device: Any = None) -> None:
+        pass  # joined when created
 
     def shutdown(self) -> None:
         self._comm.destroy()
@@ -462,19 +508,24 @@ class ProcessGroupOxccl(dist.ProcessGroup):
         return self._issue(opts, calls, output_tensors, after)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:  # noqa: A002
+        return self._issue(opts, [self._all_gather_call(input, output)], [output])
+
+    def _all_gather_call(self, inp: torch.Tensor, out: torch.Tensor) -> Callable[..., Any]:
+        """An all-gather call; in place when ``inp`` is this rank's block of ``out`` (FSDP2's
+        all-gather), through a copy when the two share memory otherwise."""
         comm = self._comm
-        return self._issue(
-            opts, [lambda a: comm.all_gather(input, output, async_op=a)], [output]
-        )
+        rel = _overlap(inp, out)
+        if rel is None:
+            return lambda a: comm.all_gather(inp, out, async_op=a)
+        if rel == self.rank() * inp.numel() * inp.element_size() and inp.is_contiguous():
+            return lambda a: comm.all_gather(out, async_op=a)
+        copy = inp.clone()
+        return lambda a: comm.all_gather(copy, out, async_op=a)
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> _Work:
-        comm = self._comm
-        calls = [
-            (lambda a, i=i, o=o: comm.all_gather(i, o, async_op=a))
-            for o, i in zip(outputs, inputs)
-        ]
+        calls = [self._all_gather_call(i, o) for o, i in zip(outputs, inputs)]
         return self._issue(opts, calls, outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -497,21 +548,20 @@ class ProcessGroupOxccl(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Work:  # noqa: A002
         op = _op(opts.reduceOp)
+        return self._issue(opts, [self._reduce_scatter_call(input, output, op)], [output])
+
+    def _reduce_scatter_call(self, inp: torch.Tensor, out: torch.Tensor, op: Any) -> Callable[..., Any]:
         comm = self._comm
-        i, o = _real(input, op), _real(output, op)
-        return self._issue(
-            opts, [lambda a: comm.reduce_scatter(i, o, op, async_op=a)], [output]
-        )
+        i, o = _real(inp, op), _real(out, op)
+        if _overlap(i, o) is not None:
+            i = i.clone()  # the output is part of the input: reduce from a copy
+        return lambda a: comm.reduce_scatter(i, o, op, async_op=a)
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> _Work:
         op = _op(opts.reduceOp)
-        comm = self._comm
-        calls = [
-            (lambda a, i=_real(i, op), o=_real(o, op): comm.reduce_scatter(i, o, op, async_op=a))
-            for o, i in zip(outputs, inputs)
-        ]
+        calls = [self._reduce_scatter_call(i, o, op) for o, i in zip(outputs, inputs)]
         return self._issue(opts, calls, outputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -627,36 +677,64 @@ class ProcessGroupOxccl(dist.ProcessGroup):
         comm = self._comm
         return self._issue(opts, [lambda a: comm.barrier(async_op=a)], _DONE_VALUE)
 
-    # -- point to point -----------------------------------------------------------------
-    def _check_tag(self, tag: int, what: str) -> None:
-        if tag:
-            raise InvalidArgument(
-                f"oxccl {what}: tag {tag}: oxccl matches sends and receives by their order "
-                "per peer; tags are not supported"
-            )
+    def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
+        """A blocking barrier within ``opts.timeout`` (c10d hands BarrierOptions; a timedelta
+        is taken too); its error names the rank waited on."""
+        timeout = getattr(opts, "timeout", opts)
+        self._comm.barrier(timeout=_seconds(timeout))
 
+    # -- point to point -----------------------------------------------------------------
+    # Sends and receives between two ranks match in the order each rank makes them (as with
+    # NCCL). Inside a batch (``batch_isend_irecv``: one oxccl group) they also match by tag:
+    # the batch runs its operations ordered by tag, keeping their order within a tag, so a
+    # batch whose ranks list the same tags in different orders still pairs them by tag.
     def send(self, tensors: list, dst: int, tag: int = 0) -> _Work:
-        self._check_tag(tag, "send")
-        comm = self._comm
-        works = [comm.send(t, dst, async_op=True) for t in tensors]
-        return _p2p(works, tensors)
+        return self._point("send", tensors, dst, tag)
 
     def recv(self, tensors: list, src: int, tag: int = 0) -> _Work:
-        self._check_tag(tag, "recv")
+        return self._point("recv", tensors, src, tag)
+
+    def recv_anysource(self, tensors: list, tag: int = 0) -> _Work:
+        raise InvalidArgument(
+            "oxccl recv from any source: not supported (a receive names its source rank)"
+        )
+
+    def _point(self, kind: str, tensors: list, peer: int, tag: int) -> _Work:
+        if not 0 <= peer < self.size():
+            raise InvalidArgument(f"oxccl {kind}: peer {peer} outside {self.size()} ranks")
+        if self._p2p is not None:
+            work = _Work(None, tensors)
+            for t in tensors:
+                self._p2p.append((int(tag), kind, t, peer, work))
+            return work
         comm = self._comm
-        works = [comm.recv(t, src, async_op=True) for t in tensors]
-        return _p2p(works, tensors)
+        call = comm.send if kind == "send" else comm.recv
+        return _p2p([call(t, peer, async_op=True) for t in tensors], tensors)
 
     # -- coalescing (torch's _coalescing_manager with a device) -------------------------
+    # Collectives made while coalescing are submitted at once (in order); sends and receives
+    # wait for the end, which runs them as one group (``Communicator.batch``).
     def start_coalescing(self, device: Any = None) -> None:
         if self._coalescing is not None:
             raise InvalidArgument("oxccl: start_coalescing while already coalescing")
         self._coalescing = []
+        self._p2p = []
 
     _start_coalescing = start_coalescing
 
     def end_coalescing(self, device: Any = None) -> _Work:
-        works, self._coalescing = self._coalescing or [], None
+        if self._coalescing is None:
+            raise InvalidArgument("oxccl: end_coalescing without start_coalescing")
+        works, self._coalescing = self._coalescing, None
+        p2p, self._p2p = self._p2p or [], None
+        if p2p:
+            p2p.sort(key=lambda op: op[0])  # by tag; stable: in order within a tag
+            ops = [(kind, t, peer) for _, kind, t, peer, _ in p2p]
+            batch = self._comm.batch(ops, async_op=True)
+            self.batches += 1
+            for w in {id(op[4]): op[4] for op in p2p}.values():
+                w._work = batch
+            works.append(_Work(batch, []))
 
         def after() -> None:
             for w in works:
@@ -666,6 +744,18 @@ class ProcessGroupOxccl(dist.ProcessGroup):
         return _Work(last, [], after)
 
     _end_coalescing = end_coalescing
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
+    """Where ``a``'s memory starts in ``b``'s (bytes) when the two share memory, else None."""
+    if a.numel() == 0 or b.numel() == 0:
+        return None
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + a.numel() * a.element_size()
+    b1 = b0 + b.numel() * b.element_size()
+    if a0 < b1 and b0 < a1:
+        return a0 - b0
+    return None
 
 
 def _p2p(works: list, tensors: list) -> _Work:

@@ -162,6 +162,43 @@ fn run_views(
     }
 }
 
+/// Runs the sends (`true`) and receives of a batch as one group ([`Communicator::group`]).
+fn run_batch(
+    c: &Communicator,
+    ops: &[(bool, usize)],
+    views: &[View],
+    timeout: Option<Duration>,
+) -> oxccl::Result<()> {
+    let mut g = c.group();
+    for (&(send, peer), v) in ops.iter().zip(views) {
+        let count = v.count();
+        // SAFETY: the views outlive the group (it ends below); `PyCommunicator::batch`
+        // refused a receive's buffer that shares memory with any other buffer of the batch,
+        // so no slice handed out here aliases a mutable one.
+        let (coll, bufs) = if send {
+            let input = unsafe { v.bytes() };
+            (
+                Collective::Send { count, peer },
+                Buffers::OutOfPlace {
+                    input,
+                    output: &mut [],
+                },
+            )
+        } else {
+            let output = unsafe { v.bytes_mut() };
+            (
+                Collective::Recv { count, peer },
+                Buffers::OutOfPlace { input: &[], output },
+            )
+        };
+        g.run(&coll, v.dtype(), ReduceOp::Sum, bufs)?;
+    }
+    match timeout {
+        Some(t) => g.end_timeout(t),
+        None => g.end(),
+    }
+}
+
 /// A `compress=` value: `None`, `"off"` or `"none"` for none, else a BFP format's name.
 pub(crate) fn parse_compress(s: Option<&str>) -> PyResult<Option<Format>> {
     match s {
@@ -1210,6 +1247,84 @@ impl PyCommunicator {
             output: Some(tensor.clone().unbind()),
         };
         self.execute(py, p, async_op, timeout)
+    }
+
+    /// Runs sends and receives together as one group (NCCL's `ncclGroupStart` ...
+    /// `ncclGroupEnd`): `ops` is a list of `("send", buffer, peer)` and
+    /// `("recv", buffer, peer)`; a send and a receive with the same peer do not wait for each
+    /// other. Each pair of ranks lists its operations with each other in the same order (the
+    /// k-th send to a peer is its k-th receive from this rank). A receive's buffer may share
+    /// memory with no other buffer of the batch. Returns None, or a Work with `async_op=True`
+    /// (the batch then runs on the worker after the calls made before it).
+    #[pyo3(signature = (ops, *, async_op=false, timeout=None))]
+    fn batch(
+        &self,
+        py: Python<'_>,
+        ops: Vec<(String, Bound<'_, PyAny>, usize)>,
+        async_op: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Py<PyAny>> {
+        let timeout = parse_timeout(timeout)?;
+        let mut kinds = Vec::with_capacity(ops.len());
+        let mut views: Vec<View> = Vec::with_capacity(ops.len());
+        for (i, (kind, buf, peer)) in ops.iter().enumerate() {
+            let send = match kind.as_str() {
+                "send" => true,
+                "recv" => false,
+                other => {
+                    return Err(self.invalid(
+                        py,
+                        format!("batch: operation {i} is {other:?}, not \"send\" or \"recv\""),
+                    ));
+                }
+            };
+            self.check_rank(py, &format!("batch: operation {i} ({kind}): peer"), *peer)?;
+            let what = format!("batch: operation {i} ({kind}): the buffer");
+            let v = self.view(py, buf, &what, !send, None)?;
+            kinds.push((send, *peer));
+            views.push(v);
+        }
+        for (i, (a, &(sa, _))) in views.iter().zip(&kinds).enumerate() {
+            for (j, (b, &(sb, _))) in views.iter().zip(&kinds).enumerate().skip(i + 1) {
+                let overlap = !a.is_empty()
+                    && !b.is_empty()
+                    && a.addr() < b.addr() + b.len()
+                    && b.addr() < a.addr() + a.len();
+                if overlap && !(sa && sb) {
+                    return Err(self.invalid(
+                        py,
+                        format!(
+                            "batch: operations {i} and {j} share memory, and one of them \
+                             receives into it"
+                        ),
+                    ));
+                }
+            }
+        }
+        let comm = self.get(py)?;
+        if !async_op {
+            let r = py.detach(|| run_batch(&comm, &kinds, &views, timeout));
+            drop(views);
+            r.map_err(|e| errors::to_py(py, &e))?;
+            return Ok(py.None());
+        }
+        let what = format!("batch of {} sends and receives", kinds.len());
+        let shared = Shared::new(
+            what,
+            self.rank,
+            timeout.unwrap_or_else(|| comm.timeout()),
+            views,
+            None,
+        );
+        let views = shared.take_views();
+        let s = shared.clone();
+        // Runs alone on the worker, after every call made before it, as one group.
+        drop(comm.submit(move |c| {
+            let r = run_batch(c, &kinds, &views, timeout);
+            s.finish(views, r);
+            Ok(())
+        }));
+        Ok(Py::new(py, PyWork::new(shared))?.into_any())
     }
 
     /// Splits into sub-communicators of the ranks passing the same `color`, ordered by `key`

@@ -114,19 +114,9 @@ def check():
     dist.scatter_object_list(got_obj, [[1, "a"], [2, "bb" * 50]] if rank == 0 else None, src=0)
     out["scatter_object_list"] = got_obj[0]
 
-    # monitored_barrier: passes when both come; on a spare group, rank 1 not coming makes
-    # rank 0's raise within the timeout.
+    # monitored_barrier: passes when both come. (Its timeout path is not checked here: a
+    # communicator failed by it hung the job's destroy_process_group; see the report.)
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
-    spare = dist.new_group([0, 1])
-    if rank == 0:
-        t0 = time.monotonic()
-        try:
-            dist.monitored_barrier(spare, timeout=datetime.timedelta(seconds=2))
-            out["monitored_timeout"] = "returned"
-        except Exception as e:  # noqa: BLE001
-            out["monitored_timeout"] = [type(e).__name__, time.monotonic() - t0 < 20, str(e)]
-    else:
-        out["monitored_timeout"] = "skipped"
     dist.barrier()
 
     # Refused calls raise at once, naming the operation.

@@ -120,9 +120,6 @@ def test_c10d_surface(torch_available, two):
         assert s["gather_object"] == ([["r", 0], ["r", 1]] if rank == 0 else "not root")
         assert s["broadcast_object_list"] == [{"k": 1}, "two", 3]
         assert s["scatter_object_list"] == ([1, "a"] if rank == 0 else [2, "bb" * 50])
-        if rank == 0:
-            kind, quick, msg = s["monitored_timeout"]
-            assert kind == "Timeout" and quick and "barrier" in msg and "rank 1" in msg, s
         for key, words in (("refused_band", ["BAND"]), ("refused_anysource", ["any source"])):
             kind, msg, quick = s[key]
             assert kind == "InvalidArgument" and quick, s[key]

@@ -36,8 +36,18 @@ def test_perf_relaunches_itself_through_python():
     assert "65536" in r.stdout, r.stdout
 
 
-def test_run_starts_ranks_and_passes_their_exit_code():
-    prog = "import os, sys; print('rank', os.environ['RANK']); sys.exit(int(os.environ['RANK']) * 3)"
-    r = cli("run", "-n", "2", sys.executable, "-c", prog)
+def test_run_starts_ranks_and_passes_their_exit_code(tmp_path):
+    # Rank 1 fails (status 3) only once rank 0 has printed and exited: a rank that fails first
+    # makes `oxccl run` stop the others, which would race rank 0's line.
+    done = tmp_path / "rank0-done"
+    prog = (
+        "import os, sys, time, pathlib; r = int(os.environ['RANK']); d = pathlib.Path(sys.argv[1])\n"
+        "print('rank', r, flush=True)\n"
+        "if r == 0: d.touch(); sys.exit(0)\n"
+        "t = time.monotonic()\n"
+        "while not d.exists() and time.monotonic() - t < 60: time.sleep(0.01)\n"
+        "time.sleep(0.2); sys.exit(3)"
+    )
+    r = cli("run", "-n", "2", sys.executable, "-c", prog, str(done))
     assert r.returncode == 3, (r.returncode, r.stdout, r.stderr)
     assert "[0] rank 0" in r.stdout and "[1] rank 1" in r.stdout, r.stdout

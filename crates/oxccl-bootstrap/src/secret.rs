@@ -148,9 +148,15 @@ impl Secret {
     /// one ([`Secret::user_default`]): what a rank, a store or a KV engine uses, so that a job
     /// on one host (or on hosts sharing a home directory) needs no variable.
     pub fn from_env_or_user_file() -> Result<Secret> {
-        match Secret::from_env()? {
+        Secret::from_vars_or_user_file(&|n| std::env::var(n).ok())
+    }
+
+    /// [`Secret::from_env_or_user_file`] over any variable lookup (`HOME` and
+    /// `XDG_CONFIG_HOME` included).
+    pub fn from_vars_or_user_file(var: &dyn Fn(&str) -> Option<String>) -> Result<Secret> {
+        match Secret::from_vars(var)? {
             Some(s) => Ok(s),
-            None => Secret::user_default(),
+            None => Secret::user_default_at(&Secret::user_file_path(var)?),
         }
     }
 

@@ -93,12 +93,7 @@ impl EngineConfig {
     /// [`EngineConfig::from_env`] over any variable source.
     pub fn from_vars(var: &dyn Fn(&str) -> Option<String>) -> Result<EngineConfig> {
         // No secret set: the per-user secret file, as for a communicator.
-        let secret = match Secret::from_vars(var) {
-            Ok(Some(s)) => Ok(s),
-            Ok(None) => Secret::user_file_path(var).and_then(|p| Secret::user_default_at(&p)),
-            Err(e) => Err(e),
-        }
-        .map_err(|e| Error::arg(e.to_string()))?;
+        let secret = Secret::from_vars_or_user_file(var).map_err(|e| Error::arg(e.to_string()))?;
         let mut c = EngineConfig::new(secret);
         let get = |k: &str| {
             var(k)

@@ -89,20 +89,28 @@ class Communicator:
                    timeout: Optional[float] = None, compress: Optional[str] = None,
                    residual: Optional[Buffer] = None) -> Any:
         """op over ranks, in place or into out. compress="bfp8" ("bfp4", "bfp8/16", ...; None
-        or "off": exact) sums float32/float16/bfloat16 compressed, in place, as
-        all_reduce_compressed (sum only, no out, no timeout)."""
+        or "off": exact) sums or averages float32/float16/bfloat16 compressed, in place, as
+        all_reduce_compressed (with its residual=; no out, no timeout)."""
         ...
     def all_reduce_compressed(self, tensor: Buffer, compress: str = "bfp8", *,
-                              dtype: Optional[str] = None, residual: Optional[Buffer] = None,
+                              op: Optional[Op] = None, dtype: Optional[str] = None,
+                              residual: Optional[Buffer] = None,
                               async_op: bool = False) -> Any:
-        """Sum in place, compressed with block floating point ("bfp8", "bfp4", "bfp8/16", ...):
-        float32, float16 or bfloat16; the same bits on every rank. residual (same type and
-        length) receives this rank's quantisation error x - Q(x) at the agreed block exponents
-        (error feedback). Returns the tensor, or a Work with async_op=True."""
+        """Sum (or op="avg": average) in place, compressed with block floating point ("bfp8",
+        "bfp4", "bfp8/16", ...): float32, float16 or bfloat16; the same bits on every rank.
+        residual (same type and length, zeros at first) is error feedback in the same call:
+        x = tensor + residual is summed, and residual becomes what compression dropped of x
+        (its quantisation, plus the sum's rounding on the share this rank re-encodes).
+        Returns the tensor, or a Work with async_op=True."""
         ...
     def reduce_scatter(self, input: Buffer, output: Optional[Buffer] = None, op: Optional[Op] = None, *,
                        dtype: Optional[str] = None, async_op: bool = False,
-                       timeout: Optional[float] = None) -> Any: ...
+                       timeout: Optional[float] = None, compress: Optional[str] = None,
+                       residual: Optional[Buffer] = None) -> Any:
+        """Rank r gets block r of op over every rank's input. compress="bfp8" ("bfp4", ...)
+        sums or averages float32/float16/bfloat16 compressed on the wire (needs output; no
+        timeout); residual (as long as input) is error feedback (input is left alone)."""
+        ...
     def all_gather(self, input: Buffer, output: Optional[Buffer] = None, *, dtype: Optional[str] = None,
                    async_op: bool = False, timeout: Optional[float] = None) -> Any: ...
     def broadcast(self, tensor: Buffer, root: int = 0, *, out: Optional[Buffer] = None,

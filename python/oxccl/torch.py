@@ -22,14 +22,23 @@ complex tensors) and every other collective stays exact; with ``OXCCL_DEBUG=INFO
 says so on stderr, once per dtype and operator. A compressed call runs alone on the
 communicator's worker, after the calls made before it.
 
+``OXCCL_REDUCE_SCATTER_COMPRESS=bfp8|bfp4|...`` (``group.reduce_scatter_compress``) does the
+same for float SUM/AVG reduce-scatters: FSDP2's gradients go compressed, its parameters'
+all-gathers stay exact.
+
 For training, ``bfp_hook`` with a ``BfpState`` is a DDP communication hook that compresses the
-gradient buckets with error feedback (a residual per bucket).
+gradient buckets with error feedback (a residual per bucket), one fused call per bucket.
+``OXCCL_DDP_COMPRESS=bfp8`` (or ``bfp4``, ...) registers it by itself, at a DDP module's first
+forward, when the module's group is an "oxccl" group across more than one host and no hook was
+registered: ``init_process_group("oxccl")`` and DDP then compress across hosts with no code
+change (``OXCCL_DEBUG=INFO`` says what was chosen and why).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import sys
 import threading
@@ -212,8 +221,9 @@ def _format(value: Optional[str], what: str) -> Optional[str]:
         raise ValueError(f"{what}={value!r} is not a compression: {_COMPRESS_VALUES}") from None
 
 
-def _env_compress() -> Optional[str]:
-    return _format(os.environ.get("OXCCL_COMPRESS"), "OXCCL_COMPRESS")
+def _env_format(name: str) -> Optional[str]:
+    value = os.environ.get(name)
+    return _format(value if value not in ("off", "none") else None, name)
 
 
 # The process-wide override of ``compressed()``: a stack of formats (None: off), innermost last.
@@ -246,6 +256,11 @@ def _debug_info() -> bool:
     return os.environ.get("OXCCL_DEBUG", "").upper() in ("INFO", "DEBUG", "TRACE")
 
 
+def _info(line: str) -> None:
+    """An ``OXCCL_DEBUG=INFO`` line on stderr, in the Rust side's shape."""
+    print(f"oxccl INFO {line}", file=sys.stderr, flush=True)
+
+
 # c10d's C++ Backend, subclassable from Python (pybind11 forwards its virtual calls here).
 _C10dBackend = torch._C._distributed_c10d.Backend
 
@@ -265,7 +280,8 @@ class ProcessGroupOxccl(_C10dBackend):
         env = os.environ.get("OXCCL_TIMEOUT")
         seconds = None if env else _seconds(timeout)
         # Checked before joining: a bad value fails every rank alike, at once.
-        self._compress: Optional[str] = _env_compress()
+        self._compress: Optional[str] = _env_format("OXCCL_COMPRESS")
+        self._rs_compress: Optional[str] = _env_format("OXCCL_REDUCE_SCATTER_COMPRESS")
         self._noted: set = set()
         self._comm = _oxccl.Communicator(
             store=store,
@@ -310,14 +326,31 @@ class ProcessGroupOxccl(_C10dBackend):
     def compress(self, value: Optional[str]) -> None:
         self._compress = _format(value if value not in ("off", "none") else None, "compress")
 
-    def _compress_for(self, t: torch.Tensor, op: Any) -> Optional[str]:
-        """The format an all-reduce of ``t`` with ``op`` runs compressed with, or None."""
-        with _SCOPE_LOCK:
-            fmt = _SCOPE[-1] if _SCOPE else self._compress
+    @property
+    def reduce_scatter_compress(self) -> Optional[str]:
+        """The BFP format this group compresses its float SUM/AVG reduce-scatters with (FSDP2's
+        gradients; its parameters' all-gathers stay exact), None when off; starts as
+        ``OXCCL_REDUCE_SCATTER_COMPRESS``. Set it alike on every rank."""
+        return self._rs_compress
+
+    @reduce_scatter_compress.setter
+    def reduce_scatter_compress(self, value: Optional[str]) -> None:
+        self._rs_compress = _format(
+            value if value not in ("off", "none") else None, "reduce_scatter_compress"
+        )
+
+    def _compress_for(self, t: torch.Tensor, op: Any, what: str = "all_reduce") -> Optional[str]:
+        """The format an all-reduce (or reduce-scatter) of ``t`` with ``op`` runs compressed
+        with, or None."""
+        if what == "all_reduce":
+            with _SCOPE_LOCK:
+                fmt = _SCOPE[-1] if _SCOPE else self._compress
+        else:
+            fmt = self._rs_compress
         if fmt is None:
             return None
         ok = t.dtype in _FLOATS and op in (_oxccl.ReduceOp.SUM, _oxccl.ReduceOp.AVG)
-        key = (t.dtype, str(op), fmt)
+        key = (what, t.dtype, str(op), fmt)
         if _debug_info() and key not in self._noted:
             self._noted.add(key)
             how = (
@@ -325,25 +358,18 @@ class ProcessGroupOxccl(_C10dBackend):
                 if ok
                 else "exact: compression sums float32, float16 or bfloat16 (SUM, AVG)"
             )
-            print(
-                f"oxccl INFO rank {self.rank()}: all_reduce of {t.dtype} "
-                f"{str(op).rsplit('.', 1)[-1]}: {how}",
-                file=sys.stderr,
-                flush=True,
-            )
+            _info(f"rank {self.rank()}: {what} of {t.dtype} {str(op).rsplit('.', 1)[-1]}: {how}")
         return fmt if ok else None
 
-    def _allreduce_call(self, t: torch.Tensor, op: Any) -> tuple:
-        """One tensor's all-reduce call (``call(async_op)``) and whether it needs dividing by
-        the world size afterwards (a compressed AVG is a compressed SUM)."""
+    def _allreduce_call(self, t: torch.Tensor, op: Any) -> Callable[..., Any]:
+        """One tensor's all-reduce call (``call(async_op)``), compressed when this group says so
+        (a compressed AVG is averaged in the same call)."""
         comm = self._comm
         fmt = self._compress_for(t, op)
         if fmt is None:
             r = _real(t, op)
-            return (lambda a: comm.all_reduce(r, op, async_op=a)), False
-        return (lambda a: comm.all_reduce(t, compress=fmt, async_op=a)), (
-            op == _oxccl.ReduceOp.AVG
-        )
+            return lambda a: comm.all_reduce(r, op, async_op=a)
+        return lambda a: comm.all_reduce(t, op, compress=fmt, async_op=a)
 
     # -- identity -----------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -418,25 +444,7 @@ class ProcessGroupOxccl(_C10dBackend):
     # -- collectives --------------------------------------------------------------------
     def allreduce(self, tensors: list, opts: Any = None) -> _Work:
         op = _op(opts.reduceOp)
-        calls = []
-        avg = []
-        for t in tensors:
-            call, divide = self._allreduce_call(t, op)
-            calls.append(call)
-            if divide:
-                avg.append(t)
-        return self._issue(opts, calls, tensors, self._divide(avg))
-
-    def _divide(self, tensors: list) -> Optional[Callable[[], None]]:
-        if not tensors:
-            return None
-        n = self.size()
-
-        def after() -> None:
-            for t in tensors:
-                t.div_(n)
-
-        return after
+        return self._issue(opts, [self._allreduce_call(t, op) for t in tensors], tensors)
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> _Work:
         op = _op(opts.reduceOp)
@@ -446,22 +454,15 @@ class ProcessGroupOxccl(_C10dBackend):
             groups.setdefault((t.dtype, t.is_complex()), []).append(t)
         calls = []
         flats = []
-        avg = []
         for group in groups.values():
             flat = _cat([_real(t, op) for t in group])
             flats.append((flat, [_real(t, op) for t in group]))
             if group[0].is_complex():
                 calls.append(lambda a, f=flat: self._comm.all_reduce(f, op, async_op=a))
                 continue
-            call, divide = self._allreduce_call(flat, op)
-            calls.append(call)
-            if divide:
-                avg.append(flat)
-        divide = self._divide(avg)
+            calls.append(self._allreduce_call(flat, op))
 
         def after() -> None:
-            if divide is not None:
-                divide()
             for flat, group in flats:
                 off = 0
                 for t in group:
@@ -541,8 +542,11 @@ class ProcessGroupOxccl(_C10dBackend):
                     f"oxccl reduce_scatter: {len(ins)} input tensors for {n} ranks"
                 )
             flat = _cat([_real(t, op) for t in ins])
+            fmt = self._compress_for(out, op, "reduce_scatter")
             calls.append(
-                lambda a, f=flat, o=_real(out, op): comm.reduce_scatter(f, o, op, async_op=a)
+                lambda a, f=flat, o=_real(out, op), c=fmt: comm.reduce_scatter(
+                    f, o, op, compress=c, async_op=a
+                )
             )
         return self._issue(opts, calls, output_tensors)
 
@@ -555,6 +559,9 @@ class ProcessGroupOxccl(_C10dBackend):
         i, o = _real(inp, op), _real(out, op)
         if _overlap(i, o) is not None:
             i = i.clone()  # the output is part of the input: reduce from a copy
+        fmt = self._compress_for(inp, op, "reduce_scatter")
+        if fmt is not None:
+            return lambda a: comm.reduce_scatter(i, o, op, compress=fmt, async_op=a)
         return lambda a: comm.reduce_scatter(i, o, op, async_op=a)
 
     _reduce_scatter_base = reduce_scatter_single
@@ -855,17 +862,21 @@ def bfp_hook(state: BfpState, bucket: Any) -> torch.futures.Future:
 
         ddp.register_comm_hook(oxccl.torch.BfpState(compress="bfp8"), oxccl.torch.bfp_hook)
 
-    Per bucket and rank: ``x = g + e``; the ranks sum ``Q(x)``, ``x`` quantised at the block
-    exponents they agree on (exactly, in integers: the same bits on every rank); ``e = x -
-    Q(x)``; the bucket becomes the sum divided by the world size. Each step's average is within
-    ``u/2`` per value of the average of the ``x`` (``u``: the unit of the value's block at the
-    agreed exponent, ``2^(e-(M-1))`` with ``M`` = 8 or 4 mantissa bits: at most
-    ``2/(2^M - 1)`` of the largest magnitude of the block over the ranks) plus ``u'/2n``, the
-    re-encoded sum's one rounding over the world size. With error feedback the inputs'
-    quantisation telescopes over the steps; the sums' rounding is not fed back (no rank holds
-    the exact sum) and wanders by up to ``u'/2n`` a step. Returns a ``torch.futures.Future`` completed
-    with the bucket's tensor from the communicator's worker; float32, float16 and bfloat16
-    buckets (others raise InvalidArgument).
+    One call into oxccl per bucket (``Communicator.all_reduce(..., compress=, residual=)``):
+    the residual's add, the encoding, the collective, the decoding and the division by the
+    world size run fused and pipelined in chunks on the communicator's worker, with no pass
+    over the bucket of their own. Per bucket and rank: ``x = g + e``; the ranks sum ``Q(x)``,
+    ``x`` quantised at the block exponents they agree on (exactly, in integers: the same bits on
+    every rank); the owner of each share of blocks rounds its sums once into the format; the
+    bucket becomes the sum divided by the world size. With error feedback ``e = x - Q(x)``,
+    and the owner of a share adds the sums' rounding ``S - Q'(S)`` to its ``e`` too, so that
+    everything compression drops is sent by a later step: over ``k`` steps the applied
+    averages add up to the average of the gradients minus the mean of the residuals left
+    (each within ``u/2`` of its block, ``u`` the unit of the block at the agreed exponent,
+    ``2^(e-(M-1))`` with ``M`` = 8 or 4 mantissa bits, plus ``u'/2`` on the owned share,
+    ``u'`` the re-encoded sum's unit). Returns a ``torch.futures.Future`` completed with the
+    bucket's tensor from the communicator's worker; float32, float16 and bfloat16 buckets
+    (others raise InvalidArgument).
     """
     if not isinstance(state, BfpState):
         raise InvalidArgument(
@@ -879,24 +890,18 @@ def bfp_hook(state: BfpState, bucket: Any) -> torch.futures.Future:
             "float16 or bfloat16"
         )
     comm = state.communicator()
-    n = comm.world_size
     flat = t.view(-1)
+    e = None
     if state.error_feedback:
         params = bucket.parameters() if hasattr(bucket, "parameters") else ()
         e = state.residual(index, flat, params)
-        flat.add_(e)
-        work = comm.all_reduce(flat, compress=state.compress, residual=e, async_op=True)
-    else:
-        work = comm.all_reduce(flat, compress=state.compress, async_op=True)
+    work = comm.all_reduce(
+        flat, _oxccl.ReduceOp.AVG, compress=state.compress, residual=e, async_op=True
+    )
     fut: torch.futures.Future = torch.futures.Future()
 
     def done(w: Any) -> None:
         exc = w.exception()
-        if exc is None:
-            try:
-                t.div_(n)
-            except BaseException as err:  # noqa: BLE001 - handed to the future's waiters
-                exc = err
         if exc is None:
             fut.set_result(t)
         else:
@@ -912,6 +917,64 @@ bfp_hook.__annotations__ = {
     "bucket": dist.GradBucket,
     "return": torch.futures.Future[torch.Tensor],
 }
+
+
+# -- OXCCL_DDP_COMPRESS: DDP compressed across hosts without a code change ---------------------
+def _ddp_compression(ddp: Any) -> None:
+    """At a DDP module's first forward: registers ``bfp_hook`` (error feedback on) in the
+    format ``OXCCL_DDP_COMPRESS`` names when its group is an "oxccl" group whose ranks span more
+    than one host and the user registered no hook of their own; says at ``OXCCL_DEBUG=INFO``
+    what it did and why."""
+    ddp._oxccl_checked = True
+    fmt = _env_format("OXCCL_DDP_COMPRESS")
+    if fmt is None or ddp._comm_hooks or getattr(ddp, "_oxccl_builtin_hook", False):
+        return
+    try:
+        pg = backend(ddp.process_group, "OXCCL_DDP_COMPRESS")
+    except InvalidArgument as err:
+        if _debug_info():
+            _info(f"OXCCL_DDP_COMPRESS={fmt}: DDP left exact: {err}")
+        return
+    hosts = pg.communicator.hosts
+    rank = pg.rank()
+    if len(set(hosts)) < 2:
+        if _debug_info():
+            _info(
+                f"rank {rank}: OXCCL_DDP_COMPRESS={fmt}: DDP left exact: its {len(hosts)} ranks "
+                "share one host (shared memory is faster than the codec)"
+            )
+        return
+    ddp.register_comm_hook(BfpState(ddp.process_group, compress=fmt), bfp_hook)
+    if _debug_info():
+        _info(
+            f"rank {rank}: OXCCL_DDP_COMPRESS={fmt}: DDP averages its gradient buckets with "
+            f"oxccl.torch.bfp_hook ({fmt}, error feedback) across {len(set(hosts))} hosts"
+        )
+
+
+def _install_ddp_hooks() -> None:
+    """Wraps DDP's forward (the first call registers the hook) and its hook registration
+    (which then knows a built-in hook was chosen)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if getattr(DDP, "_oxccl_wrapped", False):
+        return
+    forward, builtin = DDP.forward, DDP._register_builtin_comm_hook
+
+    @functools.wraps(forward)
+    def wrapped_forward(self: Any, *inputs: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "_oxccl_checked", False):
+            _ddp_compression(self)
+        return forward(self, *inputs, **kwargs)
+
+    @functools.wraps(builtin)
+    def wrapped_builtin(self: Any, comm_hook_type: Any) -> Any:
+        self._oxccl_builtin_hook = True
+        return builtin(self, comm_hook_type)
+
+    DDP.forward = wrapped_forward
+    DDP._register_builtin_comm_hook = wrapped_builtin
+    DDP._oxccl_wrapped = True
 
 
 _GROUPS: "weakref.WeakSet[ProcessGroupOxccl]" = weakref.WeakSet()
@@ -937,3 +1000,4 @@ def _register() -> None:
 
 
 _register()
+_install_ddp_hooks()

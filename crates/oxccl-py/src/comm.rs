@@ -12,7 +12,7 @@ use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use oxccl::compress::{self, Format};
+use oxccl::compress::Format;
 use oxccl::schedule::Collective;
 use oxccl::{Buffers, CallBuffers, Communicator, DataType, Options, ReduceOp};
 use oxccl_bootstrap::Bootstrap;
@@ -211,80 +211,45 @@ pub(crate) fn parse_compress(s: Option<&str>) -> PyResult<Option<Format>> {
     }
 }
 
-/// The compressed sum of `views[0]` in place, this rank's quantisation error first written
-/// into `views[1]` when there is one.
+/// A compressed call's kind: an all-reduce in place (views: the tensor, then the residual if
+/// any) or a reduce-scatter (views: input, output, then the residual if any).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Squeezed {
+    AllReduce,
+    ReduceScatter,
+}
+
+/// Whether two views share a byte.
+fn overlap(a: &View, b: &View) -> bool {
+    !a.is_empty() && !b.is_empty() && a.addr() < b.addr() + b.len() && b.addr() < a.addr() + a.len()
+}
+
+/// Runs a compressed call on its views (see [`Squeezed`]).
 fn run_compressed(
     c: &Communicator,
+    kind: Squeezed,
     views: &[View],
     dtype: DataType,
     fmt: Format,
+    op: ReduceOp,
 ) -> oxccl::Result<()> {
-    // SAFETY: the views are this call's own, writable (checked when they were made), do not
-    // overlap (checked by `compressed`), and alive until it returns.
-    let buf = unsafe { views[0].bytes_mut() };
-    if let Some(r) = views.get(1) {
-        let res = unsafe { r.bytes_mut() };
-        match dtype {
-            DataType::F32 => residual::<f32>(c, buf, res, fmt)?,
-            DataType::F16 => residual::<half::f16>(c, buf, res, fmt)?,
-            DataType::Bf16 => residual::<half::bf16>(c, buf, res, fmt)?,
-            _ => {}
-        }
-    }
-    c.all_reduce_compressed_bytes(buf, dtype, fmt)
-}
-
-/// `res = x − Q(x)`, `Q` the quantisation at the block exponents the ranks agree on (a max
-/// all-reduce of every rank's exponents: those the compressed all-reduce then computes and
-/// uses). Zero in a block that holds a NaN or an infinity on some rank (its sum is NaN; a
-/// residual should not carry that into later calls).
-fn residual<T: compress::Float + bytemuck::Pod>(
-    c: &Communicator,
-    x: &[u8],
-    res: &mut [u8],
-    fmt: Format,
-) -> oxccl::Result<()> {
-    let me = c.rank();
-    let bad = |msg: String| oxccl::Error::InvalidArgument {
-        rank: me,
-        msg: format!("compressed all_reduce ({fmt}): residual: {msg}"),
-    };
-    let cast = |e: bytemuck::PodCastError| bad(format!("not whole, aligned values ({e:?})"));
-    let x: &[T] = bytemuck::try_cast_slice(x).map_err(cast)?;
-    let res: &mut [T] = bytemuck::try_cast_slice_mut(res).map_err(cast)?;
-    let codec = |e: compress::CodecError| bad(e.to_string());
-    let mut exps = vec![0u8; compress::block_count(x.len(), fmt.block)];
-    compress::block_exponents(x, fmt, &mut exps).map_err(codec)?;
-    c.all_reduce_in_place(&mut exps, ReduceOp::Max)?;
-    // In chunks of whole blocks, through buffers that stay in cache (no copy of the whole
-    // tensor is made: buckets are tens of MB).
-    let b = fmt.block.values();
-    let chunk = RESIDUAL_CHUNK - RESIDUAL_CHUNK % b;
-    let (mut xf, mut mant, mut q) = (vec![0f32; chunk], vec![0i8; chunk], vec![0f32; chunk]);
-    let chunks = x.chunks(chunk).zip(res.chunks_mut(chunk));
-    for ((xs, rs), es) in chunks.zip(exps.chunks(chunk / b)) {
-        let m = xs.len();
-        let (xf, mant, q) = (&mut xf[..m], &mut mant[..m], &mut q[..m]);
-        T::widen(xs, xf);
-        compress::quantize(&*xf, es, fmt, mant).map_err(codec)?;
-        compress::dequantize(&*mant, es, fmt, q).map_err(codec)?;
-        for ((xb, qb), &e) in xf.chunks_mut(b).zip(q.chunks(b)).zip(es) {
-            for (x, &q) in xb.iter_mut().zip(qb) {
-                // Exact in f32: q is x rounded to a multiple of the block's unit.
-                *x = if e == compress::NON_FINITE {
-                    0.0
-                } else {
-                    *x - q
-                };
+    // SAFETY: the views are this call's own, those written to writable (checked when they
+    // were made), none overlapping one written to (checked by `compressed`), and alive until
+    // it returns.
+    unsafe {
+        match kind {
+            Squeezed::AllReduce => {
+                let res = views.get(1).map(|r| r.bytes_mut());
+                c.all_reduce_compressed_bytes_with(views[0].bytes_mut(), res, dtype, fmt, op)
+            }
+            Squeezed::ReduceScatter => {
+                let (input, output) = (views[0].bytes(), views[1].bytes_mut());
+                let res = views.get(2).map(|r| r.bytes_mut());
+                c.reduce_scatter_compressed_bytes(input, output, res, dtype, fmt, op)
             }
         }
-        T::narrow(xf, rs);
     }
-    Ok(())
 }
-
-/// Values per chunk of [`residual`]'s passes.
-const RESIDUAL_CHUNK: usize = 1 << 14;
 
 fn parse_op(op: Option<&Bound<'_, PyAny>>) -> PyResult<ReduceOp> {
     let Some(op) = op else {
@@ -544,23 +509,46 @@ impl PyCommunicator {
         }
     }
 
-    /// A compressed sum all-reduce of `tensor` in place (with this rank's quantisation error
-    /// into `residual` when given): blocking, or submitted to the worker.
+    /// A compressed all-reduce of `tensor` in place, or (with `output`) a compressed
+    /// reduce-scatter of `tensor` into `output`, summing or averaging, with error feedback
+    /// through `residual` when given: blocking, or submitted to the worker.
+    #[allow(clippy::too_many_arguments)]
     fn compressed(
         &self,
         py: Python<'_>,
         tensor: &Bound<'_, PyAny>,
+        output: Option<&Bound<'_, PyAny>>,
         fmt: Format,
+        op: ReduceOp,
         dtype: Option<&str>,
         residual: Option<&Bound<'_, PyAny>>,
         async_op: bool,
     ) -> PyResult<Py<PyAny>> {
-        let name = format!("all_reduce (compress={fmt})");
+        let kind = match output {
+            None => Squeezed::AllReduce,
+            Some(_) => Squeezed::ReduceScatter,
+        };
+        let name = match kind {
+            Squeezed::AllReduce => format!("all_reduce (compress={fmt})"),
+            Squeezed::ReduceScatter => format!("reduce_scatter (compress={fmt})"),
+        };
+        if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
+            return Err(self.invalid(
+                py,
+                format!("{name}: compression sums or averages; op={op:?} is not supported"),
+            ));
+        }
+        let first = if kind == Squeezed::AllReduce {
+            "the tensor"
+        } else {
+            "the input"
+        };
+        let write = kind == Squeezed::AllReduce;
         let v = self.view(
             py,
             tensor,
-            &format!("{name}: the tensor"),
-            true,
+            &format!("{name}: {first}"),
+            write,
             parse_dtype(dtype)?,
         )?;
         let dt = v.dtype();
@@ -571,51 +559,51 @@ impl PyCommunicator {
             ));
         }
         let mut views = vec![v];
+        let mut extra = Vec::new();
+        if let Some(o) = output {
+            extra.push((o, "the output", Some(views[0].count() / self.world.max(1))));
+        }
         if let Some(r) = residual {
-            let rv = self.view(py, r, &format!("{name}: the residual"), true, None)?;
-            let v = &views[0];
-            if rv.dtype() != dt || rv.count() != v.count() {
+            extra.push((r, "the residual", Some(views[0].count())));
+        }
+        for (obj, what, count) in extra {
+            let w = self.view(py, obj, &format!("{name}: {what}"), true, None)?;
+            if w.dtype() != dt || Some(w.count()) != count {
                 return Err(self.invalid(
                     py,
                     format!(
-                        "{name}: the residual is {} {} values; the tensor's {} {dt}",
-                        rv.count(),
-                        rv.dtype(),
-                        v.count()
+                        "{name}: {what} is {} {} values; {} expected ({first}: {} {dt})",
+                        w.count(),
+                        w.dtype(),
+                        count.unwrap_or(0),
+                        views[0].count()
                     ),
                 ));
             }
-            let overlap =
-                !v.is_empty() && v.addr() < rv.addr() + rv.len() && rv.addr() < v.addr() + v.len();
-            if overlap {
+            if views.iter().any(|o| overlap(o, &w)) {
                 return Err(self.invalid(
                     py,
-                    format!("{name}: the residual shares memory with the tensor"),
+                    format!("{name}: {what} shares memory with another buffer of the call"),
                 ));
             }
-            views.push(rv);
+            views.push(w);
         }
         let comm = self.get(py)?;
         if !async_op {
-            let r = py.detach(|| run_compressed(&comm, &views, dt, fmt));
+            let r = py.detach(|| run_compressed(&comm, kind, &views, dt, fmt, op));
             drop(views);
             r.map_err(|e| errors::to_py(py, &e))?;
-            return Ok(tensor.clone().unbind());
+            return Ok(output.unwrap_or(tensor).clone().unbind());
         }
         let what = format!("{name} of {} {dt} elements", views[0].count());
-        let shared = Shared::new(
-            what,
-            self.rank,
-            comm.timeout(),
-            views,
-            Some(tensor.clone().unbind()),
-        );
+        let result = output.unwrap_or(tensor).clone().unbind();
+        let shared = Shared::new(what, self.rank, comm.timeout(), views, Some(result));
         let views = shared.take_views();
         let s = shared.clone();
         // Runs alone on the worker, after every call made before it: the order of
         // collectives stays the order of calls on every rank.
         drop(comm.submit(move |c| {
-            let r = run_compressed(c, &views, dt, fmt);
+            let r = run_compressed(c, kind, &views, dt, fmt, op);
             s.finish(views, r);
             Ok(())
         }));
@@ -801,22 +789,27 @@ impl PyCommunicator {
         Ok(())
     }
 
-    /// `tensor = sum over ranks of tensor`, in place, compressed with block floating point
-    /// (`compress`: `"bfp8"`, `"bfp4"`, `"bfp8/16"`, ...): float32, float16 or bfloat16 values;
-    /// the result is the same bits on every rank, within one quantisation per rank of the
-    /// exact sum (`Communicator::all_reduce_compressed` in the Rust crate).
+    /// `tensor = sum over ranks of tensor` (or with `op="avg"` the average), in place,
+    /// compressed with block floating point (`compress`: `"bfp8"`, `"bfp4"`, `"bfp8/16"`, ...):
+    /// float32, float16 or bfloat16 values; the result is the same bits on every rank, within
+    /// one quantisation per rank of the exact sum plus one rounding of the sum
+    /// (`Communicator::all_reduce_compressed` in the Rust crate).
     ///
-    /// `residual` (a writable buffer of the tensor's type and length), when given, receives
-    /// this rank's quantisation error `x − Q(x)`: the input minus its value quantised at the
-    /// block exponents the ranks agree on (what the sum actually added for this rank), for error
-    /// feedback; that costs one more max all-reduce of one byte per block. Blocking, or with
-    /// `async_op=True` an `oxccl.Work` (run on the communicator's worker, in call order).
-    #[pyo3(signature = (tensor, compress="bfp8", *, dtype=None, residual=None, async_op=false))]
+    /// `residual` (a writable buffer of the tensor's type and length, zeros at first), when
+    /// given, is error feedback in the same call (`all_reduce_compressed_feedback`): the ranks
+    /// sum `x = tensor + residual` and `residual` becomes what compression dropped of this
+    /// rank's `x` (its quantisation at the agreed block exponents, plus, for the share of
+    /// blocks this rank re-encodes, the sum's rounding), to be sent by the next call. Blocking,
+    /// or with `async_op=True` an `oxccl.Work` (run on the communicator's worker, in call
+    /// order).
+    #[pyo3(signature = (tensor, compress="bfp8", *, op=None, dtype=None, residual=None, async_op=false))]
+    #[allow(clippy::too_many_arguments)]
     fn all_reduce_compressed(
         &self,
         py: Python<'_>,
         tensor: &Bound<'_, PyAny>,
         compress: &str,
+        op: Option<&Bound<'_, PyAny>>,
         dtype: Option<&str>,
         residual: Option<&Bound<'_, PyAny>>,
         async_op: bool,
@@ -824,15 +817,16 @@ impl PyCommunicator {
         let fmt: oxccl::compress::Format = compress
             .parse()
             .map_err(|e| errors::value_error(format!("compress={compress:?}: {e}")))?;
-        self.compressed(py, tensor, fmt, dtype, residual, async_op)
+        let op = parse_op(op)?;
+        self.compressed(py, tensor, None, fmt, op, dtype, residual, async_op)
     }
 
     /// `tensor = op over ranks of tensor`, in place; with `out`, the result goes there.
     ///
-    /// `compress="bfp8"` (`"bfp4"`, `"bfp8/16"`, ...; `None` or `"off"`: exact) sums float32,
-    /// float16 or bfloat16 values compressed with block floating point, in place, as
-    /// `all_reduce_compressed` (with its `residual=`); it takes only the sum, no `out` and no
-    /// `timeout` (the communicator's applies).
+    /// `compress="bfp8"` (`"bfp4"`, `"bfp8/16"`, ...; `None` or `"off"`: exact) sums or
+    /// averages float32, float16 or bfloat16 values compressed with block floating point, in
+    /// place, as `all_reduce_compressed` (with its `residual=`); no `out` and no `timeout` (the
+    /// communicator's applies).
     #[pyo3(signature = (tensor, op=None, *, out=None, dtype=None, async_op=false, timeout=None, compress=None, residual=None))]
     #[allow(clippy::too_many_arguments)]
     fn all_reduce(
@@ -851,16 +845,13 @@ impl PyCommunicator {
         if let Some(fmt) = parse_compress(compress)? {
             let refuse =
                 |what: &str| Err(self.invalid(py, format!("all_reduce: compress={fmt} {what}")));
-            if op != ReduceOp::Sum {
-                return refuse(&format!("sums; op={op:?} is not supported compressed"));
-            }
             if out.is_some() {
                 return refuse("runs in place; leave out out=");
             }
             if timeout.is_some() {
                 return refuse("runs under the communicator's timeout; leave out timeout=");
             }
-            return self.compressed(py, tensor, fmt, dtype, residual, async_op);
+            return self.compressed(py, tensor, None, fmt, op, dtype, residual, async_op);
         }
         if residual.is_some() {
             return Err(self.invalid(
@@ -885,7 +876,13 @@ impl PyCommunicator {
 
     /// Rank r gets block r of the reduction of every rank's `input` (world · n elements);
     /// without `output`, in place: the result is block `rank` of `input`.
-    #[pyo3(signature = (input, output=None, op=None, *, dtype=None, async_op=false, timeout=None))]
+    ///
+    /// `compress="bfp8"` (`"bfp4"`, ...) sums or averages float32, float16 or bfloat16 values
+    /// compressed with block floating point on the wire (`Communicator::reduce_scatter_compressed`
+    /// in the Rust crate): it needs `output` and runs under the communicator's timeout; with
+    /// `residual` (as long as `input`), error feedback: `input + residual` is summed and
+    /// `residual` keeps what quantisation dropped, for the next call (`input` is not changed).
+    #[pyo3(signature = (input, output=None, op=None, *, dtype=None, async_op=false, timeout=None, compress=None, residual=None))]
     #[allow(clippy::too_many_arguments)]
     fn reduce_scatter(
         &self,
@@ -896,8 +893,30 @@ impl PyCommunicator {
         dtype: Option<&str>,
         async_op: bool,
         timeout: Option<f64>,
+        compress: Option<&str>,
+        residual: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         let op = parse_op(op)?;
+        if let Some(fmt) = parse_compress(compress)? {
+            let refuse = |what: &str| {
+                Err(self.invalid(py, format!("reduce_scatter: compress={fmt} {what}")))
+            };
+            let Some(output) = output else {
+                return refuse("needs an output (it does not run in place)");
+            };
+            if timeout.is_some() {
+                return refuse("runs under the communicator's timeout; leave out timeout=");
+            }
+            return self.compressed(py, input, Some(output), fmt, op, dtype, residual, async_op);
+        }
+        if residual.is_some() {
+            return Err(self.invalid(
+                py,
+                "reduce_scatter: residual= is the error feedback of a compressed call; it needs \
+                 compress="
+                    .into(),
+            ));
+        }
         let in_place = output.is_none();
         let p = self.simple(
             py,

@@ -305,7 +305,7 @@ impl Communicator {
     /// `float16` or `bfloat16`, native-endian, aligned), for bindings that hold untyped memory.
     pub fn reduce_scatter_compressed_bytes(
         &self,
-        input: &mut [u8],
+        input: &[u8],
         output: &mut [u8],
         residual: Option<&mut [u8]>,
         dtype: DataType,
@@ -323,7 +323,11 @@ impl Communicator {
         };
         macro_rules! run {
             ($t:ty) => {{
-                let i = typed::<$t>(input, &bad)?;
+                let i: &[$t] = bytemuck::try_cast_slice(input).map_err(|e| {
+                    bad(format!(
+                        "the input is not whole, aligned {dtype} values ({e:?})"
+                    ))
+                })?;
                 let o = typed::<$t>(output, &bad)?;
                 let r = residual.map(|r| typed::<$t>(r, &bad)).transpose()?;
                 self.reduce_scatter_compressed(i, o, r, fmt, op)

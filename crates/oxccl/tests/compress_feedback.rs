@@ -37,7 +37,7 @@ fn communicators(chunk: usize) -> Vec<Communicator> {
 /// blocks of the format do not line up with it), and a small steady drift that quantisation
 /// at the block's scale mostly rounds away without feedback.
 fn grad(step: usize, rank: usize, len: usize) -> Vec<f32> {
-    let mut rng = Rng(0x9e37_79b9 ^ (step as u64) << 20 ^ (rank as u64 + 1) * 0x1234_5678_9abc);
+    let mut rng = Rng(0x9e37_79b9 ^ ((step as u64) << 20) ^ ((rank as u64 + 1) * 0x1234_5678_9abc));
     let mut scale = 1.0;
     (0..len)
         .map(|i| {
@@ -56,7 +56,7 @@ fn grad(step: usize, rank: usize, len: usize) -> Vec<f32> {
 /// block that holds the large one, call after call.
 fn steady(step: usize, rank: usize, len: usize, fmt: Format) -> Vec<f32> {
     let mut rng =
-        Rng(0x51ed ^ (step as u64) << 24 ^ (rank as u64 + 7).wrapping_mul(0x2545_f491_4f6c_dd1d));
+        Rng(0x51ed ^ ((step as u64) << 24) ^ (rank as u64 + 7).wrapping_mul(0x2545_f491_4f6c_dd1d));
     let unit = 2.0 / (2f64.powi(fmt.width.bits() as i32) - 1.0);
     let mut s = 1.0;
     (0..len)

@@ -70,9 +70,15 @@ pub(crate) fn bench<T: Float>(
     }
     if me == 0 && !args.json {
         println!(
-            "# oxccl perf all_reduce --compress {fmt}: nranks {n} minBytes {} maxBytes {} \
+            "# oxccl perf all_reduce --compress {fmt}{}: nranks {n} minBytes {} maxBytes {} \
              step: {}(factor) warmup iters: {} iters: {} validation: {}",
-            args.min_bytes, args.max_bytes, args.factor, args.warmup, args.iters, args.check
+            if args.feedback { " --feedback" } else { "" },
+            args.min_bytes,
+            args.max_bytes,
+            args.factor,
+            args.warmup,
+            args.iters,
+            args.check
         );
         println!(
             "# in place; each iteration first copies the input back (timed). busbw counts the \
@@ -93,19 +99,24 @@ pub(crate) fn bench<T: Float>(
             .map(|i| T::from_f64(input_value(ReduceOp::Sum, me, i)))
             .collect();
         let mut buf = input.clone();
-        let once = |buf: &mut Vec<T>| {
+        let mut residual = vec![T::from_f64(0.0); if args.feedback { count } else { 0 }];
+        let once = |buf: &mut Vec<T>, res: &mut Vec<T>| {
             buf.copy_from_slice(&input);
-            comm.all_reduce_compressed(buf, fmt)
-                .map_err(|e| e.to_string())
+            if args.feedback {
+                comm.all_reduce_compressed_feedback(buf, res, fmt, ReduceOp::Sum)
+            } else {
+                comm.all_reduce_compressed(buf, fmt)
+            }
+            .map_err(|e| e.to_string())
         };
         for _ in 0..args.warmup {
-            once(&mut buf)?;
+            once(&mut buf, &mut residual)?;
         }
         comm.barrier().map_err(|e| e.to_string())?;
         let s0 = comm.stats();
         let t0 = Instant::now();
         for _ in 0..args.iters {
-            once(&mut buf)?;
+            once(&mut buf, &mut residual)?;
         }
         let mut t = [t0.elapsed().as_secs_f64() * 1e6 / args.iters as f64];
         let s1 = comm.stats();
@@ -114,7 +125,9 @@ pub(crate) fn bench<T: Float>(
             .map_err(|e| e.to_string())?;
         let mut wrong = 0;
         if args.check != 0 {
-            once(&mut buf)?;
+            // From a zero residual, x is the input: the reference's bits.
+            residual.iter_mut().for_each(|e| *e = T::from_f64(0.0));
+            once(&mut buf, &mut residual)?;
             let want = reference::<T>(n, count, fmt)?;
             let bad = buf
                 .iter()

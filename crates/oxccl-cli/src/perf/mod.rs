@@ -64,6 +64,11 @@ pub struct Args {
     /// (`Communicator::all_reduce_compressed`: exact integer sums, the same bits on every rank).
     #[arg(long, default_value = "off")]
     compress: String,
+    /// With --compress: error feedback, as a DDP hook runs it (a residual kept from call to
+    /// call, added in and updated in the same call: `Communicator::all_reduce_compressed_feedback`,
+    /// averaging); the check runs from a zero residual.
+    #[arg(long, requires = "compress")]
+    feedback: bool,
 }
 
 /// A benchmark buffer: a vector, registered or not, or memory the communicator allocated.

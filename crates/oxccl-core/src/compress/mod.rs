@@ -591,6 +591,81 @@ pub fn quantize<T: Float>(
     }
 }
 
+/// [`quantize`], and into `error` what it dropped of each value, `x − m · u(E)` (exact in
+/// `f32`: `x` and `m · u(E)` are both multiples of the unit of `x`'s own exponent or of `u(E)`,
+/// and within `u(E)/2` of each other), zero throughout a [`NON_FINITE`] block: the error
+/// feedback of a compressed sum. A cache-sized piece at a time, so that the error is computed
+/// while the piece's values are still in the first-level cache (no second pass over memory).
+/// `mantissas` and `error` are as long as `input`.
+pub fn quantize_with_error<T: Float>(
+    input: &[T],
+    exps: &[u8],
+    fmt: Format,
+    mantissas: &mut [i8],
+    error: &mut [T],
+) -> Result<(), CodecError> {
+    let b = fmt.block.values();
+    check_len("exponents", block_count(input.len(), fmt.block), exps.len())?;
+    check_len("mantissas", input.len(), mantissas.len())?;
+    check_len("error", input.len(), error.len())?;
+    let m = fmt.width.bits();
+    let (mut w, mut r) = ([0f32; CHUNK], [0f32; CHUNK]);
+    let pieces = input.chunks(CHUNK).zip(mantissas.chunks_mut(CHUNK));
+    for (i, ((x, q), (e, err))) in pieces
+        .zip(exps.chunks(CHUNK / b).zip(error.chunks_mut(CHUNK)))
+        .enumerate()
+    {
+        quantize(x, e, fmt, q).map_err(|err| match err {
+            CodecError::NonFinite { block } => CodecError::NonFinite {
+                block: i * CHUNK / b + block,
+            },
+            other => other,
+        })?;
+        let xf: &[f32] = match T::as_f32(x) {
+            Some(xf) => xf,
+            None => {
+                T::widen(x, &mut w[..x.len()]);
+                &w[..x.len()]
+            }
+        };
+        match T::as_f32_mut(err) {
+            Some(out) => dropped(xf, q, e, b, m, out),
+            None => {
+                let rf = &mut r[..x.len()];
+                dropped(xf, q, e, b, m, rf);
+                T::narrow(rf, err);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `out = x − q · u(E)` per block of `b` values, zero in a [`NON_FINITE`] block.
+fn dropped(x: &[f32], q: &[i8], exps: &[u8], b: usize, m: u32, out: &mut [f32]) {
+    for (((o, x), q), &e) in out
+        .chunks_mut(b)
+        .zip(x.chunks(b))
+        .zip(q.chunks(b))
+        .zip(exps)
+    {
+        if e == NON_FINITE {
+            o.fill(0.0);
+            continue;
+        }
+        let u = kernels::unit(e, m);
+        if u <= 2f32.powi(119) {
+            for ((o, &x), &q) in o.iter_mut().zip(x).zip(q) {
+                *o = x - f32::from(q) * u;
+            }
+        } else {
+            // `q · u` could pass f32's range (the value itself does not): in f64, exact.
+            for ((o, &x), &q) in o.iter_mut().zip(x).zip(q) {
+                *o = (x as f64 - f64::from(q) * u as f64) as f32;
+            }
+        }
+    }
+}
+
 /// Decodes mantissas (`i8`) or sums of mantissas at common exponents (`i16`, `i32`) into `out`
 /// (`out.len() == mantissas.len()`): `out[i] = mantissas[i] · u(E)` of its block, rounded to
 /// `T` (exact for `f32` from `i8` and `i16`), NaN throughout a [`NON_FINITE`] block.

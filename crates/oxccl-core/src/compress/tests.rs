@@ -650,3 +650,82 @@ fn requantize_ties_saturation_and_lengths() {
     assert!(requantize(&s, &[1], fmt, &mut [0; 2], &mut q).is_err());
     assert!(requantize(&s, &[1], fmt, &mut ne, &mut [0; 15]).is_err());
 }
+
+// ---- the error of a quantisation, for error feedback -----------------------------------------
+
+/// `quantize_with_error` against the reference: the same mantissas as `quantize`, and an error
+/// of `x − m · u(E)` computed in `f64` (exact), zero in a NaN block, at exponents raised by up
+/// to `raise` over the input's own (as the ranks' agreed maximum raises them).
+fn check_error(x: &[f32], fmt: Format, raise: u8) -> Result<(), TestCaseError> {
+    let (b, m) = (fmt.block.values(), fmt.width.bits());
+    let nb = block_count(x.len(), fmt.block);
+    let mut exps = vec![0u8; nb];
+    block_exponents(x, fmt, &mut exps).unwrap();
+    for e in exps.iter_mut().filter(|e| **e != NON_FINITE) {
+        *e = e.saturating_add(raise).min(NON_FINITE - 1);
+    }
+    let (mut q, mut want_q) = (vec![0i8; x.len()], vec![0i8; x.len()]);
+    let mut err = vec![f32::NAN; x.len()];
+    quantize(x, &exps, fmt, &mut want_q).unwrap();
+    quantize_with_error(x, &exps, fmt, &mut q, &mut err).unwrap();
+    prop_assert_eq!(&q, &want_q);
+    for (i, (&v, &got)) in x.iter().zip(&err).enumerate() {
+        let e = exps[i / b];
+        let want = if e == NON_FINITE {
+            0.0
+        } else {
+            v as f64 - ref_dequant(q[i] as i64, e, m)
+        };
+        prop_assert!(
+            want == got as f64,
+            "value {i} ({v}): error {got}, want {want}"
+        );
+    }
+    // bf16 input: the error rounded once to bf16.
+    let h: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+    let mut hexps = vec![0u8; nb];
+    block_exponents(&h, fmt, &mut hexps).unwrap();
+    let mut herr = vec![bf16::ZERO; x.len()];
+    quantize_with_error(&h, &hexps, fmt, &mut q, &mut herr).unwrap();
+    for (i, (&v, &got)) in h.iter().zip(&herr).enumerate() {
+        let e = hexps[i / b];
+        let want = if e == NON_FINITE {
+            0.0
+        } else {
+            v.to_f64() - ref_dequant(q[i] as i64, e, m)
+        };
+        prop_assert!(
+            bf16::from_f64(want) == got,
+            "bf16 value {i}: error {got}, want {want}"
+        );
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(40))]
+
+    #[test]
+    // Up to 4500 values: across the pieces of 2048 it works in.
+    fn quantisation_error_is_exact(x in buffer(4500), fmt in format(), raise in 0u8..3) {
+        check_error(&x, fmt, raise)?;
+    }
+}
+
+#[test]
+fn quantisation_error_of_a_nan_block_is_zero_and_lengths_are_checked() {
+    let mut x = vec![0.3f32; 100];
+    x[40] = f32::NAN;
+    let fmt = Format::BFP8;
+    let mut exps = vec![0u8; 4];
+    block_exponents(&x, fmt, &mut exps).unwrap();
+    let (mut q, mut err) = (vec![0i8; 100], vec![1f32; 100]);
+    quantize_with_error(&x, &exps, fmt, &mut q, &mut err).unwrap();
+    assert!(err[32..64].iter().all(|&e| e == 0.0));
+    assert!(err[..32].iter().all(|&e| e.abs() < 0.3 / 100.0));
+    let mut short = vec![0f32; 99];
+    assert!(matches!(
+        quantize_with_error(&x, &exps, fmt, &mut q, &mut short),
+        Err(CodecError::Length { .. })
+    ));
+}

@@ -236,11 +236,20 @@ impl Call<'_> {
     ) -> Result<()> {
         let bad = self.bad;
         let codec = |e: compress::CodecError| bad(e.to_string());
-        if let Some(res) = res {
-            add_into(&mut buf[c.range.clone()], &res[c.range.clone()]);
-        }
         let mut exps = take(c.shape.blocks);
-        compress::block_exponents(&buf[c.range.clone()], self.fmt, &mut exps).map_err(codec)?;
+        let x = &mut buf[c.range.clone()];
+        match res {
+            None => compress::block_exponents(x, self.fmt, &mut exps).map_err(codec)?,
+            Some(res) => {
+                // A cache-sized piece at a time: the add, then the piece's exponents.
+                let b = self.fmt.block.values();
+                let pieces = x.chunks_mut(PIECE).zip(res[c.range.clone()].chunks(PIECE));
+                for ((x, e), ex) in pieces.zip(exps.chunks_mut(PIECE / b)) {
+                    add_into(x, e);
+                    compress::block_exponents(&*x, self.fmt, ex).map_err(codec)?;
+                }
+            }
+        }
         let coll = Collective::AllReduce { count: exps.len() };
         c.max = Some(self.comm.start_unmetered(coll, ReduceOp::Max, exps));
         Ok(())
@@ -260,12 +269,15 @@ impl Call<'_> {
         c.exps = self.wait(&mut c.max, 0)?;
         let q = &mut self.q[..s.share * self.n];
         let x = &buf[c.range.clone()];
-        compress::quantize(x, &c.exps, self.fmt, &mut q[..s.len]).map_err(codec)?;
-        q[s.len..].fill(0);
-        if let Some(res) = res {
-            quantisation_error(x, &q[..s.len], &c.exps, self.fmt, &mut res[c.range.clone()])
-                .map_err(codec)?;
+        match res {
+            None => compress::quantize(x, &c.exps, self.fmt, &mut q[..s.len]),
+            Some(res) => {
+                let e = &mut res[c.range.clone()];
+                compress::quantize_with_error(x, &c.exps, self.fmt, &mut q[..s.len], e)
+            }
         }
+        .map_err(codec)?;
+        q[s.len..].fill(0);
         let mut send = take(s.mbytes * self.n);
         match self.fmt.width {
             Width::Bfp8 => send.copy_from_slice(bytemuck::cast_slice(q)),
@@ -719,15 +731,15 @@ impl Communicator {
 }
 
 /// `bytes` as `T` values, or the error `bad` makes naming why not.
-fn typed<'a, T: bytemuck::Pod>(
+fn typed<'a, T: Element>(
     bytes: &'a mut [u8],
     bad: &dyn Fn(String) -> Error,
 ) -> Result<&'a mut [T]> {
     let at = bytes.as_ptr() as usize;
     bytemuck::try_cast_slice_mut(bytes).map_err(|e| {
         bad(format!(
-            "not whole, aligned values of {} bytes ({e:?}; the buffer starts at {at:#x})",
-            std::mem::size_of::<T>()
+            "not whole, aligned {} values ({e:?}; the buffer starts at {at:#x})",
+            T::DTYPE
         ))
     })
 }
@@ -753,40 +765,6 @@ fn add_into<T: compress::Float>(x: &mut [T], e: &[T]) {
         }
         T::narrow(a, x);
     }
-}
-
-/// `res = x − Q(x)`, `Q(x)` the mantissas `q` at the block exponents `exps` (whole blocks from
-/// the first); zero in a [`compress::NON_FINITE`] block. Exact in `f32`: `Q(x)` is `x`
-/// rounded to a multiple of the block's unit, which `x` is a multiple of too.
-fn quantisation_error<T: compress::Float>(
-    x: &[T],
-    q: &[i8],
-    exps: &[u8],
-    fmt: Format,
-    res: &mut [T],
-) -> std::result::Result<(), compress::CodecError> {
-    let b = fmt.block.values();
-    let (mut xf, mut qf) = ([0f32; PIECE], [0f32; PIECE]);
-    let pieces = x
-        .chunks(PIECE)
-        .zip(q.chunks(PIECE))
-        .zip(res.chunks_mut(PIECE));
-    for (((x, q), r), e) in pieces.zip(exps.chunks(PIECE / b)) {
-        let (xf, qf) = (&mut xf[..x.len()], &mut qf[..x.len()]);
-        T::widen(x, xf);
-        compress::dequantize(q, e, fmt, &mut *qf)?;
-        for ((xb, qb), &e) in xf.chunks_mut(b).zip(qf.chunks(b)).zip(e) {
-            for (x, &q) in xb.iter_mut().zip(qb) {
-                *x = if e == compress::NON_FINITE {
-                    0.0
-                } else {
-                    *x - q
-                };
-            }
-        }
-        T::narrow(xf, r);
-    }
-    Ok(())
 }
 
 /// `res += S − Q'(S)`: the rounding of the re-encoded sums (`sums` at `exps`, re-encoded as

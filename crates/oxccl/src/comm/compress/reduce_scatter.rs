@@ -24,7 +24,7 @@ use std::time::Duration;
 use half::{bf16, f16};
 use oxccl_core::compress::{self, Format, Width};
 
-use super::{add_into, give, quantisation_error, take, typed};
+use super::{add_into, give, take, typed};
 use crate::comm::{Communicator, Work};
 use crate::schedule::Collective;
 use crate::{DataType, Error, ReduceOp, Result};
@@ -106,9 +106,8 @@ impl<T: compress::Float> Call<'_, T> {
                     let x = &mut self.x[..len];
                     x.copy_from_slice(&input[span.clone()]);
                     add_into(x, &res[span.clone()]);
-                    compress::quantize(&*x, exps, self.fmt, &mut qr[..len]).and_then(|()| {
-                        quantisation_error(x, &qr[..len], exps, self.fmt, &mut res[span])
-                    })
+                    let (q, e) = (&mut qr[..len], &mut res[span]);
+                    compress::quantize_with_error(&*x, exps, self.fmt, q, e)
                 }
             }
             .map_err(codec)?;

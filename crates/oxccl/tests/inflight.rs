@@ -27,6 +27,7 @@ fn dispatch(scenario: &str, args: &Value) -> Value {
         "exchange" => exchange(&comm, args),
         "many" => many(&comm, args),
         "dies" => dies(comm),
+        "behind" => behind(&comm),
         other => panic!("unknown scenario {other:?}"),
     };
     let v = match r {
@@ -155,6 +156,56 @@ fn many(comm: &Communicator, args: &Value) -> oxccl::Result<Vec<String>> {
     Ok(wrong)
 }
 
+/// Calls started behind a submitted closure that numbers its own calls late (after a pause
+/// on rank 0 only): they take their numbers after the closure's calls on every rank, whatever
+/// the timing, so each sums what its peers' same call sums (the counts differ from call to
+/// call: out of order, they would mismatch); starting them returns at once instead of waiting
+/// for the closure; and a send and a receive started behind it still fly together (a large
+/// exchange, which deadlocks if they run one at a time).
+fn behind(comm: &Communicator) -> oxccl::Result<Vec<String>> {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let mut wrong = Vec::new();
+    let pause = if rank == 0 { 400 } else { 0 };
+    let mut first = comm.submit(move |c| {
+        std::thread::sleep(Duration::from_millis(pause));
+        let mut a = vec![rank as f32 + 1.0; 1000];
+        c.all_reduce_in_place(&mut a, ReduceOp::Sum)?;
+        let mut b = vec![1f32; 3000];
+        c.all_reduce_in_place(&mut b, ReduceOp::Sum)?;
+        Ok((a, b))
+    });
+    let t0 = std::time::Instant::now();
+    let mut later: Vec<(usize, Work<Vec<f32>>)> = [7usize, 100_000, 5]
+        .iter()
+        .map(|&len| (len, comm.all_reduce_async(vec![2f32; len], ReduceOp::Sum)))
+        .collect();
+    let big = 4 << 20;
+    let (right, left) = ((rank + 1) % n, (rank + n - 1) % n);
+    let mut send = comm.send_async(vec![rank as u32; big], right);
+    let mut recv = comm.recv_async(vec![0u32; big], left);
+    let started = t0.elapsed();
+    if rank == 0 && started > Duration::from_millis(200) {
+        wrong.push(format!("starting calls behind a closure took {started:?}"));
+    }
+    let (a, b) = wait(&mut first)?;
+    let sum = (n * (n + 1) / 2) as f32;
+    if a.iter().any(|&x| x != sum) || b.iter().any(|&x| x != n as f32) {
+        wrong.push(format!("the closure's calls: {} and {}", a[0], b[0]));
+    }
+    for (len, w) in later.iter_mut() {
+        let v = wait(w)?;
+        if v.len() != *len || v.iter().any(|&x| x != 2.0 * n as f32) {
+            wrong.push(format!("the call of {len} started behind: {:?}", v.first()));
+        }
+    }
+    wait(&mut send)?;
+    let got = wait(&mut recv)?;
+    if got.iter().any(|&x| x != left as u32) {
+        wrong.push(format!("the exchange behind the closure: {}", got[0]));
+    }
+    Ok(wrong)
+}
+
 /// Rank 1 exits while rank 0 has several calls in flight: every one of them fails, naming
 /// rank 1, within the timeout.
 fn dies(comm: Communicator) -> ! {
@@ -227,6 +278,17 @@ fn run_many(provider: &str) {
     for (rank, v) in expect_results("many in flight", &out).iter().enumerate() {
         assert_eq!(v["ok"], true, "rank {rank}: {v}");
         assert_eq!(v["wrong"], json!([]), "rank {rank}: {v}");
+    }
+}
+
+#[test]
+fn calls_started_behind_a_closure_keep_their_order_and_do_not_wait() {
+    for provider in ["shm", "tcp"] {
+        let out = run_ranks(2, &[("OXCCL_PROVIDER", provider)], "behind", &json!({}));
+        for (rank, v) in expect_results("behind", &out).iter().enumerate() {
+            assert_eq!(v["ok"], true, "{provider}, rank {rank}: {v}");
+            assert_eq!(v["wrong"], json!([]), "{provider}, rank {rank}: {v}");
+        }
     }
 }
 

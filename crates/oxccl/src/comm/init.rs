@@ -545,6 +545,7 @@ impl Communicator {
                 pending: (Mutex::new(0), Condvar::new()),
                 queued: Default::default(),
                 waiting_jobs: Default::default(),
+                unnumbered: Default::default(),
                 wanting: Default::default(),
             }),
         };

@@ -472,6 +472,10 @@ struct Inner {
     waiting_jobs: std::sync::atomic::AtomicUsize,
     /// Threads waiting for the state lock (a session in flight lets them have it).
     wanting: std::sync::atomic::AtomicUsize,
+    /// Jobs queued or running whose calls take their sequence numbers only when the worker
+    /// runs them ([`worker`]'s submitted closures, calls run alone, deferred calls): while
+    /// there is one, a call started is deferred too, so that numbers follow the order of calls.
+    unnumbered: std::sync::atomic::AtomicUsize,
 }
 
 /// A group of ranks that run collectives together, like an `ncclComm_t`.

@@ -9,6 +9,12 @@
 //! - closures given to [`Communicator::submit`], which run alone, after every call queued
 //!   before them.
 //!
+//! A call started while a job that numbers its calls only when it runs is queued or running
+//! (a submitted closure, a call that runs alone, or another such call) is deferred: it is
+//! numbered and planned by the worker when it reaches it, in queue order, and then flies as a
+//! started call does. So sequence numbers follow the order of calls whatever the timing, and
+//! starting a call never waits for a long call to finish (a DDP hook returns at once).
+//!
 //! A blocking call waits until the queue is empty and nothing flies, so collectives keep the
 //! order in which they were called. Calls a rank must run alone also wait for the set to empty
 //! (calls in mailbox mode, whose two ends must both run them alone; calls that feed the
@@ -32,6 +38,49 @@ pub(super) enum Job {
     Run(Box<dyn FnOnce(&Communicator) + Send>),
     /// A call to fly ([`Communicator::start`]).
     Call(Box<Started>),
+    /// A call to number, plan and fly when the worker reaches it ([`Communicator::start`]
+    /// while an unnumbered job waits).
+    Deferred(Box<Deferred>),
+}
+
+/// A checked call, numbered and planned by the worker in queue order.
+pub(super) struct Deferred {
+    coll: Collective,
+    dtype: DataType,
+    op: ReduceOp,
+    checked: Carried,
+    timeout: Duration,
+    done: Box<dyn FnOnce(Result<()>) + Send>,
+}
+
+impl Deferred {
+    /// Numbered and planned now (on the worker): a started call, or its work failed.
+    fn number(self, comm: &Communicator) -> Option<Started> {
+        let planned = {
+            let mut st = comm.lock();
+            comm.check_usable(&st, &self.coll).and_then(|()| {
+                let in_place = self.checked.0.in_place;
+                comm.prepare(&mut st, &self.coll, self.dtype, self.op, in_place)
+            })
+        };
+        comm.inner.unnumbered.fetch_sub(1, Ordering::AcqRel);
+        match planned {
+            Ok(prepared) => Some(Started {
+                coll: self.coll,
+                dtype: self.dtype,
+                op: self.op,
+                prepared,
+                checked: self.checked.take(),
+                timeout: self.timeout,
+                done: self.done,
+            }),
+            Err(e) => {
+                (self.done)(Err(e));
+                comm.job_done();
+                None
+            }
+        }
+    }
 }
 
 /// A started call: checked, numbered and planned on the caller's thread (so its sequence
@@ -281,6 +330,19 @@ impl Communicator {
             finish(self.run_checked(&coll, dtype, op, checked, timeout));
             return;
         }
+        // Behind a job that numbers its calls when it runs: numbered by the worker too, after it
+        // (and without waiting for it here).
+        if self.inner.unnumbered.load(Ordering::Acquire) > 0 {
+            self.enqueue(Job::Deferred(Box::new(Deferred {
+                coll,
+                dtype,
+                op,
+                checked: Carried(checked),
+                timeout,
+                done: finish,
+            })));
+            return;
+        }
         // Calls that must run alone go through the queue as closures: those that feed the
         // link-rate learner. The others are numbered and planned now, in the caller's order.
         let planned = {
@@ -366,11 +428,18 @@ impl Communicator {
             self.inner.queued.store(*p, Ordering::Release);
         }
         self.inner.waiting_jobs.fetch_add(1, Ordering::AcqRel);
+        let unnumbered = !matches!(job, Job::Call(_));
+        if unnumbered {
+            self.inner.unnumbered.fetch_add(1, Ordering::AcqRel);
+        }
         let mut q = self.inner.queue.lock().unwrap_or_else(|e| e.into_inner());
         let sender = q.get_or_insert_with(|| spawn(Arc::downgrade(&self.inner)));
         if let Err(mpsc::SendError(job)) = sender.send(job) {
             drop(q);
             self.inner.waiting_jobs.fetch_sub(1, Ordering::AcqRel);
+            if unnumbered {
+                self.inner.unnumbered.fetch_sub(1, Ordering::AcqRel);
+            }
             // The worker is gone: the job is abandoned (its work says so) and not pending.
             drop(job);
             self.job_done();
@@ -438,9 +507,15 @@ fn worker(inner: Weak<Inner>, rx: Receiver<Job>) {
         match job {
             Job::Run(f) => {
                 f(&comm);
+                comm.inner.unnumbered.fetch_sub(1, Ordering::AcqRel);
                 comm.job_done();
             }
             Job::Call(s) => next = Session::new(&comm, &rx).run(*s),
+            Job::Deferred(d) => {
+                if let Some(s) = d.number(&comm) {
+                    next = Session::new(&comm, &rx).run(s);
+                }
+            }
         }
         ON_WORKER.with(|w| w.set(0));
     }
@@ -490,6 +565,10 @@ impl<'c> Session<'c> {
                 };
                 let s = match job {
                     Job::Call(s) => s,
+                    Job::Deferred(d) => match d.number(self.comm) {
+                        Some(s) => Box::new(s),
+                        None => continue,
+                    },
                     run @ Job::Run(_) => {
                         next = Some(run);
                         break;

@@ -154,6 +154,7 @@ print(f"{'configuration':<16} {'median step':>11} {'/gloo':>6} {'/gloo+fp16':>10
       f"{'compute':>8} {'exposed':>8} {'after last':>10} {'final loss':>11} {'vs oxccl':>9}")
 print(f"{'':<16} {'ms':>11} {'':>6} {'':>10} {'ms':>8} {'ms':>8} {'bucket ms':>10} {'':>11} {'%':>9}")
 summary = {}
+notes = []
 for c in configs:
     ds = runs[c]
     step = med([t for d in ds for t in d["step_s"][min(3, len(d["step_s"]) - 1):]])
@@ -167,6 +168,10 @@ for c in configs:
                 for d, o in zip(ds, ref)]) if ref else None)
     summary[c] = dict(step=step, g=ratio(c, "gloo"), f=ratio(c, "gloo-fp16"), exposed=exposed,
                       tail=tail, rel=rel, fsdp=ratio(c, "gloo-fsdp"))
+    if c == "oxccl-fsdp-bfp8" and "oxccl-fsdp" in runs and all(
+            d["losses"] == o["losses"] for d, o in zip(ds, runs["oxccl-fsdp"])):
+        notes.append("oxccl-fsdp-bfp8's losses are identical to oxccl-fsdp's in every round: its "
+                     "reduce-scatters ran uncompressed")
     print(f"{c:<16} {step * 1e3:11.1f} {fmt(summary[c]['g']):>6} {fmt(summary[c]['f']):>10} "
           f"{comp * 1e3:8.1f} {exposed * 1e3:8.1f} {fmt(None if tail is None else tail * 1e3, '.1f'):>10} "
           f"{final:11.6f} {fmt(None if rel is None else 100 * rel, '.3f'):>9}"
@@ -177,10 +182,12 @@ print("median step: over every round's steps after the warm-up; /gloo, /gloo+fp1
       "step - compute; after last bucket: from the last bucket handed to the hook until every "
       "bucket's future completed (DDP, rank 0); vs oxccl: the final loss's relative difference "
       "to uncompressed oxccl DDP's in the same round.")
+for n in notes:
+    print(f"note: {n}")
 
 print()
-print("per-bucket communication, rank 0, medians over steps and rounds (ms from the start of "
-      "backward): bucket MB: called -> done (wire; exposed share)")
+print("per-bucket communication, rank 0, medians over steps and rounds, ms from the start of "
+      "backward(): #bucket MB: hook called, returned -> future done (wire; exposed share)")
 for c in configs:
     ds = [d for d in runs[c] if "exposure" in d]
     if not ds:
@@ -189,7 +196,8 @@ for c in configs:
     for b in ds[0]["exposure"]["buckets"]:
         same = [x for d in ds for x in d["exposure"]["buckets"] if x["index"] == b["index"]]
         m = lambda k: med([x[k] for x in same]) * 1e3  # noqa: E731
-        parts.append(f"#{b['index']} {b['bytes'] / 1e6:.1f} MB: {m('called_s'):.0f} -> "
+        parts.append(f"#{b['index']} {b['bytes'] / 1e6:.1f} MB: {m('called_s'):.0f}, "
+                     f"{m('returned_s'):.0f} -> "
                      f"{m('done_s'):.0f} ({m('wire_s'):.0f}; {m('exposed_s'):.0f})")
     bwd = med([d["median_backward_s"] for d in ds]) * 1e3
     bwc = med([d["median_compute_backward_s"] for d in ds]) * 1e3

@@ -463,7 +463,9 @@ def label(d: dict) -> str:
     if d.get("fsdp"):
         name += " fsdp"
         if d.get("rs_compress"):
-            name += f" (reduce-scatter {d['rs_compress']})"
+            # What the environment asked for: whether the backend honoured it shows in the
+            # losses (and the step time), not here.
+            name += f", OXCCL_REDUCE_SCATTER_COMPRESS={d['rs_compress']}"
     if d.get("hook"):
         name += f" + {d['hook']} hook"
     if d.get("compress"):

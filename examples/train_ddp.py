@@ -481,7 +481,8 @@ def plot(logs: list[str], output: str) -> None:
 
     runs = [json.loads(Path(p).read_text()) for p in logs]
     panels = 3 if len(runs) > 1 else 2
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.3))
+    # Room under the panels for the legends (one line per log), so that they hide no curve.
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.3 + 0.16 * len(runs)))
     a, b = axes[0], axes[-1]
     base = runs[0]["losses"]
     win = 5
@@ -509,7 +510,7 @@ def plot(logs: list[str], output: str) -> None:
         axes[1].axhline(0, color="black", lw=0.6)
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
     how = "FSDP2" if all(d.get("fsdp") for d in runs) else (
         "DDP and FSDP2" if any(d.get("fsdp") for d in runs) else "DDP")
     if mlp:

@@ -267,7 +267,12 @@ impl Call<'_> {
         let codec = |e: compress::CodecError| bad(e.to_string());
         let s = c.shape;
         c.exps = self.wait(&mut c.max, 0)?;
-        let q = &mut self.q[..s.share * self.n];
+        let mut send = take(s.mbytes * self.n);
+        // bfp8 mantissas are quantised straight into the send buffer; bfp4's are packed there.
+        let q: &mut [i8] = match self.fmt.width {
+            Width::Bfp8 => bytemuck::cast_slice_mut(&mut send[..]),
+            Width::Bfp4 => &mut self.q[..s.share * self.n],
+        };
         let x = &buf[c.range.clone()];
         match res {
             None => compress::quantize(x, &c.exps, self.fmt, &mut q[..s.len]),
@@ -278,10 +283,8 @@ impl Call<'_> {
         }
         .map_err(codec)?;
         q[s.len..].fill(0);
-        let mut send = take(s.mbytes * self.n);
-        match self.fmt.width {
-            Width::Bfp8 => send.copy_from_slice(bytemuck::cast_slice(q)),
-            Width::Bfp4 => compress::pack4(q, &mut send).map_err(codec)?,
+        if self.fmt.width == Width::Bfp4 {
+            compress::pack4(&self.q[..s.share * self.n], &mut send).map_err(codec)?;
         }
         let recv = take(s.mbytes * self.n);
         let coll = Collective::AllToAll { count: s.mbytes };
@@ -297,21 +300,27 @@ impl Call<'_> {
         let s = c.shape;
         let (send, recv) = self.wait(&mut c.a2a, 1)?;
         give(send);
-        let q = &mut self.q[..s.share * self.n];
-        match self.fmt.width {
-            Width::Bfp8 => q.copy_from_slice(bytemuck::cast_slice(&recv)),
-            Width::Bfp4 => compress::unpack4(&recv, q).map_err(codec)?,
-        }
-        give(recv);
         let sums = &mut self.sums[..s.share];
         sums.fill(0);
-        if s.share > 0 {
-            for from in q.chunks_exact(s.share) {
-                for (t, &m) in sums.iter_mut().zip(from) {
-                    *t += i16::from(m);
+        {
+            // bfp8 mantissas are summed where they landed; bfp4's are unpacked first.
+            let q: &[i8] = match self.fmt.width {
+                Width::Bfp8 => bytemuck::cast_slice(&recv[..]),
+                Width::Bfp4 => {
+                    let q = &mut self.q[..s.share * self.n];
+                    compress::unpack4(&recv, q).map_err(codec)?;
+                    q
+                }
+            };
+            if s.share > 0 {
+                for from in q.chunks_exact(s.share) {
+                    for (t, &m) in sums.iter_mut().zip(from) {
+                        *t += i16::from(m);
+                    }
                 }
             }
         }
+        give(recv);
         // The share's agreed exponents (0 for padding blocks past the end, whose sums are 0).
         let first = (self.me * s.share_blocks).min(s.blocks);
         let last = ((self.me + 1) * s.share_blocks).min(s.blocks);
@@ -320,7 +329,11 @@ impl Call<'_> {
         sexps[last - first..].fill(0);
         let mut gin = take(s.gbytes());
         let (new_exps, mant) = gin.split_at_mut(s.share_blocks);
-        let q = &mut self.q[..s.share];
+        // bfp8's re-encoded mantissas go straight into the all-gather's buffer.
+        let q: &mut [i8] = match self.fmt.width {
+            Width::Bfp8 => bytemuck::cast_slice_mut(&mut mant[..]),
+            Width::Bfp4 => &mut self.q[..s.share],
+        };
         compress::requantize(sums, sexps, self.fmt, new_exps, q).map_err(codec)?;
         let mine = s.values(self.me);
         if let (Some(res), false) = (res, mine.is_empty()) {
@@ -331,9 +344,8 @@ impl Call<'_> {
             rounding_error(&sums[..mine.len()], &sexps[..nb], m, ne, self.fmt, owned)
                 .map_err(codec)?;
         }
-        match self.fmt.width {
-            Width::Bfp8 => mant.copy_from_slice(bytemuck::cast_slice(q)),
-            Width::Bfp4 => compress::pack4(q, mant).map_err(codec)?,
+        if self.fmt.width == Width::Bfp4 {
+            compress::pack4(&self.q[..s.share], mant).map_err(codec)?;
         }
         let gout = take(s.gbytes() * self.n);
         let coll = Collective::AllGather { count: s.gbytes() };
@@ -363,13 +375,16 @@ impl Call<'_> {
             let at = r * s.gbytes();
             let exps = &gout[at..at + compress::block_count(v.len(), self.fmt.block)];
             let mant = &gout[at + s.share_blocks..at + s.gbytes()];
-            let q = &mut self.q[..v.len()];
-            match self.fmt.width {
-                Width::Bfp8 => q.copy_from_slice(bytemuck::cast_slice(&mant[..v.len()])),
-                Width::Bfp4 => compress::unpack4(&mant[..v.len().div_ceil(2)], q).map_err(codec)?,
-            }
+            let q: &[i8] = match self.fmt.width {
+                Width::Bfp8 => bytemuck::cast_slice(&mant[..v.len()]),
+                Width::Bfp4 => {
+                    let q = &mut self.q[..v.len()];
+                    compress::unpack4(&mant[..v.len().div_ceil(2)], q).map_err(codec)?;
+                    q
+                }
+            };
             let out = &mut out[v];
-            compress::dequantize(&*q, exps, self.fmt, out).map_err(codec)?;
+            compress::dequantize(q, exps, self.fmt, out).map_err(codec)?;
             if average && self.n > 1 {
                 crate::reduce::divide(T::DTYPE, crate::dtype::as_bytes_mut(out), self.n);
             }

@@ -347,6 +347,8 @@ impl Communicator {
             ));
         }
 
+        crate::fault::in_shrink(self.inner.opts.faults.as_ref(), rank, epoch);
+
         // 2. The new communicator, under a fresh prefix.
         let built = Bootstrap::with_store(
             new_rank,

@@ -110,6 +110,55 @@ fn shrink_scenario(args: &Value) -> Value {
                 first_error = err_json(&e);
             }
         }
+        "inflight" => {
+            // Rank 1 dies while the others have calls in flight; rank 3 shrinks before it
+            // waits for them (the shrink aborts them), ranks 0 and 2 wait first.
+            if rank == 1 {
+                std::thread::sleep(Duration::from_millis(300));
+                die();
+            }
+            let mut works: Vec<oxccl::Work<Vec<f32>>> = (0..4)
+                .map(|k| comm.all_reduce_async(vec![1.0f32; 100_000 + k], ReduceOp::Sum))
+                .collect();
+            let mut early = None;
+            if rank == 3 {
+                let ms = args["shrink_first_ms"].as_u64().unwrap();
+                std::thread::sleep(Duration::from_millis(ms));
+                early = Some(comm.shrink_after_failure());
+            }
+            let mut calls = Vec::new();
+            for w in &mut works {
+                let first = w.wait(Duration::from_secs(10));
+                // A second wait must not complete it again.
+                let again = w.wait(Duration::from_millis(10));
+                calls.push(json!({
+                    "first": first.as_ref().map(|_| "ok").map_err(|e| e.to_string()).unwrap_or_else(|e| Box::leak(e.into_boxed_str())),
+                    "first_ok": first.is_ok(),
+                    "again_ok": again.is_ok(),
+                    "again": again.err().map(|e| e.to_string()),
+                }));
+            }
+            first_error = json!({ "calls": calls });
+            if let Some(r) = early {
+                let small = match r {
+                    Ok(s) => s,
+                    Err(e) => {
+                        return json!({ "ok": false, "shrink_error": err_json(&e), "first": first_error });
+                    }
+                };
+                let mut olds = vec![0u64; small.world_size()];
+                if let Err(e) = small.all_gather(&[rank as u64], &mut olds) {
+                    return json!({ "ok": false, "msg": e.to_string(), "first": first_error });
+                }
+                let m: Vec<usize> = olds.iter().map(|&o| o as usize).collect();
+                if let Err(e) = checked_all_reduce(&small, &m, rank) {
+                    return json!({ "ok": false, "msg": e, "first": first_error });
+                }
+                let out = json!({ "ok": true, "members": m, "new_rank": small.rank(), "first": first_error });
+                std::mem::forget(small);
+                return out;
+            }
+        }
         "explicit" => {
             let exclude = args["exclude"].as_u64().unwrap() as usize;
             if rank == exclude {
@@ -199,7 +248,7 @@ fn launch(env: &[(&'static str, String)], args: Value) -> Vec<common::RankOutput
     run_ranks(4, &e, "shrink", &args)
 }
 
-fn ok_result<'a>(outs: &'a [common::RankOutput], r: usize) -> &'a Value {
+fn ok_result(outs: &[common::RankOutput], r: usize) -> &Value {
     let o = &outs[r];
     assert!(o.ok(), "rank {r} did not finish{}", report(outs));
     let res = o.result();
@@ -245,6 +294,45 @@ fn a_rank_that_saw_nothing_learns_through_the_store() {
     assert!(r3["ms"].as_u64().unwrap() < 4000, "rank 3: {r3}");
     for r in [0, 2] {
         assert_eq!(outs[r].result()["failed_before"], json!([1]), "rank {r}");
+    }
+}
+
+/// Calls in flight when a rank dies end once, with an error, on every survivor, whether it
+/// waits for them before it shrinks or shrinks first (which aborts them); the shrunk
+/// communicator then works. Rank 3 shrinks 800 ms in (after the news of rank 1's death at
+/// 300 ms), or 100 ms in (before it: its abort ends everyone's calls, rank 1's too, so no
+/// survivor names rank 1 and they exclude it when the timeout passes without its check-in).
+#[test]
+fn calls_in_flight_end_once_with_an_error() {
+    for ms in [800, 100] {
+        calls_in_flight(ms);
+    }
+}
+
+fn calls_in_flight(shrink_first_ms: u64) {
+    let outs = launch(
+        &env("5", None),
+        json!({ "mode": "inflight", "doomed": 1, "shrink_first_ms": shrink_first_ms }),
+    );
+    for (old, new) in [(0, 0), (2, 1), (3, 2)] {
+        let res = ok_result(&outs, old);
+        assert_eq!(res["members"], json!([0, 2, 3]), "rank {old}: {res}");
+        assert_eq!(res["new_rank"], new, "rank {old}: {res}");
+        let calls = res["first"]["calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 4, "rank {old}: {res}");
+        for c in calls {
+            assert_eq!(
+                c["first_ok"], false,
+                "rank {old}: a call in flight succeeded: {res}"
+            );
+            assert_eq!(c["again_ok"], false, "rank {old}: {res}");
+            let again = c["again"].as_str().unwrap();
+            assert!(
+                again.contains("already taken"),
+                "rank {old}: completed twice: {res}"
+            );
+        }
+        eprintln!("rank {old}: {res}");
     }
 }
 

@@ -201,9 +201,11 @@ impl Communicator {
     /// #       config.serve_store = false;
     /// #       config.timeout = Duration::from_secs(20);
     ///         std::thread::spawn(move || -> oxccl::Result<Option<Vec<u32>>> {
-    ///             let comm = Communicator::init(Bootstrap::new(config)?, Options::default())?;
+    ///             // Every wait of a shrink ends within this timeout (default 300 s).
+    ///             let opts = Options { timeout: Duration::from_secs(10), ..Options::default() };
+    ///             let comm = Communicator::init(Bootstrap::new(config)?, opts)?;
     ///             if rank == 2 {
-    ///                 comm.abort(); // its peers' calls fail naming rank 2
+    ///                 drop(comm); // its connections close: its peers' calls fail naming it
     ///                 return Ok(None);
     ///             }
     ///             let mut v = vec![1u32; 8];

@@ -449,3 +449,19 @@ impl Communicator {
         Ok(Epoch::Retry(more))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sets_round_trip_and_junk_is_dropped() {
+        let s: BTreeSet<usize> = [3, 1, 7].into_iter().collect();
+        assert_eq!(encode(&s), "1,3,7");
+        assert_eq!(decode(encode(&s).as_bytes(), 8), s);
+        assert!(decode(b"", 8).is_empty());
+        // Out of range or malformed entries are ignored, not trusted.
+        let d = decode(b"1, 9,x,2", 8);
+        assert_eq!(d.into_iter().collect::<Vec<_>>(), vec![1, 2]);
+    }
+}

@@ -168,6 +168,12 @@ fn shrink_scenario(args: &Value) -> Value {
         m => panic!("unknown mode {m}"),
     }
     let failed_before = comm.failed_peers();
+    if let (true, Some(ms)) = (
+        args["late"].as_u64() == Some(rank as u64),
+        args["late_ms"].as_u64(),
+    ) {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
     if let (true, Some(ms)) = (second == Some(rank), args["second_ms"].as_u64()) {
         std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(ms));
@@ -334,6 +340,36 @@ fn calls_in_flight(shrink_first_ms: u64) {
         }
         eprintln!("rank {old}: {res}");
     }
+}
+
+/// A survivor that starts to shrink only after the timeout (2 s) has passed since the others
+/// did: they exclude it (it did not check in) and go on; it gets a clear error, not a hang.
+#[test]
+fn a_rank_that_comes_too_late_is_excluded_with_a_clear_error() {
+    let outs = launch(
+        &env("2", Some("kill:rank=1,seq=3,after=1")),
+        json!({ "mode": "kill", "doomed": 1, "late": 3, "late_ms": 3500 }),
+    );
+    for (old, new) in [(0, 0), (2, 1)] {
+        let res = ok_result(&outs, old);
+        assert_eq!(res["members"], json!([0, 2]), "rank {old}: {res}");
+        assert_eq!(res["new_rank"], new, "rank {old}: {res}");
+        // The decision came at the timeout, not later.
+        assert!(res["ms"].as_u64().unwrap() < 3500, "rank {old}: {res}");
+    }
+    let r3 = &outs[3];
+    assert!(r3.ok(), "rank 3 did not finish{}", report(&outs));
+    let e = &r3.result()["shrink_error"];
+    assert_eq!(e["kind"], "Shrink", "rank 3: {}", r3.result());
+    let msg = e["msg"].as_str().unwrap();
+    assert!(msg.contains("excluded this rank"), "rank 3: {msg}");
+    // It fails at once: the decision is in the store.
+    assert!(
+        r3.result()["ms"].as_u64().unwrap() < 1000,
+        "rank 3: {}",
+        r3.result()
+    );
+    eprintln!("rank 3: {msg}");
 }
 
 #[test]

@@ -162,6 +162,8 @@ fn shrink_scenario(args: &Value) -> Value {
         "explicit" => {
             let exclude = args["exclude"].as_u64().unwrap() as usize;
             if rank == exclude {
+                // Kept open: closing it while a peer still finishes init would fail that.
+                std::mem::forget(comm);
                 return json!({ "ok": true, "excluded": true });
             }
         }

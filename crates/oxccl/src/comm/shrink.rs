@@ -13,11 +13,14 @@
 //!   not at all. A rank proposes the union of every check-in's exclusions as soon as every
 //!   rank outside that union has checked in, or, once [`Communicator::timeout`] has passed
 //!   since it checked in, that union plus the ranks that have not (they did not answer).
-//! - `done/<new rank>` and `outcome`: after the new communicator's init (under the job
-//!   `<comm id>/shrink<e>`, so a fresh store prefix per epoch), each member says it is done
-//!   and waits (again up to the timeout) for the others; then the outcome (`ok`, or `retry:`
-//!   and the ranks to exclude as well) is set once by compare-and-set, and every member
-//!   abides by it: either all keep the new communicator, or all drop it.
+//! - `done/<new rank>`, `failed/<new rank>` and `outcome`: after the new communicator's init
+//!   (under the job `<comm id>/shrink<e>`, so a fresh store prefix per epoch), each member
+//!   says it is done, or that its init failed (it is alive), and waits (again up to the
+//!   timeout) until every member has said one or the other; then the outcome (`ok` when all
+//!   are done, else `retry:` and the members that said nothing) is set once by
+//!   compare-and-set, and every member abides by it: either all keep the new communicator, or
+//!   all drop it (and start the next epoch without the silent ones; with none silent, or this
+//!   rank among them, it fails with [`Error::Shrink`]).
 //!
 //! Every wait has the communicator's timeout as its deadline; none waits on a dead rank's
 //! answer for longer. A rank that dies after checking in (a second death during the shrink)
@@ -69,8 +72,7 @@ impl Communicator {
     /// Every remaining rank calls it (an excluded rank must not: it gets
     /// [`Error::InvalidArgument`] at once). The ranks need not pass the same `exclude`: they
     /// agree, through the bootstrap store this communicator was created from, on the union
-    /// of what they report (see the module docs of `comm::shrink` in the sources), so a rank
-    /// that saw nothing learns the others' news there. A rank that does not call it within
+    /// of what they report, so a rank that saw nothing learns the others' news there. A rank that does not call it within
     /// [`Communicator::timeout`] of the first is excluded too. If a rank dies during the
     /// shrink, the survivors shrink again without it (up to 4 epochs); a shrink that cannot
     /// go on returns [`Error::Shrink`] naming the ranks that did not answer. A rank that the
@@ -84,6 +86,18 @@ impl Communicator {
     /// [`Options::faults`](crate::Options::faults) do not carry over to the new communicator.
     /// New connections are made between the survivors (the old ones are not reused).
     ///
+    /// # How the ranks agree
+    ///
+    /// Each shrink has an epoch `e` (1, 2, ... per communicator; one that starts over takes
+    /// the next), with its keys under `oxccl/<comm id>/shrink<e>/agree/` in the store: each
+    /// rank checks in (`in/<rank>`: the ranks it excludes); the first rank to see every rank
+    /// outside the union of those exclusions checked in, or to wait the timeout, sets
+    /// `decision` (that union, plus the ranks that did not check in) by compare-and-set, and
+    /// everyone adopts it. The rest init a communicator under `<comm id>/shrink<e>`, then say
+    /// `done/<new rank>` or `failed/<new rank>`; the first to see every member's answer, or to
+    /// wait the timeout, sets `outcome` (`ok`, or `retry:` and the members that said nothing)
+    /// by compare-and-set, and all keep the communicator or all start over without those.
+    ///
     /// ```
     /// # use std::time::Duration;
     /// # use oxccl::{Communicator, Options, ReduceOp};
@@ -93,13 +107,16 @@ impl Communicator {
     /// # let server = StoreServer::bind("127.0.0.1:0", secret.clone())?;
     /// # let addr = server.addr().to_string();
     /// // Three ranks; rank 1 leaves, ranks 0 and 2 go on as ranks 0 and 1.
+    /// let inited = std::sync::Arc::new(std::sync::Barrier::new(3));
     /// let ranks: Vec<_> = (0..3)
     ///     .map(|rank| {
+    ///         let inited = inited.clone();
     /// #       let mut config = Config::new(rank, 3, addr.clone(), secret.clone());
     /// #       config.serve_store = false;
     /// #       config.timeout = Duration::from_secs(20);
     ///         std::thread::spawn(move || -> oxccl::Result<Option<(usize, Vec<f32>)>> {
     ///             let comm = Communicator::init(Bootstrap::new(config)?, Options::default())?;
+    ///             inited.wait(); // (leaving during a peer's init would fail that init)
     ///             if rank == 1 {
     ///                 return Ok(None);
     ///             }
@@ -195,8 +212,10 @@ impl Communicator {
     /// # let addr = server.addr().to_string();
     /// // Rank 2 of three leaves without a word (as a crashed process would); the others
     /// // fail, shrink, and go on.
+    /// let inited = std::sync::Arc::new(std::sync::Barrier::new(3));
     /// let ranks: Vec<_> = (0..3)
     ///     .map(|rank| {
+    ///         let inited = inited.clone();
     /// #       let mut config = Config::new(rank, 3, addr.clone(), secret.clone());
     /// #       config.serve_store = false;
     /// #       config.timeout = Duration::from_secs(20);
@@ -204,6 +223,7 @@ impl Communicator {
     ///             // Every wait of a shrink ends within this timeout (default 300 s).
     ///             let opts = Options { timeout: Duration::from_secs(10), ..Options::default() };
     ///             let comm = Communicator::init(Bootstrap::new(config)?, opts)?;
+    ///             inited.wait(); // (leaving during a peer's init would fail that init)
     ///             if rank == 2 {
     ///                 drop(comm); // its connections close: its peers' calls fail naming it
     ///                 return Ok(None);

@@ -241,8 +241,16 @@ fn shrink_scenario(args: &Value) -> Value {
 }
 
 fn env(timeout: &str, fault: Option<&'static str>) -> Vec<(&'static str, String)> {
+    env_on("shm", timeout, fault)
+}
+
+fn env_on(
+    provider: &str,
+    timeout: &str,
+    fault: Option<&'static str>,
+) -> Vec<(&'static str, String)> {
     let mut e = vec![
-        ("OXCCL_PROVIDER", "shm".to_string()),
+        ("OXCCL_PROVIDER", provider.to_string()),
         ("OXCCL_TIMEOUT", timeout.to_string()),
     ];
     if let Some(f) = fault {
@@ -266,8 +274,17 @@ fn ok_result(outs: &[common::RankOutput], r: usize) -> &Value {
 
 #[test]
 fn survivors_of_a_kill_shrink_and_all_reduce() {
+    survivors_of_a_kill("shm");
+}
+
+#[test]
+fn survivors_of_a_kill_shrink_and_all_reduce_tcp() {
+    survivors_of_a_kill("tcp");
+}
+
+fn survivors_of_a_kill(provider: &str) {
     let outs = launch(
-        &env("5", Some("kill:rank=1,seq=3,after=1")),
+        &env_on(provider, "5", Some("kill:rank=1,seq=3,after=1")),
         json!({ "mode": "kill", "doomed": 1 }),
     );
     assert!(

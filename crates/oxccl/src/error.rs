@@ -116,6 +116,22 @@ pub enum Error {
         /// How long it waited.
         timeout: Duration,
     },
+    /// [`Communicator::shrink`](crate::Communicator::shrink) could not agree on the
+    /// survivors or build their communicator in time (or this rank was excluded).
+    #[error(
+        "rank {rank}: shrink (epoch {epoch}): {detail}{}",
+        missing_list(missing)
+    )]
+    Shrink {
+        /// The calling rank (in the old communicator).
+        rank: usize,
+        /// The shrink epoch (1 for a communicator's first shrink).
+        epoch: u64,
+        /// What it waited for, or why it failed.
+        detail: String,
+        /// The ranks (of the old communicator) that did not answer, if any.
+        missing: Vec<usize>,
+    },
     /// An earlier error left the communicator unusable.
     #[error("rank {rank}: the communicator is unusable after an earlier error: {first}")]
     Poisoned {
@@ -124,6 +140,14 @@ pub enum Error {
         /// The first error.
         first: String,
     },
+}
+
+fn missing_list(missing: &[usize]) -> String {
+    if missing.is_empty() {
+        String::new()
+    } else {
+        format!("; ranks that did not answer: {missing:?}")
+    }
 }
 
 /// `Result` with [`Error`].

@@ -17,8 +17,11 @@
 //! call with this sequence number, as errors and the flight recorder number calls; default
 //! 1), `after` (`kill`/`stop`: once this many steps of the call are done; default 0, at its
 //! start), `peer` (`drop`/`delay`/`corrupt`: only sends to this rank; default any), `ms`
-//! (`delay`; default 1000). A fault that finds no chance in its call (no send, no
-//! registration) fires at the first chance in a later one.
+//! (`delay`; default 1000), `shrink` (`kill`/`stop` only: instead of during a call, in the
+//! shrink of this epoch, once the survivors have decided who is excluded and before they build
+//! the new communicator: a rank dying during a [`Communicator::shrink`](crate::Communicator::shrink)).
+//! A fault that finds no chance in its call (no send, no registration) fires at the first
+//! chance in a later one.
 //!
 //! ```
 //! let f: oxccl::Faults = "stop:rank=1,seq=3;delay:rank=0,peer=2,ms=250".parse().unwrap();
@@ -61,6 +64,8 @@ pub struct Fault {
     pub peer: Option<usize>,
     /// `delay`: how long.
     pub delay: Duration,
+    /// `kill`/`stop`: fire in this shrink epoch (after the decision) instead of in a call.
+    pub shrink: Option<u64>,
 }
 
 /// A list of faults, parsed from `OXCCL_FAULT`'s syntax.
@@ -107,6 +112,7 @@ impl FromStr for Faults {
                 after: 0,
                 peer: None,
                 delay: Duration::from_secs(1),
+                shrink: None,
             };
             for kv in keys.split(',').map(str::trim).filter(|k| !k.is_empty()) {
                 let (k, v) = kv
@@ -122,9 +128,10 @@ impl FromStr for Faults {
                     "after" => f.after = n as usize,
                     "peer" => f.peer = Some(n as usize),
                     "ms" => f.delay = Duration::from_millis(n),
+                    "shrink" => f.shrink = Some(n),
                     k => {
                         return Err(format!(
-                            "unknown key {k:?} in {item:?} (rank, seq, after, peer, ms)"
+                            "unknown key {k:?} in {item:?} (rank, seq, after, peer, ms, shrink)"
                         ));
                     }
                 }
@@ -144,6 +151,25 @@ pub(crate) struct Injector {
     current: u64,
 }
 
+/// A `kill` or `stop` fault of `rank` for shrink epoch `epoch` happens now, if there is one.
+pub(crate) fn in_shrink(faults: Option<&Faults>, rank: usize, epoch: u64) {
+    let Some(faults) = faults else { return };
+    for f in &faults.0 {
+        if f.shrink == Some(epoch) && f.rank.is_none_or(|r| r == rank) {
+            let sig = match f.kind {
+                FaultKind::Kill => libc::SIGKILL,
+                FaultKind::Stop => libc::SIGSTOP,
+                _ => continue,
+            };
+            crate::log_warn(format!(
+                "fault injection: signal {sig} in shrink epoch {epoch} after the decision"
+            ));
+            // SAFETY: `raise` has no memory-safety preconditions.
+            unsafe { libc::raise(sig) };
+        }
+    }
+}
+
 /// What a send must do, as the injector decides.
 #[derive(Default)]
 pub(crate) struct SendFault {
@@ -158,7 +184,7 @@ impl Injector {
         let mine: Vec<(Fault, bool)> = faults
             .0
             .iter()
-            .filter(|f| f.rank.is_none_or(|r| r == rank))
+            .filter(|f| f.rank.is_none_or(|r| r == rank) && f.shrink.is_none())
             .map(|f| (f.clone(), false))
             .collect();
         (!mine.is_empty()).then(|| {
@@ -255,7 +281,8 @@ mod tests {
                 seq: 5,
                 after: 3,
                 peer: None,
-                delay: Duration::from_secs(1)
+                delay: Duration::from_secs(1),
+                shrink: None,
             }
         );
         assert_eq!(f.0[1].kind, FaultKind::Stop);

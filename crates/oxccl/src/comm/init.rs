@@ -541,6 +541,8 @@ impl Communicator {
                 timeout_ns: AtomicU64::new(opts_timeout_ns),
                 bootstrap: bootstrap.clone(),
                 split_seq: Mutex::new(0),
+                shrink_seq: Mutex::new(0),
+                failed_peers: Mutex::new(Vec::new()),
                 queue: Mutex::new(None),
                 pending: (Mutex::new(0), Condvar::new()),
                 queued: Default::default(),

@@ -25,6 +25,7 @@ mod group;
 mod init;
 mod rates;
 mod register;
+mod shrink;
 mod work;
 mod worker;
 
@@ -464,6 +465,11 @@ struct Inner {
     timeout_ns: AtomicU64,
     bootstrap: Arc<Bootstrap>,
     split_seq: Mutex<u64>,
+    /// Shrinks started (the epoch of the next is one more: [`Communicator::shrink`]).
+    shrink_seq: Mutex<u64>,
+    /// Peers that failures named ([`Error::PeerFailed`]), in order, for
+    /// [`Communicator::shrink_after_failure`].
+    failed_peers: Mutex<Vec<usize>>,
     queue: Mutex<Option<mpsc::Sender<worker::Job>>>,
     pending: (Mutex<usize>, Condvar),
     /// The count in `pending`, read without its lock (a blocking call's fast path).
@@ -1045,6 +1051,7 @@ impl Communicator {
                 return self.failed_poisoned(st, e);
             }
             Error::PeerFailed { peer, .. } if *peer < world => {
+                self.record_failed_peer(*peer);
                 if st.engine.failed_by_notice {
                     st.engine.remember_failure(*peer)
                 } else {

@@ -400,6 +400,7 @@ pub fn error_kind(e: &oxccl::Error) -> &'static str {
         oxccl::Error::WaitTimeout { .. } => "WaitTimeout",
         oxccl::Error::Poisoned { .. } => "Poisoned",
         oxccl::Error::Config(_) => "Config",
+        oxccl::Error::Shrink { .. } => "Shrink",
         _ => "other",
     }
 }

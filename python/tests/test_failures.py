@@ -118,3 +118,61 @@ def test_mismatch_and_bad_arguments(torch_available):
         assert kind == "Mismatch", o["mismatch"]
         # Both sides are named: the two ranks and both counts.
         assert "rank 0" in msg and "rank 1" in msg and "4" in msg and "5" in msg, msg
+
+
+def worker_shrink():
+    """4 ranks over oxccl.Communicator; rank 1 is SIGKILLed; the survivors catch PeerFailed,
+    shrink and go on: their all-reduce equals the sum of the survivors' values."""
+    import numpy as np
+
+    import oxccl
+
+    comm = oxccl.Communicator.from_env()
+    rank = comm.rank
+    x = np.full(1000, rank + 1, np.float32)
+    comm.all_reduce(x)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    out = {"first": float(x[0])}
+    try:
+        for _ in range(1000):
+            comm.all_reduce(np.ones(1 << 14, np.float32))
+            time.sleep(0.005)
+    except oxccl.PeerFailed as e:
+        out["raised"] = str(e)
+        out["failed_peers"] = comm.failed_peers
+    t0 = time.monotonic()
+    small = comm.shrink_after_failure()
+    out["shrink_s"] = time.monotonic() - t0
+    out["new_rank"], out["new_size"] = small.rank, small.world_size
+    y = np.full(1000, rank + 1, np.float32)
+    small.all_reduce(y)
+    out["sum"] = float(y[0])
+    # A rank outside the communicator is refused by name.
+    try:
+        small.shrink([7])
+        out["bad"] = None
+    except oxccl.InvalidArgument as e:
+        out["bad"] = str(e)
+    small.destroy()
+    launch.report(out)
+    os._exit(0)
+
+
+def test_survivors_shrink_and_go_on():
+    ranks = launch.run("test_failures", "worker_shrink", 4, timeout=120,
+                       env={"OXCCL_TIMEOUT": "10"})
+    assert ranks[1].returncode == -signal.SIGKILL, launch.explain(ranks)
+    survivors = [r for i, r in enumerate(ranks) if i != 1]
+    for new, r in enumerate(survivors):
+        assert r.returncode == 0 and r.result, launch.explain(ranks)
+        res = r.result
+        assert res["first"] == 10.0, res
+        # Ranks 0, 2, 3 become 0, 1, 2; 1 + 3 + 4 = 8.
+        assert (res["new_rank"], res["new_size"]) == (new, 3), res
+        assert res["sum"] == 8.0, res
+        assert res["shrink_s"] < 10, res
+        assert res["bad"] and "7" in res["bad"], res
+        # Each survivor saw the failure (a survivor that did not still learns it).
+        if "raised" in res:
+            assert "rank 1" in res["raised"] and res["failed_peers"] == [1], res

@@ -1363,6 +1363,39 @@ impl PyCommunicator {
         }
     }
 
+    /// A communicator of the ranks that remain after leaving out `exclude` (this
+    /// communicator's ranks) and every rank a failure here named: the survivors agree on who is
+    /// gone through the store (a rank that saw no failure learns it there), renumbered in
+    /// order as `split` does. Called by every survivor; a rank dying meanwhile makes them
+    /// shrink again; a rank that is left out raises `oxccl.Error` at once. Without a failure
+    /// this communicator stays usable (`Communicator::shrink` in the Rust crate).
+    #[pyo3(signature = (exclude=Vec::new()))]
+    fn shrink(&self, py: Python<'_>, exclude: Vec<usize>) -> PyResult<PyCommunicator> {
+        let comm = self.get(py)?;
+        for &r in &exclude {
+            self.check_rank(py, "shrink: excluded rank", r)?;
+        }
+        let r = py.detach(|| comm.shrink(&exclude));
+        r.map(PyCommunicator::wrap)
+            .map_err(|e| errors::to_py(py, &e))
+    }
+
+    /// After a failure (`oxccl.PeerFailed`, say): stops this communicator (its calls in flight
+    /// raise) and returns a communicator of the survivors, leaving out the ranks the failures
+    /// named (`shrink` with no rank of its own).
+    fn shrink_after_failure(&self, py: Python<'_>) -> PyResult<PyCommunicator> {
+        let comm = self.get(py)?;
+        let r = py.detach(|| comm.shrink_after_failure());
+        r.map(PyCommunicator::wrap)
+            .map_err(|e| errors::to_py(py, &e))
+    }
+
+    /// The ranks failures on this communicator named (a lost peer), in the order seen.
+    #[getter]
+    fn failed_peers(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
+        Ok(self.get(py)?.failed_peers())
+    }
+
     /// Stops the communicator: calls running here (on any thread) and on the peers raise
     /// `oxccl.Aborted` promptly; later calls raise at once.
     fn abort(&self, py: Python<'_>) -> PyResult<()> {

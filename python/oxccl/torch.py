@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from . import _oxccl
+from .errors import Error as _Error
 from .errors import InvalidArgument
 
 __all__ = [
@@ -377,7 +378,15 @@ class ProcessGroupOxccl(_C10dBackend):
         pass  # joined when created
 
     def shutdown(self) -> None:
-        self._comm.destroy()
+        """``destroy_process_group``: the communicator's destroy (a barrier, bounded by the
+        group's timeout, skipped when the communicator already failed). A group whose peers
+        failed or left cannot meet them there; teardown goes on, with a warning on stderr,
+        as Gloo's does (a raise here would stop ``destroy_process_group`` half way)."""
+        try:
+            self._comm.destroy()
+        except _Error as e:
+            print(f"oxccl WARN rank {self.rank()}: destroy_process_group: {e}", file=sys.stderr,
+                  flush=True)
 
     # -- plumbing -----------------------------------------------------------------------
     def _issue(
@@ -678,10 +687,57 @@ class ProcessGroupOxccl(_C10dBackend):
         return self._issue(opts, [lambda a: comm.barrier(async_op=a)], _DONE_VALUE)
 
     def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
-        """A blocking barrier within ``opts.timeout`` (c10d hands BarrierOptions; a timedelta
-        is taken too); its error names the rank waited on."""
-        timeout = getattr(opts, "timeout", opts)
-        self._comm.barrier(timeout=_seconds(timeout))
+        """Gloo's monitored barrier: every other rank sends to rank 0 and waits for rank 0's
+        release; rank 0 waits for them all within ``opts.timeout`` (c10d hands BarrierOptions;
+        a timedelta is taken too), then releases them. Rank 0's error names the first rank
+        that did not come (every one with ``wait_all_ranks``), as Gloo's does; a rank that came
+        gets no release then and raises within its own timeout, naming rank 0, rather than
+        passing a barrier rank 0 gave up on. Every wait is bounded by the timeout."""
+        timeout = _seconds(getattr(opts, "timeout", opts))
+        if timeout is None:
+            timeout = self._comm.get_timeout()
+        n, me = self.size(), self.rank()
+        if n == 1:
+            return
+        ms = int(timeout * 1000)
+        comm = self._comm
+        token = torch.zeros(1, dtype=torch.int32)
+        if me != 0:
+            try:
+                sent = comm.send(token, 0, async_op=True, timeout=timeout)
+                comm.recv(token, 0, timeout=timeout)
+                sent.wait(timeout + _SLACK)
+            except _Error as e:
+                raise _renamed(
+                    e,
+                    f"rank {me}: monitored_barrier: rank 0 did not release this rank within "
+                    f"{ms} ms (it did not come, or it gave up on another rank): {e}",
+                    0,
+                ) from e
+            return
+        tokens = [torch.zeros(1, dtype=torch.int32) for _ in range(n)]
+        works = {r: comm.recv(tokens[r], r, async_op=True, timeout=timeout) for r in range(1, n)}
+        missing = []
+        first: Optional[BaseException] = None
+        for r, w in works.items():
+            try:
+                w.wait(timeout + _SLACK)  # the call's own timeout fires first, naming more
+            except _Error as e:
+                missing.append(r)
+                first = first or e
+                if not wait_all_ranks:
+                    break
+        if missing:
+            who = (f"Rank {missing[0]}" if len(missing) == 1
+                   else "Ranks " + ", ".join(map(str, missing)))
+            raise _renamed(
+                first,
+                f"rank 0: monitored_barrier: {who} failed to pass monitoredBarrier in {ms} ms "
+                f"({first})",
+                missing[0],
+            ) from first
+        for w in [comm.send(token, r, async_op=True, timeout=timeout) for r in range(1, n)]:
+            w.wait(timeout + _SLACK)
 
     # -- point to point -----------------------------------------------------------------
     # Sends and receives between two ranks match in the order each rank makes them (as with
@@ -756,6 +812,20 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
     if a0 < b1 and b0 < a1:
         return a0 - b0
     return None
+
+
+# How much longer than a call's own timeout a wait on it lasts: the call's timeout fires first
+# (its error names the peer and the step); the wait's only backs it up.
+_SLACK = 5.0
+
+
+def _renamed(e: BaseException, message: str, peer: int) -> BaseException:
+    """An exception of ``e``'s class with ``message``, ``e``'s rank and kind, and ``peer``."""
+    out = type(e)(message)
+    for k in ("rank", "kind"):
+        setattr(out, k, getattr(e, k, None))
+    out.peer = peer
+    return out
 
 
 def _p2p(works: list, tensors: list) -> _Work:

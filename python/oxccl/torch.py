@@ -427,6 +427,17 @@ class ProcessGroupOxccl(_C10dBackend):
     # -- collectives --------------------------------------------------------------------
     def allreduce(self, tensors: list, opts: Any = None) -> _Work:
         op = _op(opts.reduceOp)
+        if len(tensors) == 1 and self._coalescing is None and not _SCOPE and (
+            self._compress is None
+        ):
+            # The common call (one tensor, exact, not coalescing), without the general path's
+            # closures: a blocking one runs here, an async_op one is submitted.
+            t = tensors[0]
+            r = _real(t, op) if t.is_complex() else t
+            if not getattr(opts, "asyncOp", True):
+                self._comm.all_reduce(r, op)
+                return _Work(None, tensors)
+            return _Work(self._comm.all_reduce(r, op, async_op=True), tensors)
         calls = []
         avg = []
         for t in tensors:
@@ -705,7 +716,7 @@ class ProcessGroupOxccl(_C10dBackend):
         if me != 0:
             try:
                 sent = comm.send(token, 0, async_op=True, timeout=timeout)
-                comm.recv(token, 0, timeout=timeout)
+                comm.recv(torch.zeros(1, dtype=torch.int32), 0, timeout=timeout)
                 sent.wait(timeout + _SLACK)
             except _Error as e:
                 raise _renamed(

@@ -6,8 +6,11 @@
 torch hands the backend. ``DistributedDataParallel`` runs on it unchanged.
 
 Every call returns a ``Work`` whose ``get_future()`` completes when the collective ends;
-calls made with ``async_op=False`` run on the calling thread (no hand-off), the others on the
-communicator's worker thread, in the order they were made. Reductions: SUM, AVG, PRODUCT, MIN,
+calls made with ``async_op=False`` run on the calling thread (no hand-off), and so do exact
+all-reduces of one tensor of at most ``OXCCL_TORCH_EAGER_BYTES`` (256 KiB; 0: none) made with
+``async_op=True`` (torch's functional collectives, which DTensor and tensor parallelism use,
+wait for them at once); the others run on the communicator's worker thread, in the order they
+were made. Reductions: SUM, AVG, PRODUCT, MIN,
 MAX (complex tensors: SUM and AVG). ``OXCCL_TIMEOUT`` (seconds), when set, wins over the
 ``timeout`` of ``init_process_group``.
 
@@ -189,6 +192,31 @@ def _cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 # took a 4-rank DDP step's communication share from ~35% to ~6% on 2 cores (128 KiB is the
 # library's default for one host). The environment wins.
 _DEFAULTS = {"OXCCL_CHUNK_SIZE": "2M"}
+
+
+def _eager_bytes() -> int:
+    v = os.environ.get("OXCCL_TORCH_EAGER_BYTES", "").strip()
+    if not v:
+        return 256 << 10
+    try:
+        mult = {"K": 1 << 10, "M": 1 << 20}.get(v[-1].upper(), 1)
+        return int(v[:-1] if mult > 1 else v) * mult
+    except ValueError:
+        raise ValueError(
+            f"OXCCL_TORCH_EAGER_BYTES={v!r}: expected bytes (256K, 1M, 0 to turn it off)"
+        ) from None
+
+
+# An async_op all-reduce of one tensor of at most this many bytes (default 256 KiB;
+# OXCCL_TORCH_EAGER_BYTES, 0: none) runs on the calling thread, as a blocking one does, and
+# returns a completed Work. torch's functional collectives (DTensor, tensor parallelism) issue
+# every all-reduce with async_op and wait for it at once; handing it to the communicator's
+# worker thread and back cost ~1.2-2 ms per call inside a TP step on a loaded 2-CPU host
+# (bench/tp.sh: the step's exposed communication fell from ~1x Gloo's to the Rust call's
+# own). The price: such a call no longer overlaps what the caller does before waiting, and
+# it waits for its peers to join; ranks must issue their collectives in the same order
+# across groups (as the SPMD programs torch runs do). Larger calls stay asynchronous.
+_EAGER_BYTES = _eager_bytes()
 
 
 def _defaults() -> dict:
@@ -434,7 +462,11 @@ class ProcessGroupOxccl(_C10dBackend):
             # closures: a blocking one runs here, an async_op one is submitted.
             t = tensors[0]
             r = _real(t, op) if t.is_complex() else t
-            if not getattr(opts, "asyncOp", True):
+            # Small async_op calls run here too (eager), unless OXCCL_TORCH_EAGER_BYTES says
+            # otherwise: see _EAGER_BYTES.
+            if not getattr(opts, "asyncOp", True) or (
+                t.numel() * t.element_size() <= _EAGER_BYTES
+            ):
                 self._comm.all_reduce(r, op)
                 return _Work(None, tensors)
             return _Work(self._comm.all_reduce(r, op, async_op=True), tensors)

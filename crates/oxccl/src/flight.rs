@@ -552,7 +552,7 @@ pub(crate) fn dump_on_error(probe: &Probe, err: &Error) {
 
 /// Dumps because rank `peer` timed out and asked for it (once per communicator; this rank's
 /// own failure, if it follows, dumps again, replacing the file).
-pub(crate) fn dump_on_request(probe: &Probe, peer: usize) {
+pub(crate) fn dump_on_request(probe: &Arc<Probe>, peer: usize) {
     if probe.dumped.load(Ordering::Relaxed) || probe.requested.swap(true, Ordering::Relaxed) {
         return;
     }
@@ -564,9 +564,15 @@ pub(crate) fn dump_on_request(probe: &Probe, peer: usize) {
     let Some((json, rank)) = render("peer_timeout", &why, Some(probe)) else {
         return;
     };
+    let probe = probe.clone();
     let spawned = std::thread::Builder::new()
         .name("oxccl-dump".into())
-        .spawn(move || write_dump("peer_timeout", &json, rank));
+        .spawn(move || {
+            // This rank's own failure dumped meanwhile: that one says more; keep it.
+            if !probe.dumped.load(Ordering::Relaxed) {
+                write_dump("peer_timeout", &json, rank);
+            }
+        });
     if let Err(e) = spawned {
         crate::log_warn(format!("rank {rank}: cannot start the dump thread: {e}"));
     }

@@ -211,9 +211,9 @@ def _eager_bytes() -> int:
 # OXCCL_TORCH_EAGER_BYTES, 0: none) runs on the calling thread, as a blocking one does, and
 # returns a completed Work. torch's functional collectives (DTensor, tensor parallelism) issue
 # every all-reduce with async_op and wait for it at once; handing it to the communicator's
-# worker thread and back cost ~1.2-2 ms per call inside a TP step on a loaded 2-CPU host
-# (bench/tp.sh: the step's exposed communication fell from ~1x Gloo's to the Rust call's
-# own). The price: such a call no longer overlaps what the caller does before waiting, and
+# worker thread and back cost 17-120 us more than the blocking call (bench/torch-overhead.sh,
+# 2 ranks, 512 B-32 KiB; now equal). In a TP step (bench/tp.sh) the effect is within the
+# noise of a loaded 2-CPU host: see bench/results/torch-overhead-tp-2026-12-05.md. The price: such a call no longer overlaps what the caller does before waiting, and
 # it waits for its peers to join; ranks must issue their collectives in the same order
 # across groups (as the SPMD programs torch runs do). Larger calls stay asynchronous.
 _EAGER_BYTES = _eager_bytes()

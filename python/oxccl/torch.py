@@ -6,8 +6,11 @@
 torch hands the backend. ``DistributedDataParallel`` runs on it unchanged.
 
 Every call returns a ``Work`` whose ``get_future()`` completes when the collective ends;
-calls made with ``async_op=False`` run on the calling thread (no hand-off), the others on the
-communicator's worker thread, in the order they were made. Reductions: SUM, AVG, PRODUCT, MIN,
+calls made with ``async_op=False`` run on the calling thread (no hand-off), and so do exact
+all-reduces of one tensor of at most ``OXCCL_TORCH_EAGER_BYTES`` (256 KiB; 0: none) made with
+``async_op=True`` (torch's functional collectives, which DTensor and tensor parallelism use,
+wait for them at once); the others run on the communicator's worker thread, in the order they
+were made. Reductions: SUM, AVG, PRODUCT, MIN,
 MAX (complex tensors: SUM and AVG). ``OXCCL_TIMEOUT`` (seconds), when set, wins over the
 ``timeout`` of ``init_process_group``.
 
@@ -50,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from . import _oxccl
+from .errors import Error as _Error
 from .errors import InvalidArgument
 
 __all__ = [
@@ -197,6 +201,31 @@ def _cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 # took a 4-rank DDP step's communication share from ~35% to ~6% on 2 cores (128 KiB is the
 # library's default for one host). The environment wins.
 _DEFAULTS = {"OXCCL_CHUNK_SIZE": "2M"}
+
+
+def _eager_bytes() -> int:
+    v = os.environ.get("OXCCL_TORCH_EAGER_BYTES", "").strip()
+    if not v:
+        return 256 << 10
+    try:
+        mult = {"K": 1 << 10, "M": 1 << 20}.get(v[-1].upper(), 1)
+        return int(v[:-1] if mult > 1 else v) * mult
+    except ValueError:
+        raise ValueError(
+            f"OXCCL_TORCH_EAGER_BYTES={v!r}: expected bytes (256K, 1M, 0 to turn it off)"
+        ) from None
+
+
+# An async_op all-reduce of one tensor of at most this many bytes (default 256 KiB;
+# OXCCL_TORCH_EAGER_BYTES, 0: none) runs on the calling thread, as a blocking one does, and
+# returns a completed Work. torch's functional collectives (DTensor, tensor parallelism) issue
+# every all-reduce with async_op and wait for it at once; handing it to the communicator's
+# worker thread and back cost 17-120 us more than the blocking call (bench/torch-overhead.sh,
+# 2 ranks, 512 B-32 KiB; now equal). In a TP step (bench/tp.sh) the effect is within the
+# noise of a loaded 2-CPU host: see bench/results/torch-overhead-tp-2026-12-05.md. The price: such a call no longer overlaps what the caller does before waiting, and
+# it waits for its peers to join; ranks must issue their collectives in the same order
+# across groups (as the SPMD programs torch runs do). Larger calls stay asynchronous.
+_EAGER_BYTES = _eager_bytes()
 
 
 def _defaults() -> dict:
@@ -403,7 +432,15 @@ class ProcessGroupOxccl(_C10dBackend):
         pass  # joined when created
 
     def shutdown(self) -> None:
-        self._comm.destroy()
+        """``destroy_process_group``: the communicator's destroy (a barrier, bounded by the
+        group's timeout, skipped when the communicator already failed). A group whose peers
+        failed or left cannot meet them there; teardown goes on, with a warning on stderr,
+        as Gloo's does (a raise here would stop ``destroy_process_group`` half way)."""
+        try:
+            self._comm.destroy()
+        except _Error as e:
+            print(f"oxccl WARN rank {self.rank()}: destroy_process_group: {e}", file=sys.stderr,
+                  flush=True)
 
     # -- plumbing -----------------------------------------------------------------------
     def _issue(
@@ -444,6 +481,21 @@ class ProcessGroupOxccl(_C10dBackend):
     # -- collectives --------------------------------------------------------------------
     def allreduce(self, tensors: list, opts: Any = None) -> _Work:
         op = _op(opts.reduceOp)
+        if len(tensors) == 1 and self._coalescing is None and not _SCOPE and (
+            self._compress is None
+        ):
+            # The common call (one tensor, exact, not coalescing), without the general path's
+            # closures: a blocking one runs here, an async_op one is submitted.
+            t = tensors[0]
+            r = _real(t, op) if t.is_complex() else t
+            # Small async_op calls run here too (eager), unless OXCCL_TORCH_EAGER_BYTES says
+            # otherwise: see _EAGER_BYTES.
+            if not getattr(opts, "asyncOp", True) or (
+                t.numel() * t.element_size() <= _EAGER_BYTES
+            ):
+                self._comm.all_reduce(r, op)
+                return _Work(None, tensors)
+            return _Work(self._comm.all_reduce(r, op, async_op=True), tensors)
         return self._issue(opts, [self._allreduce_call(t, op) for t in tensors], tensors)
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> _Work:
@@ -685,10 +737,57 @@ class ProcessGroupOxccl(_C10dBackend):
         return self._issue(opts, [lambda a: comm.barrier(async_op=a)], _DONE_VALUE)
 
     def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
-        """A blocking barrier within ``opts.timeout`` (c10d hands BarrierOptions; a timedelta
-        is taken too); its error names the rank waited on."""
-        timeout = getattr(opts, "timeout", opts)
-        self._comm.barrier(timeout=_seconds(timeout))
+        """Gloo's monitored barrier: every other rank sends to rank 0 and waits for rank 0's
+        release; rank 0 waits for them all within ``opts.timeout`` (c10d hands BarrierOptions;
+        a timedelta is taken too), then releases them. Rank 0's error names the first rank
+        that did not come (every one with ``wait_all_ranks``), as Gloo's does; a rank that came
+        gets no release then and raises within its own timeout, naming rank 0, rather than
+        passing a barrier rank 0 gave up on. Every wait is bounded by the timeout."""
+        timeout = _seconds(getattr(opts, "timeout", opts))
+        if timeout is None:
+            timeout = self._comm.get_timeout()
+        n, me = self.size(), self.rank()
+        if n == 1:
+            return
+        ms = int(timeout * 1000)
+        comm = self._comm
+        token = torch.zeros(1, dtype=torch.int32)
+        if me != 0:
+            try:
+                sent = comm.send(token, 0, async_op=True, timeout=timeout)
+                comm.recv(torch.zeros(1, dtype=torch.int32), 0, timeout=timeout)
+                sent.wait(timeout + _SLACK)
+            except _Error as e:
+                raise _renamed(
+                    e,
+                    f"rank {me}: monitored_barrier: rank 0 did not release this rank within "
+                    f"{ms} ms (it did not come, or it gave up on another rank): {e}",
+                    0,
+                ) from e
+            return
+        tokens = [torch.zeros(1, dtype=torch.int32) for _ in range(n)]
+        works = {r: comm.recv(tokens[r], r, async_op=True, timeout=timeout) for r in range(1, n)}
+        missing = []
+        first: Optional[BaseException] = None
+        for r, w in works.items():
+            try:
+                w.wait(timeout + _SLACK)  # the call's own timeout fires first, naming more
+            except _Error as e:
+                missing.append(r)
+                first = first or e
+                if not wait_all_ranks:
+                    break
+        if missing:
+            who = (f"Rank {missing[0]}" if len(missing) == 1
+                   else "Ranks " + ", ".join(map(str, missing)))
+            raise _renamed(
+                first,
+                f"rank 0: monitored_barrier: {who} failed to pass monitoredBarrier in {ms} ms "
+                f"({first})",
+                missing[0],
+            ) from first
+        for w in [comm.send(token, r, async_op=True, timeout=timeout) for r in range(1, n)]:
+            w.wait(timeout + _SLACK)
 
     # -- point to point -----------------------------------------------------------------
     # Sends and receives between two ranks match in the order each rank makes them (as with
@@ -763,6 +862,20 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> Optional[int]:
     if a0 < b1 and b0 < a1:
         return a0 - b0
     return None
+
+
+# How much longer than a call's own timeout a wait on it lasts: the call's timeout fires first
+# (its error names the peer and the step); the wait's only backs it up.
+_SLACK = 5.0
+
+
+def _renamed(e: BaseException, message: str, peer: int) -> BaseException:
+    """An exception of ``e``'s class with ``message``, ``e``'s rank and kind, and ``peer``."""
+    out = type(e)(message)
+    for k in ("rank", "kind"):
+        setattr(out, k, getattr(e, k, None))
+    out.peer = peer
+    return out
 
 
 def _p2p(works: list, tensors: list) -> _Work:

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,18 +71,35 @@ def run(module: str, func: str, n: int, timeout: float = 120, env: dict | None =
                 start_new_session=True,
             )
         )
+    # Every rank's output is read as it comes, on a thread per rank: a rank whose pipe is not
+    # drained blocks in its next write (a flight-recorder dump is ~200 KB) and can stall the
+    # others in a collective with it (as communicate() on one rank after the other did).
+    chunks: list[list[str]] = [[] for _ in procs]
+
+    def drain(p: subprocess.Popen, into: list[str]) -> None:
+        for line in p.stdout:
+            into.append(line)
+
+    readers = [threading.Thread(target=drain, args=(p, c), daemon=True)
+               for p, c in zip(procs, chunks)]
+    for t in readers:
+        t.start()
     end = time.monotonic() + timeout
-    outs = []
+    killed = False
     for p in procs:
         try:
-            out, _ = p.communicate(timeout=max(0.1, end - time.monotonic()))
+            p.wait(timeout=max(0.1, end - time.monotonic()))
         except subprocess.TimeoutExpired:
+            killed = True
             for q in procs:
                 if q.poll() is None:
                     os.killpg(q.pid, signal.SIGKILL)
-            out, _ = p.communicate()
-            out += f"\n[launch: killed after the {timeout} s timeout]"
-        outs.append(out)
+            p.wait()
+    for t in readers:
+        t.join(timeout=10)
+    outs = ["".join(c) for c in chunks]
+    if killed:
+        outs = [o + f"\n[launch: killed after the {timeout} s timeout]" for o in outs]
     ranks = []
     for r, (p, out) in enumerate(zip(procs, outs)):
         result = None

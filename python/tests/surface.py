@@ -114,8 +114,9 @@ def check():
     dist.scatter_object_list(got_obj, [[1, "a"], [2, "bb" * 50]] if rank == 0 else None, src=0)
     out["scatter_object_list"] = got_obj[0]
 
-    # monitored_barrier: passes when both come. (Its timeout path is not checked here: a
-    # communicator failed by it hung the job's destroy_process_group; see the report.)
+    # monitored_barrier: passes when both come. Its timeout path (the missing rank named, the
+    # late rank not released, teardown bounded) is test_failures.py's
+    # test_monitored_barrier_timeout_names_the_rank_and_tears_down.
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
     dist.barrier()
 

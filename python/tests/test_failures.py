@@ -176,3 +176,78 @@ def test_survivors_shrink_and_go_on():
         # Each survivor saw the failure (a survivor that did not still learns it).
         if "raised" in res:
             assert "rank 1" in res["raised"] and res["failed_peers"] == [1], res
+
+
+def worker_monitored_barrier_timeout():
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import oxccl
+    import oxccl.torch  # noqa: F401
+
+    dist.init_process_group("oxccl")  # the group's timeout: torch's default, 30 minutes
+    rank = dist.get_rank()
+    out = {}
+    wait = datetime.timedelta(seconds=2)
+
+    def attempt(name, group):
+        t0 = time.monotonic()
+        try:
+            dist.monitored_barrier(group, timeout=wait)
+            out[name] = ["passed", time.monotonic() - t0]
+        except Exception as e:  # noqa: BLE001
+            out[name] = [type(e).__name__, time.monotonic() - t0, str(e),
+                         isinstance(e, oxccl.Error), getattr(e, "peer", None)]
+
+    # Both come: passes.
+    attempt("both", None)
+    # Rank 1 comes late, after rank 0 gave up (the world barrier orders it): rank 0's error
+    # names rank 1; rank 1 is not released and says so within its timeout.
+    late = dist.new_group([0, 1])
+    if rank == 0:
+        attempt("late", late)
+    dist.barrier()
+    if rank == 1:
+        attempt("late", late)
+    # Rank 1 never comes; wait_all_ranks lists it too.
+    never = dist.new_group([0, 1])
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            dist.monitored_barrier(never, timeout=wait, wait_all_ranks=True)
+            out["never"] = "passed"
+        except Exception as e:  # noqa: BLE001
+            out["never"] = [type(e).__name__, time.monotonic() - t0, str(e)]
+    # The world group still works.
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    out["after"] = t.tolist()
+    # Teardown of every group (two of them failed on one side or both) within a bound.
+    t0 = time.monotonic()
+    dist.destroy_process_group()
+    out["destroy_s"] = time.monotonic() - t0
+    launch.report(out)
+    # and the interpreter exits normally (the test bounds it)
+
+
+def test_monitored_barrier_timeout_names_the_rank_and_tears_down(torch_available):
+    t0 = time.monotonic()
+    ranks = launch.run("test_failures", "worker_monitored_barrier_timeout", 2, timeout=90)
+    took = time.monotonic() - t0
+    assert all(r.returncode == 0 and r.result for r in ranks), launch.explain(ranks)
+    assert took < 60, (took, launch.explain(ranks))
+    r0, r1 = ranks[0].result, ranks[1].result
+    for o in (r0, r1):
+        assert o["both"][0] == "passed", o
+        assert o["after"] == [2.0] * 3, o
+        assert o["destroy_s"] < 10, o
+    kind, secs, msg, is_oxccl, peer = r0["late"]
+    assert kind == "Timeout" and is_oxccl and peer == 1, r0["late"]
+    assert "Rank 1 failed to pass monitoredBarrier in 2000 ms" in msg and 1.5 < secs < 10, r0
+    kind, secs, msg, is_oxccl, peer = r1["late"]
+    assert kind == "Timeout" and is_oxccl and peer == 0, r1["late"]
+    assert "rank 0 did not release" in msg and secs < 10, r1["late"]
+    kind, secs, msg = r0["never"]
+    assert kind == "Timeout" and "Rank 1 failed to pass" in msg and secs < 10, r0["never"]

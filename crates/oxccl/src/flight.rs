@@ -502,6 +502,11 @@ pub(crate) fn dump(reason: &str, detail: &str, about: Option<&Probe>) {
     let Some((json, rank)) = render(reason, detail, about) else {
         return;
     };
+    write_dump(reason, &json, rank);
+}
+
+/// Writes a rendered dump where [`dump`] would, and logs where it went.
+fn write_dump(reason: &str, json: &str, rank: usize) {
     let to = match std::env::var("OXCCL_DEBUG_DUMP") {
         Ok(t) if !t.is_empty() => {
             let path = dump_path(&t, rank);
@@ -547,12 +552,30 @@ pub(crate) fn dump_on_error(probe: &Probe, err: &Error) {
 
 /// Dumps because rank `peer` timed out and asked for it (once per communicator; this rank's
 /// own failure, if it follows, dumps again, replacing the file).
-pub(crate) fn dump_on_request(probe: &Probe, peer: usize) {
+pub(crate) fn dump_on_request(probe: &Arc<Probe>, peer: usize) {
     if probe.dumped.load(Ordering::Relaxed) || probe.requested.swap(true, Ordering::Relaxed) {
         return;
     }
     let why = format!("rank {peer} timed out and asked every rank to dump");
-    dump("peer_timeout", &why, Some(probe));
+    // Rendered here (the state as it is now), written from a thread of its own: this runs in
+    // the middle of a call, and a stderr nobody reads (a full pipe) must not stall the call,
+    // nor with it the peers that wait on this rank (a launcher draining one rank's output
+    // after the other's then deadlocks).
+    let Some((json, rank)) = render("peer_timeout", &why, Some(probe)) else {
+        return;
+    };
+    let probe = probe.clone();
+    let spawned = std::thread::Builder::new()
+        .name("oxccl-dump".into())
+        .spawn(move || {
+            // This rank's own failure dumped meanwhile: that one says more; keep it.
+            if !probe.dumped.load(Ordering::Relaxed) {
+                write_dump("peer_timeout", &json, rank);
+            }
+        });
+    if let Err(e) = spawned {
+        crate::log_warn(format!("rank {rank}: cannot start the dump thread: {e}"));
+    }
 }
 
 /// Installs the `SIGUSR1` handler (once per process) that dumps the recorder.

@@ -132,14 +132,19 @@ def worker_shrink():
     x = np.full(1000, rank + 1, np.float32)
     comm.all_reduce(x)
     if rank == 1:
+        # After the others have finished the first call too (it could still be moving their
+        # last bytes), so that the failure lands in the loop below.
+        time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGKILL)
     out = {"first": float(x[0])}
     try:
         for _ in range(1000):
             comm.all_reduce(np.ones(1 << 14, np.float32))
             time.sleep(0.005)
-    except oxccl.PeerFailed as e:
-        out["raised"] = str(e)
+    except oxccl.Error as e:
+        # PeerFailed naming rank 1, or Aborted when a faster survivor's shrink_after_failure
+        # stopped the communicator first (that rank then learns who is gone from the others).
+        out["raised"] = f"{type(e).__name__}: {e}"
         out["failed_peers"] = comm.failed_peers
     t0 = time.monotonic()
     small = comm.shrink_after_failure()
@@ -169,12 +174,14 @@ def test_survivors_shrink_and_go_on():
         res = r.result
         assert res["first"] == 10.0, res
         # Ranks 0, 2, 3 become 0, 1, 2; 1 + 3 + 4 = 8.
-        assert (res["new_rank"], res["new_size"]) == (new, 3), res
+        assert (res["new_rank"], res["new_size"]) == (new, 3), launch.explain(ranks)
         assert res["sum"] == 8.0, res
         assert res["shrink_s"] < 10, res
         assert res["bad"] and "7" in res["bad"], res
-        # Each survivor saw the failure (a survivor that did not still learns it).
-        if "raised" in res:
+        # Each survivor's call failed: naming rank 1, or aborted by a faster survivor's shrink
+        # (it still learns from the others who is gone).
+        assert res["raised"].startswith(("PeerFailed", "Aborted")), res
+        if res["raised"].startswith("PeerFailed"):
             assert "rank 1" in res["raised"] and res["failed_peers"] == [1], res
 
 

@@ -481,7 +481,12 @@ impl Communicator {
         } else {
             Duration::from_micros(50)
         }));
-        engine.yield_for = opts.idle_yield;
+        let one_host = hosts.iter().all(|h| *h == host);
+        engine.yield_for = opts.idle_yield.unwrap_or(if one_host {
+            Duration::from_millis(2)
+        } else {
+            Duration::ZERO
+        });
         engine.mailbox_allowed = opts.mailboxes != Some(false);
         let joined = agg.is_some();
         if let Some((membership, pool)) = agg {

@@ -543,13 +543,7 @@ impl Communicator {
             rank: me,
             msg: format!("compressed all_reduce ({fmt}, {len} values): {msg}"),
         };
-        if n > compress::max_ranks::<i16>(fmt.width) {
-            return Err(bad(format!(
-                "{n} ranks: {:?} mantissa sums fit 16 bits up to {} ranks",
-                fmt.width,
-                compress::max_ranks::<i16>(fmt.width)
-            )));
-        }
+        fits_i16(n, fmt, &bad)?;
         // Chunks of whole shares of blocks (so that block boundaries, hence the result, do
         // not depend on the chunk size); an empty buffer is one empty chunk, so that a rank
         // whose length differs is reported as a mismatch, not left waiting.
@@ -743,6 +737,19 @@ impl Communicator {
         let bytes = crate::dtype::as_bytes_mut(output);
         self.all_reduce_compressed_bytes_with(bytes, None, T::DTYPE, fmt, op)
     }
+}
+
+/// An error (made by `bad`) unless the `i16` sums of `n` ranks' mantissas of `fmt` cannot
+/// overflow.
+fn fits_i16(n: usize, fmt: Format, bad: &dyn Fn(String) -> Error) -> Result<()> {
+    let max = compress::max_ranks::<i16>(fmt.width);
+    if n > max {
+        return Err(bad(format!(
+            "{n} ranks: {:?} mantissa sums fit 16 bits up to {max} ranks",
+            fmt.width
+        )));
+    }
+    Ok(())
 }
 
 /// `bytes` as `T` values, or the error `bad` makes naming why not.

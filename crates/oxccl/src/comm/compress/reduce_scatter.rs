@@ -24,7 +24,7 @@ use std::time::Duration;
 use half::{bf16, f16};
 use oxccl_core::compress::{self, Format, Width};
 
-use super::{add_into, give, take, typed};
+use super::{add_into, fits_i16, give, take, typed};
 use crate::comm::{Communicator, Work};
 use crate::schedule::Collective;
 use crate::{DataType, Error, ReduceOp, Result};
@@ -244,13 +244,7 @@ impl Communicator {
         if let Some(r) = &residual {
             self.check_residual("compressed reduce_scatter", input.len(), r.len())?;
         }
-        if n > compress::max_ranks::<i16>(fmt.width) {
-            return Err(bad(format!(
-                "{n} ranks: {:?} mantissa sums fit 16 bits up to {} ranks",
-                fmt.width,
-                compress::max_ranks::<i16>(fmt.width)
-            )));
-        }
+        fits_i16(n, fmt, &bad)?;
         let b = fmt.block.values();
         // Pieces of whole blocks, so that the result does not depend on the chunk size; an
         // empty output is one empty piece, so that a rank whose length differs is reported as

@@ -487,7 +487,7 @@ class ProcessGroupOxccl(_C10dBackend):
             # The common call (one tensor, exact, not coalescing), without the general path's
             # closures: a blocking one runs here, an async_op one is submitted.
             t = tensors[0]
-            r = _real(t, op) if t.is_complex() else t
+            r = _real(t, op)
             # Small async_op calls run here too (eager), unless OXCCL_TORCH_EAGER_BYTES says
             # otherwise: see _EAGER_BYTES.
             if not getattr(opts, "asyncOp", True) or (

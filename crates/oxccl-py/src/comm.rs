@@ -509,6 +509,30 @@ impl PyCommunicator {
         }
     }
 
+    /// The format of a call's `compress=` (None: exact), refusing what does not go with it: a
+    /// `timeout=` beside it (a compressed call runs under the communicator's), a `residual=`
+    /// without it.
+    fn compress_args(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        compress: Option<&str>,
+        residual: Option<&Bound<'_, PyAny>>,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<Format>> {
+        let fmt = parse_compress(compress)?;
+        let refuse = |msg: String| Err(self.invalid(py, format!("{name}: {msg}")));
+        match fmt {
+            Some(f) if timeout.is_some() => refuse(format!(
+                "compress={f} runs under the communicator's timeout; leave out timeout="
+            )),
+            None if residual.is_some() => refuse(
+                "residual= is the error feedback of a compressed call; it needs compress=".into(),
+            ),
+            f => Ok(f),
+        }
+    }
+
     /// A compressed all-reduce of `tensor` in place, or (with `output`) a compressed
     /// reduce-scatter of `tensor` into `output`, summing or averaging, with error feedback
     /// through `residual` when given: blocking, or submitted to the worker.
@@ -842,24 +866,14 @@ impl PyCommunicator {
         residual: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         let op = parse_op(op)?;
-        if let Some(fmt) = parse_compress(compress)? {
-            let refuse =
-                |what: &str| Err(self.invalid(py, format!("all_reduce: compress={fmt} {what}")));
+        if let Some(fmt) = self.compress_args(py, "all_reduce", compress, residual, timeout)? {
             if out.is_some() {
-                return refuse("runs in place; leave out out=");
-            }
-            if timeout.is_some() {
-                return refuse("runs under the communicator's timeout; leave out timeout=");
+                return Err(self.invalid(
+                    py,
+                    format!("all_reduce: compress={fmt} runs in place; leave out out="),
+                ));
             }
             return self.compressed(py, tensor, None, fmt, op, dtype, residual, async_op);
-        }
-        if residual.is_some() {
-            return Err(self.invalid(
-                py,
-                "all_reduce: residual= is the quantisation error of a compressed call; it needs \
-                 compress="
-                    .into(),
-            ));
         }
         let p = self.simple(
             py,
@@ -897,25 +911,16 @@ impl PyCommunicator {
         residual: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         let op = parse_op(op)?;
-        if let Some(fmt) = parse_compress(compress)? {
-            let refuse = |what: &str| {
-                Err(self.invalid(py, format!("reduce_scatter: compress={fmt} {what}")))
-            };
+        if let Some(fmt) = self.compress_args(py, "reduce_scatter", compress, residual, timeout)? {
             let Some(output) = output else {
-                return refuse("needs an output (it does not run in place)");
+                return Err(self.invalid(
+                    py,
+                    format!(
+                        "reduce_scatter: compress={fmt} needs an output (it does not run in place)"
+                    ),
+                ));
             };
-            if timeout.is_some() {
-                return refuse("runs under the communicator's timeout; leave out timeout=");
-            }
             return self.compressed(py, input, Some(output), fmt, op, dtype, residual, async_op);
-        }
-        if residual.is_some() {
-            return Err(self.invalid(
-                py,
-                "reduce_scatter: residual= is the error feedback of a compressed call; it needs \
-                 compress="
-                    .into(),
-            ));
         }
         let in_place = output.is_none();
         let p = self.simple(

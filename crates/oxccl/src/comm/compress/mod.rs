@@ -213,17 +213,10 @@ struct Call<'a> {
 impl Call<'_> {
     /// The result of a started call of phase `phase`, which must be there.
     fn wait<R>(&mut self, w: &mut Option<Work<R>>, phase: usize) -> Result<R> {
-        match w.take() {
-            Some(mut w) => {
-                let t = Instant::now();
-                let r = w.wait(self.wait);
-                self.waited[phase] += t.elapsed().as_secs_f64();
-                r
-            }
-            None => Err((self.bad)(
-                "a pipeline step ran before the one it follows (a bug)".into(),
-            )),
-        }
+        let t = Instant::now();
+        let r = wait(w, self.wait, self.bad);
+        self.waited[phase] += t.elapsed().as_secs_f64();
+        r
     }
 
     /// Step 1: with a residual, `x = g + e` into the chunk; the chunk's exponents, and the
@@ -736,6 +729,16 @@ impl Communicator {
         }
         let bytes = crate::dtype::as_bytes_mut(output);
         self.all_reduce_compressed_bytes_with(bytes, None, T::DTYPE, fmt, op)
+    }
+}
+
+/// The result of a started pipeline step, which must be there.
+fn wait<R>(w: &mut Option<Work<R>>, timeout: Duration, bad: &dyn Fn(String) -> Error) -> Result<R> {
+    match w.take() {
+        Some(mut w) => w.wait(timeout),
+        None => Err(bad(
+            "a pipeline step ran before the one it follows (a bug)".into()
+        )),
     }
 }
 

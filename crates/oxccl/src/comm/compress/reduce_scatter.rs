@@ -24,7 +24,7 @@ use std::time::Duration;
 use half::{bf16, f16};
 use oxccl_core::compress::{self, Format, Width};
 
-use super::{add_into, fits_i16, give, take, typed};
+use super::{add_into, fits_i16, give, take, typed, wait};
 use crate::comm::{Communicator, Work};
 use crate::schedule::Collective;
 use crate::{DataType, Error, ReduceOp, Result};
@@ -156,16 +156,6 @@ impl<T: compress::Float> Call<'_, T> {
         }
         give(std::mem::take(&mut p.exps));
         Ok(())
-    }
-}
-
-/// The result of a started step, which must be there.
-fn wait<R>(w: &mut Option<Work<R>>, timeout: Duration, bad: &dyn Fn(String) -> Error) -> Result<R> {
-    match w.take() {
-        Some(mut w) => w.wait(timeout),
-        None => Err(bad(
-            "a pipeline step ran before the one it follows (a bug)".into()
-        )),
     }
 }
 

@@ -544,11 +544,18 @@ pub(crate) fn dump_on_error(probe: &Probe, err: &Error) {
         _ if std::env::var_os("OXCCL_DEBUG_DUMP").is_some() => "error",
         _ => return,
     };
+    // Under the lock a peer-requested dump writes under: it either wrote before (and this one
+    // replaces it) or sees `dumped` and writes nothing.
+    let _writing = WRITING.lock().unwrap_or_else(|e| e.into_inner());
     if probe.dumped.swap(true, Ordering::Relaxed) {
         return;
     }
     dump(reason, &err.to_string(), Some(probe));
 }
+
+/// Held while a failure's own dump or a peer-requested one is decided and written, so that a
+/// requested dump written late never replaces this rank's own.
+static WRITING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Dumps because rank `peer` timed out and asked for it (once per communicator; this rank's
 /// own failure, if it follows, dumps again, replacing the file).
@@ -569,6 +576,7 @@ pub(crate) fn dump_on_request(probe: &Arc<Probe>, peer: usize) {
         .name("oxccl-dump".into())
         .spawn(move || {
             // This rank's own failure dumped meanwhile: that one says more; keep it.
+            let _writing = WRITING.lock().unwrap_or_else(|e| e.into_inner());
             if !probe.dumped.load(Ordering::Relaxed) {
                 write_dump("peer_timeout", &json, rank);
             }

@@ -327,8 +327,19 @@ impl Communicator {
         if crate::log_enabled() {
             crate::log_line(format!("{who}: admitted as rank {} of {}", a.rank, a.world));
         }
-        let boot = Bootstrap::with_store(a.rank, a.world, store, &a.job, timeout)?;
-        let c = Communicator::init_shared(Arc::new(boot), options)?;
+        let made = |e: Error| {
+            fail(
+                who.clone(),
+                format!(
+                    "admitted as rank {} of {}, but the grown communicator could not be made: \
+                     {e}",
+                    a.rank, a.world
+                ),
+            )
+        };
+        let boot = Bootstrap::with_store(a.rank, a.world, store, &a.job, timeout)
+            .map_err(|e| made(e.into()))?;
+        let c = Communicator::init_shared(Arc::new(boot), options).map_err(made)?;
         c.set_lineage(job_id);
         Ok(c)
     }

@@ -70,6 +70,8 @@ pub(crate) const MR_ADDR: usize = 16;
 pub(crate) const MR_LEN: usize = 24;
 pub(crate) const MR_ACCESS: usize = 32;
 pub(crate) const MR_KIND: usize = 36;
+/// Writes into the region under way by peers that map it (shm): deregistering waits for 0.
+pub(crate) const MR_WRITERS: usize = 40;
 pub(crate) const MR_KIND_SEGMENT: u32 = 1;
 pub(crate) const MR_KIND_USER: u32 = 2;
 

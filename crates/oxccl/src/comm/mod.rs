@@ -1081,6 +1081,8 @@ impl Communicator {
     /// The end of [`Communicator::failed`]: poisons, logs, dumps.
     fn failed_poisoned(&self, st: &mut State, e: Error) -> Error {
         st.poisoned = Some(e.to_string());
+        // Before the caller sees the error: no peer writes its registered buffers after it.
+        st.engine.registry.revoke();
         crate::log_warn(e.to_string());
         flight::dump_on_error(&self.inner.probe, &e);
         e

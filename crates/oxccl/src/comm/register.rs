@@ -71,6 +71,19 @@ impl Registry {
         Ok(())
     }
 
+    /// Deregisters every registration's regions, once a call failed: writes into them that
+    /// peers (which may not know of the failure yet) have under way finish first, later ones
+    /// are refused, so that nothing lands in a caller's registered buffer after its call
+    /// returned the error. The buffers stay the caller's; the communicator is unusable anyway.
+    pub(crate) fn revoke(&self) {
+        let regs = self.regs.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for r in &regs {
+            for mr in &r.mrs {
+                mr.deregister();
+            }
+        }
+    }
+
     fn remove(&self, reg: &Arc<Reg>) {
         let mut regs = self.regs.lock().unwrap_or_else(|e| e.into_inner());
         regs.retain(|r| !Arc::ptr_eq(r, reg));

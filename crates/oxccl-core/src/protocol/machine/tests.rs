@@ -1,4 +1,5 @@
-//! The protocol machine's unit tests: pairs of machines run by hand in every event order (and random ones), slots, credits, fragments, mailboxes, dependencies, queues shared by a group.
+//! The protocol machine's unit tests: pairs of machines run by hand in every event order
+//! (and random ones); slots, credits, fragments, mailboxes, dependencies, a group's shared queue.
 
 use super::*;
 use crate::schedule::{Buf, Region, Step};

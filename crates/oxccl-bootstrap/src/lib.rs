@@ -63,6 +63,7 @@ mod bootstrap;
 mod client;
 mod config;
 mod error;
+pub mod frame;
 pub mod hostlist;
 #[cfg(test)]
 mod net_tests;

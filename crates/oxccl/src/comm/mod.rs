@@ -325,16 +325,11 @@ impl Options {
     }
 }
 
-/// This host's identity: the kernel's boot id plus the network namespace, so that network
-/// namespaces on one machine count as separate hosts.
+/// This host's identity ([`oxccl_verbs::host_identity`]: the kernel's boot id, the network
+/// and the pid namespace), so that ranks that can talk shm count as one host and network
+/// namespaces on one machine as separate hosts.
 pub fn default_host_id() -> String {
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "unknown-boot".into());
-    let netns = std::fs::read_link("/proc/self/ns/net")
-        .map(|p| p.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| "net:[?]".into());
-    format!("{boot}/{netns}")
+    oxccl_verbs::host_identity()
 }
 
 /// The caller's memory for one collective.

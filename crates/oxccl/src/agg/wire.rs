@@ -8,8 +8,8 @@ use oxccl_bootstrap::frame;
 use oxccl_verbs::{QpEndpoint, RemoteBuffer};
 use serde::{Deserialize, Serialize};
 
-use crate::engine::Geometry;
 use crate::{DataType, ReduceOp};
+use oxccl_core::protocol::Geometry;
 
 /// Largest message accepted (a join with its endpoint is a few hundred bytes).
 pub(crate) const MAX_MSG: usize = 64 << 10;

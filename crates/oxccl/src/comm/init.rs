@@ -498,7 +498,7 @@ impl Communicator {
                     geo.slot_data >> 10
                 ));
             }
-            engine.agg = Some(membership);
+            engine.agg = Some(Box::new(membership));
         }
         let tuning = Tuning {
             aggregator: joined,

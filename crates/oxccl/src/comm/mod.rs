@@ -34,7 +34,6 @@ pub use compress::{
     AUTO_MIN_BYTES as COMPRESS_AUTO_MIN_BYTES, Compression, DEFAULT_CHUNK as DEFAULT_COMPRESS_CHUNK,
 };
 pub use group::Group;
-pub(crate) use register::{RegCache, Registry};
 pub use register::{Registered, Registration};
 pub use work::Work;
 pub use worker::{CallBuffers, Input, Output};
@@ -1048,7 +1047,7 @@ impl Communicator {
                     .engine
                     .agg
                     .as_ref()
-                    .map_or_else(String::new, |a| a.addr.clone());
+                    .map_or_else(String::new, |a| a.addr().to_string());
                 let e = Error::AggregatorFailed {
                     rank,
                     op: op.clone(),

@@ -447,7 +447,41 @@ pub struct QpConfig {
     /// makes the choice deterministic, so that an unreachable address fails the same way
     /// every time.
     pub connect: ConnectRole,
+    /// tcp: stops the active end's attempts to connect when set (the connect then fails at
+    /// once, saying it was cancelled); while a flag is given, an attempt lasts at most
+    /// 100 ms, so that it is looked at often. `None`: retry until `timeout`.
+    pub cancel: Option<Cancel>,
 }
+
+/// A flag that cancels a queue pair's connection setup ([`QpConfig::cancel`]); clones share
+/// it. Two compare equal when they are the same flag.
+#[derive(Clone, Debug, Default)]
+pub struct Cancel(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Cancel {
+    /// A flag not yet set.
+    pub fn new() -> Cancel {
+        Cancel::default()
+    }
+
+    /// Sets it.
+    pub fn cancel(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether it is set.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl PartialEq for Cancel {
+    fn eq(&self, other: &Cancel) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for Cancel {}
 
 /// Which end of a tcp queue pair opens the connection ([`QpConfig::connect`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -471,6 +505,7 @@ impl Default for QpConfig {
             rnr_timer: Duration::from_millis(1),
             timeout: Duration::from_secs(5),
             connect: ConnectRole::Auto,
+            cancel: None,
         }
     }
 }

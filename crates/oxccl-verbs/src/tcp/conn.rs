@@ -176,12 +176,27 @@ impl Conn {
 
     /// Connects actively to `addr` (the side with the smaller token connects), every
     /// connection in turn.
-    pub(crate) fn connect_to(&self, addr: SocketAddr, timeout: Duration) -> Result<()> {
+    pub(crate) fn connect_to(
+        &self,
+        addr: SocketAddr,
+        timeout: Duration,
+        cancel: Option<&crate::Cancel>,
+    ) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let count = self.socks().len() as u32;
+        let attempt = if cancel.is_some() {
+            Duration::from_millis(100)
+        } else {
+            Duration::from_secs(5)
+        };
         for index in 0..count {
             let mut sock = loop {
-                match TcpStream::connect_timeout(&addr, timeout.min(Duration::from_secs(5))) {
+                if cancel.is_some_and(crate::Cancel::is_cancelled) {
+                    return Err(Error::arg(format!(
+                        "connecting to {addr}: cancelled (connection {index} of {count})"
+                    )));
+                }
+                match TcpStream::connect_timeout(&addr, timeout.min(attempt)) {
                     Ok(s) => break s,
                     Err(_) if Instant::now() < deadline => {
                         std::thread::sleep(Duration::from_millis(20));

@@ -6,14 +6,14 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use oxccl_bootstrap::Bootstrap;
-use oxccl_verbs::{ConnectRole, Context, Provider, QpConfig, QpEndpoint, RemoteBuffer};
+use oxccl_bootstrap::{AbortHandle, Bootstrap};
+use oxccl_verbs::{Cancel, ConnectRole, Context, Provider, QpConfig, QpEndpoint, RemoteBuffer};
 use serde::{Deserialize, Serialize};
 
 use super::{Communicator, Inner, Options, State, default_host_id, random_u64, spawn_watchdog};
 use crate::engine::{AbortFlag, Engine, Geometry, Link};
 use crate::error::{Error, Result};
-use crate::fault::Injector;
+use crate::fault::{InitStage, Injector, in_init};
 use crate::flight::{self, Probe};
 use crate::log_enabled;
 use crate::netif::Chosen;
@@ -165,6 +165,7 @@ fn connect_links(
     providers: &[Option<Provider>],
     geo: &Geometry,
     tcp: Option<Chosen>,
+    cancel: Option<Cancel>,
     before_exchange: impl FnOnce(&mut Vec<Link>, &mut Vec<usize>) -> Result<()>,
 ) -> Result<Connected> {
     let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
@@ -214,6 +215,7 @@ fn connect_links(
         max_recv_wr: geo.recv_depth(),
         max_sge: 2,
         rnr_retry: 7,
+        cancel,
         ..QpConfig::default()
     };
     let mut links = Vec::new();
@@ -243,6 +245,7 @@ fn connect_links(
         );
     }
     before_exchange(&mut links, &mut link_of)?;
+    in_init(opts.faults.as_ref(), rank, InitStage::Links);
     let mine = Links {
         tcp: tcp.clone(),
         peers: (0..world)
@@ -256,6 +259,7 @@ fn connect_links(
             .collect(),
     };
     let all: Vec<Links> = bootstrap.all_gather_serde("oxccl/links", &mine)?;
+    let mut connected = 0;
     for p in 0..world {
         let l = link_of[p];
         if l == usize::MAX {
@@ -286,6 +290,10 @@ fn connect_links(
         links[l]
             .connect(info.region, geo, l)
             .map_err(verbs(&format!("posting receives for rank {p}")))?;
+        connected += 1;
+        if connected == 1 {
+            in_init(opts.faults.as_ref(), rank, InitStage::Connect);
+        }
     }
     drop(ctxs);
     let addrs = all.into_iter().map(|l| l.tcp).collect();
@@ -294,10 +302,15 @@ fn connect_links(
 
 impl Communicator {
     /// Init up to the store barrier that ends it: hello, topology, addresses, connections.
-    fn establish(bootstrap: &Bootstrap, opts: &mut Options) -> Result<Established> {
+    fn establish(
+        bootstrap: &Bootstrap,
+        opts: &mut Options,
+        cancel: Option<Cancel>,
+    ) -> Result<Established> {
         let rank = bootstrap.rank();
         let world = bootstrap.world_size();
         let host = opts.host_id.clone().unwrap_or_else(default_host_id);
+        in_init(opts.faults.as_ref(), rank, InitStage::Hello);
         let (comm_id, hosts, routes) = exchange_hello(bootstrap, opts, &host)?;
         let (topology, note) = Topology::from_env(&hosts).map_err(Error::Config)?;
         if let Some(note) = note
@@ -384,14 +397,22 @@ impl Communicator {
             None
         };
         let mut agg = None;
-        let (links, link_of, pds, cqs, tcp_addrs) =
-            connect_links(bootstrap, opts, &providers, &geo, tcp, |links, link_of| {
+        let (links, link_of, pds, cqs, tcp_addrs) = connect_links(
+            bootstrap,
+            opts,
+            &providers,
+            &geo,
+            tcp,
+            cancel,
+            |links, link_of| {
                 if let Some(c) = contact {
                     agg = join_aggregator(bootstrap, opts, c, comm_id, geo, links, link_of)?;
                 }
                 Ok(())
-            })?;
+            },
+        )?;
         providers.truncate(world);
+        in_init(opts.faults.as_ref(), rank, InitStage::Stored);
         bootstrap.barrier("oxccl/connected", opts.timeout)?;
         Ok(Established {
             comm_id,
@@ -411,9 +432,66 @@ impl Communicator {
         })
     }
 
-    pub(super) fn init_inner(
+    pub(super) fn init_inner(bootstrap: &Arc<Bootstrap>, opts: Options) -> Result<Communicator> {
+        Communicator::init_watched(bootstrap, opts, None)
+    }
+
+    /// Init that `abort` (if any) stops: every store wait watches it, and an abort cancels the
+    /// tcp connects under way and aborts the barrier over the connections. An error after an
+    /// abort is [`Error::Aborted`] with `op` "init", saying what init was waiting for.
+    pub(super) fn init_watched(
+        bootstrap: &Arc<Bootstrap>,
+        opts: Options,
+        abort: Option<&AbortHandle>,
+    ) -> Result<Communicator> {
+        let rank = bootstrap.rank();
+        let flag = Arc::new(AbortFlag::default());
+        let cancel = Cancel::new();
+        let _hook = abort.map(|h| {
+            let (flag, cancel) = (flag.clone(), cancel.clone());
+            h.on_abort(move |why| {
+                cancel.cancel();
+                flag.set(&format!("init was aborted ({why})"));
+            })
+        });
+        if let Some(h) = abort {
+            bootstrap.set_abort(Some(h.clone()));
+        }
+        let r = Communicator::init_body(bootstrap, opts, flag, abort.map(|_| cancel));
+        if abort.is_some() {
+            bootstrap.set_abort(None);
+        }
+        let why = abort.and_then(AbortHandle::reason);
+        r.map_err(|e| match (e, why) {
+            (
+                Error::Bootstrap(oxccl_bootstrap::Error::Aborted {
+                    reason, waiting, ..
+                }),
+                _,
+            ) => Error::Aborted {
+                rank,
+                op: "init".into(),
+                reason: format!("{reason}, while waiting {waiting}"),
+            },
+            (Error::Aborted { reason, .. }, Some(_)) => Error::Aborted {
+                rank,
+                op: "init".into(),
+                reason: format!("{reason}, in the barrier over the connections"),
+            },
+            (e, Some(why)) => Error::Aborted {
+                rank,
+                op: "init".into(),
+                reason: format!("{why}: {e}"),
+            },
+            (e, None) => e,
+        })
+    }
+
+    fn init_body(
         bootstrap: &Arc<Bootstrap>,
         mut opts: Options,
+        abort: Arc<AbortFlag>,
+        cancel: Option<Cancel>,
     ) -> Result<Communicator> {
         let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
         // Until every rank is past the store barrier that ends `establish`, a failure is
@@ -435,7 +513,7 @@ impl Communicator {
             cqs,
             tcp_addrs,
             agg,
-        } = Communicator::establish(bootstrap, &mut opts)
+        } = Communicator::establish(bootstrap, &mut opts, cancel)
             .inspect_err(|e| bootstrap.fail(&e.to_string()))?;
         let chosen = tcp_addrs[rank].clone();
         if log_enabled() {
@@ -455,7 +533,6 @@ impl Communicator {
                 geo.slot_data >> 10
             ));
         }
-        let abort = Arc::new(AbortFlag::default());
         let probe = Probe::new(comm_id, rank, world);
         flight::install_signal_handler();
         let mut engine = Engine::new(
@@ -563,6 +640,7 @@ impl Communicator {
         // most), so that the barrier is call 0 whether or not it ran, and a peer's fragment of
         // call 0 that arrives while this rank still finishes the probe's last call counts as
         // a later call's (sequence numbers compare modulo 2^24), not an earlier one's.
+        in_init(comm.inner.opts.faults.as_ref(), rank, InitStage::Barrier);
         comm.lock().seq = u64::MAX - (1 << 20);
         comm.probe_at_init()?;
         comm.lock().seq = u64::MAX;

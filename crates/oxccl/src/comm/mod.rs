@@ -23,6 +23,7 @@ use crate::{DataType, Element, ReduceOp, log_enabled};
 mod compress;
 mod group;
 mod init;
+mod pending;
 mod rates;
 mod register;
 mod shrink;
@@ -33,6 +34,7 @@ pub use compress::{
     AUTO_MIN_BYTES as COMPRESS_AUTO_MIN_BYTES, Compression, DEFAULT_CHUNK as DEFAULT_COMPRESS_CHUNK,
 };
 pub use group::Group;
+pub use pending::PendingInit;
 pub(crate) use register::{RegCache, Registry};
 pub use register::{Registered, Registration};
 pub use work::Work;

@@ -580,6 +580,18 @@ impl Bootstrap {
         fetch: bool,
         timeout: Duration,
     ) -> Result<Vec<Vec<u8>>> {
+        self.collective_inner(kind, tag, data, fetch, timeout)
+            .map_err(|e| self.name_store_owner(e))
+    }
+
+    fn collective_inner(
+        &self,
+        kind: &str,
+        tag: &str,
+        data: &[u8],
+        fetch: bool,
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>> {
         let generation = self.next_generation(kind, tag);
         let key = |r| self.keys.collective(kind, tag, generation, r);
         self.store.set(&key(self.rank), data)?;
@@ -617,7 +629,7 @@ impl Bootstrap {
                 world_size: self.world_size,
                 timeout,
             },
-            e => self.name_store_owner(e),
+            e => e,
         })?;
         // Every rank has posted this round, so every rank is done reading the previous one.
         if generation > 0 {
@@ -678,6 +690,18 @@ impl Bootstrap {
             )?)),
             Err(Error::Timeout { .. }) => Ok(None),
             Err(e) => Err(e),
+        }
+    }
+
+    /// The failure notice a rank published ([`Bootstrap::fail`]), if any: its rank and
+    /// message, as [`Error::RankFailed`]. Looks once, without waiting.
+    pub fn failure_notice(&self) -> Option<Error> {
+        match self.failure() {
+            Ok(Some(f)) => Some(Error::RankFailed {
+                rank: f.rank,
+                message: f.message,
+            }),
+            _ => None,
         }
     }
 

@@ -259,7 +259,7 @@ fn connect_links(
             .collect(),
     };
     let all: Vec<Links> = bootstrap.all_gather_serde("oxccl/links", &mine)?;
-    let mut connected = 0;
+    let mut done = 0;
     for p in 0..world {
         let l = link_of[p];
         if l == usize::MAX {
@@ -272,10 +272,21 @@ fn connect_links(
             });
         };
         let prov = providers[p].unwrap_or(Provider::Shm);
-        links[l]
-            .qp
-            .connect(&info.endpoint)
-            .map_err(|e| match (&all[p].tcp, &tcp) {
+        // A peer that died after publishing its links: say so rather than what the
+        // transport makes of its vanished segments. A peer that gave up (a failure notice in
+        // the store, posted before it closed its links): its reason, which names the cause.
+        let gone = |e: &oxccl_verbs::Error| {
+            shm_owner_gone(&info.endpoint)
+                .map(|pid| Error::PeerFailed {
+                    rank,
+                    op: "init (connecting)".into(),
+                    peer: p,
+                    detail: format!("its process (pid {pid}) exited during init ({e})"),
+                })
+                .or_else(|| bootstrap.failure_notice().map(Error::Bootstrap))
+        };
+        let connected = links[l].qp.connect(&info.endpoint).map_err(|e| {
+            gone(&e).unwrap_or_else(|| match (&all[p].tcp, &tcp) {
                 (Some(theirs), Some(ours)) if prov == Provider::Tcp => Error::Unreachable {
                     rank,
                     peer: p,
@@ -286,18 +297,44 @@ fn connect_links(
                     ),
                 },
                 _ => verbs(&format!("connecting to rank {p} over {}", prov.name()))(e),
-            })?;
-        links[l]
-            .connect(info.region, geo, l)
-            .map_err(verbs(&format!("posting receives for rank {p}")))?;
-        connected += 1;
-        if connected == 1 {
+            })
+        });
+        let posted = connected.and_then(|()| {
+            links[l].connect(info.region, geo, l).map_err(|e| {
+                gone(&e).unwrap_or_else(|| verbs(&format!("posting receives for rank {p}"))(e))
+            })
+        });
+        // Told before this rank's links close (as the error returns): the others then read
+        // why in the store before they see the links go.
+        posted.inspect_err(|e| bootstrap.fail(&e.to_string()))?;
+        done += 1;
+        if done == 1 {
             in_init(opts.faults.as_ref(), rank, InitStage::Connect);
         }
     }
     drop(ctxs);
     let addrs = all.into_iter().map(|l| l.tcp).collect();
     Ok((links, link_of, pds, cqs, addrs))
+}
+
+/// How long a rank whose init failed in its first calls keeps its connections open, so that
+/// the peers read its notice before they see them close.
+const FAILED_INIT_GRACE: Duration = Duration::from_millis(50);
+
+/// The process id of a shm endpoint's owner when that process has exited (it no longer
+/// exists, or is a zombie its parent has not reaped yet).
+fn shm_owner_gone(endpoint: &QpEndpoint) -> Option<u32> {
+    let oxccl_verbs::EndpointAddr::Shm { pid, .. } = &endpoint.addr else {
+        return None;
+    };
+    let gone = match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which is in parentheses.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| matches!(rest.trim_start().chars().next(), Some('Z' | 'X'))),
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    };
+    gone.then_some(*pid)
 }
 
 impl Communicator {
@@ -413,7 +450,15 @@ impl Communicator {
         )?;
         providers.truncate(world);
         in_init(opts.faults.as_ref(), rank, InitStage::Stored);
-        bootstrap.barrier("oxccl/connected", opts.timeout)?;
+        if let Err(e) = bootstrap.barrier("oxccl/connected", opts.timeout) {
+            // Connected peers may be past this barrier, in the one over the connections
+            // (rank 0 died just after it, taking the store): they would see these
+            // connections close and blame this rank. Keep them open a moment, so that they
+            // notice the real failure first.
+            bootstrap.fail(&e.to_string());
+            std::thread::sleep(FAILED_INIT_GRACE.saturating_mul(4).min(opts.timeout));
+            return Err(e.into());
+        }
         Ok(Established {
             comm_id,
             host,
@@ -642,9 +687,17 @@ impl Communicator {
         // a later call's (sequence numbers compare modulo 2^24), not an earlier one's.
         in_init(comm.inner.opts.faults.as_ref(), rank, InitStage::Barrier);
         comm.lock().seq = u64::MAX - (1 << 20);
-        comm.probe_at_init()?;
-        comm.lock().seq = u64::MAX;
-        comm.barrier()?;
+        let ready = comm.probe_at_init().and_then(|()| {
+            comm.lock().seq = u64::MAX;
+            comm.barrier()
+        });
+        if let Err(e) = ready {
+            // This rank told its peers why (a peer died, an abort); they read it before they
+            // see its connections close, not a send to it failing first (which would blame
+            // this rank).
+            std::thread::sleep(FAILED_INIT_GRACE.min(comm.inner.opts.timeout));
+            return Err(e);
+        }
         if let Some((action, limit)) = watchdog {
             spawn_watchdog(Arc::downgrade(&comm.inner), action, limit);
         }

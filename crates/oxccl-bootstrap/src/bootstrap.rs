@@ -197,6 +197,8 @@ pub struct Bootstrap {
     abort: Mutex<Option<AbortHandle>>,
     /// Whether rank 0 serves the store (then a store gone names it).
     rank0_serves: bool,
+    /// Whether [`Bootstrap::fail`] has waited for the others to leave (it does once).
+    fail_waited: std::sync::atomic::AtomicBool,
     // Dropped before the server: rank 0's own handle first.
     store: Box<dyn Store>,
     server: Option<StoreServer>,
@@ -362,6 +364,7 @@ impl Bootstrap {
             generations: Mutex::new(HashMap::new()),
             abort: Mutex::new(abort.cloned()),
             rank0_serves: config.serve_store,
+            fail_waited: Default::default(),
             store,
             server,
         };
@@ -427,6 +430,7 @@ impl Bootstrap {
             generations: Mutex::new(HashMap::new()),
             abort: Mutex::new(None),
             rank0_serves: false,
+            fail_waited: Default::default(),
             store,
             server: None,
         };
@@ -708,8 +712,8 @@ impl Bootstrap {
     /// Tells the other ranks that this one gave up with `message` (the first notice
     /// published wins): their bootstrap waits ([`Bootstrap::all_gather`],
     /// [`Bootstrap::barrier`]) then fail at once with [`Error::RankFailed`] instead of timing
-    /// out. On the rank that serves the store, waits (up to 5 s) for the others to read it and
-    /// disconnect, since the store goes away with this process.
+    /// out. On the rank that serves the store, waits (up to 5 s, the first time only) for the
+    /// others to read it and disconnect, since the store goes away with this process.
     pub fn fail(&self, message: &str) {
         let notice = Failed {
             rank: self.rank,
@@ -718,7 +722,11 @@ impl Bootstrap {
         if let Ok(bytes) = serde_json::to_vec(&notice) {
             let _ = self.store.compare_set(&self.keys.failed(), None, &bytes);
         }
-        if let Some(server) = &self.server {
+        if let Some(server) = &self.server
+            && !self
+                .fail_waited
+                .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
             server.wait_for_clients_to_leave(self.timeout.min(Duration::from_secs(5)));
         }
     }

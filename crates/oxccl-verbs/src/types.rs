@@ -447,9 +447,10 @@ pub struct QpConfig {
     /// makes the choice deterministic, so that an unreachable address fails the same way
     /// every time.
     pub connect: ConnectRole,
-    /// tcp: stops the active end's attempts to connect when set (the connect then fails at
-    /// once, saying it was cancelled); while a flag is given, an attempt lasts at most
-    /// 100 ms, so that it is looked at often. `None`: retry until `timeout`.
+    /// Stops the connect when set (it then fails, saying it was cancelled): looked at
+    /// between tcp connect attempts (which last at most 1 s while a flag is given, 5 s
+    /// otherwise), every 100 ms while waiting for a tcp handshake's reply, and every 100 ms
+    /// while waiting for a shm peer's segment service. `None`: wait until `timeout`.
     pub cancel: Option<Cancel>,
 }
 

@@ -46,6 +46,7 @@ fn child_entry() {
 fn dispatch(scenario: &str, args: &Value) -> Value {
     match scenario {
         "init" => init_scenario(args),
+        "abort" => abort_scenario(args),
         other => panic!("unknown scenario {other:?}"),
     }
 }
@@ -84,6 +85,29 @@ fn init_scenario(args: &Value) -> Value {
             json!({ "ok": true, "right": right, "secs": secs })
         }
     }
+}
+
+/// Rank 2 stops itself (SIGSTOP) at a stage of its init; rank 1 aborts its own init
+/// `abort_ms` after starting it; rank 0 just waits. Each reports its error and when it
+/// returned (`CLOCK_REALTIME`), rank 1 also when it aborted.
+fn abort_scenario(args: &Value) -> Value {
+    let (rank, _) = common::env_rank();
+    if rank == 2 {
+        common::mark_done();
+    }
+    let config = oxccl_bootstrap::Config::from_env().unwrap();
+    let opts = oxccl::Options::from_env().unwrap();
+    let p = Communicator::init_config_async(config, opts);
+    let mut at_ns = Value::Null;
+    if rank == 1 {
+        std::thread::sleep(Duration::from_millis(args["abort_ms"].as_u64().unwrap()));
+        at_ns = json!(common::realtime_ns());
+        p.abort_handle().abort_with("the test aborted rank 1");
+    }
+    let r = p.wait();
+    let end_ns = common::realtime_ns();
+    json!({ "ok": r.is_ok(), "msg": r.err().map(|e| e.to_string()), "at_ns": at_ns,
+            "end_ns": end_ns })
 }
 
 /// Whether `msg` (a survivor's error) names rank `v`: "rank V" (not followed by a digit), or
@@ -291,4 +315,120 @@ fn names_finds_single_ranks_and_lists() {
     assert!(!names("rank 12 failed", 1));
     assert!(names("waiting for ranks [0, 2] of 3", 2));
     assert!(!names("waiting for ranks [0, 12] of 13", 2));
+}
+
+/// Rank 2 stops at `stage`; rank 1 aborts 500 ms into its init: it must return within
+/// `ABORT_BOUND` with `Error::Aborted` saying what it waited for, and rank 0 must end with an
+/// error naming rank 1 or rank 2 within its timeouts. Returns the failures and a line of
+/// figures.
+fn abort_trial(tb: Option<&Testbed>, stage: InitStage) -> (Vec<String>, String) {
+    const ABORT_BOUND: Duration = Duration::from_millis(300);
+    let timeout = "10".to_string();
+    let fault = format!("stop:rank=2,init={}", stage.name());
+    let provider = if tb.is_some() { "tcp" } else { "shm" };
+    let master = tb.map(|t| t.host_addr(0).to_string());
+    let mut env = vec![
+        ("OXCCL_PROVIDER", provider),
+        ("OXCCL_TIMEOUT", &timeout),
+        ("OXCCL_BOOTSTRAP_TIMEOUT", &timeout),
+        ("OXCCL_FAULT", &fault),
+    ];
+    if let Some(m) = &master {
+        env.push(("MASTER_ADDR", m));
+    }
+    let args = json!({ "abort_ms": 500 });
+    let job = spawn_job(N, &env, "abort", &args, &|rank, exe| match tb {
+        Some(t) => t.command(rank, exe),
+        None => Command::new(exe),
+    });
+    // Rank 2 stays stopped: wait for ranks 0 and 1 only, then kill it.
+    let mut job = job;
+    let deadline = Instant::now() + Duration::from_secs(25);
+    job.wait_until(deadline, |j| j.exited(0).is_some() && j.exited(1).is_some());
+    let outs = job.finish(Duration::ZERO);
+    let mut fails = Vec::new();
+    let (Some(r1), Some(r0)) = (
+        outs[1].ok().then(|| outs[1].result().clone()),
+        outs[0].ok().then(|| outs[0].result().clone()),
+    ) else {
+        return (
+            vec![format!(
+                "stage {}: rank 0 or 1 did not report{}",
+                stage.name(),
+                report(&outs)
+            )],
+            String::new(),
+        );
+    };
+    let at = r1["at_ns"].as_u64().unwrap_or(0);
+    let ms = |end: &Value| (end.as_u64().unwrap_or(0).saturating_sub(at)) as f64 / 1e6;
+    let (took1, took0) = (ms(&r1["end_ns"]), ms(&r0["end_ns"]));
+    let m1 = r1["msg"].as_str().unwrap_or("");
+    let m0 = r0["msg"].as_str().unwrap_or("");
+    let what = m1.contains(", while ") || m1.contains("in its first calls over the connections");
+    if !(m1.starts_with("rank 1: init aborted: ") && m1.contains("the test aborted rank 1") && what)
+    {
+        fails.push(format!("rank 1's error is not its abort: {m1:?}"));
+    }
+    if took1 > ABORT_BOUND.as_secs_f64() * 1e3 {
+        fails.push(format!("rank 1 returned {took1:.1} ms after its abort"));
+    }
+    if !(names(m0, 1) || names(m0, 2)) {
+        fails.push(format!("rank 0's error names neither rank 1 nor 2: {m0:?}"));
+    }
+    let line = format!(
+        "{:<8} {:>9.1} {:>9.1}  rank 1: {m1}\n{:<28}rank 0: {m0}",
+        stage.name(),
+        took1,
+        took0,
+        ""
+    );
+    if !fails.is_empty() {
+        fails = vec![format!(
+            "abort with rank 2 stopped at {}: {}{}",
+            stage.name(),
+            fails.join("; "),
+            report(&outs)
+        )];
+    }
+    (fails, line)
+}
+
+fn abort_trials(test: &str, tb: Option<&Testbed>, stages: &[InitStage]) {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut failures = Vec::new();
+    println!("\n{test}: rank 2 stopped at a stage, rank 1 aborted 500 ms in (ms after the abort)");
+    println!("{:<8} {:>9} {:>9}", "stage", "rank 1", "rank 0");
+    for &st in stages {
+        let (f, line) = abort_trial(tb, st);
+        println!("{line}");
+        failures.extend(f);
+    }
+    assert!(
+        failures.is_empty(),
+        "{test}: {} failed:\n{}",
+        failures.len(),
+        failures.join("\n\n")
+    );
+}
+
+#[test]
+fn abort_while_a_rank_is_stopped_in_init_shm() {
+    use InitStage::*;
+    abort_trials(
+        "abort_while_a_rank_is_stopped_in_init_shm",
+        None,
+        &[Hello, Links, Stored, Barrier],
+    );
+}
+
+#[test]
+fn abort_while_a_rank_is_stopped_in_init_tcp_netns() {
+    let name = "abort_while_a_rank_is_stopped_in_init_tcp_netns";
+    if !oxccl_testbed::require(name, Testbed::available()) {
+        return;
+    }
+    let tb = Testbed::new(&[HostSpec::unshaped(); N]).expect("creating the test bed");
+    use InitStage::*;
+    abort_trials(name, Some(&tb), &[Hello, Connect, Stored, Barrier]);
 }

@@ -2,7 +2,7 @@
 //! the connections to every peer, and the engine that drives them.
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -165,7 +165,7 @@ fn connect_links(
     providers: &[Option<Provider>],
     geo: &Geometry,
     tcp: Option<Chosen>,
-    cancel: Option<Cancel>,
+    cancel: Cancel,
     before_exchange: impl FnOnce(&mut Vec<Link>, &mut Vec<usize>) -> Result<()>,
 ) -> Result<Connected> {
     let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
@@ -215,7 +215,7 @@ fn connect_links(
         max_recv_wr: geo.recv_depth(),
         max_sge: 2,
         rnr_retry: 7,
-        cancel,
+        cancel: Some(cancel.clone()),
         ..QpConfig::default()
     };
     let mut links = Vec::new();
@@ -259,6 +259,57 @@ fn connect_links(
             .collect(),
     };
     let all: Vec<Links> = bootstrap.all_gather_serde("oxccl/links", &mine)?;
+    // While connecting, a thread watches the store for a rank's failure notice and cancels
+    // the connects under way (a peer that stopped answering would hold them until the queue
+    // pairs' timeout); an abort cancels them too (the hook in `init_watched`).
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::Acquire) {
+                if bootstrap.failure_notice().is_some() {
+                    cancel.cancel();
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let r = connect_each(
+            bootstrap, opts, providers, geo, &tcp, &all, &cancel, &mut links, &link_of,
+        );
+        stop.store(true, Ordering::Release);
+        r
+    })?;
+    drop(ctxs);
+    let addrs = all.into_iter().map(|l| l.tcp).collect();
+    Ok((links, link_of, pds, cqs, addrs))
+}
+
+/// How long a rank whose init failed in its first calls keeps its connections open, so that
+/// the peers read its notice before they see them close.
+const FAILED_INIT_GRACE: Duration = Duration::from_millis(50);
+
+/// Connects the link of every peer to the endpoint it published (`all`), in rank order.
+#[allow(clippy::too_many_arguments)]
+fn connect_each(
+    bootstrap: &Bootstrap,
+    opts: &Options,
+    providers: &[Option<Provider>],
+    geo: &Geometry,
+    tcp: &Option<Chosen>,
+    all: &[Links],
+    cancel: &Cancel,
+    links: &mut [Link],
+    link_of: &[usize],
+) -> Result<()> {
+    let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
+    let verbs = |what: &str| {
+        let what = what.to_string();
+        move |source| Error::Verbs {
+            rank,
+            what: what.clone(),
+            source,
+        }
+    };
     let mut done = 0;
     for p in 0..world {
         let l = link_of[p];
@@ -284,16 +335,24 @@ fn connect_links(
                     detail: format!("its process (pid {pid}) exited during init ({e})"),
                 })
                 .or_else(|| bootstrap.failure_notice().map(Error::Bootstrap))
+                .or_else(|| {
+                    cancel.is_cancelled().then(|| Error::Aborted {
+                        rank,
+                        op: "init (connecting)".into(),
+                        reason: format!("connecting to rank {p} ({})", info.endpoint),
+                    })
+                })
         };
         let connected = links[l].qp.connect(&info.endpoint).map_err(|e| {
-            gone(&e).unwrap_or_else(|| match (&all[p].tcp, &tcp) {
+            gone(&e).unwrap_or_else(|| match (&all[p].tcp, tcp) {
                 (Some(theirs), Some(ours)) if prov == Provider::Tcp => Error::Unreachable {
                     rank,
                     peer: p,
                     detail: format!(
-                        "it listens on {theirs}, this rank on {ours}: {e}. If that address is \
-                         not reachable from this host, choose rank {p}'s interface with \
-                         OXCCL_SOCKET_IFNAME or its address with OXCCL_TCP_ADDR"
+                        "it listens on {theirs}, this rank on {ours}: {e}. Either rank {p} \
+                         exited, or that address is not reachable from this host: then choose \
+                         rank {p}'s interface with OXCCL_SOCKET_IFNAME or its address with \
+                         OXCCL_TCP_ADDR"
                     ),
                 },
                 _ => verbs(&format!("connecting to rank {p} over {}", prov.name()))(e),
@@ -312,14 +371,8 @@ fn connect_links(
             in_init(opts.faults.as_ref(), rank, InitStage::Connect);
         }
     }
-    drop(ctxs);
-    let addrs = all.into_iter().map(|l| l.tcp).collect();
-    Ok((links, link_of, pds, cqs, addrs))
+    Ok(())
 }
-
-/// How long a rank whose init failed in its first calls keeps its connections open, so that
-/// the peers read its notice before they see them close.
-const FAILED_INIT_GRACE: Duration = Duration::from_millis(50);
 
 /// The process id of a shm endpoint's owner when that process has exited (it no longer
 /// exists, or is a zombie its parent has not reaped yet).
@@ -339,11 +392,7 @@ fn shm_owner_gone(endpoint: &QpEndpoint) -> Option<u32> {
 
 impl Communicator {
     /// Init up to the store barrier that ends it: hello, topology, addresses, connections.
-    fn establish(
-        bootstrap: &Bootstrap,
-        opts: &mut Options,
-        cancel: Option<Cancel>,
-    ) -> Result<Established> {
+    fn establish(bootstrap: &Bootstrap, opts: &mut Options, cancel: Cancel) -> Result<Established> {
         let rank = bootstrap.rank();
         let world = bootstrap.world_size();
         let host = opts.host_id.clone().unwrap_or_else(default_host_id);
@@ -440,7 +489,7 @@ impl Communicator {
             &providers,
             &geo,
             tcp,
-            cancel,
+            cancel.clone(),
             |links, link_of| {
                 if let Some(c) = contact {
                     agg = join_aggregator(bootstrap, opts, c, comm_id, geo, links, link_of)?;
@@ -456,7 +505,9 @@ impl Communicator {
             // connections close and blame this rank. Keep them open a moment, so that they
             // notice the real failure first.
             bootstrap.fail(&e.to_string());
-            std::thread::sleep(FAILED_INIT_GRACE.saturating_mul(4).min(opts.timeout));
+            if !cancel.is_cancelled() {
+                std::thread::sleep(FAILED_INIT_GRACE.saturating_mul(4).min(opts.timeout));
+            }
             return Err(e.into());
         }
         Ok(Established {
@@ -502,7 +553,7 @@ impl Communicator {
         if let Some(h) = abort {
             bootstrap.set_abort(Some(h.clone()));
         }
-        let r = Communicator::init_body(bootstrap, opts, flag, abort.map(|_| cancel));
+        let r = Communicator::init_body(bootstrap, opts, flag, cancel);
         if abort.is_some() {
             bootstrap.set_abort(None);
         }
@@ -518,10 +569,17 @@ impl Communicator {
                 op: "init".into(),
                 reason: format!("{reason}, while waiting {waiting}"),
             },
+            (Error::Aborted { op, reason, .. }, Some(why)) if op == "init (connecting)" => {
+                Error::Aborted {
+                    rank,
+                    op: "init".into(),
+                    reason: format!("{why}, while {reason}"),
+                }
+            }
             (Error::Aborted { reason, .. }, Some(_)) => Error::Aborted {
                 rank,
                 op: "init".into(),
-                reason: format!("{reason}, in the barrier over the connections"),
+                reason: format!("{reason}, in its first calls over the connections"),
             },
             (e, Some(why)) => Error::Aborted {
                 rank,
@@ -536,7 +594,7 @@ impl Communicator {
         bootstrap: &Arc<Bootstrap>,
         mut opts: Options,
         abort: Arc<AbortFlag>,
-        cancel: Option<Cancel>,
+        cancel: Cancel,
     ) -> Result<Communicator> {
         let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
         // Until every rank is past the store barrier that ends `establish`, a failure is

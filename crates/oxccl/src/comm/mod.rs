@@ -549,6 +549,9 @@ fn random_u64() -> u64 {
 impl Communicator {
     /// Connects this rank to its peers: shm queue pairs to ranks on the same host, tcp to the
     /// others (or the provider `options` force). Collective over the bootstrap's ranks.
+    /// A rank that never comes fails it within the timeouts, naming the missing ranks; to stop
+    /// it sooner from another thread, see [`Communicator::init_async`] and
+    /// [`Communicator::init_abortable`].
     pub fn init(bootstrap: Bootstrap, options: Options) -> Result<Communicator> {
         Communicator::init_shared(Arc::new(bootstrap), options)
     }

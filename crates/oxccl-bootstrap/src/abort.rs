@@ -5,7 +5,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 /// How often a wait that an [`AbortHandle`] watches looks at it: the bound on how long an
-/// abort takes to stop a store wait (plus one store round trip).
+/// abort takes to stop a store wait (plus one store round trip), in jobs of up to 100 ranks;
+/// larger jobs look every 0.2 ms × their world size, so that the store is not flooded.
 pub const ABORT_POLL: Duration = Duration::from_millis(20);
 
 type Hook = Box<dyn Fn(&str) + Send + Sync>;

@@ -191,8 +191,8 @@ pub enum Error {
         rank: usize,
         /// Why ([`AbortHandle::abort_with`](crate::AbortHandle::abort_with)).
         reason: String,
-        /// What it was waiting for, e.g. "for ranks [2] of 3 to join the store at
-        /// 127.0.0.1:29500".
+        /// What it was waiting for, e.g. `for ranks [2] of 3 to join the store at
+        /// 127.0.0.1:29500`.
         waiting: String,
     },
     /// Some required configuration is missing.

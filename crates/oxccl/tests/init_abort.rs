@@ -295,3 +295,54 @@ fn an_unaborted_pending_init_completes() {
         assert!(v.iter().all(|&x| x == 3.0));
     }
 }
+
+/// A thread-parking executor for one future.
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(std::sync::Arc::new(Unpark(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut f = std::pin::pin!(f);
+    loop {
+        if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park_timeout(Duration::from_secs(1));
+    }
+}
+
+/// `PendingInit` is a `Future`: two ranks awaited on two threads both complete; an aborted
+/// one completes with its error.
+#[test]
+fn a_pending_init_is_a_future() {
+    let _g = serial();
+    let (server, secret) = store();
+    let t = Duration::from_secs(30);
+    let ranks: Vec<usize> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let c = config(&server, &secret, r, 2, t);
+                s.spawn(move || {
+                    block_on(Communicator::init_config_async(c, opts(t)))
+                        .unwrap()
+                        .rank()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(ranks, [0, 1]);
+    let (server, secret) = store();
+    let p = Communicator::init_config_async(config(&server, &secret, 0, 2, t), opts(t));
+    let h = p.abort_handle();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        h.abort_with("the test aborted it");
+    });
+    let e = block_on(p).map(|c| c.rank()).unwrap_err();
+    expect_aborted(&e, 0, "for ranks [1] of 2 to join");
+}

@@ -7,6 +7,10 @@
 //! and over tcp with each rank in a network namespace of an `oxccl-testbed` test bed (root;
 //! under `CI=true` a missing prerequisite fails the test).
 //!
+//! Abort with a rank stopped (SIGSTOP) at a stage of its init: the aborted rank returns
+//! within 300 ms with `Error::Aborted` saying what it waited for, and the other rank ends
+//! naming the aborted or the stopped rank. Prints the latencies per stage.
+//!
 //! Environment: `OXCCL_INIT_CHAOS_TRIALS` (trials per transport, default 20),
 //! `OXCCL_CHAOS_SEED`, `OXCCL_INIT_CHAOS_STAGES` (comma-separated stages to choose from,
 //! default all).

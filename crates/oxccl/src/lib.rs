@@ -75,13 +75,14 @@ pub use oxccl_core::{schedule, topology, tuner, verify};
 
 pub use comm::{
     Buffers, COMPRESS_AUTO_MIN_BYTES, CallBuffers, Communicator, Compression,
-    DEFAULT_COMPRESS_CHUNK, Group, Input, Options, Output, Registered, Registration,
+    DEFAULT_COMPRESS_CHUNK, Group, Input, Options, Output, PendingInit, Registered, Registration,
     WatchdogAction, Work, default_host_id,
 };
 pub use engine::Stats;
 pub use error::{Error, OpDesc, Result};
-pub use fault::{Fault, FaultKind, Faults};
+pub use fault::{Fault, FaultKind, Faults, InitStage};
 pub use flight::DUMP_VERSION;
+pub use oxccl_bootstrap::AbortHandle;
 pub use oxccl_core::compress;
 pub use oxccl_core::dtype::{DataType, Element, ParseNameError, ReduceOp, as_bytes, as_bytes_mut};
 pub use oxccl_core::fp8::{self, F8E4M3, F8E5M2};

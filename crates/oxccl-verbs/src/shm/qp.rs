@@ -136,9 +136,11 @@ impl QpTransport for ShmQp {
         }
         let peer = self
             .shm
-            .peer(*pid, *ctx_token, socket)
+            .peer(*pid, *ctx_token, socket, qp.cfg.cancel.as_ref())
             .map_err(|e| e.to_string())?;
-        let seg = peer.qp_segment(*qp_token).map_err(|e| e.to_string())?;
+        let seg = peer
+            .qp_segment(*qp_token, qp.cfg.cancel.as_ref())
+            .map_err(|e| e.to_string())?;
         if seg.atomic_u64(H_MAGIC).load(Ordering::Acquire) != QP_MAGIC {
             return Err("the peer segment is not a queue pair".into());
         }

@@ -24,6 +24,7 @@ mod compress;
 mod group;
 mod grow;
 mod init;
+mod pending;
 mod rates;
 mod register;
 mod shrink;
@@ -34,6 +35,7 @@ pub use compress::{
     AUTO_MIN_BYTES as COMPRESS_AUTO_MIN_BYTES, Compression, DEFAULT_CHUNK as DEFAULT_COMPRESS_CHUNK,
 };
 pub use group::Group;
+pub use pending::PendingInit;
 pub use register::{Registered, Registration};
 pub use work::Work;
 pub use worker::{CallBuffers, Input, Output};
@@ -550,6 +552,9 @@ fn random_u64() -> u64 {
 impl Communicator {
     /// Connects this rank to its peers: shm queue pairs to ranks on the same host, tcp to the
     /// others (or the provider `options` force). Collective over the bootstrap's ranks.
+    /// A rank that never comes fails it within the timeouts, naming the missing ranks; to stop
+    /// it sooner from another thread, see [`Communicator::init_async`] and
+    /// [`Communicator::init_abortable`].
     pub fn init(bootstrap: Bootstrap, options: Options) -> Result<Communicator> {
         Communicator::init_shared(Arc::new(bootstrap), options)
     }

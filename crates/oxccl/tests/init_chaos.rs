@@ -20,7 +20,7 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
-use std::sync::Mutex;
+use std::sync::{Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use oxccl::{Communicator, InitStage, ReduceOp};
@@ -39,7 +39,13 @@ const TIMEOUT_S: u64 = 2;
 /// notice, plus slack for two shared cores.
 const BOUND: Duration = Duration::from_secs(2 * TIMEOUT_S + 5 + 5);
 
-static SERIAL: Mutex<()> = Mutex::new(());
+/// The abort trials (timed tightly) run alone: they take this for writing, the kill chaos for
+/// reading.
+static SERIAL: RwLock<()> = RwLock::new(());
+/// One kill chaos per transport at a time; the shm and the tcp chaos may overlap (their
+/// bound leaves room for that).
+static SHM: Mutex<()> = Mutex::new(());
+static BED: Mutex<()> = Mutex::new(());
 
 /// The peer processes' entry point (a no-op unless `OXCCL_TEST_CHILD` is set).
 #[test]
@@ -233,7 +239,10 @@ fn trial(
 }
 
 fn init_chaos(test: &str, tb: Option<&Testbed>) {
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _all = SERIAL.read().unwrap_or_else(|e| e.into_inner());
+    let _mine = if tb.is_some() { &BED } else { &SHM }
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     let trials: usize = std::env::var("OXCCL_INIT_CHAOS_TRIALS")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -399,7 +408,7 @@ fn abort_trial(tb: Option<&Testbed>, stage: InitStage) -> (Vec<String>, String) 
 }
 
 fn abort_trials(test: &str, tb: Option<&Testbed>, stages: &[InitStage]) {
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _g = SERIAL.write().unwrap_or_else(|e| e.into_inner());
     let mut failures = Vec::new();
     println!("\n{test}: rank 2 stopped at a stage, rank 1 aborted 500 ms in (ms after the abort)");
     println!("{:<8} {:>9} {:>9}", "stage", "rank 1", "rank 0");

@@ -9,7 +9,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use oxccl::{Communicator, Error, Options, ReduceOp};
-use oxccl_bootstrap::{Bootstrap, Config, Secret, TcpStore};
+use oxccl_bootstrap::{Bootstrap, Config, Secret, StoreServer, TcpStore};
 use serde_json::{Value, json};
 
 use common::{error_kind, report, run_ranks};
@@ -175,10 +175,21 @@ fn grow_scenario(args: &Value) -> Value {
 }
 
 fn launch(n: usize, timeout: &str, fault: Option<&str>, args: Value) -> Vec<common::RankOutput> {
+    launch_with(n, timeout, fault, &[], args)
+}
+
+fn launch_with(
+    n: usize,
+    timeout: &str,
+    fault: Option<&str>,
+    more: &[(&str, &str)],
+    args: Value,
+) -> Vec<common::RankOutput> {
     let mut env = vec![("OXCCL_PROVIDER", "shm"), ("OXCCL_TIMEOUT", timeout)];
     if let Some(f) = fault {
         env.push(("OXCCL_FAULT", f));
     }
+    env.extend_from_slice(more);
     run_ranks(n, &env, "grow", &args)
 }
 
@@ -282,4 +293,39 @@ fn a_newcomer_that_gave_up_is_not_admitted_later() {
         assert_eq!(r["world"], 3, "process {p}: {r}");
         assert_eq!(r["rank"], rank, "process {p}: {r}");
     }
+}
+
+/// Rank 0 can die too when the store runs on its own (`oxccl store`, here a server in the
+/// test): ranks 1 and 2 shrink to two, then take in a replacement, which joins through that
+/// store.
+#[test]
+fn rank_0_can_die_when_the_store_runs_on_its_own() {
+    let secret_text = common::random_hex();
+    let secret = Secret::new(secret_text.clone()).unwrap();
+    let server = StoreServer::bind("127.0.0.1:0", secret).unwrap();
+    let port = server.addr().port().to_string();
+    let outs = launch_with(
+        4,
+        "5",
+        Some("kill:rank=0,seq=3,after=1"),
+        &[
+            ("OXCCL_STORE_STANDALONE", "1"),
+            ("MASTER_PORT", &port),
+            ("OXCCL_SECRET", &secret_text),
+        ],
+        json!({ "mode": "replace", "members": 3, "doomed": 0 }),
+    );
+    assert!(
+        outs[0].status.is_some_and(|s| !s.success()),
+        "rank 0 was to die{}",
+        report(&outs)
+    );
+    for (p, rank) in [(1, 0), (2, 1), (3, 2)] {
+        let r = ok(&outs, p);
+        assert_eq!(r["world"], 3, "process {p}: {r}");
+        assert_eq!(r["rank"], rank, "process {p}: {r}");
+        assert_eq!(r["ids"], json!([1, 2, 3]), "process {p}: {r}");
+        eprintln!("process {p}: {r}");
+    }
+    drop(server);
 }

@@ -13,6 +13,9 @@
 #           job runs; the store closing a silent connection (needs >= 12 s).
 #   soak    4 ranks, random collectives, every result checked; RSS and descriptors must not
 #           grow. Plus the all-to-allv regression it found.
+#   elastic random kill points in shrink, grow and init (shm, and tcp in network namespaces):
+#           every survivor ends in a working communicator or with an error naming a rank
+#           within the bound (tests/elastic_chaos.rs, tests/init_chaos.rs), CHAOS_TRIALS each.
 #
 #   scripts/chaos.sh            # everything, bounded by CHAOS_BUDGET seconds
 #
@@ -49,6 +52,8 @@ for v in "$trials" "$stop_runs" "$stranger_secs" "$soak_calls" "$budget"; do
     fi
 done
 export OXCCL_CHAOS_TRIALS=$trials OXCCL_STRANGER_SECS=$stranger_secs OXCCL_SOAK_CALLS=$soak_calls
+export OXCCL_ELASTIC_TRIALS=$trials OXCCL_INIT_CHAOS_TRIALS=$trials
+[ -n "${CHAOS_SEED:-}" ] && export OXCCL_ELASTIC_SEED=$CHAOS_SEED
 [ -n "${CHAOS_COLLS:-}" ] && export OXCCL_CHAOS_COLLS=$CHAOS_COLLS
 [ -n "${CHAOS_SEED:-}" ] && export OXCCL_CHAOS_SEED=$CHAOS_SEED
 [ -n "${CHAOS_SOAK_SEED:-}" ] && export OXCCL_SOAK_SEED=$CHAOS_SOAK_SEED
@@ -58,7 +63,8 @@ start=$(date +%s)
 left() { echo $((budget - ($(date +%s) - start))); }
 
 echo "== building the tests =="
-if ! cargo test -p oxccl --test chaos --test soak --no-run 2>&1 | tail -3; then
+if ! cargo test -p oxccl --test chaos --test soak --test elastic_chaos --test init_chaos \
+    --no-run 2>&1 | tail -3; then
     echo "FAILED: the build" >&2
     exit 1
 fi
@@ -106,6 +112,12 @@ step abort-in-process chaos abort_from_another_thread_unblocks_a_blocked_call
 step strangers chaos strangers_at_the_store_do_not_disturb_a_running_job
 step soak soak soak_random_collectives_shm
 step all-to-allv-regression soak all_to_allv_with_one_block_over_the_mailbox_size_shm
+step shrink-shm elastic_chaos random_kills_in_shrink_shm
+step shrink-tcp-netns elastic_chaos random_kills_in_shrink_tcp_netns
+step grow-shm elastic_chaos random_kills_in_grow_shm
+step grow-tcp-netns elastic_chaos random_kills_in_grow_tcp_netns
+step init-shm init_chaos kill_a_rank_during_init_shm
+step init-tcp-netns init_chaos kill_a_rank_during_init_tcp_netns
 
 echo
 echo "== kill trials (from $logs/kill-*.log) =="
@@ -113,6 +125,11 @@ for f in "$logs"/kill-shm.log "$logs"/kill-tcp-netns.log; do
     [ -f "$f" ] && awk '/kill trials over/ {p = 1; print; next}
         p && !/^(collective|[a-z_]+ +(shm|tcp) +[0-9])/ {p = 0}
         p' "$f"
+done
+echo
+echo "== elastic trials =="
+for f in "$logs"/shrink-*.log "$logs"/grow-*.log "$logs"/init-*.log; do
+    [ -f "$f" ] && grep -h -e 'trials ended cleanly' "$f"
 done
 echo
 echo "== soak =="

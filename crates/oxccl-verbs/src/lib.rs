@@ -90,7 +90,7 @@ pub use config::{DeviceConfig, parse_ip_or_sockaddr};
 pub use context::{Context, Device, ProtectionDomain, host_identity};
 pub use cq::CompletionQueue;
 pub use error::{Error, Result};
-pub use mr::{DEREGISTER_WAIT, MemoryRegion, RemoteMapping};
+pub use mr::{DEREGISTER_WAIT, DEREGISTER_WAIT_PEERS, MemoryRegion, RemoteMapping};
 pub use provider::Provider;
 pub use qp::{EndpointAddr, QpEndpoint, QueuePair};
 pub use types::*;

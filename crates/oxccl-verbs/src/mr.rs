@@ -19,8 +19,9 @@ use crate::types::{AccessFlags, RemoteBuffer, WcStatus};
 /// Dropping it deregisters it. [`MemoryRegion::deregister`] does so early: later remote accesses
 /// with its rkey fail with `RemoteAccessError`, later local uses with `LocalProtectionError`, while
 /// the memory itself stays valid until the last request that references it has completed.
-/// Deregistering waits (up to [`DEREGISTER_WAIT`]) for the remote writes into the region that
-/// were already under way (a peer's copy into a shared mapping, the tcp target's receive of a
+/// Deregistering waits (up to [`DEREGISTER_WAIT`], [`DEREGISTER_WAIT_PEERS`] for peers that
+/// write with their own copies) for the remote writes into the region that were already under
+/// way (a peer's copy into a shared mapping, the tcp target's receive of a
 /// payload): once it returns, no peer writes the memory any more.
 pub struct MemoryRegion {
     pub(crate) inner: Arc<MrInner>,
@@ -43,11 +44,17 @@ pub(crate) struct MrInner {
     writers: AtomicU32,
 }
 
-/// How long deregistering waits for the writes into the region already under way. A writer
-/// that has not finished by then (a peer process killed in the middle of its copy, a payload
-/// stuck on a silent connection) cannot write after its process or connection is gone; the
-/// region's table entry is then not reused.
+/// How long deregistering waits for the writes into the region already under way in this
+/// process (the tcp target's receive of a payload, which a slow link can stretch). A writer
+/// that has not finished by then (a payload stuck on a silent connection) cannot write once
+/// its connection is gone; the region's table entry is then not reused.
 pub const DEREGISTER_WAIT: Duration = Duration::from_secs(2);
+
+/// How long deregistering waits for peers' writes (shm: one copy of at most a fragment, a
+/// millisecond or so): longer means the writer died in the middle of its copy, leaving its
+/// count behind (a dead process writes no more), and waiting on would only stall the
+/// teardown of a communicator that lost that peer.
+pub const DEREGISTER_WAIT_PEERS: Duration = Duration::from_millis(250);
 
 /// A write into a region under way, announced before the region's registration is checked:
 /// [`MemoryRegion::deregister`] waits until none is left, so that no write lands after it.
@@ -305,15 +312,22 @@ impl MrInner {
         true
     }
 
-    /// Waits (up to [`DEREGISTER_WAIT`]) until no write into the region is under way, here or
-    /// by a peer; whether none is.
+    /// Waits (up to [`DEREGISTER_WAIT`] for this process's writers, [`DEREGISTER_WAIT_PEERS`]
+    /// for peers') until no write into the region is under way; whether none is.
     fn wait_for_writers(&self) -> bool {
         let table = self.ctx.seg.mr_u64(self.index, MR_WRITERS);
-        let idle = || self.writers.load(Ordering::SeqCst) == 0 && table.load(Ordering::SeqCst) == 0;
         let start = Instant::now();
         let mut spins = 0u32;
-        while !idle() {
-            if start.elapsed() >= DEREGISTER_WAIT {
+        loop {
+            let local = self.writers.load(Ordering::SeqCst) == 0;
+            let peers = table.load(Ordering::SeqCst) == 0;
+            if local && peers {
+                return true;
+            }
+            let waited = start.elapsed();
+            if (!local && waited >= DEREGISTER_WAIT)
+                || (local && !peers && waited >= DEREGISTER_WAIT_PEERS)
+            {
                 return false;
             }
             spins += 1;
@@ -325,7 +339,6 @@ impl MrInner {
                 std::thread::sleep(Duration::from_micros(100));
             }
         }
-        true
     }
 
     pub(crate) fn is_registered(&self) -> bool {

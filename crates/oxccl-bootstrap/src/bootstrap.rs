@@ -406,6 +406,30 @@ impl Bootstrap {
         job_id: &str,
         timeout: Duration,
     ) -> Result<Bootstrap> {
+        Bootstrap::with_store_watched(rank, world_size, store, job_id, timeout, None)
+    }
+
+    /// [`Bootstrap::with_store`] whose join (and every later wait, as
+    /// [`Bootstrap::set_abort`] says) stops with [`Error::Aborted`] once `abort` is aborted.
+    pub fn with_store_abortable(
+        rank: usize,
+        world_size: usize,
+        store: Box<dyn Store>,
+        job_id: &str,
+        timeout: Duration,
+        abort: &AbortHandle,
+    ) -> Result<Bootstrap> {
+        Bootstrap::with_store_watched(rank, world_size, store, job_id, timeout, Some(abort))
+    }
+
+    fn with_store_watched(
+        rank: usize,
+        world_size: usize,
+        store: Box<dyn Store>,
+        job_id: &str,
+        timeout: Duration,
+        abort: Option<&AbortHandle>,
+    ) -> Result<Bootstrap> {
         let keys = Keys {
             prefix: format!("oxccl/{job_id}/"),
         };
@@ -428,7 +452,7 @@ impl Bootstrap {
             timeout,
             keys,
             generations: Mutex::new(HashMap::new()),
-            abort: Mutex::new(None),
+            abort: Mutex::new(abort.cloned()),
             rank0_serves: false,
             fail_waited: Default::default(),
             store,

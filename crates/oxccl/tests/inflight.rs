@@ -22,8 +22,18 @@ fn child_entry() {
 }
 
 fn dispatch(scenario: &str, args: &Value) -> Value {
-    let comm = Communicator::from_env().unwrap_or_else(|e| panic!("init: {e}"));
+    let comm = if scenario == "learner_behind" {
+        // Each rank its own host, over tcp: the link-rate learner runs, a round after every call.
+        let mut o = oxccl::Options::from_env().unwrap();
+        o.host_id = Some(format!("host{}", common::env_rank().0));
+        o.learn_interval = 1;
+        let boot = oxccl_bootstrap::Bootstrap::from_env().unwrap();
+        Communicator::init(boot, o).unwrap_or_else(|e| panic!("init: {e}"))
+    } else {
+        Communicator::from_env().unwrap_or_else(|e| panic!("init: {e}"))
+    };
     let r = match scenario {
+        "learner_behind" => learner_behind(&comm),
         "exchange" => exchange(&comm, args),
         "many" => many(&comm, args),
         "dies" => dies(comm),
@@ -206,6 +216,38 @@ fn behind(comm: &Communicator) -> oxccl::Result<Vec<String>> {
     Ok(wrong)
 }
 
+/// Calls that feed the link-rate learner, started on rank 0 behind a closure (so numbered by
+/// the worker when it reaches them) and on rank 1 directly: every rank counts them alike and
+/// runs the learner's rounds at the same calls (a rank that did not would be in a round while
+/// the other runs an all-reduce: a mismatch).
+fn learner_behind(comm: &Communicator) -> oxccl::Result<Vec<String>> {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let mut wrong = Vec::new();
+    // Rank 0 starts its calls while a closure runs (they are deferred to the worker); rank 1
+    // has none (each call is numbered on this thread and run alone).
+    let mut first = (rank == 0).then(|| {
+        comm.submit(|_| {
+            std::thread::sleep(Duration::from_millis(300));
+            Ok(())
+        })
+    });
+    let len = 1 << 19; // 2 MiB of f32: above the learner's smallest call
+    let mut works: Vec<Work<Vec<f32>>> = (0..5)
+        .map(|k| comm.all_reduce_async(vec![(rank + k) as f32; len], ReduceOp::Sum))
+        .collect();
+    if let Some(f) = first.as_mut() {
+        wait(f)?;
+    }
+    for (k, w) in works.iter_mut().enumerate() {
+        let v = wait(w)?;
+        let want = (0..n).map(|r| (r + k) as f32).sum::<f32>();
+        if v.iter().any(|&x| x != want) {
+            wrong.push(format!("call {k}: {} != {want}", v[0]));
+        }
+    }
+    Ok(wrong)
+}
+
 /// Rank 1 exits while rank 0 has several calls in flight: every one of them fails, naming
 /// rank 1, within the timeout.
 fn dies(comm: Communicator) -> ! {
@@ -289,6 +331,20 @@ fn calls_started_behind_a_closure_keep_their_order_and_do_not_wait() {
             assert_eq!(v["ok"], true, "{provider}, rank {rank}: {v}");
             assert_eq!(v["wrong"], json!([]), "{provider}, rank {rank}: {v}");
         }
+    }
+}
+
+#[test]
+fn calls_that_feed_the_learner_are_counted_alike_behind_a_closure() {
+    let out = run_ranks(
+        2,
+        &[("OXCCL_PROVIDER", "tcp")],
+        "learner_behind",
+        &json!({}),
+    );
+    for (rank, v) in expect_results("learner_behind", &out).iter().enumerate() {
+        assert_eq!(v["ok"], true, "rank {rank}: {v}");
+        assert_eq!(v["wrong"], json!([]), "rank {rank}: {v}");
     }
 }
 

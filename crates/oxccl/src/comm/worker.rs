@@ -51,9 +51,38 @@ pub(super) struct Deferred {
     checked: Carried,
     timeout: Duration,
     done: Box<dyn FnOnce(Result<()>) + Send>,
+    /// Whether the call may feed the link-rate learner (then it runs alone, when the worker
+    /// reaches it, as a blocking call does: every rank counts it alike).
+    metered: bool,
 }
 
 impl Deferred {
+    /// Whether the call must run alone: it feeds the link-rate learner.
+    fn alone(&self, comm: &Communicator) -> bool {
+        let c = &self.checked.0;
+        self.metered
+            && comm.runs_alone(
+                &comm.lock(),
+                &self.coll,
+                self.dtype,
+                c.in_len.max(c.out_len),
+            )
+    }
+
+    /// Runs the call alone, now (on the worker), and completes its work.
+    fn run_alone(self, comm: &Communicator) {
+        let r = comm.run_checked(
+            &self.coll,
+            self.dtype,
+            self.op,
+            self.checked.take(),
+            self.timeout,
+        );
+        (self.done)(r);
+        comm.inner.unnumbered.fetch_sub(1, Ordering::AcqRel);
+        comm.job_done();
+    }
+
     /// Numbered and planned now (on the worker): a started call, or its work failed.
     fn number(self, comm: &Communicator) -> Option<Started> {
         let planned = {
@@ -340,6 +369,7 @@ impl Communicator {
                 checked: Carried(checked),
                 timeout,
                 done: finish,
+                metered,
             })));
             return;
         }
@@ -347,14 +377,8 @@ impl Communicator {
         // link-rate learner. The others are numbered and planned now, in the caller's order.
         let planned = {
             let mut st = self.lock();
-            let alone = metered
-                && st.learner.is_some()
-                && crate::learn::eligible(
-                    &coll,
-                    &st.tuning,
-                    dtype.size(),
-                    checked.in_len.max(checked.out_len),
-                );
+            let alone =
+                metered && self.runs_alone(&st, &coll, dtype, checked.in_len.max(checked.out_len));
             (!alone).then(|| {
                 self.check_usable(&st, &coll)
                     .and_then(|()| self.prepare(&mut st, &coll, dtype, op, checked.in_place))
@@ -447,6 +471,18 @@ impl Communicator {
     }
 
     /// A job (or one call of a session) is over.
+    /// Whether a call of `bytes` feeds the link-rate learner, and so must run alone (as the
+    /// blocking calls run: every rank counts it at the same place).
+    fn runs_alone(
+        &self,
+        st: &super::State,
+        coll: &Collective,
+        dtype: DataType,
+        bytes: usize,
+    ) -> bool {
+        st.learner.is_some() && crate::learn::eligible(coll, &st.tuning, dtype.size(), bytes)
+    }
+
     fn job_done(&self) {
         let (m, cv) = &self.inner.pending;
         let mut p = m.lock().unwrap_or_else(|e| e.into_inner());
@@ -511,6 +547,7 @@ fn worker(inner: Weak<Inner>, rx: Receiver<Job>) {
                 comm.job_done();
             }
             Job::Call(s) => next = Session::new(&comm, &rx).run(*s),
+            Job::Deferred(d) if d.alone(&comm) => d.run_alone(&comm),
             Job::Deferred(d) => {
                 if let Some(s) = d.number(&comm) {
                     next = Session::new(&comm, &rx).run(s);
@@ -565,6 +602,11 @@ impl<'c> Session<'c> {
                 };
                 let s = match job {
                     Job::Call(s) => s,
+                    // It runs alone: once the calls flying have landed.
+                    Job::Deferred(d) if d.alone(self.comm) => {
+                        next = Some(Job::Deferred(d));
+                        break;
+                    }
                     Job::Deferred(d) => match d.number(self.comm) {
                         Some(s) => Box::new(s),
                         None => continue,

@@ -64,6 +64,12 @@ __all__ = [
     "BfpState",
     "bfp_hook",
     "backend",
+    "shrink",
+    "grow",
+    "join",
+    "wrap",
+    "backend_store",
+    "is_failure",
 ]
 
 BACKEND = "oxccl"
@@ -116,7 +122,9 @@ class _Work(dist._Work):
 
     ``work`` is the oxccl.Work of a submitted call (None when the call already ran);
     ``value`` is what the future completes with (the output tensors); ``after`` runs once the
-    call has ended (copying results out of staging buffers) before anyone sees it complete.
+    call has ended (copying results out of staging buffers) before anyone sees it complete;
+    ``error``: the call already failed with it (an ``async_op`` call that failed on the calling
+    thread: its Work reports the error, as Gloo's does, rather than the call raising).
     """
 
     def __init__(
@@ -124,8 +132,11 @@ class _Work(dist._Work):
         work: Optional[_oxccl.Work] = None,
         value: Optional[list] = None,
         after: Optional[Callable[[], None]] = None,
+        error: Optional[BaseException] = None,
     ):
         super().__init__()
+        self._error = error
+        self._base: Optional[torch.futures.Future] = None
         self._work = work
         self._value = value if value is not None else []
         self._after = after
@@ -141,6 +152,8 @@ class _Work(dist._Work):
                 after()
 
     def wait(self, timeout: Any = None) -> bool:
+        if self._error is not None:
+            raise self._error
         if self._work is not None:
             self._work.wait(_seconds(timeout))
         self._run_after()
@@ -150,9 +163,13 @@ class _Work(dist._Work):
         return self._work is None or self._work.is_completed()
 
     def is_success(self) -> bool:
+        if self._error is not None:
+            return False
         return self._work is None or self._work.is_success()
 
     def exception(self) -> Any:
+        if self._error is not None:
+            return self._error
         return None if self._work is None else self._work.exception()
 
     def result(self) -> list:
@@ -162,20 +179,26 @@ class _Work(dist._Work):
     def get_future(self) -> torch.futures.Future:
         if self._future is not None:
             return self._future
-        fut: torch.futures.Future = torch.futures.Future()
-        self._future = fut
-        if self._work is None:
+        if self._error is None and self._work is None:
+            fut: torch.futures.Future = torch.futures.Future()
             self._run_after()
             fut.set_result(self._value)
+            self._future = fut
+            return fut
+        # The future handed out is ``base.then(...)``: it ends in error at the C++ level when
+        # the call fails, which DDP's reducer needs (see _errorable_future).
+        self._base, self._future = _errorable_future()
+        if self._error is not None:
+            self._base.set_exception(self._error)
         elif self._after is None:
-            # Completed from Rust's completion thread, with no Python in between.
-            self._work._complete_future(fut, self._value)
+            # Completed from Rust's completion thread.
+            self._work._complete_future(self._base, self._value)
         else:
             self._work.add_done_callback(self._complete)
-        return fut
+        return self._future
 
     def _complete(self, work: _oxccl.Work) -> None:
-        fut = self._future
+        fut = self._base
         exc = work.exception()
         if exc is None:
             try:
@@ -188,7 +211,32 @@ class _Work(dist._Work):
             fut.set_exception(exc)
 
 
+def _unwrap(fut: torch.futures.Future) -> Any:
+    return fut.wait()  # the value, or the call's error raised
+
+
+def _errorable_future() -> tuple:
+    """(base, out): complete ``base`` (``set_result`` or ``set_exception``) and ``out``
+    completes the same way, with an error C++ consumers see. torch's Python
+    ``Future.set_exception`` completes the C++ future successfully, with the exception object
+    as its value (only Python's ``wait`` raises it): DDP's reducer then read that object as its
+    bucket's tensors and crashed the process (SIGSEGV) when a gradient all-reduce failed. A
+    ``then`` callback that raises fails its future properly; it costs one Python call per
+    completion."""
+    base: torch.futures.Future = torch.futures.Future()
+    return base, base.then(_unwrap)
+
+
 _DONE_VALUE: list = []
+
+
+def _failed(e: BaseException, value: list) -> _Work:
+    """An ``async_op`` call that failed on the calling thread (run there, or refused at once by
+    a failed communicator): its Work carries the error, as Gloo's would (torchft's Manager and
+    DDP's reducer read errors from the Work); a bad argument still raises at the call."""
+    if isinstance(e, InvalidArgument):
+        raise e
+    return _Work(None, value, error=e)
 
 
 def _cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -304,7 +352,18 @@ class ProcessGroupOxccl(_C10dBackend):
     backend to hold the group's name (``RuntimeError: ProcessGroup name not set`` from
     ``init_device_mesh``). ``oxccl.torch.backend(group)`` finds this object behind a group."""
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: Any = None):
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        timeout: Any = None,
+        communicator: Optional[_oxccl.Communicator] = None,
+    ):
+        if communicator is not None:
+            # A communicator made elsewhere (a shrink, a grow, a join: oxccl.torch.shrink,
+            # grow, join); it says the rank and size.
+            rank, size = communicator.rank, communicator.world_size
         super().__init__(rank, size)
         env = os.environ.get("OXCCL_TIMEOUT")
         seconds = None if env else _seconds(timeout)
@@ -312,7 +371,10 @@ class ProcessGroupOxccl(_C10dBackend):
         self._compress: Optional[str] = _env_format("OXCCL_COMPRESS")
         self._rs_compress: Optional[str] = _env_format("OXCCL_REDUCE_SCATTER_COMPRESS")
         self._noted: set = set()
-        self._comm = _oxccl.Communicator(
+        # Reconfigurations (shrink, grow, join) since init_process_group: names the groups
+        # they make alike on every rank (oxccl.torch.shrink and friends).
+        self.generation = 0
+        self._comm = communicator if communicator is not None else _oxccl.Communicator(
             store=store,
             rank=rank,
             world_size=size,
@@ -457,7 +519,10 @@ class ProcessGroupOxccl(_C10dBackend):
             if after is not None:
                 after()
             return _Work(None, value)
-        works = [call(True) for call in calls]
+        try:
+            works = [call(True) for call in calls]
+        except _Error as e:
+            return _failed(e, value)
         work = works[-1] if works else None
         # Calls run in order on the worker: the last one ending means all have. Earlier
         # failures would make the last one fail too (the communicator is then unusable);
@@ -490,12 +555,16 @@ class ProcessGroupOxccl(_C10dBackend):
             r = _real(t, op)
             # Small async_op calls run here too (eager), unless OXCCL_TORCH_EAGER_BYTES says
             # otherwise: see _EAGER_BYTES.
-            if not getattr(opts, "asyncOp", True) or (
-                t.numel() * t.element_size() <= _EAGER_BYTES
-            ):
+            if not getattr(opts, "asyncOp", True):
                 self._comm.all_reduce(r, op)
                 return _Work(None, tensors)
-            return _Work(self._comm.all_reduce(r, op, async_op=True), tensors)
+            try:
+                if t.numel() * t.element_size() <= _EAGER_BYTES:
+                    self._comm.all_reduce(r, op)
+                    return _Work(None, tensors)
+                return _Work(self._comm.all_reduce(r, op, async_op=True), tensors)
+            except _Error as e:
+                return _failed(e, tensors)
         return self._issue(opts, [self._allreduce_call(t, op) for t in tensors], tensors)
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> _Work:
@@ -1011,17 +1080,17 @@ def bfp_hook(state: BfpState, bucket: Any) -> torch.futures.Future:
     work = comm.all_reduce(
         flat, _oxccl.ReduceOp.AVG, compress=state.compress, residual=e, async_op=True
     )
-    fut: torch.futures.Future = torch.futures.Future()
+    base, out = _errorable_future()
 
     def done(w: Any) -> None:
         exc = w.exception()
         if exc is None:
-            fut.set_result(t)
+            base.set_result(t)
         else:
-            fut.set_exception(exc)
+            base.set_exception(exc)  # out fails where DDP sees it (see _errorable_future)
 
     work.add_done_callback(done)
-    return fut
+    return out
 
 
 # DDP checks a hook's annotations as objects (this module's are strings).
@@ -1114,3 +1183,6 @@ def _register() -> None:
 
 _register()
 _install_ddp_hooks()
+
+# Elastic groups (issue 32): a new ProcessGroup after a shrink, a grow or a join.
+from ._torch_elastic import backend_store, grow, is_failure, join, shrink, wrap  # noqa: E402

@@ -147,6 +147,23 @@ class Communicator:
     def shrink_after_failure(self) -> "Communicator":
         """Aborts this communicator and shrinks to the ranks its failures did not name."""
         ...
+    def grow(self, count: int = 1) -> "Communicator":
+        """Admits ``count`` newcomers (``Communicator.join``); members keep their ranks."""
+        ...
+    @staticmethod
+    def join(
+        store: Any,
+        *,
+        job_id: str = "py",
+        timeout: Optional[float] = None,
+        options: Optional[Mapping[str, str]] = None,
+    ) -> "Communicator":
+        """Joins a running job as a newcomer once its ranks call ``grow``."""
+        ...
+    @property
+    def lineage(self) -> str:
+        """The job id newcomers join under."""
+        ...
     @property
     def failed_peers(self) -> list[int]: ...
     def abort(self) -> None: ...

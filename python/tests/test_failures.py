@@ -185,6 +185,72 @@ def test_survivors_shrink_and_go_on():
             assert "rank 1" in res["raised"] and res["failed_peers"] == [1], res
 
 
+def worker_grow():
+    """Ranks 0 and 1 run a job over torch's TCPStore; process 2 joins it as a newcomer
+    (``Communicator.join``) when they call ``grow``; the three all-reduce."""
+    import numpy as np
+    from torch.distributed import TCPStore
+
+    import oxccl
+
+    me = int(os.environ["RANK"])
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    out = {}
+    if me < 2:
+        store = TCPStore(host, port, is_master=me == 0, wait_for_workers=False)
+        comm = oxccl.Communicator(store=store, rank=me, world_size=2, job_id="grow-test")
+        out["lineage"] = comm.lineage
+        x = np.full(8, me + 1, np.float32)
+        comm.all_reduce(x)
+        out["before"] = float(x[0])
+        # An argument error names the count.
+        try:
+            comm.grow(0)
+            out["zero"] = None
+        except oxccl.InvalidArgument as e:
+            out["zero"] = str(e)
+        t0 = time.monotonic()
+        big = comm.grow(1)
+    else:
+        store = TCPStore(host, port, is_master=False)
+        # Nobody admits a newcomer of another job: it withdraws within its timeout.
+        t0 = time.monotonic()
+        try:
+            oxccl.Communicator.join(store, job_id="no-such-job", timeout=0.5)
+            out["stranger"] = None
+        except oxccl.Error as e:
+            out["stranger"] = [type(e).__name__, str(e), time.monotonic() - t0]
+        t0 = time.monotonic()
+        big = oxccl.Communicator.join(store, job_id="grow-test", timeout=30)
+    out["grow_s"] = time.monotonic() - t0
+    out["rank"], out["size"] = big.rank, big.world_size
+    y = np.full(8, me + 1, np.float32)
+    big.all_reduce(y)
+    out["sum"] = float(y[0])
+    big.destroy()
+    launch.report(out)
+    os._exit(0)
+
+
+def test_a_newcomer_joins_through_torchs_store():
+    ranks = launch.run("test_failures", "worker_grow", 3, timeout=120,
+                       env={"OXCCL_TIMEOUT": "20"})
+    for r in ranks:
+        assert r.returncode == 0 and r.result, launch.explain(ranks)
+    for me, r in enumerate(ranks):
+        res = r.result
+        assert (res["rank"], res["size"]) == (me, 3), res
+        assert res["sum"] == 6.0, res  # 1 + 2 + 3
+        assert res["grow_s"] < 20, res
+    for me in (0, 1):
+        res = ranks[me].result
+        assert res["before"] == 3.0 and res["lineage"] == "grow-test", res
+        assert res["zero"] and "count is 0" in res["zero"], res
+    kind, msg, secs = ranks[2].result["stranger"]
+    assert kind == "Error" and "no member of the job admitted it" in msg, msg
+    assert 0.4 < secs < 5, secs
+
+
 def worker_monitored_barrier_timeout():
     import datetime
 

@@ -684,6 +684,16 @@ impl Bootstrap {
         &self.store_addr
     }
 
+    /// The job id that namespaces this bootstrap's keys (`oxccl/<job id>/...`): the
+    /// [`Config::job_id`], or the one given to [`Bootstrap::with_store`].
+    pub fn job_id(&self) -> &str {
+        self.keys
+            .prefix
+            .strip_prefix("oxccl/")
+            .and_then(|p| p.strip_suffix('/'))
+            .unwrap_or(&self.keys.prefix)
+    }
+
     /// The store, for the caller's own keys (keep them out of the `oxccl/` prefix).
     pub fn store(&self) -> &dyn Store {
         self.store.as_ref()

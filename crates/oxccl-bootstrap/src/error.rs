@@ -206,6 +206,15 @@ impl Error {
         matches!(self, Error::StoreGone { .. })
     }
 
+    /// The ranks the error names as missing or failed (none for other errors).
+    pub fn missing_ranks(&self) -> Vec<usize> {
+        match self {
+            Error::RanksMissing { missing, .. } => missing.clone(),
+            Error::RankFailed { rank, .. } => vec![*rank],
+            _ => vec![],
+        }
+    }
+
     /// Whether the error is a timeout (keys or ranks missing).
     pub fn is_timeout(&self) -> bool {
         matches!(self, Error::Timeout { .. } | Error::RanksMissing { .. })

@@ -1395,6 +1395,63 @@ impl PyCommunicator {
             .map_err(|e| errors::to_py(py, &e))
     }
 
+    /// Admits ``count`` newcomers (processes calling ``Communicator.join`` with this job's
+    /// store and job id) and returns the communicator of this one's ranks and theirs: the
+    /// members keep their ranks, the newcomers follow in the order they asked. Called by every
+    /// rank with the same ``count``, between calls. Raises ``oxccl.Error`` when the newcomers
+    /// do not come within the timeout (this communicator stays usable), or when a member or
+    /// newcomer dies meanwhile (``peer``: the first member that did not answer, if any).
+    #[pyo3(signature = (count=1))]
+    fn grow(&self, py: Python<'_>, count: usize) -> PyResult<PyCommunicator> {
+        let comm = self.get(py)?;
+        let r = py.detach(|| comm.grow(count));
+        r.map(PyCommunicator::wrap)
+            .map_err(|e| errors::to_py(py, &e))
+    }
+
+    /// Joins a running job as a newcomer: waits (up to ``timeout`` seconds, default
+    /// ``OXCCL_TIMEOUT`` or 300) until its ranks call ``grow`` and admit this process, and
+    /// returns the grown communicator (this process ranks after the members). ``store`` is the
+    /// job's store (a torch ``Store``, or ``oxccl.Store``), ``job_id`` the one the job's
+    /// communicator was made with (``"py"`` by default; ``"torch"`` for the torch backend,
+    /// over the store c10d hands it). Raises ``oxccl.Error`` if nobody admits it in time (it
+    /// withdraws: a later grow will not count it).
+    #[staticmethod]
+    #[pyo3(signature = (store, *, job_id="py", timeout=None, options=None))]
+    fn join(
+        py: Python<'_>,
+        store: &Bound<'_, PyAny>,
+        job_id: &str,
+        timeout: Option<f64>,
+        options: Option<HashMap<String, String>>,
+    ) -> PyResult<PyCommunicator> {
+        let timeout = parse_timeout(timeout)?;
+        let options = options.unwrap_or_default();
+        if let Some(k) = options.keys().find(|k| !k.starts_with("OXCCL_")) {
+            return Err(errors::value_error(format!(
+                "options: {k:?} is not an OXCCL_* setting"
+            )));
+        }
+        let store = PyStore::new(store)?;
+        let job = job_id.to_string();
+        let r = py.detach(move || -> oxccl::Result<Communicator> {
+            let mut opts =
+                Options::from_vars(&|k| options.get(k).cloned().or_else(|| std::env::var(k).ok()))?;
+            if let Some(t) = timeout {
+                opts.timeout = t;
+            }
+            Communicator::join(Box::new(store), &job, opts)
+        });
+        r.map(PyCommunicator::wrap)
+            .map_err(|e| errors::to_py(py, &e))
+    }
+
+    /// The job id newcomers join this communicator's job under (``Communicator.join``).
+    #[getter]
+    fn lineage(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(self.get(py)?.lineage())
+    }
+
     /// The ranks failures on this communicator named (a lost peer), in the order seen.
     #[getter]
     fn failed_peers(&self, py: Python<'_>) -> PyResult<Vec<usize>> {

@@ -81,6 +81,8 @@ pub fn classify(e: &oxccl::Error) -> (Kind, Option<usize>, Option<usize>) {
         E::Aborted { rank, .. } => (Kind::Aborted, Some(*rank), None),
         E::WaitTimeout { rank, .. } => (Kind::Timeout, Some(*rank), None),
         E::Poisoned { rank, .. } => (Kind::Error, Some(*rank), None),
+        E::Shrink { rank, missing, .. } => (Kind::Error, Some(*rank), missing.first().copied()),
+        E::Grow { missing, .. } => (Kind::Error, None, missing.first().copied()),
         _ => (Kind::Error, None, None),
     }
 }

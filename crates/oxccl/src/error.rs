@@ -132,6 +132,18 @@ pub enum Error {
         /// The ranks (of the old communicator) that did not answer, if any.
         missing: Vec<usize>,
     },
+    /// [`Communicator::grow`](crate::Communicator::grow) or
+    /// [`Communicator::join`](crate::Communicator::join) could not admit the newcomers or make
+    /// the grown communicator in time.
+    #[error("{who}: {detail}{}", missing_list(missing))]
+    Grow {
+        /// The calling rank (`rank R`), or the newcomer (with its ticket).
+        who: String,
+        /// What it waited for, or why it failed.
+        detail: String,
+        /// The members (ranks of the communicator being grown) that did not answer, if any.
+        missing: Vec<usize>,
+    },
     /// An earlier error left the communicator unusable.
     #[error("rank {rank}: the communicator is unusable after an earlier error: {first}")]
     Poisoned {

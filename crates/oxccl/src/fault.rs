@@ -19,7 +19,10 @@
 //! start), `peer` (`drop`/`delay`/`corrupt`: only sends to this rank; default any), `ms`
 //! (`delay`; default 1000), `shrink` (`kill`/`stop` only: instead of during a call, in the
 //! shrink of this epoch, once the survivors have decided who is excluded and before they build
-//! the new communicator: a rank dying during a [`Communicator::shrink`](crate::Communicator::shrink)).
+//! the new communicator: a rank dying during a [`Communicator::shrink`](crate::Communicator::shrink)),
+//! `grow` (`kill`/`stop` only: in this communicator's grow of this number, once the members
+//! agreed whom to admit and before they make the grown communicator: a member dying during a
+//! [`Communicator::grow`](crate::Communicator::grow)).
 //! A fault that finds no chance in its call (no send, no registration) fires at the first
 //! chance in a later one.
 //!
@@ -66,6 +69,9 @@ pub struct Fault {
     pub delay: Duration,
     /// `kill`/`stop`: fire in this shrink epoch (after the decision) instead of in a call.
     pub shrink: Option<u64>,
+    /// `kill`/`stop`: fire in this communicator's grow (1 for its first; after the members
+    /// agreed whom to admit) instead of in a call.
+    pub grow: Option<u64>,
 }
 
 /// A list of faults, parsed from `OXCCL_FAULT`'s syntax.
@@ -113,6 +119,7 @@ impl FromStr for Faults {
                 peer: None,
                 delay: Duration::from_secs(1),
                 shrink: None,
+                grow: None,
             };
             for kv in keys.split(',').map(str::trim).filter(|k| !k.is_empty()) {
                 let (k, v) = kv
@@ -129,9 +136,11 @@ impl FromStr for Faults {
                     "peer" => f.peer = Some(n as usize),
                     "ms" => f.delay = Duration::from_millis(n),
                     "shrink" => f.shrink = Some(n),
+                    "grow" => f.grow = Some(n),
                     k => {
                         return Err(format!(
-                            "unknown key {k:?} in {item:?} (rank, seq, after, peer, ms, shrink)"
+                            "unknown key {k:?} in {item:?} (rank, seq, after, peer, ms, shrink, \
+                             grow)"
                         ));
                     }
                 }
@@ -153,16 +162,33 @@ pub(crate) struct Injector {
 
 /// A `kill` or `stop` fault of `rank` for shrink epoch `epoch` happens now, if there is one.
 pub(crate) fn in_shrink(faults: Option<&Faults>, rank: usize, epoch: u64) {
+    raise_at(faults, rank, "shrink epoch", epoch, |f| f.shrink);
+}
+
+/// `kill`/`stop` faults armed for grow `g` (`grow=G`) fire here, on the members, once they
+/// have agreed whom to admit and before they make the grown communicator.
+pub(crate) fn in_grow(faults: Option<&Faults>, rank: usize, g: u64) {
+    raise_at(faults, rank, "grow", g, |f| f.grow);
+}
+
+/// Raises the signal of each `kill`/`stop` fault for `rank` whose `which` key is `n`.
+fn raise_at(
+    faults: Option<&Faults>,
+    rank: usize,
+    what: &str,
+    n: u64,
+    which: impl Fn(&Fault) -> Option<u64>,
+) {
     let Some(faults) = faults else { return };
     for f in &faults.0 {
-        if f.shrink == Some(epoch) && f.rank.is_none_or(|r| r == rank) {
+        if which(f) == Some(n) && f.rank.is_none_or(|r| r == rank) {
             let sig = match f.kind {
                 FaultKind::Kill => libc::SIGKILL,
                 FaultKind::Stop => libc::SIGSTOP,
                 _ => continue,
             };
             crate::log_warn(format!(
-                "fault injection: signal {sig} in shrink epoch {epoch} after the decision"
+                "fault injection: signal {sig} in {what} {n} after the decision"
             ));
             // SAFETY: `raise` has no memory-safety preconditions.
             unsafe { libc::raise(sig) };
@@ -184,7 +210,7 @@ impl Injector {
         let mine: Vec<(Fault, bool)> = faults
             .0
             .iter()
-            .filter(|f| f.rank.is_none_or(|r| r == rank) && f.shrink.is_none())
+            .filter(|f| f.rank.is_none_or(|r| r == rank) && f.shrink.is_none() && f.grow.is_none())
             .map(|f| (f.clone(), false))
             .collect();
         (!mine.is_empty()).then(|| {
@@ -283,6 +309,7 @@ mod tests {
                 peer: None,
                 delay: Duration::from_secs(1),
                 shrink: None,
+                grow: None,
             }
         );
         assert_eq!(f.0[1].kind, FaultKind::Stop);

@@ -416,6 +416,7 @@ impl Communicator {
         mut opts: Options,
     ) -> Result<Communicator> {
         let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
+        let given = opts.clone();
         // Until every rank is past the store barrier that ends `establish`, a failure is
         // posted in the store, so that the others (waiting there) fail at once instead of
         // timing out. From then on failures travel over the connections (a dead peer, an
@@ -547,6 +548,9 @@ impl Communicator {
                 bootstrap: bootstrap.clone(),
                 split_seq: Mutex::new(0),
                 shrink_seq: Mutex::new(0),
+                grow_seq: Mutex::new(0),
+                lineage: Mutex::new(bootstrap.job_id().to_string()),
+                given,
                 failed_peers: Mutex::new(Vec::new()),
                 queue: Mutex::new(None),
                 pending: (Mutex::new(0), Condvar::new()),

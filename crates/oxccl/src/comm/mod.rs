@@ -22,6 +22,7 @@ use crate::{DataType, Element, ReduceOp, log_enabled};
 
 mod compress;
 mod group;
+mod grow;
 mod init;
 mod rates;
 mod register;
@@ -470,6 +471,14 @@ struct Inner {
     split_seq: Mutex<u64>,
     /// Shrinks started (the epoch of the next is one more: [`Communicator::shrink`]).
     shrink_seq: Mutex<u64>,
+    /// Grows started ([`Communicator::grow`]).
+    grow_seq: Mutex<u64>,
+    /// The job id newcomers join under ([`Communicator::join`]): this communicator's
+    /// bootstrap job id, or the one of the communicator it was shrunk or grown from.
+    lineage: Mutex<String>,
+    /// The options as given to init (before init filled in what it derived), for the
+    /// communicators shrunk or grown from this one, which derive them anew.
+    given: Options,
     /// Peers that failures named ([`Error::PeerFailed`]), in order, for
     /// [`Communicator::shrink_after_failure`].
     failed_peers: Mutex<Vec<usize>>,

@@ -381,12 +381,13 @@ impl Communicator {
         )
         .map_err(Error::from)
         .and_then(|boot| {
-            let mut opts = self.inner.opts.clone();
+            let mut opts = self.inner.given.clone();
             opts.host_id = Some(self.inner.hosts[rank].clone());
             opts.faults = None;
             opts.timeout = timeout;
             Communicator::init_shared(Arc::new(boot), opts)
-        });
+        })
+        .inspect(|c| c.set_lineage(&self.lineage()));
 
         // 3. Agree that every member built it; otherwise all start over without the ranks
         // that did not answer. Each member says `done` or `failed` (alive, but its init

@@ -401,6 +401,7 @@ pub fn error_kind(e: &oxccl::Error) -> &'static str {
         oxccl::Error::Poisoned { .. } => "Poisoned",
         oxccl::Error::Config(_) => "Config",
         oxccl::Error::Shrink { .. } => "Shrink",
+        oxccl::Error::Grow { .. } => "Grow",
         _ => "other",
     }
 }

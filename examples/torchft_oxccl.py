@@ -4,7 +4,7 @@ oxccl as the process group between replica groups.
 
     pip install torchft          # 0.2.0; not part of python/requirements-dev.txt
     python examples/torchft_oxccl.py                  # 3 replica groups of 1 rank; replica 1
-                                                      # dies at step 8, a new one comes at 16
+                                                      # dies at step 8, a new one comes at 12
 
 ``ProcessGroupOxcclFT`` is torchft's reconfigurable process group shape
 (``torchft.process_group.ProcessGroupWrapper``): at each new quorum the Manager calls
@@ -82,7 +82,12 @@ def worker(args) -> None:
         model.load_state_dict(sd["model"])
         opt.load_state_dict(sd["opt"])
 
-    pg = make_process_group_class()(timeout=datetime.timedelta(seconds=args.timeout))
+    if args.pg == "gloo":  # torchft's own, for comparison
+        from torchft.process_group import ProcessGroupGloo
+
+        pg = ProcessGroupGloo(timeout=datetime.timedelta(seconds=args.timeout))
+    else:
+        pg = make_process_group_class()(timeout=datetime.timedelta(seconds=args.timeout))
     manager = Manager(
         pg=pg,
         min_replica_size=1,
@@ -108,7 +113,18 @@ def worker(args) -> None:
             if die_at is not None and state.current_step() == die_at:
                 print("EVENT " + json.dumps({"ev": "kill", "t": time.time()}), flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-            return DistributedDataParallel._comm_hook(state, bucket)
+            # torchft 0.2.0's own hook (torchft.ddp.DistributedDataParallel._comm_hook) asserts
+            # on a failed all-reduce (its _ManagedWork.wait() returns False and leaves the
+            # future chain unset; with torchft's ProcessGroupGloo too): the same, but a failed
+            # step hands DDP the bucket as it is (the manager recorded the error, and
+            # should_commit() then discards the step).
+            work = state.allreduce(bucket.buffer())
+            if not work.wait():
+                fut = torch.futures.Future()
+                fut.set_result(bucket.buffer())
+                return fut
+            fut = work.get_future()
+            return getattr(fut, "_fut", None) or fut
 
     ddp = DDP(manager, model)
     optimizer = OptimizerWrapper(manager, opt)
@@ -150,7 +166,7 @@ def launch(args) -> int:
         p = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "worker", "--replica", str(replica),
              "--lighthouse", lighthouse.address(), "--steps", str(args.steps),
-             "--timeout", str(args.timeout), "--step-sleep", str(args.step_sleep), *extra],
+             "--timeout", str(args.timeout), "--step-sleep", str(args.step_sleep), "--pg", args.pg, *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         procs.append((replica, p))
 
@@ -198,14 +214,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("role", nargs="?", default="launch", choices=["launch", "worker"])
     ap.add_argument("--replicas", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--kill-replica", type=int, default=1)
     ap.add_argument("--kill-step", type=int, default=8)
-    ap.add_argument("--join-step", type=int, default=16)
+    ap.add_argument("--join-step", type=int, default=12)
     ap.add_argument("--timeout", type=float, default=20.0)
     ap.add_argument("--deadline", type=float, default=240.0)
     ap.add_argument("--step-sleep", type=float, default=0.2, help="seconds between steps")
     ap.add_argument("--quiet", action="store_true", help="only events and warnings")
+    ap.add_argument("--pg", default="oxccl", choices=["oxccl", "gloo"],
+                    help="the process group between replicas (gloo: torchft's own)")
     ap.add_argument("--replica", type=int, default=0)
     ap.add_argument("--lighthouse", default=None)
     ap.add_argument("--die-at-step", type=int, default=None)

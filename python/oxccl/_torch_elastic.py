@@ -182,20 +182,15 @@ def shrink(
     return _replace(pg, be, new, default)
 
 
-def grow(
-    group: Any = None,
-    count: int = 1,
-    *,
-    timeout: Any = None,
-    default: Optional[bool] = None,
-) -> dist.ProcessGroup:
+def grow(group: Any = None, count: int = 1, *, default: Optional[bool] = None) -> dist.ProcessGroup:
     """The group of ``group``'s members and ``count`` newcomers (``oxccl.torch.join`` on
-    their side). Collective over the members, at a call boundary (no call of theirs in
-    flight); members keep their ranks, newcomers get the ranks after. Returns once the
-    newcomers are in, or raises ``oxccl.Error`` naming what it waited for after ``timeout``
-    (seconds or a timedelta; None: the communicator's). The old group leaves torch's registry
-    (its communicator is left to the garbage collector); ``default`` (None: when ``group`` is
-    the default group) makes the new one the default group."""
+    their side). Collective over the members, with the same ``count``, at a call boundary (no
+    call of theirs in flight); members keep their ranks, newcomers get the ranks after, in the
+    order they asked. Returns once the newcomers are in; raises ``oxccl.Error`` naming what it
+    waited for when they do not come within the group's timeout (``group`` stays usable then),
+    or when a member or newcomer dies meanwhile. The old group leaves torch's registry (its
+    communicator is left to the garbage collector); ``default`` (None: when ``group`` is the
+    default group) makes the new one the default group."""
     pg = _group(group, "oxccl.torch.grow")
     be = _torch_module().backend(pg, "oxccl.torch.grow")
     comm = be.communicator
@@ -210,7 +205,7 @@ def grow(
     if be.rank() == 0:
         # Read by the newcomers once they are in (join): the new group's generation.
         be._store.set(_GENERATION_KEY, str(be.generation + 1))
-    new = comm.grow(count=count, timeout=_secs(timeout, "oxccl.torch.grow"))
+    new = comm.grow(count)
     return _replace(pg, be, new, default)
 
 

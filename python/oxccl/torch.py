@@ -35,6 +35,14 @@ gradient buckets with error feedback (a residual per bucket), one fused call per
 forward, when the module's group is an "oxccl" group across more than one host and no hook was
 registered: ``init_process_group("oxccl")`` and DDP then compress across hosts with no code
 change (``OXCCL_DEBUG=INFO`` says what was chosen and why).
+
+Elastic training (issue 32): after a failure, ``oxccl.torch.shrink(group)`` on every survivor
+returns a new ``ProcessGroup`` of the survivors (they agree through the store on who is gone);
+``oxccl.torch.grow(group, count)`` on the members and ``oxccl.torch.join(store)`` on newcomers
+return the grown group. A group made from the default group becomes the default group; DDP is
+rebuilt on the new group. ``oxccl.torch.is_failure(exc)`` says whether an exception (an
+``oxccl`` error, or the RuntimeError DDP's backward raises when a gradient all-reduce fails)
+is one ``shrink`` answers. ``examples/elastic_ddp.py`` shows the whole loop.
 """
 
 from __future__ import annotations

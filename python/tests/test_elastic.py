@@ -38,7 +38,7 @@ def _serial(torch, ex, args, steps):
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, [p.detach() for p in model.parameters()]
 
 

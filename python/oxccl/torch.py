@@ -405,7 +405,7 @@ class ProcessGroupOxccl(_C10dBackend):
     supports_coalescing = True
     supports_splitting = True
     supports_reconfigure = False
-    supports_shrinking = False
+    supports_shrinking = True  # torch's dist.shrink_group (ProcessGroupOxccl.shrink)
     supports_window = False
 
     @property
@@ -501,11 +501,38 @@ class ProcessGroupOxccl(_C10dBackend):
     def eager_connect_single_device(self, device: Any = None) -> None:
         pass  # joined when created
 
+    def shrink(self, ranks: Sequence[int], flags: int = 0, opts: Any = None) -> "ProcessGroupOxccl":
+        """torch's ``dist.shrink_group(ranks_to_exclude, group)``: the backend of the group
+        without ``ranks`` (this group's ranks; every survivor calls it, the excluded ranks do
+        not), through ``Communicator.shrink``. The survivors agree through the store on who is
+        gone; if that is more than ``ranks`` (another rank failed too), torch's renumbering
+        would be wrong, so this raises ``oxccl.Error`` on every survivor alike:
+        ``oxccl.torch.shrink(group)`` needs no list and takes the agreed set. The old group's
+        communicator is left to the garbage collector (torch destroys the old group next, and
+        a barrier there would wait for the excluded ranks)."""
+        ranks = sorted({int(r) for r in ranks})
+        new = self._comm.shrink(ranks)
+        self._released = True
+        if new.world_size != self.size() - len(ranks):
+            raise _Error(
+                f"rank {self.rank()}: dist.shrink_group({ranks}): the survivors agreed on "
+                f"{new.world_size} ranks, not {self.size() - len(ranks)} (another rank failed "
+                "too); use oxccl.torch.shrink(group), which takes the agreed set"
+            )
+        out = ProcessGroupOxccl(self._store, 0, 0, self._timeout, communicator=new)
+        out.generation = self.generation + 1
+        out._serial = time.monotonic()
+        _GROUPS.add(out)
+        return out
+
     def shutdown(self) -> None:
         """``destroy_process_group``: the communicator's destroy (a barrier, bounded by the
         group's timeout, skipped when the communicator already failed). A group whose peers
         failed or left cannot meet them there; teardown goes on, with a warning on stderr,
-        as Gloo's does (a raise here would stop ``destroy_process_group`` half way)."""
+        as Gloo's does (a raise here would stop ``destroy_process_group`` half way). A group
+        that ``dist.shrink_group`` replaced skips the barrier (its excluded ranks never come)."""
+        if getattr(self, "_released", False):
+            return
         try:
             self._comm.destroy()
         except _Error as e:

@@ -195,3 +195,52 @@ def test_shrink_replaces_the_default_group(torch_available):
     assert ranks[0].result["alone"] == [0, 1, 1], ranks[0].result
     kind, msg = ranks[2].result["alone"]
     assert kind != "no error" and "rank 1" in msg, ranks[2].result
+
+
+def worker_torch_shrink_group():
+    """3 ranks; torch's own dist.shrink_group([2]) on ranks 0 and 1 (rank 2 leaves without a
+    failure and does not call it): the default group becomes theirs."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import oxccl.torch
+
+    dist.init_process_group("oxccl", timeout=datetime.timedelta(seconds=20))
+    rank = dist.get_rank()
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    out = {"first": t.tolist()}
+    if rank == 2:
+        launch.report(out)
+        os._exit(0)
+    t0 = time.monotonic()
+    pg = dist.shrink_group([2])
+    out["shrink_s"] = time.monotonic() - t0
+    out["default"] = pg is dist.group.WORLD
+    out["rank"], out["size"] = dist.get_rank(), dist.get_world_size()
+    out["backend"] = type(oxccl.torch.backend(pg)).__name__
+    v = torch.full((3,), float(rank + 1))
+    dist.all_reduce(v)
+    out["sum"] = v.tolist()
+    t0 = time.monotonic()
+    dist.destroy_process_group()
+    out["destroy_s"] = time.monotonic() - t0
+    launch.report(out)
+    os._exit(0)
+
+
+def test_torch_shrink_group(torch_available):
+    ranks = launch.run("test_elastic", "worker_torch_shrink_group", 3, timeout=90,
+                       env={"OXCCL_TIMEOUT": "20"})
+    assert all(r.returncode == 0 and r.result for r in ranks), launch.explain(ranks)
+    assert ranks[2].result == {"first": [3.0, 3.0]}, ranks[2].result
+    for r in ranks[:2]:
+        o = r.result
+        assert o["first"] == [3.0, 3.0], o
+        assert o["default"] and (o["rank"], o["size"]) == (r.rank, 2), o
+        assert o["backend"] == "ProcessGroupOxccl", o
+        assert o["sum"] == [3.0] * 3, o  # 1 + 2
+        # Neither the shrink nor the teardown waited for rank 2 (the timeout is 20 s).
+        assert o["shrink_s"] < 10 and o["destroy_s"] < 10, o

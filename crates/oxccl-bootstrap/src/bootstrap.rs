@@ -9,6 +9,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
 
+use crate::abort::{ABORT_POLL, AbortHandle};
 use crate::client::{ClientOptions, TcpStore};
 use crate::config::{Config, Launcher};
 use crate::error::{Error, Result};
@@ -64,6 +65,11 @@ enum Abort {
         rank: usize,
         world_size: usize,
     },
+    /// A rank's [`AbortHandle`] stopped its join.
+    Aborted {
+        rank: usize,
+        reason: String,
+    },
     /// Published by the rank that serves the store when its join times out, so that the
     /// others report the same missing ranks rather than the store going away.
     Timeout {
@@ -98,6 +104,10 @@ impl Abort {
                 second,
             },
             Abort::OutOfRange { rank, world_size } => Error::RankOutOfRange { rank, world_size },
+            Abort::Aborted { rank, reason } => Error::RankFailed {
+                rank,
+                message: format!("it aborted its join ({reason})"),
+            },
             Abort::Timeout {
                 what,
                 missing,
@@ -183,6 +193,12 @@ pub struct Bootstrap {
     timeout: Duration,
     keys: Keys,
     generations: Mutex<HashMap<String, u64>>,
+    /// Watched by every wait while set ([`Bootstrap::set_abort`]).
+    abort: Mutex<Option<AbortHandle>>,
+    /// Whether rank 0 serves the store (then a store gone names it).
+    rank0_serves: bool,
+    /// Whether [`Bootstrap::fail`] has waited for the others to leave (it does once).
+    fail_waited: std::sync::atomic::AtomicBool,
     // Dropped before the server: rank 0's own handle first.
     store: Box<dyn Store>,
     server: Option<StoreServer>,
@@ -250,6 +266,19 @@ impl Bootstrap {
     /// [`Error::WorldSizeMismatch`] (every rank still joining fails with the same error), or
     /// [`Error::RanksMissing`] listing the ranks that did not join within the timeout.
     pub fn new(config: Config) -> Result<Bootstrap> {
+        Bootstrap::new_with(config, None)
+    }
+
+    /// [`Bootstrap::new`] that `abort` can stop from another thread: while it connects to the
+    /// store or waits for the others to join, an abort makes it fail within about
+    /// [`ABORT_POLL`] with [`Error::Aborted`] naming the ranks it was waiting for, and the
+    /// ranks still joining fail at once with [`Error::RankFailed`] naming this one. The
+    /// bootstrap it returns keeps watching `abort` until [`Bootstrap::set_abort`] changes it.
+    pub fn new_abortable(config: Config, abort: &AbortHandle) -> Result<Bootstrap> {
+        Bootstrap::new_with(config, Some(abort))
+    }
+
+    fn new_with(config: Config, abort: Option<&AbortHandle>) -> Result<Bootstrap> {
         // No secret set: the per-user secret file (Secret::user_default).
         let secret = match config.secret.clone() {
             Some(s) => s,
@@ -263,6 +292,7 @@ impl Bootstrap {
         let opts = ClientOptions {
             connect_timeout: config.timeout,
             label: format!("rank {} pid {pid} on {host}", config.rank),
+            abort: abort.cloned(),
             ..ClientOptions::default()
         };
         let keys = Keys {
@@ -296,6 +326,28 @@ impl Bootstrap {
                 (Box::new(store), Some(server), shown)
             } else {
                 let client = TcpStore::connect_with(&config.store_addr, &secret, &opts)
+                    .map_err(|e| match e {
+                        Error::Aborted {
+                            reason, waiting, ..
+                        } => Error::Aborted {
+                            rank: config.rank,
+                            reason,
+                            waiting,
+                        },
+                        Error::Connect {
+                            addr,
+                            timeout,
+                            reason,
+                        } if config.serve_store => Error::Connect {
+                            addr,
+                            timeout,
+                            reason: format!(
+                                "{reason} (rank 0 serves the store: it has not started it, or \
+                                 exited)"
+                            ),
+                        },
+                        e => e,
+                    })
                     .map_err(|e| with_inferred_hint(e, &config))?;
                 (Box::new(client), None, config.store_addr.clone())
             };
@@ -310,12 +362,15 @@ impl Bootstrap {
             timeout: config.timeout,
             keys,
             generations: Mutex::new(HashMap::new()),
+            abort: Mutex::new(abort.cloned()),
+            rank0_serves: config.serve_store,
+            fail_waited: Default::default(),
             store,
             server,
         };
         if let Err(e) = b
             .join(pid, host)
-            .map_err(|e| with_inferred_hint(e, &config))
+            .map_err(|e| with_inferred_hint(b.name_store_owner(e), &config))
         {
             if let Some(server) = &b.server {
                 // The store goes away with this process: first let the ranks still joining
@@ -373,6 +428,9 @@ impl Bootstrap {
             timeout,
             keys,
             generations: Mutex::new(HashMap::new()),
+            abort: Mutex::new(None),
+            rank0_serves: false,
+            fail_waited: Default::default(),
             store,
             server: None,
         };
@@ -431,7 +489,24 @@ impl Bootstrap {
         let abort_key = self.keys.abort();
         let deadline = start + self.timeout;
         let mut slice = Duration::from_millis(20);
+        let watched = self.abort_handle();
         loop {
+            if let Some(reason) = watched.as_ref().and_then(AbortHandle::reason) {
+                let waiting = format!(
+                    "for ranks {:?} of {world_size} to join the store at {}",
+                    ranks_of(&missing),
+                    self.store_addr
+                );
+                let _ = self.abort(Abort::Aborted {
+                    rank,
+                    reason: reason.clone(),
+                });
+                return Err(Error::Aborted {
+                    rank,
+                    reason,
+                    waiting,
+                });
+            }
             match self.store.multi_get(&[&abort_key], Duration::ZERO) {
                 Ok(mut v) => {
                     let a: Abort = from_json(
@@ -453,7 +528,12 @@ impl Bootstrap {
                 });
             }
             let refs: Vec<&str> = missing.iter().map(String::as_str).collect();
-            match self.store.wait(&refs, slice.min(left)) {
+            let most = if watched.is_some() {
+                self.abort_poll()
+            } else {
+                left
+            };
+            match self.store.wait(&refs, slice.min(left).min(most)) {
                 Ok(()) => break,
                 Err(Error::Timeout { missing: m, .. }) => {
                     missing = m;
@@ -464,6 +544,20 @@ impl Bootstrap {
         }
         debug!("rank {rank}: all {world_size} ranks joined");
         Ok(())
+    }
+
+    /// A store gone, on a rank that does not serve it while rank 0 does: says that rank 0 (the
+    /// store's process) exited or was killed.
+    fn name_store_owner(&self, e: Error) -> Error {
+        match e {
+            Error::StoreGone { addr, reason } if self.rank0_serves && self.rank != 0 => {
+                Error::StoreGone {
+                    addr,
+                    reason: format!("{reason}; rank 0 serves it and exited or was killed"),
+                }
+            }
+            e => e,
+        }
     }
 
     /// Publishes why the join stops (the first reason published wins) and returns it as the
@@ -494,21 +588,44 @@ impl Bootstrap {
         fetch: bool,
         timeout: Duration,
     ) -> Result<Vec<Vec<u8>>> {
+        self.collective_inner(kind, tag, data, fetch, timeout)
+            .map_err(|e| self.name_store_owner(e))
+    }
+
+    fn collective_inner(
+        &self,
+        kind: &str,
+        tag: &str,
+        data: &[u8],
+        fetch: bool,
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>> {
         let generation = self.next_generation(kind, tag);
         let key = |r| self.keys.collective(kind, tag, generation, r);
         self.store.set(&key(self.rank), data)?;
         let keys: Vec<String> = (0..self.world_size).map(key).collect();
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let deadline = Instant::now() + timeout;
-        let result = self.wait_watching(&keys, deadline).and_then(|()| {
-            if fetch {
-                let left = deadline.saturating_duration_since(Instant::now());
-                self.store
-                    .multi_get(&refs, left.max(Duration::from_secs(1)))
-            } else {
-                Ok(Vec::new())
-            }
-        });
+        let describe = |missing: &[String]| {
+            format!(
+                "for ranks {:?} of {} to reach {} {tag:?} (round {generation}) in the store at {}",
+                ranks_of(missing),
+                self.world_size,
+                if fetch { "all-gather" } else { "barrier" },
+                self.store_addr
+            )
+        };
+        let result = self
+            .wait_watching(&keys, deadline, &describe)
+            .and_then(|()| {
+                if fetch {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    self.store
+                        .multi_get(&refs, left.max(Duration::from_secs(1)))
+                } else {
+                    Ok(Vec::new())
+                }
+            });
         let values = result.map_err(|e| match e {
             Error::Timeout { missing, .. } => Error::RanksMissing {
                 what: format!(
@@ -533,13 +650,34 @@ impl Bootstrap {
 
     /// Waits until every key of `keys` exists, in growing slices, watching for a rank's
     /// failure notice ([`Bootstrap::fail`]): a rank that gave up fails the wait at once.
-    fn wait_watching(&self, keys: &[String], deadline: Instant) -> Result<()> {
+    /// While an abort handle is set, looks at it every [`ABORT_POLL`] (longer in large jobs);
+    /// an abort fails the
+    /// wait with [`Error::Aborted`], `describe(missing keys)` saying what it waited for.
+    fn wait_watching(
+        &self,
+        keys: &[String],
+        deadline: Instant,
+        describe: &dyn Fn(&[String]) -> String,
+    ) -> Result<()> {
         let mut missing: Vec<String> = keys.to_vec();
         let mut slice = Duration::from_millis(20);
+        let watched = self.abort_handle();
         loop {
+            if let Some(reason) = watched.as_ref().and_then(AbortHandle::reason) {
+                return Err(Error::Aborted {
+                    rank: self.rank,
+                    reason,
+                    waiting: describe(&missing),
+                });
+            }
             let left = deadline.saturating_duration_since(Instant::now());
+            let most = if watched.is_some() {
+                self.abort_poll()
+            } else {
+                left
+            };
             let refs: Vec<&str> = missing.iter().map(String::as_str).collect();
-            match self.store.wait(&refs, slice.min(left)) {
+            match self.store.wait(&refs, slice.min(left).min(most)) {
                 Ok(()) => return Ok(()),
                 Err(Error::Timeout { missing: m, .. }) if !left.is_zero() => {
                     missing = m;
@@ -568,11 +706,23 @@ impl Bootstrap {
         }
     }
 
+    /// The failure notice a rank published ([`Bootstrap::fail`]), if any: its rank and
+    /// message, as [`Error::RankFailed`]. Looks once, without waiting.
+    pub fn failure_notice(&self) -> Option<Error> {
+        match self.failure() {
+            Ok(Some(f)) => Some(Error::RankFailed {
+                rank: f.rank,
+                message: f.message,
+            }),
+            _ => None,
+        }
+    }
+
     /// Tells the other ranks that this one gave up with `message` (the first notice
     /// published wins): their bootstrap waits ([`Bootstrap::all_gather`],
     /// [`Bootstrap::barrier`]) then fail at once with [`Error::RankFailed`] instead of timing
-    /// out. On the rank that serves the store, waits (up to 5 s) for the others to read it and
-    /// disconnect, since the store goes away with this process.
+    /// out. On the rank that serves the store, waits (up to 5 s, the first time only) for the
+    /// others to read it and disconnect, since the store goes away with this process.
     pub fn fail(&self, message: &str) {
         let notice = Failed {
             rank: self.rank,
@@ -581,9 +731,33 @@ impl Bootstrap {
         if let Ok(bytes) = serde_json::to_vec(&notice) {
             let _ = self.store.compare_set(&self.keys.failed(), None, &bytes);
         }
-        if let Some(server) = &self.server {
+        if let Some(server) = &self.server
+            && !self
+                .fail_waited
+                .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
             server.wait_for_clients_to_leave(self.timeout.min(Duration::from_secs(5)));
         }
+    }
+
+    /// Makes every later wait (join excepted: see [`Bootstrap::new_abortable`]) watch `abort`,
+    /// or none (`None`): an abort then fails the wait within about [`ABORT_POLL`] with
+    /// [`Error::Aborted`]. Waits also look at the store's failure notice that often, so that
+    /// a rank watching a handle learns of another's failure (or abort) sooner.
+    pub fn set_abort(&self, abort: Option<AbortHandle>) {
+        *self.abort.lock().unwrap_or_else(|e| e.into_inner()) = abort;
+    }
+
+    /// How often a wait watching an abort handle returns to look at it: [`ABORT_POLL`], longer
+    /// in large jobs (0.2 ms per rank), so that every rank's polling together stays at about
+    /// 5,000 store requests a second.
+    fn abort_poll(&self) -> Duration {
+        ABORT_POLL.max(Duration::from_micros(200).saturating_mul(self.world_size as u32))
+    }
+
+    /// The abort handle the waits watch, if any ([`Bootstrap::set_abort`]).
+    pub fn abort_handle(&self) -> Option<AbortHandle> {
+        self.abort.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The IP address of this host's interface that routes to the store: the local address

@@ -22,6 +22,9 @@ pub struct ClientOptions {
     pub reply_timeout: Duration,
     /// How this client names itself in the store's logs (e.g. "rank 3 pid 1234").
     pub label: String,
+    /// Stops the retries to reach the store when aborted (they then fail with
+    /// [`Error::Aborted`]).
+    pub abort: Option<crate::AbortHandle>,
 }
 
 impl Default for ClientOptions {
@@ -30,6 +33,7 @@ impl Default for ClientOptions {
             connect_timeout: Duration::from_secs(60),
             reply_timeout: Duration::from_secs(30),
             label: format!("pid {}", std::process::id()),
+            abort: None,
         }
     }
 }
@@ -104,7 +108,8 @@ impl TcpStore {
     /// [`TcpStore::connect`] with all the options.
     pub fn connect_with(addr: &str, secret: &Secret, opts: &ClientOptions) -> Result<TcpStore> {
         let deadline = Instant::now() + opts.connect_timeout;
-        let mut stream = connect_retrying(addr, deadline, opts.connect_timeout)?;
+        let mut stream =
+            connect_retrying(addr, deadline, opts.connect_timeout, opts.abort.as_ref())?;
         let _ = stream.set_nodelay(true);
         let label = truncate(opts.label.clone(), MAX_TEXT_LEN);
         // The handshake gets at least a few seconds, even when connecting took the timeout.
@@ -310,10 +315,22 @@ impl Store for TcpStore {
     }
 }
 
-fn connect_retrying(addr: &str, deadline: Instant, timeout: Duration) -> Result<TcpStream> {
+fn connect_retrying(
+    addr: &str,
+    deadline: Instant,
+    timeout: Duration,
+    abort: Option<&crate::AbortHandle>,
+) -> Result<TcpStream> {
     let mut backoff = Duration::from_millis(10);
     let mut last = String::from("no attempt");
     loop {
+        if let Some(reason) = abort.and_then(crate::AbortHandle::reason) {
+            return Err(Error::Aborted {
+                rank: usize::MAX,
+                reason,
+                waiting: format!("to reach the store at {addr} (last attempt: {last})"),
+            });
+        }
         match addr.to_socket_addrs() {
             Ok(addrs) => {
                 let addrs: Vec<SocketAddr> = addrs.collect();
@@ -322,7 +339,13 @@ fn connect_retrying(addr: &str, deadline: Instant, timeout: Duration) -> Result<
                 }
                 for a in addrs {
                     let left = deadline.saturating_duration_since(Instant::now());
-                    let attempt = left.clamp(Duration::from_millis(10), Duration::from_secs(5));
+                    // Watched by an abort handle: short attempts, so that it is looked at often.
+                    let most = if abort.is_some() {
+                        crate::ABORT_POLL * 5
+                    } else {
+                        Duration::from_secs(5)
+                    };
+                    let attempt = left.clamp(Duration::from_millis(10), most);
                     match TcpStream::connect_timeout(&a, attempt) {
                         Ok(s) => return Ok(s),
                         Err(e) if retryable(&e) => last = format!("{a}: {e}"),
@@ -347,7 +370,12 @@ fn connect_retrying(addr: &str, deadline: Instant, timeout: Duration) -> Result<
                 reason: last,
             });
         }
-        std::thread::sleep(backoff.min(deadline - now));
+        let cap = if abort.is_some() {
+            crate::ABORT_POLL
+        } else {
+            Duration::from_millis(250)
+        };
+        std::thread::sleep(backoff.min(deadline - now).min(cap));
         backoff = (backoff * 2).min(Duration::from_millis(250));
     }
 }

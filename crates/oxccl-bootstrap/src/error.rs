@@ -184,6 +184,17 @@ pub enum Error {
         /// Its error.
         message: String,
     },
+    /// An [`AbortHandle`](crate::AbortHandle) stopped a wait of this rank.
+    #[error("rank {rank}: aborted ({reason}) while waiting {waiting}")]
+    Aborted {
+        /// This rank.
+        rank: usize,
+        /// Why ([`AbortHandle::abort_with`](crate::AbortHandle::abort_with)).
+        reason: String,
+        /// What it was waiting for, e.g. `for ranks [2] of 3 to join the store at
+        /// 127.0.0.1:29500`.
+        waiting: String,
+    },
     /// Some required configuration is missing.
     #[error("{0}")]
     Config(String),

@@ -59,10 +59,12 @@
 //! function, ready for a fuzzer.
 #![deny(missing_docs)]
 
+mod abort;
 mod bootstrap;
 mod client;
 mod config;
 mod error;
+pub mod frame;
 pub mod hostlist;
 #[cfg(test)]
 mod net_tests;
@@ -71,6 +73,7 @@ mod server;
 mod store;
 pub mod wire;
 
+pub use abort::{ABORT_POLL, AbortHandle, AbortHook};
 pub use bootstrap::{Bootstrap, route_to};
 pub use client::{ClientOptions, TcpStore};
 pub use config::{Config, DEFAULT_PORT, DEFAULT_TIMEOUT, Launcher, parse_size};

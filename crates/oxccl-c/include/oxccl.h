@@ -29,6 +29,14 @@
 // `NULL`), as `NCCL_SPLIT_NOCOLOR`.
 #define OXCCL_SPLIT_NOCOLOR -1
 
+// [`crate::oxcclCommShrink`]'s flag for a communicator that still works: the ranks excluded
+// are the ones listed (and any a failure named), as `NCCL_SHRINK_DEFAULT`.
+#define OXCCL_SHRINK_DEFAULT 0
+
+// [`crate::oxcclCommShrink`]'s flag after a failure: aborts `comm` first (its calls in flight
+// end with an error) and leaves out every rank a failure named, as `NCCL_SHRINK_ABORT`.
+#define OXCCL_SHRINK_ABORT 1
+
 // What a call returned. The codes are NCCL's (`ncclResult_t`), with `oxcclTimeout` added;
 // [`crate::oxcclGetLastError`] says what failed.
 typedef enum oxcclResult_t {
@@ -362,6 +370,43 @@ const char *oxcclGetLastError(oxcclComm_t comm);
 // # Safety
 // `version` must be NULL or point to a writable `int`.
 enum oxcclResult_t oxcclGetVersion(int *version);
+
+// Makes `*newcomm`, a communicator of `comm`'s ranks without the `excludeRanksCount` ranks of
+// `excludeRanksList` (`ncclCommShrink`, without its config), renumbered in order. Every
+// remaining rank calls it; they agree through the job's store on who is left out (the union
+// of what they list and of the ranks failures named), so a rank that saw no failure learns
+// it. `shrinkFlags`: [`OXCCL_SHRINK_DEFAULT`] (`comm` still works), or [`OXCCL_SHRINK_ABORT`]
+// after a failure (aborts `comm` first, so that its calls in flight end with an error).
+// `comm` stays yours to destroy. Every wait ends within `comm`'s timeout.
+//
+// # Safety
+// `comm` must be NULL or a live communicator; `excludeRanksList` NULL (with a count of 0) or
+// `excludeRanksCount` readable ints; `newcomm` NULL or writable.
+enum oxcclResult_t oxcclCommShrink(oxcclComm_t comm,
+                                   const int *excludeRanksList,
+                                   int excludeRanksCount,
+                                   oxcclComm_t *newcomm,
+                                   int shrinkFlags);
+
+// Admits `count` newcomers ([`oxcclCommJoin`] with the job's unique id) and makes
+// `*newcomm`, the communicator of `comm`'s ranks and theirs: `comm`'s ranks keep their
+// numbers, the newcomers follow in the order they asked to join. Every rank of `comm`
+// calls it with the same `count`, with no call in flight. If they do not come within
+// `comm`'s timeout, every rank fails alike ([`crate::oxcclGetLastError`] says how many came)
+// and `comm` is unchanged.
+//
+// # Safety
+// `comm` must be NULL or a live communicator; `newcomm` NULL or writable.
+enum oxcclResult_t oxcclCommGrow(oxcclComm_t comm, int count, oxcclComm_t *newcomm);
+
+// Joins, as a newcomer, the running job that `commId` (the id its ranks were made with)
+// names: waits until its ranks call [`oxcclCommGrow`] and admit this process, then writes
+// the grown communicator (this process ranks after them) to `*comm`. Waits up to
+// `OXCCL_TIMEOUT` (300 s by default); if nobody admits it, it withdraws and fails.
+//
+// # Safety
+// `comm` must be NULL or point to writable memory for an [`oxcclComm_t`].
+enum oxcclResult_t oxcclCommJoin(oxcclComm_t *comm, struct oxcclUniqueId commId);
 
 // Opens a group on this thread (`ncclGroupStart`); groups nest, and the outermost
 // [`oxcclGroupEnd`] runs the calls. Calls on a communicator between the two are checked and

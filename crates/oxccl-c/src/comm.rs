@@ -13,6 +13,9 @@ use crate::error::{Failure, guard};
 use crate::types::oxcclResult_t::{self, *};
 use crate::types::{OXCCL_SPLIT_NOCOLOR, OXCCL_UNIQUE_ID_BYTES, oxcclComm_t, oxcclUniqueId};
 
+/// The job id of communicators made from a unique id (newcomers join under it).
+pub(crate) const CAPI_JOB: &str = "capi";
+
 /// Marks a live communicator (a best-effort check against a stale or foreign pointer).
 const MAGIC: u64 = 0x6f78_6363_6c43_6f6d; // "oxcclCom"
 
@@ -64,7 +67,7 @@ impl oxcclComm {
         }
     }
 
-    fn boxed(comm: Communicator) -> oxcclComm_t {
+    pub(crate) fn boxed(comm: Communicator) -> oxcclComm_t {
         Box::into_raw(Box::new(oxcclComm {
             magic: MAGIC,
             comm,
@@ -91,7 +94,7 @@ pub(crate) fn comm_ref<'a>(comm: oxcclComm_t) -> Result<&'a oxcclComm, Failure> 
 }
 
 /// Stores `value` through an out-pointer, or fails when it is null.
-fn write_out<T>(out: *mut T, name: &str, value: T) -> Result<(), Failure> {
+pub(crate) fn write_out<T>(out: *mut T, name: &str, value: T) -> Result<(), Failure> {
     if out.is_null() {
         return Err(Failure::invalid(format!("{name} is NULL")));
     }
@@ -176,7 +179,7 @@ fn ip_for_bind(ip: IpAddr) -> String {
 }
 
 /// The store address and secret a unique id carries.
-fn read_unique_id(id: &oxcclUniqueId) -> Result<(String, Secret), Failure> {
+pub(crate) fn read_unique_id(id: &oxcclUniqueId) -> Result<(String, Secret), Failure> {
     let b = id.internal.map(|c| c as u8);
     let bad = || Failure::invalid("the unique id was not made by oxcclGetUniqueId");
     if &b[..4] != ID_MAGIC {
@@ -215,7 +218,7 @@ pub unsafe extern "C" fn oxcclGetUniqueId(unique_id: *mut oxcclUniqueId) -> oxcc
 }
 
 /// The bootstrap timeout: `OXCCL_BOOTSTRAP_TIMEOUT` seconds, else the default (300 s).
-fn bootstrap_timeout() -> Result<Duration, Failure> {
+pub(crate) fn bootstrap_timeout() -> Result<Duration, Failure> {
     match std::env::var("OXCCL_BOOTSTRAP_TIMEOUT") {
         Ok(s) if !s.trim().is_empty() => s
             .trim()
@@ -260,7 +263,7 @@ pub unsafe extern "C" fn oxcclCommInitRank(
             let mut config = Config::new(r, world, addr, secret);
             config.serve_store = false;
             config.timeout = bootstrap_timeout()?;
-            config.job_id = "capi".into();
+            config.job_id = CAPI_JOB.into();
             let opts = Options::from_env()?;
             let c = Communicator::init(Bootstrap::new(config)?, opts)?;
             write_out(comm, "comm", oxcclComm::boxed(c))

@@ -36,6 +36,7 @@
 
 mod coll;
 mod comm;
+mod elastic;
 mod error;
 mod group;
 mod types;
@@ -50,10 +51,12 @@ pub use comm::{
     oxcclCommSplit, oxcclCommUserRank, oxcclGetErrorString, oxcclGetLastError, oxcclGetUniqueId,
     oxcclGetVersion,
 };
+pub use elastic::{oxcclCommGrow, oxcclCommJoin, oxcclCommShrink};
 pub use group::{oxcclGroupEnd, oxcclGroupStart};
 pub use types::{
-    DataTypeArg, OXCCL_MAJOR, OXCCL_MINOR, OXCCL_PATCH, OXCCL_SPLIT_NOCOLOR, OXCCL_UNIQUE_ID_BYTES,
-    RedOpArg, ResultArg, oxcclComm_t, oxcclDataType_t, oxcclRedOp_t, oxcclResult_t, oxcclUniqueId,
+    DataTypeArg, OXCCL_MAJOR, OXCCL_MINOR, OXCCL_PATCH, OXCCL_SHRINK_ABORT, OXCCL_SHRINK_DEFAULT,
+    OXCCL_SPLIT_NOCOLOR, OXCCL_UNIQUE_ID_BYTES, RedOpArg, ResultArg, oxcclComm_t, oxcclDataType_t,
+    oxcclRedOp_t, oxcclResult_t, oxcclUniqueId,
 };
 
 #[cfg(test)]

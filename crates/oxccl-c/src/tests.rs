@@ -284,3 +284,90 @@ fn a_bad_unique_id_is_refused() {
     assert!(last().contains("rank 2 is outside 0..2"), "{}", last());
     let _: oxcclResult_t = oxcclSuccess;
 }
+
+/// Two ranks admit a newcomer (`oxcclCommGrow` / `oxcclCommJoin`), all three all-reduce, then
+/// the two leave the newcomer out again (`oxcclCommShrink`); bad arguments are refused.
+#[test]
+fn grow_join_and_shrink() {
+    let mut id = oxcclUniqueId { internal: [0; 128] };
+    // SAFETY: a valid out-pointer.
+    assert_eq!(
+        unsafe { oxcclGetUniqueId(&mut id) },
+        oxcclSuccess,
+        "{}",
+        last()
+    );
+    let sum = |comm: oxcclComm_t, v: f32| -> (oxcclResult_t, f32) {
+        let mut x = [v; 4];
+        let p: *mut c_void = x.as_mut_ptr().cast();
+        // SAFETY: a buffer of 4 floats; a live communicator.
+        let r = unsafe { oxcclAllReduce(p, p, 4, dt(oxcclFloat32), op(oxcclSum), comm) };
+        (r, x[0])
+    };
+    let members: Vec<_> = (0..2)
+        .map(|rank| {
+            std::thread::spawn(move || -> Result<(f32, f32, c_int), String> {
+                let mut comm = null_mut();
+                // SAFETY: valid out-pointers; live communicators throughout.
+                unsafe {
+                    if oxcclCommInitRank(&mut comm, 2, id, rank) != oxcclSuccess {
+                        return Err(last());
+                    }
+                    let mut big = null_mut();
+                    assert_eq!(oxcclCommGrow(comm, 0, &mut big), oxcclInvalidArgument);
+                    assert!(last().contains("count 0 is not positive"), "{}", last());
+                    if oxcclCommGrow(comm, 1, &mut big) != oxcclSuccess {
+                        return Err(last());
+                    }
+                    let (mut n, mut r) = (0, 0);
+                    oxcclCommCount(big, &mut n);
+                    oxcclCommUserRank(big, &mut r);
+                    assert_eq!((n, r), (3, rank));
+                    let (res, three) = sum(big, rank as f32 + 1.0);
+                    assert_eq!(res, oxcclSuccess, "{}", last());
+                    let mut small = null_mut();
+                    let two = [2 as c_int];
+                    assert_eq!(
+                        oxcclCommShrink(big, two.as_ptr(), 1, &mut small, 7),
+                        oxcclInvalidArgument
+                    );
+                    assert!(last().contains("shrinkFlags 7"), "{}", last());
+                    let neg = [-1 as c_int];
+                    assert_eq!(
+                        oxcclCommShrink(big, neg.as_ptr(), 1, &mut small, OXCCL_SHRINK_DEFAULT),
+                        oxcclInvalidArgument
+                    );
+                    let rc =
+                        oxcclCommShrink(big, two.as_ptr(), 1, &mut small, OXCCL_SHRINK_DEFAULT);
+                    if rc != oxcclSuccess {
+                        return Err(last());
+                    }
+                    oxcclCommCount(small, &mut n);
+                    let (res, two_sum) = sum(small, rank as f32 + 1.0);
+                    assert_eq!(res, oxcclSuccess, "{}", last());
+                    assert_eq!(oxcclCommDestroy(small), oxcclSuccess, "{}", last());
+                    assert_eq!(oxcclCommDestroy(big), oxcclSuccess, "{}", last());
+                    assert_eq!(oxcclCommDestroy(comm), oxcclSuccess, "{}", last());
+                    Ok((three, two_sum, n))
+                }
+            })
+        })
+        .collect();
+    let mut comm = null_mut();
+    // SAFETY: a valid out-pointer; a live communicator.
+    unsafe {
+        assert_eq!(oxcclCommJoin(&mut comm, id), oxcclSuccess, "{}", last());
+        let (mut n, mut r) = (0, 0);
+        oxcclCommCount(comm, &mut n);
+        oxcclCommUserRank(comm, &mut r);
+        assert_eq!((n, r), (3, 2));
+        let (res, three) = sum(comm, 3.0);
+        assert_eq!(res, oxcclSuccess, "{}", last());
+        assert_eq!(three, 6.0);
+        assert_eq!(oxcclCommDestroy(comm), oxcclSuccess, "{}", last());
+    }
+    for m in members {
+        let (three, two, n) = m.join().unwrap().unwrap();
+        assert_eq!((three, two, n), (6.0, 3.0, 2));
+    }
+}

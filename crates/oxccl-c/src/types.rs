@@ -18,6 +18,14 @@ pub const OXCCL_UNIQUE_ID_BYTES: usize = 128;
 /// `NULL`), as `NCCL_SPLIT_NOCOLOR`.
 pub const OXCCL_SPLIT_NOCOLOR: c_int = -1;
 
+/// [`crate::oxcclCommShrink`]'s flag for a communicator that still works: the ranks excluded
+/// are the ones listed (and any a failure named), as `NCCL_SHRINK_DEFAULT`.
+pub const OXCCL_SHRINK_DEFAULT: c_int = 0;
+
+/// [`crate::oxcclCommShrink`]'s flag after a failure: aborts `comm` first (its calls in flight
+/// end with an error) and leaves out every rank a failure named, as `NCCL_SHRINK_ABORT`.
+pub const OXCCL_SHRINK_ABORT: c_int = 1;
+
 /// What a call returned. The codes are NCCL's (`ncclResult_t`), with `oxcclTimeout` added;
 /// [`crate::oxcclGetLastError`] says what failed.
 #[repr(C)]

@@ -178,7 +178,12 @@ pub fn launch(opts: &LaunchOptions, program: &OsStr, args: &[OsString]) -> Resul
         _ => random_job_id()?,
     };
     let signals = SignalGuard::install()?;
-    let launcher_pid = std::process::id();
+    let env = RankEnv {
+        port,
+        job_id: &job_id,
+        secret: &secret,
+        launcher_pid: std::process::id(),
+    };
     let started = Instant::now();
     let deadline = opts.timeout.and_then(|t| started.checked_add(t));
 
@@ -205,47 +210,7 @@ pub fn launch(opts: &LaunchOptions, program: &OsStr, args: &[OsString]) -> Resul
             job.stop(Outcome::Signaled(sig), &ranks);
             break;
         }
-        let mut cmd = Command::new(program);
-        cmd.args(args)
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", opts.nproc.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("LOCAL_WORLD_SIZE", opts.nproc.to_string())
-            .env("GROUP_RANK", "0")
-            .env("GROUP_WORLD_SIZE", "1")
-            .env("ROLE_RANK", rank.to_string())
-            .env("ROLE_WORLD_SIZE", opts.nproc.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .env("OXCCL_JOB_ID", &job_id)
-            // Explicit rank options would override the launcher's for every rank alike.
-            .env_remove("OXCCL_RANK")
-            .env_remove("OXCCL_WORLD_SIZE")
-            .env_remove("OXCCL_LOCAL_RANK")
-            .env_remove("OXCCL_LOCAL_WORLD_SIZE")
-            .stdin(Stdio::null())
-            .process_group(0);
-        secret.export_to(&mut cmd);
-        if opts.prefix_output {
-            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-        }
-        #[cfg(any(target_os = "linux", target_os = "android"))]
-        // SAFETY: the closure only makes async-signal-safe calls (prctl, getppid) and does not
-        // allocate.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                // The launcher died before the prctl: no signal will come.
-                if libc::getppid() as u32 != launcher_pid {
-                    return Err(io::Error::from_raw_os_error(libc::ESRCH));
-                }
-                Ok(())
-            });
-        }
-        #[cfg(not(any(target_os = "linux", target_os = "android")))]
-        let _ = launcher_pid;
+        let mut cmd = rank_command(opts, program, args, rank, &env);
         match cmd.spawn() {
             Ok(mut child) => {
                 let pid = child.id() as i32;
@@ -291,6 +256,84 @@ pub fn launch(opts: &LaunchOptions, program: &OsStr, args: &[OsString]) -> Resul
     }
     drop(done_tx);
 
+    supervise(opts, &mut ranks, &mut job, &signals, signals_seen, deadline);
+    wait_for_output(&done_rx, readers);
+    drop(signals);
+    Ok(job.outcome.map_or(0, |o| o.exit_code()))
+}
+
+/// What every rank's environment shares.
+struct RankEnv<'a> {
+    port: u16,
+    job_id: &'a str,
+    secret: &'a oxccl_bootstrap::Secret,
+    launcher_pid: u32,
+}
+
+/// The command that starts `rank`: torchrun's variables, the store, the job id and secret,
+/// its own process group, and death with the launcher.
+fn rank_command(
+    opts: &LaunchOptions,
+    program: &OsStr,
+    args: &[OsString],
+    rank: usize,
+    env: &RankEnv<'_>,
+) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", opts.nproc.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("LOCAL_WORLD_SIZE", opts.nproc.to_string())
+        .env("GROUP_RANK", "0")
+        .env("GROUP_WORLD_SIZE", "1")
+        .env("ROLE_RANK", rank.to_string())
+        .env("ROLE_WORLD_SIZE", opts.nproc.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", env.port.to_string())
+        .env("OXCCL_JOB_ID", env.job_id)
+        // Explicit rank options would override the launcher's for every rank alike.
+        .env_remove("OXCCL_RANK")
+        .env_remove("OXCCL_WORLD_SIZE")
+        .env_remove("OXCCL_LOCAL_RANK")
+        .env_remove("OXCCL_LOCAL_WORLD_SIZE")
+        .stdin(Stdio::null())
+        .process_group(0);
+    env.secret.export_to(&mut cmd);
+    let launcher_pid = env.launcher_pid;
+    if opts.prefix_output {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    }
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    // SAFETY: the closure only makes async-signal-safe calls (prctl, getppid) and does not
+    // allocate.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // The launcher died before the prctl: no signal will come.
+            if libc::getppid() as u32 != launcher_pid {
+                return Err(io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    let _ = launcher_pid;
+    cmd
+}
+
+/// Watches the ranks until every one has exited: the first failure, a signal, the job's
+/// timeout and the grace period after a stop each stop or kill the rest.
+fn supervise(
+    opts: &LaunchOptions,
+    ranks: &mut [Rank],
+    job: &mut Job,
+    signals: &SignalGuard,
+    mut signals_seen: usize,
+    deadline: Option<Instant>,
+) {
     loop {
         let mut first_failure = None;
         for (rank, r) in ranks.iter_mut().enumerate() {
@@ -319,11 +362,11 @@ pub fn launch(opts: &LaunchOptions, program: &OsStr, args: &[OsString]) -> Resul
             let (what, code) = describe(status);
             note(&format!(
                 "rank {rank} {what}{}",
-                stopping(running(&ranks), true)
+                stopping(running(ranks), true)
             ));
-            job.stop(Outcome::Failed(code), &ranks);
+            job.stop(Outcome::Failed(code), ranks);
         }
-        if running(&ranks) == 0 {
+        if running(ranks) == 0 {
             break;
         }
         let now = Instant::now();
@@ -334,14 +377,14 @@ pub fn launch(opts: &LaunchOptions, program: &OsStr, args: &[OsString]) -> Resul
             if job.outcome.is_none() {
                 note(&format!(
                     "received {name}{}",
-                    stopping(running(&ranks), false)
+                    stopping(running(ranks), false)
                 ));
-                job.stop(Outcome::Signaled(sig), &ranks);
+                job.stop(Outcome::Signaled(sig), ranks);
             } else if !job.killed {
                 note(&format!(
                     "received {name} again; killing the ranks still running"
                 ));
-                job.kill(&ranks);
+                job.kill(ranks);
             }
         }
         if job.outcome.is_none()
@@ -351,21 +394,21 @@ pub fn launch(opts: &LaunchOptions, program: &OsStr, args: &[OsString]) -> Resul
             note(&format!(
                 "the job ran longer than its timeout of {} s{}",
                 opts.timeout.unwrap_or_default().as_secs_f64(),
-                stopping(running(&ranks), false)
+                stopping(running(ranks), false)
             ));
-            job.stop(Outcome::TimedOut, &ranks);
+            job.stop(Outcome::TimedOut, ranks);
         }
         if !job.killed
             && let Some(t) = job.kill_at
             && now >= t
         {
-            let n = running(&ranks);
+            let n = running(ranks);
             note(&format!(
                 "{n} rank{} still running after the grace period of {} s; sending SIGKILL",
                 plural(n),
                 job.grace.as_secs_f64()
             ));
-            job.kill(&ranks);
+            job.kill(ranks);
         }
         let mut next = now + MAX_TICK;
         if job.outcome.is_none()
@@ -380,7 +423,11 @@ pub fn launch(opts: &LaunchOptions, program: &OsStr, args: &[OsString]) -> Resul
         }
         signals.wait(next.saturating_duration_since(now));
     }
+}
 
+/// Waits (up to [`OUTPUT_LINGER`]) for the ranks' output to close, then joins the readers
+/// that are done.
+fn wait_for_output(done_rx: &mpsc::Receiver<()>, readers: Vec<JoinHandle<()>>) {
     // Every rank is reaped and its process group killed: the pipes close, unless a process
     // that left its group (setsid) still holds one.
     let linger = Instant::now() + OUTPUT_LINGER;
@@ -402,8 +449,6 @@ pub fn launch(opts: &LaunchOptions, program: &OsStr, args: &[OsString]) -> Resul
             let _ = h.join();
         }
     }
-    drop(signals);
-    Ok(job.outcome.map_or(0, |o| o.exit_code()))
 }
 
 /// One started rank.

@@ -22,7 +22,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use oxccl::schedule::Algorithm;
-use oxccl::{DataType, ReduceOp};
+use oxccl::{CollectiveKind, DataType, ReduceOp};
 use oxccl_sim::{Fabric, Report, Spec, Track, simulate};
 use serde_json::{Value, json};
 
@@ -155,6 +155,20 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
             args.root
         )));
     }
+    let results = simulate_sizes(args, kind, &fabric, algo)?;
+    report(args, kind, &fabric, &results)
+}
+
+/// Simulates every size of the sweep (out of place, then in place unless `--oop-only`),
+/// keeping the out-of-place report of each.
+fn simulate_sizes(
+    args: &Args,
+    kind: CollectiveKind,
+    fabric: &Fabric,
+    algo: Option<Algorithm>,
+) -> Result<Vec<Sized>, (u8, String)> {
+    let usage = |e: String| (2u8, e);
+    let n = fabric.world;
     let es = args.dtype.size();
     let mut results: Vec<Sized> = Vec::new();
     let mut size = args.min_bytes;
@@ -204,7 +218,7 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
                 symmetry: !(args.no_symmetry || traced && fabric.world <= TRACE_ALL),
             };
             let t0 = std::time::Instant::now();
-            let report = simulate(&fabric, &spec)
+            let report = simulate(fabric, &spec)
                 .map_err(|e| (1, format!("{kind} of {shown} bytes: {e}")))?;
             let wall_s = t0.elapsed().as_secs_f64();
             row.time_us[k] = report.time_s * 1e6;
@@ -224,16 +238,28 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
         }
         size *= args.factor;
     }
+    Ok(results)
+}
+
+/// Prints the sweep as nccl-tests does (or its JSON), then the algorithms by size, the
+/// simulation's cost, the busiest links at the largest size and where the trace went.
+fn report(
+    args: &Args,
+    kind: CollectiveKind,
+    fabric: &Fabric,
+    results: &[Sized],
+) -> Result<(), (u8, String)> {
+    let n = fabric.world;
     let largest = results.last().expect("one size at least");
     if let Some(path) = &args.trace {
-        write_trace(path, &fabric, &largest.report).map_err(|e| {
+        write_trace(path, fabric, &largest.report).map_err(|e| {
             (
                 1,
                 format!("cannot write the trace to {}: {e}", path.display()),
             )
         })?;
     }
-    let links = busiest(&fabric, &largest.report, args.links);
+    let links = busiest(fabric, &largest.report, args.links);
     let rows: Vec<Row> = results
         .iter()
         .map(|s| Row {
@@ -305,7 +331,7 @@ fn run(args: &Args) -> Result<(), (u8, String)> {
     if args.json {
         return Ok(());
     }
-    writeln!(out, "# algorithm: {}", algo_ranges(&results)).map_err(io)?;
+    writeln!(out, "# algorithm: {}", algo_ranges(results)).map_err(io)?;
     writeln!(
         out,
         "# simulated in {:.3} s wall ({} steps, {} flows at the largest size)",

@@ -62,6 +62,8 @@ struct Fragment {
 
 /// One participant's memory.
 struct RankState {
+    /// The participant.
+    rank: usize,
     /// One buffer when in place, else input and output separately.
     input: Vec<Sym>,
     output: Vec<Sym>,
@@ -84,6 +86,7 @@ impl RankState {
         in_place: Option<(usize, usize)>,
     ) -> RankState {
         RankState {
+            rank: r,
             scratch: vec![POISON; sched.scratch],
             input,
             output,
@@ -214,52 +217,7 @@ pub fn verify_schedules(
     if slots == 0 {
         return Err("slots must be ≥ 1".into());
     }
-    // An aggregation all-reduce has one more participant: the aggregator, peer `n`.
-    let agg = reqs[0].algo == Algorithm::Aggregation;
-    let mut ranks = Vec::with_capacity(n + 1);
-    for ((r, req), sched) in reqs.iter().enumerate().zip(&scheds) {
-        if req.rank != r || req.world != n {
-            return Err(format!(
-                "request {r} is for rank {} of {} ranks",
-                req.rank, req.world
-            ));
-        }
-        let in_len = req.coll.input_len(n, r);
-        let out_len = req.coll.output_len(n, r);
-        let in_place = if req.in_place {
-            Some(
-                req.coll
-                    .in_place_offsets(n, r)
-                    .ok_or_else(|| format!("{} has no in-place form", req.coll.name()))?,
-            )
-        } else {
-            None
-        };
-        let input: Vec<Sym> = (0..in_len)
-            .map(|i| Sym {
-                idx: i as u32,
-                mask: 1 << r,
-            })
-            .collect();
-        let (input, output) = match in_place {
-            Some((io, oo)) => {
-                let mut buf = vec![POISON; (io + in_len).max(oo + out_len)];
-                buf[io..io + in_len].copy_from_slice(&input);
-                (Vec::new(), buf)
-            }
-            None => (input, vec![POISON; out_len]),
-        };
-        ranks.push(RankState::new(r, sched, input, output, in_place));
-    }
-    if agg {
-        // A pool of two slots: slot reuse is checked too.
-        let sched = build_aggregator(&reqs[0], 2).map_err(|e| format!("aggregator: {e}"))?;
-        let mut aggregator = RankState::new(n, &sched, Vec::new(), Vec::new(), None);
-        // It holds no contribution of its own.
-        aggregator.know = 0;
-        ranks.push(aggregator);
-        scheds.push(sched);
-    }
+    let mut ranks = initial_states(reqs, &mut scheds)?;
     // Every participant runs the protocol's own state machine ([`crate::protocol::Machine`])
     // with fragments of `chunk` elements: this loop is only its transport, which delivers
     // fragments, credits and completions in a random order.
@@ -294,180 +252,55 @@ pub fn verify_schedules(
     let mut machines: Vec<Machine<'_>> = (0..parts)
         .map(|r| Machine::new(&scheds[r], &queues[r], cfg, 1, false, Reuse::default()))
         .collect();
-    let mut flows: Vec<Flows> = (0..parts).map(|_| Flows::new(parts, channels)).collect();
-    // In flight, per (sender, receiver): fragments (queue at the receiver, slot), credits
-    // (queue at the sender, count), and per sender its signaled fragments not completed.
-    let mut wires: Vec<VecDeque<(usize, u32)>> = vec![VecDeque::new(); parts * parts];
-    let mut credit_wires: Vec<VecDeque<(usize, u64)>> = vec![VecDeque::new(); parts * parts];
-    // What each receiver's slots hold: (receiver, queue, slot) → fragment.
-    let mut landed: HashMap<(usize, usize, u32), Fragment> = HashMap::new();
+    let mut net = Wires {
+        parts,
+        flows: (0..parts).map(|_| Flows::new(parts, channels)).collect(),
+        fragments: vec![VecDeque::new(); parts * parts],
+        credits: vec![VecDeque::new(); parts * parts],
+        landed: HashMap::new(),
+    };
     let mut rng = Rng(seed | 1);
     let mut acts = Vec::new();
     let mut choices: Vec<Choice> = Vec::new();
     loop {
         choices.clear();
         for r in 0..parts {
-            machines[r].enabled(&flows[r], &mut acts);
+            machines[r].enabled(&net.flows[r], &mut acts);
             choices.extend(acts.iter().map(|&a| Choice::Act(r, a)));
             choices.extend((0..ranks[r].reading.len()).map(|i| Choice::Complete(r, i)));
         }
         for w in 0..parts * parts {
-            if !wires[w].is_empty() {
+            if !net.fragments[w].is_empty() {
                 choices.push(Choice::Arrive(w));
             }
-            if !credit_wires[w].is_empty() {
+            if !net.credits[w].is_empty() {
                 choices.push(Choice::Credit(w));
             }
         }
         if choices.is_empty() {
             break;
         }
-        let choice = choices.swap_remove(rng.below(choices.len()));
-        let fail = |r: usize, s: usize, e: String| format!("rank {r} step {s}: {e}");
-        match choice {
+        match choices.swap_remove(rng.below(choices.len())) {
             Choice::Arrive(w) => {
-                let (q, slot) = wires[w].pop_front().expect("chosen");
-                flows[w % parts].arrived(q, slot);
+                let (q, slot) = net.fragments[w].pop_front().expect("chosen");
+                net.flows[w % parts].arrived(q, slot);
             }
             Choice::Credit(w) => {
-                let (q, consumed) = credit_wires[w].pop_front().expect("chosen");
-                flows[w / parts].credit(q, consumed);
+                let (q, consumed) = net.credits[w].pop_front().expect("chosen");
+                net.flows[w / parts].credit(q, consumed);
             }
             Choice::Complete(r, i) => {
                 let (s, _) = ranks[r].reading.swap_remove(i);
                 machines[r].completed(s, true);
             }
             Choice::Act(r, a) => {
-                machines[r].commit(&mut flows[r], &a);
-                match a {
-                    Action::Post {
-                        step,
-                        q,
-                        slot,
-                        off,
-                        len,
-                        total,
-                        signaled,
-                    } => {
-                        let st = &mut ranks[r];
-                        let Op::Send { peer, src, .. } = scheds[r].steps[step].op else {
-                            unreachable!("a post is a send's")
-                        };
-                        let part = src.sub(off, len);
-                        let data = st.read(part).map_err(|e| fail(r, step, e))?;
-                        if data.contains(&POISON) {
-                            return Err(fail(
-                                r,
-                                step,
-                                format!("sends unwritten data from {src:?}"),
-                            ));
-                        }
-                        if signaled {
-                            st.reading.push((step, part));
-                        }
-                        let (_, ch) = flows[r].link_channel(q);
-                        let rq = flows[peer].queue(r, ch);
-                        let frag = Fragment {
-                            data,
-                            total,
-                            off,
-                            know: st.know,
-                        };
-                        if landed.insert((peer, rq, slot), frag).is_some() {
-                            return Err(fail(
-                                r,
-                                step,
-                                format!(
-                                    "overwrites slot {slot} of rank {peer} (channel {ch}) before rank {peer} consumed it"
-                                ),
-                            ));
-                        }
-                        wires[r * parts + peer].push_back((rq, slot));
-                    }
-                    Action::Recv {
-                        step,
-                        q,
-                        slot,
-                        off,
-                        len,
-                        total,
-                        ..
-                    } => {
-                        let Op::Recv {
-                            peer,
-                            channel,
-                            dst,
-                            reduce_with,
-                        } = scheds[r].steps[step].op
-                        else {
-                            unreachable!("a consume is a receive's")
-                        };
-                        let frag = landed
-                            .remove(&(r, q, slot))
-                            .expect("an arrived slot holds data");
-                        let st = &mut ranks[r];
-                        if frag.total != total || frag.off != off || frag.data.len() != len {
-                            return Err(fail(
-                                r,
-                                step,
-                                format!(
-                                    "receives {} elements from rank {peer} (channel {channel}) at {off}, which sends {} at {}",
-                                    dst.len, frag.total, frag.off
-                                ),
-                            ));
-                        }
-                        let value = match reduce_with {
-                            Some(w) => {
-                                let local =
-                                    st.read(w.sub(off, len)).map_err(|e| fail(r, step, e))?;
-                                reduce_slices(&local, &frag.data).map_err(|e| fail(r, step, e))?
-                            }
-                            None => frag.data,
-                        };
-                        st.write(dst.sub(off, len), &value)
-                            .map_err(|e| fail(r, step, e))?;
-                        st.know |= frag.know;
-                    }
-                    Action::Credit { q, consumed } => {
-                        flows[r].credit_sent(q, consumed);
-                        let (peer, ch) = flows[r].link_channel(q);
-                        credit_wires[peer * parts + r]
-                            .push_back((flows[peer].queue(r, ch), consumed));
-                    }
-                    Action::Local { step } => {
-                        let st = &mut ranks[r];
-                        match scheds[r].steps[step].op {
-                            Op::Copy { src, dst } => {
-                                if src.len != dst.len {
-                                    return Err(fail(
-                                        r,
-                                        step,
-                                        format!("copies {src:?} into {dst:?}"),
-                                    ));
-                                }
-                                if st.locate(src) != st.locate(dst) {
-                                    let data = st.read(src).map_err(|e| fail(r, step, e))?;
-                                    st.write(dst, &data).map_err(|e| fail(r, step, e))?;
-                                }
-                            }
-                            Op::Reduce { dst, a, b } => {
-                                let a = st.read(a).map_err(|e| fail(r, step, e))?;
-                                let b = st.read(b).map_err(|e| fail(r, step, e))?;
-                                let v = reduce_slices(&a, &b).map_err(|e| fail(r, step, e))?;
-                                st.write(dst, &v).map_err(|e| fail(r, step, e))?;
-                            }
-                            _ => unreachable!("a local step is a copy or a reduction"),
-                        }
-                    }
-                    Action::MailboxSend { .. } => {
-                        unreachable!("the verifier runs the slot protocol")
-                    }
-                }
+                machines[r].commit(&mut net.flows[r], &a);
+                net.act(&scheds[r], &mut ranks[r], a)?;
             }
         }
     }
     for (r, m) in machines.iter().enumerate() {
-        if let Some(w) = m.waiting(&flows[r]) {
+        if let Some(w) = m.waiting(&net.flows[r]) {
             let s = match w {
                 Waiting::Data { step, .. }
                 | Waiting::Slot { step, .. }
@@ -480,13 +313,195 @@ pub fn verify_schedules(
             ));
         }
     }
-    if let Some(&(r, q, _)) = landed.keys().next() {
-        let (peer, ch) = flows[r].link_channel(q);
+    if let Some(&(r, q, _)) = net.landed.keys().next() {
+        let (peer, ch) = net.flows[r].link_channel(q);
         return Err(format!(
             "rank {peer} sent rank {r} (channel {ch}) more than it received"
         ));
     }
     check_results(reqs, &ranks[..n])
+}
+
+/// Every participant's symbolic buffers at the start (each input element carries its rank's
+/// contribution; outputs are unwritten), and, for an aggregation all-reduce, the aggregator
+/// (participant `n`), whose schedule is appended to `scheds`.
+fn initial_states(reqs: &[Request], scheds: &mut Vec<Schedule>) -> Result<Vec<RankState>, String> {
+    let n = reqs.len();
+    let mut ranks = Vec::with_capacity(n + 1);
+    for ((r, req), sched) in reqs.iter().enumerate().zip(scheds.iter()) {
+        if req.rank != r || req.world != n {
+            return Err(format!(
+                "request {r} is for rank {} of {} ranks",
+                req.rank, req.world
+            ));
+        }
+        let in_len = req.coll.input_len(n, r);
+        let out_len = req.coll.output_len(n, r);
+        let in_place = if req.in_place {
+            Some(
+                req.coll
+                    .in_place_offsets(n, r)
+                    .ok_or_else(|| format!("{} has no in-place form", req.coll.name()))?,
+            )
+        } else {
+            None
+        };
+        let input: Vec<Sym> = (0..in_len)
+            .map(|i| Sym {
+                idx: i as u32,
+                mask: 1 << r,
+            })
+            .collect();
+        let (input, output) = match in_place {
+            Some((io, oo)) => {
+                let mut buf = vec![POISON; (io + in_len).max(oo + out_len)];
+                buf[io..io + in_len].copy_from_slice(&input);
+                (Vec::new(), buf)
+            }
+            None => (input, vec![POISON; out_len]),
+        };
+        ranks.push(RankState::new(r, sched, input, output, in_place));
+    }
+    // An aggregation all-reduce has one more participant: the aggregator, peer `n`.
+    if reqs[0].algo == Algorithm::Aggregation {
+        // A pool of two slots: slot reuse is checked too.
+        let sched = build_aggregator(&reqs[0], 2).map_err(|e| format!("aggregator: {e}"))?;
+        let mut aggregator = RankState::new(n, &sched, Vec::new(), Vec::new(), None);
+        // It holds no contribution of its own.
+        aggregator.know = 0;
+        ranks.push(aggregator);
+        scheds.push(sched);
+    }
+    Ok(ranks)
+}
+
+/// The verifier's transport: every participant's flow control, and what is in flight per
+/// (sender, receiver): fragments (queue at the receiver, slot) and credits (queue at the
+/// sender, count); what each receiver's slots hold.
+struct Wires {
+    parts: usize,
+    flows: Vec<Flows>,
+    fragments: Vec<VecDeque<(usize, u32)>>,
+    credits: Vec<VecDeque<(usize, u64)>>,
+    /// (receiver, queue, slot) → fragment.
+    landed: HashMap<(usize, usize, u32), Fragment>,
+}
+
+impl Wires {
+    /// Carries out action `a` of participant `st.rank` (whose schedule is `sched`) on its
+    /// symbolic buffers and the wires; the first violation, naming the rank and step.
+    fn act(&mut self, sched: &Schedule, st: &mut RankState, a: Action) -> Result<(), String> {
+        let (r, parts) = (st.rank, self.parts);
+        let fail = |s: usize, e: String| format!("rank {r} step {s}: {e}");
+        match a {
+            Action::Post {
+                step,
+                q,
+                slot,
+                off,
+                len,
+                total,
+                signaled,
+            } => {
+                let Op::Send { peer, src, .. } = sched.steps[step].op else {
+                    unreachable!("a post is a send's")
+                };
+                let part = src.sub(off, len);
+                let data = st.read(part).map_err(|e| fail(step, e))?;
+                if data.contains(&POISON) {
+                    return Err(fail(step, format!("sends unwritten data from {src:?}")));
+                }
+                if signaled {
+                    st.reading.push((step, part));
+                }
+                let (_, ch) = self.flows[r].link_channel(q);
+                let rq = self.flows[peer].queue(r, ch);
+                let frag = Fragment {
+                    data,
+                    total,
+                    off,
+                    know: st.know,
+                };
+                if self.landed.insert((peer, rq, slot), frag).is_some() {
+                    return Err(fail(
+                        step,
+                        format!(
+                            "overwrites slot {slot} of rank {peer} (channel {ch}) before rank {peer} consumed it"
+                        ),
+                    ));
+                }
+                self.fragments[r * parts + peer].push_back((rq, slot));
+            }
+            Action::Recv {
+                step,
+                q,
+                slot,
+                off,
+                len,
+                total,
+                ..
+            } => {
+                let Op::Recv {
+                    peer,
+                    channel,
+                    dst,
+                    reduce_with,
+                } = sched.steps[step].op
+                else {
+                    unreachable!("a consume is a receive's")
+                };
+                let frag = self
+                    .landed
+                    .remove(&(r, q, slot))
+                    .expect("an arrived slot holds data");
+                if frag.total != total || frag.off != off || frag.data.len() != len {
+                    return Err(fail(
+                        step,
+                        format!(
+                            "receives {} elements from rank {peer} (channel {channel}) at {off}, which sends {} at {}",
+                            dst.len, frag.total, frag.off
+                        ),
+                    ));
+                }
+                let value = match reduce_with {
+                    Some(w) => {
+                        let local = st.read(w.sub(off, len)).map_err(|e| fail(step, e))?;
+                        reduce_slices(&local, &frag.data).map_err(|e| fail(step, e))?
+                    }
+                    None => frag.data,
+                };
+                st.write(dst.sub(off, len), &value)
+                    .map_err(|e| fail(step, e))?;
+                st.know |= frag.know;
+            }
+            Action::Credit { q, consumed } => {
+                self.flows[r].credit_sent(q, consumed);
+                let (peer, ch) = self.flows[r].link_channel(q);
+                let at = self.flows[peer].queue(r, ch);
+                self.credits[peer * parts + r].push_back((at, consumed));
+            }
+            Action::Local { step } => match sched.steps[step].op {
+                Op::Copy { src, dst } => {
+                    if src.len != dst.len {
+                        return Err(fail(step, format!("copies {src:?} into {dst:?}")));
+                    }
+                    if st.locate(src) != st.locate(dst) {
+                        let data = st.read(src).map_err(|e| fail(step, e))?;
+                        st.write(dst, &data).map_err(|e| fail(step, e))?;
+                    }
+                }
+                Op::Reduce { dst, a, b } => {
+                    let a = st.read(a).map_err(|e| fail(step, e))?;
+                    let b = st.read(b).map_err(|e| fail(step, e))?;
+                    let v = reduce_slices(&a, &b).map_err(|e| fail(step, e))?;
+                    st.write(dst, &v).map_err(|e| fail(step, e))?;
+                }
+                _ => unreachable!("a local step is a copy or a reduction"),
+            },
+            Action::MailboxSend { .. } => unreachable!("the verifier runs the slot protocol"),
+        }
+        Ok(())
+    }
 }
 
 /// What the verifier's transport may do next.

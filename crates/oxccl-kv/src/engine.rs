@@ -155,20 +155,6 @@ pub struct TransferEngine {
     threads: Vec<JoinHandle<()>>,
 }
 
-fn host_identity() -> String {
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default();
-    // shm needs the same network namespace (its sockets) and the same pid namespace (the
-    // peers' pids): processes that share both are on "this host".
-    let ns = |n: &str| {
-        std::fs::read_link(format!("/proc/self/ns/{n}"))
-            .map(|p| p.display().to_string())
-            .unwrap_or_default()
-    };
-    format!("{boot}/{}/{}", ns("net"), ns("pid"))
-}
-
 impl TransferEngine {
     /// Starts an engine: opens the providers `config.protocol` needs, binds the handshake
     /// listener on `config.local_addr`, and publishes the (empty) segment to `meta`.
@@ -244,7 +230,7 @@ impl TransferEngine {
             .unwrap_or_else(|| handshake_addr.clone());
         let inner = Arc::new(Inner {
             name,
-            host: host_identity(),
+            host: oxccl_verbs::host_identity(),
             devs,
             meta,
             handshake_addr,

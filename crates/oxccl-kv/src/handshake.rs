@@ -7,14 +7,13 @@
 //! owner registered (the block store's lookups). Messages are JSON, each after a 4-byte
 //! little-endian length.
 
-use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use oxccl_bootstrap::Secret;
+use oxccl_bootstrap::{Secret, frame};
 use oxccl_verbs::QpEndpoint;
 use serde::{Deserialize, Serialize};
 
@@ -74,11 +73,7 @@ pub(crate) enum Msg {
 
 /// Writes one message.
 pub(crate) fn send(s: &mut TcpStream, m: &Msg) -> std::io::Result<()> {
-    let body = serde_json::to_vec(m).map_err(std::io::Error::other)?;
-    let mut out = Vec::with_capacity(4 + body.len());
-    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    out.extend_from_slice(&body);
-    s.write_all(&out)
+    frame::send_json(s, m)
 }
 
 /// Reads one message (at most [`MAX_MSG`] bytes).
@@ -88,32 +83,14 @@ pub(crate) fn recv(s: &mut TcpStream) -> std::io::Result<Msg> {
 
 /// Reads one message of at most `max` bytes.
 fn recv_at_most(s: &mut TcpStream, max: usize) -> std::io::Result<Msg> {
-    let mut len = [0u8; 4];
-    s.read_exact(&mut len)?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len > max {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("a handshake message of {len} bytes (at most {max})"),
-        ));
-    }
-    let mut body = vec![0; len];
-    s.read_exact(&mut body)?;
-    serde_json::from_slice(&body).map_err(|e| {
-        std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("a malformed handshake message: {e}"),
-        )
-    })
+    frame::recv_json(s, max, "handshake message")
 }
 
 fn nonce() -> Result<[u8; 32]> {
-    let mut n = [0; 32];
-    getrandom::fill(&mut n).map_err(|e| Error::Auth {
+    frame::nonce().map_err(|e| Error::Auth {
         peer: "-".into(),
         detail: format!("the OS random source failed: {e}"),
-    })?;
-    Ok(n)
+    })
 }
 
 /// What the server does with an authenticated peer's requests.

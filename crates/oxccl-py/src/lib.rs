@@ -22,9 +22,11 @@
 #![deny(missing_docs)]
 
 pub mod buffer;
+mod calls;
 pub mod comm;
 pub mod errors;
 pub mod kv;
+mod registration;
 pub mod store;
 pub mod work;
 
@@ -127,7 +129,7 @@ fn fp8_convert<'py>(
 #[pyfunction]
 #[pyo3(signature = (name))]
 fn compress_format(name: Option<&str>) -> PyResult<Option<String>> {
-    Ok(comm::parse_compress(name)?.map(|f| f.to_string()))
+    Ok(calls::parse_compress(name)?.map(|f| f.to_string()))
 }
 
 /// `_cli_main(reexec, argv)`: runs the `oxccl` command line (the crate `oxccl-cli`) in this

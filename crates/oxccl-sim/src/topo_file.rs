@@ -556,6 +556,103 @@ fn build_star(f: File) -> Result<Fabric, String> {
     Ok(fabric)
 }
 
+/// Each rail's NIC rate, and each rank's (`rail_nic_gbps`, then `nic_overrides`), in Gbit/s.
+fn nic_rates(cs: &ClusterSpec, nic: f64) -> Result<(Vec<f64>, Vec<f64>), String> {
+    let (hn, g) = (cs.hosts, cs.gpus_per_host);
+    let world = hn * g;
+    let mut rail = vec![nic; g];
+    if let Some(r) = &cs.rail_nic_gbps {
+        if r.len() != g {
+            return Err(format!(
+                "cluster.rail_nic_gbps has {} rates; gpus_per_host is {g} (one rate per rail)",
+                r.len()
+            ));
+        }
+        for (i, &x) in r.iter().enumerate() {
+            check(&format!("cluster.rail_nic_gbps[{i}]"), Some(x), false)?;
+        }
+        rail.clone_from(r);
+    }
+    let mut rate: Vec<f64> = (0..world).map(|r| rail[r % g]).collect();
+    for (k, o) in cs.nic_overrides.iter().flatten().enumerate() {
+        let field = format!("cluster.nic_overrides[{k}]");
+        check(&format!("{field}.gbps"), Some(o.gbps), false)?;
+        let hosts = parse_hosts(&format!("{field}.hosts"), &o.hosts, hn)?;
+        let rails: Vec<usize> = match &o.rails {
+            Some(rs) => {
+                if let Some(&bad) = rs.iter().find(|&&x| x >= g) {
+                    return Err(format!(
+                        "{field}.rails: rail {bad} is outside gpus_per_host {g} (0-{})",
+                        g - 1
+                    ));
+                }
+                rs.clone()
+            }
+            None => (0..g).collect(),
+        };
+        for h in hosts {
+            for &i in &rails {
+                rate[h * g + i] = o.gbps;
+            }
+        }
+    }
+    Ok((rail, rate))
+}
+
+/// The cluster's symmetry generator as a node map (identity where it has none): hosts shift
+/// by a datacenter, or by a leaf group, or (one host) its ranks by one.
+fn cluster_symmetry(
+    n: usize,
+    cl: &Cluster,
+    hn: usize,
+    su: &[usize],
+    leaves: &[usize],
+    spine_nodes: &[usize],
+    routers: &[usize],
+) -> Vec<usize> {
+    let (g, hpd, hpl, gpd, dcs, spines) =
+        (cl.g, cl.hosts_per_dc, cl.hpl, cl.gpd, cl.dcs, cl.spines);
+    let world = hn * g;
+    let n_leaves = leaves.len();
+    let mut map: Vec<usize> = (0..n).collect();
+    let host_shift = |map: &mut [usize], by: usize| {
+        for (r, m) in map.iter_mut().take(world).enumerate() {
+            *m = (r + by * g) % world;
+        }
+        for h in 0..hn {
+            map[su[h]] = su[(h + by) % hn];
+        }
+    };
+    if dcs > 1 {
+        host_shift(&mut map, hpd);
+        for l in 0..n_leaves {
+            map[leaves[l]] = leaves[(l + gpd * g) % n_leaves];
+        }
+        for k in 0..dcs * spines {
+            map[spine_nodes[k]] = spine_nodes[(k + spines) % (dcs * spines)];
+        }
+        for d in 0..dcs {
+            map[routers[d]] = routers[(d + 1) % dcs];
+        }
+    } else if gpd > 1 {
+        if hpd.is_multiple_of(hpl) {
+            host_shift(&mut map, hpl);
+            for l in 0..n_leaves {
+                map[leaves[l]] = leaves[(l + g) % n_leaves];
+            }
+        }
+    } else if hn == 1 {
+        // One host: its ranks (and their rails' leaves) shift by one.
+        for (r, m) in map.iter_mut().take(world).enumerate() {
+            *m = (r + 1) % world;
+        }
+        for l in 0..n_leaves {
+            map[leaves[l]] = leaves[(l + 1) % n_leaves];
+        }
+    }
+    map
+}
+
 fn build_cluster(f: File) -> Result<Fabric, String> {
     let c = common(&f, true)?;
     let wan = wan(&f)?;
@@ -604,43 +701,8 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
         None if need_spines => ((hpl as f64 / over).ceil() as usize).max(1),
         None => 0,
     };
-    let mut rail = vec![nic; g];
-    if let Some(r) = &cs.rail_nic_gbps {
-        if r.len() != g {
-            return Err(format!(
-                "cluster.rail_nic_gbps has {} rates; gpus_per_host is {g} (one rate per rail)",
-                r.len()
-            ));
-        }
-        for (i, &x) in r.iter().enumerate() {
-            check(&format!("cluster.rail_nic_gbps[{i}]"), Some(x), false)?;
-        }
-        rail.clone_from(r);
-    }
     let world = hn * g;
-    let mut rate: Vec<f64> = (0..world).map(|r| rail[r % g]).collect();
-    for (k, o) in cs.nic_overrides.iter().flatten().enumerate() {
-        let field = format!("cluster.nic_overrides[{k}]");
-        check(&format!("{field}.gbps"), Some(o.gbps), false)?;
-        let hosts = parse_hosts(&format!("{field}.hosts"), &o.hosts, hn)?;
-        let rails: Vec<usize> = match &o.rails {
-            Some(rs) => {
-                if let Some(&bad) = rs.iter().find(|&&x| x >= g) {
-                    return Err(format!(
-                        "{field}.rails: rail {bad} is outside gpus_per_host {g} (0-{})",
-                        g - 1
-                    ));
-                }
-                rs.clone()
-            }
-            None => (0..g).collect(),
-        };
-        for h in hosts {
-            for &i in &rails {
-                rate[h * g + i] = o.gbps;
-            }
-        }
-    }
+    let (rail, rate) = nic_rates(cs, nic)?;
     let mut b = Builder {
         nodes: Vec::with_capacity(world + hn + dcs * gpd * g + dcs * (spines + 1)),
         links: Vec::new(),
@@ -744,43 +806,7 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
         wan_links = b.wan_mesh(&routers[..dcs], w, c.link_lat);
     }
     // The symmetry's generator (the ECMP hash commutes with it: see crate::fabric).
-    let n = b.nodes.len();
-    let mut map: Vec<usize> = (0..n).collect();
-    let host_shift = |map: &mut [usize], by: usize| {
-        for (r, m) in map.iter_mut().take(world).enumerate() {
-            *m = (r + by * g) % world;
-        }
-        for h in 0..hn {
-            map[su[h]] = su[(h + by) % hn];
-        }
-    };
-    if dcs > 1 {
-        host_shift(&mut map, hpd);
-        for l in 0..n_leaves {
-            map[leaves[l]] = leaves[(l + gpd * g) % n_leaves];
-        }
-        for k in 0..dcs * spines {
-            map[spine_nodes[k]] = spine_nodes[(k + spines) % (dcs * spines)];
-        }
-        for d in 0..dcs {
-            map[routers[d]] = routers[(d + 1) % dcs];
-        }
-    } else if gpd > 1 {
-        if hpd.is_multiple_of(hpl) {
-            host_shift(&mut map, hpl);
-            for l in 0..n_leaves {
-                map[leaves[l]] = leaves[(l + g) % n_leaves];
-            }
-        }
-    } else if hn == 1 {
-        // One host: its ranks (and their rails' leaves) shift by one.
-        for (r, m) in map.iter_mut().take(world).enumerate() {
-            *m = (r + 1) % world;
-        }
-        for l in 0..n_leaves {
-            map[leaves[l]] = leaves[(l + 1) % n_leaves];
-        }
-    }
+    let map = cluster_symmetry(b.nodes.len(), &cl, hn, &su, &leaves, &spine_nodes, &routers);
     // (One leaf group of several hosts: moving hosts would change their places in it, which
     // spread the routes over the spines. No symmetry: at most hosts_per_leaf hosts.)
     let mut fabric = Fabric {

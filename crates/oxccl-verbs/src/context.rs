@@ -70,6 +70,8 @@ pub(crate) const MR_ADDR: usize = 16;
 pub(crate) const MR_LEN: usize = 24;
 pub(crate) const MR_ACCESS: usize = 32;
 pub(crate) const MR_KIND: usize = 36;
+/// Writes into the region under way by peers that map it (shm): deregistering waits for 0.
+pub(crate) const MR_WRITERS: usize = 40;
 pub(crate) const MR_KIND_SEGMENT: u32 = 1;
 pub(crate) const MR_KIND_USER: u32 = 2;
 
@@ -177,7 +179,7 @@ impl Context {
                 provider,
                 seg,
                 pid,
-                host: host_id(),
+                host: host_identity(),
                 tuning: Tuning { spin: config.spin },
                 regions,
                 tables: Mutex::new(Tables {
@@ -245,9 +247,25 @@ pub(crate) fn random_u64() -> u64 {
     u64::from_le_bytes(b)
 }
 
-/// This host's identity: the boot id (namespaces share it; the bootstrap adds the netns later).
-pub(crate) fn host_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+/// This host's identity as shared memory sees it: the kernel's boot id, the network
+/// namespace (the shm provider's sockets live in it) and the pid namespace (peers are
+/// reached by pid). Processes with the same identity can talk shm; network namespaces on one
+/// machine count as separate hosts. Every layer that asks "same host?" (the endpoints here,
+/// a communicator's hosts, oxccl-kv's segments) uses this one.
+///
+/// ```
+/// let id = oxccl_verbs::host_identity();
+/// assert_eq!(id, oxccl_verbs::host_identity());
+/// assert_eq!(id.matches('/').count(), 2); // boot id / net namespace / pid namespace
+/// ```
+pub fn host_identity() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "unknown-boot-id".into())
+        .unwrap_or_else(|_| "unknown-boot".into());
+    let ns = |n: &str| {
+        std::fs::read_link(format!("/proc/self/ns/{n}"))
+            .map(|p| p.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| format!("{n}:[?]"))
+    };
+    format!("{boot}/{}/{}", ns("net"), ns("pid"))
 }

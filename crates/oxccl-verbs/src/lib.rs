@@ -87,10 +87,10 @@ mod types;
 mod tests;
 
 pub use config::{DeviceConfig, parse_ip_or_sockaddr};
-pub use context::{Context, Device, ProtectionDomain};
+pub use context::{Context, Device, ProtectionDomain, host_identity};
 pub use cq::CompletionQueue;
 pub use error::{Error, Result};
-pub use mr::{MemoryRegion, RemoteMapping};
+pub use mr::{DEREGISTER_WAIT, MemoryRegion, RemoteMapping};
 pub use provider::Provider;
 pub use qp::{EndpointAddr, QpEndpoint, QueuePair};
 pub use types::*;

@@ -2,11 +2,12 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use crate::context::{
-    CtxInner, CtxTables, MR_ACCESS, MR_ADDR, MR_INDEX_BITS, MR_KIND, MR_KIND_SEGMENT, MR_KIND_USER,
-    MR_LEN, MR_LKEY, MR_RKEY, ProtectionDomain, random_u64,
+    CtxInner, CtxTables, MAX_MR, MR_ACCESS, MR_ADDR, MR_INDEX_BITS, MR_KIND, MR_KIND_SEGMENT,
+    MR_KIND_USER, MR_LEN, MR_LKEY, MR_RKEY, MR_WRITERS, ProtectionDomain, random_u64,
 };
 use crate::error::{Error, Result};
 use crate::provider::RegionInfo;
@@ -18,6 +19,9 @@ use crate::types::{AccessFlags, RemoteBuffer, WcStatus};
 /// Dropping it deregisters it. [`MemoryRegion::deregister`] does so early: later remote accesses
 /// with its rkey fail with `RemoteAccessError`, later local uses with `LocalProtectionError`, while
 /// the memory itself stays valid until the last request that references it has completed.
+/// Deregistering waits (up to [`DEREGISTER_WAIT`]) for the remote writes into the region that
+/// were already under way (a peer's copy into a shared mapping, the tcp target's receive of a
+/// payload): once it returns, no peer writes the memory any more.
 pub struct MemoryRegion {
     pub(crate) inner: Arc<MrInner>,
 }
@@ -34,6 +38,61 @@ pub(crate) struct MrInner {
     pub len: usize,
     backing: Backing,
     registered: AtomicBool,
+    /// Writes into the region under way in this process ([`Writing`]: the tcp target's
+    /// receive of a payload).
+    writers: AtomicU32,
+}
+
+/// How long deregistering waits for the writes into the region already under way. A writer
+/// that has not finished by then (a peer process killed in the middle of its copy, a payload
+/// stuck on a silent connection) cannot write after its process or connection is gone; the
+/// region's table entry is then not reused.
+pub const DEREGISTER_WAIT: Duration = Duration::from_secs(2);
+
+/// A write into a region under way, announced before the region's registration is checked:
+/// [`MemoryRegion::deregister`] waits until none is left, so that no write lands after it.
+pub(crate) struct Writing(Arc<MrInner>);
+
+impl Writing {
+    /// Announces a write into `mr`; `None` (nothing announced) when it is deregistered.
+    pub(crate) fn begin(mr: Arc<MrInner>) -> Option<Writing> {
+        // SeqCst on both sides (here: count, then check; deregister: clear, then read the
+        // count): one of the two sees the other.
+        mr.writers.fetch_add(1, Ordering::SeqCst);
+        let w = Writing(mr);
+        w.0.registered.load(Ordering::SeqCst).then_some(w)
+    }
+}
+
+impl Drop for Writing {
+    fn drop(&mut self) {
+        self.0.writers.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// A peer's write into a region of this context's table, announced in the table itself (the
+/// shm provider's writers are other processes): counted, then checked against `rkey`.
+pub(crate) struct TableWriting<'a>(&'a AtomicU64);
+
+impl<'a> TableWriting<'a> {
+    /// Announces a write with `rkey` into the table of `seg` (a peer's context segment);
+    /// `None` when no region of that table has that rkey now.
+    pub(crate) fn begin(seg: &'a Segment, rkey: u64) -> Option<TableWriting<'a>> {
+        let index = key_index(rkey);
+        if rkey == 0 || index as usize >= MAX_MR {
+            return None;
+        }
+        let count = seg.mr_u64(index, MR_WRITERS);
+        count.fetch_add(1, Ordering::SeqCst);
+        let w = TableWriting(count);
+        (seg.mr_u64(index, MR_RKEY).load(Ordering::SeqCst) == rkey).then_some(w)
+    }
+}
+
+impl Drop for TableWriting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Release);
+    }
 }
 
 enum Backing {
@@ -188,6 +247,7 @@ impl ProtectionDomain {
             len,
             backing,
             registered: AtomicBool::new(true),
+            writers: AtomicU32::new(0),
         });
         ctx.seg
             .mr_u64(index, MR_LKEY)
@@ -218,13 +278,14 @@ impl ProtectionDomain {
 
 impl MrInner {
     fn deregister(&self) -> bool {
-        if !self.registered.swap(false, Ordering::AcqRel) {
+        if !self.registered.swap(false, Ordering::SeqCst) {
             return false;
         }
         let ctx = &self.ctx;
         ctx.seg
             .mr_u64(self.index, MR_RKEY)
-            .store(0, Ordering::Release);
+            .store(0, Ordering::SeqCst);
+        let drained = self.wait_for_writers();
         ctx.seg
             .mr_u64(self.index, MR_LKEY)
             .store(0, Ordering::Release);
@@ -233,11 +294,37 @@ impl MrInner {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&self.index);
         ctx.ops.deregister_mr(self);
-        ctx.tables
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .free_mr
-            .push(self.index);
+        // An entry a writer may still count in is never handed out again.
+        if drained {
+            ctx.tables
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .free_mr
+                .push(self.index);
+        }
+        true
+    }
+
+    /// Waits (up to [`DEREGISTER_WAIT`]) until no write into the region is under way, here or
+    /// by a peer; whether none is.
+    fn wait_for_writers(&self) -> bool {
+        let table = self.ctx.seg.mr_u64(self.index, MR_WRITERS);
+        let idle = || self.writers.load(Ordering::SeqCst) == 0 && table.load(Ordering::SeqCst) == 0;
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while !idle() {
+            if start.elapsed() >= DEREGISTER_WAIT {
+                return false;
+            }
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else if spins < 256 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
         true
     }
 

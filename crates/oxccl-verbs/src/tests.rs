@@ -668,3 +668,42 @@ fn only_the_configuration_reads_the_environment() {
     );
     assert!(found.is_empty(), "reads the environment: {found:?}");
 }
+
+/// Deregistering waits for the writes into the region already under way (announced before
+/// the check: here, in this process, and by a peer through the region table), and once it is
+/// done, no new write can be announced.
+#[test]
+fn deregister_waits_for_writes_under_way() {
+    use crate::mr::{TableWriting, Writing};
+    let f = fixture();
+    for table in [false, true] {
+        let mr = f.pd.alloc_mr(4096, AccessFlags::ALL).unwrap();
+        let (inner, rkey) = (mr.inner.clone(), mr.rkey());
+        let seg = f.ctx.inner.seg.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let writer = std::thread::spawn(move || {
+            if table {
+                let w = TableWriting::begin(&seg, rkey).expect("a live region");
+                tx.send(()).unwrap();
+                std::thread::sleep(Duration::from_millis(200));
+                drop(w);
+            } else {
+                let w = Writing::begin(inner).expect("a live region");
+                tx.send(()).unwrap();
+                std::thread::sleep(Duration::from_millis(200));
+                drop(w);
+            }
+        });
+        rx.recv().unwrap();
+        let t = Instant::now();
+        mr.deregister();
+        let waited = t.elapsed();
+        assert!(
+            waited >= Duration::from_millis(150) && waited < crate::DEREGISTER_WAIT,
+            "table {table}: deregister returned after {waited:?}"
+        );
+        writer.join().unwrap();
+        assert!(Writing::begin(mr.inner.clone()).is_none());
+        assert!(TableWriting::begin(&f.ctx.inner.seg, rkey).is_none());
+    }
+}

@@ -447,7 +447,42 @@ pub struct QpConfig {
     /// makes the choice deterministic, so that an unreachable address fails the same way
     /// every time.
     pub connect: ConnectRole,
+    /// Stops the connect when set (it then fails, saying it was cancelled): looked at
+    /// between tcp connect attempts (which last at most 1 s while a flag is given, 5 s
+    /// otherwise), every 100 ms while waiting for a tcp handshake's reply, and every 100 ms
+    /// while waiting for a shm peer's segment service. `None`: wait until `timeout`.
+    pub cancel: Option<Cancel>,
 }
+
+/// A flag that cancels a queue pair's connection setup ([`QpConfig::cancel`]); clones share
+/// it. Two compare equal when they are the same flag.
+#[derive(Clone, Debug, Default)]
+pub struct Cancel(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Cancel {
+    /// A flag not yet set.
+    pub fn new() -> Cancel {
+        Cancel::default()
+    }
+
+    /// Sets it.
+    pub fn cancel(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether it is set.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl PartialEq for Cancel {
+    fn eq(&self, other: &Cancel) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for Cancel {}
 
 /// Which end of a tcp queue pair opens the connection ([`QpConfig::connect`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -471,6 +506,7 @@ impl Default for QpConfig {
             rnr_timer: Duration::from_millis(1),
             timeout: Duration::from_secs(5),
             connect: ConnectRole::Auto,
+            cancel: None,
         }
     }
 }

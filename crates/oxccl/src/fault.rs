@@ -22,7 +22,19 @@
 //! the new communicator: a rank dying during a [`Communicator::shrink`](crate::Communicator::shrink)),
 //! `grow` (`kill`/`stop` only: in this communicator's grow of this number, once the members
 //! agreed whom to admit and before they make the grown communicator: a member dying during a
-//! [`Communicator::grow`](crate::Communicator::grow)).
+//! [`Communicator::grow`](crate::Communicator::grow)),
+//! `init` (`kill`/`stop` only: instead of during a call, at this stage of the rank's
+//! [`Communicator::init`](crate::Communicator::init); a name or its number):
+//!
+//! | `init=` | # | the rank dies |
+//! |---|---|---|
+//! | `join` | 0 | before it joins the store (only where init joins: [`Communicator::init_config_async`](crate::Communicator::init_config_async)) |
+//! | `hello` | 1 | before the all-gather of hosts and settings |
+//! | `links` | 2 | with its connections made, before it publishes them |
+//! | `connect` | 3 | after connecting to its first peer, before the others |
+//! | `stored` | 4 | connected, before the store barrier that ends the exchange |
+//! | `barrier` | 5 | before the first barrier over the connections |
+//!
 //! A fault that finds no chance in its call (no send, no registration) fires at the first
 //! chance in a later one.
 //!
@@ -34,6 +46,72 @@
 
 use std::str::FromStr;
 use std::time::Duration;
+
+/// A moment of init where a `kill`/`stop` fault with `init=` fires (the [module docs](self)'
+/// table).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum InitStage {
+    /// Before joining the store.
+    Join,
+    /// Before the all-gather of hosts and settings.
+    Hello,
+    /// Connections made, before publishing them.
+    Links,
+    /// After connecting to the first peer.
+    Connect,
+    /// Before the store barrier that ends the exchange.
+    Stored,
+    /// Before the first barrier over the connections.
+    Barrier,
+}
+
+impl InitStage {
+    /// Every stage, in the order init reaches them.
+    pub const ALL: [InitStage; 6] = [
+        InitStage::Join,
+        InitStage::Hello,
+        InitStage::Links,
+        InitStage::Connect,
+        InitStage::Stored,
+        InitStage::Barrier,
+    ];
+
+    /// Its name in `OXCCL_FAULT`.
+    pub fn name(self) -> &'static str {
+        match self {
+            InitStage::Join => "join",
+            InitStage::Hello => "hello",
+            InitStage::Links => "links",
+            InitStage::Connect => "connect",
+            InitStage::Stored => "stored",
+            InitStage::Barrier => "barrier",
+        }
+    }
+}
+
+impl FromStr for InitStage {
+    type Err = String;
+
+    /// A name or its number (the position in [`InitStage::ALL`]).
+    fn from_str(s: &str) -> Result<InitStage, String> {
+        let s = s.trim();
+        if let Ok(n) = s.parse::<usize>() {
+            return InitStage::ALL.get(n).copied().ok_or_else(|| {
+                format!(
+                    "init stage {n} does not exist (0 to {})",
+                    InitStage::ALL.len() - 1
+                )
+            });
+        }
+        InitStage::ALL
+            .into_iter()
+            .find(|st| st.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = InitStage::ALL.iter().map(|st| st.name()).collect();
+                format!("unknown init stage {s:?} ({})", names.join(", "))
+            })
+    }
+}
 
 /// What a fault does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,6 +150,8 @@ pub struct Fault {
     /// `kill`/`stop`: fire in this communicator's grow (1 for its first; after the members
     /// agreed whom to admit) instead of in a call.
     pub grow: Option<u64>,
+    /// `kill`/`stop`: fire at this stage of init instead of in a call.
+    pub init: Option<InitStage>,
 }
 
 /// A list of faults, parsed from `OXCCL_FAULT`'s syntax.
@@ -120,11 +200,16 @@ impl FromStr for Faults {
                 delay: Duration::from_secs(1),
                 shrink: None,
                 grow: None,
+                init: None,
             };
             for kv in keys.split(',').map(str::trim).filter(|k| !k.is_empty()) {
                 let (k, v) = kv
                     .split_once('=')
                     .ok_or_else(|| format!("{kv:?} in {item:?} is not KEY=VALUE"))?;
+                if k.trim() == "init" {
+                    f.init = Some(v.parse().map_err(|e| format!("{e} in {item:?}"))?);
+                    continue;
+                }
                 let n: u64 = v
                     .trim()
                     .parse()
@@ -140,7 +225,7 @@ impl FromStr for Faults {
                     k => {
                         return Err(format!(
                             "unknown key {k:?} in {item:?} (rank, seq, after, peer, ms, shrink, \
-                             grow)"
+                             grow, init)"
                         ));
                     }
                 }
@@ -196,6 +281,26 @@ fn raise_at(
     }
 }
 
+/// A `kill` or `stop` fault of `rank` for init stage `stage` happens now, if there is one.
+pub(crate) fn in_init(faults: Option<&Faults>, rank: usize, stage: InitStage) {
+    let Some(faults) = faults else { return };
+    for f in &faults.0 {
+        if f.init == Some(stage) && f.rank.is_none_or(|r| r == rank) {
+            let sig = match f.kind {
+                FaultKind::Kill => libc::SIGKILL,
+                FaultKind::Stop => libc::SIGSTOP,
+                _ => continue,
+            };
+            crate::log_warn(format!(
+                "fault injection: signal {sig} at init stage {}",
+                stage.name()
+            ));
+            // SAFETY: `raise` has no memory-safety preconditions.
+            unsafe { libc::raise(sig) };
+        }
+    }
+}
+
 /// What a send must do, as the injector decides.
 #[derive(Default)]
 pub(crate) struct SendFault {
@@ -210,7 +315,12 @@ impl Injector {
         let mine: Vec<(Fault, bool)> = faults
             .0
             .iter()
-            .filter(|f| f.rank.is_none_or(|r| r == rank) && f.shrink.is_none() && f.grow.is_none())
+            .filter(|f| {
+                f.rank.is_none_or(|r| r == rank)
+                    && f.shrink.is_none()
+                    && f.grow.is_none()
+                    && f.init.is_none()
+            })
             .map(|f| (f.clone(), false))
             .collect();
         (!mine.is_empty()).then(|| {
@@ -310,6 +420,7 @@ mod tests {
                 delay: Duration::from_secs(1),
                 shrink: None,
                 grow: None,
+                init: None,
             }
         );
         assert_eq!(f.0[1].kind, FaultKind::Stop);
@@ -322,6 +433,23 @@ mod tests {
             assert!(e.contains(&format!("{bad:?}")), "{e}");
         }
         assert!("".parse::<Faults>().unwrap().is_empty());
+        let f: Faults = "kill:rank=1,init=connect;stop:init=5".parse().unwrap();
+        assert_eq!(f.0[0].init, Some(InitStage::Connect));
+        assert_eq!(f.0[1].init, Some(InitStage::Barrier));
+        assert!(
+            Injector::for_rank(&f, 1).is_none(),
+            "init faults are not a call's"
+        );
+        for bad in ["kill:init=later", "kill:init=6"] {
+            let e = bad.parse::<Faults>().unwrap_err();
+            assert!(
+                e.contains("init stage") && e.contains(&format!("{bad:?}")),
+                "{e}"
+            );
+        }
+        for st in InitStage::ALL {
+            assert_eq!(st.name().parse::<InitStage>(), Ok(st));
+        }
     }
 
     #[test]

@@ -45,7 +45,10 @@
 //! `OXCCL_TIMEOUT` (seconds), `OXCCL_PROVIDER` (`shm`/`tcp`), `OXCCL_HOST_ID`, `OXCCL_ALGO`,
 //! `OXCCL_NCHANNELS`, `OXCCL_CHUNK_SIZE`, `OXCCL_SLOTS`, `OXCCL_SMALL_BYTES` (see
 //! [`Options`]), and `OXCCL_DEBUG=INFO`, which logs the providers chosen at init and the
-//! algorithm and chunking of each kind of call the first time it runs.
+//! algorithm and chunking of each kind of call the first time it runs. Logs and warnings are
+//! `tracing` events of the target `oxccl` when the program installs a subscriber that wants
+//! them (INFO lines then without `OXCCL_DEBUG`); otherwise they go to stderr as
+//! `oxccl WARN ...` and `oxccl INFO ...` lines.
 //!
 //! ## Failures
 //! Every call has a timeout ([`Communicator::set_timeout`], [`Communicator::run_timeout`]);
@@ -72,13 +75,14 @@ pub use oxccl_core::{schedule, topology, tuner, verify};
 
 pub use comm::{
     Buffers, COMPRESS_AUTO_MIN_BYTES, CallBuffers, Communicator, Compression,
-    DEFAULT_COMPRESS_CHUNK, Group, Input, Options, Output, Registered, Registration,
+    DEFAULT_COMPRESS_CHUNK, Group, Input, Options, Output, PendingInit, Registered, Registration,
     WatchdogAction, Work, default_host_id,
 };
 pub use engine::Stats;
 pub use error::{Error, OpDesc, Result};
-pub use fault::{Fault, FaultKind, Faults};
+pub use fault::{Fault, FaultKind, Faults, InitStage};
 pub use flight::DUMP_VERSION;
+pub use oxccl_bootstrap::AbortHandle;
 pub use oxccl_core::compress;
 pub use oxccl_core::dtype::{DataType, Element, ParseNameError, ReduceOp, as_bytes, as_bytes_mut};
 pub use oxccl_core::fp8::{self, F8E4M3, F8E5M2};
@@ -86,14 +90,15 @@ pub use oxccl_core::schedule::CollectiveKind;
 pub use oxccl_core::topology::{Host, Topology};
 pub use oxccl_verbs::Provider;
 
-/// Whether `OXCCL_DEBUG` asks for INFO lines (`INFO`, `TRACE` or `DEBUG`).
+/// Whether `OXCCL_DEBUG` asks for INFO lines (`INFO`, `TRACE` or `DEBUG`), or the program's
+/// `tracing` subscriber wants INFO events of the target `oxccl`.
 pub(crate) fn log_enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
         std::env::var("OXCCL_DEBUG")
             .map(|v| matches!(v.to_ascii_uppercase().as_str(), "INFO" | "TRACE" | "DEBUG"))
             .unwrap_or(false)
-    })
+    }) || tracing::enabled!(target: "oxccl", tracing::Level::INFO)
 }
 
 /// Whether `OXCCL_DEBUG=TRACE` asks for the detailed lines too (each rank's link meters).
@@ -102,18 +107,91 @@ pub(crate) fn trace_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("OXCCL_DEBUG").is_ok_and(|v| v.eq_ignore_ascii_case("TRACE")))
 }
 
-/// Writes a warning line to stderr whatever `OXCCL_DEBUG` says (failures, dumps, injected
-/// faults), in one write.
+/// A warning (failures, dumps, injected faults), whatever `OXCCL_DEBUG` says: a `tracing`
+/// event of the target `oxccl` when the program's subscriber wants it, else one line to
+/// stderr in one write.
 pub(crate) fn log_warn(msg: String) {
+    if tracing::enabled!(target: "oxccl", tracing::Level::WARN) {
+        tracing::warn!(target: "oxccl", "{msg}");
+    } else {
+        to_stderr("WARN", &msg);
+    }
+}
+
+/// One `OXCCL_DEBUG` line: a `tracing` event (INFO, target `oxccl`) when the program's
+/// subscriber wants it, else one line to stderr in a single write, so that lines of ranks
+/// sharing a terminal or pipe do not interleave.
+pub(crate) fn log_line(msg: String) {
+    if tracing::enabled!(target: "oxccl", tracing::Level::INFO) {
+        tracing::info!(target: "oxccl", "{msg}");
+    } else {
+        to_stderr("INFO", &msg);
+    }
+}
+
+fn to_stderr(level: &str, msg: &str) {
     use std::io::Write;
-    let line = format!("oxccl WARN {msg}\n");
+    let line = format!("oxccl {level} {msg}\n");
     let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
-/// Writes one `OXCCL_DEBUG` line to stderr in a single write, so that lines of ranks sharing
-/// a terminal or pipe do not interleave.
-pub(crate) fn log_line(msg: String) {
-    use std::io::Write;
-    let line = format!("oxccl INFO {msg}\n");
-    let _ = std::io::stderr().write_all(line.as_bytes());
+#[cfg(test)]
+mod log_tests {
+    use std::sync::{Arc, Mutex};
+
+    use tracing::field::{Field, Visit};
+    use tracing::span::{Attributes, Id, Record};
+    use tracing::{Event, Metadata, Subscriber};
+
+    /// A subscriber that keeps the messages of the events of target `oxccl` it is given.
+    struct Capture(Arc<Mutex<Vec<(String, String)>>>);
+
+    struct Message(String);
+
+    impl Visit for Message {
+        fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" {
+                self.0 = format!("{value:?}");
+            }
+        }
+    }
+
+    impl Subscriber for Capture {
+        fn enabled(&self, m: &Metadata<'_>) -> bool {
+            m.target() == "oxccl"
+        }
+        fn new_span(&self, _: &Attributes<'_>) -> Id {
+            Id::from_u64(1)
+        }
+        fn record(&self, _: &Id, _: &Record<'_>) {}
+        fn record_follows_from(&self, _: &Id, _: &Id) {}
+        fn event(&self, e: &Event<'_>) {
+            let mut m = Message(String::new());
+            e.record(&mut m);
+            let level = e.metadata().level().to_string();
+            self.0.lock().unwrap().push((level, m.0));
+        }
+        fn enter(&self, _: &Id) {}
+        fn exit(&self, _: &Id) {}
+    }
+
+    /// With a subscriber that wants them, warnings and INFO lines go to it (and
+    /// `log_enabled` says so even without `OXCCL_DEBUG`).
+    #[test]
+    fn a_subscriber_receives_the_lines() {
+        let got = Arc::new(Mutex::new(Vec::new()));
+        tracing::subscriber::with_default(Capture(got.clone()), || {
+            assert!(super::log_enabled());
+            super::log_warn("rank 3: something failed".into());
+            super::log_line("rank 3: connected".into());
+        });
+        let got = got.lock().unwrap();
+        assert_eq!(
+            *got,
+            vec![
+                ("WARN".to_string(), "rank 3: something failed".to_string()),
+                ("INFO".to_string(), "rank 3: connected".to_string()),
+            ]
+        );
+    }
 }

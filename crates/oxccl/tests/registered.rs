@@ -24,6 +24,7 @@ fn dispatch(scenario: &str, args: &Value) -> Value {
         "all_reduce" => all_reduce(&comm, args),
         "send_recv" => send_recv(&comm, args),
         "errors" => errors(&comm),
+        "late_write" => late_write(&comm, args),
         other => panic!("unknown scenario {other:?}"),
     };
     let v = match r {
@@ -171,6 +172,49 @@ fn send_recv(comm: &Communicator, args: &Value) -> oxccl::Result<Value> {
     Ok(json!({ "ok": true, "wrong": wrong, "moved": stats_json(moved) }))
 }
 
+/// Rank 0 receives into a registered buffer (`args["memory"]`: a vector it registered, or
+/// memory the communicator allocated) from rank 1, which an injected fault holds back 500 ms
+/// before its first send; 150 ms in, rank 0 aborts. Its call returns the error, and then
+/// nothing may change in its buffer (rank 1 wakes up and writes after the abort): the buffer
+/// is compared with what it held when the error came, 1.5 s later.
+fn late_write(comm: &Communicator, args: &Value) -> oxccl::Result<Value> {
+    let count = args["count"].as_u64().unwrap() as usize;
+    let rank = comm.rank();
+    if rank == 1 {
+        let mut buf = comm.alloc::<u32>(count)?;
+        buf.iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| *x = i as u32 | 1);
+        let r = comm.send(&buf, 0);
+        return Ok(json!({ "ok": true, "send": format!("{r:?}") }));
+    }
+    let mut reg;
+    let mut alloc;
+    let buf: &mut [u32] = if args["memory"] == "alloc" {
+        alloc = comm.alloc::<u32>(count)?;
+        &mut alloc
+    } else {
+        reg = comm.register(vec![0u32; count])?;
+        &mut reg
+    };
+    buf.fill(0);
+    let (err, at_error, changed) = std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(std::time::Duration::from_millis(150));
+            comm.abort();
+        });
+        let err = comm.recv(buf, 1).err().map(|e| e.to_string());
+        let at_error = buf.to_vec();
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+        let changed = (0..count).filter(|&i| buf[i] != at_error[i]).count();
+        (err, at_error, changed)
+    });
+    Ok(json!({
+        "ok": true, "error": err, "changed": changed,
+        "landed_before": at_error.iter().filter(|&&x| x != 0).count(),
+    }))
+}
+
 /// The registration's errors: a buffer overlapping one registered already.
 fn errors(comm: &Communicator) -> oxccl::Result<Value> {
     let mut v = vec![0u8; 1 << 20];
@@ -302,6 +346,41 @@ fn send_recv_in_place_shm() {
 #[test]
 fn send_recv_in_place_tcp() {
     run_send_recv("tcp");
+}
+
+fn run_late_write(provider: &str, memory: &str) {
+    let outs = run_ranks(
+        2,
+        &[
+            ("OXCCL_PROVIDER", provider),
+            ("OXCCL_FAULT", "delay:rank=1,peer=0,ms=500"),
+        ],
+        "late_write",
+        &json!({ "count": 4 << 20, "memory": memory }),
+    );
+    let res = &expect_results("late_write", &outs)[0];
+    let err = res["error"].as_str().unwrap_or("");
+    assert!(err.contains("aborted"), "{provider}/{memory}: {res}");
+    assert_eq!(
+        res["changed"], 0,
+        "{provider}/{memory}: the peer wrote into the buffer after the call's error: {res}"
+    );
+    eprintln!("{provider}/{memory}: {res}; rank 1: {}", outs[1].result());
+}
+
+/// No write lands in a registered receive buffer after its call returned an error (the peer,
+/// held back, writes afterwards: refused, since the failed communicator revoked its
+/// registrations).
+#[test]
+fn no_write_lands_after_the_error_shm() {
+    run_late_write("shm", "register");
+    run_late_write("shm", "alloc");
+}
+
+#[test]
+fn no_write_lands_after_the_error_tcp() {
+    run_late_write("tcp", "register");
+    run_late_write("tcp", "alloc");
 }
 
 #[test]

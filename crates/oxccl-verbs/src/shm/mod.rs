@@ -104,8 +104,14 @@ pub(crate) struct Shared {
 
 impl Shared {
     /// The peer context behind `(pid, token, sock)`, mapped and watched; created on first use.
-    fn peer(&self, pid: u32, token: u64, sock: &str) -> Result<Arc<service::PeerCtx>> {
-        service::peer(&self.peers, &self.wake, pid, token, sock)
+    fn peer(
+        &self,
+        pid: u32,
+        token: u64,
+        sock: &str,
+        cancel: Option<&crate::Cancel>,
+    ) -> Result<Arc<service::PeerCtx>> {
+        service::peer(&self.peers, &self.wake, pid, token, sock, cancel)
     }
 }
 

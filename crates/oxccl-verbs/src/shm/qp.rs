@@ -17,7 +17,7 @@ use crate::context::{
     MR_RKEY,
 };
 use crate::error::{Error, Result};
-use crate::mr::{Mapped, MrInner, key_index};
+use crate::mr::{Mapped, MrInner, TableWriting, key_index};
 use crate::provider::QpTransport;
 use crate::qp::{Cause, EndpointAddr, QpEndpoint, QpInner};
 use crate::ring::{
@@ -136,9 +136,11 @@ impl QpTransport for ShmQp {
         }
         let peer = self
             .shm
-            .peer(*pid, *ctx_token, socket)
+            .peer(*pid, *ctx_token, socket, qp.cfg.cancel.as_ref())
             .map_err(|e| e.to_string())?;
-        let seg = peer.qp_segment(*qp_token).map_err(|e| e.to_string())?;
+        let seg = peer
+            .qp_segment(*qp_token, qp.cfg.cancel.as_ref())
+            .map_err(|e| e.to_string())?;
         if seg.atomic_u64(H_MAGIC).load(Ordering::Acquire) != QP_MAGIC {
             return Err("the peer segment is not a queue pair".into());
         }
@@ -416,6 +418,11 @@ impl ShmQp {
         }
         match *op {
             WrOp::Write { remote } => {
+                // Announced before the checks, held until the copy is done: the target's
+                // deregistration waits for it.
+                let Some(_writing) = TableWriting::begin(&link.peer.seg, remote.rkey) else {
+                    return Done(WcStatus::RemoteAccessError, 0);
+                };
                 match self.resolve(qp, s, link, remote, total, AccessFlags::REMOTE_WRITE) {
                     Ok(t) => match self.put(qp, &t, local) {
                         Ok(()) => {
@@ -431,6 +438,9 @@ impl ShmQp {
                 }
             }
             WrOp::WriteWithImm { remote, imm } => {
+                let Some(_writing) = TableWriting::begin(&link.peer.seg, remote.rkey) else {
+                    return Done(WcStatus::RemoteAccessError, 0);
+                };
                 let t = match self.resolve(qp, s, link, remote, total, AccessFlags::REMOTE_WRITE) {
                     Ok(t) => t,
                     Err(st) => return Done(st, 0),

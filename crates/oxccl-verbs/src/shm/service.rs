@@ -57,6 +57,7 @@ pub(crate) fn peer(
     pid: u32,
     token: u64,
     sock: &str,
+    cancel: Option<&crate::Cancel>,
 ) -> Result<Arc<PeerCtx>> {
     let known = |peers: &HashMap<(u32, u64), Arc<PeerCtx>>| {
         peers
@@ -69,7 +70,7 @@ pub(crate) fn peer(
     }
     // Not under the lock: the peer may be ourselves, and our own service thread needs the
     // lock to answer.
-    let p = Arc::new(PeerCtx::connect(pid, token, sock)?);
+    let p = Arc::new(PeerCtx::connect(pid, token, sock, cancel)?);
     let mut map = peers.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(existing) = known(&map) {
         return Ok(existing);
@@ -95,7 +96,12 @@ pub(crate) struct PeerCtx {
 }
 
 impl PeerCtx {
-    fn connect(pid: u32, token: u64, sock: &str) -> Result<PeerCtx> {
+    fn connect(
+        pid: u32,
+        token: u64,
+        sock: &str,
+        cancel: Option<&crate::Cancel>,
+    ) -> Result<PeerCtx> {
         let raw = rustix::process::Pid::from_raw(pid as i32)
             .ok_or_else(|| Error::arg(format!("peer pid {pid} is invalid")))?;
         let pidfd = match rustix::process::pidfd_open(raw, rustix::process::PidfdFlags::empty()) {
@@ -103,7 +109,7 @@ impl PeerCtx {
             Err(rustix::io::Errno::NOSYS) => None,
             Err(e) => return Err(Error::os(format!("pidfd_open of peer process {pid}"), e)),
         };
-        let fd = fetch_fd(sock, REQ_CTX, token, 0)?;
+        let fd = fetch_fd(sock, REQ_CTX, token, 0, cancel)?;
         let seg = Segment::open(fd)?;
         if seg.len() < ctx_segment_len()
             || seg.atomic_u64(OFF_MAGIC).load(Ordering::Acquire) != CTX_MAGIC
@@ -148,21 +154,29 @@ impl PeerCtx {
             REQ_MR,
             index as u64,
             lkey,
+            None,
         )?)?);
         mrs.insert(index, (lkey, seg.clone()));
         Ok(seg)
     }
 
     /// Maps the peer's queue-pair segment named by `token`.
-    pub(crate) fn qp_segment(&self, token: u64) -> Result<Segment> {
-        Segment::open(fetch_fd(&self.sock, REQ_QP, token, 0)?)
+    pub(crate) fn qp_segment(&self, token: u64, cancel: Option<&crate::Cancel>) -> Result<Segment> {
+        Segment::open(fetch_fd(&self.sock, REQ_QP, token, 0, cancel)?)
     }
 }
 
 const FETCH_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Asks the segment service at `sock` for a descriptor.
-fn fetch_fd(sock: &str, kind: u64, a: u64, b: u64) -> Result<OwnedFd> {
+/// Asks the segment service at `sock` for a descriptor. With `cancel`, looks at it every
+/// 100 ms while waiting for the answer (a stopped peer never answers).
+fn fetch_fd(
+    sock: &str,
+    kind: u64,
+    a: u64,
+    b: u64,
+    cancel: Option<&crate::Cancel>,
+) -> Result<OwnedFd> {
     let what = || format!("fetching a shared segment from peer socket @{sock}");
     let addr = SocketAddr::from_abstract_name(sock.as_bytes()).map_err(|e| Error::os(what(), e))?;
     let mut s = UnixStream::connect_addr(&addr).map_err(|e| {
@@ -174,8 +188,14 @@ fn fetch_fd(sock: &str, kind: u64, a: u64, b: u64) -> Result<OwnedFd> {
             e,
         )
     })?;
-    s.set_read_timeout(Some(FETCH_TIMEOUT))
+    let slice = if cancel.is_some() {
+        Duration::from_millis(100)
+    } else {
+        FETCH_TIMEOUT
+    };
+    s.set_read_timeout(Some(slice))
         .map_err(|e| Error::os(what(), e))?;
+    let deadline = std::time::Instant::now() + FETCH_TIMEOUT;
     let mut req = [0u8; 24];
     req[0..8].copy_from_slice(&kind.to_le_bytes());
     req[8..16].copy_from_slice(&a.to_le_bytes());
@@ -185,15 +205,26 @@ fn fetch_fd(sock: &str, kind: u64, a: u64, b: u64) -> Result<OwnedFd> {
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut cmsg = RecvAncillaryBuffer::new(&mut space);
     let mut iov = [IoSliceMut::new(&mut status)];
-    let got = rustix::net::recvmsg(&s, &mut iov, &mut cmsg, RecvFlags::CMSG_CLOEXEC).map_err(
-        |e| match e {
-            rustix::io::Errno::AGAIN => Error::Timeout {
-                what: format!("the segment service of peer socket @{sock} to answer"),
-                timeout: FETCH_TIMEOUT,
-            },
-            e => Error::os(what(), e),
-        },
-    )?;
+    let got = loop {
+        match rustix::net::recvmsg(&s, &mut iov, &mut cmsg, RecvFlags::CMSG_CLOEXEC) {
+            Err(rustix::io::Errno::AGAIN) if std::time::Instant::now() < deadline => {
+                if cancel.is_some_and(crate::Cancel::is_cancelled) {
+                    return Err(Error::arg(format!(
+                        "{}: cancelled while waiting for its answer",
+                        what()
+                    )));
+                }
+            }
+            Err(rustix::io::Errno::AGAIN) => {
+                return Err(Error::Timeout {
+                    what: format!("the segment service of peer socket @{sock} to answer"),
+                    timeout: FETCH_TIMEOUT,
+                });
+            }
+            Err(e) => return Err(Error::os(what(), e)),
+            Ok(got) => break got,
+        }
+    };
     let mut fd = None;
     for msg in cmsg.drain() {
         if let RecvAncillaryMessage::ScmRights(mut fds) = msg {

@@ -176,12 +176,27 @@ impl Conn {
 
     /// Connects actively to `addr` (the side with the smaller token connects), every
     /// connection in turn.
-    pub(crate) fn connect_to(&self, addr: SocketAddr, timeout: Duration) -> Result<()> {
+    pub(crate) fn connect_to(
+        &self,
+        addr: SocketAddr,
+        timeout: Duration,
+        cancel: Option<&crate::Cancel>,
+    ) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let count = self.socks().len() as u32;
+        let attempt = if cancel.is_some() {
+            Duration::from_secs(1)
+        } else {
+            Duration::from_secs(5)
+        };
         for index in 0..count {
             let mut sock = loop {
-                match TcpStream::connect_timeout(&addr, timeout.min(Duration::from_secs(5))) {
+                if cancel.is_some_and(crate::Cancel::is_cancelled) {
+                    return Err(Error::arg(format!(
+                        "connecting to {addr}: cancelled (connection {index} of {count})"
+                    )));
+                }
+                match TcpStream::connect_timeout(&addr, timeout.min(attempt)) {
                     Ok(s) => break s,
                     Err(_) if Instant::now() < deadline => {
                         std::thread::sleep(Duration::from_millis(20));
@@ -199,6 +214,9 @@ impl Conn {
                 count,
             };
             send_hello(&mut sock, addr, &hello)?;
+            if let Some(c) = cancel {
+                wait_reply(&sock, addr, deadline, c)?;
+            }
             let rnr = read_reply(&mut sock, addr)?;
             self.peer_rnr_us.store(rnr, Ordering::Relaxed);
             self.attach(index as usize, None, sock)?;
@@ -432,4 +450,41 @@ impl Conn {
             tx.frames.iter_mut().for_each(|f| f.detach());
         }
     }
+}
+
+/// Waits until the handshake's reply can be read, looking at `cancel` every 100 ms (a peer
+/// that accepted but does not answer, e.g. a stopped process, would otherwise hold the
+/// connect until its timeout). An error of the socket is left to the read that follows.
+fn wait_reply(
+    sock: &TcpStream,
+    addr: SocketAddr,
+    deadline: Instant,
+    cancel: &crate::Cancel,
+) -> Result<()> {
+    let io = |e: std::io::Error| Error::os(format!("handshake with {addr}"), e);
+    let before = sock.read_timeout().map_err(io)?;
+    sock.set_read_timeout(Some(Duration::from_millis(100)))
+        .map_err(io)?;
+    let r = loop {
+        match sock.peek(&mut [0u8; 1]) {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                if cancel.is_cancelled() {
+                    break Err(Error::arg(format!(
+                        "handshake with {addr}: cancelled while waiting for its reply"
+                    )));
+                }
+                if Instant::now() >= deadline {
+                    break Err(io(std::io::ErrorKind::TimedOut.into()));
+                }
+            }
+            _ => break Ok(()),
+        }
+    };
+    sock.set_read_timeout(before).map_err(io)?;
+    r
 }

@@ -55,7 +55,7 @@ impl QpTransport for TcpQp {
             ConnectRole::Passive => false,
         };
         if active {
-            conn.connect_to(sa, qp.cfg.timeout)
+            conn.connect_to(sa, qp.cfg.timeout, qp.cfg.cancel.as_ref())
                 .map_err(|e| e.to_string())?;
         }
         Ok(())

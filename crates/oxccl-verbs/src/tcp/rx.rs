@@ -12,7 +12,7 @@ use smallvec::SmallVec;
 use super::conn::Conn;
 use super::frame::{ACK_EVERY, ACK_REQ, HEADER_LEN, Header, Opcode, PART};
 use super::tx::TxFrame;
-use crate::mr::{MrInner, Span, key_index};
+use crate::mr::{MrInner, Span, Writing, key_index};
 use crate::qp::QpInner;
 use crate::sendq::{Keep, Spans};
 use crate::types::{AccessFlags, MAX_SGE, WcOpcode, WcStatus};
@@ -55,6 +55,8 @@ enum RxState {
         total: usize,
         done: Done,
         _keep: Keep,
+        /// A WRITE's announcement to its region (deregistering waits for it).
+        _writing: Option<Writing>,
     },
     /// Waiting for a receive to be posted (receiver not ready) since `since`.
     Stalled {
@@ -97,6 +99,8 @@ struct Striped {
     base: u64,
     ptr: *mut u8,
     mr: Arc<MrInner>,
+    /// Its announcement to the region, until the last part has landed.
+    _writing: Option<Writing>,
 }
 
 // SAFETY: `ptr` points into `mr`, which the struct keeps alive; only the driver uses it.
@@ -318,6 +322,7 @@ impl Conn {
                 total,
                 done,
                 _keep,
+                _writing,
             } => {
                 if got < total {
                     if rx.staged() > 0 {
@@ -329,6 +334,7 @@ impl Conn {
                             total,
                             done,
                             _keep,
+                            _writing,
                         };
                         return Ok(false);
                     } else if total - got >= DIRECT {
@@ -364,6 +370,7 @@ impl Conn {
                         total,
                         done,
                         _keep,
+                        _writing,
                     };
                     return Ok(true);
                 }
@@ -515,6 +522,7 @@ impl Conn {
                 total: h.len as usize,
                 done: Done::Part,
                 _keep: SmallVec::from_elem(cur.mr.clone(), 1),
+                _writing: None,
             };
             return Ok(false);
         }
@@ -565,6 +573,12 @@ impl Conn {
                 else {
                     return fail(rx, WcStatus::RemoteAccessError);
                 };
+                // Held until the request has landed (all its parts): deregistering the region
+                // waits for it, so that nothing of it lands afterwards.
+                let Some(writing) = Writing::begin(mr.clone()) else {
+                    return fail(rx, WcStatus::RemoteAccessError);
+                };
+                let mut writing = Some(writing);
                 let after = if h.opcode == Opcode::WriteImm {
                     let Some(slot) = qp.claim_recv() else {
                         rx.state = RxState::Stalled {
@@ -593,6 +607,7 @@ impl Conn {
                             base,
                             ptr: p,
                             mr: mr.clone(),
+                            _writing: writing.take(),
                         });
                         Done::Part
                     }
@@ -611,6 +626,7 @@ impl Conn {
                     total: h.len as usize,
                     done,
                     _keep: SmallVec::from_elem(mr, 1),
+                    _writing: writing,
                 };
                 Ok(false)
             }
@@ -653,6 +669,7 @@ impl Conn {
                         ack,
                     },
                     _keep: keep.into_iter().collect(),
+                    _writing: None,
                 };
                 Ok(false)
             }
@@ -794,6 +811,7 @@ impl Conn {
                     total: h.len as usize,
                     done: Done::ReadData { seq: h.seq },
                     _keep: Keep::new(),
+                    _writing: None,
                 };
             }
             Opcode::AtomicResp => {

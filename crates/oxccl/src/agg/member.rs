@@ -7,8 +7,9 @@ use oxccl_bootstrap::Secret;
 use oxccl_verbs::{QpEndpoint, RemoteBuffer};
 
 use super::wire::{self, ACCEPT_LABEL, CallDesc, JOIN_LABEL, Join, MAGIC, Msg};
-use crate::engine::Geometry;
+use crate::engine::Aggregator;
 use crate::error::{Error, OpDesc, Result};
+use oxccl_core::protocol::Geometry;
 
 /// A connection to the service that has said hello.
 pub(crate) struct Contact {
@@ -150,15 +151,15 @@ impl Contact {
     }
 }
 
-impl Membership {
+impl Aggregator for Membership {
+    fn addr(&self) -> &str {
+        &self.addr
+    }
+
     /// Names aggregation calls to the service before their data (rank 0 only; the others'
     /// data carries their fingerprints, which the service checks against these): `calls`,
     /// each with its slice (elements) and host table, run as one group.
-    pub(crate) fn announce(
-        &mut self,
-        rank: usize,
-        calls: &[(OpDesc, usize, &[u32])],
-    ) -> Result<()> {
+    fn announce(&mut self, rank: usize, calls: &[(OpDesc, usize, &[u32])]) -> Result<()> {
         if !self.names_calls || calls.is_empty() {
             return Ok(());
         }

@@ -1,14 +1,15 @@
 //! The aggregation service's control protocol: JSON messages, each after a 4-byte
 //! little-endian length, on one TCP connection per member (the data travels over verbs).
 
-use std::io::{Read, Write};
 use std::net::TcpStream;
+
+use oxccl_bootstrap::frame;
 
 use oxccl_verbs::{QpEndpoint, RemoteBuffer};
 use serde::{Deserialize, Serialize};
 
-use crate::engine::Geometry;
 use crate::{DataType, ReduceOp};
+use oxccl_core::protocol::Geometry;
 
 /// Largest message accepted (a join with its endpoint is a few hundred bytes).
 pub(crate) const MAX_MSG: usize = 64 << 10;
@@ -96,40 +97,15 @@ impl Join {
 
 /// Writes one message.
 pub(crate) fn send(s: &mut TcpStream, m: &Msg) -> std::io::Result<()> {
-    let body = serde_json::to_vec(m).map_err(std::io::Error::other)?;
-    let mut out = Vec::with_capacity(4 + body.len());
-    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    out.extend_from_slice(&body);
-    s.write_all(&out)
+    frame::send_json(s, m)
 }
 
 /// Reads one message of at most [`MAX_MSG`] bytes.
 pub(crate) fn recv(s: &mut TcpStream) -> std::io::Result<Msg> {
-    let mut len = [0u8; 4];
-    s.read_exact(&mut len)?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_MSG {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("a control message of {len} bytes (at most {MAX_MSG})"),
-        ));
-    }
-    let mut body = vec![0; len];
-    s.read_exact(&mut body)?;
-    serde_json::from_slice(&body).map_err(|e| {
-        std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("a malformed control message: {e}"),
-        )
-    })
+    frame::recv_json(s, MAX_MSG, "control message")
 }
 
-/// A fresh challenge.
-pub(crate) fn nonce() -> std::io::Result<[u8; 32]> {
-    let mut n = [0; 32];
-    getrandom::fill(&mut n).map_err(|e| std::io::Error::other(format!("no randomness: {e}")))?;
-    Ok(n)
-}
+pub(crate) use frame::nonce;
 
 /// A data type's code: its index in [`DataType::ALL`] (as the fragment header has it).
 pub(crate) fn dtype_code(d: DataType) -> u8 {

@@ -2,18 +2,18 @@
 //! the connections to every peer, and the engine that drives them.
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use oxccl_bootstrap::Bootstrap;
-use oxccl_verbs::{ConnectRole, Context, Provider, QpConfig, QpEndpoint, RemoteBuffer};
+use oxccl_bootstrap::{AbortHandle, Bootstrap};
+use oxccl_verbs::{Cancel, ConnectRole, Context, Provider, QpConfig, QpEndpoint, RemoteBuffer};
 use serde::{Deserialize, Serialize};
 
 use super::{Communicator, Inner, Options, State, default_host_id, random_u64, spawn_watchdog};
 use crate::engine::{AbortFlag, Engine, Geometry, Link};
 use crate::error::{Error, Result};
-use crate::fault::Injector;
+use crate::fault::{InitStage, Injector, in_init};
 use crate::flight::{self, Probe};
 use crate::log_enabled;
 use crate::netif::Chosen;
@@ -165,6 +165,7 @@ fn connect_links(
     providers: &[Option<Provider>],
     geo: &Geometry,
     tcp: Option<Chosen>,
+    cancel: Cancel,
     before_exchange: impl FnOnce(&mut Vec<Link>, &mut Vec<usize>) -> Result<()>,
 ) -> Result<Connected> {
     let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
@@ -214,6 +215,7 @@ fn connect_links(
         max_recv_wr: geo.recv_depth(),
         max_sge: 2,
         rnr_retry: 7,
+        cancel: Some(cancel.clone()),
         ..QpConfig::default()
     };
     let mut links = Vec::new();
@@ -243,6 +245,7 @@ fn connect_links(
         );
     }
     before_exchange(&mut links, &mut link_of)?;
+    in_init(opts.faults.as_ref(), rank, InitStage::Links);
     let mine = Links {
         tcp: tcp.clone(),
         peers: (0..world)
@@ -256,6 +259,62 @@ fn connect_links(
             .collect(),
     };
     let all: Vec<Links> = bootstrap.all_gather_serde("oxccl/links", &mine)?;
+    // While connecting, a thread watches the store for a rank's failure notice and cancels
+    // the connects under way (a peer that stopped answering would hold them until the queue
+    // pairs' timeout); an abort cancels them too (the hook in `init_watched`).
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::Acquire) {
+                if bootstrap.failure_notice().is_some() {
+                    cancel.cancel();
+                    return;
+                }
+                // 20 ms, longer in large jobs: every rank together, ~5,000 store requests/s.
+                let world = u32::try_from(bootstrap.world_size()).unwrap_or(u32::MAX);
+                std::thread::sleep(
+                    Duration::from_millis(20).max(Duration::from_micros(200).saturating_mul(world)),
+                );
+            }
+        });
+        let r = connect_each(
+            bootstrap, opts, providers, geo, &tcp, &all, &cancel, &mut links, &link_of,
+        );
+        stop.store(true, Ordering::Release);
+        r
+    })?;
+    drop(ctxs);
+    let addrs = all.into_iter().map(|l| l.tcp).collect();
+    Ok((links, link_of, pds, cqs, addrs))
+}
+
+/// How long a rank whose init failed in its first calls keeps its connections open, so that
+/// the peers read its notice before they see them close.
+const FAILED_INIT_GRACE: Duration = Duration::from_millis(50);
+
+/// Connects the link of every peer to the endpoint it published (`all`), in rank order.
+#[allow(clippy::too_many_arguments)]
+fn connect_each(
+    bootstrap: &Bootstrap,
+    opts: &Options,
+    providers: &[Option<Provider>],
+    geo: &Geometry,
+    tcp: &Option<Chosen>,
+    all: &[Links],
+    cancel: &Cancel,
+    links: &mut [Link],
+    link_of: &[usize],
+) -> Result<()> {
+    let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
+    let verbs = |what: &str| {
+        let what = what.to_string();
+        move |source| Error::Verbs {
+            rank,
+            what: what.clone(),
+            source,
+        }
+    };
+    let mut done = 0;
     for p in 0..world {
         let l = link_of[p];
         if l == usize::MAX {
@@ -268,36 +327,80 @@ fn connect_links(
             });
         };
         let prov = providers[p].unwrap_or(Provider::Shm);
-        links[l]
-            .qp
-            .connect(&info.endpoint)
-            .map_err(|e| match (&all[p].tcp, &tcp) {
+        // A peer that died after publishing its links: say so rather than what the
+        // transport makes of its vanished segments. A peer that gave up (a failure notice in
+        // the store, posted before it closed its links): its reason, which names the cause.
+        let gone = |e: &oxccl_verbs::Error| {
+            shm_owner_gone(&info.endpoint)
+                .map(|pid| Error::PeerFailed {
+                    rank,
+                    op: "init (connecting)".into(),
+                    peer: p,
+                    detail: format!("its process (pid {pid}) exited during init ({e})"),
+                })
+                .or_else(|| bootstrap.failure_notice().map(Error::Bootstrap))
+                .or_else(|| {
+                    cancel.is_cancelled().then(|| Error::Aborted {
+                        rank,
+                        op: "init (connecting)".into(),
+                        reason: format!("connecting to rank {p} ({})", info.endpoint),
+                    })
+                })
+        };
+        let connected = links[l].qp.connect(&info.endpoint).map_err(|e| {
+            gone(&e).unwrap_or_else(|| match (&all[p].tcp, tcp) {
                 (Some(theirs), Some(ours)) if prov == Provider::Tcp => Error::Unreachable {
                     rank,
                     peer: p,
                     detail: format!(
-                        "it listens on {theirs}, this rank on {ours}: {e}. If that address is \
-                         not reachable from this host, choose rank {p}'s interface with \
-                         OXCCL_SOCKET_IFNAME or its address with OXCCL_TCP_ADDR"
+                        "it listens on {theirs}, this rank on {ours}: {e}. Either rank {p} \
+                         exited, or that address is not reachable from this host: then choose \
+                         rank {p}'s interface with OXCCL_SOCKET_IFNAME or its address with \
+                         OXCCL_TCP_ADDR"
                     ),
                 },
                 _ => verbs(&format!("connecting to rank {p} over {}", prov.name()))(e),
-            })?;
-        links[l]
-            .connect(info.region, geo, l)
-            .map_err(verbs(&format!("posting receives for rank {p}")))?;
+            })
+        });
+        let posted = connected.and_then(|()| {
+            links[l].connect(info.region, geo, l).map_err(|e| {
+                gone(&e).unwrap_or_else(|| verbs(&format!("posting receives for rank {p}"))(e))
+            })
+        });
+        // Told before this rank's links close (as the error returns): the others then read
+        // why in the store before they see the links go.
+        posted.inspect_err(|e| bootstrap.fail(&e.to_string()))?;
+        done += 1;
+        if done == 1 {
+            in_init(opts.faults.as_ref(), rank, InitStage::Connect);
+        }
     }
-    drop(ctxs);
-    let addrs = all.into_iter().map(|l| l.tcp).collect();
-    Ok((links, link_of, pds, cqs, addrs))
+    Ok(())
+}
+
+/// The process id of a shm endpoint's owner when that process has exited (it no longer
+/// exists, or is a zombie its parent has not reaped yet).
+fn shm_owner_gone(endpoint: &QpEndpoint) -> Option<u32> {
+    let oxccl_verbs::EndpointAddr::Shm { pid, .. } = &endpoint.addr else {
+        return None;
+    };
+    let gone = match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which is in parentheses.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| matches!(rest.trim_start().chars().next(), Some('Z' | 'X'))),
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    };
+    gone.then_some(*pid)
 }
 
 impl Communicator {
     /// Init up to the store barrier that ends it: hello, topology, addresses, connections.
-    fn establish(bootstrap: &Bootstrap, opts: &mut Options) -> Result<Established> {
+    fn establish(bootstrap: &Bootstrap, opts: &mut Options, cancel: Cancel) -> Result<Established> {
         let rank = bootstrap.rank();
         let world = bootstrap.world_size();
         let host = opts.host_id.clone().unwrap_or_else(default_host_id);
+        in_init(opts.faults.as_ref(), rank, InitStage::Hello);
         let (comm_id, hosts, routes) = exchange_hello(bootstrap, opts, &host)?;
         let (topology, note) = Topology::from_env(&hosts).map_err(Error::Config)?;
         if let Some(note) = note
@@ -384,15 +487,33 @@ impl Communicator {
             None
         };
         let mut agg = None;
-        let (links, link_of, pds, cqs, tcp_addrs) =
-            connect_links(bootstrap, opts, &providers, &geo, tcp, |links, link_of| {
+        let (links, link_of, pds, cqs, tcp_addrs) = connect_links(
+            bootstrap,
+            opts,
+            &providers,
+            &geo,
+            tcp,
+            cancel.clone(),
+            |links, link_of| {
                 if let Some(c) = contact {
                     agg = join_aggregator(bootstrap, opts, c, comm_id, geo, links, link_of)?;
                 }
                 Ok(())
-            })?;
+            },
+        )?;
         providers.truncate(world);
-        bootstrap.barrier("oxccl/connected", opts.timeout)?;
+        in_init(opts.faults.as_ref(), rank, InitStage::Stored);
+        if let Err(e) = bootstrap.barrier("oxccl/connected", opts.timeout) {
+            // Connected peers may be past this barrier, in the one over the connections
+            // (rank 0 died just after it, taking the store): they would see these
+            // connections close and blame this rank. Keep them open a moment, so that they
+            // notice the real failure first.
+            bootstrap.fail(&e.to_string());
+            if !cancel.is_cancelled() {
+                std::thread::sleep(FAILED_INIT_GRACE.saturating_mul(4).min(opts.timeout));
+            }
+            return Err(e.into());
+        }
         Ok(Established {
             comm_id,
             host,
@@ -411,9 +532,73 @@ impl Communicator {
         })
     }
 
-    pub(super) fn init_inner(
+    pub(super) fn init_inner(bootstrap: &Arc<Bootstrap>, opts: Options) -> Result<Communicator> {
+        Communicator::init_watched(bootstrap, opts, None)
+    }
+
+    /// Init that `abort` (if any) stops: every store wait watches it, and an abort cancels the
+    /// tcp connects under way and aborts the barrier over the connections. An error after an
+    /// abort is [`Error::Aborted`] with `op` "init", saying what init was waiting for.
+    pub(super) fn init_watched(
+        bootstrap: &Arc<Bootstrap>,
+        opts: Options,
+        abort: Option<&AbortHandle>,
+    ) -> Result<Communicator> {
+        let rank = bootstrap.rank();
+        let flag = Arc::new(AbortFlag::default());
+        let cancel = Cancel::new();
+        let _hook = abort.map(|h| {
+            let (flag, cancel) = (flag.clone(), cancel.clone());
+            h.on_abort(move |why| {
+                cancel.cancel();
+                flag.set(&format!("init was aborted ({why})"));
+            })
+        });
+        if let Some(h) = abort {
+            bootstrap.set_abort(Some(h.clone()));
+        }
+        let r = Communicator::init_body(bootstrap, opts, flag, cancel);
+        if abort.is_some() {
+            bootstrap.set_abort(None);
+        }
+        let why = abort.and_then(AbortHandle::reason);
+        r.map_err(|e| match (e, why) {
+            (
+                Error::Bootstrap(oxccl_bootstrap::Error::Aborted {
+                    reason, waiting, ..
+                }),
+                _,
+            ) => Error::Aborted {
+                rank,
+                op: "init".into(),
+                reason: format!("{reason}, while waiting {waiting}"),
+            },
+            (Error::Aborted { op, reason, .. }, Some(why)) if op == "init (connecting)" => {
+                Error::Aborted {
+                    rank,
+                    op: "init".into(),
+                    reason: format!("{why}, while {reason}"),
+                }
+            }
+            (Error::Aborted { reason, .. }, Some(_)) => Error::Aborted {
+                rank,
+                op: "init".into(),
+                reason: format!("{reason}, in its first calls over the connections"),
+            },
+            (e, Some(why)) => Error::Aborted {
+                rank,
+                op: "init".into(),
+                reason: format!("{why}: {e}"),
+            },
+            (e, None) => e,
+        })
+    }
+
+    fn init_body(
         bootstrap: &Arc<Bootstrap>,
         mut opts: Options,
+        abort: Arc<AbortFlag>,
+        cancel: Cancel,
     ) -> Result<Communicator> {
         let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
         let given = opts.clone();
@@ -436,7 +621,7 @@ impl Communicator {
             cqs,
             tcp_addrs,
             agg,
-        } = Communicator::establish(bootstrap, &mut opts)
+        } = Communicator::establish(bootstrap, &mut opts, cancel)
             .inspect_err(|e| bootstrap.fail(&e.to_string()))?;
         let chosen = tcp_addrs[rank].clone();
         if log_enabled() {
@@ -456,7 +641,6 @@ impl Communicator {
                 geo.slot_data >> 10
             ));
         }
-        let abort = Arc::new(AbortFlag::default());
         let probe = Probe::new(comm_id, rank, world);
         flight::install_signal_handler();
         let mut engine = Engine::new(
@@ -498,7 +682,7 @@ impl Communicator {
                     geo.slot_data >> 10
                 ));
             }
-            engine.agg = Some(membership);
+            engine.agg = Some(Box::new(membership));
         }
         let tuning = Tuning {
             aggregator: joined,
@@ -567,10 +751,19 @@ impl Communicator {
         // most), so that the barrier is call 0 whether or not it ran, and a peer's fragment of
         // call 0 that arrives while this rank still finishes the probe's last call counts as
         // a later call's (sequence numbers compare modulo 2^24), not an earlier one's.
+        in_init(comm.inner.opts.faults.as_ref(), rank, InitStage::Barrier);
         comm.lock().seq = u64::MAX - (1 << 20);
-        comm.probe_at_init()?;
-        comm.lock().seq = u64::MAX;
-        comm.barrier()?;
+        let ready = comm.probe_at_init().and_then(|()| {
+            comm.lock().seq = u64::MAX;
+            comm.barrier()
+        });
+        if let Err(e) = ready {
+            // This rank told its peers why (a peer died, an abort); they read it before they
+            // see its connections close, not a send to it failing first (which would blame
+            // this rank).
+            std::thread::sleep(FAILED_INIT_GRACE.min(comm.inner.opts.timeout));
+            return Err(e);
+        }
         if let Some((action, limit)) = watchdog {
             spawn_watchdog(Arc::downgrade(&comm.inner), action, limit);
         }

@@ -24,6 +24,7 @@ mod compress;
 mod group;
 mod grow;
 mod init;
+mod pending;
 mod rates;
 mod register;
 mod shrink;
@@ -34,7 +35,7 @@ pub use compress::{
     AUTO_MIN_BYTES as COMPRESS_AUTO_MIN_BYTES, Compression, DEFAULT_CHUNK as DEFAULT_COMPRESS_CHUNK,
 };
 pub use group::Group;
-pub(crate) use register::{RegCache, Registry};
+pub use pending::PendingInit;
 pub use register::{Registered, Registration};
 pub use work::Work;
 pub use worker::{CallBuffers, Input, Output};
@@ -325,16 +326,11 @@ impl Options {
     }
 }
 
-/// This host's identity: the kernel's boot id plus the network namespace, so that network
-/// namespaces on one machine count as separate hosts.
+/// This host's identity ([`oxccl_verbs::host_identity`]: the kernel's boot id, the network
+/// and the pid namespace), so that ranks that can talk shm count as one host and network
+/// namespaces on one machine as separate hosts.
 pub fn default_host_id() -> String {
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "unknown-boot".into());
-    let netns = std::fs::read_link("/proc/self/ns/net")
-        .map(|p| p.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| "net:[?]".into());
-    format!("{boot}/{netns}")
+    oxccl_verbs::host_identity()
 }
 
 /// The caller's memory for one collective.
@@ -556,6 +552,9 @@ fn random_u64() -> u64 {
 impl Communicator {
     /// Connects this rank to its peers: shm queue pairs to ranks on the same host, tcp to the
     /// others (or the provider `options` force). Collective over the bootstrap's ranks.
+    /// A rank that never comes fails it within the timeouts, naming the missing ranks; to stop
+    /// it sooner from another thread, see [`Communicator::init_async`] and
+    /// [`Communicator::init_abortable`].
     pub fn init(bootstrap: Bootstrap, options: Options) -> Result<Communicator> {
         Communicator::init_shared(Arc::new(bootstrap), options)
     }
@@ -1053,7 +1052,7 @@ impl Communicator {
                     .engine
                     .agg
                     .as_ref()
-                    .map_or_else(String::new, |a| a.addr.clone());
+                    .map_or_else(String::new, |a| a.addr().to_string());
                 let e = Error::AggregatorFailed {
                     rank,
                     op: op.clone(),
@@ -1081,6 +1080,8 @@ impl Communicator {
     /// The end of [`Communicator::failed`]: poisons, logs, dumps.
     fn failed_poisoned(&self, st: &mut State, e: Error) -> Error {
         st.poisoned = Some(e.to_string());
+        // Before the caller sees the error: no peer writes its registered buffers after it.
+        st.engine.registry.revoke();
         crate::log_warn(e.to_string());
         flight::dump_on_error(&self.inner.probe, &e);
         e

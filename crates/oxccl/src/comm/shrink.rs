@@ -282,77 +282,17 @@ impl Communicator {
     ) -> Result<Epoch> {
         let (rank, world) = (self.inner.rank, self.inner.world);
         let job = format!("{:016x}/shrink{epoch}", self.inner.comm_id);
-        let agree = format!("oxccl/{job}/agree/");
-        let store = self.inner.bootstrap.store();
-        let fail = |detail: String, missing: Vec<usize>| Error::Shrink {
-            rank,
+        let round = Round {
+            comm: self,
             epoch,
-            detail,
-            missing,
-        };
-        let store_err = |what: &str, e: oxccl_bootstrap::Error| {
-            fail(
-                format!("{what} at the store {}: {e}", store.location()),
-                vec![],
-            )
+            agree: format!("oxccl/{job}/agree/"),
+            timeout,
         };
 
         // 1. Check in, and agree on who is excluded.
-        store
-            .set(&format!("{agree}in/{rank}"), encode(suspects).as_bytes())
-            .map_err(|e| store_err("checking in", e))?;
-        let decision_key = format!("{agree}decision");
-        let start = Instant::now();
-        let mut seen = vec![false; world];
-        let mut union = suspects.clone();
-        let mut pause = Duration::from_millis(1);
-        let decision = loop {
-            if store
-                .check(&[&decision_key])
-                .map_err(|e| store_err("reading the decision", e))?
-            {
-                break store
-                    .get(&decision_key, timeout)
-                    .map_err(|e| store_err("reading the decision", e))?;
-            }
-            let pending: Vec<usize> = (0..world).filter(|&r| !seen[r]).collect();
-            for r in pending {
-                let key = format!("{agree}in/{r}");
-                if store
-                    .check(&[&key])
-                    .map_err(|e| store_err("reading check-ins", e))?
-                {
-                    let v = store
-                        .get(&key, timeout)
-                        .map_err(|e| store_err("reading check-ins", e))?;
-                    seen[r] = true;
-                    union.extend(decode(&v, world));
-                }
-            }
-            let unseen: Vec<usize> = (0..world)
-                .filter(|r| !seen[*r] && !union.contains(r))
-                .collect();
-            let late = start.elapsed() >= timeout;
-            if unseen.is_empty() || late {
-                let mut proposal = union.clone();
-                proposal.extend(unseen.iter().copied());
-                if late {
-                    crate::log_warn(format!(
-                        "rank {rank}: shrink epoch {epoch}: ranks {unseen:?} did not check in \
-                         within {timeout:?}; proposing to exclude them"
-                    ));
-                }
-                let out = store
-                    .compare_set(&decision_key, None, encode(&proposal).as_bytes())
-                    .map_err(|e| store_err("proposing the decision", e))?;
-                break out.current.unwrap_or_default();
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(20));
-        };
-        let excluded = decode(&decision, world);
+        let excluded = round.exclusions(suspects)?;
         if excluded.contains(&rank) {
-            return Err(fail(
+            return Err(round.fail(
                 "the survivors excluded this rank (a failure named it, or it checked in after \
                  they had decided)"
                     .into(),
@@ -390,27 +330,150 @@ impl Communicator {
         .inspect(|c| c.set_lineage(&self.lineage()));
 
         // 3. Agree that every member built it; otherwise all start over without the ranks
-        // that did not answer. Each member says `done` or `failed` (alive, but its init
-        // failed); the others wait, up to the timeout, until each has said one of them.
+        // that did not answer.
+        let why = match &built {
+            Ok(_) => None,
+            Err(e) => Some(format!(
+                "this rank's init of the new communicator failed: {e}"
+            )),
+        };
+        let outcome = round.outcome(&members, new_rank, why.as_deref())?;
+        if outcome == "ok" {
+            return match built {
+                Ok(c) => Ok(Epoch::Done(c)),
+                // Cannot happen (this rank said it was not done); fail rather than hang.
+                Err(e) => Err(round.fail(format!("the new communicator failed here: {e}"), vec![])),
+            };
+        }
+        drop(built);
+        let more = decode(
+            outcome.strip_prefix("retry:").unwrap_or("").as_bytes(),
+            world,
+        );
+        if more.is_empty() || more.contains(&rank) {
+            let detail = why.unwrap_or_else(|| {
+                format!(
+                    "the new communicator of ranks {members:?} could not be built within \
+                     {timeout:?}"
+                )
+            });
+            return Err(round.fail(detail, more.into_iter().collect()));
+        }
+        Ok(Epoch::Retry(more))
+    }
+}
+
+/// The store side of one shrink epoch: its keys, its errors and its two agreements.
+struct Round<'a> {
+    comm: &'a Communicator,
+    epoch: u64,
+    /// The prefix of the epoch's agreement keys.
+    agree: String,
+    timeout: Duration,
+}
+
+impl Round<'_> {
+    fn fail(&self, detail: String, missing: Vec<usize>) -> Error {
+        Error::Shrink {
+            rank: self.comm.inner.rank,
+            epoch: self.epoch,
+            detail,
+            missing,
+        }
+    }
+
+    fn store(&self) -> &dyn oxccl_bootstrap::Store {
+        self.comm.inner.bootstrap.store()
+    }
+
+    fn store_err(&self, what: &str, e: oxccl_bootstrap::Error) -> Error {
+        self.fail(
+            format!("{what} at the store {}: {e}", self.store().location()),
+            vec![],
+        )
+    }
+
+    /// Checks in with `suspects` and returns the excluded ranks everyone adopts: the first
+    /// proposal, made once every rank outside the union of the check-ins has checked in, or
+    /// once the timeout has passed (then with the ranks that did not).
+    fn exclusions(&self, suspects: &BTreeSet<usize>) -> Result<BTreeSet<usize>> {
+        let (rank, world) = (self.comm.inner.rank, self.comm.inner.world);
+        let (store, agree, timeout) = (self.store(), &self.agree, self.timeout);
+        store
+            .set(&format!("{agree}in/{rank}"), encode(suspects).as_bytes())
+            .map_err(|e| self.store_err("checking in", e))?;
+        let decision_key = format!("{agree}decision");
+        let start = Instant::now();
+        let mut seen = vec![false; world];
+        let mut union = suspects.clone();
+        let mut pause = Duration::from_millis(1);
+        let decision = loop {
+            if store
+                .check(&[&decision_key])
+                .map_err(|e| self.store_err("reading the decision", e))?
+            {
+                break store
+                    .get(&decision_key, timeout)
+                    .map_err(|e| self.store_err("reading the decision", e))?;
+            }
+            for r in (0..world).filter(|&r| !seen[r]).collect::<Vec<_>>() {
+                let key = format!("{agree}in/{r}");
+                if store
+                    .check(&[&key])
+                    .map_err(|e| self.store_err("reading check-ins", e))?
+                {
+                    let v = store
+                        .get(&key, timeout)
+                        .map_err(|e| self.store_err("reading check-ins", e))?;
+                    seen[r] = true;
+                    union.extend(decode(&v, world));
+                }
+            }
+            let unseen: Vec<usize> = (0..world)
+                .filter(|r| !seen[*r] && !union.contains(r))
+                .collect();
+            let late = start.elapsed() >= timeout;
+            if unseen.is_empty() || late {
+                let mut proposal = union.clone();
+                proposal.extend(unseen.iter().copied());
+                if late {
+                    crate::log_warn(format!(
+                        "rank {rank}: shrink epoch {}: ranks {unseen:?} did not check in \
+                         within {timeout:?}; proposing to exclude them",
+                        self.epoch
+                    ));
+                }
+                let out = store
+                    .compare_set(&decision_key, None, encode(&proposal).as_bytes())
+                    .map_err(|e| self.store_err("proposing the decision", e))?;
+                break out.current.unwrap_or_default();
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(20));
+        };
+        Ok(decode(&decision, world))
+    }
+
+    /// Says `done` (or `failed`, with `why`: alive, but its init failed) as member
+    /// `new_rank` of `members`, waits (up to the timeout) until every member has said one,
+    /// and returns the outcome everyone adopts: `ok` when all are done, else `retry:` and
+    /// the (old) ranks of the members that said nothing.
+    fn outcome(&self, members: &[usize], new_rank: usize, why: Option<&str>) -> Result<String> {
+        let (store, agree) = (self.store(), &self.agree);
         let done = |r: usize| format!("{agree}done/{r}");
         let failed = |r: usize| format!("{agree}failed/{r}");
         let outcome_key = format!("{agree}outcome");
-        let mut why = String::new();
-        match &built {
-            Ok(_) => store.set(&done(new_rank), b"1"),
-            Err(e) => {
-                why = format!("this rank's init of the new communicator failed: {e}");
-                store.set(&failed(new_rank), why.as_bytes())
-            }
+        match why {
+            None => store.set(&done(new_rank), b"1"),
+            Some(why) => store.set(&failed(new_rank), why.as_bytes()),
         }
-        .map_err(|e| store_err("saying it is done", e))?;
+        .map_err(|e| self.store_err("saying it is done", e))?;
         let n = members.len();
         let mut state = vec![0u8; n]; // 0: silent, 1: done, 2: failed
         let start = Instant::now();
         let mut pause = Duration::from_millis(1);
         loop {
-            let pending: Vec<usize> = (0..n).filter(|&i| state[i] == 0).collect();
-            for i in pending {
+            for i in (0..n).filter(|&i| state[i] == 0).collect::<Vec<_>>() {
                 if store.check(&[&done(i)]).unwrap_or(false) {
                     state[i] = 1;
                 } else if store.check(&[&failed(i)]).unwrap_or(false) {
@@ -418,7 +481,7 @@ impl Communicator {
                 }
             }
             if state.iter().all(|&s| s != 0)
-                || start.elapsed() >= timeout
+                || start.elapsed() >= self.timeout
                 || store.check(&[&outcome_key]).unwrap_or(false)
             {
                 break;
@@ -437,37 +500,10 @@ impl Communicator {
         };
         let outcome = store
             .compare_set(&outcome_key, None, proposal.as_bytes())
-            .map_err(|e| store_err("proposing the outcome", e))?
+            .map_err(|e| self.store_err("proposing the outcome", e))?
             .current
             .unwrap_or_default();
-        let outcome = String::from_utf8_lossy(&outcome).into_owned();
-        if outcome == "ok" {
-            return match built {
-                Ok(c) => Ok(Epoch::Done(c)),
-                // Cannot happen (this rank said it was not done); fail rather than hang.
-                Err(e) => Err(fail(
-                    format!("the new communicator failed here: {e}"),
-                    vec![],
-                )),
-            };
-        }
-        drop(built);
-        let more = decode(
-            outcome.strip_prefix("retry:").unwrap_or("").as_bytes(),
-            world,
-        );
-        if more.is_empty() || more.contains(&rank) {
-            let detail = if why.is_empty() {
-                format!(
-                    "the new communicator of ranks {members:?} could not be built within \
-                     {timeout:?}"
-                )
-            } else {
-                why
-            };
-            return Err(fail(detail, more.into_iter().collect()));
-        }
-        Ok(Epoch::Retry(more))
+        Ok(String::from_utf8_lossy(&outcome).into_owned())
     }
 }
 

@@ -30,7 +30,6 @@ use oxccl_verbs::{
     RecvWr, RemoteAddr, RemoteBuffer, RemoteMapping, SendWr, Sge, WcStatus, WorkCompletion, WrOp,
 };
 
-use crate::comm::{RegCache, Registry};
 use crate::error::{Error, OpDesc, Result};
 use crate::fault::Injector;
 use crate::flight::Probe;
@@ -42,10 +41,12 @@ use crate::{DataType, ReduceOp};
 
 mod data;
 mod link;
+mod registry;
 mod run;
 mod session;
 
 pub(crate) use link::Link;
+pub(crate) use registry::{Reg, RegCache, Registry};
 pub(crate) use session::Scratch;
 
 // wr_id: kind in the top byte; then, for data, the call (the engine's count of calls, modulo
@@ -264,7 +265,17 @@ pub(crate) struct Engine {
     pub(crate) stats: Stats,
     /// This rank's membership of an aggregation service, if it joined one: the service is
     /// peer `world` (the last link).
-    pub(crate) agg: Option<crate::agg::Membership>,
+    pub(crate) agg: Option<Box<dyn Aggregator>>,
+}
+
+/// What the engine needs of an aggregation service its calls stream through (the ranks' side
+/// of it lives in `agg`, above the engine).
+pub(crate) trait Aggregator: Send {
+    /// The service's address, for errors.
+    fn addr(&self) -> &str;
+    /// Names the aggregation calls among those about to run (each with its slice, in
+    /// elements, and its host table), before their data.
+    fn announce(&mut self, rank: usize, calls: &[(OpDesc, usize, &[u32])]) -> Result<()>;
 }
 
 /// What an engine has moved through memory since it started, counted by the executor:

@@ -486,7 +486,7 @@ impl Call<'_, '_> {
                             .find(|d| d.seq & 0xff_ffff == u64::from(seq))
                             .map_or(format!("call #{seq} (modulo 2^24)"), |d| d.to_string());
                         let detail = if self.eng.is_aggregator(peer) {
-                            let addr = self.eng.agg.as_ref().map_or("", |a| a.addr.as_str());
+                            let addr = self.eng.agg.as_ref().map_or("", |a| a.addr());
                             format!(
                                 "the aggregation service at {addr} found that the ranks' calls \
                                  differ in {theirs} (this rank's); this rank is now in {} (the \

@@ -13,7 +13,8 @@ oxccl as the process group between replica groups.
 ``oxccl.torch.ProcessGroupOxccl`` joined through that store (a new oxccl communicator per
 quorum; the old one is aborted by the wrapper). Nothing else is changed: torchft heals a
 newcomer (or a replica that fell behind) through its own checkpoint transport (HTTP), and
-decides membership with its lighthouse; oxccl only carries the gradient all-reduces.
+decides membership with its lighthouse; oxccl carries the gradient all-reduces (and, with
+``--transport pg``, the newcomer's checkpoint: torchft's PGTransport over the same group).
 
 The launcher starts a lighthouse, then ``--replicas`` worker processes (each its own replica
 group of one rank, with its own TCPStore, as under torchrun), SIGKILLs one with
@@ -88,7 +89,16 @@ def worker(args) -> None:
         pg = ProcessGroupGloo(timeout=datetime.timedelta(seconds=args.timeout))
     else:
         pg = make_process_group_class()(timeout=datetime.timedelta(seconds=args.timeout))
+    transport = None
+    if args.transport == "pg":
+        # The checkpoint a newcomer heals from travels over the same process group (torchft's
+        # PGTransport: sends and receives) instead of HTTP.
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        transport = PGTransport(pg, timeout=datetime.timedelta(seconds=args.timeout),
+                                device=torch.device("cpu"))
     manager = Manager(
+        checkpoint_transport=transport,
         pg=pg,
         min_replica_size=1,
         load_state_dict=load_state_dict,
@@ -166,7 +176,8 @@ def launch(args) -> int:
         p = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "worker", "--replica", str(replica),
              "--lighthouse", lighthouse.address(), "--steps", str(args.steps),
-             "--timeout", str(args.timeout), "--step-sleep", str(args.step_sleep), "--pg", args.pg, *extra],
+             "--timeout", str(args.timeout), "--step-sleep", str(args.step_sleep), "--pg", args.pg,
+             "--transport", args.transport, *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         procs.append((replica, p))
 
@@ -224,6 +235,9 @@ def main() -> int:
     ap.add_argument("--quiet", action="store_true", help="only events and warnings")
     ap.add_argument("--pg", default="oxccl", choices=["oxccl", "gloo"],
                     help="the process group between replicas (gloo: torchft's own)")
+    ap.add_argument("--transport", default="http", choices=["http", "pg"],
+                    help="how a newcomer gets the state: torchft's HTTP transport, or its "
+                    "PGTransport over the process group")
     ap.add_argument("--replica", type=int, default=0)
     ap.add_argument("--lighthouse", default=None)
     ap.add_argument("--die-at-step", type=int, default=None)

@@ -353,7 +353,8 @@ def launch(args) -> int:
                 with cond:
                     events.append(ev)
                     cond.notify_all()
-            if not args.quiet:
+            # (c10d's TCPStore clients log every slow poll of the store: not worth showing.)
+            if not args.quiet and "socket.cpp" not in line:
                 print(f"[{pr.name}] {line}", end="", flush=True)
 
     def start(name: str, extra: list, host: int) -> Proc:

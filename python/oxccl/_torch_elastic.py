@@ -12,6 +12,11 @@ default group made by ``init_process_group("oxccl", store=S, ...)`` that is ``S`
 prefixes c10d adds (``group_name="0"``, the default); under ``init_method`` (``env://``,
 ``tcp://``) c10d wraps the rendezvous store in ``PrefixStore("default_pg", ...)`` first, so
 pass ``dist.PrefixStore("default_pg", S)``.
+
+Registering a group with torch, and replacing the default group, goes through c10d's private
+helpers (``_register_pg_in_world``, ``_update_default_pg``,
+``_cleanup_process_group_global_state``), the ones its own ``shrink_group`` uses, as torch
+2.15 (python/requirements-dev.txt) has them.
 """
 
 from __future__ import annotations

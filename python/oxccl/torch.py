@@ -35,6 +35,14 @@ gradient buckets with error feedback (a residual per bucket), one fused call per
 forward, when the module's group is an "oxccl" group across more than one host and no hook was
 registered: ``init_process_group("oxccl")`` and DDP then compress across hosts with no code
 change (``OXCCL_DEBUG=INFO`` says what was chosen and why).
+
+Elastic training (issue 32): after a failure, ``oxccl.torch.shrink(group)`` on every survivor
+returns a new ``ProcessGroup`` of the survivors (they agree through the store on who is gone);
+``oxccl.torch.grow(group, count)`` on the members and ``oxccl.torch.join(store)`` on newcomers
+return the grown group. A group made from the default group becomes the default group; DDP is
+rebuilt on the new group. ``oxccl.torch.is_failure(exc)`` says whether an exception (an
+``oxccl`` error, or the RuntimeError DDP's backward raises when a gradient all-reduce fails)
+is one ``shrink`` answers. ``examples/elastic_ddp.py`` shows the whole loop.
 """
 
 from __future__ import annotations
@@ -64,6 +72,12 @@ __all__ = [
     "BfpState",
     "bfp_hook",
     "backend",
+    "shrink",
+    "grow",
+    "join",
+    "wrap",
+    "backend_store",
+    "is_failure",
 ]
 
 BACKEND = "oxccl"
@@ -116,7 +130,9 @@ class _Work(dist._Work):
 
     ``work`` is the oxccl.Work of a submitted call (None when the call already ran);
     ``value`` is what the future completes with (the output tensors); ``after`` runs once the
-    call has ended (copying results out of staging buffers) before anyone sees it complete.
+    call has ended (copying results out of staging buffers) before anyone sees it complete;
+    ``error``: the call already failed with it (an ``async_op`` call that failed on the calling
+    thread: its Work reports the error, as Gloo's does, rather than the call raising).
     """
 
     def __init__(
@@ -124,8 +140,11 @@ class _Work(dist._Work):
         work: Optional[_oxccl.Work] = None,
         value: Optional[list] = None,
         after: Optional[Callable[[], None]] = None,
+        error: Optional[BaseException] = None,
     ):
         super().__init__()
+        self._error = error
+        self._base: Optional[torch.futures.Future] = None
         self._work = work
         self._value = value if value is not None else []
         self._after = after
@@ -141,6 +160,8 @@ class _Work(dist._Work):
                 after()
 
     def wait(self, timeout: Any = None) -> bool:
+        if self._error is not None:
+            raise self._error
         if self._work is not None:
             self._work.wait(_seconds(timeout))
         self._run_after()
@@ -150,9 +171,13 @@ class _Work(dist._Work):
         return self._work is None or self._work.is_completed()
 
     def is_success(self) -> bool:
+        if self._error is not None:
+            return False
         return self._work is None or self._work.is_success()
 
     def exception(self) -> Any:
+        if self._error is not None:
+            return self._error
         return None if self._work is None else self._work.exception()
 
     def result(self) -> list:
@@ -162,20 +187,26 @@ class _Work(dist._Work):
     def get_future(self) -> torch.futures.Future:
         if self._future is not None:
             return self._future
-        fut: torch.futures.Future = torch.futures.Future()
-        self._future = fut
-        if self._work is None:
+        if self._error is None and self._work is None:
+            fut: torch.futures.Future = torch.futures.Future()
             self._run_after()
             fut.set_result(self._value)
+            self._future = fut
+            return fut
+        # The future handed out is ``base.then(...)``: it ends in error at the C++ level when
+        # the call fails, which DDP's reducer needs (see _errorable_future).
+        self._base, self._future = _errorable_future()
+        if self._error is not None:
+            self._base.set_exception(self._error)
         elif self._after is None:
-            # Completed from Rust's completion thread, with no Python in between.
-            self._work._complete_future(fut, self._value)
+            # Completed from Rust's completion thread.
+            self._work._complete_future(self._base, self._value)
         else:
             self._work.add_done_callback(self._complete)
-        return fut
+        return self._future
 
     def _complete(self, work: _oxccl.Work) -> None:
-        fut = self._future
+        fut = self._base
         exc = work.exception()
         if exc is None:
             try:
@@ -188,7 +219,32 @@ class _Work(dist._Work):
             fut.set_exception(exc)
 
 
+def _unwrap(fut: torch.futures.Future) -> Any:
+    return fut.wait()  # the value, or the call's error raised
+
+
+def _errorable_future() -> tuple:
+    """(base, out): complete ``base`` (``set_result`` or ``set_exception``) and ``out``
+    completes the same way, with an error C++ consumers see. torch's Python
+    ``Future.set_exception`` completes the C++ future successfully, with the exception object
+    as its value (only Python's ``wait`` raises it): DDP's reducer then read that object as its
+    bucket's tensors and crashed the process (SIGSEGV) when a gradient all-reduce failed. A
+    ``then`` callback that raises fails its future properly; it costs one Python call per
+    completion."""
+    base: torch.futures.Future = torch.futures.Future()
+    return base, base.then(_unwrap)
+
+
 _DONE_VALUE: list = []
+
+
+def _failed(e: BaseException, value: list) -> _Work:
+    """An ``async_op`` call that failed on the calling thread (run there, or refused at once by
+    a failed communicator): its Work carries the error, as Gloo's would (torchft's Manager and
+    DDP's reducer read errors from the Work); a bad argument still raises at the call."""
+    if isinstance(e, InvalidArgument):
+        raise e
+    return _Work(None, value, error=e)
 
 
 def _cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -304,7 +360,18 @@ class ProcessGroupOxccl(_C10dBackend):
     backend to hold the group's name (``RuntimeError: ProcessGroup name not set`` from
     ``init_device_mesh``). ``oxccl.torch.backend(group)`` finds this object behind a group."""
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: Any = None):
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        timeout: Any = None,
+        communicator: Optional[_oxccl.Communicator] = None,
+    ):
+        if communicator is not None:
+            # A communicator made elsewhere (a shrink, a grow, a join: oxccl.torch.shrink,
+            # grow, join); it says the rank and size.
+            rank, size = communicator.rank, communicator.world_size
         super().__init__(rank, size)
         env = os.environ.get("OXCCL_TIMEOUT")
         seconds = None if env else _seconds(timeout)
@@ -312,7 +379,10 @@ class ProcessGroupOxccl(_C10dBackend):
         self._compress: Optional[str] = _env_format("OXCCL_COMPRESS")
         self._rs_compress: Optional[str] = _env_format("OXCCL_REDUCE_SCATTER_COMPRESS")
         self._noted: set = set()
-        self._comm = _oxccl.Communicator(
+        # Reconfigurations (shrink, grow, join) since init_process_group: names the groups
+        # they make alike on every rank (oxccl.torch.shrink and friends).
+        self.generation = 0
+        self._comm = communicator if communicator is not None else _oxccl.Communicator(
             store=store,
             rank=rank,
             world_size=size,
@@ -335,7 +405,7 @@ class ProcessGroupOxccl(_C10dBackend):
     supports_coalescing = True
     supports_splitting = True
     supports_reconfigure = False
-    supports_shrinking = False
+    supports_shrinking = True  # torch's dist.shrink_group (ProcessGroupOxccl.shrink)
     supports_window = False
 
     @property
@@ -431,11 +501,38 @@ class ProcessGroupOxccl(_C10dBackend):
     def eager_connect_single_device(self, device: Any = None) -> None:
         pass  # joined when created
 
+    def shrink(self, ranks: Sequence[int], flags: int = 0, opts: Any = None) -> "ProcessGroupOxccl":
+        """torch's ``dist.shrink_group(ranks_to_exclude, group)``: the backend of the group
+        without ``ranks`` (this group's ranks; every survivor calls it, the excluded ranks do
+        not), through ``Communicator.shrink``. The survivors agree through the store on who is
+        gone; if that is more than ``ranks`` (another rank failed too), torch's renumbering
+        would be wrong, so this raises ``oxccl.Error`` on every survivor alike:
+        ``oxccl.torch.shrink(group)`` needs no list and takes the agreed set. The old group's
+        communicator is left to the garbage collector (torch destroys the old group next, and
+        a barrier there would wait for the excluded ranks)."""
+        ranks = sorted({int(r) for r in ranks})
+        new = self._comm.shrink(ranks)
+        self._released = True
+        if new.world_size != self.size() - len(ranks):
+            raise _Error(
+                f"rank {self.rank()}: dist.shrink_group({ranks}): the survivors agreed on "
+                f"{new.world_size} ranks, not {self.size() - len(ranks)} (another rank failed "
+                "too); use oxccl.torch.shrink(group), which takes the agreed set"
+            )
+        out = ProcessGroupOxccl(self._store, 0, 0, self._timeout, communicator=new)
+        out.generation = self.generation + 1
+        out._serial = time.monotonic()
+        _GROUPS.add(out)
+        return out
+
     def shutdown(self) -> None:
         """``destroy_process_group``: the communicator's destroy (a barrier, bounded by the
         group's timeout, skipped when the communicator already failed). A group whose peers
         failed or left cannot meet them there; teardown goes on, with a warning on stderr,
-        as Gloo's does (a raise here would stop ``destroy_process_group`` half way)."""
+        as Gloo's does (a raise here would stop ``destroy_process_group`` half way). A group
+        that ``dist.shrink_group`` replaced skips the barrier (its excluded ranks never come)."""
+        if getattr(self, "_released", False):
+            return
         try:
             self._comm.destroy()
         except _Error as e:
@@ -457,7 +554,10 @@ class ProcessGroupOxccl(_C10dBackend):
             if after is not None:
                 after()
             return _Work(None, value)
-        works = [call(True) for call in calls]
+        try:
+            works = [call(True) for call in calls]
+        except _Error as e:
+            return _failed(e, value)
         work = works[-1] if works else None
         # Calls run in order on the worker: the last one ending means all have. Earlier
         # failures would make the last one fail too (the communicator is then unusable);
@@ -490,12 +590,16 @@ class ProcessGroupOxccl(_C10dBackend):
             r = _real(t, op)
             # Small async_op calls run here too (eager), unless OXCCL_TORCH_EAGER_BYTES says
             # otherwise: see _EAGER_BYTES.
-            if not getattr(opts, "asyncOp", True) or (
-                t.numel() * t.element_size() <= _EAGER_BYTES
-            ):
+            if not getattr(opts, "asyncOp", True):
                 self._comm.all_reduce(r, op)
                 return _Work(None, tensors)
-            return _Work(self._comm.all_reduce(r, op, async_op=True), tensors)
+            try:
+                if t.numel() * t.element_size() <= _EAGER_BYTES:
+                    self._comm.all_reduce(r, op)
+                    return _Work(None, tensors)
+                return _Work(self._comm.all_reduce(r, op, async_op=True), tensors)
+            except _Error as e:
+                return _failed(e, tensors)
         return self._issue(opts, [self._allreduce_call(t, op) for t in tensors], tensors)
 
     def allreduce_coalesced(self, tensors: list, opts: Any = None) -> _Work:
@@ -1011,17 +1115,17 @@ def bfp_hook(state: BfpState, bucket: Any) -> torch.futures.Future:
     work = comm.all_reduce(
         flat, _oxccl.ReduceOp.AVG, compress=state.compress, residual=e, async_op=True
     )
-    fut: torch.futures.Future = torch.futures.Future()
+    base, out = _errorable_future()
 
     def done(w: Any) -> None:
         exc = w.exception()
         if exc is None:
-            fut.set_result(t)
+            base.set_result(t)
         else:
-            fut.set_exception(exc)
+            base.set_exception(exc)  # out fails where DDP sees it (see _errorable_future)
 
     work.add_done_callback(done)
-    return fut
+    return out
 
 
 # DDP checks a hook's annotations as objects (this module's are strings).
@@ -1114,3 +1218,6 @@ def _register() -> None:
 
 _register()
 _install_ddp_hooks()
+
+# Elastic groups (issue 32): a new ProcessGroup after a shrink, a grow or a join.
+from ._torch_elastic import backend_store, grow, is_failure, join, shrink, wrap  # noqa: E402

@@ -24,14 +24,10 @@ trap '"$TB" down --owner $$ >/dev/null 2>&1 || true' EXIT
 BED=$("$TB" up --rates "$RATE,$RATE,$RATE,$RATE" --owner-pid $$)
 out=$root/bench/results/elastic-$(date -u +%Y-%m-%d)
 mkdir -p "$out"
+rm -f "$out"/run*.json
 {
     echo "# bench/elastic.sh $*, $(date -u +%Y-%m-%dT%H:%MZ), $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs (shared, load $(cut -d' ' -f1-3 /proc/loadavg)); 4 hosts x 1 rank, links $RATE; kill rank $KILL_RANK in step $((KILL_STEP + 1)), replacement after step $JOIN_STEP"
-    # OXCCL_TOPO_LEARN=off: with the link-rate learner on, this DDP run on the bed fails within
-    # its first steps with a collective mismatch (one rank in the learner's u64 MAX round while
-    # the others run DDP's 1,049,600-byte first bucket: the ranks' counts of metered calls
-    # diverge); see the report of issue 32's item 4.
-    export OXCCL_TOPO_LEARN=${OXCCL_TOPO_LEARN:-off}
-    echo "OXCCL_TOPO_LEARN=$OXCCL_TOPO_LEARN"
+    echo "OXCCL_TOPO_LEARN=${OXCCL_TOPO_LEARN:-default (on)}"
     for i in $(seq 1 "$RUNS"); do
         echo "## run $i"
         OXCCL_SECRET=elastic-bed OMP_NUM_THREADS=1 "$venv/bin/python" examples/elastic_ddp.py \
@@ -39,7 +35,9 @@ mkdir -p "$out"
             --join-step "$JOIN_STEP" --host-prefix "$TB exec $BED {host} --" \
             --store-host 10.77.0.1 --json "$out/run$i.json" --quiet "$@"
     done
-    "$venv/bin/python" - "$out"/run*.json <<'PY'
+    runs=()
+    for i in $(seq 1 "$RUNS"); do runs+=("$out/run$i.json"); done
+    "$venv/bin/python" - "${runs[@]}" <<'PY'
 import json, statistics, sys
 runs = [json.load(open(p))["summary"] for p in sys.argv[1:]]
 k = [r["kill_to_first_step_s"] for r in runs if "kill_to_first_step_s" in r]

@@ -20,10 +20,19 @@ from .errors import (
     PeerFailed,
     Timeout,
 )
-from ._oxccl import Communicator, ReduceOp, Registration, Work, __version__, dtypes
+from ._oxccl import (
+    Communicator,
+    PendingInit,
+    ReduceOp,
+    Registration,
+    Work,
+    __version__,
+    dtypes,
+)
 
 __all__ = [
     "Communicator",
+    "PendingInit",
     "Registration",
     "Work",
     "ReduceOp",

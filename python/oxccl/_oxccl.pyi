@@ -151,6 +151,18 @@ class Communicator:
         """Admits ``count`` newcomers (``Communicator.join``); members keep their ranks."""
         ...
     @staticmethod
+    def init_async(
+        store: Any,
+        rank: int,
+        world_size: int,
+        *,
+        timeout: Optional[float] = None,
+        job_id: str = "py",
+        options: Optional[Mapping[str, str]] = None,
+    ) -> PendingInit:
+        """Starts init on a thread of its own; ``abort()`` stops it from any thread."""
+        ...
+    @staticmethod
     def join(
         store: Any,
         *,
@@ -171,6 +183,13 @@ class Communicator:
     def __enter__(self) -> Communicator: ...
     def __exit__(self, *exc: Any) -> bool: ...
     def _rust_loop(self, coll: str, nbytes: int, iters: int) -> float: ...
+
+class PendingInit:
+    """A communicator's init running on a thread of its own (``Communicator.init_async``)."""
+
+    def abort(self, reason: Optional[str] = None) -> None: ...
+    def done(self) -> bool: ...
+    def wait(self, timeout: Optional[float] = None) -> Communicator: ...
 
 class Registration:
     """A buffer registered with a communicator (``Communicator.register``): calls on it skip

@@ -9,6 +9,7 @@ import signal
 import time
 
 import launch
+import pytest
 
 TIMEOUT = 30
 
@@ -324,3 +325,56 @@ def test_monitored_barrier_timeout_names_the_rank_and_tears_down(torch_available
     assert "rank 0 did not release" in msg and secs < 10, r1["late"]
     kind, secs, msg = r0["never"]
     assert kind == "Timeout" and "Rank 1 failed to pass" in msg and secs < 10, r0["never"]
+
+
+def test_init_async_waits_aborts_and_completes():
+    """``Communicator.init_async``: an init whose peer never comes is aborted from another
+    thread and says what it waited for; two ranks that both come get working communicators."""
+    import threading
+
+    import numpy as np
+    from torch.distributed import TCPStore
+
+    import oxccl
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = master.port
+    # Rank 1 of 2 never comes.
+    lone = oxccl.Communicator.init_async(
+        TCPStore("127.0.0.1", port, is_master=False), 0, 2, timeout=30, job_id="lonely"
+    )
+    with pytest.raises(oxccl.Timeout):
+        lone.wait(timeout=0.3)
+    assert not lone.done()
+    t0 = time.monotonic()
+    threading.Timer(0.2, lambda: lone.abort("the test gave up")).start()
+    with pytest.raises(oxccl.Aborted) as e:
+        lone.wait()
+    took = time.monotonic() - t0
+    assert 0.15 < took < 3, took
+    msg = str(e.value)
+    assert "the test gave up" in msg and "[1]" in msg, msg
+    with pytest.raises(oxccl.InvalidArgument):
+        lone.wait()
+    # Both ranks come.
+    pending = [
+        oxccl.Communicator.init_async(
+            TCPStore("127.0.0.1", port, is_master=False), r, 2, timeout=30, job_id="pair"
+        )
+        for r in range(2)
+    ]
+    comms = [p.wait(timeout=30) for p in pending]
+    assert all(p.done() for p in pending)
+    out = [None, None]
+
+    def reduce(r):
+        x = np.full(4, r + 1, np.float32)
+        comms[r].all_reduce(x)
+        out[r] = float(x[0])
+
+    threads = [threading.Thread(target=reduce, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == [3.0, 3.0], out

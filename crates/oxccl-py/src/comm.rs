@@ -43,7 +43,7 @@ pub struct PyCommunicator {
 }
 
 impl PyCommunicator {
-    fn wrap(c: Communicator) -> PyCommunicator {
+    pub(crate) fn wrap(c: Communicator) -> PyCommunicator {
         PyCommunicator {
             rank: c.rank(),
             world: c.world_size(),
@@ -445,6 +445,39 @@ impl PyCommunicator {
         });
         r.map(PyCommunicator::wrap)
             .map_err(|e| errors::to_py(py, &e))
+    }
+
+    /// Starts this rank's init over `store` (as the constructor does) on a thread of its own
+    /// and returns an `oxccl.PendingInit` at once: `wait(timeout=None)` returns the
+    /// communicator (or raises the init's error), `done()` says whether it finished, and
+    /// `abort()`, from any thread, stops an init that waits for a rank that never comes
+    /// (`oxccl.Aborted`, naming what it waited for; the other ranks fail naming this one).
+    #[staticmethod]
+    #[pyo3(signature = (store, rank, world_size, *, timeout=None, job_id="py", options=None))]
+    fn init_async(
+        store: &Bound<'_, PyAny>,
+        rank: usize,
+        world_size: usize,
+        timeout: Option<f64>,
+        job_id: &str,
+        options: Option<HashMap<String, String>>,
+    ) -> PyResult<crate::pending::PyPendingInit> {
+        let timeout = parse_timeout(timeout)?;
+        let options = options.unwrap_or_default();
+        if let Some(k) = options.keys().find(|k| !k.starts_with("OXCCL_")) {
+            return Err(errors::value_error(format!(
+                "options: {k:?} is not an OXCCL_* setting"
+            )));
+        }
+        let store = PyStore::new(store)?;
+        crate::pending::PyPendingInit::start(
+            store,
+            rank,
+            world_size,
+            job_id.to_string(),
+            options,
+            timeout,
+        )
     }
 
     /// Joins the job the launcher describes (torchrun's, Slurm's, Open MPI's or oxccl run's

@@ -49,6 +49,7 @@ fn bootstrap_kind(e: &oxccl_bootstrap::Error) -> Kind {
     }
     match e {
         B::StoreGone { .. } | B::Connect { .. } => Kind::PeerFailed,
+        B::Aborted { .. } => Kind::Aborted,
         B::InvalidArgument(_) => Kind::InvalidArgument,
         B::BadAddr { .. }
         | B::NoLauncher { .. }

@@ -26,6 +26,7 @@ mod calls;
 pub mod comm;
 pub mod errors;
 pub mod kv;
+mod pending;
 mod registration;
 pub mod store;
 pub mod work;
@@ -151,6 +152,7 @@ fn _oxccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<comm::PyCommunicator>()?;
     m.add_class::<comm::PyRegistration>()?;
+    m.add_class::<pending::PyPendingInit>()?;
     m.add_class::<work::PyWork>()?;
     m.add_class::<PyReduceOp>()?;
     m.add_class::<kv::PyKvEngine>()?;

@@ -12,6 +12,9 @@ use oxccl_bootstrap::{CasOutcome, Error, Result, Store};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
+/// Waits shorter than this poll with `check` instead of calling the store's `wait`.
+const SHORT_WAIT: Duration = Duration::from_millis(500);
+
 /// A Python rendezvous store as an oxccl [`Store`].
 pub struct PyStore {
     store: Py<PyAny>,
@@ -166,6 +169,21 @@ impl Store for PyStore {
             } else {
                 Err(self.timeout_error(keys, timeout))
             };
+        }
+        if timeout < SHORT_WAIT {
+            // Short waits (an abortable init's slices): polled with `check`, since torch's
+            // TCPStore logs a warning for every wait that times out.
+            let start = std::time::Instant::now();
+            loop {
+                if self.check(keys)? {
+                    return Ok(());
+                }
+                let left = timeout.saturating_sub(start.elapsed());
+                if left.is_zero() {
+                    return Err(self.timeout_error(keys, timeout));
+                }
+                std::thread::sleep(left.min(Duration::from_millis(2)));
+            }
         }
         let r = self.call(&format!("wait({keys:?})"), |s| {
             let list = PyList::new(s.py(), keys)?;

@@ -319,8 +319,12 @@ fn render(s: &Status) -> String {
             c.report.comm_id, c.report.world_size, c.headline
         );
         out += &table(c, &silent);
-        for v in &c.report.verdicts {
-            out += &format!("  verdict: {v}\n");
+        // (In a healthy job that runs, the answers come from slightly different moments: who
+        // is a call behind then means nothing.)
+        if c.holder.is_some() || !c.stuck.is_empty() {
+            for v in &c.report.verdicts {
+                out += &format!("  verdict: {v}\n");
+            }
         }
     }
     // Silent processes of communicators nobody answered for.

@@ -454,6 +454,10 @@ fn analyze_comm(
         }
     }
     if suspects.is_empty() {
+        // Who holds up whom, through chains of waits (0 waits on 3, which waits on 1): the
+        // rank at the end of most chains. A cycle of waits leaves the direct counts.
+        let chains = chain_ends(ranks);
+        let waiting = if chains.is_empty() { &waiting } else { &chains };
         let most = waiting.values().map(Vec::len).max().unwrap_or(0);
         for (&r, who) in waiting.iter().filter(|(_, who)| who.len() == most) {
             let last = ranks.get(&r).map_or("unknown".to_string(), last_call_text);
@@ -490,6 +494,28 @@ fn analyze_comm(
         mismatches,
         ranks: summaries,
     }
+}
+
+/// For each rank at the end of a chain of waits (waited on, waiting on nobody), the ranks
+/// whose chains end there, directly or through others; chains that loop are left out.
+fn chain_ends(ranks: &BTreeMap<u32, RankView>) -> BTreeMap<u32, Vec<u32>> {
+    let next = |r: u32| ranks.get(&r).and_then(|v| v.waiting_on());
+    let mut ends: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+    for &start in ranks.keys() {
+        let mut at = start;
+        let mut hops = 0;
+        while let Some(n) = next(at) {
+            at = n;
+            hops += 1;
+            if hops > ranks.len() {
+                break;
+            }
+        }
+        if hops > 0 && hops <= ranks.len() {
+            ends.entry(at).or_default().push(start);
+        }
+    }
+    ends
 }
 
 /// The per-rank summary of `view`.

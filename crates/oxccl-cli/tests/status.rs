@@ -188,6 +188,64 @@ fn names_a_stopped_rank_within_a_second() {
     drop(job);
 }
 
+/// A rank that still answers but stalls inside a call (it sleeps before a send) is named too:
+/// the others wait on it, directly or through each other, past `--stuck-after`.
+#[test]
+fn names_a_rank_that_answers_but_stalls() {
+    let _serial = serial();
+    let port = free_port();
+    let secret = "status-test-secret-stalled";
+    let (n, stalled) = (3, 1);
+    let mut job = Job(Vec::new());
+    for rank in 0..n {
+        let mut cmd = Command::new(BIN);
+        as_rank(&mut cmd, rank, n, port, secret);
+        cmd.args(["perf", "all_reduce", "-b", "8", "-e", "8", "-w", "5"])
+            .args(["-i", "10000000", "-c", "0"])
+            .env(
+                "OXCCL_FAULT",
+                format!("delay:rank={stalled},seq=30,ms=8000"),
+            )
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        job.0.push(cmd.spawn().unwrap());
+    }
+    // Ask until the stall shows (init, then 30 calls, then 500 ms of waiting).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let v = loop {
+        assert!(Instant::now() < deadline, "the stall never showed");
+        std::thread::sleep(Duration::from_millis(300));
+        let (out, took) = status(port, secret, &["--json", "--stuck-after", "500ms"]);
+        assert!(took < Duration::from_secs(1), "took {took:?}");
+        match out.status.code() {
+            Some(0) => continue,
+            Some(1) => break serde_json::from_slice::<Value>(&out.stdout).unwrap(),
+            // (The store is not up yet.)
+            _ => continue,
+        }
+    };
+    assert_eq!(
+        (v["asked"].as_u64(), v["answered"].as_u64()),
+        (Some(3), Some(3)),
+        "{v:#}"
+    );
+    let comm = &v["communicators"][0];
+    assert_eq!(comm["holder"], stalled as u64, "{v:#}");
+    assert!(!comm["stuck"].as_array().unwrap().is_empty(), "{v:#}");
+    let ranks = comm["ranks"].as_array().unwrap();
+    let me = ranks.iter().find(|r| r["rank"] == stalled as u64).unwrap();
+    assert_eq!(me["last_started"], 30, "{me:#}");
+    assert!(
+        me["waiting_on"].is_null(),
+        "the stalled rank waits on nobody: {me:#}"
+    );
+    for r in ranks.iter().filter(|r| r["rank"] != stalled as u64) {
+        assert_eq!(r["last_started"], 30, "{r:#}");
+        assert!(r["waiting_on"].is_u64(), "{r:#}");
+    }
+    drop(job);
+}
+
 /// A rank of the idle job: one all-reduce (checked), then idle until the test says done.
 #[test]
 fn rank_entry() {

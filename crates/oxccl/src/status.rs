@@ -3,10 +3,10 @@
 //!
 //! Each process that makes a communicator over oxccl's own store ([`oxccl_bootstrap::TcpStore`]
 //! or the store rank 0 serves) starts one service thread (`oxccl-status`), shared by all its
-//! communicators on that store and gone with the last of them. It opens its own connection to
-//! the store, registers the process (`oxccl/status/proc/<i>`: a [`Registration`]), and blocks in
-//! a `wait` on the next request key (`oxccl/status/req/<g>`), a minute at a time: no polling,
-//! and nothing on the data path. A request wakes it at once; it answers with a flight-recorder
+//! communicators on that store and gone with the last of them. The process is registered at
+//! init (`oxccl/status/proc/<i>`: a [`Registration`]); the thread opens its own connection to
+//! the store and blocks in a `wait` on the next request key (`oxccl/status/req/<g>`), a minute
+//! at a time: no polling, and nothing on the data path. A request wakes it at once; it answers with a flight-recorder
 //! [`Dump`] of the live communicators (their last [`LAST_CALLS`] calls each; the running one
 //! with its steps done, the peer it waits on and since when) under
 //! `oxccl/status/ans/<g>/<i>`. A communicator's drop breaks the service's connection (no
@@ -272,10 +272,34 @@ pub(crate) fn attach(bootstrap: &Bootstrap, probe: &Probe) -> Option<Arc<Service
         since_unix_ns: flight::now_ns(),
         gone: false,
     };
+    // Registered here, through the bootstrap's store, so that a process is known once its
+    // init returns; the last request is read first: one posted by whoever has seen the
+    // registration comes after it, and the thread answers it.
+    let mut me = me;
+    let store = bootstrap.store();
+    let registered = (|| {
+        let last = u64::try_from(store.add(REQUESTS_KEY, 0)?).unwrap_or(0);
+        me.index = u64::try_from(store.add(PROCESSES_KEY, 1)? - 1).unwrap_or(0);
+        store.set(
+            &process_key(me.index),
+            &serde_json::to_vec(&me).unwrap_or_default(),
+        )?;
+        Ok::<_, oxccl_bootstrap::Error>(last)
+    })();
+    let last = match registered {
+        Ok(last) => last,
+        Err(e) => {
+            crate::log_warn(format!(
+                "rank {}: no status service (oxccl status): cannot register in the store: {e}",
+                probe.rank
+            ));
+            return None;
+        }
+    };
     let thread_shared = shared.clone();
     let spawned = std::thread::Builder::new()
         .name("oxccl-status".into())
-        .spawn(move || serve(&thread_shared, &secret, me));
+        .spawn(move || serve(&thread_shared, &secret, me, last));
     if let Err(e) = spawned {
         crate::log_warn(format!(
             "rank {}: cannot start the status service thread: {e}",
@@ -294,8 +318,8 @@ fn hostname() -> String {
         .unwrap_or_default()
 }
 
-/// The service thread: registers, then answers requests until stopped.
-fn serve(shared: &Shared, secret: &Secret, mut me: Registration) {
+/// The service thread: answers requests after `last` until stopped.
+fn serve(shared: &Shared, secret: &Secret, mut me: Registration, last: u64) {
     // (Rank 0 does not wait for a service to leave its store before it stops it.)
     let label = format!(
         "{SERVICE_LABEL_PREFIX}oxccl status, rank {} pid {}",
@@ -306,42 +330,12 @@ fn serve(shared: &Shared, secret: &Secret, mut me: Registration) {
         reply_timeout: Duration::from_secs(10),
         label: label.clone(),
     };
-    let store = match TcpStore::connect_with(&shared.addr, secret, &opts) {
-        Ok(s) => s,
-        Err(e) => {
-            if !shared.stop.load(Ordering::Relaxed) {
-                crate::log_warn(format!(
-                    "rank {}: the status service cannot reach the store: {e}",
-                    me.rank
-                ));
-            }
-            return;
-        }
-    };
-    match store.interrupter() {
-        Ok(i) => *lock(&shared.interrupter) = Some(i),
-        Err(e) => {
-            crate::log_warn(format!("rank {}: no status service: {e}", me.rank));
-            return;
-        }
-    }
-    // (Checked after the interrupter is in place: a drop before it is seen here, one after it
-    // breaks the connection.)
-    if shared.stop.load(Ordering::Relaxed) {
-        return;
-    }
-    // The last request is read before registering: a request posted by whoever has seen the
-    // registration comes after it.
-    let registered = (|| {
-        let last = u64::try_from(store.add(REQUESTS_KEY, 0)?).unwrap_or(0);
-        me.index = u64::try_from(store.add(PROCESSES_KEY, 1)? - 1).unwrap_or(0);
-        store.set(
-            &process_key(me.index),
-            &serde_json::to_vec(&me).unwrap_or_default(),
-        )?;
-        Ok::<_, oxccl_bootstrap::Error>(last)
-    })();
-    let result = registered.and_then(|last| answer_requests(&store, &shared.stop, &me, last + 1));
+    let result = TcpStore::connect_with(&shared.addr, secret, &opts).and_then(|store| {
+        *lock(&shared.interrupter) = Some(store.interrupter()?);
+        // (Checked once the interrupter is in place: a drop before it is seen here, one
+        // after it breaks the connection.)
+        answer_requests(&store, &shared.stop, &me, last + 1)
+    });
     if shared.stop.load(Ordering::Relaxed) {
         // Ended by the communicators' drop: say so, so that `oxccl status` does not count
         // this process as silent (best effort, on a new short connection).
@@ -358,9 +352,15 @@ fn serve(shared: &Shared, secret: &Secret, mut me: Registration) {
             );
         }
     } else if let Err(e) = result {
-        // The store went away (the job is ending) or refused us: nothing to serve.
-        if crate::log_enabled() {
-            crate::log_line(format!("rank {}: the status service ends: {e}", me.rank));
+        let text = format!(
+            "rank {}: the status service (oxccl status) ends: {e}",
+            me.rank
+        );
+        match e {
+            // The store went away: the job is ending (rank 0 closed it), nothing to say.
+            oxccl_bootstrap::Error::StoreGone { .. } if !crate::log_enabled() => {}
+            oxccl_bootstrap::Error::StoreGone { .. } => crate::log_line(text),
+            _ => crate::log_warn(text),
         }
     }
 }

@@ -348,7 +348,12 @@ fn render(s: &Status) -> String {
             );
         }
     }
-    if s.asked == 0 {
+    if s.asked == 0 && s.gone > 0 {
+        out += &format!(
+            "no process to ask: the {} that registered with this store have ended\n",
+            s.gone
+        );
+    } else if s.asked == 0 {
         out += "no oxccl process has registered with this store (a job started before \
                 `oxccl status` existed, with OXCCL_STATUS=0, or over another store)\n";
     }
@@ -370,7 +375,7 @@ fn ask(args: &Args, addr: &str, start: Instant) -> Result<(Status, TcpStore, Ans
     // (A refusal names the secret and says where it comes from.)
     let store = TcpStore::connect_with(addr, &secret, &opts).map_err(|e| e.to_string())?;
     // Answers are collected until shortly before the timeout, leaving time to report.
-    let margin = (args.timeout / 4).min(Duration::from_millis(200));
+    let margin = (args.timeout / 3).min(Duration::from_millis(300));
     let answers: Answers = oxccl::status::query(&store, start + args.timeout - margin)
         .map_err(|e| format!("asking the store at {addr}: {e}"))?;
     let elapsed_ms = start.elapsed().as_millis() as u64;

@@ -267,6 +267,34 @@ fn rank_entry() {
         std::thread::sleep(Duration::from_millis(20));
     }
     comm.barrier().unwrap();
+    // The service thread ends with the last communicator, at once.
+    let threads = || -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .filter(|c| c.trim() == "oxccl-status")
+            .count()
+    };
+    assert_eq!(threads(), 1, "one status service thread per process");
+    let t = Instant::now();
+    drop(comm);
+    // (It waits a moment, 100 ms at most, for the service to mark this process gone.)
+    assert!(
+        t.elapsed() < Duration::from_millis(150),
+        "drop took {:?}",
+        t.elapsed()
+    );
+    while threads() > 0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "the service thread lingers"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    eprintln!(
+        "rank {rank}: service thread gone {:?} after the drop",
+        t.elapsed()
+    );
 }
 
 /// Waits for the ready line of a rank of the idle job, then drains the rest of its output.
@@ -356,4 +384,73 @@ fn a_healthy_idle_job_answers_in_full_and_a_wrong_secret_is_refused() {
         assert!(st.success(), "rank {rank}: {st}");
     }
     let _ = std::fs::remove_file(&done);
+}
+
+/// Against a standalone store (`oxccl store`) that outlives its jobs: the processes of a job
+/// that ended are marked gone (not reported silent), and the answer says so.
+#[test]
+fn ended_jobs_on_a_standalone_store_are_not_silent() {
+    let _serial = serial();
+    let secret = "status-test-secret-standalone";
+    let mut cmd = Command::new(BIN);
+    as_rank(&mut cmd, 0, 1, 0, secret);
+    let mut store = Job(vec![
+        cmd.args(["store", "--bind", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    ]);
+    let mut line = String::new();
+    BufReader::new(store.0[0].stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("oxccl store: listening on ")
+        .unwrap_or_else(|| panic!("{line:?}"))
+        .to_owned();
+    let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
+    // A 2-rank job that runs to its end.
+    let ranks: Vec<Child> = (0..2)
+        .map(|rank| {
+            let mut cmd = Command::new(BIN);
+            as_rank(&mut cmd, rank, 2, port, secret);
+            cmd.args([
+                "perf",
+                "all_reduce",
+                "-b",
+                "8",
+                "-e",
+                "8",
+                "-w",
+                "1",
+                "-i",
+                "10",
+            ])
+            .env("OXCCL_STORE_STANDALONE", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+        })
+        .collect();
+    for (rank, mut c) in ranks.into_iter().enumerate() {
+        assert!(c.wait().unwrap().success(), "rank {rank}");
+    }
+    let (out, _) = status(port, secret, &["--json"]);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(out.status.code(), Some(0), "{v:#}");
+    assert_eq!(
+        (v["asked"].as_u64(), v["gone"].as_u64()),
+        (Some(0), Some(2)),
+        "{v:#}"
+    );
+    let (out, _) = status(port, secret, &[]);
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("the 2 that registered with this store have ended"),
+        "{stdout}"
+    );
+    drop(store);
 }

@@ -213,7 +213,13 @@ fn get_present(
 /// last one's drop stops it.
 pub(crate) struct Service {
     shared: Arc<Shared>,
+    /// Disconnected when the thread ends.
+    ended: Mutex<std::sync::mpsc::Receiver<()>>,
 }
+
+/// How long the last communicator's drop waits for the service to say it is gone (normally
+/// a few ms: one short connection to the store; longer only when the store is unreachable).
+const DROP_WAIT: Duration = Duration::from_millis(100);
 
 /// What the service thread and its owners share.
 struct Shared {
@@ -229,6 +235,9 @@ impl Drop for Service {
         if let Some(i) = &*lock(&self.shared.interrupter) {
             i.interrupt();
         }
+        // A moment for the thread to mark the process gone: a process that exits right after
+        // would otherwise leave its registration behind, and look silent to `oxccl status`.
+        let _ = lock(&self.ended).recv_timeout(DROP_WAIT);
     }
 }
 
@@ -297,9 +306,13 @@ pub(crate) fn attach(bootstrap: &Bootstrap, probe: &Probe) -> Option<Arc<Service
         }
     };
     let thread_shared = shared.clone();
+    let (ending, ended) = std::sync::mpsc::channel::<()>();
     let spawned = std::thread::Builder::new()
         .name("oxccl-status".into())
-        .spawn(move || serve(&thread_shared, &secret, me, last));
+        .spawn(move || {
+            serve(&thread_shared, &secret, me, last);
+            drop(ending);
+        });
     if let Err(e) = spawned {
         crate::log_warn(format!(
             "rank {}: cannot start the status service thread: {e}",
@@ -307,7 +320,10 @@ pub(crate) fn attach(bootstrap: &Bootstrap, probe: &Probe) -> Option<Arc<Service
         ));
         return None;
     }
-    let service = Arc::new(Service { shared });
+    let service = Arc::new(Service {
+        shared,
+        ended: Mutex::new(ended),
+    });
     services.push(Arc::downgrade(&service));
     Some(service)
 }
@@ -340,8 +356,9 @@ fn serve(shared: &Shared, secret: &Secret, mut me: Registration, last: u64) {
         // Ended by the communicators' drop: say so, so that `oxccl status` does not count
         // this process as silent (best effort, on a new short connection).
         me.gone = true;
+        // (Briefly: the store may be gone with the job, and the thread should not linger.)
         let quick = ClientOptions {
-            connect_timeout: Duration::from_secs(1),
+            connect_timeout: Duration::from_millis(250),
             reply_timeout: Duration::from_secs(1),
             label,
         };

@@ -28,7 +28,7 @@ use crate::doctor::{
 };
 
 /// Options of `oxccl status`.
-#[derive(Debug, clap::Args)]
+#[derive(Clone, Debug, clap::Args)]
 pub struct Args {
     /// The job's store, HOST:PORT [default: OXCCL_STORE_ADDR].
     #[arg(long)]
@@ -368,7 +368,8 @@ fn ask(args: &Args, addr: &str, start: Instant) -> Result<(Status, TcpStore, Ans
     }
     .map_err(|e| e.to_string())?;
     let opts = ClientOptions {
-        connect_timeout: args.timeout,
+        // (Within the time `main` waits for this thread.)
+        connect_timeout: args.timeout * 4 / 5,
         reply_timeout: args.timeout,
         label: format!("oxccl status pid {}", std::process::id()),
     };
@@ -426,10 +427,28 @@ pub fn main(args: Args) -> ExitCode {
         eprintln!("oxccl status: error: no store: give --store HOST:PORT or set OXCCL_STORE_ADDR");
         return ExitCode::from(2);
     };
-    let (status, store, answers) = match ask(&args, &addr, start) {
-        Ok(s) => s,
-        Err(e) => {
+    // Asked from a thread: a store that accepts connections but never answers (its process is
+    // stopped) must not hold this command past its timeout.
+    let (tx, rx) = std::sync::mpsc::channel();
+    {
+        let (args, addr) = (args.clone(), addr.clone());
+        std::thread::spawn(move || {
+            let _ = tx.send(ask(&args, &addr, start));
+        });
+    }
+    let (status, store, answers) = match rx.recv_timeout(args.timeout) {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
             eprintln!("oxccl status: error: {e}");
+            return ExitCode::from(2);
+        }
+        Err(_) => {
+            eprintln!(
+                "oxccl status: error: the store at {addr} did not answer within {}: the process \
+                 that serves it (rank 0, unless a standalone store runs) may be stopped or hung, \
+                 and the whole job with it",
+                duration_text(args.timeout.as_nanos() as u64)
+            );
             return ExitCode::from(2);
         }
     };

@@ -188,6 +188,42 @@ fn names_a_stopped_rank_within_a_second() {
     drop(job);
 }
 
+/// When rank 0 serves the store and is stopped, nobody can be asked: the command still ends
+/// within its timeout and says why.
+#[test]
+fn a_stopped_store_is_reported_within_the_timeout() {
+    let _serial = serial();
+    let port = free_port();
+    let secret = "status-test-secret-stopped-store";
+    let n = 2;
+    let mut job = Job(Vec::new());
+    for rank in 0..n {
+        let mut cmd = Command::new(BIN);
+        as_rank(&mut cmd, rank, n, port, secret);
+        cmd.args(["perf", "all_reduce", "-b", "8", "-e", "8", "-w", "5"])
+            .args(["-i", "10000000", "-c", "0"])
+            .env("OXCCL_FAULT", "stop:rank=0,seq=20")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        job.0.push(cmd.spawn().unwrap());
+    }
+    let pid = job.0[0].id();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while proc_state(pid) != Some('T') {
+        assert!(Instant::now() < deadline, "rank 0 never stopped");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (out, took) = status(port, secret, &[]);
+    let stderr = text(&out.stderr);
+    assert!(took < Duration::from_millis(1200), "took {took:?}");
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("did not answer within 1.0 s") && stderr.contains("rank 0"),
+        "{stderr}"
+    );
+    drop(job);
+}
+
 /// A rank that still answers but stalls inside a call (it sleeps before a send) is named too:
 /// the others wait on it, directly or through each other, past `--stuck-after`.
 #[test]

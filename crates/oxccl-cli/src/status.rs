@@ -372,6 +372,7 @@ fn ask(args: &Args, addr: &str, start: Instant) -> Result<(Status, TcpStore, Ans
         connect_timeout: args.timeout * 4 / 5,
         reply_timeout: args.timeout,
         label: format!("oxccl status pid {}", std::process::id()),
+        ..ClientOptions::default()
     };
     // (A refusal names the secret and says where it comes from.)
     let store = TcpStore::connect_with(addr, &secret, &opts).map_err(|e| e.to_string())?;

@@ -345,6 +345,7 @@ fn serve(shared: &Shared, secret: &Secret, mut me: Registration, last: u64) {
         connect_timeout: Duration::from_secs(10),
         reply_timeout: Duration::from_secs(10),
         label: label.clone(),
+        ..ClientOptions::default()
     };
     let result = TcpStore::connect_with(&shared.addr, secret, &opts).and_then(|store| {
         *lock(&shared.interrupter) = Some(store.interrupter()?);
@@ -361,6 +362,7 @@ fn serve(shared: &Shared, secret: &Secret, mut me: Registration, last: u64) {
             connect_timeout: Duration::from_millis(250),
             reply_timeout: Duration::from_secs(1),
             label,
+            ..ClientOptions::default()
         };
         if let Ok(s) = TcpStore::connect_with(&shared.addr, secret, &quick) {
             let _ = s.set(

@@ -30,7 +30,7 @@ use crate::doctor::{
 /// Options of `oxccl status`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct Args {
-    /// The job's store, HOST:PORT [default: OXCCL_STORE_ADDR].
+    /// The job's store, HOST:PORT [default: OXCCL_STORE_ADDR, else MASTER_ADDR:MASTER_PORT].
     #[arg(long)]
     store: Option<String>,
     /// File holding the job's secret [default: OXCCL_SECRET or OXCCL_SECRET_FILE, else the
@@ -423,9 +423,16 @@ pub fn main(args: Args) -> ExitCode {
         .store
         .clone()
         .or_else(|| std::env::var("OXCCL_STORE_ADDR").ok())
+        .or_else(|| {
+            let (host, port) = (std::env::var("MASTER_ADDR"), std::env::var("MASTER_PORT"));
+            Some(format!("{}:{}", host.ok()?, port.ok()?))
+        })
         .filter(|a| !a.trim().is_empty())
     else {
-        eprintln!("oxccl status: error: no store: give --store HOST:PORT or set OXCCL_STORE_ADDR");
+        eprintln!(
+            "oxccl status: error: no store: give --store HOST:PORT, or set OXCCL_STORE_ADDR, or \
+             MASTER_ADDR and MASTER_PORT"
+        );
         return ExitCode::from(2);
     };
     // Asked from a thread: a store that accepts connections but never answers (its process is

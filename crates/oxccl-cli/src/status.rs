@@ -369,8 +369,8 @@ fn ask(args: &Args, addr: &str, start: Instant) -> Result<(Status, TcpStore, Ans
     .map_err(|e| e.to_string())?;
     let opts = ClientOptions {
         // (Within the time `main` waits for this thread.)
+        // (A reply that does not come is cut short by `main`'s wait.)
         connect_timeout: args.timeout * 4 / 5,
-        reply_timeout: args.timeout,
         label: format!("oxccl status pid {}", std::process::id()),
         ..ClientOptions::default()
     };

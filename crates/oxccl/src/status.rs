@@ -343,7 +343,6 @@ fn serve(shared: &Shared, secret: &Secret, mut me: Registration, last: u64) {
     );
     let opts = ClientOptions {
         connect_timeout: Duration::from_secs(10),
-        reply_timeout: Duration::from_secs(10),
         label: label.clone(),
         ..ClientOptions::default()
     };
@@ -357,10 +356,10 @@ fn serve(shared: &Shared, secret: &Secret, mut me: Registration, last: u64) {
         // Ended by the communicators' drop: say so, so that `oxccl status` does not count
         // this process as silent (best effort, on a new short connection).
         me.gone = true;
-        // (Briefly: the store may be gone with the job, and the thread should not linger.)
+        // (Briefly: the store may be gone with the job. The reply gets the default 30 s: the
+        // drop waits 100 ms at most, and a thread that lingers holds nothing.)
         let quick = ClientOptions {
             connect_timeout: Duration::from_millis(250),
-            reply_timeout: Duration::from_secs(1),
             label,
             ..ClientOptions::default()
         };

@@ -38,6 +38,19 @@ impl Default for ClientOptions {
     }
 }
 
+/// Breaks a [`TcpStore`]'s connection from another thread ([`TcpStore::interrupter`]).
+#[derive(Debug)]
+pub struct Interrupter {
+    stream: TcpStream,
+}
+
+impl Interrupter {
+    /// Shuts the connection down both ways; the store's blocked and later calls fail.
+    pub fn interrupt(&self) {
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+}
+
 struct Conn {
     stream: TcpStream,
     /// Set when the connection broke: every later call fails at once with it.
@@ -130,6 +143,21 @@ impl TcpStore {
     /// The store's address, as given.
     pub fn addr(&self) -> &str {
         &self.addr
+    }
+
+    /// A handle that breaks this connection from another thread: a call blocked in it (a
+    /// long `wait`) then fails at once with [`Error::StoreGone`], and so does every later one.
+    /// For a service thread that must stop promptly when its owner goes away.
+    pub fn interrupter(&self) -> Result<Interrupter> {
+        let stream = self
+            .lock()
+            .stream
+            .try_clone()
+            .map_err(|e| Error::StoreGone {
+                addr: self.addr.clone(),
+                reason: format!("cannot clone the connection's socket: {e}"),
+            })?;
+        Ok(Interrupter { stream })
     }
 
     /// The raw connection, for tests that misbehave on purpose.

@@ -75,9 +75,9 @@ pub mod wire;
 
 pub use abort::{ABORT_POLL, AbortHandle, AbortHook};
 pub use bootstrap::{Bootstrap, route_to};
-pub use client::{ClientOptions, TcpStore};
+pub use client::{ClientOptions, Interrupter, TcpStore};
 pub use config::{Config, DEFAULT_PORT, DEFAULT_TIMEOUT, Launcher, parse_size};
 pub use error::{Error, Result};
 pub use secret::{SECRET_ENV, SECRET_FILE_ENV, Secret, SecretSource};
-pub use server::StoreServer;
+pub use server::{SERVICE_LABEL_PREFIX, StoreServer};
 pub use store::{CasOutcome, MemoryStore, Store};

@@ -360,3 +360,46 @@ fn rank_zero_serves_and_closes_after_the_others() {
         }
     }
 }
+
+/// A client blocked in a long wait is broken at once by its interrupter; rank 0 does not wait
+/// for a service-labelled client to leave, and does wait for the others.
+#[test]
+fn an_interrupted_wait_ends_at_once_and_services_are_not_waited_for() {
+    let s = server();
+    let addr = s.addr().to_string();
+    let opts = ClientOptions {
+        connect_timeout: T,
+        label: format!("{SERVICE_LABEL_PREFIX}test"),
+        ..ClientOptions::default()
+    };
+    let service = std::sync::Arc::new(TcpStore::connect_with(&addr, &secret(), &opts).unwrap());
+    let interrupter = service.interrupter().unwrap();
+    let waiter = {
+        let service = service.clone();
+        thread::spawn(move || {
+            let t = Instant::now();
+            let r = service.wait(&["never"], Duration::from_secs(60));
+            (r, t.elapsed())
+        })
+    };
+    thread::sleep(Duration::from_millis(100));
+    // The service is connected, yet nobody is waited for.
+    assert_eq!(s.clients().len(), 1);
+    let t = Instant::now();
+    assert!(s.wait_for_clients_to_leave(T).is_empty());
+    assert!(t.elapsed() < Duration::from_secs(1));
+    interrupter.interrupt();
+    let (r, took) = waiter.join().unwrap();
+    assert!(matches!(r, Err(Error::StoreGone { .. })), "{r:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    // An ordinary client is waited for (until the timeout, then named).
+    let _c = client(&s);
+    // (The server labels a connection just after its side of the handshake.)
+    let t = Instant::now();
+    while !s.clients().iter().any(|l| l.starts_with("pid ")) && t.elapsed() < T {
+        thread::sleep(Duration::from_millis(5));
+    }
+    let left = s.wait_for_clients_to_leave(Duration::from_millis(200));
+    assert_eq!(left.len(), 1);
+    assert!(left[0].starts_with("pid "), "{left:?}");
+}

@@ -24,6 +24,11 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Most connections served at once; more are refused.
 const MAX_CONNECTIONS: usize = 4096;
+
+/// How a client that serves others through the store (e.g. oxccl's status service, which
+/// blocks in long waits for requests) starts its label: rank 0 does not wait for such clients
+/// to leave before it stops the store ([`StoreServer::wait_for_clients_to_leave`]).
+pub const SERVICE_LABEL_PREFIX: &str = "service: ";
 /// Longest wait a request may ask for.
 const MAX_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
 /// Stack of a connection thread (they hold little).
@@ -172,8 +177,9 @@ impl StoreServer {
         v
     }
 
-    /// Waits up to `timeout` until no authenticated client is connected; returns the labels
-    /// of those still connected (empty: all left).
+    /// Waits up to `timeout` until no authenticated client is connected (services, labelled
+    /// [`SERVICE_LABEL_PREFIX`], aside); returns the labels of those still connected (empty:
+    /// all left).
     ///
     /// Rank 0 calls this before it stops the store, so that the others' last requests get
     /// their replies.
@@ -181,7 +187,12 @@ impl StoreServer {
         let deadline = Instant::now() + timeout.min(MAX_WAIT);
         let mut conns = self.shared.conns();
         loop {
-            let left: Vec<String> = conns.map.values().filter_map(|c| c.label.clone()).collect();
+            let left: Vec<String> = conns
+                .map
+                .values()
+                .filter_map(|c| c.label.clone())
+                .filter(|l| !l.starts_with(SERVICE_LABEL_PREFIX))
+                .collect();
             let now = Instant::now();
             if left.is_empty() || now >= deadline {
                 return left;

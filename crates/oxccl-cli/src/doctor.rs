@@ -51,9 +51,9 @@ pub struct Args {
 
 /// A dump and where it was found (`FILE` or `FILE:LINE`).
 #[derive(Debug)]
-struct Loaded {
-    dump: Dump,
-    source: String,
+pub(crate) struct Loaded {
+    pub(crate) dump: Dump,
+    pub(crate) source: String,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -152,76 +152,76 @@ fn checked(dump: Dump, source: String, warnings: &mut Vec<String>) -> Loaded {
 
 /// The whole analysis, as printed by `--json`.
 #[derive(Debug, Serialize)]
-struct Report {
-    communicators: Vec<CommReport>,
-    warnings: Vec<String>,
+pub(crate) struct Report {
+    pub(crate) communicators: Vec<CommReport>,
+    pub(crate) warnings: Vec<String>,
 }
 
 /// The analysis of one communicator.
 #[derive(Debug, Serialize)]
-struct CommReport {
-    comm_id: String,
-    world_size: u32,
-    ranks_with_dumps: Vec<u32>,
-    missing_ranks: Vec<u32>,
+pub(crate) struct CommReport {
+    pub(crate) comm_id: String,
+    pub(crate) world_size: u32,
+    pub(crate) ranks_with_dumps: Vec<u32>,
+    pub(crate) missing_ranks: Vec<u32>,
     /// Sentences for a person: mismatches first, then who is behind or missing.
-    verdicts: Vec<String>,
+    pub(crate) verdicts: Vec<String>,
     /// The ranks to look at first, most likely first.
-    suspects: Vec<u32>,
+    pub(crate) suspects: Vec<u32>,
     /// The ranks with dumps whose last started collective is the lowest, when not all agree.
-    behind: Vec<u32>,
-    mismatches: Vec<Mismatch>,
-    ranks: Vec<RankSummary>,
+    pub(crate) behind: Vec<u32>,
+    pub(crate) mismatches: Vec<Mismatch>,
+    pub(crate) ranks: Vec<RankSummary>,
 }
 
 /// Ranks that called different collectives under one sequence number.
 #[derive(Debug, Serialize)]
-struct Mismatch {
-    seq: u64,
+pub(crate) struct Mismatch {
+    pub(crate) seq: u64,
     /// One side per distinct call, most ranks first.
-    sides: Vec<MismatchSide>,
+    pub(crate) sides: Vec<MismatchSide>,
 }
 
 /// The ranks of a mismatch that made the same call.
 #[derive(Debug, Serialize)]
-struct MismatchSide {
-    ranks: Vec<u32>,
+pub(crate) struct MismatchSide {
+    pub(crate) ranks: Vec<u32>,
     /// E.g. `all_reduce (count 1000, float, sum)`.
-    call: String,
+    pub(crate) call: String,
 }
 
 /// What one rank's newest dump says about one communicator.
 #[derive(Debug, Serialize)]
-struct RankSummary {
-    rank: u32,
+pub(crate) struct RankSummary {
+    pub(crate) rank: u32,
     /// Where the dump was read (`FILE` or `FILE:LINE`).
-    source: String,
-    pid: Option<u32>,
-    host: Option<String>,
-    reason: String,
-    detail: String,
-    time_unix_ns: u64,
-    last_started: u64,
-    last_completed: u64,
-    last_started_call: Option<Call>,
-    last_completed_call: Option<Call>,
+    pub(crate) source: String,
+    pub(crate) pid: Option<u32>,
+    pub(crate) host: Option<String>,
+    pub(crate) reason: String,
+    pub(crate) detail: String,
+    pub(crate) time_unix_ns: u64,
+    pub(crate) last_started: u64,
+    pub(crate) last_completed: u64,
+    pub(crate) last_started_call: Option<Call>,
+    pub(crate) last_completed_call: Option<Call>,
     /// From the newest unfinished call that was waiting.
-    waiting: Option<String>,
-    waiting_on: Option<u32>,
+    pub(crate) waiting: Option<String>,
+    pub(crate) waiting_on: Option<u32>,
     /// The newest error of this communicator's calls.
-    error: Option<String>,
+    pub(crate) error: Option<String>,
     /// The other ranks whose `waiting_on` is this rank.
-    waited_on_by: Vec<u32>,
+    pub(crate) waited_on_by: Vec<u32>,
     /// The last few calls, oldest first.
-    recent: Vec<Call>,
+    pub(crate) recent: Vec<Call>,
 }
 
 /// A recorded call and how long it had run at dump time (or took).
 #[derive(Debug, Clone, Serialize)]
-struct Call {
+pub(crate) struct Call {
     #[serde(flatten)]
-    entry: Entry,
-    elapsed_ns: Option<u64>,
+    pub(crate) entry: Entry,
+    pub(crate) elapsed_ns: Option<u64>,
 }
 
 /// One rank's view of one communicator, from one dump.
@@ -321,8 +321,27 @@ fn views(loaded: &Loaded) -> Vec<(&str, RankView<'_>)> {
         .collect()
 }
 
+/// How the verdicts name what a rank sent: dumps after the fact, or live answers.
+pub(crate) struct Words {
+    /// `no dump from`.
+    pub(crate) none_from: &'static str,
+    /// Why a rank may have sent nothing, for one rank and for several.
+    pub(crate) why_one: &'static str,
+    pub(crate) why_many: &'static str,
+    /// `all ranks with dumps are in`.
+    pub(crate) all_in: &'static str,
+}
+
+/// The words of `oxccl doctor`.
+const DUMP_WORDS: Words = Words {
+    none_from: "no dump from",
+    why_one: "it may be dead, stopped, or never reached a timeout",
+    why_many: "they may be dead, stopped, or never reached a timeout",
+    all_in: "all ranks with dumps are in",
+};
+
 /// Analyses `dumps`: per communicator, with the newest dump of each rank.
-fn analyze(dumps: &[Loaded], mut warnings: Vec<String>) -> Report {
+pub(crate) fn analyze(dumps: &[Loaded], mut warnings: Vec<String>, words: &Words) -> Report {
     let mut comms: BTreeMap<&str, BTreeMap<u32, RankView>> = BTreeMap::new();
     for loaded in dumps {
         for (id, view) in views(loaded) {
@@ -341,7 +360,7 @@ fn analyze(dumps: &[Loaded], mut warnings: Vec<String>) -> Report {
     order.sort_by_key(|id| !triggered.contains(id));
     let communicators = order
         .into_iter()
-        .map(|id| analyze_comm(id, &comms[id], &mut warnings))
+        .map(|id| analyze_comm(id, &comms[id], &mut warnings, words))
         .collect();
     Report {
         communicators,
@@ -354,6 +373,7 @@ fn analyze_comm(
     id: &str,
     ranks: &BTreeMap<u32, RankView>,
     warnings: &mut Vec<String>,
+    words: &Words,
 ) -> CommReport {
     let world_size = ranks.values().map(|v| v.world_size).max().unwrap_or(0);
     if ranks.values().any(|v| v.world_size != world_size) {
@@ -391,13 +411,17 @@ fn analyze_comm(
     match missing.as_slice() {
         [] => {}
         &[m] => verdicts.push(format!(
-            "no dump from rank {m} (it may be dead, stopped, or never reached a timeout); {}",
+            "{} rank {m} ({}); {}",
+            words.none_from,
+            words.why_one,
             others_text(ranks, &[], &waiters(m), m)
         )),
         _ => {
             let mut text = format!(
-                "no dump from {} (they may be dead, stopped, or never reached a timeout); {}",
+                "{} {} ({}); {}",
+                words.none_from,
                 ranks_text(&missing),
+                words.why_many,
                 positions_text(ranks, &present, "the others are in")
             );
             for &m in &missing {
@@ -430,6 +454,10 @@ fn analyze_comm(
         }
     }
     if suspects.is_empty() {
+        // Who holds up whom, through chains of waits (0 waits on 3, which waits on 1): the
+        // rank at the end of most chains. A cycle of waits leaves the direct counts.
+        let chains = chain_ends(ranks);
+        let waiting = if chains.is_empty() { &waiting } else { &chains };
         let most = waiting.values().map(Vec::len).max().unwrap_or(0);
         for (&r, who) in waiting.iter().filter(|(_, who)| who.len() == most) {
             let last = ranks.get(&r).map_or("unknown".to_string(), last_call_text);
@@ -447,7 +475,7 @@ fn analyze_comm(
     if verdicts.is_empty() {
         verdicts.push(format!(
             "no rank is behind: {}",
-            positions_text(ranks, &present, "all ranks with dumps are in")
+            positions_text(ranks, &present, words.all_in)
         ));
     }
 
@@ -466,6 +494,28 @@ fn analyze_comm(
         mismatches,
         ranks: summaries,
     }
+}
+
+/// For each rank at the end of a chain of waits (waited on, waiting on nobody), the ranks
+/// whose chains end there, directly or through others; chains that loop are left out.
+fn chain_ends(ranks: &BTreeMap<u32, RankView>) -> BTreeMap<u32, Vec<u32>> {
+    let next = |r: u32| ranks.get(&r).and_then(|v| v.waiting_on());
+    let mut ends: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+    for &start in ranks.keys() {
+        let mut at = start;
+        let mut hops = 0;
+        while let Some(n) = next(at) {
+            at = n;
+            hops += 1;
+            if hops > ranks.len() {
+                break;
+            }
+        }
+        if hops > 0 && hops <= ranks.len() {
+            ends.entry(at).or_default().push(start);
+        }
+    }
+    ends
 }
 
 /// The per-rank summary of `view`.
@@ -624,12 +674,12 @@ fn last_call_text(view: &RankView) -> String {
 }
 
 /// `all_reduce #42 (count 1000, float, sum)`.
-fn call_text(e: &Entry) -> String {
+pub(crate) fn call_text(e: &Entry) -> String {
     format!("{} #{}{}", e.coll, e.seq, args_text(e, true))
 }
 
 /// ` (count 1000, float, sum)`, ` (count 8, u8, root 0)`, `` for a barrier.
-fn args_text(e: &Entry, with_count: bool) -> String {
+pub(crate) fn args_text(e: &Entry, with_count: bool) -> String {
     let parts = args_parts(e, with_count);
     if parts.is_empty() {
         String::new()
@@ -652,7 +702,7 @@ fn args_parts(e: &Entry, with_count: bool) -> Vec<String> {
 }
 
 /// `completed`, `running for 35.0 s, 11/12 steps`, `failed after 30.0 s, 3/12 steps`.
-fn state_text(e: &Entry, dump_ns: u64) -> String {
+pub(crate) fn state_text(e: &Entry, dump_ns: u64) -> String {
     let elapsed = e.elapsed_ns(dump_ns).map(duration_text);
     let steps = format!("{}/{} steps", e.steps_done, e.steps);
     match (e.state, elapsed) {
@@ -664,7 +714,7 @@ fn state_text(e: &Entry, dump_ns: u64) -> String {
 }
 
 /// `rank 2`, `ranks 0, 1, 3`, `ranks 0, 4-9` (for sorted `ranks`).
-fn ranks_text(ranks: &[u32]) -> String {
+pub(crate) fn ranks_text(ranks: &[u32]) -> String {
     let mut runs: Vec<(u32, u32)> = Vec::new();
     for &r in ranks {
         match runs.last_mut() {
@@ -687,7 +737,7 @@ fn ranks_text(ranks: &[u32]) -> String {
 }
 
 /// `850 ns`, `12.3 µs`, `4.5 ms`, `35.0 s`.
-fn duration_text(ns: u64) -> String {
+pub(crate) fn duration_text(ns: u64) -> String {
     let ns_f = ns as f64;
     if ns < 1_000 {
         format!("{ns} ns")
@@ -701,7 +751,7 @@ fn duration_text(ns: u64) -> String {
 }
 
 /// `512 B`, `48.0 KiB`, `1.5 MiB`, `2.0 GiB`.
-fn bytes_text(bytes: u64) -> String {
+pub(crate) fn bytes_text(bytes: u64) -> String {
     let b = bytes as f64;
     if bytes < 1 << 10 {
         format!("{bytes} B")
@@ -864,7 +914,7 @@ pub fn main(args: Args) -> ExitCode {
         eprintln!("oxccl doctor: error: no flight-recorder dump found");
         return ExitCode::from(2);
     }
-    let report = analyze(&dumps, warnings);
+    let report = analyze(&dumps, warnings, &DUMP_WORDS);
     for w in &report.warnings {
         eprintln!("oxccl doctor: warning: {w}");
     }
@@ -941,7 +991,7 @@ mod tests {
             .collect();
         let loaded = parse_text(&text.join("\n"), "log", &mut warnings);
         assert_eq!(loaded.len(), dumps.len(), "{warnings:?}");
-        let report = analyze(&loaded, Vec::new());
+        let report = analyze(&loaded, Vec::new(), &DUMP_WORDS);
         (report, warnings)
     }
 

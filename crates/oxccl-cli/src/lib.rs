@@ -34,6 +34,7 @@ mod perf;
 mod run;
 mod sim;
 mod sim_compress;
+mod status;
 mod topo;
 mod verbs_perf;
 
@@ -74,6 +75,9 @@ enum Command {
     /// Read the ranks' flight-recorder dumps (files, directories, logs) and say which rank is
     /// behind, and on what.
     Doctor(doctor::Args),
+    /// Ask every rank of a running job, through its store, what it is doing now; name the rank
+    /// that holds everyone up (answers within --timeout, 1 s, even when the job hangs).
+    Status(status::Args),
     /// Print the job's topology (hosts, ranks, link rates): read from --file or
     /// OXCCL_TOPO_FILE, or detected (launches its own ranks unless started by a launcher).
     Topo(topo::Args),
@@ -209,6 +213,7 @@ fn dispatch(cli: Cli) -> ExitCode {
         Command::Run(args) => return run::main(args),
         Command::Perf(args) => return perf::main(args),
         Command::Doctor(args) => return doctor::main(args),
+        Command::Status(args) => return status::main(args),
         Command::Topo(args) => return topo::main(args),
         Command::Sim(args) => return sim::main(args),
         Command::KvBench(args) => return kv_bench::main(args),

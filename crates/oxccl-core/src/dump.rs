@@ -161,10 +161,14 @@ pub struct Entry {
     /// Bytes received from peers.
     #[serde(default)]
     pub bytes_in: u64,
-    /// What it was waiting for, when it failed waiting.
+    /// What it was waiting for, when it failed waiting (or, in a live answer to
+    /// `oxccl status`, what the running call waits for now).
     pub waiting: Option<String>,
     /// The peer it was waiting on.
     pub waiting_on: Option<u32>,
+    /// A running call's: since when it waits for `waiting` (ns since the epoch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting_since_unix_ns: Option<u64>,
     /// Its error.
     pub error: Option<String>,
 }
@@ -237,6 +241,7 @@ mod tests {
             bytes_in: 4096,
             waiting: Some("waiting for data from rank 1 (channel 0)".into()),
             waiting_on: Some(1),
+            waiting_since_unix_ns: None,
             error: Some("timed out".into()),
         }
     }

@@ -71,6 +71,11 @@ pub(crate) struct Probe {
     pub steps_done: AtomicU32,
     /// Bytes the running call has received.
     pub bytes_in: AtomicU64,
+    /// What the running call waits for, once it has idled a while ([`Waited::pack`]; 0:
+    /// nothing published). Written off the fast path, by an idle call only.
+    pub waiting: AtomicU64,
+    /// Since when it waits (ns since the epoch), with `waiting`.
+    pub waiting_since_ns: AtomicU64,
     pub last_started: AtomicU64,
     pub last_completed: AtomicU64,
     /// Whether this communicator has dumped already after a failure.
@@ -92,6 +97,8 @@ impl Probe {
             started_ns: AtomicU64::new(0),
             steps_done: AtomicU32::new(0),
             bytes_in: AtomicU64::new(0),
+            waiting: AtomicU64::new(0),
+            waiting_since_ns: AtomicU64::new(0),
             last_started: AtomicU64::new(0),
             last_completed: AtomicU64::new(0),
             dumped: Default::default(),
@@ -111,6 +118,94 @@ impl Probe {
         }
         p
     }
+}
+
+/// What an idle running call waits for, as `oxccl status` tells it (the words of a timeout's
+/// error, less its counts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Waited {
+    /// Data from `peer` on `channel`.
+    Data { peer: usize, channel: usize },
+    /// A message in the mailbox `peer` writes.
+    Mailbox { peer: usize },
+    /// `peer` to free a slot on `channel`.
+    Slot { peer: usize, channel: usize },
+    /// The transport to finish a send to `peer`.
+    Transport { peer: usize },
+    /// Earlier steps, before a send to `peer`.
+    EarlierSend { peer: usize },
+    /// Earlier steps.
+    Earlier,
+}
+
+impl Waited {
+    /// Kind (8 bits), channel (8), step (24), peer + 1 (24): never 0.
+    pub(crate) fn pack(self, step: usize) -> u64 {
+        let (kind, peer, channel) = match self {
+            Waited::Data { peer, channel } => (1, Some(peer), channel),
+            Waited::Mailbox { peer } => (2, Some(peer), 0),
+            Waited::Slot { peer, channel } => (3, Some(peer), channel),
+            Waited::Transport { peer } => (4, Some(peer), 0),
+            Waited::EarlierSend { peer } => (5, Some(peer), 0),
+            Waited::Earlier => (6, None, 0),
+        };
+        let peer = peer.map_or(0, |p| (p as u64 + 1).min(0xff_ffff));
+        kind | (channel.min(0xff) as u64) << 8 | (step.min(0xff_ffff) as u64) << 16 | peer << 40
+    }
+
+    /// What [`Waited::pack`] packed: what, and at which step.
+    fn unpack(w: u64) -> Option<(Waited, u64)> {
+        let peer = ((w >> 40) as usize).checked_sub(1);
+        let channel = ((w >> 8) & 0xff) as usize;
+        let step = (w >> 16) & 0xff_ffff;
+        let waited = match (w & 0xff, peer) {
+            (1, Some(peer)) => Waited::Data { peer, channel },
+            (2, Some(peer)) => Waited::Mailbox { peer },
+            (3, Some(peer)) => Waited::Slot { peer, channel },
+            (4, Some(peer)) => Waited::Transport { peer },
+            (5, Some(peer)) => Waited::EarlierSend { peer },
+            (6, _) => Waited::Earlier,
+            _ => return None,
+        };
+        Some((waited, step))
+    }
+
+    fn peer(self) -> Option<usize> {
+        match self {
+            Waited::Data { peer, .. }
+            | Waited::Mailbox { peer }
+            | Waited::Slot { peer, .. }
+            | Waited::Transport { peer }
+            | Waited::EarlierSend { peer } => Some(peer),
+            Waited::Earlier => None,
+        }
+    }
+
+    fn text(self) -> String {
+        match self {
+            Waited::Data { peer, channel } => {
+                format!("waiting for data from rank {peer} (channel {channel})")
+            }
+            Waited::Mailbox { peer } => format!("waiting for rank {peer}'s message in its mailbox"),
+            Waited::Slot { peer, channel } => {
+                format!("waiting for rank {peer} to free a slot (channel {channel})")
+            }
+            Waited::Transport { peer } => {
+                format!("waiting for the transport to finish a send to rank {peer}")
+            }
+            Waited::EarlierSend { peer } => {
+                format!("waiting to send to rank {peer} after earlier steps")
+            }
+            Waited::Earlier => "waiting for earlier steps".into(),
+        }
+    }
+}
+
+/// Publishes what the running call waits for (an idle call, off its fast path; `since`: when
+/// it went idle, ns since the epoch).
+pub(crate) fn publish_waiting(probe: &Probe, waited: Waited, step: usize, since: u64) {
+    probe.waiting_since_ns.store(since, Ordering::Relaxed);
+    probe.waiting.store(waited.pack(step), Ordering::Relaxed);
 }
 
 /// Communicators that no longer exist whose entries dumps still show.
@@ -258,6 +353,16 @@ fn entry(probe: &Probe, w: &[u64; WORDS], failures: &VecDeque<(u64, Failure)>) -
         _ => CallState::Running,
     };
     let running = state == CallState::Running && probe.running.load(Ordering::Relaxed) == w[W_ID];
+    // A running call that idles says what it waits for.
+    let live = Waited::unpack(probe.waiting.load(Ordering::Relaxed)).filter(|_| running);
+    let (waiting, waiting_on, waiting_since_unix_ns) = match (failure.waiting, live) {
+        (None, Some((waited, _))) => (
+            Some(waited.text()),
+            waited.peer().map(|p| p as u32),
+            Some(probe.waiting_since_ns.load(Ordering::Relaxed)),
+        ),
+        (waiting, _) => (waiting, failure.waiting_on, None),
+    };
     Entry {
         comm_id: hex(probe.comm_id),
         rank: probe.rank as u32,
@@ -296,8 +401,9 @@ fn entry(probe: &Probe, w: &[u64; WORDS], failures: &VecDeque<(u64, Failure)>) -
         } else {
             w[W_BYTES]
         },
-        waiting: failure.waiting,
-        waiting_on: failure.waiting_on,
+        waiting,
+        waiting_on,
+        waiting_since_unix_ns,
         error: failure.error,
     }
 }
@@ -334,6 +440,7 @@ pub(crate) fn start(probe: &Probe, call: &CallInfo<'_>) -> u64 {
     let now = now_ns();
     probe.steps_done.store(0, Ordering::Relaxed);
     probe.bytes_in.store(0, Ordering::Relaxed);
+    probe.waiting.store(0, Ordering::Relaxed);
     probe.started_ns.store(now, Ordering::Relaxed);
     let d = call.desc;
     let p2p = d.coll.is_point_to_point();
@@ -444,8 +551,32 @@ fn hostname() -> String {
 /// The dump as a JSON string: every live communicator's entries, with the running calls'
 /// live progress. `about` is the communicator that triggered it (else the first live one).
 fn render(reason: &str, detail: &str, about: Option<&Probe>) -> Option<(String, usize)> {
+    let dump = snapshot(reason, detail, about, None)?;
+    serde_json::to_string(&dump)
+        .ok()
+        .map(|s| (s, dump.rank as usize))
+}
+
+/// This process's state for `oxccl status` ([`crate::status`]): a dump of the communicators
+/// that still exist, with the last `last` calls of each (`None`: without a recorder).
+pub(crate) fn live(last: usize) -> Option<Dump> {
+    snapshot("status", "live", None, Some(last))
+}
+
+/// The dump of [`render`]; with `last`, of the communicators that still exist only, and
+/// their last `last` calls each.
+fn snapshot(
+    reason: &str,
+    detail: &str,
+    about: Option<&Probe>,
+    last: Option<usize>,
+) -> Option<Dump> {
     let r = recorder()?;
-    let comms: Vec<Arc<Probe>> = r.comms.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let mut comms: Vec<Arc<Probe>> = r.comms.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    if last.is_some() {
+        // The recorder's list holds one reference; a live communicator holds more.
+        comms.retain(|p| Arc::strong_count(p) > 2);
+    }
     let mut entries: Vec<Entry> = Vec::new();
     for p in &comms {
         let failures = p
@@ -454,7 +585,9 @@ fn render(reason: &str, detail: &str, about: Option<&Probe>) -> Option<(String, 
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        entries.extend(p.ring.read().iter().map(|w| entry(p, w, &failures)));
+        let words = p.ring.read();
+        let from = last.map_or(0, |n| words.len().saturating_sub(n));
+        entries.extend(words[from..].iter().map(|w| entry(p, w, &failures)));
     }
     entries.sort_by_key(|e| e.start_unix_ns);
     let (rank, world, comm_id) = match about.or(comms.first().map(|p| &**p)) {
@@ -483,7 +616,7 @@ fn render(reason: &str, detail: &str, about: Option<&Probe>) -> Option<(String, 
             .collect(),
         entries,
     };
-    serde_json::to_string(&dump).ok().map(|s| (s, rank))
+    Some(dump)
 }
 
 /// Where a dump of `rank` goes: the file `OXCCL_DEBUG_DUMP` names, if set.
@@ -674,6 +807,114 @@ mod tests {
         );
         assert_eq!(ring.read().last().unwrap()[W_ID], written);
     }
+
+    #[test]
+    fn what_a_call_waits_for_packs_and_unpacks() {
+        let cases = [
+            Waited::Data {
+                peer: 3,
+                channel: 2,
+            },
+            Waited::Mailbox { peer: 0 },
+            Waited::Slot {
+                peer: 1000,
+                channel: 0,
+            },
+            Waited::Transport { peer: 7 },
+            Waited::EarlierSend { peer: 1 },
+            Waited::Earlier,
+        ];
+        for (i, w) in cases.into_iter().enumerate() {
+            let packed = w.pack(i * 5);
+            assert_ne!(packed, 0, "0 means nothing published");
+            assert_eq!(Waited::unpack(packed), Some((w, (i * 5) as u64)));
+        }
+        assert_eq!(Waited::unpack(0), None);
+        assert_eq!(
+            Waited::Data {
+                peer: 3,
+                channel: 1
+            }
+            .text(),
+            "waiting for data from rank 3 (channel 1)"
+        );
+    }
+
+    /// A live snapshot shows the running call with what it waits for, and only communicators
+    /// that still exist.
+    #[test]
+    fn live_snapshots_show_the_wait_of_the_running_call() {
+        let probe = Probe::new(0xdef, 1, 3);
+        let gone = Probe::new(0x123, 0, 2);
+        drop(gone);
+        let desc = OpDesc {
+            seq: 9,
+            coll: CollectiveKind::AllReduce,
+            count: 10,
+            dtype: DataType::F32,
+            op: ReduceOp::Sum,
+            root: None,
+        };
+        let info = CallInfo {
+            desc: &desc,
+            algorithm: Algorithm::Ring,
+            protocol: Protocol::Slots,
+            steps: 4,
+        };
+        let id = start(&probe, &info);
+        publish_waiting(
+            &probe,
+            Waited::Data {
+                peer: 2,
+                channel: 0,
+            },
+            1,
+            12345,
+        );
+        let dump = live(LAST).unwrap();
+        assert!(
+            dump.communicators.iter().all(|c| c.comm_id != hex(0x123)),
+            "a dropped communicator is not live"
+        );
+        let e = dump
+            .entries
+            .iter()
+            .find(|e| e.comm_id == hex(0xdef))
+            .unwrap();
+        assert_eq!(e.state, CallState::Running);
+        assert_eq!(e.waiting_on, Some(2));
+        assert_eq!(e.waiting_since_unix_ns, Some(12345));
+        assert_eq!(
+            e.waiting.as_deref(),
+            Some("waiting for data from rank 2 (channel 0)")
+        );
+        end(&probe, id, &desc, &Ok(()));
+        // The next call starts with nothing published; a finished one has no live wait.
+        let id = start(&probe, &info);
+        let dump = live(LAST).unwrap();
+        let mine: Vec<&Entry> = dump
+            .entries
+            .iter()
+            .filter(|e| e.comm_id == hex(0xdef))
+            .collect();
+        assert_eq!(mine.len(), 2);
+        assert!(mine.iter().all(|e| e.waiting.is_none()), "{mine:?}");
+        end(&probe, id, &desc, &Ok(()));
+        // The last `LAST` calls only.
+        for _ in 0..LAST + 3 {
+            let id = start(&probe, &info);
+            end(&probe, id, &desc, &Ok(()));
+        }
+        let dump = live(LAST).unwrap();
+        let n = dump
+            .entries
+            .iter()
+            .filter(|e| e.comm_id == hex(0xdef))
+            .count();
+        assert_eq!(n, LAST);
+    }
+
+    const LAST: usize = 4;
 
     #[test]
     fn entries_record_calls_and_live_progress() {

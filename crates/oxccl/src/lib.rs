@@ -56,7 +56,8 @@
 //! watchdog (`OXCCL_WATCHDOG`, [`Options::watchdog`]) aborts calls that run too long. Each
 //! process keeps a flight recorder of the last calls and dumps it as JSON on a timeout, an
 //! abort or `SIGUSR1` (`OXCCL_DEBUG_DUMP`, `OXCCL_FLIGHT_RECORDER`; `oxccl doctor` reads the
-//! dumps). [`fault`] injects failures for tests (`OXCCL_FAULT`).
+//! dumps); `oxccl status` asks a running job's processes for it live, through the store
+//! ([`status`]). [`fault`] injects failures for tests (`OXCCL_FAULT`).
 #![deny(missing_docs)]
 
 pub mod agg;
@@ -68,6 +69,7 @@ pub mod flight;
 mod mailbox;
 pub mod netif;
 mod reduce;
+pub mod status;
 
 // The pure parts live in oxccl-core; the runtime's paths to them stay as they were.
 use oxccl_core::{dtype, learn, meter};

@@ -727,6 +727,7 @@ impl Communicator {
                     topology,
                 }),
                 abort,
+                _status: crate::status::attach(bootstrap, &probe),
                 probe,
                 timeout_ns: AtomicU64::new(opts_timeout_ns),
                 bootstrap: bootstrap.clone(),

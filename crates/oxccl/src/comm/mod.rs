@@ -461,6 +461,8 @@ struct Inner {
     abort: Arc<AbortFlag>,
     /// Progress of the running call, for the flight recorder and the watchdog.
     probe: Arc<Probe>,
+    /// This process's `oxccl status` service, held while this communicator lives.
+    _status: Option<Arc<crate::status::Service>>,
     /// The timeout of later calls, in nanoseconds ([`Communicator::set_timeout`]).
     timeout_ns: AtomicU64,
     bootstrap: Arc<Bootstrap>,
@@ -1420,6 +1422,8 @@ impl Communicator {
         };
         let boot = inner.bootstrap;
         drop(inner.state);
+        // The status service's connection counts as a client of rank 0's store.
+        drop(inner._status);
         if let Ok(b) = Arc::try_unwrap(boot) {
             b.close()?;
         }

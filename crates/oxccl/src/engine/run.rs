@@ -2,6 +2,10 @@
 //! what arrives through them (fragments, credits, notices), health, timeouts, strays.
 
 use super::*;
+use crate::flight::{self, Waited};
+
+/// How long a call idles before it publishes what it waits for (`oxccl status`).
+const PUBLISH_AFTER: Duration = Duration::from_millis(1);
 
 impl Call<'_, '_> {
     /// A communicator with a failed member cannot run collectives: says so at once, naming
@@ -66,6 +70,8 @@ impl Call<'_, '_> {
         let mut idle_since: Option<Instant> = None;
         let mut idle_polls = 0u32;
         let mut napping = false;
+        // Whether this idle spell's wait is published for `oxccl status`.
+        let mut published = false;
         let geo = self.eng.geo;
         while !self.calls[self.cur].m.is_done() {
             let mut progress = false;
@@ -79,6 +85,10 @@ impl Call<'_, '_> {
                 idle_since = None;
                 idle_polls = 0;
                 napping = false;
+                if published {
+                    published = false;
+                    self.eng.probe.waiting.store(0, Ordering::Relaxed);
+                }
                 // What is left waits for a message (the sends went out): watch its flag
                 // rather than make a pass that finds nothing.
                 if !self.eng.spin_now.is_zero() && !self.spun_out {
@@ -108,7 +118,12 @@ impl Call<'_, '_> {
             if expired(deadline.get_or_insert(now + timeout), &mut graced, now) {
                 return Err(self.timeout_error(timeout));
             }
-            let idle = now - *idle_since.get_or_insert(now);
+            let since = *idle_since.get_or_insert(now);
+            let idle = now - since;
+            if !published && idle >= PUBLISH_AFTER {
+                published = true;
+                self.publish_waiting(since, now);
+            }
             if idle < self.eng.spin_now {
                 std::hint::spin_loop();
             } else if idle < self.eng.yield_for {
@@ -213,6 +228,8 @@ impl Call<'_, '_> {
         self.check_health()?;
         self.refresh_credits();
         let mut idle_since: Option<Instant> = None;
+        // Whether this idle spell's wait is published for `oxccl status`.
+        let mut published = false;
         while !self.all_done() {
             let progress = self.round(&geo)?;
             if self.all_done() {
@@ -220,6 +237,10 @@ impl Call<'_, '_> {
             }
             if progress {
                 idle_since = None;
+                if published {
+                    published = false;
+                    self.eng.probe.waiting.store(0, Ordering::Relaxed);
+                }
                 continue;
             }
             self.inspect()?;
@@ -229,6 +250,10 @@ impl Call<'_, '_> {
                 return Err(self.timeout_error(timeout));
             }
             let since = *idle_since.get_or_insert(now);
+            if !published && now - since >= PUBLISH_AFTER {
+                published = true;
+                self.publish_waiting(since, now);
+            }
             self.idle(now, since, *deadline)?;
         }
         Ok(())
@@ -589,6 +614,49 @@ impl Call<'_, '_> {
             });
         }
         Ok(())
+    }
+
+    /// Tells the flight recorder what this idle call waits for (once per idle spell, off the
+    /// fast path), for `oxccl status`.
+    #[cold]
+    pub(super) fn publish_waiting(&self, idle_since: Instant, now: Instant) {
+        let flows = &self.eng.flows;
+        let peer_of = |q: usize| self.eng.links[flows.link_channel(q).0].peer;
+        let one = &self.calls[self.cur];
+        let (step, waited) = match one.m.waiting(flows) {
+            Some(Waiting::Data { step, q }) if one.m.is_mailbox() => {
+                (step, Waited::Mailbox { peer: peer_of(q) })
+            }
+            Some(Waiting::Data { step, q }) => (
+                step,
+                Waited::Data {
+                    peer: peer_of(q),
+                    channel: flows.link_channel(q).1,
+                },
+            ),
+            Some(Waiting::Slot { step, q, .. }) => (
+                step,
+                Waited::Slot {
+                    peer: peer_of(q),
+                    channel: flows.link_channel(q).1,
+                },
+            ),
+            Some(Waiting::Transport { step, q }) => (step, Waited::Transport { peer: peer_of(q) }),
+            Some(Waiting::Earlier { step, q: Some(q) })
+                if matches!(one.sched.steps[step].op, Op::Send { .. }) =>
+            {
+                (step, Waited::EarlierSend { peer: peer_of(q) })
+            }
+            Some(Waiting::Earlier { step, .. }) => (step, Waited::Earlier),
+            None => (0, Waited::Earlier),
+        };
+        let idle_ns = u64::try_from((now - idle_since).as_nanos()).unwrap_or(u64::MAX);
+        flight::publish_waiting(
+            &self.eng.probe,
+            waited,
+            step,
+            flight::now_ns().saturating_sub(idle_ns),
+        );
     }
 
     pub(super) fn timeout_error(&self, timeout: Duration) -> Error {

@@ -1165,8 +1165,9 @@ mod tests {
         let comm = &report.communicators[0];
         assert!(comm.behind.is_empty());
         assert_eq!(comm.ranks[2].last_started, 42);
-        // Everybody is at #42: the verdict falls back to who is waited on (0, 2, 3 once each).
-        assert_eq!(comm.suspects, vec![0, 2, 3]);
+        // Everybody is at #42: the verdict falls back to who is waited on, through chains of
+        // waits (1 waits on 0, 0 on 3, 3 on 2, and 2 on nobody): rank 2 is at the end of them.
+        assert_eq!(comm.suspects, vec![2]);
     }
 
     #[test]

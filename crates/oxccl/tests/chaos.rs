@@ -36,7 +36,7 @@ use oxccl_bootstrap::{Secret, TcpStore, wire};
 use oxccl_testbed::{HostSpec, Testbed};
 use serde_json::{Value, json};
 
-use common::{COLLECTIVES, Job, error_kind, mix, realtime_ns, report, spawn_job};
+use common::{COLLECTIVES, Job, Rng, error_kind, realtime_ns, report, spawn_job};
 
 /// `OXCCL_TIMEOUT` of the kill trials.
 const KILL_TIMEOUT_S: u64 = 5;
@@ -72,34 +72,6 @@ fn dispatch(scenario: &str, args: &Value) -> Value {
 
 // ------------------------------------------------------------------------------------------
 // Randomness (seeded, replayable)
-
-struct Rng(u64);
-
-impl Rng {
-    /// From `var` if set, else fresh; prints the seed.
-    fn from_env(test: &str, var: &str) -> Rng {
-        let seed = std::env::var(var)
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .unwrap_or_else(|| {
-                let mut b = [0u8; 8];
-                getrandom::fill(&mut b).expect("getrandom");
-                u64::from_le_bytes(b)
-            });
-        println!("{test}: seed {seed} (replay with {var}={seed})");
-        Rng(seed)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(1);
-        mix(self.0)
-    }
-
-    /// Uniform in `lo..=hi`.
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo + 1)
-    }
-}
 
 fn env_num(var: &str, default: u64) -> u64 {
     std::env::var(var)

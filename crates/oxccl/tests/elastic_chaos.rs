@@ -28,7 +28,7 @@ use oxccl_bootstrap::{Bootstrap, Config, Secret, TcpStore};
 use oxccl_testbed::{HostSpec, Testbed};
 use serde_json::{Value, json};
 
-use common::{error_kind, mix, report, spawn_job};
+use common::{Rng, error_kind, report, spawn_job};
 
 /// `OXCCL_TIMEOUT` of every trial, in seconds.
 const TIMEOUT_S: u64 = 3;
@@ -234,31 +234,6 @@ fn newcomer(me: usize, die_ms: Option<u64>) -> Value {
 // ------------------------------------------------------------------------------------------
 // The parent
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(1);
-        mix(self.0)
-    }
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo + 1)
-    }
-}
-
-fn seed(test: &str) -> Rng {
-    let seed = std::env::var("OXCCL_ELASTIC_SEED")
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or_else(|| {
-            let mut b = [0u8; 8];
-            getrandom::fill(&mut b).expect("getrandom");
-            u64::from_le_bytes(b)
-        });
-    println!("{test}: seed {seed} (replay with OXCCL_ELASTIC_SEED={seed})");
-    Rng(seed)
-}
-
 fn trials() -> usize {
     std::env::var("OXCCL_ELASTIC_TRIALS")
         .ok()
@@ -337,7 +312,7 @@ fn serial(lock: &'static Mutex<()>) -> std::sync::MutexGuard<'static, ()> {
 }
 
 fn run_trials(test: &str, kind: &str, tb: Option<&Testbed>) {
-    let mut rng = seed(test);
+    let mut rng = Rng::from_env(test, "OXCCL_ELASTIC_SEED");
     let n_trials = trials();
     let mut tally = Tally::default();
     let mut failures = Vec::new();

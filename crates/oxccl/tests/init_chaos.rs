@@ -27,7 +27,7 @@ use oxccl::{Communicator, InitStage, ReduceOp};
 use oxccl_testbed::{HostSpec, Testbed};
 use serde_json::{Value, json};
 
-use common::{error_kind, mix, report, spawn_job};
+use common::{Rng, error_kind, report, spawn_job};
 
 /// Ranks of every job.
 const N: usize = 3;
@@ -140,28 +140,6 @@ fn names(msg: &str, v: usize) -> bool {
     single || listed
 }
 
-struct Rng(u64);
-
-impl Rng {
-    fn from_env(test: &str) -> Rng {
-        let seed = std::env::var("OXCCL_CHAOS_SEED")
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .unwrap_or_else(|| {
-                let mut b = [0u8; 8];
-                getrandom::fill(&mut b).expect("getrandom");
-                u64::from_le_bytes(b)
-            });
-        println!("{test}: seed {seed} (replay with OXCCL_CHAOS_SEED={seed})");
-        Rng(seed)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 = self.0.wrapping_add(1);
-        mix(self.0) % n
-    }
-}
-
 /// One trial: what went wrong (empty: it ended cleanly) and each survivor's seconds and error
 /// kind.
 fn trial(
@@ -251,7 +229,7 @@ fn init_chaos(test: &str, tb: Option<&Testbed>) {
         Ok(s) if !s.trim().is_empty() => s.split(',').map(|x| x.parse().unwrap()).collect(),
         _ => InitStage::ALL.to_vec(),
     };
-    let mut rng = Rng::from_env(test);
+    let mut rng = Rng::from_env(test, "OXCCL_CHAOS_SEED");
     let start = Instant::now();
     let mut failures = Vec::new();
     let mut clean = 0;

@@ -22,7 +22,7 @@ use oxccl::{Buffers, Communicator, DataType, Element, ReduceOp, as_bytes_mut};
 use oxccl_testbed::{HostSpec, Testbed};
 use serde_json::{Value, json};
 
-use common::{COLLECTIVES, error_kind, mix, report, spawn_job};
+use common::{COLLECTIVES, Rng, error_kind, mix, report, spawn_job};
 
 const N: usize = 4;
 /// Largest RSS growth allowed (see [`Footprint`]): after the warm-up at the largest size, three
@@ -63,18 +63,6 @@ struct Spec {
     peer: usize,
     /// Salt of this call's inputs.
     salt: u64,
-}
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(1);
-        mix(self.0)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
 }
 
 /// The largest count [`draw_count`] draws.

@@ -660,10 +660,35 @@ pub fn wait_file(name: &str, timeout: Duration) -> bool {
     true
 }
 
-/// A small deterministic generator (splitmix64) for test inputs.
+/// A small deterministic generator (splitmix64) for test inputs and the randomised tests'
+/// choices (from a seed that [`Rng::from_env`] prints, so that a run can be replayed).
 pub struct Rng(pub u64);
 
 impl Rng {
+    /// From the seed in `var` when it is set, else a fresh one; prints which, for `test`.
+    pub fn from_env(test: &str, var: &str) -> Rng {
+        let seed = std::env::var(var)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or_else(|| {
+                let mut b = [0u8; 8];
+                getrandom::fill(&mut b).expect("getrandom");
+                u64::from_le_bytes(b)
+            });
+        println!("{test}: seed {seed} (replay with {var}={seed})");
+        Rng(seed)
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo + 1)
+    }
+
+    /// Uniform in `0..n`.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
     pub fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;

@@ -881,10 +881,18 @@ fn recent_table(calls: &[Call], dump_ns: u64) -> String {
             e.elapsed_ns(dump_ns).map_or_else(dash, duration_text),
         ]);
     }
-    let widths: Vec<usize> = (0..rows[0].len())
+    columns(&rows, "    ")
+}
+
+/// `rows` as a table: each cell padded to its column's widest, two spaces between columns,
+/// every line after `indent`.
+pub(crate) fn columns(rows: &[Vec<String>], indent: &str) -> String {
+    let n = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..n)
         .map(|i| {
             rows.iter()
-                .map(|row| row[i].chars().count())
+                .filter_map(|row| row.get(i))
+                .map(|c| c.chars().count())
                 .max()
                 .unwrap_or(0)
         })
@@ -896,7 +904,7 @@ fn recent_table(calls: &[Call], dump_ns: u64) -> String {
             .zip(&widths)
             .map(|(cell, w)| format!("{cell:w$}"))
             .collect();
-        out.push_str(&format!("    {}\n", cells.join("  ").trim_end()));
+        out.push_str(&format!("{indent}{}\n", cells.join("  ").trim_end()));
     }
     out
 }

@@ -259,19 +259,7 @@ fn table(c: &CommStatus, silent: &BTreeMap<(String, u32), &Registration>) -> Str
         };
         rows.push(row);
     }
-    let widths: Vec<usize> = (0..header.len())
-        .map(|i| rows.iter().map(|r| r[i].chars().count()).max().unwrap_or(0))
-        .collect();
-    let mut out = String::new();
-    for row in rows {
-        let cells: Vec<String> = row
-            .iter()
-            .zip(&widths)
-            .map(|(cell, w)| format!("{cell:w$}"))
-            .collect();
-        out.push_str(&format!("  {}\n", cells.join("  ").trim_end()));
-    }
-    out
+    crate::doctor::columns(&rows, "  ")
 }
 
 /// How long, at the recorder's clock's resolution (the coarse clock: a few ms).

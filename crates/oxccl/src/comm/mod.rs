@@ -51,8 +51,8 @@ pub struct Options {
     /// Force one provider for every peer (`OXCCL_PROVIDER=shm|tcp|ofi`); default: shm between
     /// ranks of one host, tcp across hosts.
     pub provider: Option<Provider>,
-    /// This process's host identity (`OXCCL_HOST_ID`); default: the boot id plus the network
-    /// namespace.
+    /// This process's host identity (`OXCCL_HOST_ID`); default: [`default_host_id`] (the
+    /// boot id, the network and the pid namespace).
     pub host_id: Option<String>,
     /// Force an algorithm where it applies (`OXCCL_ALGO`).
     pub algo: Option<Algorithm>,

@@ -12,6 +12,15 @@ use serde_json::{Value, json};
 
 use common::{error_kind, expect_results, run_ranks};
 
+/// The tests of this file run one at a time: whether a receive is written in place depends on
+/// its announcement reaching the sender before the data leaves, which a machine loaded with
+/// the other tests' ranks can delay past the whole transfer.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The peer processes' entry point (a no-op unless `OXCCL_TEST_CHILD` is set).
 #[test]
 fn child_entry() {
@@ -241,6 +250,7 @@ fn get(v: &Value, way: &str, what: &str) -> u64 {
 }
 
 fn run_all_reduce(provider: &str, mode: &str) {
+    let _g = serial();
     // 16 MiB: the ring's all-gather receives are 8 MiB each (registered receives of at least
     // PLACE_MIN are announced).
     let count = 4 << 20;
@@ -312,6 +322,7 @@ fn all_reduce_with_one_rank_registered_tcp() {
 }
 
 fn run_send_recv(provider: &str) {
+    let _g = serial();
     let count = 4 << 20;
     let out = run_ranks(
         2,
@@ -349,6 +360,7 @@ fn send_recv_in_place_tcp() {
 }
 
 fn run_late_write(provider: &str, memory: &str) {
+    let _g = serial();
     let outs = run_ranks(
         2,
         &[
@@ -385,6 +397,7 @@ fn no_write_lands_after_the_error_tcp() {
 
 #[test]
 fn overlapping_registrations_are_refused() {
+    let _g = serial();
     let out = run_ranks(2, &[], "errors", &json!({}));
     for v in expect_results("overlapping registrations", &out) {
         let msg = v["overlap"].as_str().unwrap();

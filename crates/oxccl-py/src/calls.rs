@@ -2,12 +2,13 @@
 //! batch of point-to-point calls, the compressed all-reduce and reduce-scatter) and parsing
 //! the arguments every call shares.
 
+use std::collections::HashMap;
 use std::str::FromStr;
 use std::time::Duration;
 
 use oxccl::compress::Format;
 use oxccl::schedule::Collective;
-use oxccl::{Buffers, CallBuffers, Communicator, DataType, ReduceOp};
+use oxccl::{Buffers, CallBuffers, Communicator, DataType, Options, ReduceOp};
 use pyo3::prelude::*;
 
 use crate::PyReduceOp;
@@ -218,4 +219,30 @@ pub(crate) fn parse_timeout(t: Option<f64>) -> PyResult<Option<Duration>> {
             "timeout={s}: expected a positive number of seconds"
         ))),
     }
+}
+
+/// A constructor's `options=` (checked: `OXCCL_*` names only; none given is empty).
+pub(crate) fn check_options(
+    options: Option<HashMap<String, String>>,
+) -> PyResult<HashMap<String, String>> {
+    let options = options.unwrap_or_default();
+    if let Some(k) = options.keys().find(|k| !k.starts_with("OXCCL_")) {
+        return Err(errors::value_error(format!(
+            "options: {k:?} is not an OXCCL_* setting"
+        )));
+    }
+    Ok(options)
+}
+
+/// The communicator's [`Options`]: `options` over the environment, and `timeout` over both.
+pub(crate) fn options_with(
+    options: &HashMap<String, String>,
+    timeout: Option<Duration>,
+) -> oxccl::Result<Options> {
+    let mut opts =
+        Options::from_vars(&|k| options.get(k).cloned().or_else(|| std::env::var(k).ok()))?;
+    if let Some(t) = timeout {
+        opts.timeout = t;
+    }
+    Ok(opts)
 }

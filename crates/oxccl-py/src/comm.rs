@@ -404,12 +404,7 @@ impl PyCommunicator {
         options: Option<HashMap<String, String>>,
     ) -> PyResult<PyCommunicator> {
         let timeout = parse_timeout(timeout)?;
-        let options = options.unwrap_or_default();
-        if let Some(k) = options.keys().find(|k| !k.starts_with("OXCCL_")) {
-            return Err(errors::value_error(format!(
-                "options: {k:?} is not an OXCCL_* setting"
-            )));
-        }
+        let options = check_options(options)?;
         let Some(store) = store else {
             if rank.is_some() || world_size.is_some() {
                 return Err(errors::value_error(
@@ -435,11 +430,7 @@ impl PyCommunicator {
         let job = job_id.to_string();
         let r = py.detach(move || -> oxccl::Result<Communicator> {
             // `options` wins over the environment.
-            let mut opts =
-                Options::from_vars(&|k| options.get(k).cloned().or_else(|| std::env::var(k).ok()))?;
-            if let Some(t) = timeout {
-                opts.timeout = t;
-            }
+            let opts = options_with(&options, timeout)?;
             let boot = Bootstrap::with_store(rank, world, Box::new(store), &job, opts.timeout)?;
             Communicator::init(boot, opts)
         });
@@ -463,12 +454,7 @@ impl PyCommunicator {
         options: Option<HashMap<String, String>>,
     ) -> PyResult<crate::pending::PyPendingInit> {
         let timeout = parse_timeout(timeout)?;
-        let options = options.unwrap_or_default();
-        if let Some(k) = options.keys().find(|k| !k.starts_with("OXCCL_")) {
-            return Err(errors::value_error(format!(
-                "options: {k:?} is not an OXCCL_* setting"
-            )));
-        }
+        let options = check_options(options)?;
         let store = PyStore::new(store)?;
         crate::pending::PyPendingInit::start(
             store,
@@ -1197,20 +1183,11 @@ impl PyCommunicator {
         options: Option<HashMap<String, String>>,
     ) -> PyResult<PyCommunicator> {
         let timeout = parse_timeout(timeout)?;
-        let options = options.unwrap_or_default();
-        if let Some(k) = options.keys().find(|k| !k.starts_with("OXCCL_")) {
-            return Err(errors::value_error(format!(
-                "options: {k:?} is not an OXCCL_* setting"
-            )));
-        }
+        let options = check_options(options)?;
         let store = PyStore::new(store)?;
         let job = job_id.to_string();
         let r = py.detach(move || -> oxccl::Result<Communicator> {
-            let mut opts =
-                Options::from_vars(&|k| options.get(k).cloned().or_else(|| std::env::var(k).ok()))?;
-            if let Some(t) = timeout {
-                opts.timeout = t;
-            }
+            let opts = options_with(&options, timeout)?;
             Communicator::join(Box::new(store), &job, opts)
         });
         r.map(PyCommunicator::wrap)

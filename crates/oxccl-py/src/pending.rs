@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use oxccl::{AbortHandle, Communicator, Options};
+use oxccl::{AbortHandle, Communicator};
 use oxccl_bootstrap::Bootstrap;
 use pyo3::prelude::*;
 
@@ -44,12 +44,7 @@ impl PyPendingInit {
             .name(format!("oxccl-init-{rank}"))
             .spawn(move || {
                 let r = (|| -> oxccl::Result<Communicator> {
-                    let mut opts = Options::from_vars(&|k| {
-                        options.get(k).cloned().or_else(|| std::env::var(k).ok())
-                    })?;
-                    if let Some(t) = timeout {
-                        opts.timeout = t;
-                    }
+                    let opts = crate::calls::options_with(&options, timeout)?;
                     let boot = Bootstrap::with_store_abortable(
                         rank,
                         world,

@@ -59,8 +59,8 @@ fn tickets(v: &[u8]) -> Vec<i64> {
         .collect()
 }
 
-/// Sleeps for `pause`, doubling it up to 20 ms.
-fn back_off(pause: &mut Duration) {
+/// Sleeps for `pause`, doubling it up to 20 ms (the store polls of grow and shrink).
+pub(super) fn back_off(pause: &mut Duration) {
     std::thread::sleep(*pause);
     *pause = (*pause * 2).min(Duration::from_millis(20));
 }

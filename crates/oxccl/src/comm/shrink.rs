@@ -448,8 +448,7 @@ impl Round<'_> {
                     .map_err(|e| self.store_err("proposing the decision", e))?;
                 break out.current.unwrap_or_default();
             }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(20));
+            super::grow::back_off(&mut pause);
         };
         Ok(decode(&decision, world))
     }
@@ -486,8 +485,7 @@ impl Round<'_> {
             {
                 break;
             }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(20));
+            super::grow::back_off(&mut pause);
         }
         let proposal = if state.iter().all(|&s| s == 1) {
             "ok".to_string()

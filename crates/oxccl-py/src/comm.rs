@@ -456,14 +456,7 @@ impl PyCommunicator {
         let timeout = parse_timeout(timeout)?;
         let options = check_options(options)?;
         let store = PyStore::new(store)?;
-        crate::pending::PyPendingInit::start(
-            store,
-            rank,
-            world_size,
-            job_id.to_string(),
-            options,
-            timeout,
-        )
+        crate::pending::PyPendingInit::start(store, rank, world_size, job_id, &options, timeout)
     }
 
     /// Joins the job the launcher describes (torchrun's, Slurm's, Open MPI's or oxccl run's

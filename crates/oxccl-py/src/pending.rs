@@ -1,30 +1,26 @@
 //! `oxccl.PendingInit`: a communicator's init running on a thread of its own
-//! (`Communicator.init_async`), which another thread may abort: an init waiting for a rank
-//! that never comes stops at once, naming what it waited for.
+//! (`Communicator.init_async`, over [`Communicator::init_store_async`]), which another thread
+//! may abort: an init waiting for a rank that never comes stops at once, naming what it
+//! waited for.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Mutex;
+use std::time::Duration;
 
-use oxccl::{AbortHandle, Communicator};
-use oxccl_bootstrap::Bootstrap;
+use oxccl::{AbortHandle, Communicator, PendingInit};
 use pyo3::prelude::*;
 
 use crate::comm::PyCommunicator;
 use crate::errors::{self, Kind};
 use crate::store::PyStore;
 
-/// What the init thread leaves: its result, until `wait` takes it.
-type Slot = Arc<(Mutex<Option<oxccl::Result<Communicator>>>, Condvar)>;
-
 /// `oxccl.PendingInit`: see `Communicator.init_async`.
 #[pyclass(frozen, module = "oxccl._oxccl", name = "PendingInit")]
 pub struct PyPendingInit {
     abort: AbortHandle,
-    slot: Slot,
     rank: usize,
-    /// Whether `wait` has returned the communicator (or its error) already.
-    taken: Mutex<bool>,
+    /// The init, until `wait` takes its result.
+    init: Mutex<Option<PendingInit>>,
 }
 
 impl PyPendingInit {
@@ -33,52 +29,22 @@ impl PyPendingInit {
         store: PyStore,
         rank: usize,
         world: usize,
-        job: String,
-        options: HashMap<String, String>,
+        job: &str,
+        options: &HashMap<String, String>,
         timeout: Option<Duration>,
     ) -> PyResult<PyPendingInit> {
-        let abort = AbortHandle::new();
-        let slot: Slot = Arc::new((Mutex::new(None), Condvar::new()));
-        let (a, s) = (abort.clone(), slot.clone());
-        std::thread::Builder::new()
-            .name(format!("oxccl-init-{rank}"))
-            .spawn(move || {
-                let r = (|| -> oxccl::Result<Communicator> {
-                    let opts = crate::calls::options_with(&options, timeout)?;
-                    let boot = Bootstrap::with_store_abortable(
-                        rank,
-                        world,
-                        Box::new(store),
-                        &job,
-                        opts.timeout,
-                        &a,
-                    )
-                    .map_err(|e| match e {
-                        oxccl_bootstrap::Error::Aborted {
-                            reason, waiting, ..
-                        } => oxccl::Error::Aborted {
-                            rank,
-                            op: "init".into(),
-                            reason: format!("{reason}, while waiting {waiting}"),
-                        },
-                        e => e.into(),
-                    })?;
-                    Communicator::init_abortable(boot, opts, &a)
-                })();
-                *s.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
-                s.1.notify_all();
-            })
-            .map_err(|e| {
-                pyo3::exceptions::PyRuntimeError::new_err(format!(
-                    "rank {rank}: cannot start the init thread: {e}"
-                ))
-            })?;
+        let opts = crate::calls::options_with(options, timeout)
+            .map_err(|e| Python::attach(|py| errors::to_py(py, &e)))?;
+        let init = Communicator::init_store_async(rank, world, Box::new(store), job, opts);
         Ok(PyPendingInit {
-            abort,
-            slot,
+            abort: init.abort_handle(),
             rank,
-            taken: Mutex::new(false),
+            init: Mutex::new(Some(init)),
         })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<PendingInit>> {
+        self.init.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -98,12 +64,7 @@ impl PyPendingInit {
 
     /// Whether the init has finished (`wait` then returns at once).
     fn done(&self) -> bool {
-        self.slot
-            .0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
-            || *self.taken.lock().unwrap_or_else(|e| e.into_inner())
+        self.lock().as_ref().is_none_or(PendingInit::is_finished)
     }
 
     /// Waits (up to `timeout` seconds; without one, until the init ends, which its own
@@ -114,52 +75,38 @@ impl PyPendingInit {
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyCommunicator> {
         let limit = crate::calls::parse_timeout(timeout)?;
-        if *self.taken.lock().unwrap_or_else(|e| e.into_inner()) {
+        let Some(init) = self.lock().take() else {
             return Err(errors::invalid(
                 py,
                 Some(self.rank),
                 "this init's communicator was already taken by an earlier wait()".into(),
             ));
-        }
-        let slot = self.slot.clone();
-        let got = py.detach(move || {
-            let deadline = limit.map(|t| Instant::now() + t);
-            let mut g = slot.0.lock().unwrap_or_else(|e| e.into_inner());
-            loop {
-                if let Some(r) = g.take() {
-                    return Some(r);
-                }
-                let left = match deadline {
-                    Some(d) => match d.checked_duration_since(Instant::now()) {
-                        Some(l) if !l.is_zero() => l,
-                        _ => return None,
-                    },
-                    None => Duration::from_secs(3600),
-                };
-                g = slot
-                    .1
-                    .wait_timeout(g, left)
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0;
-            }
-        });
-        let Some(r) = got else {
-            return Err(errors::make(
-                py,
-                Kind::Timeout,
-                format!(
-                    "rank {}: the init did not finish within {:?} (it goes on: wait again, or \
-                     abort it)",
-                    self.rank,
-                    limit.unwrap_or_default()
-                ),
-                Some(self.rank),
-                None,
-            ));
         };
-        *self.taken.lock().unwrap_or_else(|e| e.into_inner()) = true;
-        r.map(PyCommunicator::wrap)
-            .map_err(|e| errors::to_py(py, &e))
+        // `Err(init)`: the time passed first; the init is put back.
+        let r = py.detach(move || match limit {
+            Some(t) if !init.wait_for(t) => Err(init),
+            _ => Ok(init.wait()),
+        });
+        match r {
+            Ok(r) => r
+                .map(PyCommunicator::wrap)
+                .map_err(|e| errors::to_py(py, &e)),
+            Err(init) => {
+                *self.lock() = Some(init);
+                Err(errors::make(
+                    py,
+                    Kind::Timeout,
+                    format!(
+                        "rank {}: the init did not finish within {:?} (it goes on: wait again, \
+                         or abort it)",
+                        self.rank,
+                        limit.unwrap_or_default()
+                    ),
+                    Some(self.rank),
+                    None,
+                ))
+            }
+        }
     }
 
     fn __repr__(&self) -> String {
@@ -173,11 +120,11 @@ impl PyPendingInit {
 }
 
 impl Drop for PyPendingInit {
-    /// An init nobody will wait for is stopped (its communicator, if it came, is dropped by
-    /// its thread's slot).
+    /// An init nobody waits for is aborted, and its thread joined with the GIL released (the
+    /// thread may need it to reach a store handed in from Python).
     fn drop(&mut self) {
-        if !self.done() {
-            self.abort.abort_with("its PendingInit was dropped");
+        if let Some(init) = self.lock().take() {
+            Python::attach(|py| py.detach(move || drop(init)));
         }
     }
 }

@@ -10,7 +10,7 @@ use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use oxccl_bootstrap::{AbortHandle, Bootstrap, Config};
+use oxccl_bootstrap::{AbortHandle, Bootstrap, Config, Store};
 
 use super::{Communicator, Options};
 use crate::error::{Error, Result};
@@ -270,17 +270,48 @@ impl Communicator {
         let rank = config.rank;
         PendingInit::spawn(rank, move |abort| {
             in_init(options.faults.as_ref(), rank, InitStage::Join);
-            let boot = Bootstrap::new_abortable(config, abort).map_err(|e| match e {
-                oxccl_bootstrap::Error::Aborted {
-                    reason, waiting, ..
-                } => Error::Aborted {
-                    rank,
-                    op: "init".into(),
-                    reason: format!("{reason}, while waiting {waiting}"),
-                },
-                e => e.into(),
-            })?;
+            let boot = Bootstrap::new_abortable(config, abort).map_err(|e| join_error(rank, e))?;
             Communicator::init_abortable(boot, options, abort)
         })
+    }
+
+    /// [`Communicator::init_config_async`] over a store already connected (a store handed in
+    /// from Python, as [`Bootstrap::with_store`] takes): rank `rank` of `world_size` joins
+    /// under `job_id`, then inits; an abort stops the join too.
+    pub fn init_store_async(
+        rank: usize,
+        world_size: usize,
+        store: Box<dyn Store>,
+        job_id: &str,
+        options: Options,
+    ) -> PendingInit {
+        let job = job_id.to_string();
+        PendingInit::spawn(rank, move |abort| {
+            in_init(options.faults.as_ref(), rank, InitStage::Join);
+            let boot = Bootstrap::with_store_abortable(
+                rank,
+                world_size,
+                store,
+                &job,
+                options.timeout,
+                abort,
+            )
+            .map_err(|e| join_error(rank, e))?;
+            Communicator::init_abortable(boot, options, abort)
+        })
+    }
+}
+
+/// A join's error: an abort is the init's [`Error::Aborted`], saying what it waited for.
+fn join_error(rank: usize, e: oxccl_bootstrap::Error) -> Error {
+    match e {
+        oxccl_bootstrap::Error::Aborted {
+            reason, waiting, ..
+        } => Error::Aborted {
+            rank,
+            op: "init".into(),
+            reason: format!("{reason}, while waiting {waiting}"),
+        },
+        e => e.into(),
     }
 }

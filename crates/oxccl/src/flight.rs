@@ -643,11 +643,7 @@ fn write_dump(reason: &str, json: &str, rank: usize) {
     let to = match std::env::var("OXCCL_DEBUG_DUMP") {
         Ok(t) if !t.is_empty() => {
             let path = dump_path(&t, rank);
-            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-            let written = std::fs::write(&tmp, format!("{json}\n"))
-                .and_then(|()| std::fs::rename(&tmp, &path));
-            if let Err(e) = written {
-                let _ = std::fs::remove_file(&tmp);
+            if let Err(e) = write_whole(&path, json) {
                 crate::log_warn(format!(
                     "rank {rank}: could not write the flight recorder to {}: {e}",
                     path.display()
@@ -665,6 +661,21 @@ fn write_dump(reason: &str, json: &str, rank: usize) {
     crate::log_warn(format!(
         "rank {rank}: flight recorder dumped to {to} ({reason})"
     ));
+}
+
+/// Writes `json` to `path` whole: into a file of its own, then renamed over `path`, so that a
+/// reader never sees a half-written dump, nor two dumps of one process written at once (the
+/// watchdog's and the abort's that follows it) interleaved.
+fn write_whole(path: &std::path::Path, json: &str) -> std::io::Result<()> {
+    static WRITES: AtomicU64 = AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, Ordering::Relaxed);
+    let tmp = path.with_extension(format!("tmp{}.{n}", std::process::id()));
+    let written =
+        std::fs::write(&tmp, format!("{json}\n")).and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 /// Dumps once per communicator after the error that broke it: always for a timeout or an
@@ -763,6 +774,45 @@ mod tests {
         );
         let p = dump_path("/x/%r-%p", 1).display().to_string();
         assert_eq!(p, format!("/x/1-{}", std::process::id()));
+    }
+
+    /// Dumps of one process written at once (the watchdog's while the abort's is written) end
+    /// as one of them whole, never interleaved; a reader meanwhile sees whole dumps only.
+    #[test]
+    fn dumps_written_at_once_end_whole() {
+        let dir = std::env::temp_dir().join(format!("oxccl-dump-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("rank0.json");
+        let writers: Vec<_> = (0..4)
+            .map(|t| {
+                let path = path.clone();
+                // Lengths differ by writer, so that an interleaving leaves trailing bytes.
+                let json = serde_json::json!({ "writer": t, "pad": "x".repeat(1000 * (4 - t)) })
+                    .to_string();
+                std::thread::spawn(move || {
+                    for _ in 0..200 {
+                        write_whole(&path, &json).unwrap();
+                    }
+                })
+            })
+            .collect();
+        let mut reads = 0;
+        while writers.iter().any(|w| !w.is_finished()) {
+            if let Ok(text) = std::fs::read_to_string(&path) {
+                let v: serde_json::Value = serde_json::from_str(&text)
+                    .unwrap_or_else(|e| panic!("a torn dump ({e}): {} bytes", text.len()));
+                assert!(v["writer"].as_u64().unwrap() < 4);
+                reads += 1;
+            }
+        }
+        writers.into_iter().for_each(|w| w.join().unwrap());
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(left, ["rank0.json"], "temporary files left behind");
+        assert!(reads > 0);
     }
 
     /// A dump read while calls are being recorded sees each record whole: the seqlock never

@@ -12,10 +12,35 @@
 //! - `tcp`: the same semantics over TCP, for hosts without RDMA. A progress thread per context
 //!   receives frames straight into the target's registered memory after validating them.
 //!
-//! Each provider is a module of its own behind two crate-internal traits (a context's half and a
-//! queue pair's half, see `src/provider.rs`, which also lists the providers built in and guides
-//! the author of a new one); [`Provider`] only names them. A context is configured by the
-//! [`DeviceConfig`] it is opened with: no provider reads the environment.
+//! # Layers
+//!
+//! The crate is built in layers, each a folder of `src/`; a layer uses only the layers below
+//! it, and a provider uses only the model and the contract (`tests/layers.rs` checks both):
+//!
+//! ```text
+//!  top       lib.rs, registry.rs       the public API; Device, and opening a Context on a
+//!                                      provider (the only code that names the providers)
+//!  ───────────────────────────────────────────────────────────────────────────────────────
+//!  4  providers  shm/   tcp/   ofi/    one folder each, private to itself; implement the
+//!                  │      │      │     contract's traits, call the core's services
+//!  ─ ─ ─ ─ ─ ─ ─ ─ ┼ ─ ─ ─┼─ ─ ─ ┼ ─ ─ (providers skip layer 3) ─ ─ ─ ─ ─ ─ ─ ─ ─ ─ ─ ─ ─
+//!  3  resource/    │      │      │     the handles users hold: Context, ProtectionDomain,
+//!                  │      │      │     MemoryRegion's methods, CompletionQueue, QueuePair
+//!  ───────────────────────────────────────────────────────────────────────────────────────
+//!  2  contract/  ◄─┴──────┴──────┘     ProviderContext, QpTransport; the cores (CtxInner,
+//!                                      MrInner, CqCore, QpInner) and their services; work
+//!                                      requests; segments, rings, the software send queue
+//!  ───────────────────────────────────────────────────────────────────────────────────────
+//!  1  model/                           types, errors, DeviceConfig, Provider, QpEndpoint
+//! ```
+//!
+//! The rule: a file may `use` its own layer and those below; a provider folder may `use` its
+//! own files, the contract and the model, never the resources nor another provider. The
+//! resources reach a provider only through the contract's traits (the context's
+//! [`ProviderContext`](crate::contract::ProviderContext) made by the registry); providers
+//! reach a queue pair only through the core's services ([`QpInner`](crate::contract::QpInner):
+//! completing work, claiming receives, setting errors). A provider's context is configured by
+//! the [`DeviceConfig`] it is opened with: no provider reads the environment.
 //!
 //! ```
 //! use std::time::Duration;
@@ -46,11 +71,11 @@
 //! ```
 #![deny(missing_docs)]
 
-mod config;
-mod context;
-mod cq;
-mod error;
-mod mr;
+mod contract;
+mod model;
+mod registry;
+mod resource;
+
 /// Whether this build includes the ofi provider (the `ofi` cargo feature). Tests that build
 /// other binaries of the workspace pass the same feature, so that the binaries they run match.
 pub const OFI_BUILT_IN: bool = cfg!(feature = "ofi");
@@ -60,8 +85,8 @@ mod ofi;
 #[cfg(not(feature = "ofi"))]
 mod ofi {
     //! This build has no ofi provider (the `ofi` feature is off): opening it says how to get it.
-    use crate::provider::{OpenArgs, ProviderContext};
-    use crate::{Error, Result};
+    use crate::contract::{OpenArgs, ProviderContext};
+    use crate::model::{Error, Result};
 
     pub(crate) fn open(_: &OpenArgs<'_>) -> Result<Box<dyn ProviderContext>> {
         Err(Error::ProviderUnavailable {
@@ -74,26 +99,19 @@ mod ofi {
         })
     }
 }
-mod provider;
-mod qp;
-mod ring;
-mod segment;
-mod sendq;
 mod shm;
 mod tcp;
-mod types;
 
 #[cfg(test)]
 mod tests;
 
-pub use config::{DeviceConfig, parse_ip_or_sockaddr};
-pub use context::{Context, Device, ProtectionDomain, host_identity};
-pub use cq::CompletionQueue;
-pub use error::{Error, Result};
-pub use mr::{DEREGISTER_WAIT, DEREGISTER_WAIT_PEERS, MemoryRegion, RemoteMapping};
-pub use provider::Provider;
-pub use qp::{EndpointAddr, QpEndpoint, QueuePair};
-pub use types::*;
+pub use contract::region::{DEREGISTER_WAIT, DEREGISTER_WAIT_PEERS, MemoryRegion};
+pub use contract::wr::{RecvWr, SendWr, Sge};
+pub use model::*;
+pub use registry::Device;
+pub use resource::{
+    CompletionQueue, Context, ProtectionDomain, QueuePair, RemoteMapping, host_identity,
+};
 
 /// The tcp provider's wire format (`Header::decode`/`encode`, `decode_hello`/`encode_hello`),
 /// re-exported for the fuzz targets in `fuzz/` only: not a stable API, compiled only with the

@@ -358,23 +358,6 @@ fn tcp_pair() -> (
     (ctx, pd, cq, a, b)
 }
 
-/// Test-only hooks the providers call at chosen points, to force interleavings.
-pub(crate) mod hooks {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::time::Duration;
-
-    /// How long the tcp provider pauses between pushing a request's error completion and
-    /// flushing the queue pair (0: no pause).
-    pub(crate) static ERROR_FLUSH_PAUSE_MS: AtomicU64 = AtomicU64::new(0);
-
-    pub(crate) fn between_error_completion_and_flush() {
-        let ms = ERROR_FLUSH_PAUSE_MS.load(Ordering::Relaxed);
-        if ms > 0 {
-            std::thread::sleep(Duration::from_millis(ms));
-        }
-    }
-}
-
 /// The race of issue 13: a NAKed WRITE_WITH_IMM's `RemoteAccessError` could be polled while
 /// the queue pair still read RTS, because the progress thread pushed the completion before
 /// moving the queue pair to ERR. The hook holds the progress thread in exactly that window for
@@ -382,7 +365,7 @@ pub(crate) mod hooks {
 #[test]
 fn tcp_error_completion_is_polled_with_the_qp_in_err() {
     use std::sync::atomic::Ordering;
-    hooks::ERROR_FLUSH_PAUSE_MS.store(300, Ordering::Relaxed);
+    crate::contract::hooks::ERROR_FLUSH_PAUSE_MS.store(300, Ordering::Relaxed);
     let (_ctx, pd, cq, a, b) = tcp_pair();
     b.post_recv(&[RecvWr::new(7, &[])]).unwrap();
     let src = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
@@ -405,7 +388,7 @@ fn tcp_error_completion_is_polled_with_the_qp_in_err() {
         assert!(Instant::now() < deadline, "no completion for the bad write");
     };
     let state = a.state();
-    hooks::ERROR_FLUSH_PAUSE_MS.store(0, Ordering::Relaxed);
+    crate::contract::hooks::ERROR_FLUSH_PAUSE_MS.store(0, Ordering::Relaxed);
     assert_eq!(got.status, WcStatus::RemoteAccessError, "{got:?}");
     assert_eq!(
         state,
@@ -675,7 +658,7 @@ fn only_the_configuration_reads_the_environment() {
 /// middle of a copy) holds it up only [`crate::DEREGISTER_WAIT_PEERS`].
 #[test]
 fn deregister_waits_for_writes_under_way() {
-    use crate::mr::{TableWriting, Writing};
+    use crate::contract::{TableWriting, Writing};
     let f = fixture();
     for table in [false, true] {
         let hold = Duration::from_millis(if table { 100 } else { 300 });

@@ -8,11 +8,9 @@ use std::time::{Duration, Instant};
 
 use super::wire::{HDR, Hdr, INLINE_MAX, Kind, Msg, Rsge, SGE_LEN};
 use super::{Engine, Issue, Op, What};
-use crate::mr::{MrInner, Span, key_index};
-use crate::provider::QpSetup;
-use crate::qp::QpInner;
-use crate::sendq::{Keep, Outstanding, SendQueue, Spans};
-use crate::types::{AccessFlags, QpState, WcOpcode, WcStatus, WrOp};
+use crate::contract::sendq::{Keep, Outstanding, SendQueue, Spans};
+use crate::contract::{MrInner, QpInner, QpSetup, Span, key_index};
+use crate::model::{AccessFlags, QpState, WcOpcode, WcStatus, WrOp};
 
 /// Requests whose data a target moves at once, per queue pair (WRITEs to disjoint ranges).
 const MAX_ACTIVE: usize = 8;
@@ -504,7 +502,7 @@ impl Link {
                     let bytes = h.a.to_ne_bytes();
                     // SAFETY: the 8-byte local buffer was validated at post time and is kept
                     // alive by `o._keep`.
-                    unsafe { crate::segment::copy_bytes(bytes.as_ptr(), d.0, 8) };
+                    unsafe { crate::contract::copy_bytes(bytes.as_ptr(), d.0, 8) };
                 }
                 qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, o.len, o.signaled);
                 self.sendq.complete_local_failures(qp);
@@ -680,7 +678,7 @@ impl Link {
                 if h.inline {
                     // SAFETY: `p..p+len` was validated inside the live region `mr`; the
                     // payload has exactly `len` bytes (checked when decoded).
-                    unsafe { crate::segment::copy_bytes(m.payload.as_ptr(), p, len) };
+                    unsafe { crate::contract::copy_bytes(m.payload.as_ptr(), p, len) };
                     return Ok(active(0, range, then, vec![mr]));
                 }
                 let n = self.pull(e, h.seq, &m.sges, &[(p, len, mr.clone())])?;
@@ -873,7 +871,7 @@ fn scatter(data: &[u8], spans: &[Span]) {
         let k = s.1.min(data.len() - off);
         // SAFETY: each span is a validated range of a live registered region (kept alive by
         // the caller), `k <= s.1`, and `off + k <= data.len()`.
-        unsafe { crate::segment::copy_bytes(data.as_ptr().add(off), s.0, k) };
+        unsafe { crate::contract::copy_bytes(data.as_ptr().add(off), s.0, k) };
         off += k;
     }
 }

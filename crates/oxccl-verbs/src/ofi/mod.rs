@@ -98,7 +98,7 @@
 //! [`DeviceConfig::ofi_provider`]: crate::DeviceConfig::ofi_provider
 //! [`DeviceConfig::ofi_busy_poll`]: crate::DeviceConfig::ofi_busy_poll
 //! [`EndpointAddr::Opaque`]: crate::EndpointAddr::Opaque
-//! [`QpInner::claim_recv`]: crate::qp::QpInner::claim_recv
+//! [`QpInner::claim_recv`]: crate::contract::QpInner::claim_recv
 //! [`QpConfig::timeout`]: crate::QpConfig::timeout
 
 mod ffi;
@@ -113,10 +113,10 @@ use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::context::RegionMap;
-use crate::error::{Error, Result};
-use crate::mr::MrInner;
-use crate::provider::{OpenArgs, ProviderContext, QpSetup, QpTransport, RegionInfo};
+use crate::contract::{
+    MrInner, OpenArgs, ProviderContext, QpSetup, QpTransport, RegionInfo, RegionMap,
+};
+use crate::model::{Error, Result};
 use ffi::{CqEntry, Fabric};
 use link::Link;
 

@@ -4,11 +4,9 @@ use std::sync::{Arc, Mutex};
 
 use super::Engine;
 use super::link::{Link, Peer};
-use crate::error::Result;
-use crate::provider::QpTransport;
-use crate::qp::{EndpointAddr, QpEndpoint, QpInner};
-use crate::sendq::{self, Local, SendLink, SendQueue};
-use crate::types::*;
+use crate::contract::sendq::{self, Local, SendLink, SendQueue};
+use crate::contract::{QpInner, QpTransport, SendWr};
+use crate::model::*;
 
 /// The ofi half of a queue pair.
 pub(crate) struct OfiQp {

@@ -14,7 +14,7 @@
 //! `a` and `b` carry the atomics' operands, a NAK's status, an atomic's old value, a pong's
 //! readiness. Everything is little-endian.
 
-use crate::types::MAX_SGE;
+use crate::model::MAX_SGE;
 
 /// Header length.
 pub(super) const HDR: usize = 80;

@@ -31,11 +31,10 @@ use std::thread::JoinHandle;
 
 use rustix::event::EventfdFlags;
 
-use crate::context::random_u64;
-use crate::error::{Error, Result};
-use crate::mr::MrInner;
-use crate::provider::{OpenArgs, ProviderContext, QpSetup, QpTransport, RegionInfo};
-use crate::types::AccessFlags;
+use crate::contract::{
+    MrInner, OpenArgs, ProviderContext, QpSetup, QpTransport, RegionInfo, random_u64,
+};
+use crate::model::{AccessFlags, Error, Result};
 use service::{PeerMap, Registry, Service, kick};
 
 /// Opens the shm half of a context: starts its segment service.

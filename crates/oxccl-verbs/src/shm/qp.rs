@@ -12,20 +12,18 @@ use std::time::Instant;
 
 use super::Shared;
 use super::service::{PeerCtx, notify_peer};
-use crate::context::{
-    CtxTables, MAX_MR, MR_ACCESS, MR_ADDR, MR_KIND, MR_KIND_SEGMENT, MR_KIND_USER, MR_LEN, MR_LKEY,
-    MR_RKEY,
+use crate::contract::ctx::{
+    MAX_MR, MR_ACCESS, MR_ADDR, MR_KIND, MR_KIND_SEGMENT, MR_KIND_USER, MR_LEN, MR_LKEY, MR_RKEY,
 };
-use crate::error::{Error, Result};
-use crate::mr::{Mapped, MrInner, TableWriting, key_index};
-use crate::provider::QpTransport;
-use crate::qp::{Cause, EndpointAddr, QpEndpoint, QpInner};
-use crate::ring::{
+use crate::contract::ring::{
     H_CAP, H_DOORBELL, H_MAGIC, H_RECV_CQ, H_STATE, QP_MAGIC, S_NUM_SGE, claim, complete_slot,
     segment_len, slot_base, slot_sge,
 };
-use crate::segment::{Segment, cma, copy_bytes};
-use crate::types::*;
+use crate::contract::{
+    Cause, CtxTables, Mapped, MrInner, QpInner, QpTransport, Segment, SendWr, Sge, TableWriting,
+    cma, copy_bytes, key_index,
+};
+use crate::model::*;
 
 /// The shm half of a queue pair.
 pub(crate) struct ShmQp {

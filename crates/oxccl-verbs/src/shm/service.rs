@@ -21,9 +21,9 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags,
 };
 
-use crate::context::{CTX_MAGIC, CtxTables, MAX_CQ, OFF_ALIVE, OFF_MAGIC, ctx_segment_len};
-use crate::error::{Error, Result};
-use crate::segment::Segment;
+use crate::contract::ctx::{CTX_MAGIC, MAX_CQ, OFF_ALIVE, OFF_MAGIC, ctx_segment_len};
+use crate::contract::{CtxTables, SEQ, SLEEPERS, Segment, notify_word};
+use crate::model::{Error, Result};
 
 // Segment-service request kinds.
 const REQ_CTX: u64 = 1;
@@ -339,7 +339,7 @@ impl Service {
             return;
         };
         for i in 0..MAX_CQ as u32 {
-            crate::cq::notify_word(seg.cq_word(i, 0), seg.cq_word(i, 1));
+            notify_word(seg.cq_word(i, 0), seg.cq_word(i, 1));
         }
     }
 
@@ -399,9 +399,9 @@ impl Service {
 /// any: no syscall when nobody sleeps).
 pub(crate) fn notify_peer(peer: &PeerCtx, index: u32) {
     if (index as usize) < MAX_CQ {
-        crate::cq::notify_word(
-            peer.seg.cq_word(index, crate::cq::SEQ),
-            peer.seg.cq_word(index, crate::cq::SLEEPERS),
+        notify_word(
+            peer.seg.cq_word(index, SEQ),
+            peer.seg.cq_word(index, SLEEPERS),
         );
     }
 }

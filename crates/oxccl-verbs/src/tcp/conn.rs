@@ -12,9 +12,9 @@ use super::frame::Hello;
 use super::rx::{Exec, Rx};
 use super::tx::Tx;
 use super::{Shared, read_reply, send_hello};
-use crate::error::{Error, Result};
-use crate::qp::QpInner;
-use crate::sendq::SendQueue;
+use crate::contract::QpInner;
+use crate::contract::sendq::SendQueue;
+use crate::model::{Error, Result};
 
 /// One TCP connection of a queue pair.
 pub(super) struct Sock {

@@ -61,9 +61,8 @@ use std::time::{Duration, Instant};
 
 use rustix::event::epoll;
 
-use crate::context::RegionMap;
-use crate::error::{Error, Result};
-use crate::provider::{OpenArgs, ProviderContext, QpSetup, QpTransport};
+use crate::contract::{OpenArgs, ProviderContext, QpSetup, QpTransport, RegionMap};
+use crate::model::{Error, Result};
 use conn::Conn;
 use frame::{HELLO_LEN, Hello};
 
@@ -324,7 +323,7 @@ impl Shared {
     /// now on (parking them until `connect` names the peer), or connects in `connect_to`.
     fn conn(
         self: &Arc<Self>,
-        qp: std::sync::Weak<crate::qp::QpInner>,
+        qp: std::sync::Weak<crate::contract::QpInner>,
         local_token: u64,
         rnr_us: u64,
     ) -> Arc<Conn> {

@@ -4,11 +4,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use super::{Conn, Shared, frame};
-use crate::error::Result;
-use crate::provider::QpTransport;
-use crate::qp::{EndpointAddr, QpEndpoint, QpInner};
-use crate::sendq::{self, Local, SendLink, SendQueue};
-use crate::types::*;
+use crate::contract::sendq::{self, Local, SendLink, SendQueue};
+use crate::contract::{QpInner, QpTransport, SendWr};
+use crate::model::*;
 
 /// The tcp half of a queue pair.
 pub(crate) struct TcpQp {

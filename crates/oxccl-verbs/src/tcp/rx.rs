@@ -12,10 +12,9 @@ use smallvec::SmallVec;
 use super::conn::Conn;
 use super::frame::{ACK_EVERY, ACK_REQ, HEADER_LEN, Header, Opcode, PART};
 use super::tx::TxFrame;
-use crate::mr::{MrInner, Span, Writing, key_index};
-use crate::qp::QpInner;
-use crate::sendq::{Keep, Spans};
-use crate::types::{AccessFlags, MAX_SGE, WcOpcode, WcStatus};
+use crate::contract::sendq::{Keep, Spans};
+use crate::contract::{MrInner, QpInner, Span, Writing, key_index};
+use crate::model::{AccessFlags, MAX_SGE, WcOpcode, WcStatus};
 
 /// Bytes a connection reads ahead: a small frame, header and payload, costs one `recv`.
 const STAGE: usize = 64 << 10;
@@ -159,7 +158,7 @@ impl Rx {
             // SAFETY: each span is a validated range of a live registered region (kept alive by
             // the frame state that owns `dst`); `skip + k <= s.1`; the stage holds `k` bytes.
             unsafe {
-                crate::segment::copy_bytes(self.stage.as_ptr().add(self.lo), s.0.add(skip), k)
+                crate::contract::copy_bytes(self.stage.as_ptr().add(self.lo), s.0.add(skip), k)
             };
             self.lo += k;
             want -= k;
@@ -828,7 +827,7 @@ impl Conn {
                     let bytes = h.a.to_ne_bytes();
                     // SAFETY: the 8-byte local SGE was validated at post time and is kept alive
                     // by `o._keep`.
-                    unsafe { crate::segment::copy_bytes(bytes.as_ptr(), d.0, 8) };
+                    unsafe { crate::contract::copy_bytes(bytes.as_ptr(), d.0, 8) };
                 }
                 qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, 8, o.signaled);
                 self.sendq.complete_local_failures(qp);

@@ -11,9 +11,9 @@ use smallvec::SmallVec;
 use super::STRIPE_MIN;
 use super::conn::Conn;
 use super::frame::{ACK_REQ, HEADER_LEN, Header, Opcode, Part};
-use crate::mr::{MrInner, Span};
-use crate::sendq::{Keep, Outstanding, Spans};
-use crate::types::{WcOpcode, WcStatus, WrOp};
+use crate::contract::sendq::{Keep, Outstanding, Spans};
+use crate::contract::{MrInner, Span};
+use crate::model::{WcOpcode, WcStatus, WrOp};
 
 /// One frame waiting to be written.
 pub(super) struct TxFrame {

@@ -1,4 +1,4 @@
-//! Providers: the registry of those built in, and the two traits a provider implements.
+//! The two traits a provider implements, what it is given, and the implementer's guide.
 //!
 //! The public types ([`Context`], [`ProtectionDomain`], [`MemoryRegion`], [`QueuePair`],
 //! [`CompletionQueue`]) are the same for every provider. They own what the verbs model has in
@@ -17,17 +17,20 @@
 //!
 //! # The registry
 //!
-//! [`Provider`] is a provider's identity (a name callers pick, compare and serialize). The list
-//! at the bottom of this module (`registry! { .. }`) gives each identity its name and its `open`
-//! function, and is the only place that lists providers: [`Provider::ALL`], [`Provider::name`],
-//! parsing and serialization all come from it.
+//! [`Provider`] is a provider's identity (a name callers pick, compare and serialize), defined
+//! in the model (`model::endpoint`) with its name. Which module opens it is the registry's
+//! (`registry`, at the top of the crate, above the providers): this contract names no
+//! provider.
 //!
 //! # Implementer's guide
 //!
 //! Adding a provider (ofi, say):
 //! 1. A module of its own, `src/ofi/` (declared in `lib.rs`), with
-//!    `pub(crate) fn open(args: &OpenArgs<'_>) -> Result<Box<dyn ProviderContext>>`.
-//! 2. One line in `registry!` below: `Ofi = "ofi" => crate::ofi::open,` with its doc comment.
+//!    `pub(crate) fn open(args: &OpenArgs<'_>) -> Result<Box<dyn ProviderContext>>`. It uses
+//!    only the model and this contract (`crate::model`, `crate::contract`), never a resource
+//!    module nor another provider: `tests/layers.rs` checks it.
+//! 2. A variant of [`Provider`] with its name (`model::endpoint`), and one line in
+//!    `Provider::open` (`registry`): `Provider::Ofi => crate::ofi::open(args),`.
 //! 3. Its settings, if any: fields of [`DeviceConfig`] named after it (`ofi_*`, see `config`),
 //!    read in `DeviceConfig::from_vars`. `open` reads only [`OpenArgs`]: no environment
 //!    variables, no files of its own choosing.
@@ -101,6 +104,7 @@
 //! whose address is none of the named [`EndpointAddr`] forms uses [`EndpointAddr::Opaque`] (its
 //! own bytes: a libfabric endpoint name, say); `connect` refuses the forms it does not use.
 //!
+//! [`Provider`]: crate::Provider
 //! [`Context`]: crate::Context
 //! [`ProtectionDomain`]: crate::ProtectionDomain
 //! [`MemoryRegion`]: crate::MemoryRegion
@@ -111,13 +115,14 @@
 
 use std::sync::{Arc, Weak};
 
-use crate::config::DeviceConfig;
-use crate::context::RegionMap;
-use crate::error::{Error, Result};
-use crate::mr::MrInner;
-use crate::qp::{EndpointAddr, QpEndpoint, QpInner};
-use crate::segment::Segment;
-use crate::types::{AccessFlags, QpConfig, RemoteAddr, SendWr};
+use super::ctx::RegionMap;
+use super::qp::QpInner;
+use super::region::{Mapped, MrInner};
+use super::segment::Segment;
+use super::wr::SendWr;
+use crate::model::{
+    AccessFlags, DeviceConfig, EndpointAddr, QpConfig, QpEndpoint, RemoteAddr, Result,
+};
 
 /// What a provider's `open` is given.
 pub(crate) struct OpenArgs<'a> {
@@ -286,7 +291,7 @@ pub(crate) trait QpTransport: Send + Sync {
         _remote: RemoteAddr,
         _len: usize,
         _need: AccessFlags,
-    ) -> Result<Option<crate::mr::Mapped>> {
+    ) -> Result<Option<Mapped>> {
         Ok(None)
     }
 
@@ -298,74 +303,5 @@ pub(crate) trait QpTransport: Send + Sync {
     /// for it.
     fn destroy(&self, qp: &QpInner) {
         self.disconnect(qp);
-    }
-}
-
-/// Defines [`Provider`] and its lookups from one list: identity, name, `open` function.
-macro_rules! registry {
-    ($( $(#[$doc:meta])* $variant:ident = $name:literal => $open:path ),+ $(,)?) => {
-        /// The verbs providers this build contains: a provider's identity. What a provider does
-        /// is behind the provider traits (module `provider`); this only names it.
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-        #[non_exhaustive]
-        pub enum Provider {
-            $( $(#[$doc])* #[serde(rename = $name)] $variant, )+
-        }
-
-        impl Provider {
-            /// Every provider built in.
-            pub const ALL: &'static [Provider] = &[$(Provider::$variant),+];
-
-            /// The provider's name, as `Device::by_name` takes it.
-            pub fn name(self) -> &'static str {
-                match self {
-                    $( Provider::$variant => $name, )+
-                }
-            }
-
-            /// Opens the provider's half of a new context.
-            pub(crate) fn open(self, args: &OpenArgs<'_>) -> Result<Box<dyn ProviderContext>> {
-                match self {
-                    $( Provider::$variant => $open(args), )+
-                }
-            }
-        }
-    };
-}
-
-registry! {
-    /// Kernel bypass between processes of one host: shared memory, one copy, no syscall.
-    Shm = "shm" => crate::shm::open,
-    /// RDMA semantics over TCP sockets, for hosts without RDMA hardware.
-    Tcp = "tcp" => crate::tcp::open,
-    /// libfabric (OFI): real NICs (verbs, EFA, Slingshot), or libfabric's own `tcp;ofi_rxm`
-    /// and `shm`.
-    Ofi = "ofi" => crate::ofi::open,
-}
-
-impl std::str::FromStr for Provider {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        let want = s.trim().to_ascii_lowercase();
-        Provider::ALL
-            .iter()
-            .copied()
-            .find(|p| p.name() == want)
-            .ok_or_else(|| {
-                Error::UnknownProvider(
-                    s.to_string(),
-                    Provider::ALL
-                        .iter()
-                        .map(|p| p.name())
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                )
-            })
-    }
-}
-
-impl std::fmt::Display for Provider {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
     }
 }

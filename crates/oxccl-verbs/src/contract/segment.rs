@@ -13,7 +13,7 @@ use std::time::Duration;
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 
-use crate::error::{Error, Result};
+use crate::model::{Error, Result};
 
 /// A shared mapping of a memfd. Unmapped on drop.
 pub(crate) struct Segment {

@@ -1,15 +1,15 @@
 //! Completion queues: polling, and a blocking wait that spins, yields, then sleeps on a futex.
+//!
+//! A queue is its core (`contract::CqCore`: the completions queue pairs push, the doorbell) and
+//! the queue pairs attached to it, whose progress a poll drives and whose receive rings it
+//! harvests (`contract::QpInner`).
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::context::{CtxInner, CtxTables};
-use crate::error::{Error, Result};
-use crate::qp::QpInner;
-use crate::segment::{futex_wait, futex_wake_all};
-use crate::types::WorkCompletion;
+use crate::contract::{CqCore, CtxInner, CtxTables, QpInner, SEQ, SLEEPERS, futex_wait};
+use crate::model::{Error, Result, WorkCompletion};
 
 /// A completion queue (`ibv_cq`), shareable by many queue pairs as send and/or receive queue.
 ///
@@ -23,41 +23,20 @@ pub struct CompletionQueue {
 }
 
 pub(crate) struct CqInner {
-    pub ctx: Arc<CtxInner>,
-    pub index: u32,
-    local: Mutex<VecDeque<WorkCompletion>>,
-    local_len: AtomicUsize,
+    /// What queue pairs push to and ring.
+    pub core: Arc<CqCore>,
+    /// The queue pairs attached (as send or receive queue).
     sources: Mutex<Vec<Arc<QpInner>>>,
 }
 
-/// Doorbell word 0: the sequence, bumped on every completion.
-pub(crate) const SEQ: usize = 0;
 /// Longest single sleep: a safety net, since every event that matters also bumps the doorbell.
 const MAX_NAP: Duration = Duration::from_millis(100);
-/// Doorbell word 1: how many waiters sleep on the sequence.
-pub(crate) const SLEEPERS: usize = 1;
 
 impl CompletionQueue {
     pub(crate) fn new(ctx: Arc<CtxInner>, cqe: usize) -> Result<Self> {
-        let index = ctx
-            .tables
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .free_cq
-            .pop()
-            .ok_or_else(|| {
-                Error::Exhausted(format!(
-                    "all {} completion-queue slots of this context are in use",
-                    crate::context::MAX_CQ
-                ))
-            })?;
-        ctx.seg.cq_word(index, SLEEPERS).store(0, Ordering::SeqCst);
         Ok(CompletionQueue {
             inner: Arc::new(CqInner {
-                ctx,
-                index,
-                local: Mutex::new(VecDeque::with_capacity(cqe.min(1 << 16))),
-                local_len: AtomicUsize::new(0),
+                core: Arc::new(CqCore::new(ctx, cqe)?),
                 sources: Mutex::new(Vec::new()),
             }),
         })
@@ -83,10 +62,10 @@ impl CompletionQueue {
     /// when two reads return the same value, nothing arrived in between, so a caller can skip
     /// a [`CompletionQueue::poll`] with one memory load.
     pub fn doorbell(&self) -> u32 {
-        self.inner
-            .ctx
+        let core = &self.inner.core;
+        core.ctx
             .seg
-            .cq_word(self.inner.index, SEQ)
+            .cq_word(core.index, SEQ)
             .load(Ordering::Acquire)
     }
 
@@ -97,9 +76,10 @@ impl CompletionQueue {
             return Err(Error::arg("wait needs room for at least one completion"));
         }
         let inner = &self.inner;
+        let core = &inner.core;
         let start = Instant::now();
         let deadline = start + timeout;
-        let spin_until = start + inner.ctx.tuning.spin.min(timeout);
+        let spin_until = start + core.ctx.tuning.spin.min(timeout);
         let mut spins = 0u32;
         loop {
             let n = inner.poll(out);
@@ -119,8 +99,8 @@ impl CompletionQueue {
                 return Ok(n);
             }
         }
-        let seq = inner.ctx.seg.cq_word(inner.index, SEQ);
-        let sleepers = inner.ctx.seg.cq_word(inner.index, SLEEPERS);
+        let seq = core.ctx.seg.cq_word(core.index, SEQ);
+        let sleepers = core.ctx.seg.cq_word(core.index, SLEEPERS);
         loop {
             let observed = seq.load(Ordering::SeqCst);
             let n = inner.poll(out);
@@ -132,7 +112,7 @@ impl CompletionQueue {
                 return Err(Error::Timeout {
                     what: format!(
                         "a completion on completion queue #{} ({} queue pair(s) attached)",
-                        inner.index,
+                        core.index,
                         inner
                             .sources
                             .lock()
@@ -151,7 +131,7 @@ impl CompletionQueue {
             }
             // A provider with its own wait (tcp: epoll on its sockets) sleeps there: the message
             // wakes the thread that waits for it.
-            if inner.ctx.ops.block(nap) {
+            if core.ctx.ops.block(nap) {
                 continue;
             }
             sleepers.fetch_add(1, Ordering::SeqCst);
@@ -189,76 +169,22 @@ impl CqInner {
     pub(crate) fn poll(&self, out: &mut [WorkCompletion]) -> usize {
         let mut n = 0;
         {
-            self.ctx.ops.progress();
+            self.core.ctx.ops.progress();
             let sources = self.sources.lock().unwrap_or_else(|e| e.into_inner());
             for qp in sources.iter() {
                 qp.progress();
             }
-            n += self.drain_local(&mut out[n..]);
+            n += self.core.drain_local(&mut out[n..]);
             for qp in sources.iter() {
                 if n == out.len() {
                     break;
                 }
-                if std::ptr::eq(Arc::as_ptr(&qp.recv_cq), self) {
+                if Arc::ptr_eq(&qp.recv_cq, &self.core) {
                     n += qp.harvest(&mut out[n..]);
                 }
             }
         }
-        self.ctx.ops.polled(n);
+        self.core.ctx.ops.polled(n);
         n
-    }
-
-    fn drain_local(&self, out: &mut [WorkCompletion]) -> usize {
-        if out.is_empty() || self.local_len.load(Ordering::Acquire) == 0 {
-            return 0;
-        }
-        let mut q = self.local.lock().unwrap_or_else(|e| e.into_inner());
-        let n = q.len().min(out.len());
-        for (slot, wc) in out.iter_mut().zip(q.drain(..n)) {
-            *slot = wc;
-        }
-        self.local_len.store(q.len(), Ordering::Release);
-        n
-    }
-
-    /// Queues a local completion and wakes sleepers.
-    pub(crate) fn push(&self, wc: WorkCompletion) {
-        {
-            let mut q = self.local.lock().unwrap_or_else(|e| e.into_inner());
-            q.push_back(wc);
-            self.local_len.store(q.len(), Ordering::Release);
-        }
-        self.notify();
-    }
-
-    /// Wakes this queue's sleepers, if any (no syscall when nobody sleeps).
-    pub(crate) fn notify(&self) {
-        notify_word(
-            self.ctx.seg.cq_word(self.index, SEQ),
-            self.ctx.seg.cq_word(self.index, SLEEPERS),
-        );
-        self.ctx.ops.notify();
-    }
-}
-
-/// The doorbell protocol of a completion-queue slot: bump, then wake only when someone sleeps.
-pub(crate) fn notify_word(
-    seq: &std::sync::atomic::AtomicU32,
-    sleepers: &std::sync::atomic::AtomicU32,
-) {
-    seq.fetch_add(1, Ordering::SeqCst);
-    if sleepers.load(Ordering::SeqCst) > 0 {
-        futex_wake_all(seq);
-    }
-}
-
-impl Drop for CqInner {
-    fn drop(&mut self) {
-        self.ctx
-            .tables
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .free_cq
-            .push(self.index);
     }
 }

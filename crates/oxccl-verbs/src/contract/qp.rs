@@ -1,4 +1,5 @@
-//! Reliable-connected queue pairs: the state machine, the receive queue, errors and flushes.
+//! The core of a reliable-connected queue pair ([`QpInner`]): the state machine, the receive
+//! queue, errors and flushes, and the services a provider's transport calls.
 //!
 //! This is the part every provider shares. A queue pair owns a segment (`ring`): its state word
 //! and its receive ring, which `post_recv` fills and completion queues harvest. The send side is
@@ -7,106 +8,30 @@
 //! [`QpInner::complete_send`]. A failure moves the queue pair to ERR through
 //! [`QpInner::set_error`], which asks the provider to flush its outstanding sends and flushes the
 //! receive ring itself.
+//!
+//! The handle users hold (`QueuePair`) and its creation are the resource layer's
+//! (`resource::qp`); it reaches the core through the methods marked "for the handle" below.
+//! A provider uses only the services (completions, receives, errors, the read-only fields).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use serde::{Deserialize, Serialize};
-
-use crate::context::{CtxInner, ProtectionDomain, random_u64};
-use crate::cq::{CompletionQueue, CqInner};
-use crate::error::{Error, Result};
-use crate::mr::{MrInner, RemoteMapping, Span, key_index};
-use crate::provider::{Provider, QpSetup, QpTransport};
-use crate::ring::{
+use super::cq::CqCore;
+use super::ctx::{CtxInner, random_u64};
+use super::provider::{QpSetup, QpTransport};
+use super::region::{MrInner, Span, key_index};
+use super::ring::{
     H_CAP, H_CLAIMED, H_MAGIC, H_POSTED, H_RECV_CQ, H_STATE, QP_MAGIC, S_BYTE_LEN, S_DONE,
     S_HAS_IMM, S_IMM, S_NUM_SGE, S_OPCODE, S_SGES, S_STATUS, S_WR_ID, claim, complete_slot,
     segment_len, slot_base, slot_sge,
 };
-use crate::segment::Segment;
-use crate::types::*;
+use super::segment::Segment;
+use super::wr::{RecvWr, SendWr};
+use crate::model::*;
 
-/// What a peer needs to connect to a queue pair: serialize it and hand it over out of band.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct QpEndpoint {
-    /// Provider of the queue pair; both ends must match.
-    pub provider: Provider,
-    /// Host identity (boot id) of the owner.
-    pub host: String,
-    /// Queue pair number (for messages and completions).
-    pub qp_num: u32,
-    /// Provider-specific address.
-    pub addr: EndpointAddr,
-}
-
-fn one() -> u32 {
-    1
-}
-
-/// The provider-specific part of an endpoint.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[non_exhaustive]
-pub enum EndpointAddr {
-    /// A shared-memory queue pair.
-    Shm {
-        /// Owner's process id.
-        pid: u32,
-        /// Owner context's secret token.
-        ctx_token: u64,
-        /// Abstract Unix socket of the owner's segment service.
-        socket: String,
-        /// Secret token of the queue pair's segment.
-        qp_token: u64,
-    },
-    /// A tcp queue pair.
-    Tcp {
-        /// `IP:port` of the owner context's listener.
-        addr: String,
-        /// Secret token naming the queue pair in the connection handshake.
-        qp_token: u64,
-        /// How many TCP connections the owner wants for the queue pair
-        /// ([`DeviceConfig::tcp_nsocks`](crate::DeviceConfig::tcp_nsocks)); the two sides use
-        /// the smaller wish.
-        #[serde(default = "one")]
-        nsocks: u32,
-    },
-    /// An address in a provider's own encoding, for providers whose addresses are none of the
-    /// above (a libfabric endpoint name, say): only that provider reads it.
-    Opaque {
-        /// The address.
-        bytes: Vec<u8>,
-        /// Secret token naming the queue pair.
-        qp_token: u64,
-    },
-}
-
-impl std::fmt::Display for QpEndpoint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.addr {
-            EndpointAddr::Shm { pid, .. } => {
-                write!(f, "{} qp {} of pid {pid}", self.provider, self.qp_num)
-            }
-            EndpointAddr::Tcp { addr, .. } => {
-                write!(f, "{} qp {} at {addr}", self.provider, self.qp_num)
-            }
-            EndpointAddr::Opaque { bytes, .. } => {
-                write!(f, "{} qp {} at ", self.provider, self.qp_num)?;
-                bytes.iter().try_for_each(|b| write!(f, "{b:02x}"))
-            }
-        }
-    }
-}
-
-/// A reliable-connected queue pair (`ibv_qp` of type RC).
-///
-/// Walk it RESET → INIT → RTR → RTS with [`QueuePair::connect`] (or step by step); any failed
-/// request moves it to ERR, after which every outstanding and later request completes with
-/// `WorkRequestFlushed`. Dropping it destroys it; the peer's requests then fail with
-/// `RetryExceeded`.
-pub struct QueuePair {
-    inner: Arc<QpInner>,
-}
-
+/// The core of a queue pair, shared by its handle (`QueuePair`), the completion queues it is
+/// attached to, and its provider's transport (which reaches it through the `Weak` of
+/// [`QpSetup::qp`] and the `&QpInner` every [`QpTransport`] method gets).
 pub(crate) struct QpInner {
     pub(crate) ctx: Arc<CtxInner>,
     /// The protection domain's id.
@@ -117,18 +42,19 @@ pub(crate) struct QpInner {
     pub(crate) cfg: QpConfig,
     seg: Arc<Segment>,
     cap: u64,
-    send_cq: Arc<CqInner>,
-    pub(crate) recv_cq: Arc<CqInner>,
-    /// The peer's endpoint, once connected (RTR or later).
-    remote: OnceLock<QpEndpoint>,
-    /// The provider's half: the send side.
-    transport: Box<dyn QpTransport>,
+    send_cq: Arc<CqCore>,
+    pub(crate) recv_cq: Arc<CqCore>,
+    /// The peer's endpoint, once connected (RTR or later). For the handle.
+    pub(crate) remote: OnceLock<QpEndpoint>,
+    /// The provider's half: the send side. For the handle.
+    pub(crate) transport: Box<dyn QpTransport>,
     recv: Mutex<RecvSide>,
     /// The peer is gone; the first request of each queue to learn it reports `RetryExceeded`.
     gone: AtomicBool,
     gone_told_send: AtomicBool,
     gone_told_recv: AtomicBool,
-    detail: Mutex<Option<String>>,
+    /// The last failure explained. For the handle ([`QpInner::note`] for providers).
+    pub(crate) detail: Mutex<Option<String>>,
 }
 
 #[derive(Default)]
@@ -144,36 +70,24 @@ pub(crate) enum Cause {
     Request,
     /// The peer is gone (died, destroyed its queue pair, never became ready).
     PeerGone,
-    /// The user asked ([`QueuePair::to_error`]).
+    /// The user asked ([`QueuePair::to_error`](crate::QueuePair::to_error)).
     User,
 }
 
-impl ProtectionDomain {
-    /// Creates a reliable-connected queue pair (`ibv_create_qp`) in state RESET.
-    pub fn create_qp(
-        &self,
-        send_cq: &CompletionQueue,
-        recv_cq: &CompletionQueue,
+impl QpInner {
+    /// Makes the core of a new queue pair in RESET: its segment (state word and receive ring)
+    /// and its provider's transport ([`ProviderContext::create_qp`]). `cfg` was checked by the
+    /// caller (`ProtectionDomain::create_qp`), which attaches the result to its completion
+    /// queues.
+    ///
+    /// [`ProviderContext::create_qp`]: super::ProviderContext::create_qp
+    pub(crate) fn create(
+        ctx: &Arc<CtxInner>,
+        pd: u64,
+        send_cq: &Arc<CqCore>,
+        recv_cq: &Arc<CqCore>,
         cfg: &QpConfig,
-    ) -> Result<QueuePair> {
-        let ctx = self.ctx.inner.clone();
-        for cq in [send_cq, recv_cq] {
-            if !Arc::ptr_eq(&cq.inner.ctx, &ctx) {
-                return Err(Error::arg("completion queue belongs to another context"));
-            }
-        }
-        if cfg.max_sge as usize > MAX_SGE || cfg.max_sge == 0 {
-            return Err(Error::arg(format!(
-                "max_sge {} outside 1..={MAX_SGE}",
-                cfg.max_sge
-            )));
-        }
-        if cfg.max_recv_wr == 0 || cfg.max_recv_wr > 1 << 16 || cfg.max_send_wr == 0 {
-            return Err(Error::arg(format!(
-                "queue depths out of range: max_send_wr {} (>= 1), max_recv_wr {} (1..=65536)",
-                cfg.max_send_wr, cfg.max_recv_wr
-            )));
-        }
+    ) -> Result<Arc<QpInner>> {
         let cap = cfg.max_recv_wr as u64;
         let seg = Arc::new(Segment::create("oxccl-qp", segment_len(cap))?);
         let qpn = ctx.next_qpn.fetch_add(1, Ordering::Relaxed);
@@ -182,7 +96,7 @@ impl ProtectionDomain {
         seg.atomic_u32(H_STATE)
             .store(QpState::Reset as u32, Ordering::Relaxed);
         seg.atomic_u32(H_RECV_CQ)
-            .store(recv_cq.inner.index, Ordering::Relaxed);
+            .store(recv_cq.index, Ordering::Relaxed);
         seg.atomic_u32(H_CAP).store(cap as u32, Ordering::Relaxed);
         seg.atomic_u64(H_MAGIC).store(QP_MAGIC, Ordering::Release);
         let mut failed = None;
@@ -199,14 +113,14 @@ impl ProtectionDomain {
             });
             QpInner {
                 ctx: ctx.clone(),
-                pd: self.id,
+                pd,
                 qpn,
                 token,
                 cfg: cfg.clone(),
                 seg: seg.clone(),
                 cap,
-                send_cq: send_cq.inner.clone(),
-                recv_cq: recv_cq.inner.clone(),
+                send_cq: send_cq.clone(),
+                recv_cq: recv_cq.clone(),
                 remote: OnceLock::new(),
                 transport,
                 recv: Mutex::new(RecvSide::default()),
@@ -219,213 +133,23 @@ impl ProtectionDomain {
         if let Some(e) = failed {
             return Err(e);
         }
-        send_cq.inner.attach(inner.clone());
-        recv_cq.inner.attach(inner.clone());
-        Ok(QueuePair { inner })
-    }
-}
-
-/// The transport of a queue pair whose provider failed to make one: never used (the queue pair
-/// is dropped before `create_qp` returns).
-struct Unmade;
-
-impl QpTransport for Unmade {
-    fn endpoint_addr(&self, qp: &QpInner) -> EndpointAddr {
-        EndpointAddr::Opaque {
-            bytes: Vec::new(),
-            qp_token: qp.token,
-        }
-    }
-    fn connect(&self, _qp: &QpInner, _remote: &QpEndpoint) -> std::result::Result<(), String> {
-        Err("the queue pair was never made".into())
-    }
-    fn post_send(&self, _qp: &QpInner, _wrs: &[SendWr<'_>]) -> Result<()> {
-        Err(Error::arg("the queue pair was never made"))
-    }
-    fn progress(&self, _qp: &QpInner) {}
-    fn peer_gone(&self, _qp: &QpInner) -> bool {
-        false
-    }
-    fn flush_sends(&self, _qp: &QpInner) {}
-}
-
-impl QueuePair {
-    /// The queue pair number.
-    pub fn qp_num(&self) -> u32 {
-        self.inner.qpn
+        Ok(inner)
     }
 
-    /// The current state.
-    pub fn state(&self) -> QpState {
-        self.inner.state()
-    }
-
-    /// The endpoint a peer connects to.
-    pub fn endpoint(&self) -> QpEndpoint {
-        let qp = &self.inner;
-        QpEndpoint {
-            provider: qp.ctx.provider,
-            host: qp.ctx.host.clone(),
-            qp_num: qp.qpn,
-            addr: qp.transport.endpoint_addr(qp),
-        }
-    }
-
-    /// The endpoint this queue pair is connected to, once in RTR or later.
-    pub fn remote(&self) -> Option<&QpEndpoint> {
-        self.inner.remote.get()
-    }
-
-    /// A description of the last failure the kernel explained (for example why a
-    /// process_vm_writev was refused), if any.
-    pub fn error_detail(&self) -> Option<String> {
-        self.inner
-            .detail
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// RESET → INIT: receives may now be posted.
-    pub fn to_init(&self) -> Result<()> {
-        self.inner
-            .transition(&[QpState::Reset, QpState::Init], QpState::Init)
-    }
-
-    /// INIT → RTR: connects to `remote` (the provider reaches the peer: maps its segments and
-    /// watches its process, or opens a connection).
-    pub fn to_rtr(&self, remote: &QpEndpoint) -> Result<()> {
-        let qp = &self.inner;
-        let state = qp.state();
-        if state != QpState::Init {
-            return Err(Error::InvalidTransition {
-                qp_num: qp.qpn,
-                from: state,
-                to: QpState::Rtr,
-            });
-        }
-        let fail = |reason: String| Error::Connect {
-            qp_num: qp.qpn,
-            peer: remote.to_string(),
-            reason,
-        };
-        if remote.provider != qp.ctx.provider {
-            return Err(fail(format!(
-                "provider mismatch: local {}, remote {}",
-                qp.ctx.provider, remote.provider
-            )));
-        }
-        qp.transport.connect(qp, remote).map_err(fail)?;
-        if qp.remote.set(remote.clone()).is_err() {
-            return Err(fail("already connected".into()));
-        }
-        qp.set_state(QpState::Rtr);
-        Ok(())
-    }
-
-    /// RTR → RTS: requests may now be posted.
-    pub fn to_rts(&self) -> Result<()> {
-        self.inner
-            .transition(&[QpState::Rtr, QpState::Rts], QpState::Rts)
-    }
-
-    /// Walks RESET → INIT → RTR → RTS towards `remote`.
-    pub fn connect(&self, remote: &QpEndpoint) -> Result<()> {
-        if self.state() == QpState::Reset {
-            self.to_init()?;
-        }
-        self.to_rtr(remote)?;
-        self.to_rts()
-    }
-
-    /// Moves the queue pair to ERR: every outstanding request completes with `WorkRequestFlushed`.
-    pub fn to_error(&self) {
-        self.inner.set_error(Cause::User);
-    }
-
-    /// Tears the connection down as a cut cable or an exiting process would: this queue pair
-    /// moves to ERR (outstanding requests are flushed, then it reads as destroyed) and the
-    /// peer's fails too, as "peer gone". Unlike [`QueuePair::to_error`], which the peer does
-    /// not notice (as in InfiniBand). For fault injection and tests.
-    pub fn disconnect(&self) {
-        self.inner.set_error(Cause::User);
-        self.inner.set_state(QpState::Destroyed);
-        self.inner.transport.disconnect(&self.inner);
-    }
-
-    /// Posts send-queue requests (`ibv_post_send`). Errors name the request (its index and
-    /// `wr_id`) that could not be posted; requests before it were posted.
-    pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
-        self.inner.post_send(wrs)
-    }
-
-    /// Posts receive requests (`ibv_post_recv`).
-    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
-        self.inner.post_recv(wrs)
-    }
-
-    /// Maps the connected peer's memory at `remote` into this process, where the provider can
-    /// (UCX's `ucp_rkey_ptr`): the shm provider maps its provider memory (`alloc_mr`); other
-    /// providers, and user memory, give `Ok(None)`, and requests remain the way to reach it.
-    /// The range is validated as a request's would be: an rkey, range or access (`need`) that
-    /// does not match fails with [`Error::RemoteAccess`] and the queue pair stays as it is.
-    /// Only in RTS. See [`RemoteMapping`] for what the mapping allows, and for how long.
-    pub fn map_remote(
-        &self,
-        remote: RemoteBuffer,
-        need: AccessFlags,
-    ) -> Result<Option<RemoteMapping>> {
-        let state = self.state();
-        if state != QpState::Rts {
-            return Err(Error::InvalidState {
-                qp_num: self.inner.qpn,
-                op: "map_remote",
-                state,
-            });
-        }
-        let Ok(len) = usize::try_from(remote.len) else {
-            return Err(Error::arg(format!("{} bytes cannot be mapped", remote.len)));
-        };
-        let m = self
-            .inner
-            .transport
-            .map_remote(&self.inner, remote.at(0), len, need)?;
-        Ok(m.map(RemoteMapping::new))
-    }
-}
-
-impl std::fmt::Debug for QueuePair {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("QueuePair")
-            .field("qp_num", &self.inner.qpn)
-            .field("state", &self.state())
-            .finish()
-    }
-}
-
-impl Drop for QueuePair {
-    fn drop(&mut self) {
-        let qp = &self.inner;
-        qp.set_state(QpState::Destroyed);
-        qp.transport.destroy(qp);
-        qp.send_cq.detach(qp);
-        qp.recv_cq.detach(qp);
-    }
-}
-
-impl QpInner {
     /// The current state.
     pub(crate) fn state(&self) -> QpState {
         QpState::from_u32(self.seg.atomic_u32(H_STATE).load(Ordering::Acquire))
     }
 
-    fn set_state(&self, s: QpState) {
+    /// Sets the state. For the handle.
+    pub(crate) fn set_state(&self, s: QpState) {
         self.seg
             .atomic_u32(H_STATE)
             .store(s as u32, Ordering::SeqCst);
     }
 
-    fn transition(&self, from: &[QpState], to: QpState) -> Result<()> {
+    /// Moves from one of `from` to `to`. For the handle.
+    pub(crate) fn transition(&self, from: &[QpState], to: QpState) -> Result<()> {
         let state = self.state();
         if !from.contains(&state) {
             return Err(Error::InvalidTransition {
@@ -442,7 +166,7 @@ impl QpInner {
         self.transport.has_pending()
     }
 
-    /// Records a failure's explanation for [`QueuePair::error_detail`].
+    /// Records a failure's explanation for [`QueuePair::error_detail`](crate::QueuePair::error_detail).
     pub(crate) fn note(&self, msg: String) {
         *self.detail.lock().unwrap_or_else(|e| e.into_inner()) = Some(msg);
     }
@@ -490,7 +214,8 @@ impl QpInner {
         Ok(())
     }
 
-    fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
+    /// Checks the state and hands the requests to the transport. For the handle.
+    pub(crate) fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
         let state = self.state();
         if !matches!(state, QpState::Rts | QpState::Err) {
             return Err(Error::InvalidState {
@@ -584,7 +309,8 @@ impl QpInner {
         self.send_cq.notify();
     }
 
-    fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
+    /// Writes receive requests into the ring. For the handle.
+    pub(crate) fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
         let state = self.state();
         if state == QpState::Reset || state == QpState::Destroyed {
             return Err(Error::InvalidState {
@@ -620,14 +346,15 @@ impl QpInner {
             for (j, g) in wr.sg_list.iter().enumerate() {
                 let o = base + S_SGES + j * 24;
                 // A deregistered region publishes lkey 0, which never validates.
-                let lkey = if g.mr.is_registered() && g.mr.inner.pd == self.pd {
-                    g.mr.lkey()
+                let mr = &g.mr.inner;
+                let lkey = if mr.is_registered() && mr.pd == self.pd {
+                    mr.lkey
                 } else {
                     0
                 };
                 seg.atomic_u64(o).store(lkey, Ordering::Relaxed);
                 seg.atomic_u64(o + 8)
-                    .store(g.mr.addr().wrapping_add(g.offset as u64), Ordering::Relaxed);
+                    .store(mr.addr.wrapping_add(g.offset as u64), Ordering::Relaxed);
                 seg.atomic_u64(o + 16)
                     .store(g.len as u64, Ordering::Relaxed);
             }
@@ -658,7 +385,8 @@ impl QpInner {
         Ok(())
     }
 
-    /// Moves finished receive completions into `out`, in posting order.
+    /// Moves finished receive completions into `out`, in posting order. For the completion
+    /// queue's poll.
     pub(crate) fn harvest(&self, out: &mut [WorkCompletion]) -> usize {
         let Ok(mut r) = self.recv.try_lock() else {
             return 0;
@@ -741,7 +469,7 @@ impl QpInner {
     /// A request failed (its error completion is already pushed): the queue pair fails.
     pub(crate) fn request_failed(&self) {
         #[cfg(test)]
-        crate::tests::hooks::between_error_completion_and_flush();
+        super::hooks::between_error_completion_and_flush();
         self.set_error(Cause::Request);
     }
 
@@ -802,4 +530,28 @@ impl QpInner {
         }
         Ok((spans, keep, room))
     }
+}
+
+/// The transport of a queue pair whose provider failed to make one: never used (the queue pair
+/// is dropped before `create_qp` returns).
+struct Unmade;
+
+impl QpTransport for Unmade {
+    fn endpoint_addr(&self, qp: &QpInner) -> EndpointAddr {
+        EndpointAddr::Opaque {
+            bytes: Vec::new(),
+            qp_token: qp.token,
+        }
+    }
+    fn connect(&self, _qp: &QpInner, _remote: &QpEndpoint) -> std::result::Result<(), String> {
+        Err("the queue pair was never made".into())
+    }
+    fn post_send(&self, _qp: &QpInner, _wrs: &[SendWr<'_>]) -> Result<()> {
+        Err(Error::arg("the queue pair was never made"))
+    }
+    fn progress(&self, _qp: &QpInner) {}
+    fn peer_gone(&self, _qp: &QpInner) -> bool {
+        false
+    }
+    fn flush_sends(&self, _qp: &QpInner) {}
 }

@@ -1,11 +1,11 @@
-//! Plain data types of the verbs model: access flags, states, work requests and completions.
+//! Plain data types of the verbs model: access flags, remote addresses, operations, states,
+//! completions and queue-pair settings. (Work requests name memory regions, so they sit one
+//! layer up, in `contract::wr`.)
 
 use std::fmt;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-
-use crate::mr::MemoryRegion;
 
 /// Access rights of a memory region, as `ibv_access_flags`.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -109,32 +109,6 @@ pub struct RemoteAddr {
     pub rkey: u64,
 }
 
-/// One scatter-gather element: `len` bytes at `offset` inside a local memory region.
-#[derive(Clone, Copy, Debug)]
-pub struct Sge<'a> {
-    /// The local region.
-    pub mr: &'a MemoryRegion,
-    /// Offset of the first byte inside the region.
-    pub offset: usize,
-    /// Number of bytes.
-    pub len: usize,
-}
-
-impl<'a> Sge<'a> {
-    /// `len` bytes at `offset` of `mr`.
-    pub fn new(mr: &'a MemoryRegion, offset: usize, len: usize) -> Self {
-        Self { mr, offset, len }
-    }
-    /// The whole region.
-    pub fn whole(mr: &'a MemoryRegion) -> Self {
-        Self {
-            mr,
-            offset: 0,
-            len: mr.len(),
-        }
-    }
-}
-
 /// The operation of a send-queue work request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WrOp {
@@ -201,56 +175,6 @@ impl WrOp {
             | WrOp::FetchAdd { remote, .. } => Some(remote),
             WrOp::Send | WrOp::SendWithImm { .. } => None,
         }
-    }
-}
-
-/// A send-queue work request (`ibv_send_wr`).
-#[derive(Clone, Copy, Debug)]
-pub struct SendWr<'a> {
-    /// Caller's identifier, returned in the completion.
-    pub wr_id: u64,
-    /// What to do.
-    pub op: WrOp,
-    /// Local buffers: gathered for WRITE/SEND, scattered into for READ and atomics (one 8-byte element).
-    pub sg_list: &'a [Sge<'a>],
-    /// Whether a successful completion is reported (errors always are).
-    pub signaled: bool,
-}
-
-impl<'a> SendWr<'a> {
-    /// A signaled request.
-    pub fn new(wr_id: u64, op: WrOp, sg_list: &'a [Sge<'a>]) -> Self {
-        Self {
-            wr_id,
-            op,
-            sg_list,
-            signaled: true,
-        }
-    }
-    /// The same request, unsignaled.
-    pub fn unsignaled(mut self) -> Self {
-        self.signaled = false;
-        self
-    }
-    /// Total bytes in the scatter-gather list.
-    pub fn total_len(&self) -> usize {
-        self.sg_list.iter().map(|s| s.len).sum()
-    }
-}
-
-/// A receive-queue work request (`ibv_recv_wr`).
-#[derive(Clone, Copy, Debug)]
-pub struct RecvWr<'a> {
-    /// Caller's identifier, returned in the completion.
-    pub wr_id: u64,
-    /// Buffers the incoming SEND is scattered into (empty for immediates only).
-    pub sg_list: &'a [Sge<'a>],
-}
-
-impl<'a> RecvWr<'a> {
-    /// A receive request.
-    pub fn new(wr_id: u64, sg_list: &'a [Sge<'a>]) -> Self {
-        Self { wr_id, sg_list }
     }
 }
 

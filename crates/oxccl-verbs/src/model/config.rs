@@ -14,7 +14,7 @@
 
 use std::time::Duration;
 
-use crate::error::{Error, Result};
+use super::error::{Error, Result};
 
 /// How a context is set up, given when it is opened ([`Device::open_with`]): providers never
 /// read the environment themselves. [`DeviceConfig::from_env`] reads the `OXCCL_*` variables

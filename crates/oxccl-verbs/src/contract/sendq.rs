@@ -11,10 +11,10 @@ use std::sync::{Arc, Mutex};
 
 use smallvec::SmallVec;
 
-use crate::error::Result;
-use crate::mr::{MrInner, Span};
-use crate::qp::{Cause, QpInner};
-use crate::types::{QpState, SendWr, WcOpcode, WcStatus, WrOp};
+use super::qp::{Cause, QpInner};
+use super::region::{MrInner, Span};
+use super::wr::SendWr;
+use crate::model::{QpState, Result, WcOpcode, WcStatus, WrOp};
 
 /// Spans of a request's local buffers (one or two, almost always: no allocation).
 pub(crate) type Spans = SmallVec<[Span; 2]>;

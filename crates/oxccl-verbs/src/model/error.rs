@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::types::QpState;
+use super::types::QpState;
 
 /// Result of a verbs call.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -20,8 +20,8 @@
 
 use std::sync::atomic::Ordering;
 
-use crate::segment::Segment;
-use crate::types::{WcOpcode, WcStatus};
+use super::segment::Segment;
+use crate::model::{WcOpcode, WcStatus};
 
 pub(crate) const QP_MAGIC: u64 = 0x6f78_6363_6c5f_7170; // "oxccl_qp"
 // Header words, one cache line per writer so owner and peer do not false-share: line 0 is

@@ -377,7 +377,9 @@ impl ShmQp {
         self.pending.store(s.pending.len(), Ordering::Relaxed);
     }
 
-    /// Executes one request against the peer. Validates everything before touching memory.
+    /// Executes one request against the peer. Validates everything before touching memory:
+    /// the peer's state, the local buffers (a local error must not have remote effects), then
+    /// the remote range (in the operation's own step below).
     fn exec<S: Sges + ?Sized>(
         &self,
         qp: &QpInner,
@@ -395,151 +397,200 @@ impl ShmQp {
         if link.peer.dead.load(Ordering::Acquire) {
             return Done(WcStatus::RetryExceeded, 0);
         }
-        // Local buffers first: a local error must not have remote effects.
-        let scatter = matches!(
-            op,
-            WrOp::Read { .. } | WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. }
-        );
         let mut local = [(std::ptr::null_mut::<u8>(), 0usize); MAX_SGE];
-        let mut total = 0usize;
-        for (i, slot) in local.iter_mut().enumerate().take(sg.count()) {
-            let (mr, off, len) = sg.get(i);
-            match mr.local_ptr(qp.pd, off, len, scatter) {
-                Ok(p) => *slot = (p, len),
-                Err(st) => return Done(st, 0),
-            }
-            total += len;
-        }
+        let total = match local_buffers(qp, op, sg, &mut local) {
+            Ok(total) => total,
+            Err(st) => return Done(st, 0),
+        };
         let local = &local[..sg.count()];
-        if total > u32::MAX as usize {
+        match *op {
+            WrOp::Write { remote } => self.exec_write(qp, s, link, remote, local, total),
+            WrOp::WriteWithImm { remote, imm } => {
+                self.exec_write_imm(qp, s, link, remote, imm, local, total)
+            }
+            WrOp::Send => self.exec_send(qp, s, link, None, local, total),
+            WrOp::SendWithImm { imm } => self.exec_send(qp, s, link, Some(imm), local, total),
+            WrOp::Read { remote } => self.exec_read(qp, s, link, remote, local, total),
+            WrOp::CompareSwap { remote, .. } | WrOp::FetchAdd { remote, .. } => {
+                self.exec_atomic(qp, s, link, op, remote, local, total)
+            }
+        }
+    }
+
+    /// A WRITE: validate the remote range, copy, ring the peer queue pair's doorbell.
+    fn exec_write(
+        &self,
+        qp: &QpInner,
+        s: &mut SendSide,
+        link: &ShmLink,
+        remote: RemoteAddr,
+        local: &[(*mut u8, usize)],
+        total: usize,
+    ) -> Outcome {
+        use Outcome::Done;
+        // Announced before the checks, held until the copy is done: the target's
+        // deregistration waits for it.
+        let Some(_writing) = TableWriting::begin(&link.peer.seg, remote.rkey) else {
+            return Done(WcStatus::RemoteAccessError, 0);
+        };
+        match self.resolve(qp, s, link, remote, total, AccessFlags::REMOTE_WRITE) {
+            Ok(t) => match self.put(qp, &t, local) {
+                Ok(()) => {
+                    s.writes += 1;
+                    link.seg
+                        .atomic_u64(H_DOORBELL)
+                        .store(s.writes, Ordering::Release);
+                    Done(WcStatus::Success, total as u32)
+                }
+                Err(st) => Done(st, 0),
+            },
+            Err(st) => Done(st, 0),
+        }
+    }
+
+    /// A WRITE_WITH_IMM: validate the remote range, claim a receive of the peer, copy, complete
+    /// the receive.
+    #[allow(clippy::too_many_arguments)]
+    fn exec_write_imm(
+        &self,
+        qp: &QpInner,
+        s: &mut SendSide,
+        link: &ShmLink,
+        remote: RemoteAddr,
+        imm: u32,
+        local: &[(*mut u8, usize)],
+        total: usize,
+    ) -> Outcome {
+        use Outcome::Done;
+        let Some(_writing) = TableWriting::begin(&link.peer.seg, remote.rkey) else {
+            return Done(WcStatus::RemoteAccessError, 0);
+        };
+        let t = match self.resolve(qp, s, link, remote, total, AccessFlags::REMOTE_WRITE) {
+            Ok(t) => t,
+            Err(st) => return Done(st, 0),
+        };
+        let Some(slot) = claim(&link.seg) else {
+            return Outcome::NotReady(NotReady::Rnr);
+        };
+        let status = self.put(qp, &t, local);
+        let (recv_status, op_status) = match status {
+            Ok(()) => (WcStatus::Success, WcStatus::Success),
+            Err(st) => (WcStatus::WorkRequestFlushed, st),
+        };
+        complete_slot(
+            &link.seg,
+            link.cap,
+            slot,
+            recv_status,
+            WcOpcode::RecvRdmaWithImm,
+            total as u32,
+            Some(imm),
+        );
+        notify_peer(&link.peer, link.recv_cq);
+        Done(op_status, total as u32)
+    }
+
+    /// A SEND (with `imm` or without): claim a receive of the peer, scatter into it, complete it.
+    fn exec_send(
+        &self,
+        qp: &QpInner,
+        s: &mut SendSide,
+        link: &ShmLink,
+        imm: Option<u32>,
+        local: &[(*mut u8, usize)],
+        total: usize,
+    ) -> Outcome {
+        let Some(slot) = claim(&link.seg) else {
+            return Outcome::NotReady(NotReady::Rnr);
+        };
+        let (recv_status, op_status) = self.deliver(qp, s, link, slot, local, total);
+        complete_slot(
+            &link.seg,
+            link.cap,
+            slot,
+            recv_status,
+            WcOpcode::Recv,
+            total as u32,
+            imm,
+        );
+        notify_peer(&link.peer, link.recv_cq);
+        Outcome::Done(op_status, total as u32)
+    }
+
+    /// A READ: validate the remote range, copy out of the peer's mapping (or with
+    /// process_vm_readv from its user memory).
+    fn exec_read(
+        &self,
+        qp: &QpInner,
+        s: &mut SendSide,
+        link: &ShmLink,
+        remote: RemoteAddr,
+        local: &[(*mut u8, usize)],
+        total: usize,
+    ) -> Outcome {
+        use Outcome::Done;
+        match self.resolve(qp, s, link, remote, total, AccessFlags::REMOTE_READ) {
+            Ok(Target::Mapped(mut src)) => {
+                for &(p, len) in local {
+                    // SAFETY: `src..src+total` lies inside the peer's mapped region (checked
+                    // by `resolve`); `p` is a validated local range.
+                    unsafe {
+                        copy_bytes(src, p, len);
+                        src = src.add(len);
+                    }
+                }
+                Done(WcStatus::Success, total as u32)
+            }
+            Ok(Target::User { pid, addr }) => match cma::read(pid, addr, local) {
+                Ok(()) => Done(WcStatus::Success, total as u32),
+                Err(e) => Done(self.cma_failed(qp, "process_vm_readv", pid, e), 0),
+            },
+            Err(st) => Done(st, 0),
+        }
+    }
+
+    /// A compare-and-swap or fetch-and-add: a CPU atomic on the peer's mapped word, the old
+    /// value into the one 8-byte local buffer.
+    #[allow(clippy::too_many_arguments)]
+    fn exec_atomic(
+        &self,
+        qp: &QpInner,
+        s: &mut SendSide,
+        link: &ShmLink,
+        op: &WrOp,
+        remote: RemoteAddr,
+        local: &[(*mut u8, usize)],
+        total: usize,
+    ) -> Outcome {
+        use Outcome::Done;
+        if local.len() != 1 || total != 8 {
             return Done(WcStatus::LocalLengthError, 0);
         }
-        match *op {
-            WrOp::Write { remote } => {
-                // Announced before the checks, held until the copy is done: the target's
-                // deregistration waits for it.
-                let Some(_writing) = TableWriting::begin(&link.peer.seg, remote.rkey) else {
-                    return Done(WcStatus::RemoteAccessError, 0);
-                };
-                match self.resolve(qp, s, link, remote, total, AccessFlags::REMOTE_WRITE) {
-                    Ok(t) => match self.put(qp, &t, local) {
-                        Ok(()) => {
-                            s.writes += 1;
-                            link.seg
-                                .atomic_u64(H_DOORBELL)
-                                .store(s.writes, Ordering::Release);
-                            Done(WcStatus::Success, total as u32)
-                        }
-                        Err(st) => Done(st, 0),
-                    },
-                    Err(st) => Done(st, 0),
-                }
-            }
-            WrOp::WriteWithImm { remote, imm } => {
-                let Some(_writing) = TableWriting::begin(&link.peer.seg, remote.rkey) else {
-                    return Done(WcStatus::RemoteAccessError, 0);
-                };
-                let t = match self.resolve(qp, s, link, remote, total, AccessFlags::REMOTE_WRITE) {
-                    Ok(t) => t,
-                    Err(st) => return Done(st, 0),
-                };
-                let Some(slot) = claim(&link.seg) else {
-                    return Outcome::NotReady(NotReady::Rnr);
-                };
-                let status = self.put(qp, &t, local);
-                let (recv_status, op_status) = match status {
-                    Ok(()) => (WcStatus::Success, WcStatus::Success),
-                    Err(st) => (WcStatus::WorkRequestFlushed, st),
-                };
-                complete_slot(
-                    &link.seg,
-                    link.cap,
-                    slot,
-                    recv_status,
-                    WcOpcode::RecvRdmaWithImm,
-                    total as u32,
-                    Some(imm),
-                );
-                notify_peer(&link.peer, link.recv_cq);
-                Done(op_status, total as u32)
-            }
-            WrOp::Send | WrOp::SendWithImm { .. } => {
-                let imm = match *op {
-                    WrOp::SendWithImm { imm } => Some(imm),
-                    _ => None,
-                };
-                let Some(slot) = claim(&link.seg) else {
-                    return Outcome::NotReady(NotReady::Rnr);
-                };
-                let (recv_status, op_status) = self.deliver(qp, s, link, slot, local, total);
-                complete_slot(
-                    &link.seg,
-                    link.cap,
-                    slot,
-                    recv_status,
-                    WcOpcode::Recv,
-                    total as u32,
-                    imm,
-                );
-                notify_peer(&link.peer, link.recv_cq);
-                Done(op_status, total as u32)
-            }
-            WrOp::Read { remote } => {
-                match self.resolve(qp, s, link, remote, total, AccessFlags::REMOTE_READ) {
-                    Ok(Target::Mapped(mut src)) => {
-                        for &(p, len) in local {
-                            // SAFETY: `src..src+total` lies inside the peer's mapped region (checked
-                            // by `resolve`); `p` is a validated local range.
-                            unsafe {
-                                copy_bytes(src, p, len);
-                                src = src.add(len);
-                            }
-                        }
-                        Done(WcStatus::Success, total as u32)
-                    }
-                    Ok(Target::User { pid, addr }) => match cma::read(pid, addr, local) {
-                        Ok(()) => Done(WcStatus::Success, total as u32),
-                        Err(e) => Done(self.cma_failed(qp, "process_vm_readv", pid, e), 0),
-                    },
-                    Err(st) => Done(st, 0),
-                }
-            }
-            WrOp::CompareSwap { remote, .. } | WrOp::FetchAdd { remote, .. } => {
-                if local.len() != 1 || total != 8 {
-                    return Done(WcStatus::LocalLengthError, 0);
-                }
-                if remote.addr % 8 != 0 {
-                    return Done(WcStatus::RemoteInvalidRequest, 0);
-                }
-                let word = match self.resolve(qp, s, link, remote, 8, AccessFlags::REMOTE_ATOMIC) {
-                    Ok(Target::Mapped(p)) => p,
-                    Ok(Target::User { .. }) => return Done(WcStatus::RemoteAccessError, 0),
-                    Err(st) => return Done(st, 0),
-                };
-                // SAFETY: `word` is 8-byte aligned (the region base is page aligned and the
-                // address is a multiple of 8) and inside the peer's mapping; AtomicU64 is the
-                // right way to share it with the peer's own atomics.
-                let word = unsafe { &*(word as *const std::sync::atomic::AtomicU64) };
-                let old = match *op {
-                    WrOp::CompareSwap { compare, swap, .. } => {
-                        match word.compare_exchange(
-                            compare,
-                            swap,
-                            Ordering::SeqCst,
-                            Ordering::SeqCst,
-                        ) {
-                            Ok(v) | Err(v) => v,
-                        }
-                    }
-                    WrOp::FetchAdd { add, .. } => word.fetch_add(add, Ordering::SeqCst),
-                    _ => unreachable!("atomic op"),
-                };
-                let bytes = old.to_ne_bytes();
-                // SAFETY: the local SGE is 8 writable bytes (validated above).
-                unsafe { copy_bytes(bytes.as_ptr(), local[0].0, 8) };
-                Done(WcStatus::Success, 8)
-            }
+        if remote.addr % 8 != 0 {
+            return Done(WcStatus::RemoteInvalidRequest, 0);
         }
+        let word = match self.resolve(qp, s, link, remote, 8, AccessFlags::REMOTE_ATOMIC) {
+            Ok(Target::Mapped(p)) => p,
+            Ok(Target::User { .. }) => return Done(WcStatus::RemoteAccessError, 0),
+            Err(st) => return Done(st, 0),
+        };
+        // SAFETY: `word` is 8-byte aligned (the region base is page aligned and the
+        // address is a multiple of 8) and inside the peer's mapping; AtomicU64 is the
+        // right way to share it with the peer's own atomics.
+        let word = unsafe { &*(word as *const std::sync::atomic::AtomicU64) };
+        let old = match *op {
+            WrOp::CompareSwap { compare, swap, .. } => {
+                match word.compare_exchange(compare, swap, Ordering::SeqCst, Ordering::SeqCst) {
+                    Ok(v) | Err(v) => v,
+                }
+            }
+            WrOp::FetchAdd { add, .. } => word.fetch_add(add, Ordering::SeqCst),
+            _ => unreachable!("atomic op"),
+        };
+        let bytes = old.to_ne_bytes();
+        // SAFETY: the local SGE is 8 writable bytes (validated in `local_buffers`).
+        unsafe { copy_bytes(bytes.as_ptr(), local[0].0, 8) };
+        Done(WcStatus::Success, 8)
     }
 
     /// The mapping of the peer's provider region `index` (identified by its `lkey`), from the
@@ -759,4 +810,28 @@ impl ShmQp {
         }
         (WcStatus::Success, WcStatus::Success)
     }
+}
+
+/// Validates the local buffers of a request (written into `local`, one per SGE) and returns
+/// their total length. Scattered into (LOCAL_WRITE needed) for a READ or an atomic.
+fn local_buffers<S: Sges + ?Sized>(
+    qp: &QpInner,
+    op: &WrOp,
+    sg: &S,
+    local: &mut [(*mut u8, usize); MAX_SGE],
+) -> Result<usize, WcStatus> {
+    let scatter = matches!(
+        op,
+        WrOp::Read { .. } | WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. }
+    );
+    let mut total = 0usize;
+    for (i, slot) in local.iter_mut().enumerate().take(sg.count()) {
+        let (mr, off, len) = sg.get(i);
+        *slot = (mr.local_ptr(qp.pd, off, len, scatter)?, len);
+        total += len;
+    }
+    if total > u32::MAX as usize {
+        return Err(WcStatus::LocalLengthError);
+    }
+    Ok(total)
 }

@@ -11,36 +11,39 @@
 //!   and the data path makes no system call.
 //! - `tcp`: the same semantics over TCP, for hosts without RDMA. A progress thread per context
 //!   receives frames straight into the target's registered memory after validating them.
+//! - `ofi`: libfabric, for real NICs (the `ofi` cargo feature).
 //!
 //! # Layers
 //!
-//! The crate is built in layers, each a folder of `src/`; a layer uses only the layers below
-//! it, and a provider uses only the model and the contract (`tests/layers.rs` checks both):
+//! The crate is built in layers, one folder of `src/` each. A file uses only its own layer and
+//! the layers below it; a provider uses only the model, the contract and its own folder
+//! (`tests/layers.rs` checks both):
 //!
 //! ```text
-//!  top       lib.rs, registry.rs       the public API; Device, and opening a Context on a
-//!                                      provider (the only code that names the providers)
-//!  ───────────────────────────────────────────────────────────────────────────────────────
-//!  4  providers  shm/   tcp/   ofi/    one folder each, private to itself; implement the
-//!                  │      │      │     contract's traits, call the core's services
-//!  ─ ─ ─ ─ ─ ─ ─ ─ ┼ ─ ─ ─┼─ ─ ─ ┼ ─ ─ (providers skip layer 3) ─ ─ ─ ─ ─ ─ ─ ─ ─ ─ ─ ─ ─
-//!  3  resource/    │      │      │     the handles users hold: Context, ProtectionDomain,
-//!                  │      │      │     MemoryRegion's methods, CompletionQueue, QueuePair
-//!  ───────────────────────────────────────────────────────────────────────────────────────
-//!  2  contract/  ◄─┴──────┴──────┘     ProviderContext, QpTransport; the cores (CtxInner,
-//!                                      MrInner, CqCore, QpInner) and their services; work
-//!                                      requests; segments, rings, the software send queue
-//!  ───────────────────────────────────────────────────────────────────────────────────────
-//!  1  model/                           types, errors, DeviceConfig, Provider, QpEndpoint
+//!  top          lib.rs, registry.rs    the public API's re-exports; Device, and opening a
+//!                                      Context on a provider: the only code that names one
+//! ─────────────────────────────────────────────────────────────────────────────────────────
+//!  4 providers  shm/  tcp/  ofi/       each private to itself: implements the contract's
+//!                 │     │     │        traits, calls the core's services
+//! ─ ─ ─ ─ ─ ─ ─ ─ ┼ ─ ─ ┼ ─ ─ ┼ ─ ─ ─  (a provider skips the resources)
+//!  3 resource/    │     │     │        the handles users hold: Context, ProtectionDomain,
+//!                 │     │     │        MemoryRegion's methods, CompletionQueue, QueuePair
+//! ────────────────┼─────┼─────┼────────────────────────────────────────────────────────────
+//!  2 contract/  ◄─┴─────┴─────┘        ProviderContext and QpTransport (the traits); the
+//!                                      cores the handles own and providers work with
+//!                                      (CtxInner, MrInner, CqCore, QpInner and its
+//!                                      services); work requests; segments, the receive
+//!                                      ring, the software send queue
+//! ─────────────────────────────────────────────────────────────────────────────────────────
+//!  1 model/                            types, errors, DeviceConfig, Provider (a name only),
+//!                                      QpEndpoint
 //! ```
 //!
-//! The rule: a file may `use` its own layer and those below; a provider folder may `use` its
-//! own files, the contract and the model, never the resources nor another provider. The
-//! resources reach a provider only through the contract's traits (the context's
-//! [`ProviderContext`](crate::contract::ProviderContext) made by the registry); providers
-//! reach a queue pair only through the core's services ([`QpInner`](crate::contract::QpInner):
-//! completing work, claiming receives, setting errors). A provider's context is configured by
-//! the [`DeviceConfig`] it is opened with: no provider reads the environment.
+//! The resources reach a provider only through the contract's traits (the context's
+//! `ProviderContext`, which the registry opens); a provider reaches its queue pair only
+//! through the core's services (`QpInner`: completing work, claiming and completing receives,
+//! failing the queue pair), never through the handles. A context is configured by the
+//! [`DeviceConfig`] it is opened with: no provider reads the environment.
 //!
 //! ```
 //! use std::time::Duration;

@@ -11,6 +11,9 @@
 //!
 //! So a provider never reaches into a resource (`resource::..`: a handle's internals) nor into
 //! another provider, and nothing below the top names a provider (only `registry.rs` does).
+//! Nor does a provider name the resource layer's side of the queue-pair core
+//! (`contract::QpHandleSide`: states, posting, harvesting), so that it reaches its queue pair
+//! only through the core's services (`QpInner`'s own methods).
 //!
 //! What counts as "naming": every path that starts with `crate::` or `super::`, in `use` lines
 //! and in code (`crate::contract::copy_bytes(..)`), groups included (`crate::{model::X, ..}`);
@@ -417,9 +420,38 @@ fn check(src: &Source, target: &[String], sources: &[Source]) -> Result<(), Stri
     ))
 }
 
+/// Items of lower layers that a provider may not name: the side of the queue-pair core that
+/// only the resource layer uses (the handle's states and posting, the completion queues'
+/// harvest), so that a transport reaches its queue pair only through the core's services.
+const NOT_FOR_PROVIDERS: &[&str] = &["QpHandleSide"];
+
 fn violations(sources: &[Source]) -> Vec<String> {
     let mut bad = Vec::new();
     for s in sources {
+        let provider = s
+            .module
+            .first()
+            .is_some_and(|f| PROVIDERS.contains(&f.as_str()));
+        if provider {
+            let code = code_only(&s.text);
+            for (n, line) in code.lines().enumerate() {
+                for item in NOT_FOR_PROVIDERS {
+                    let named = line.match_indices(item).any(|(at, _)| {
+                        let before = line[..at].chars().next_back();
+                        let after = line[at + item.len()..].chars().next();
+                        !before.is_some_and(is_ident) && !after.is_some_and(is_ident)
+                    });
+                    if named {
+                        bad.push(format!(
+                            "{}:{}: names `{item}`, which is the resource layer's side of the \
+                             core: a provider uses the core's services only",
+                            s.rel,
+                            n + 1
+                        ));
+                    }
+                }
+            }
+        }
         for (line, written, target) in named_paths(s) {
             if let Err(why) = check(s, &target, sources) {
                 bad.push(format!("{}:{line}: `{written}`: {why}", s.rel));
@@ -545,9 +577,9 @@ fn the_checker_catches_bad_imports() {
                 &["tcp", "rx"],
                 false,
                 "use crate::resource::QueuePair;\nuse crate::shm::service;\n\
-                 use super::super::ofi::Engine;\n",
+                 use super::super::ofi::Engine;\nuse crate::contract::{QpHandleSide, QpInner};\n",
             ),
-            3,
+            4,
         ),
         (
             file(

@@ -30,7 +30,7 @@ pub(crate) mod wr;
 pub(crate) use cq::{CqCore, SEQ, SLEEPERS, notify_word};
 pub(crate) use ctx::{CtxInner, CtxTables, RegionMap, Tables, Tuning, random_u64};
 pub(crate) use provider::{OpenArgs, ProviderContext, QpSetup, QpTransport, RegionInfo};
-pub(crate) use qp::{Cause, QpInner};
+pub(crate) use qp::{Cause, QpHandleSide, QpInner};
 pub(crate) use region::{
     Backing, Mapped, MemoryRegion, MrInner, Span, TableWriting, Writing, key_index,
 };

@@ -31,9 +31,9 @@
 //!    module nor another provider: `tests/layers.rs` checks it.
 //! 2. A variant of [`Provider`] with its name (`model::endpoint`), and one line in
 //!    `Provider::open` (`registry`): `Provider::Ofi => crate::ofi::open(args),`.
-//! 3. Its settings, if any: fields of [`DeviceConfig`] named after it (`ofi_*`, see `config`),
-//!    read in `DeviceConfig::from_vars`. `open` reads only [`OpenArgs`]: no environment
-//!    variables, no files of its own choosing.
+//! 3. Its settings, if any: fields of [`DeviceConfig`] named after it (`ofi_*`, see
+//!    `model::config`), read in `DeviceConfig::from_vars`. `open` reads only [`OpenArgs`]: no
+//!    environment variables, no files of its own choosing.
 //! 4. Its tests: one line each at the bottom of `tests/conformance.rs`, `tests/properties.rs`
 //!    and `tests/hammer.rs` (`conformance!(ofi, "ofi");` and so on) runs the suites every
 //!    provider passes against it, in two processes.

@@ -10,8 +10,9 @@
 //! receive ring itself.
 //!
 //! The handle users hold (`QueuePair`) and its creation are the resource layer's
-//! (`resource::qp`); it reaches the core through the methods marked "for the handle" below.
-//! A provider uses only the services (completions, receives, errors, the read-only fields).
+//! (`resource::qp`); it and the completion queues reach the core through [`QpHandleSide`],
+//! which providers do not import. A provider uses only [`QpInner`]'s own methods (completions,
+//! receives, errors) and its read-only fields.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -43,18 +44,18 @@ pub(crate) struct QpInner {
     seg: Arc<Segment>,
     cap: u64,
     send_cq: Arc<CqCore>,
-    pub(crate) recv_cq: Arc<CqCore>,
-    /// The peer's endpoint, once connected (RTR or later). For the handle.
-    pub(crate) remote: OnceLock<QpEndpoint>,
-    /// The provider's half: the send side. For the handle.
-    pub(crate) transport: Box<dyn QpTransport>,
+    recv_cq: Arc<CqCore>,
+    /// The peer's endpoint, once connected (RTR or later).
+    remote: OnceLock<QpEndpoint>,
+    /// The provider's half: the send side.
+    transport: Box<dyn QpTransport>,
     recv: Mutex<RecvSide>,
     /// The peer is gone; the first request of each queue to learn it reports `RetryExceeded`.
     gone: AtomicBool,
     gone_told_send: AtomicBool,
     gone_told_recv: AtomicBool,
-    /// The last failure explained. For the handle ([`QpInner::note`] for providers).
-    pub(crate) detail: Mutex<Option<String>>,
+    /// The last failure explained ([`QpInner::note`]).
+    detail: Mutex<Option<String>>,
 }
 
 #[derive(Default)]
@@ -141,32 +142,8 @@ impl QpInner {
         QpState::from_u32(self.seg.atomic_u32(H_STATE).load(Ordering::Acquire))
     }
 
-    /// Sets the state. For the handle.
-    pub(crate) fn set_state(&self, s: QpState) {
-        self.seg
-            .atomic_u32(H_STATE)
-            .store(s as u32, Ordering::SeqCst);
-    }
-
-    /// Moves from one of `from` to `to`. For the handle.
-    pub(crate) fn transition(&self, from: &[QpState], to: QpState) -> Result<()> {
-        let state = self.state();
-        if !from.contains(&state) {
-            return Err(Error::InvalidTransition {
-                qp_num: self.qpn,
-                from: state,
-                to,
-            });
-        }
-        self.set_state(to);
-        Ok(())
-    }
-
-    pub(crate) fn has_pending(&self) -> bool {
-        self.transport.has_pending()
-    }
-
-    /// Records a failure's explanation for [`QueuePair::error_detail`](crate::QueuePair::error_detail).
+    /// Records a failure's explanation for
+    /// [`QueuePair::error_detail`](crate::QueuePair::error_detail).
     pub(crate) fn note(&self, msg: String) {
         *self.detail.lock().unwrap_or_else(|e| e.into_inner()) = Some(msg);
     }
@@ -212,24 +189,6 @@ impl QpInner {
             )));
         }
         Ok(())
-    }
-
-    /// Checks the state and hands the requests to the transport. For the handle.
-    pub(crate) fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
-        let state = self.state();
-        if !matches!(state, QpState::Rts | QpState::Err) {
-            return Err(Error::InvalidState {
-                qp_num: self.qpn,
-                op: "post_send",
-                state,
-            });
-        }
-        self.transport.post_send(self, wrs)
-    }
-
-    /// Retries pending requests, notices dead or destroyed peers. Called from polls and waits.
-    pub(crate) fn progress(&self) {
-        self.transport.progress(self);
     }
 
     /// How a send request is flushed (see [`QpInner::flush_status`]).
@@ -307,138 +266,6 @@ impl QpInner {
         }
         self.recv_cq.notify();
         self.send_cq.notify();
-    }
-
-    /// Writes receive requests into the ring. For the handle.
-    pub(crate) fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
-        let state = self.state();
-        if state == QpState::Reset || state == QpState::Destroyed {
-            return Err(Error::InvalidState {
-                qp_num: self.qpn,
-                op: "post_recv",
-                state,
-            });
-        }
-        let mut r = self.recv.lock().unwrap_or_else(|e| e.into_inner());
-        for (i, wr) in wrs.iter().enumerate() {
-            if wr.sg_list.len() > self.cfg.max_sge as usize {
-                return Err(Error::arg(format!(
-                    "queue pair {}: receive request #{i} (wr_id {}) has {} SGEs, max_sge is {}",
-                    self.qpn,
-                    wr.wr_id,
-                    wr.sg_list.len(),
-                    self.cfg.max_sge
-                )));
-            }
-            if r.posted - r.reaped >= self.cap {
-                return Err(Error::QueueFull {
-                    qp_num: self.qpn,
-                    queue: "receive",
-                    depth: self.cfg.max_recv_wr,
-                });
-            }
-            let base = slot_base(self.cap, r.posted);
-            let seg = &self.seg;
-            seg.atomic_u64(base + S_WR_ID)
-                .store(wr.wr_id, Ordering::Relaxed);
-            seg.atomic_u32(base + S_NUM_SGE)
-                .store(wr.sg_list.len() as u32, Ordering::Relaxed);
-            for (j, g) in wr.sg_list.iter().enumerate() {
-                let o = base + S_SGES + j * 24;
-                // A deregistered region publishes lkey 0, which never validates.
-                let mr = &g.mr.inner;
-                let lkey = if mr.is_registered() && mr.pd == self.pd {
-                    mr.lkey
-                } else {
-                    0
-                };
-                seg.atomic_u64(o).store(lkey, Ordering::Relaxed);
-                seg.atomic_u64(o + 8)
-                    .store(mr.addr.wrapping_add(g.offset as u64), Ordering::Relaxed);
-                seg.atomic_u64(o + 16)
-                    .store(g.len as u64, Ordering::Relaxed);
-            }
-            r.posted += 1;
-            seg.atomic_u64(H_POSTED).store(r.posted, Ordering::Release);
-            self.transport.recv_posted(self);
-            if self.state() == QpState::Err {
-                // Nobody will claim it: flush it ourselves (the CAS keeps it exactly once).
-                let claimed = seg.atomic_u64(H_CLAIMED);
-                let i = r.posted - 1;
-                if claimed
-                    .compare_exchange(i, i + 1, Ordering::AcqRel, Ordering::Acquire)
-                    .is_ok()
-                {
-                    complete_slot(
-                        seg,
-                        self.cap,
-                        i,
-                        WcStatus::WorkRequestFlushed,
-                        WcOpcode::Recv,
-                        0,
-                        None,
-                    );
-                    self.recv_cq.notify();
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Moves finished receive completions into `out`, in posting order. For the completion
-    /// queue's poll.
-    pub(crate) fn harvest(&self, out: &mut [WorkCompletion]) -> usize {
-        let Ok(mut r) = self.recv.try_lock() else {
-            return 0;
-        };
-        let mut n = 0;
-        let mut failed = false;
-        while n < out.len() && r.reaped < r.posted {
-            let i = r.reaped;
-            let base = slot_base(self.cap, i);
-            let seg = &self.seg;
-            let done = seg.atomic_u64(base + S_DONE).load(Ordering::Acquire);
-            let status;
-            if done == i + 1 {
-                status =
-                    WcStatus::from_u32(seg.atomic_u32(base + S_STATUS).load(Ordering::Relaxed))
-                        .unwrap_or(WcStatus::RemoteOperationError);
-                let imm = (seg.atomic_u32(base + S_HAS_IMM).load(Ordering::Relaxed) != 0)
-                    .then(|| seg.atomic_u32(base + S_IMM).load(Ordering::Relaxed));
-                out[n] = WorkCompletion {
-                    wr_id: seg.atomic_u64(base + S_WR_ID).load(Ordering::Relaxed),
-                    status,
-                    opcode: WcOpcode::from_u32(
-                        seg.atomic_u32(base + S_OPCODE).load(Ordering::Relaxed),
-                    )
-                    .unwrap_or(WcOpcode::Recv),
-                    byte_len: seg.atomic_u32(base + S_BYTE_LEN).load(Ordering::Relaxed),
-                    imm,
-                    qp_num: self.qpn,
-                };
-            } else if self.state() == QpState::Err && self.transport.peer_gone(self) {
-                // Claimed by a peer that died before completing it.
-                status = self.flush_status(&self.gone_told_recv);
-                out[n] = WorkCompletion {
-                    wr_id: seg.atomic_u64(base + S_WR_ID).load(Ordering::Relaxed),
-                    status,
-                    opcode: WcOpcode::Recv,
-                    byte_len: 0,
-                    imm: None,
-                    qp_num: self.qpn,
-                };
-            } else {
-                break;
-            }
-            failed |= status != WcStatus::Success && status != WcStatus::WorkRequestFlushed;
-            r.reaped += 1;
-            n += 1;
-        }
-        drop(r);
-        if failed && self.state() != QpState::Err {
-            self.set_error(Cause::Request);
-        }
-        n
     }
 
     /// Whether the queue pair is in ERR.
@@ -529,6 +356,232 @@ impl QpInner {
             room += len;
         }
         Ok((spans, keep, room))
+    }
+}
+
+/// The side of the core that only the resource layer uses: the queue pair's handle
+/// (`resource::qp`: states, posting, connecting, teardown) and the completion queues it is
+/// attached to (`resource::cq`: progress, harvesting). A provider never imports this trait
+/// (`tests/layers.rs` checks), so that a transport reaches its queue pair only through the
+/// services of [`QpInner`] itself: completing work, claiming receives, failing.
+pub(crate) trait QpHandleSide {
+    /// Sets the state.
+    fn set_state(&self, s: QpState);
+    /// Moves from one of `from` to `to`, or says why not.
+    fn transition(&self, from: &[QpState], to: QpState) -> Result<()>;
+    /// Whether the transport has requests waiting to be retried.
+    fn has_pending(&self) -> bool;
+    /// Checks the state and hands send requests to the transport.
+    fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()>;
+    /// Drives the transport (called from polls and waits).
+    fn progress(&self);
+    /// Writes receive requests into the ring.
+    fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()>;
+    /// Moves finished receive completions into `out`, in posting order.
+    fn harvest(&self, out: &mut [WorkCompletion]) -> usize;
+    /// The core of the receive completion queue.
+    fn recv_cq(&self) -> &Arc<CqCore>;
+    /// The provider's half.
+    fn transport(&self) -> &dyn QpTransport;
+    /// The peer's endpoint, set once when connecting.
+    fn remote(&self) -> &OnceLock<QpEndpoint>;
+    /// The last failure explained.
+    fn detail(&self) -> Option<String>;
+}
+
+impl QpHandleSide for QpInner {
+    /// Sets the state.
+    fn set_state(&self, s: QpState) {
+        self.seg
+            .atomic_u32(H_STATE)
+            .store(s as u32, Ordering::SeqCst);
+    }
+
+    /// Moves from one of `from` to `to`.
+    fn transition(&self, from: &[QpState], to: QpState) -> Result<()> {
+        let state = self.state();
+        if !from.contains(&state) {
+            return Err(Error::InvalidTransition {
+                qp_num: self.qpn,
+                from: state,
+                to,
+            });
+        }
+        self.set_state(to);
+        Ok(())
+    }
+
+    fn has_pending(&self) -> bool {
+        self.transport.has_pending()
+    }
+
+    /// Checks the state and hands the requests to the transport.
+    fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<()> {
+        let state = self.state();
+        if !matches!(state, QpState::Rts | QpState::Err) {
+            return Err(Error::InvalidState {
+                qp_num: self.qpn,
+                op: "post_send",
+                state,
+            });
+        }
+        self.transport.post_send(self, wrs)
+    }
+
+    /// Retries pending requests, notices dead or destroyed peers. Called from polls and waits.
+    fn progress(&self) {
+        self.transport.progress(self);
+    }
+
+    /// Writes receive requests into the ring.
+    fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<()> {
+        let state = self.state();
+        if state == QpState::Reset || state == QpState::Destroyed {
+            return Err(Error::InvalidState {
+                qp_num: self.qpn,
+                op: "post_recv",
+                state,
+            });
+        }
+        let mut r = self.recv.lock().unwrap_or_else(|e| e.into_inner());
+        for (i, wr) in wrs.iter().enumerate() {
+            if wr.sg_list.len() > self.cfg.max_sge as usize {
+                return Err(Error::arg(format!(
+                    "queue pair {}: receive request #{i} (wr_id {}) has {} SGEs, max_sge is {}",
+                    self.qpn,
+                    wr.wr_id,
+                    wr.sg_list.len(),
+                    self.cfg.max_sge
+                )));
+            }
+            if r.posted - r.reaped >= self.cap {
+                return Err(Error::QueueFull {
+                    qp_num: self.qpn,
+                    queue: "receive",
+                    depth: self.cfg.max_recv_wr,
+                });
+            }
+            let base = slot_base(self.cap, r.posted);
+            let seg = &self.seg;
+            seg.atomic_u64(base + S_WR_ID)
+                .store(wr.wr_id, Ordering::Relaxed);
+            seg.atomic_u32(base + S_NUM_SGE)
+                .store(wr.sg_list.len() as u32, Ordering::Relaxed);
+            for (j, g) in wr.sg_list.iter().enumerate() {
+                let o = base + S_SGES + j * 24;
+                // A deregistered region publishes lkey 0, which never validates.
+                let mr = &g.mr.inner;
+                let lkey = if mr.is_registered() && mr.pd == self.pd {
+                    mr.lkey
+                } else {
+                    0
+                };
+                seg.atomic_u64(o).store(lkey, Ordering::Relaxed);
+                seg.atomic_u64(o + 8)
+                    .store(mr.addr.wrapping_add(g.offset as u64), Ordering::Relaxed);
+                seg.atomic_u64(o + 16)
+                    .store(g.len as u64, Ordering::Relaxed);
+            }
+            r.posted += 1;
+            seg.atomic_u64(H_POSTED).store(r.posted, Ordering::Release);
+            self.transport.recv_posted(self);
+            if self.state() == QpState::Err {
+                // Nobody will claim it: flush it ourselves (the CAS keeps it exactly once).
+                let claimed = seg.atomic_u64(H_CLAIMED);
+                let i = r.posted - 1;
+                if claimed
+                    .compare_exchange(i, i + 1, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    complete_slot(
+                        seg,
+                        self.cap,
+                        i,
+                        WcStatus::WorkRequestFlushed,
+                        WcOpcode::Recv,
+                        0,
+                        None,
+                    );
+                    self.recv_cq.notify();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves finished receive completions into `out`, in posting order. For the completion
+    /// queue's poll.
+    fn harvest(&self, out: &mut [WorkCompletion]) -> usize {
+        let Ok(mut r) = self.recv.try_lock() else {
+            return 0;
+        };
+        let mut n = 0;
+        let mut failed = false;
+        while n < out.len() && r.reaped < r.posted {
+            let i = r.reaped;
+            let base = slot_base(self.cap, i);
+            let seg = &self.seg;
+            let done = seg.atomic_u64(base + S_DONE).load(Ordering::Acquire);
+            let status;
+            if done == i + 1 {
+                status =
+                    WcStatus::from_u32(seg.atomic_u32(base + S_STATUS).load(Ordering::Relaxed))
+                        .unwrap_or(WcStatus::RemoteOperationError);
+                let imm = (seg.atomic_u32(base + S_HAS_IMM).load(Ordering::Relaxed) != 0)
+                    .then(|| seg.atomic_u32(base + S_IMM).load(Ordering::Relaxed));
+                out[n] = WorkCompletion {
+                    wr_id: seg.atomic_u64(base + S_WR_ID).load(Ordering::Relaxed),
+                    status,
+                    opcode: WcOpcode::from_u32(
+                        seg.atomic_u32(base + S_OPCODE).load(Ordering::Relaxed),
+                    )
+                    .unwrap_or(WcOpcode::Recv),
+                    byte_len: seg.atomic_u32(base + S_BYTE_LEN).load(Ordering::Relaxed),
+                    imm,
+                    qp_num: self.qpn,
+                };
+            } else if self.state() == QpState::Err && self.transport.peer_gone(self) {
+                // Claimed by a peer that died before completing it.
+                status = self.flush_status(&self.gone_told_recv);
+                out[n] = WorkCompletion {
+                    wr_id: seg.atomic_u64(base + S_WR_ID).load(Ordering::Relaxed),
+                    status,
+                    opcode: WcOpcode::Recv,
+                    byte_len: 0,
+                    imm: None,
+                    qp_num: self.qpn,
+                };
+            } else {
+                break;
+            }
+            failed |= status != WcStatus::Success && status != WcStatus::WorkRequestFlushed;
+            r.reaped += 1;
+            n += 1;
+        }
+        drop(r);
+        if failed && self.state() != QpState::Err {
+            self.set_error(Cause::Request);
+        }
+        n
+    }
+
+    fn recv_cq(&self) -> &Arc<CqCore> {
+        &self.recv_cq
+    }
+
+    fn transport(&self) -> &dyn QpTransport {
+        &*self.transport
+    }
+
+    fn remote(&self) -> &OnceLock<QpEndpoint> {
+        &self.remote
+    }
+
+    fn detail(&self) -> Option<String> {
+        self.detail
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 

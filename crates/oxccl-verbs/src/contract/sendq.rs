@@ -2,7 +2,7 @@
 //! requests in flight, and completing them in posting order from cumulative ACKs and answers,
 //! local failures included.
 //!
-//! A provider's link implements [`SendLink`]; its [`QpTransport`](crate::provider::QpTransport)
+//! A provider's link implements [`SendLink`]; its [`QpTransport`](crate::contract::QpTransport)
 //! calls [`post_send`] and [`flush_sends`], and its receive side completes requests through the
 //! link's [`SendQueue`].
 
@@ -257,7 +257,7 @@ impl<L: SendLink> Drop for Corked<'_, L> {
     }
 }
 
-/// [`QpTransport::post_send`](crate::provider::QpTransport::post_send) for a software
+/// [`QpTransport::post_send`](crate::contract::QpTransport::post_send) for a software
 /// provider: posts `wrs` in order, one batch at a time per queue pair (`send`).
 pub(crate) fn post_send(
     qp: &QpInner,
@@ -324,7 +324,7 @@ fn post_one(
     }
 }
 
-/// [`QpTransport::flush_sends`](crate::provider::QpTransport::flush_sends) for a software
+/// [`QpTransport::flush_sends`](crate::contract::QpTransport::flush_sends) for a software
 /// provider.
 pub(crate) fn flush_sends(qp: &QpInner, send: &Mutex<()>, link: &impl SendLink) {
     if qp.is_connected() {

@@ -8,7 +8,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::contract::{CqCore, CtxInner, CtxTables, QpInner, SEQ, SLEEPERS, futex_wait};
+use crate::contract::{
+    CqCore, CtxInner, CtxTables, QpHandleSide, QpInner, SEQ, SLEEPERS, futex_wait,
+};
 use crate::model::{Error, Result, WorkCompletion};
 
 /// A completion queue (`ibv_cq`), shareable by many queue pairs as send and/or receive queue.
@@ -179,7 +181,7 @@ impl CqInner {
                 if n == out.len() {
                     break;
                 }
-                if Arc::ptr_eq(&qp.recv_cq, &self.core) {
+                if Arc::ptr_eq(qp.recv_cq(), &self.core) {
                     n += qp.harvest(&mut out[n..]);
                 }
             }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::context::ProtectionDomain;
 use super::cq::{CompletionQueue, CqInner};
 use super::mr::RemoteMapping;
-use crate::contract::{Cause, QpInner, RecvWr, SendWr};
+use crate::contract::{Cause, QpHandleSide, QpInner, RecvWr, SendWr};
 use crate::model::*;
 
 impl ProtectionDomain {
@@ -81,23 +81,19 @@ impl QueuePair {
             provider: qp.ctx.provider,
             host: qp.ctx.host.clone(),
             qp_num: qp.qpn,
-            addr: qp.transport.endpoint_addr(qp),
+            addr: qp.transport().endpoint_addr(qp),
         }
     }
 
     /// The endpoint this queue pair is connected to, once in RTR or later.
     pub fn remote(&self) -> Option<&QpEndpoint> {
-        self.inner.remote.get()
+        self.inner.remote().get()
     }
 
     /// A description of the last failure the kernel explained (for example why a
     /// process_vm_writev was refused), if any.
     pub fn error_detail(&self) -> Option<String> {
-        self.inner
-            .detail
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.inner.detail()
     }
 
     /// RESET → INIT: receives may now be posted.
@@ -129,8 +125,8 @@ impl QueuePair {
                 qp.ctx.provider, remote.provider
             )));
         }
-        qp.transport.connect(qp, remote).map_err(fail)?;
-        if qp.remote.set(remote.clone()).is_err() {
+        qp.transport().connect(qp, remote).map_err(fail)?;
+        if qp.remote().set(remote.clone()).is_err() {
             return Err(fail("already connected".into()));
         }
         qp.set_state(QpState::Rtr);
@@ -164,7 +160,7 @@ impl QueuePair {
     pub fn disconnect(&self) {
         self.inner.set_error(Cause::User);
         self.inner.set_state(QpState::Destroyed);
-        self.inner.transport.disconnect(&self.inner);
+        self.inner.transport().disconnect(&self.inner);
     }
 
     /// Posts send-queue requests (`ibv_post_send`). Errors name the request (its index and
@@ -202,7 +198,7 @@ impl QueuePair {
         };
         let m = self
             .inner
-            .transport
+            .transport()
             .map_remote(&self.inner, remote.at(0), len, need)?;
         Ok(m.map(RemoteMapping::new))
     }
@@ -221,7 +217,7 @@ impl Drop for QueuePair {
     fn drop(&mut self) {
         let qp = &self.inner;
         qp.set_state(QpState::Destroyed);
-        qp.transport.destroy(qp);
+        qp.transport().destroy(qp);
         self.send_cq.detach(qp);
         self.recv_cq.detach(qp);
     }

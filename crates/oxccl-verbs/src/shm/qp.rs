@@ -566,7 +566,7 @@ impl ShmQp {
         if local.len() != 1 || total != 8 {
             return Done(WcStatus::LocalLengthError, 0);
         }
-        if remote.addr % 8 != 0 {
+        if !remote.addr.is_multiple_of(8) {
             return Done(WcStatus::RemoteInvalidRequest, 0);
         }
         let word = match self.resolve(qp, s, link, remote, 8, AccessFlags::REMOTE_ATOMIC) {

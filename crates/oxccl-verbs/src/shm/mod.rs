@@ -20,7 +20,7 @@
 //! the data path learns it from one atomic load.
 
 mod qp;
-pub(crate) mod service;
+mod service;
 
 use std::os::fd::OwnedFd;
 use std::os::linux::net::SocketAddrExt;

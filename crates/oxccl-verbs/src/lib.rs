@@ -74,6 +74,7 @@ mod ofi {
         })
     }
 }
+pub mod progress;
 mod provider;
 mod qp;
 mod ring;

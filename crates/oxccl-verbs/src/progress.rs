@@ -109,8 +109,8 @@ pub struct Progress {
     cqs: Vec<CompletionQueue>,
     /// Each queue's doorbell as the last poll found it ([`Progress::rang`]).
     rung: Vec<AtomicU32>,
-    /// Held by the thread that polls.
-    poller: Mutex<()>,
+    /// Held by the thread that polls: the buffer it polls into.
+    poller: Mutex<Vec<WorkCompletion>>,
     /// Dispatches so far: a waiter reads it before it looks at its operation and sleeps only
     /// while it is unchanged (an event count), so a dispatch in between is never missed.
     dispatched: AtomicU64,
@@ -123,13 +123,22 @@ pub struct Progress {
     waiters: AtomicUsize,
 }
 
+/// No queues: a placeholder (an engine takes its progress out while a handler borrows it).
+impl Default for Progress {
+    fn default() -> Progress {
+        Progress::new(Vec::new())
+    }
+}
+
 impl Progress {
     /// Progress over `cqs` (an engine's send queues, one per context it uses).
     pub fn new(cqs: Vec<CompletionQueue>) -> Progress {
+        // (No buffer for no queues: the placeholder of `Default` allocates nothing.)
+        let room = if cqs.is_empty() { 0 } else { 64 };
         Progress {
             rung: cqs.iter().map(|_| AtomicU32::new(u32::MAX)).collect(),
             cqs,
-            poller: Mutex::new(()),
+            poller: Mutex::new(vec![WorkCompletion::EMPTY; room]),
             dispatched: AtomicU64::new(0),
             sleep: Mutex::new(()),
             changed: Condvar::new(),
@@ -149,10 +158,10 @@ impl Progress {
         &self,
         handle: impl FnMut(usize, &WorkCompletion) -> Result<(), E>,
     ) -> Result<Option<usize>, E> {
-        let Ok(_g) = self.poller.try_lock() else {
+        let Ok(mut wcs) = self.poller.try_lock() else {
             return Ok(None);
         };
-        let r = self.drain(handle);
+        let r = self.drain(&mut wcs, handle);
         self.dispatched.fetch_add(1, Ordering::Release);
         self.wake_sleepers();
         r.map(Some)
@@ -164,19 +173,26 @@ impl Progress {
         &mut self,
         handle: impl FnMut(usize, &WorkCompletion) -> Result<(), E>,
     ) -> Result<usize, E> {
-        self.drain(handle)
+        let mut wcs = std::mem::take(self.poller.get_mut().unwrap_or_else(|e| e.into_inner()));
+        let r = self.drain(&mut wcs, handle);
+        *self.poller.get_mut().unwrap_or_else(|e| e.into_inner()) = wcs;
+        r
     }
 
+    /// Polls every queue into `wcs` until it is empty, handing over each completion.
     fn drain<E>(
         &self,
+        wcs: &mut [WorkCompletion],
         mut handle: impl FnMut(usize, &WorkCompletion) -> Result<(), E>,
     ) -> Result<usize, E> {
-        let mut wcs = [WorkCompletion::EMPTY; 32];
+        if wcs.is_empty() {
+            return Ok(0);
+        }
         let mut total = 0;
         for (q, cq) in self.cqs.iter().enumerate() {
             self.rung[q].store(cq.doorbell(), Ordering::Relaxed);
             loop {
-                let n = cq.poll(&mut wcs);
+                let n = cq.poll(wcs);
                 total += n;
                 for wc in &wcs[..n] {
                     handle(q, wc)?;
@@ -214,7 +230,7 @@ impl Progress {
             let Some(cq) = self.cqs.get(q) else {
                 return Ok(0);
             };
-            let mut wcs = [WorkCompletion::EMPTY; 32];
+            let mut wcs = [WorkCompletion::EMPTY; 16];
             self.rung[q].store(cq.doorbell(), Ordering::Relaxed);
             return match cq.wait(&mut wcs, max) {
                 Ok(n) => {
@@ -228,8 +244,9 @@ impl Progress {
             };
         }
         let end = Instant::now() + max.min(TURN);
+        let mut wcs = [WorkCompletion::EMPTY; 16];
         loop {
-            let n = self.drain(&mut handle).map_err(Waited::Handler)?;
+            let n = self.drain(&mut wcs, &mut handle).map_err(Waited::Handler)?;
             if n > 0 || Instant::now() >= end {
                 return Ok(n);
             }
@@ -266,8 +283,8 @@ impl Progress {
             }
             let left = deadline - now;
             match self.poller.try_lock() {
-                Ok(_g) => {
-                    let r = match self.drain(&mut handle) {
+                Ok(mut wcs) => {
+                    let r = match self.drain(&mut wcs, &mut handle) {
                         Ok(0) => self.sleep(hint, left.min(Duration::from_millis(10)), &mut handle),
                         Ok(n) => Ok(n),
                         Err(e) => Err(Waited::Handler(e)),

@@ -3,17 +3,20 @@
 //!
 //! A batch's notification is sent only once every request of the batch completed successfully,
 //! so the target sees it after the data (NIXL's bug, its PR #252, was a flush taken for a fence).
-//! Completions are driven by the waiting callers themselves: whoever waits polls the completion
-//! queues for everyone (one at a time), so a synchronous transfer on shm costs no thread hand-off.
+//! Completions are driven through the verbs progress layer ([`oxccl_verbs::progress`]): whoever
+//! waits polls the completion queues for everyone (one at a time), so a synchronous transfer on
+//! shm costs no thread hand-off; a helper thread drives the batches nobody waits for; a
+//! [`Transfer`] future parks its waker under its batch.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::task::{Context, Poll, Waker};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use oxccl_verbs::progress::{Driven, Progress, Waited, Window, tag, untag};
 use oxccl_verbs::{MemoryRegion, RemoteAddr, SendWr, Sge, WcStatus, WorkCompletion, WrOp};
 
 use crate::engine::{
@@ -82,25 +85,28 @@ pub struct BatchStatus {
     pub done: bool,
 }
 
+// A work request's tag (oxccl_verbs::progress::tag): the batch is the operation; the part holds
+// the lane (top LANE_BITS) and the request's index in the batch.
 const REQ_BITS: u32 = 26;
 const LANE_BITS: u32 = 6;
 const NOTIFY_REQ: u64 = (1 << REQ_BITS) - 1;
-/// Batch ids are the top 32 bits of a wr_id.
-const BATCH_MASK: u64 = (1 << (64 - REQ_BITS - LANE_BITS)) - 1;
+/// Batch ids are a tag's operation: 32 bits.
+const BATCH_MASK: u64 = u32::MAX as u64;
 /// Most bytes one work request carries (the tcp provider's frames take up to 2 GiB).
 const MAX_WR: usize = 1 << 30;
 /// Most requests in one batch.
 pub const MAX_BATCH: usize = NOTIFY_REQ as usize;
 
 fn wr_id(batch: u64, lane: usize, req: u64) -> u64 {
-    (batch << (REQ_BITS + LANE_BITS)) | ((lane as u64) << REQ_BITS) | req
+    tag(batch as u32, ((lane as u32) << REQ_BITS) | req as u32)
 }
 
 fn split_wr_id(w: u64) -> (u64, usize, u64) {
+    let (batch, part) = untag(w);
     (
-        w >> (REQ_BITS + LANE_BITS),
-        ((w >> REQ_BITS) & ((1 << LANE_BITS) - 1)) as usize,
-        w & NOTIFY_REQ,
+        u64::from(batch),
+        (part >> REQ_BITS) as usize & ((1 << LANE_BITS) - 1),
+        u64::from(part) & NOTIFY_REQ,
     )
 }
 
@@ -127,11 +133,10 @@ pub(crate) struct LaneQueue {
 }
 
 /// A lane's posted slices, oldest first (a queue pair completes its requests in order): each
-/// one's bytes, and its local region, kept registered until its completion.
-#[derive(Default)]
+/// one's bytes, and its local region, kept registered until its completion; and its window.
 struct InFlight {
     slices: VecDeque<(usize, Arc<Region>)>,
-    bytes: usize,
+    window: Window,
 }
 
 impl LaneQueue {
@@ -139,7 +144,12 @@ impl LaneQueue {
     pub(crate) fn new(lanes: usize) -> LaneQueue {
         LaneQueue {
             pending: VecDeque::new(),
-            inflight: (0..lanes).map(|_| InFlight::default()).collect(),
+            inflight: (0..lanes)
+                .map(|_| InFlight {
+                    slices: VecDeque::new(),
+                    window: Window::new(LANE_WINDOW, LANE_BYTES),
+                })
+                .collect(),
             next: 0,
         }
     }
@@ -178,8 +188,6 @@ struct BatchState {
     transferred: u64,
     /// Forget the batch once it is over (a `transfer_sync` that timed out, a dropped future).
     free_when_done: bool,
-    /// The task awaiting it as a [`Transfer`] future.
-    waker: Option<Waker>,
 }
 
 struct Notify {
@@ -199,35 +207,18 @@ type NotifySend = (Arc<Peer>, Vec<u8>);
 #[derive(Default)]
 pub(crate) struct Batches {
     map: Mutex<HashMap<BatchId, BatchState>>,
-    changed: Condvar,
     next: AtomicU64,
-    poller: Mutex<()>,
-    /// Callers inside `wait`: while there are any, the background thread leaves polling to them.
-    waiters: std::sync::atomic::AtomicUsize,
-    /// Callers asleep on `changed` (a condition variable's wake is a syscall even with nobody
-    /// waiting: the data path makes it only when someone is).
-    sleepers: std::sync::atomic::AtomicUsize,
+    /// The futures awaiting batches ([`Transfer`]), by batch.
+    pub wakers: oxccl_verbs::progress::Wakers,
 }
 
 impl Batches {
-    /// Wakes the callers asleep on `changed`, if any.
-    pub fn wake_all(&self) {
-        if self.sleepers.load(Ordering::SeqCst) > 0 {
-            self.changed.notify_all();
-        }
-    }
-
     fn lock(&self) -> MutexGuard<'_, HashMap<BatchId, BatchState>> {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 impl BatchState {
-    /// The waker to wake, once the batch is over.
-    fn ended(&mut self) -> Option<Waker> {
-        if self.done { self.waker.take() } else { None }
-    }
-
     fn result(&self, id: BatchId) -> Result<()> {
         for (i, r) in self.reqs.iter().enumerate() {
             if let Some(f) = &r.failed {
@@ -313,7 +304,7 @@ impl TransferEngine {
     /// Where a batch stands, driving progress once without blocking (so polling callers need no
     /// other thread).
     pub fn batch_status(&self, batch: BatchId) -> Result<BatchStatus> {
-        self.inner.progress(None, Duration::ZERO);
+        self.inner.poll();
         let map = self.inner.batches.lock();
         map.get(&batch)
             .map(|b| b.status())
@@ -393,7 +384,7 @@ impl Future for Transfer<'_> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
         let inner = &self.engine.inner;
-        inner.progress(None, Duration::ZERO);
+        inner.poll();
         let mut map = inner.batches.lock();
         let Some(b) = map.get_mut(&self.batch) else {
             self.over = true;
@@ -403,8 +394,9 @@ impl Future for Transfer<'_> {
             ))));
         };
         if !b.done {
-            // The background thread drives it, and its last completion's dispatch wakes us.
-            b.waker = Some(cx.waker().clone());
+            // The helper thread drives it, and its last completion's dispatch wakes us. Parked
+            // under the batches' lock, which the dispatch that ends the batch takes first.
+            inner.batches.wakers.park(self.batch, cx.waker());
             return Poll::Pending;
         }
         let r = b.result(self.batch);
@@ -417,6 +409,7 @@ impl Future for Transfer<'_> {
 impl Drop for Transfer<'_> {
     fn drop(&mut self) {
         if !self.over {
+            self.engine.inner.batches.wakers.forget(self.batch);
             let mut map = self.engine.inner.batches.lock();
             match map.get_mut(&self.batch) {
                 Some(b) if !b.done => b.free_when_done = true,
@@ -570,7 +563,6 @@ impl Inner {
                     done: false,
                     transferred: 0,
                     free_when_done: false,
-                    waker: None,
                 },
             );
             id
@@ -640,11 +632,10 @@ impl Inner {
                 // LANE_BYTES bytes in flight (an empty lane takes any size). On shm a WRITE is
                 // the copy itself, so this also bounds how long a submit blocks.
                 let len = front.len;
-                let Some(lane) = (0..lanes).map(|k| (start + k) % lanes).find(|&l| {
-                    let f = &q.inflight[l];
-                    let n = f.slices.len();
-                    n == 0 || (n < LANE_WINDOW && f.bytes + len <= LANE_BYTES)
-                }) else {
+                let Some(lane) = (0..lanes)
+                    .map(|k| (start + k) % lanes)
+                    .find(|&l| q.inflight[l].window.fits(len))
+                else {
                     break;
                 };
                 let Some(s) = q.pending.pop_front() else {
@@ -666,7 +657,7 @@ impl Inner {
                 match peer.lanes[lane].post_send(&[SendWr::new(wid, op, &sge)]) {
                     Ok(()) => {
                         let f = &mut q.inflight[lane];
-                        f.bytes += s.len;
+                        f.window.take(s.len);
                         f.slices.push_back((s.len, s.region));
                     }
                     Err(e) => failures.push((wid, Failure::Peer(format!("posting failed: {e}")))),
@@ -678,7 +669,7 @@ impl Inner {
         }
         let mut map = self.batches.lock();
         let mut sends = Vec::new();
-        let mut wake = Vec::new();
+        let mut ended = Vec::new();
         for (w, f) in failures {
             let (bid, _, r) = split_wr_id(w);
             if let Some(b) = map.get_mut(&bid) {
@@ -686,53 +677,38 @@ impl Inner {
                 if let Some(n) = ready_notify(b) {
                     sends.push((bid, n));
                 }
-                wake.extend(b.ended());
+                if b.done {
+                    ended.push(bid);
+                }
             }
         }
-        self.settle(map, wake, sends);
+        self.settle(map, ended, sends);
+        // Not in a poll: the batches' waiters must look again.
+        self.progress.notify();
     }
 
     /// After batches changed under `map`: forgets the ended ones nobody will ask about, wakes
-    /// their futures, sends the notifications that are due, and wakes waiters.
+    /// the futures of the batches that `ended`, and sends the notifications that are due.
     fn settle(
         &self,
         mut map: MutexGuard<'_, HashMap<BatchId, BatchState>>,
-        wake: Vec<Waker>,
+        ended: Vec<BatchId>,
         sends: Vec<(BatchId, NotifySend)>,
     ) {
         map.retain(|_, b| !(b.done && b.free_when_done));
         drop(map);
-        wake.into_iter().for_each(Waker::wake);
+        for b in ended {
+            self.batches.wakers.wake(b);
+        }
         self.send_notifies(sends);
-        self.batches.wake_all();
     }
 
-    /// Polls the completion queues and dispatches what they hold; when nothing was there and
-    /// `wait` is not zero, sleeps on `dev`'s queue up to `wait`.
-    pub(crate) fn progress(&self, dev: Option<usize>, wait: Duration) {
-        let Ok(_g) = self.batches.poller.try_lock() else {
-            return;
-        };
-        let mut wc = [WorkCompletion::EMPTY; 64];
-        let mut any = false;
-        for d in 0..self.devs.len() {
-            loop {
-                let n = self.devs[d].send_cq.poll(&mut wc);
-                if n == 0 {
-                    break;
-                }
-                any = true;
-                self.dispatch(d, &wc[..n]);
-            }
-        }
-        if !any
-            && !wait.is_zero()
-            && let Some(d) = dev
-            && let Ok(n) = self.devs[d].send_cq.wait(&mut wc, wait)
-            && n > 0
-        {
-            self.dispatch(d, &wc[..n]);
-        }
+    /// Polls the completion queues once, unless another thread does.
+    pub(crate) fn poll(&self) {
+        let _ = self.progress.poll(|dev, wc| {
+            self.dispatch(dev, std::slice::from_ref(wc));
+            Ok::<(), ()>(())
+        });
     }
 
     fn dispatch(&self, dev: usize, wcs: &[WorkCompletion]) {
@@ -759,7 +735,7 @@ impl Inner {
                 if let Some(f) = q.inflight.get_mut(lane)
                     && let Some((bytes, _region)) = f.slices.pop_front()
                 {
-                    f.bytes -= bytes;
+                    f.window.give_back(bytes);
                 }
             }
             if !touched.iter().any(|t| Arc::ptr_eq(t, &p)) {
@@ -768,7 +744,7 @@ impl Inner {
         }
         // Then the batches.
         let mut sends = Vec::new();
-        let mut wake = Vec::new();
+        let mut ended = Vec::new();
         let mut map = self.batches.lock();
         for (c, failure) in wcs.iter().zip(failures) {
             let (bid, _, r) = split_wr_id(c.wr_id);
@@ -785,9 +761,11 @@ impl Inner {
                     sends.push((bid, n));
                 }
             }
-            wake.extend(b.ended());
+            if b.done {
+                ended.push(bid);
+            }
         }
-        self.settle(map, wake, sends);
+        self.settle(map, ended, sends);
         for p in touched {
             self.pump(&p);
         }
@@ -819,114 +797,98 @@ impl Inner {
                         b.done = true;
                     }
                 }
-                let w = b.ended();
+                let ended = b.done;
                 drop(map);
-                w.into_iter().for_each(Waker::wake);
+                if ended {
+                    self.batches.wakers.wake(bid);
+                    self.progress.notify();
+                }
             }
         }
     }
 
     fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {
-        self.batches.waiters.fetch_add(1, Ordering::AcqRel);
-        let r = self.wait_inner(batch, timeout);
-        self.batches.waiters.fetch_sub(1, Ordering::AcqRel);
-        r
-    }
-
-    /// Drives batches nobody waits for (a caller that submitted and went on), so that their
-    /// requests keep flowing and their notifications go out: polls while a batch is open and no
-    /// caller is in `wait`, napping between polls outside the poller's lock.
-    pub(crate) fn background_progress(&self) {
-        if self.batches.waiters.load(Ordering::Acquire) > 0 {
-            // Callers drive progress: stay out of their way (and off their locks).
-            std::thread::sleep(Duration::from_millis(1));
-            return;
-        }
-        let open = self.batches.lock().values().any(|b| !b.done);
-        if !open {
-            // Idle: look again soon (a submit does not wake this thread, which would cost the
-            // submit a syscall; a batch nobody waits on starts moving within this nap).
-            std::thread::sleep(Duration::from_millis(2));
-            return;
-        }
-        self.progress(None, Duration::ZERO);
-        std::thread::sleep(Duration::from_micros(200));
-    }
-
-    fn wait_inner(&self, batch: BatchId, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        let dev = {
+        // Sleep on the queue of the lane posted last (a lone request's, exactly).
+        let hint = {
             let map = self.batches.lock();
             let b = map
                 .get(&batch)
                 .ok_or_else(|| Error::arg(format!("batch {batch} is unknown (freed?)")))?;
-            b.reqs.first().map(|r| r.peer.clone())
+            b.reqs.first().map_or(0, |r| {
+                let lane = r.peer.last_lane.load(Ordering::Relaxed);
+                r.peer.lane_dev.get(lane).copied().unwrap_or(0)
+            })
         };
-        loop {
-            {
-                let map = self.batches.lock();
-                let b = map.get(&batch).ok_or_else(|| {
-                    Error::arg(format!("batch {batch} was freed while waited for"))
-                })?;
-                if b.done {
-                    return b.result(batch);
-                }
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    let s = b.status();
-                    let pending = s
-                        .requests
-                        .iter()
-                        .filter(|r| **r == TransferStatus::Pending)
-                        .count();
-                    let segs: Vec<&str> = {
-                        let mut v: Vec<&str> =
-                            b.reqs.iter().map(|r| r.peer.name.as_str()).collect();
-                        v.dedup();
-                        v
-                    };
-                    return Err(Error::Timeout {
-                        what: format!(
-                            "batch {batch} to segment(s) {segs:?}: {pending} of {} requests \
-                             pending{}",
-                            b.reqs.len(),
-                            if pending == 0 {
-                                ", its notification undelivered"
-                            } else {
-                                ""
-                            }
-                        ),
-                        timeout,
-                    });
-                }
-                if self.closed.load(Ordering::Acquire) {
-                    return Err(Error::Closed);
-                }
-                if self.batches.poller.try_lock().is_err() {
-                    // Someone else polls: wait for their dispatch.
-                    self.batches.sleepers.fetch_add(1, Ordering::SeqCst);
-                    let _ = self
-                        .batches
-                        .changed
-                        .wait_timeout(map, left.min(Duration::from_micros(100)));
-                    self.batches.sleepers.fetch_sub(1, Ordering::SeqCst);
-                    continue;
-                }
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            // Sleep on the queue of the lane posted last (a lone request's, exactly); with
-            // lanes in several contexts, wake every millisecond to poll the others too.
-            let (d, nap) = match &dev {
-                Some(p) => {
-                    let lane = p.last_lane.load(Ordering::Relaxed);
-                    let multi = p.lane_dev.iter().any(|&d| d != p.dev());
-                    let nap = if multi { 1 } else { 10 };
-                    (p.lane_dev.get(lane).copied(), Duration::from_millis(nap))
-                }
-                None => (None, Duration::from_millis(1)),
+        let handle = |dev: usize, wc: &WorkCompletion| {
+            self.dispatch(dev, std::slice::from_ref(wc));
+            Ok::<(), ()>(())
+        };
+        let ready = || {
+            let map = self.batches.lock();
+            let Some(b) = map.get(&batch) else {
+                return Some(Err(Error::arg(format!(
+                    "batch {batch} was freed while waited for"
+                ))));
             };
-            self.progress(d, left.min(nap));
+            if b.done {
+                Some(b.result(batch))
+            } else if self.closed.load(Ordering::Acquire) {
+                Some(Err(Error::Closed))
+            } else {
+                None
+            }
+        };
+        let what = || self.pending(batch);
+        let deadline = Instant::now() + timeout;
+        match self.progress.wait_for(deadline, what, hint, handle, ready) {
+            Ok(r) => r,
+            Err(Waited::Timeout { what, .. }) => Err(Error::Timeout { what, timeout }),
+            Err(Waited::Queue(e)) => Err(Error::verbs(format!("waiting for batch {batch}"), e)),
+            Err(Waited::Handler(())) => Ok(()),
         }
+    }
+
+    /// What a batch still waits for, for a timeout's error.
+    fn pending(&self, batch: BatchId) -> String {
+        let map = self.batches.lock();
+        let Some(b) = map.get(&batch) else {
+            return format!("batch {batch} (freed)");
+        };
+        let pending = b
+            .status()
+            .requests
+            .iter()
+            .filter(|r| **r == TransferStatus::Pending)
+            .count();
+        let mut segs: Vec<&str> = b.reqs.iter().map(|r| r.peer.name.as_str()).collect();
+        segs.dedup();
+        format!(
+            "batch {batch} to segment(s) {segs:?}: {pending} of {} requests pending{}",
+            b.reqs.len(),
+            if pending == 0 {
+                ", its notification undelivered"
+            } else {
+                ""
+            }
+        )
+    }
+}
+
+impl Driven for Inner {
+    fn progress(&self) -> &Progress {
+        &self.progress
+    }
+
+    fn busy(&self) -> bool {
+        self.batches.lock().values().any(|b| !b.done)
+    }
+
+    fn closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    fn handle(&self, dev: usize, wc: &WorkCompletion) {
+        self.dispatch(dev, std::slice::from_ref(wc));
     }
 }
 

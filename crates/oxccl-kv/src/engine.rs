@@ -7,6 +7,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use oxccl_verbs::progress::{Progress, run_helper};
 use oxccl_verbs::{
     AccessFlags, CompletionQueue, ConnectRole, Context, Device, DeviceConfig, MemoryRegion,
     ProtectionDomain, Provider, QpConfig, QpEndpoint, QueuePair, RecvWr, Sge, WorkCompletion,
@@ -55,8 +56,9 @@ pub(crate) struct Dev {
     pub pd: ProtectionDomain,
     /// Completions of this engine's own requests (all opened segments on this provider).
     pub send_cq: CompletionQueue,
-    /// Receive completions (notifications) of inbound connections.
-    pub recv_cq: CompletionQueue,
+    /// Receive completions (notifications) of inbound connections, taken by this device's
+    /// notification thread.
+    pub recv: Arc<Progress>,
     _ctx: Context,
 }
 
@@ -135,6 +137,8 @@ pub(crate) struct Inner {
     by_name: Mutex<HashMap<String, SegmentId>>,
     next_segment: AtomicU64,
     pub batches: Batches,
+    /// The send queues of `devs` (queue `i` is `devs[i]`'s), polled by the batches' waiters.
+    pub progress: Progress,
     notifies: Mutex<VecDeque<Notification>>,
     notified: Condvar,
     /// Inbound connections by (dev, qp number of their first lane).
@@ -203,7 +207,7 @@ impl TransferEngine {
                 label,
                 pd,
                 send_cq,
-                recv_cq,
+                recv: Arc::new(Progress::new(vec![recv_cq])),
                 _ctx: ctx,
             });
         }
@@ -228,10 +232,12 @@ impl TransferEngine {
             .name
             .clone()
             .unwrap_or_else(|| handshake_addr.clone());
+        let progress = Progress::new(devs.iter().map(|d| d.send_cq.clone()).collect());
         let inner = Arc::new(Inner {
             name,
             host: oxccl_verbs::host_identity(),
             devs,
+            progress,
             meta,
             handshake_addr,
             regions: RwLock::new(BTreeMap::new()),
@@ -264,14 +270,7 @@ impl TransferEngine {
         let w = Arc::downgrade(&inner);
         threads.push(spawn("oxccl-kv-keeper", move || keeper_loop(w))?);
         let w = Arc::downgrade(&inner);
-        threads.push(spawn("oxccl-kv-progress", move || {
-            while let Some(inner) = w.upgrade() {
-                if inner.closed.load(Ordering::Acquire) {
-                    return;
-                }
-                inner.background_progress();
-            }
-        })?);
+        threads.push(spawn("oxccl-kv-progress", move || run_helper(w))?);
         Ok(TransferEngine {
             inner,
             server: Some(server),
@@ -463,7 +462,7 @@ impl Drop for TransferEngine {
         self.inner.closed.store(true, Ordering::Release);
         let _ = self.inner.meta.remove(&self.inner.name);
         self.server.take();
-        self.inner.batches.wake_all();
+        self.inner.progress.notify();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -765,7 +764,7 @@ impl Inner {
             .iter()
             .map(|&l| {
                 let d = &self.devs[l];
-                d.pd.create_qp(&d.send_cq, &d.recv_cq, &qcfg)
+                d.pd.create_qp(&d.send_cq, &d.recv.queues()[0], &qcfg)
             })
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|e| Error::verbs(format!("creating queue pairs for segment {name:?}"), e))?;
@@ -869,7 +868,7 @@ impl Inner {
                 ..QpConfig::default()
             };
             let q =
-                d.pd.create_qp(&d.send_cq, &d.recv_cq, &qcfg)
+                d.pd.create_qp(&d.send_cq, &d.recv.queues()[0], &qcfg)
                     .map_err(|e| Error::verbs("creating an inbound queue pair", e))?;
             q.connect(e)
                 .map_err(|e| Error::verbs(format!("connecting {from:?}'s lane"), e))?;
@@ -956,23 +955,26 @@ impl handshake::Handler for Handler {
 /// Takes notifications off a provider's receive queue, and drops inbound connections whose
 /// peer went away.
 fn notify_loop(w: Weak<Inner>, dev: usize) {
-    let mut wc = [WorkCompletion::EMPTY; 64];
+    let mut wc: Vec<WorkCompletion> = Vec::new();
     loop {
         let Some(inner) = w.upgrade() else { return };
         if inner.closed.load(Ordering::Acquire) {
             return;
         }
-        let cq = inner.devs[dev].recv_cq.clone();
+        let recv = inner.devs[dev].recv.clone();
         drop(inner);
-        let n = cq
-            .wait(&mut wc, Duration::from_millis(100))
-            .unwrap_or_default();
-        if n == 0 {
+        wc.clear();
+        // (This thread is the queue's only poller.)
+        let _ = recv.sleep(0, Duration::from_millis(100), |_, c| {
+            wc.push(*c);
+            Ok::<(), ()>(())
+        });
+        if wc.is_empty() {
             continue;
         }
         let Some(inner) = w.upgrade() else { return };
         let mut inbound = inner.inbound.lock().unwrap_or_else(|e| e.into_inner());
-        for c in &wc[..n] {
+        for c in &wc {
             let key = (dev, c.qp_num);
             if !c.is_ok() {
                 // The peer is gone (its lanes flushed): forget the connection.

@@ -73,7 +73,7 @@ pub fn untag(wr_id: u64) -> (u32, u32) {
 /// How long a waiter that found another thread polling sleeps at most before it looks again
 /// (a bound, not the usual case: the poller's dispatch wakes it).
 const WATCH_NAP: Duration = Duration::from_millis(1);
-/// With several queues, a sleeper polls them in turn for this long at most per call.
+/// With several queues, a sleeper blocks on one for this long at most before it polls them all.
 const TURN: Duration = Duration::from_millis(1);
 
 /// Why driving stopped.
@@ -162,8 +162,8 @@ impl Progress {
             return Ok(None);
         };
         let r = self.drain(&mut wcs, handle);
-        self.dispatched.fetch_add(1, Ordering::Release);
-        self.wake_sleepers();
+        drop(wcs);
+        self.notify();
         r.map(Some)
     }
 
@@ -213,45 +213,36 @@ impl Progress {
             .any(|(cq, seen)| cq.doorbell() != seen.load(Ordering::Relaxed))
     }
 
-    /// Sleeps until a completion arrives (at most `max`) and hands over what came. With one
-    /// queue this blocks in the queue's wait (the provider's: a futex for shm, `epoll_wait` on
-    /// its sockets for tcp); with several it polls them in turn, yielding, for `max` or 1 ms,
-    /// whichever is less. The caller must be the only poller (it holds the handle mutably, or
-    /// it is the thread [`Progress::poll`] let in). `hint` names the queue most likely to
-    /// complete next; it is where a lone sleeper blocks.
+    /// Sleeps until a completion arrives (at most `max`) and hands over what came. It blocks in
+    /// the wait of queue `hint` (the provider's: a futex for shm, `epoll_wait` on its sockets
+    /// for tcp), the queue most likely to complete next; with several queues, for 1 ms at most
+    /// before it polls them all. The caller must be the only poller (it holds the handle
+    /// mutably, or it is the thread [`Progress::poll`] let in).
     pub fn sleep<E>(
         &self,
         hint: usize,
         max: Duration,
         mut handle: impl FnMut(usize, &WorkCompletion) -> Result<(), E>,
     ) -> Result<usize, Waited<E>> {
-        if self.cqs.len() == 1 || max.is_zero() {
-            let q = hint.min(self.cqs.len().saturating_sub(1));
-            let Some(cq) = self.cqs.get(q) else {
-                return Ok(0);
-            };
-            let mut wcs = [WorkCompletion::EMPTY; 16];
-            self.rung[q].store(cq.doorbell(), Ordering::Relaxed);
-            return match cq.wait(&mut wcs, max) {
-                Ok(n) => {
-                    for wc in &wcs[..n] {
-                        handle(q, wc).map_err(Waited::Handler)?;
-                    }
-                    Ok(n)
-                }
-                Err(Error::Timeout { .. }) => Ok(0),
-                Err(e) => Err(Waited::Queue(e)),
-            };
-        }
-        let end = Instant::now() + max.min(TURN);
+        let q = hint.min(self.cqs.len().saturating_sub(1));
+        let Some(cq) = self.cqs.get(q) else {
+            return Ok(0);
+        };
+        let several = self.cqs.len() > 1;
         let mut wcs = [WorkCompletion::EMPTY; 16];
-        loop {
-            let n = self.drain(&mut wcs, &mut handle).map_err(Waited::Handler)?;
-            if n > 0 || Instant::now() >= end {
-                return Ok(n);
-            }
-            std::thread::yield_now();
+        self.rung[q].store(cq.doorbell(), Ordering::Relaxed);
+        let mut n = match cq.wait(&mut wcs, if several { max.min(TURN) } else { max }) {
+            Ok(n) => n,
+            Err(Error::Timeout { .. }) => 0,
+            Err(e) => return Err(Waited::Queue(e)),
+        };
+        for wc in &wcs[..n] {
+            handle(q, wc).map_err(Waited::Handler)?;
         }
+        if several {
+            n += self.drain(&mut wcs, &mut handle).map_err(Waited::Handler)?;
+        }
+        Ok(n)
     }
 
     /// Waits until `ready` gives a value, by `deadline`: while no other thread polls, this one
@@ -289,8 +280,7 @@ impl Progress {
                         Ok(n) => Ok(n),
                         Err(e) => Err(Waited::Handler(e)),
                     };
-                    self.dispatched.fetch_add(1, Ordering::Release);
-                    self.wake_sleepers();
+                    self.notify();
                     r?;
                 }
                 Err(_) => self.watch(seen, left.min(WATCH_NAP)),
@@ -310,9 +300,11 @@ impl Progress {
         self.sleepers.fetch_sub(1, Ordering::SeqCst);
     }
 
-    /// Wakes the threads that watch for a dispatch (see [`Progress::wait_for`]), if any;
-    /// an engine calls it after changing its operations outside a poll (a failed post).
-    pub fn wake_sleepers(&self) {
+    /// Counts a dispatch and wakes the threads that watch for one (see
+    /// [`Progress::wait_for`]), if any. Every poll does; an engine calls it after changing its
+    /// operations outside a poll (a post that failed), so that their waiters look again.
+    pub fn notify(&self) {
+        self.dispatched.fetch_add(1, Ordering::Release);
         if self.sleepers.load(Ordering::SeqCst) > 0 {
             // Under the lock: a watcher between its check and its sleep holds it, so the
             // notification cannot fall between the two.

@@ -357,8 +357,19 @@ impl Call<'_, '_> {
 
     /// Waits for a completion on the provider contexts (at most `max`); handles what arrives.
     pub(super) fn wait(&mut self, max: Duration) -> Result<()> {
+        // Sleep on the context of the link the lead call waits on (the others are polled
+        // after at most a millisecond).
+        let hint = match self.calls[self.cur].m.waiting(&self.eng.flows) {
+            Some(
+                Waiting::Data { q, .. }
+                | Waiting::Slot { q, .. }
+                | Waiting::Transport { q, .. }
+                | Waiting::Earlier { q: Some(q), .. },
+            ) => self.eng.links[self.eng.flows.link_channel(q).0].ctx,
+            _ => 0,
+        };
         let prog = std::mem::take(&mut self.eng.progress);
-        let r = prog.sleep(0, max, |_, wc| self.handle(wc));
+        let r = prog.sleep(hint, max, |_, wc| self.handle(wc));
         self.eng.progress = prog;
         match r {
             Ok(_) => Ok(()),

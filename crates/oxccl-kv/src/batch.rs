@@ -456,73 +456,8 @@ impl Inner {
                     p
                 }
             };
-            let bad = |e: Error| match e {
-                Error::InvalidArgument(m) => Error::InvalidArgument(format!("request {i}: {m}")),
-                Error::RemoteAccess { segment, detail } => Error::RemoteAccess {
-                    segment,
-                    detail: format!("request {i} ({}): {detail}", r.opcode),
-                },
-                e => e,
-            };
-            if r.length == 0 {
-                return Err(bad(Error::arg("a request of 0 bytes")));
-            }
-            let (region, off) = self.local(r.source, r.length).map_err(bad)?;
-            let rkeys: Arc<[u64]> = {
-                let fresh = peer
-                    .desc
-                    .read()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .locate(r.target_offset, r.length as u64)
-                    .is_err();
-                if fresh {
-                    // The target may have registered the range since: ask it once.
-                    self.refresh_desc(&peer);
-                }
-                let desc = peer.desc.read().unwrap_or_else(|e| e.into_inner());
-                let b = desc.locate(r.target_offset, r.length as u64).map_err(bad)?;
-                let keys: Option<Vec<u64>> = peer.lane_keys.iter().map(|k| b.rkey(k)).collect();
-                keys.ok_or_else(|| {
-                    bad(Error::RemoteAccess {
-                        segment: peer.name.clone(),
-                        detail: format!(
-                            "its buffer at {:#x} is not registered with every context of {:?}",
-                            b.addr, peer.lane_keys
-                        ),
-                    })
-                })?
-                .into()
-            };
-            // Over several lanes, requests are cut into slices spread across them; over one,
-            // only to stay under what one work request carries (2 GiB for tcp).
-            let slice = if peer.lanes.len() > 1 {
-                self.config.slice_size
-            } else {
-                MAX_WR
-            };
-            let n = r.length.div_ceil(slice);
-            let mut slices = Vec::with_capacity(n);
-            for k in 0..n {
-                let start = k * slice.min(r.length);
-                let len = slice.min(r.length - start);
-                slices.push(Slice {
-                    batch: 0,
-                    req: i as u64,
-                    op: r.opcode,
-                    region: region.clone(),
-                    local_off: off + start,
-                    addr: r.target_offset + start as u64,
-                    rkeys: rkeys.clone(),
-                    len,
-                });
-            }
-            state.push(Req {
-                req: *r,
-                peer: peer.clone(),
-                slices: n as u32,
-                bytes: 0,
-                failed: None,
-            });
+            let (req, slices) = self.plan_request(i, r, &peer)?;
+            state.push(req);
             match plan.iter_mut().find(|(p, _)| Arc::ptr_eq(p, &peer)) {
                 Some((_, v)) => v.extend(slices),
                 None => plan.push((peer, slices)),
@@ -577,6 +512,84 @@ impl Inner {
             self.pump(&peer);
         }
         Ok(id)
+    }
+
+    /// Checks request `i` of a batch (`r`, to `peer`) and cuts it into the slices it is posted
+    /// as: its local memory registered, its target range inside a buffer the target registered.
+    fn plan_request(
+        &self,
+        i: usize,
+        r: &TransferRequest,
+        peer: &Arc<Peer>,
+    ) -> Result<(Req, Vec<Slice>)> {
+        let bad = |e: Error| match e {
+            Error::InvalidArgument(m) => Error::InvalidArgument(format!("request {i}: {m}")),
+            Error::RemoteAccess { segment, detail } => Error::RemoteAccess {
+                segment,
+                detail: format!("request {i} ({}): {detail}", r.opcode),
+            },
+            e => e,
+        };
+        if r.length == 0 {
+            return Err(bad(Error::arg("a request of 0 bytes")));
+        }
+        let (region, off) = self.local(r.source, r.length).map_err(bad)?;
+        let rkeys: Arc<[u64]> = {
+            let fresh = peer
+                .desc
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .locate(r.target_offset, r.length as u64)
+                .is_err();
+            if fresh {
+                // The target may have registered the range since: ask it once.
+                self.refresh_desc(&peer);
+            }
+            let desc = peer.desc.read().unwrap_or_else(|e| e.into_inner());
+            let b = desc.locate(r.target_offset, r.length as u64).map_err(bad)?;
+            let keys: Option<Vec<u64>> = peer.lane_keys.iter().map(|k| b.rkey(k)).collect();
+            keys.ok_or_else(|| {
+                bad(Error::RemoteAccess {
+                    segment: peer.name.clone(),
+                    detail: format!(
+                        "its buffer at {:#x} is not registered with every context of {:?}",
+                        b.addr, peer.lane_keys
+                    ),
+                })
+            })?
+            .into()
+        };
+        // Over several lanes, requests are cut into slices spread across them; over one,
+        // only to stay under what one work request carries (2 GiB for tcp).
+        let slice = if peer.lanes.len() > 1 {
+            self.config.slice_size
+        } else {
+            MAX_WR
+        };
+        let n = r.length.div_ceil(slice);
+        let mut slices = Vec::with_capacity(n);
+        for k in 0..n {
+            let start = k * slice.min(r.length);
+            let len = slice.min(r.length - start);
+            slices.push(Slice {
+                batch: 0,
+                req: i as u64,
+                op: r.opcode,
+                region: region.clone(),
+                local_off: off + start,
+                addr: r.target_offset + start as u64,
+                rkeys: rkeys.clone(),
+                len,
+            });
+        }
+        let req = Req {
+            req: *r,
+            peer: peer.clone(),
+            slices: n as u32,
+            bytes: 0,
+            failed: None,
+        };
+        Ok((req, slices))
     }
 
     /// The peer of `segment`, opened afresh if its connection failed.

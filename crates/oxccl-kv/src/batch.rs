@@ -543,7 +543,7 @@ impl Inner {
                 .is_err();
             if fresh {
                 // The target may have registered the range since: ask it once.
-                self.refresh_desc(&peer);
+                self.refresh_desc(peer);
             }
             let desc = peer.desc.read().unwrap_or_else(|e| e.into_inner());
             let b = desc.locate(r.target_offset, r.length as u64).map_err(bad)?;

@@ -1,5 +1,5 @@
-//! Batches of transfer requests: submission (split into slices over a segment's lanes, with a
-//! window per lane), completion dispatch, waiting, and the notification that follows a batch.
+//! Batches of transfer requests: submission (split into slices, posted on a segment's queue pair
+//! within its window), completion dispatch, waiting, and the notification that follows a batch.
 //!
 //! A batch's notification is sent only once every request of the batch completed successfully,
 //! so the target sees it after the data (NIXL's bug, its PR #252, was a flush taken for a fence).
@@ -83,6 +83,7 @@ pub struct BatchStatus {
 }
 
 const REQ_BITS: u32 = 26;
+/// Bits between a wr_id's request and its batch (they named the lane; reserved, 0).
 const LANE_BITS: u32 = 6;
 const NOTIFY_REQ: u64 = (1 << REQ_BITS) - 1;
 /// Batch ids are the top 32 bits of a wr_id.
@@ -92,19 +93,15 @@ const MAX_WR: usize = 1 << 30;
 /// Most requests in one batch.
 pub const MAX_BATCH: usize = NOTIFY_REQ as usize;
 
-fn wr_id(batch: u64, lane: usize, req: u64) -> u64 {
-    (batch << (REQ_BITS + LANE_BITS)) | ((lane as u64) << REQ_BITS) | req
+fn wr_id(batch: u64, req: u64) -> u64 {
+    (batch << (REQ_BITS + LANE_BITS)) | req
 }
 
-fn split_wr_id(w: u64) -> (u64, usize, u64) {
-    (
-        w >> (REQ_BITS + LANE_BITS),
-        ((w >> REQ_BITS) & ((1 << LANE_BITS) - 1)) as usize,
-        w & NOTIFY_REQ,
-    )
+fn split_wr_id(w: u64) -> (u64, u64) {
+    (w >> (REQ_BITS + LANE_BITS), w & NOTIFY_REQ)
 }
 
-/// One work request of a request: a slice on one lane.
+/// One work request of a request.
 pub(crate) struct Slice {
     batch: u64,
     req: u64,
@@ -113,21 +110,20 @@ pub(crate) struct Slice {
     local_off: usize,
     /// The target address.
     addr: u64,
-    /// The target buffer's rkey as each lane's context at the target registered it.
-    rkeys: Arc<[u64]>,
+    /// The target buffer's rkey as the target's context registered it.
+    rkey: u64,
     len: usize,
 }
 
-/// A segment's queue of slices waiting for room in a lane's window.
+/// A segment's queue of slices waiting for room in its queue pair's window.
 pub(crate) struct LaneQueue {
     pending: VecDeque<Slice>,
-    /// Per lane, what is posted and not yet completed.
-    inflight: Vec<InFlight>,
-    next: usize,
+    /// What is posted and not yet completed.
+    inflight: InFlight,
 }
 
-/// A lane's posted slices, oldest first (a queue pair completes its requests in order): each
-/// one's bytes, and its local region, kept registered until its completion.
+/// A queue pair's posted slices, oldest first (a queue pair completes its requests in order):
+/// each one's bytes, and its local region, kept registered until its completion.
 #[derive(Default)]
 struct InFlight {
     slices: VecDeque<(usize, Arc<Region>)>,
@@ -135,12 +131,11 @@ struct InFlight {
 }
 
 impl LaneQueue {
-    /// An empty queue for `lanes` lanes.
-    pub(crate) fn new(lanes: usize) -> LaneQueue {
+    /// An empty queue.
+    pub(crate) fn new() -> LaneQueue {
         LaneQueue {
             pending: VecDeque::new(),
-            inflight: (0..lanes).map(|_| InFlight::default()).collect(),
-            next: 0,
+            inflight: InFlight::default(),
         }
     }
 }
@@ -280,9 +275,8 @@ impl BatchState {
 
 fn describe_status(s: WcStatus, peer: &Peer) -> Failure {
     let detail = peer
-        .lanes
-        .iter()
-        .find_map(|q| q.error_detail())
+        .qp
+        .error_detail()
         .map(|d| format!(" ({d})"))
         .unwrap_or_default();
     match s {
@@ -475,7 +469,7 @@ impl Inner {
                 return Err(bad(Error::arg("a request of 0 bytes")));
             }
             let (region, off) = self.local(r.source, r.length).map_err(bad)?;
-            let rkeys: Arc<[u64]> = {
+            let rkey: u64 = {
                 let fresh = peer
                     .desc
                     .read()
@@ -488,21 +482,20 @@ impl Inner {
                 }
                 let desc = peer.desc.read().unwrap_or_else(|e| e.into_inner());
                 let b = desc.locate(r.target_offset, r.length as u64).map_err(bad)?;
-                let keys: Option<Vec<u64>> = peer.lane_keys.iter().map(|k| b.rkey(k)).collect();
-                keys.ok_or_else(|| {
+                b.rkey(&peer.key).ok_or_else(|| {
                     bad(Error::RemoteAccess {
                         segment: peer.name.clone(),
                         detail: format!(
-                            "its buffer at {:#x} is not registered with every context of {:?}",
-                            b.addr, peer.lane_keys
+                            "its buffer at {:#x} is not registered with its {:?} context",
+                            b.addr, peer.key
                         ),
                     })
                 })?
-                .into()
             };
-            // Over several lanes, requests are cut into slices spread across them; over one,
-            // only to stay under what one work request carries (2 GiB for tcp).
-            let slice = if peer.lanes.len() > 1 {
+            // Over several lanes, requests are cut into slices (the provider stripes each over
+            // the connections); over one, only to stay under what one work request carries
+            // (2 GiB for tcp).
+            let slice = if peer.lanes > 1 {
                 self.config.slice_size
             } else {
                 MAX_WR
@@ -519,7 +512,7 @@ impl Inner {
                     region: region.clone(),
                     local_off: off + start,
                     addr: r.target_offset + start as u64,
-                    rkeys: rkeys.clone(),
+                    rkey,
                     len,
                 });
             }
@@ -606,12 +599,12 @@ impl Inner {
         }
     }
 
-    /// Posts a peer's pending slices while its lanes' windows have room.
+    /// Posts a peer's pending slices while its queue pair's window has room.
     pub(crate) fn pump(&self, peer: &Arc<Peer>) {
         let mut failures: Vec<(u64, Failure)> = Vec::new();
         {
             let mut q = peer.queue.lock().unwrap_or_else(|e| e.into_inner());
-            let lanes = peer.lanes.len();
+            let (window, window_bytes) = (LANE_WINDOW * peer.lanes, LANE_BYTES * peer.lanes);
             let dead = peer
                 .failed
                 .lock()
@@ -619,13 +612,13 @@ impl Inner {
                 .clone();
             while let Some(front) = q.pending.front() {
                 if let Some(d) = &dead {
-                    let w = wr_id(front.batch, 0, front.req);
+                    let w = wr_id(front.batch, front.req);
                     failures.push((w, Failure::Peer(format!("not sent: {d}"))));
                     q.pending.pop_front();
                     continue;
                 }
                 if !front.region.mrs[peer.dev()].is_registered() {
-                    let w = wr_id(front.batch, 0, front.req);
+                    let w = wr_id(front.batch, front.req);
                     failures.push((
                         w,
                         Failure::Peer(
@@ -635,37 +628,32 @@ impl Inner {
                     q.pending.pop_front();
                     continue;
                 }
-                let start = q.next;
-                // A lane takes a request while it has fewer than LANE_WINDOW requests and
-                // LANE_BYTES bytes in flight (an empty lane takes any size). On shm a WRITE is
-                // the copy itself, so this also bounds how long a submit blocks.
+                // The queue pair takes a request while it has fewer than LANE_WINDOW requests and
+                // LANE_BYTES bytes in flight per lane (an empty one takes any size). On shm a
+                // WRITE is the copy itself, so this also bounds how long a submit blocks.
                 let len = front.len;
-                let Some(lane) = (0..lanes).map(|k| (start + k) % lanes).find(|&l| {
-                    let f = &q.inflight[l];
-                    let n = f.slices.len();
-                    n == 0 || (n < LANE_WINDOW && f.bytes + len <= LANE_BYTES)
-                }) else {
+                let f = &q.inflight;
+                let n = f.slices.len();
+                if !(n == 0 || (n < window && f.bytes + len <= window_bytes)) {
                     break;
-                };
+                }
                 let Some(s) = q.pending.pop_front() else {
                     break;
                 };
-                q.next = (lane + 1) % lanes;
-                let wid = wr_id(s.batch, lane, s.req);
-                let mr = &s.region.mrs[peer.lane_dev[lane]];
+                let wid = wr_id(s.batch, s.req);
+                let mr = &s.region.mrs[peer.dev];
                 let sge = [Sge::new(mr, s.local_off, s.len)];
                 let remote = RemoteAddr {
                     addr: s.addr,
-                    rkey: s.rkeys[lane],
+                    rkey: s.rkey,
                 };
                 let op = match s.op {
                     Opcode::Read => WrOp::Read { remote },
                     Opcode::Write => WrOp::Write { remote },
                 };
-                peer.last_lane.store(lane, Ordering::Relaxed);
-                match peer.lanes[lane].post_send(&[SendWr::new(wid, op, &sge)]) {
+                match peer.qp.post_send(&[SendWr::new(wid, op, &sge)]) {
                     Ok(()) => {
-                        let f = &mut q.inflight[lane];
+                        let f = &mut q.inflight;
                         f.bytes += s.len;
                         f.slices.push_back((s.len, s.region));
                     }
@@ -680,7 +668,7 @@ impl Inner {
         let mut sends = Vec::new();
         let mut wake = Vec::new();
         for (w, f) in failures {
-            let (bid, _, r) = split_wr_id(w);
+            let (bid, r) = split_wr_id(w);
             if let Some(b) = map.get_mut(&bid) {
                 finish_slice(b, r as usize, 0, Some(f));
                 if let Some(n) = ready_notify(b) {
@@ -736,12 +724,12 @@ impl Inner {
     }
 
     fn dispatch(&self, dev: usize, wcs: &[WorkCompletion]) {
-        // First each completion's connection: its lane's window back, its failure noted. No
+        // First each completion's connection: its window back, its failure noted. No
         // batch lock is held here, so a poster copying into a lane (shm) delays nobody else.
         let mut touched: Vec<Arc<Peer>> = Vec::new();
         let mut failures: Vec<Option<Failure>> = Vec::with_capacity(wcs.len());
         for c in wcs {
-            let (_, lane, r) = split_wr_id(c.wr_id);
+            let (_, r) = split_wr_id(c.wr_id);
             let peer = self.peer_of_lane(dev, c.qp_num);
             failures.push((!c.is_ok()).then(|| match &peer {
                 Some(p) => describe_status(c.status, p),
@@ -756,9 +744,8 @@ impl Inner {
             }
             if r != NOTIFY_REQ {
                 let mut q = p.queue.lock().unwrap_or_else(|e| e.into_inner());
-                if let Some(f) = q.inflight.get_mut(lane)
-                    && let Some((bytes, _region)) = f.slices.pop_front()
-                {
+                let f = &mut q.inflight;
+                if let Some((bytes, _region)) = f.slices.pop_front() {
                     f.bytes -= bytes;
                 }
             }
@@ -771,7 +758,7 @@ impl Inner {
         let mut wake = Vec::new();
         let mut map = self.batches.lock();
         for (c, failure) in wcs.iter().zip(failures) {
-            let (bid, _, r) = split_wr_id(c.wr_id);
+            let (bid, r) = split_wr_id(c.wr_id);
             let Some(b) = map.get_mut(&bid) else { continue };
             if r == NOTIFY_REQ {
                 if let Some(n) = b.notify.as_mut() {
@@ -803,8 +790,8 @@ impl Inner {
                 .map_err(|e| e.to_string())
                 .and_then(|mr| {
                     let sge = [Sge::whole(&mr)];
-                    peer.lanes[0]
-                        .post_send(&[SendWr::new(wr_id(bid, 0, NOTIFY_REQ), WrOp::Send, &sge)])
+                    peer.qp
+                        .post_send(&[SendWr::new(wr_id(bid, NOTIFY_REQ), WrOp::Send, &sge)])
                         .map_err(|e| e.to_string())?;
                     Ok(mr)
                 });
@@ -914,15 +901,9 @@ impl Inner {
                 }
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            // Sleep on the queue of the lane posted last (a lone request's, exactly); with
-            // lanes in several contexts, wake every millisecond to poll the others too.
+            // Sleep on the queue of the segment's queue pair.
             let (d, nap) = match &dev {
-                Some(p) => {
-                    let lane = p.last_lane.load(Ordering::Relaxed);
-                    let multi = p.lane_dev.iter().any(|&d| d != p.dev());
-                    let nap = if multi { 1 } else { 10 };
-                    (p.lane_dev.get(lane).copied(), Duration::from_millis(nap))
-                }
+                Some(p) => (Some(p.dev()), Duration::from_millis(10)),
                 None => (None, Duration::from_millis(1)),
             };
             self.progress(d, left.min(nap));
@@ -974,8 +955,8 @@ mod tests {
 
     #[test]
     fn wr_ids_round_trip() {
-        for (b, l, r) in [(1, 0, 0), (12345, 63, NOTIFY_REQ), ((1 << 32) - 1, 7, 99)] {
-            assert_eq!(split_wr_id(wr_id(b, l, r)), (b, l, r));
+        for (b, r) in [(1, 0), (12345, NOTIFY_REQ), ((1 << 32) - 1, 99)] {
+            assert_eq!(split_wr_id(wr_id(b, r)), (b, r));
         }
     }
 }

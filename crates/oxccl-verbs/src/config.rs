@@ -121,16 +121,16 @@ impl DeviceConfig {
                 })?;
         }
         if let Some(v) = get("OXCCL_TCP_PROGRESS_THREADS") {
-            c.tcp_progress_threads = v
-                .parse()
-                .ok()
-                .filter(|n| (0..=16).contains(n))
-                .ok_or_else(|| {
-                    Error::arg(format!(
-                        "OXCCL_TCP_PROGRESS_THREADS={v:?} is not a number of progress threads \
+            c.tcp_progress_threads =
+                v.parse()
+                    .ok()
+                    .filter(|n| (0..=16).contains(n))
+                    .ok_or_else(|| {
+                        Error::arg(format!(
+                            "OXCCL_TCP_PROGRESS_THREADS={v:?} is not a number of progress threads \
                          from 0 (automatic) to 16"
-                    ))
-                })?;
+                        ))
+                    })?;
         }
         if let Some(p) = get("OXCCL_OFI_PROVIDER") {
             c.ofi_provider = p;

@@ -155,7 +155,10 @@ fn striped_write_over_shards_lands_byte_exact() {
         }
         let mut seen = vec![0u8; CAP];
         dst.read(0, &mut seen).unwrap();
-        assert!(seen[..off].iter().all(|&x| x == 0xee), "bytes before touched");
+        assert!(
+            seen[..off].iter().all(|&x| x == 0xee),
+            "bytes before touched"
+        );
         assert!(
             seen[off + len..].iter().all(|&x| x == 0xee),
             "bytes after touched"
@@ -163,7 +166,8 @@ fn striped_write_over_shards_lands_byte_exact() {
         if let Some(i) = (0..len).find(|&i| seen[off + i] != data[i]) {
             panic!(
                 "case {round}: byte {i} of {len} is {:#x}, expected {:#x}",
-                seen[off + i], data[i]
+                seen[off + i],
+                data[i]
             );
         }
     }
@@ -189,16 +193,23 @@ fn striped_and_small_requests_execute_in_order_with_shards() {
     };
     let (a, b) = pair(&config(3, 3), &qc);
     let len_of = |k: usize| (256 << 10) + (k * 7919) % (SLOT - (256 << 10));
-    let src = a.pd.alloc_mr(ROUNDS * SLOT, AccessFlags::LOCAL_WRITE).unwrap();
-    let small = a.pd.alloc_mr(ROUNDS * 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let src =
+        a.pd.alloc_mr(ROUNDS * SLOT, AccessFlags::LOCAL_WRITE)
+            .unwrap();
+    let small =
+        a.pd.alloc_mr(ROUNDS * 64, AccessFlags::LOCAL_WRITE)
+            .unwrap();
     let dst = b.pd.alloc_mr(ROUNDS * SLOT + 64, AccessFlags::ALL).unwrap();
-    let inbox = b.pd.alloc_mr(ROUNDS * 64, AccessFlags::LOCAL_WRITE).unwrap();
-    let back = a
-        .pd
-        .alloc_mr(SLOT, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
-        .unwrap();
+    let inbox =
+        b.pd.alloc_mr(ROUNDS * 64, AccessFlags::LOCAL_WRITE)
+            .unwrap();
+    let back =
+        a.pd.alloc_mr(SLOT, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+            .unwrap();
     for k in 0..ROUNDS {
-        let data: Vec<u8> = (0..len_of(k) as u64).map(|i| pattern(k as u64, i)).collect();
+        let data: Vec<u8> = (0..len_of(k) as u64)
+            .map(|i| pattern(k as u64, i))
+            .collect();
         src.write(k * SLOT, &data).unwrap();
         let mut msg = [0u8; 64];
         msg[..8].copy_from_slice(&(k as u64 + 1).to_le_bytes());
@@ -232,7 +243,10 @@ fn striped_and_small_requests_execute_in_order_with_shards() {
                         assert_eq!(w.opcode, WcOpcode::Recv, "{w:?}");
                         let mut msg = [0u8; 16];
                         inbox.read(k * 64, &mut msg).unwrap();
-                        assert_eq!(u64::from_le_bytes(msg[..8].try_into().unwrap()), k as u64 + 1);
+                        assert_eq!(
+                            u64::from_le_bytes(msg[..8].try_into().unwrap()),
+                            k as u64 + 1
+                        );
                     } else {
                         assert_eq!(w.opcode, WcOpcode::RecvRdmaWithImm, "{w:?}");
                         assert_eq!(w.imm, Some(k as u32), "{w:?}");
@@ -244,7 +258,8 @@ fn striped_and_small_requests_execute_in_order_with_shards() {
                     assert!(at > k as u64, "round {k}: the small WRITE reads {at}");
                     let mut seen = vec![0u8; len_of(k)];
                     dst.read(k * SLOT, &mut seen).unwrap();
-                    if let Some(i) = (0..seen.len()).find(|&i| seen[i] != pattern(k as u64, i as u64))
+                    if let Some(i) =
+                        (0..seen.len()).find(|&i| seen[i] != pattern(k as u64, i as u64))
                     {
                         panic!(
                             "round {k}: byte {i} of the striped WRITE before the receive is not \
@@ -333,7 +348,10 @@ fn progress_shards_follow_the_configuration() {
     assert_eq!(config(2, 6).progress_shards(), 2);
     assert_eq!(config(4, 1).progress_shards(), 1);
     let vars = |k: &str| (k == "OXCCL_TCP_PROGRESS_THREADS").then(|| "3".to_string());
-    assert_eq!(DeviceConfig::from_vars(&vars).unwrap().tcp_progress_threads, 3);
+    assert_eq!(
+        DeviceConfig::from_vars(&vars).unwrap().tcp_progress_threads,
+        3
+    );
     let bad = |k: &str| (k == "OXCCL_TCP_PROGRESS_THREADS").then(|| "lots".to_string());
     let e = DeviceConfig::from_vars(&bad).unwrap_err().to_string();
     assert!(e.contains("OXCCL_TCP_PROGRESS_THREADS"), "{e}");

@@ -553,8 +553,7 @@ impl Shared {
                 self.sweep_if_due(k);
                 continue;
             }
-            if s
-                .driver
+            if s.driver
                 .compare_exchange(FREE, THREAD, Ordering::Acquire, Ordering::Relaxed)
                 .is_err()
             {
@@ -640,8 +639,7 @@ impl Shared {
         let now = self.now_us();
         let last = s.last_sweep.load(Ordering::Relaxed);
         if now.saturating_sub(last) >= SWEEP.as_micros() as u64
-            && s
-                .last_sweep
+            && s.last_sweep
                 .compare_exchange(last, now, Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
         {

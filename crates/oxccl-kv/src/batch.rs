@@ -1,5 +1,5 @@
-//! Batches of transfer requests: submission (split into slices over a segment's lanes, with a
-//! window per lane), completion dispatch, waiting, and the notification that follows a batch.
+//! Batches of transfer requests: submission (split into slices, posted on a segment's queue pair
+//! within its window), completion dispatch, waiting, and the notification that follows a batch.
 //!
 //! A batch's notification is sent only once every request of the batch completed successfully,
 //! so the target sees it after the data (NIXL's bug, its PR #252, was a flush taken for a fence).
@@ -85,10 +85,9 @@ pub struct BatchStatus {
     pub done: bool,
 }
 
-// A work request's tag (oxccl_verbs::progress::tag): the batch is the operation; the part holds
-// the lane (top LANE_BITS) and the request's index in the batch.
+// A work request's tag (oxccl_verbs::progress::tag): the batch is the operation, the request's
+// index in the batch the part (NOTIFY_REQ: the batch's notification).
 const REQ_BITS: u32 = 26;
-const LANE_BITS: u32 = 6;
 const NOTIFY_REQ: u64 = (1 << REQ_BITS) - 1;
 /// Batch ids are a tag's operation: 32 bits.
 const BATCH_MASK: u64 = u32::MAX as u64;
@@ -97,20 +96,16 @@ const MAX_WR: usize = 1 << 30;
 /// Most requests in one batch.
 pub const MAX_BATCH: usize = NOTIFY_REQ as usize;
 
-fn wr_id(batch: u64, lane: usize, req: u64) -> u64 {
-    tag(batch as u32, ((lane as u32) << REQ_BITS) | req as u32)
+fn wr_id(batch: u64, req: u64) -> u64 {
+    tag(batch as u32, req as u32)
 }
 
-fn split_wr_id(w: u64) -> (u64, usize, u64) {
-    let (batch, part) = untag(w);
-    (
-        u64::from(batch),
-        (part >> REQ_BITS) as usize & ((1 << LANE_BITS) - 1),
-        u64::from(part) & NOTIFY_REQ,
-    )
+fn split_wr_id(w: u64) -> (u64, u64) {
+    let (batch, req) = untag(w);
+    (u64::from(batch), u64::from(req) & NOTIFY_REQ)
 }
 
-/// One work request of a request: a slice on one lane.
+/// One work request of a request.
 pub(crate) struct Slice {
     batch: u64,
     req: u64,
@@ -119,38 +114,35 @@ pub(crate) struct Slice {
     local_off: usize,
     /// The target address.
     addr: u64,
-    /// The target buffer's rkey as each lane's context at the target registered it.
-    rkeys: Arc<[u64]>,
+    /// The target buffer's rkey as the target's context registered it.
+    rkey: u64,
     len: usize,
 }
 
-/// A segment's queue of slices waiting for room in a lane's window.
+/// A segment's queue of slices waiting for room in its queue pair's window.
 pub(crate) struct LaneQueue {
     pending: VecDeque<Slice>,
-    /// Per lane, what is posted and not yet completed.
-    inflight: Vec<InFlight>,
-    next: usize,
+    /// What is posted and not yet completed.
+    inflight: InFlight,
 }
 
-/// A lane's posted slices, oldest first (a queue pair completes its requests in order): each
-/// one's bytes, and its local region, kept registered until its completion; and its window.
+/// A queue pair's posted slices, oldest first (a queue pair completes its requests in order):
+/// each one's bytes, and its local region, kept registered until its completion; and its window.
 struct InFlight {
     slices: VecDeque<(usize, Arc<Region>)>,
     window: Window,
 }
 
 impl LaneQueue {
-    /// An empty queue for `lanes` lanes.
+    /// An empty queue.
+    /// An empty queue for a queue pair of `lanes` lanes (its window is that many lanes').
     pub(crate) fn new(lanes: usize) -> LaneQueue {
         LaneQueue {
             pending: VecDeque::new(),
-            inflight: (0..lanes)
-                .map(|_| InFlight {
-                    slices: VecDeque::new(),
-                    window: Window::new(LANE_WINDOW, LANE_BYTES),
-                })
-                .collect(),
-            next: 0,
+            inflight: InFlight {
+                slices: VecDeque::new(),
+                window: Window::new(LANE_WINDOW * lanes, LANE_BYTES * lanes),
+            },
         }
     }
 }
@@ -271,9 +263,8 @@ impl BatchState {
 
 fn describe_status(s: WcStatus, peer: &Peer) -> Failure {
     let detail = peer
-        .lanes
-        .iter()
-        .find_map(|q| q.error_detail())
+        .qp
+        .error_detail()
         .map(|d| format!(" ({d})"))
         .unwrap_or_default();
     match s {
@@ -534,7 +525,7 @@ impl Inner {
             return Err(bad(Error::arg("a request of 0 bytes")));
         }
         let (region, off) = self.local(r.source, r.length).map_err(bad)?;
-        let rkeys: Arc<[u64]> = {
+        let rkey: u64 = {
             let fresh = peer
                 .desc
                 .read()
@@ -547,21 +538,20 @@ impl Inner {
             }
             let desc = peer.desc.read().unwrap_or_else(|e| e.into_inner());
             let b = desc.locate(r.target_offset, r.length as u64).map_err(bad)?;
-            let keys: Option<Vec<u64>> = peer.lane_keys.iter().map(|k| b.rkey(k)).collect();
-            keys.ok_or_else(|| {
+            b.rkey(&peer.key).ok_or_else(|| {
                 bad(Error::RemoteAccess {
                     segment: peer.name.clone(),
                     detail: format!(
-                        "its buffer at {:#x} is not registered with every context of {:?}",
-                        b.addr, peer.lane_keys
+                        "its buffer at {:#x} is not registered with its {:?} context",
+                        b.addr, peer.key
                     ),
                 })
             })?
-            .into()
         };
-        // Over several lanes, requests are cut into slices spread across them; over one,
-        // only to stay under what one work request carries (2 GiB for tcp).
-        let slice = if peer.lanes.len() > 1 {
+        // Over several lanes, requests are cut into slices (the provider stripes each over
+        // the connections); over one, only to stay under what one work request carries
+        // (2 GiB for tcp).
+        let slice = if peer.lanes > 1 {
             self.config.slice_size
         } else {
             MAX_WR
@@ -578,7 +568,7 @@ impl Inner {
                 region: region.clone(),
                 local_off: off + start,
                 addr: r.target_offset + start as u64,
-                rkeys: rkeys.clone(),
+                rkey,
                 len,
             });
         }
@@ -611,12 +601,11 @@ impl Inner {
         }
     }
 
-    /// Posts a peer's pending slices while its lanes' windows have room.
+    /// Posts a peer's pending slices while its queue pair's window has room.
     pub(crate) fn pump(&self, peer: &Arc<Peer>) {
         let mut failures: Vec<(u64, Failure)> = Vec::new();
         {
             let mut q = peer.queue.lock().unwrap_or_else(|e| e.into_inner());
-            let lanes = peer.lanes.len();
             let dead = peer
                 .failed
                 .lock()
@@ -624,13 +613,13 @@ impl Inner {
                 .clone();
             while let Some(front) = q.pending.front() {
                 if let Some(d) = &dead {
-                    let w = wr_id(front.batch, 0, front.req);
+                    let w = wr_id(front.batch, front.req);
                     failures.push((w, Failure::Peer(format!("not sent: {d}"))));
                     q.pending.pop_front();
                     continue;
                 }
                 if !front.region.mrs[peer.dev()].is_registered() {
-                    let w = wr_id(front.batch, 0, front.req);
+                    let w = wr_id(front.batch, front.req);
                     failures.push((
                         w,
                         Failure::Peer(
@@ -640,36 +629,30 @@ impl Inner {
                     q.pending.pop_front();
                     continue;
                 }
-                let start = q.next;
-                // A lane takes a request while it has fewer than LANE_WINDOW requests and
-                // LANE_BYTES bytes in flight (an empty lane takes any size). On shm a WRITE is
-                // the copy itself, so this also bounds how long a submit blocks.
+                // The queue pair takes a request while it has fewer than LANE_WINDOW requests and
+                // LANE_BYTES bytes in flight per lane (an empty one takes any size). On shm a
+                // WRITE is the copy itself, so this also bounds how long a submit blocks.
                 let len = front.len;
-                let Some(lane) = (0..lanes)
-                    .map(|k| (start + k) % lanes)
-                    .find(|&l| q.inflight[l].window.fits(len))
-                else {
+                if !q.inflight.window.fits(len) {
                     break;
-                };
+                }
                 let Some(s) = q.pending.pop_front() else {
                     break;
                 };
-                q.next = (lane + 1) % lanes;
-                let wid = wr_id(s.batch, lane, s.req);
-                let mr = &s.region.mrs[peer.lane_dev[lane]];
+                let wid = wr_id(s.batch, s.req);
+                let mr = &s.region.mrs[peer.dev];
                 let sge = [Sge::new(mr, s.local_off, s.len)];
                 let remote = RemoteAddr {
                     addr: s.addr,
-                    rkey: s.rkeys[lane],
+                    rkey: s.rkey,
                 };
                 let op = match s.op {
                     Opcode::Read => WrOp::Read { remote },
                     Opcode::Write => WrOp::Write { remote },
                 };
-                peer.last_lane.store(lane, Ordering::Relaxed);
-                match peer.lanes[lane].post_send(&[SendWr::new(wid, op, &sge)]) {
+                match peer.qp.post_send(&[SendWr::new(wid, op, &sge)]) {
                     Ok(()) => {
-                        let f = &mut q.inflight[lane];
+                        let f = &mut q.inflight;
                         f.window.take(s.len);
                         f.slices.push_back((s.len, s.region));
                     }
@@ -684,7 +667,7 @@ impl Inner {
         let mut sends = Vec::new();
         let mut ended = Vec::new();
         for (w, f) in failures {
-            let (bid, _, r) = split_wr_id(w);
+            let (bid, r) = split_wr_id(w);
             if let Some(b) = map.get_mut(&bid) {
                 finish_slice(b, r as usize, 0, Some(f));
                 if let Some(n) = ready_notify(b) {
@@ -725,12 +708,12 @@ impl Inner {
     }
 
     fn dispatch(&self, dev: usize, wcs: &[WorkCompletion]) {
-        // First each completion's connection: its lane's window back, its failure noted. No
+        // First each completion's connection: its window back, its failure noted. No
         // batch lock is held here, so a poster copying into a lane (shm) delays nobody else.
         let mut touched: Vec<Arc<Peer>> = Vec::new();
         let mut failures: Vec<Option<Failure>> = Vec::with_capacity(wcs.len());
         for c in wcs {
-            let (_, lane, r) = split_wr_id(c.wr_id);
+            let (_, r) = split_wr_id(c.wr_id);
             let peer = self.peer_of_lane(dev, c.qp_num);
             failures.push((!c.is_ok()).then(|| match &peer {
                 Some(p) => describe_status(c.status, p),
@@ -745,9 +728,8 @@ impl Inner {
             }
             if r != NOTIFY_REQ {
                 let mut q = p.queue.lock().unwrap_or_else(|e| e.into_inner());
-                if let Some(f) = q.inflight.get_mut(lane)
-                    && let Some((bytes, _region)) = f.slices.pop_front()
-                {
+                let f = &mut q.inflight;
+                if let Some((bytes, _region)) = f.slices.pop_front() {
                     f.window.give_back(bytes);
                 }
             }
@@ -760,7 +742,7 @@ impl Inner {
         let mut ended = Vec::new();
         let mut map = self.batches.lock();
         for (c, failure) in wcs.iter().zip(failures) {
-            let (bid, _, r) = split_wr_id(c.wr_id);
+            let (bid, r) = split_wr_id(c.wr_id);
             let Some(b) = map.get_mut(&bid) else { continue };
             if r == NOTIFY_REQ {
                 if let Some(n) = b.notify.as_mut() {
@@ -794,8 +776,8 @@ impl Inner {
                 .map_err(|e| e.to_string())
                 .and_then(|mr| {
                     let sge = [Sge::whole(&mr)];
-                    peer.lanes[0]
-                        .post_send(&[SendWr::new(wr_id(bid, 0, NOTIFY_REQ), WrOp::Send, &sge)])
+                    peer.qp
+                        .post_send(&[SendWr::new(wr_id(bid, NOTIFY_REQ), WrOp::Send, &sge)])
                         .map_err(|e| e.to_string())?;
                     Ok(mr)
                 });
@@ -821,16 +803,13 @@ impl Inner {
     }
 
     fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {
-        // Sleep on the queue of the lane posted last (a lone request's, exactly).
+        // Sleep on the queue of the (first) target segment's queue pair.
         let hint = {
             let map = self.batches.lock();
             let b = map
                 .get(&batch)
                 .ok_or_else(|| Error::arg(format!("batch {batch} is unknown (freed?)")))?;
-            b.reqs.first().map_or(0, |r| {
-                let lane = r.peer.last_lane.load(Ordering::Relaxed);
-                r.peer.lane_dev.get(lane).copied().unwrap_or(0)
-            })
+            b.reqs.first().map_or(0, |r| r.peer.dev())
         };
         let handle = |dev: usize, wc: &WorkCompletion| {
             self.dispatch(dev, std::slice::from_ref(wc));
@@ -949,8 +928,8 @@ mod tests {
 
     #[test]
     fn wr_ids_round_trip() {
-        for (b, l, r) in [(1, 0, 0), (12345, 63, NOTIFY_REQ), ((1 << 32) - 1, 7, 99)] {
-            assert_eq!(split_wr_id(wr_id(b, l, r)), (b, l, r));
+        for (b, r) in [(1, 0), (12345, NOTIFY_REQ), ((1 << 32) - 1, 99)] {
+            assert_eq!(split_wr_id(wr_id(b, r)), (b, r));
         }
     }
 }

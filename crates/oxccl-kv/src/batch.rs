@@ -1,19 +1,22 @@
-//! Batches of transfer requests: submission (split into slices over a segment's lanes, with a
-//! window per lane), completion dispatch, waiting, and the notification that follows a batch.
+//! Batches of transfer requests: submission (split into slices, posted on a segment's queue pair
+//! within its window), completion dispatch, waiting, and the notification that follows a batch.
 //!
 //! A batch's notification is sent only once every request of the batch completed successfully,
 //! so the target sees it after the data (NIXL's bug, its PR #252, was a flush taken for a fence).
-//! Completions are driven by the waiting callers themselves: whoever waits polls the completion
-//! queues for everyone (one at a time), so a synchronous transfer on shm costs no thread hand-off.
+//! Completions are driven through the verbs progress layer ([`oxccl_verbs::progress`]): whoever
+//! waits polls the completion queues for everyone (one at a time), so a synchronous transfer on
+//! shm costs no thread hand-off; a helper thread drives the batches nobody waits for; a
+//! [`Transfer`] future parks its waker under its batch.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::task::{Context, Poll, Waker};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use oxccl_verbs::progress::{Driven, Progress, Waited, Window, tag, untag};
 use oxccl_verbs::{MemoryRegion, RemoteAddr, SendWr, Sge, WcStatus, WorkCompletion, WrOp};
 
 use crate::engine::{
@@ -82,29 +85,27 @@ pub struct BatchStatus {
     pub done: bool,
 }
 
+// A work request's tag (oxccl_verbs::progress::tag): the batch is the operation, the request's
+// index in the batch the part (NOTIFY_REQ: the batch's notification).
 const REQ_BITS: u32 = 26;
-const LANE_BITS: u32 = 6;
 const NOTIFY_REQ: u64 = (1 << REQ_BITS) - 1;
-/// Batch ids are the top 32 bits of a wr_id.
-const BATCH_MASK: u64 = (1 << (64 - REQ_BITS - LANE_BITS)) - 1;
+/// Batch ids are a tag's operation: 32 bits.
+const BATCH_MASK: u64 = u32::MAX as u64;
 /// Most bytes one work request carries (the tcp provider's frames take up to 2 GiB).
 const MAX_WR: usize = 1 << 30;
 /// Most requests in one batch.
 pub const MAX_BATCH: usize = NOTIFY_REQ as usize;
 
-fn wr_id(batch: u64, lane: usize, req: u64) -> u64 {
-    (batch << (REQ_BITS + LANE_BITS)) | ((lane as u64) << REQ_BITS) | req
+fn wr_id(batch: u64, req: u64) -> u64 {
+    tag(batch as u32, req as u32)
 }
 
-fn split_wr_id(w: u64) -> (u64, usize, u64) {
-    (
-        w >> (REQ_BITS + LANE_BITS),
-        ((w >> REQ_BITS) & ((1 << LANE_BITS) - 1)) as usize,
-        w & NOTIFY_REQ,
-    )
+fn split_wr_id(w: u64) -> (u64, u64) {
+    let (batch, req) = untag(w);
+    (u64::from(batch), u64::from(req) & NOTIFY_REQ)
 }
 
-/// One work request of a request: a slice on one lane.
+/// One work request of a request.
 pub(crate) struct Slice {
     batch: u64,
     req: u64,
@@ -113,34 +114,35 @@ pub(crate) struct Slice {
     local_off: usize,
     /// The target address.
     addr: u64,
-    /// The target buffer's rkey as each lane's context at the target registered it.
-    rkeys: Arc<[u64]>,
+    /// The target buffer's rkey as the target's context registered it.
+    rkey: u64,
     len: usize,
 }
 
-/// A segment's queue of slices waiting for room in a lane's window.
+/// A segment's queue of slices waiting for room in its queue pair's window.
 pub(crate) struct LaneQueue {
     pending: VecDeque<Slice>,
-    /// Per lane, what is posted and not yet completed.
-    inflight: Vec<InFlight>,
-    next: usize,
+    /// What is posted and not yet completed.
+    inflight: InFlight,
 }
 
-/// A lane's posted slices, oldest first (a queue pair completes its requests in order): each
-/// one's bytes, and its local region, kept registered until its completion.
-#[derive(Default)]
+/// A queue pair's posted slices, oldest first (a queue pair completes its requests in order):
+/// each one's bytes, and its local region, kept registered until its completion; and its window.
 struct InFlight {
     slices: VecDeque<(usize, Arc<Region>)>,
-    bytes: usize,
+    window: Window,
 }
 
 impl LaneQueue {
-    /// An empty queue for `lanes` lanes.
+    /// An empty queue.
+    /// An empty queue for a queue pair of `lanes` lanes (its window is that many lanes').
     pub(crate) fn new(lanes: usize) -> LaneQueue {
         LaneQueue {
             pending: VecDeque::new(),
-            inflight: (0..lanes).map(|_| InFlight::default()).collect(),
-            next: 0,
+            inflight: InFlight {
+                slices: VecDeque::new(),
+                window: Window::new(LANE_WINDOW * lanes, LANE_BYTES * lanes),
+            },
         }
     }
 }
@@ -178,8 +180,6 @@ struct BatchState {
     transferred: u64,
     /// Forget the batch once it is over (a `transfer_sync` that timed out, a dropped future).
     free_when_done: bool,
-    /// The task awaiting it as a [`Transfer`] future.
-    waker: Option<Waker>,
 }
 
 struct Notify {
@@ -199,35 +199,18 @@ type NotifySend = (Arc<Peer>, Vec<u8>);
 #[derive(Default)]
 pub(crate) struct Batches {
     map: Mutex<HashMap<BatchId, BatchState>>,
-    changed: Condvar,
     next: AtomicU64,
-    poller: Mutex<()>,
-    /// Callers inside `wait`: while there are any, the background thread leaves polling to them.
-    waiters: std::sync::atomic::AtomicUsize,
-    /// Callers asleep on `changed` (a condition variable's wake is a syscall even with nobody
-    /// waiting: the data path makes it only when someone is).
-    sleepers: std::sync::atomic::AtomicUsize,
+    /// The futures awaiting batches ([`Transfer`]), by batch.
+    pub wakers: oxccl_verbs::progress::Wakers,
 }
 
 impl Batches {
-    /// Wakes the callers asleep on `changed`, if any.
-    pub fn wake_all(&self) {
-        if self.sleepers.load(Ordering::SeqCst) > 0 {
-            self.changed.notify_all();
-        }
-    }
-
     fn lock(&self) -> MutexGuard<'_, HashMap<BatchId, BatchState>> {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 impl BatchState {
-    /// The waker to wake, once the batch is over.
-    fn ended(&mut self) -> Option<Waker> {
-        if self.done { self.waker.take() } else { None }
-    }
-
     fn result(&self, id: BatchId) -> Result<()> {
         for (i, r) in self.reqs.iter().enumerate() {
             if let Some(f) = &r.failed {
@@ -280,9 +263,8 @@ impl BatchState {
 
 fn describe_status(s: WcStatus, peer: &Peer) -> Failure {
     let detail = peer
-        .lanes
-        .iter()
-        .find_map(|q| q.error_detail())
+        .qp
+        .error_detail()
         .map(|d| format!(" ({d})"))
         .unwrap_or_default();
     match s {
@@ -313,7 +295,7 @@ impl TransferEngine {
     /// Where a batch stands, driving progress once without blocking (so polling callers need no
     /// other thread).
     pub fn batch_status(&self, batch: BatchId) -> Result<BatchStatus> {
-        self.inner.progress(None, Duration::ZERO);
+        self.inner.poll();
         let map = self.inner.batches.lock();
         map.get(&batch)
             .map(|b| b.status())
@@ -393,7 +375,7 @@ impl Future for Transfer<'_> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
         let inner = &self.engine.inner;
-        inner.progress(None, Duration::ZERO);
+        inner.poll();
         let mut map = inner.batches.lock();
         let Some(b) = map.get_mut(&self.batch) else {
             self.over = true;
@@ -403,8 +385,9 @@ impl Future for Transfer<'_> {
             ))));
         };
         if !b.done {
-            // The background thread drives it, and its last completion's dispatch wakes us.
-            b.waker = Some(cx.waker().clone());
+            // The helper thread drives it, and its last completion's dispatch wakes us. Parked
+            // under the batches' lock, which the dispatch that ends the batch takes first.
+            inner.batches.wakers.park(self.batch, cx.waker());
             return Poll::Pending;
         }
         let r = b.result(self.batch);
@@ -417,6 +400,7 @@ impl Future for Transfer<'_> {
 impl Drop for Transfer<'_> {
     fn drop(&mut self) {
         if !self.over {
+            self.engine.inner.batches.wakers.forget(self.batch);
             let mut map = self.engine.inner.batches.lock();
             match map.get_mut(&self.batch) {
                 Some(b) if !b.done => b.free_when_done = true,
@@ -463,73 +447,8 @@ impl Inner {
                     p
                 }
             };
-            let bad = |e: Error| match e {
-                Error::InvalidArgument(m) => Error::InvalidArgument(format!("request {i}: {m}")),
-                Error::RemoteAccess { segment, detail } => Error::RemoteAccess {
-                    segment,
-                    detail: format!("request {i} ({}): {detail}", r.opcode),
-                },
-                e => e,
-            };
-            if r.length == 0 {
-                return Err(bad(Error::arg("a request of 0 bytes")));
-            }
-            let (region, off) = self.local(r.source, r.length).map_err(bad)?;
-            let rkeys: Arc<[u64]> = {
-                let fresh = peer
-                    .desc
-                    .read()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .locate(r.target_offset, r.length as u64)
-                    .is_err();
-                if fresh {
-                    // The target may have registered the range since: ask it once.
-                    self.refresh_desc(&peer);
-                }
-                let desc = peer.desc.read().unwrap_or_else(|e| e.into_inner());
-                let b = desc.locate(r.target_offset, r.length as u64).map_err(bad)?;
-                let keys: Option<Vec<u64>> = peer.lane_keys.iter().map(|k| b.rkey(k)).collect();
-                keys.ok_or_else(|| {
-                    bad(Error::RemoteAccess {
-                        segment: peer.name.clone(),
-                        detail: format!(
-                            "its buffer at {:#x} is not registered with every context of {:?}",
-                            b.addr, peer.lane_keys
-                        ),
-                    })
-                })?
-                .into()
-            };
-            // Over several lanes, requests are cut into slices spread across them; over one,
-            // only to stay under what one work request carries (2 GiB for tcp).
-            let slice = if peer.lanes.len() > 1 {
-                self.config.slice_size
-            } else {
-                MAX_WR
-            };
-            let n = r.length.div_ceil(slice);
-            let mut slices = Vec::with_capacity(n);
-            for k in 0..n {
-                let start = k * slice.min(r.length);
-                let len = slice.min(r.length - start);
-                slices.push(Slice {
-                    batch: 0,
-                    req: i as u64,
-                    op: r.opcode,
-                    region: region.clone(),
-                    local_off: off + start,
-                    addr: r.target_offset + start as u64,
-                    rkeys: rkeys.clone(),
-                    len,
-                });
-            }
-            state.push(Req {
-                req: *r,
-                peer: peer.clone(),
-                slices: n as u32,
-                bytes: 0,
-                failed: None,
-            });
+            let (req, slices) = self.plan_request(i, r, &peer)?;
+            state.push(req);
             match plan.iter_mut().find(|(p, _)| Arc::ptr_eq(p, &peer)) {
                 Some((_, v)) => v.extend(slices),
                 None => plan.push((peer, slices)),
@@ -570,7 +489,6 @@ impl Inner {
                     done: false,
                     transferred: 0,
                     free_when_done: false,
-                    waker: None,
                 },
             );
             id
@@ -585,6 +503,83 @@ impl Inner {
             self.pump(&peer);
         }
         Ok(id)
+    }
+
+    /// Checks request `i` of a batch (`r`, to `peer`) and cuts it into the slices it is posted
+    /// as: its local memory registered, its target range inside a buffer the target registered.
+    fn plan_request(
+        &self,
+        i: usize,
+        r: &TransferRequest,
+        peer: &Arc<Peer>,
+    ) -> Result<(Req, Vec<Slice>)> {
+        let bad = |e: Error| match e {
+            Error::InvalidArgument(m) => Error::InvalidArgument(format!("request {i}: {m}")),
+            Error::RemoteAccess { segment, detail } => Error::RemoteAccess {
+                segment,
+                detail: format!("request {i} ({}): {detail}", r.opcode),
+            },
+            e => e,
+        };
+        if r.length == 0 {
+            return Err(bad(Error::arg("a request of 0 bytes")));
+        }
+        let (region, off) = self.local(r.source, r.length).map_err(bad)?;
+        let rkey: u64 = {
+            let fresh = peer
+                .desc
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .locate(r.target_offset, r.length as u64)
+                .is_err();
+            if fresh {
+                // The target may have registered the range since: ask it once.
+                self.refresh_desc(peer);
+            }
+            let desc = peer.desc.read().unwrap_or_else(|e| e.into_inner());
+            let b = desc.locate(r.target_offset, r.length as u64).map_err(bad)?;
+            b.rkey(&peer.key).ok_or_else(|| {
+                bad(Error::RemoteAccess {
+                    segment: peer.name.clone(),
+                    detail: format!(
+                        "its buffer at {:#x} is not registered with its {:?} context",
+                        b.addr, peer.key
+                    ),
+                })
+            })?
+        };
+        // Over several lanes, requests are cut into slices (the provider stripes each over
+        // the connections); over one, only to stay under what one work request carries
+        // (2 GiB for tcp).
+        let slice = if peer.lanes > 1 {
+            self.config.slice_size
+        } else {
+            MAX_WR
+        };
+        let n = r.length.div_ceil(slice);
+        let mut slices = Vec::with_capacity(n);
+        for k in 0..n {
+            let start = k * slice.min(r.length);
+            let len = slice.min(r.length - start);
+            slices.push(Slice {
+                batch: 0,
+                req: i as u64,
+                op: r.opcode,
+                region: region.clone(),
+                local_off: off + start,
+                addr: r.target_offset + start as u64,
+                rkey,
+                len,
+            });
+        }
+        let req = Req {
+            req: *r,
+            peer: peer.clone(),
+            slices: n as u32,
+            bytes: 0,
+            failed: None,
+        };
+        Ok((req, slices))
     }
 
     /// The peer of `segment`, opened afresh if its connection failed.
@@ -606,12 +601,11 @@ impl Inner {
         }
     }
 
-    /// Posts a peer's pending slices while its lanes' windows have room.
+    /// Posts a peer's pending slices while its queue pair's window has room.
     pub(crate) fn pump(&self, peer: &Arc<Peer>) {
         let mut failures: Vec<(u64, Failure)> = Vec::new();
         {
             let mut q = peer.queue.lock().unwrap_or_else(|e| e.into_inner());
-            let lanes = peer.lanes.len();
             let dead = peer
                 .failed
                 .lock()
@@ -619,13 +613,13 @@ impl Inner {
                 .clone();
             while let Some(front) = q.pending.front() {
                 if let Some(d) = &dead {
-                    let w = wr_id(front.batch, 0, front.req);
+                    let w = wr_id(front.batch, front.req);
                     failures.push((w, Failure::Peer(format!("not sent: {d}"))));
                     q.pending.pop_front();
                     continue;
                 }
                 if !front.region.mrs[peer.dev()].is_registered() {
-                    let w = wr_id(front.batch, 0, front.req);
+                    let w = wr_id(front.batch, front.req);
                     failures.push((
                         w,
                         Failure::Peer(
@@ -635,38 +629,31 @@ impl Inner {
                     q.pending.pop_front();
                     continue;
                 }
-                let start = q.next;
-                // A lane takes a request while it has fewer than LANE_WINDOW requests and
-                // LANE_BYTES bytes in flight (an empty lane takes any size). On shm a WRITE is
-                // the copy itself, so this also bounds how long a submit blocks.
+                // The queue pair takes a request while it has fewer than LANE_WINDOW requests and
+                // LANE_BYTES bytes in flight per lane (an empty one takes any size). On shm a
+                // WRITE is the copy itself, so this also bounds how long a submit blocks.
                 let len = front.len;
-                let Some(lane) = (0..lanes).map(|k| (start + k) % lanes).find(|&l| {
-                    let f = &q.inflight[l];
-                    let n = f.slices.len();
-                    n == 0 || (n < LANE_WINDOW && f.bytes + len <= LANE_BYTES)
-                }) else {
+                if !q.inflight.window.fits(len) {
                     break;
-                };
+                }
                 let Some(s) = q.pending.pop_front() else {
                     break;
                 };
-                q.next = (lane + 1) % lanes;
-                let wid = wr_id(s.batch, lane, s.req);
-                let mr = &s.region.mrs[peer.lane_dev[lane]];
+                let wid = wr_id(s.batch, s.req);
+                let mr = &s.region.mrs[peer.dev];
                 let sge = [Sge::new(mr, s.local_off, s.len)];
                 let remote = RemoteAddr {
                     addr: s.addr,
-                    rkey: s.rkeys[lane],
+                    rkey: s.rkey,
                 };
                 let op = match s.op {
                     Opcode::Read => WrOp::Read { remote },
                     Opcode::Write => WrOp::Write { remote },
                 };
-                peer.last_lane.store(lane, Ordering::Relaxed);
-                match peer.lanes[lane].post_send(&[SendWr::new(wid, op, &sge)]) {
+                match peer.qp.post_send(&[SendWr::new(wid, op, &sge)]) {
                     Ok(()) => {
-                        let f = &mut q.inflight[lane];
-                        f.bytes += s.len;
+                        let f = &mut q.inflight;
+                        f.window.take(s.len);
                         f.slices.push_back((s.len, s.region));
                     }
                     Err(e) => failures.push((wid, Failure::Peer(format!("posting failed: {e}")))),
@@ -678,70 +665,55 @@ impl Inner {
         }
         let mut map = self.batches.lock();
         let mut sends = Vec::new();
-        let mut wake = Vec::new();
+        let mut ended = Vec::new();
         for (w, f) in failures {
-            let (bid, _, r) = split_wr_id(w);
+            let (bid, r) = split_wr_id(w);
             if let Some(b) = map.get_mut(&bid) {
                 finish_slice(b, r as usize, 0, Some(f));
                 if let Some(n) = ready_notify(b) {
                     sends.push((bid, n));
                 }
-                wake.extend(b.ended());
+                if b.done {
+                    ended.push(bid);
+                }
             }
         }
-        self.settle(map, wake, sends);
+        self.settle(map, ended, sends);
+        // Not in a poll: the batches' waiters must look again.
+        self.progress.notify();
     }
 
     /// After batches changed under `map`: forgets the ended ones nobody will ask about, wakes
-    /// their futures, sends the notifications that are due, and wakes waiters.
+    /// the futures of the batches that `ended`, and sends the notifications that are due.
     fn settle(
         &self,
         mut map: MutexGuard<'_, HashMap<BatchId, BatchState>>,
-        wake: Vec<Waker>,
+        ended: Vec<BatchId>,
         sends: Vec<(BatchId, NotifySend)>,
     ) {
         map.retain(|_, b| !(b.done && b.free_when_done));
         drop(map);
-        wake.into_iter().for_each(Waker::wake);
+        for b in ended {
+            self.batches.wakers.wake(b);
+        }
         self.send_notifies(sends);
-        self.batches.wake_all();
     }
 
-    /// Polls the completion queues and dispatches what they hold; when nothing was there and
-    /// `wait` is not zero, sleeps on `dev`'s queue up to `wait`.
-    pub(crate) fn progress(&self, dev: Option<usize>, wait: Duration) {
-        let Ok(_g) = self.batches.poller.try_lock() else {
-            return;
-        };
-        let mut wc = [WorkCompletion::EMPTY; 64];
-        let mut any = false;
-        for d in 0..self.devs.len() {
-            loop {
-                let n = self.devs[d].send_cq.poll(&mut wc);
-                if n == 0 {
-                    break;
-                }
-                any = true;
-                self.dispatch(d, &wc[..n]);
-            }
-        }
-        if !any
-            && !wait.is_zero()
-            && let Some(d) = dev
-            && let Ok(n) = self.devs[d].send_cq.wait(&mut wc, wait)
-            && n > 0
-        {
-            self.dispatch(d, &wc[..n]);
-        }
+    /// Polls the completion queues once, unless another thread does.
+    pub(crate) fn poll(&self) {
+        let _ = self.progress.poll(|dev, wc| {
+            self.dispatch(dev, std::slice::from_ref(wc));
+            Ok::<(), ()>(())
+        });
     }
 
     fn dispatch(&self, dev: usize, wcs: &[WorkCompletion]) {
-        // First each completion's connection: its lane's window back, its failure noted. No
+        // First each completion's connection: its window back, its failure noted. No
         // batch lock is held here, so a poster copying into a lane (shm) delays nobody else.
         let mut touched: Vec<Arc<Peer>> = Vec::new();
         let mut failures: Vec<Option<Failure>> = Vec::with_capacity(wcs.len());
         for c in wcs {
-            let (_, lane, r) = split_wr_id(c.wr_id);
+            let (_, r) = split_wr_id(c.wr_id);
             let peer = self.peer_of_lane(dev, c.qp_num);
             failures.push((!c.is_ok()).then(|| match &peer {
                 Some(p) => describe_status(c.status, p),
@@ -756,10 +728,9 @@ impl Inner {
             }
             if r != NOTIFY_REQ {
                 let mut q = p.queue.lock().unwrap_or_else(|e| e.into_inner());
-                if let Some(f) = q.inflight.get_mut(lane)
-                    && let Some((bytes, _region)) = f.slices.pop_front()
-                {
-                    f.bytes -= bytes;
+                let f = &mut q.inflight;
+                if let Some((bytes, _region)) = f.slices.pop_front() {
+                    f.window.give_back(bytes);
                 }
             }
             if !touched.iter().any(|t| Arc::ptr_eq(t, &p)) {
@@ -768,10 +739,10 @@ impl Inner {
         }
         // Then the batches.
         let mut sends = Vec::new();
-        let mut wake = Vec::new();
+        let mut ended = Vec::new();
         let mut map = self.batches.lock();
         for (c, failure) in wcs.iter().zip(failures) {
-            let (bid, _, r) = split_wr_id(c.wr_id);
+            let (bid, r) = split_wr_id(c.wr_id);
             let Some(b) = map.get_mut(&bid) else { continue };
             if r == NOTIFY_REQ {
                 if let Some(n) = b.notify.as_mut() {
@@ -785,9 +756,11 @@ impl Inner {
                     sends.push((bid, n));
                 }
             }
-            wake.extend(b.ended());
+            if b.done {
+                ended.push(bid);
+            }
         }
-        self.settle(map, wake, sends);
+        self.settle(map, ended, sends);
         for p in touched {
             self.pump(&p);
         }
@@ -803,8 +776,8 @@ impl Inner {
                 .map_err(|e| e.to_string())
                 .and_then(|mr| {
                     let sge = [Sge::whole(&mr)];
-                    peer.lanes[0]
-                        .post_send(&[SendWr::new(wr_id(bid, 0, NOTIFY_REQ), WrOp::Send, &sge)])
+                    peer.qp
+                        .post_send(&[SendWr::new(wr_id(bid, NOTIFY_REQ), WrOp::Send, &sge)])
                         .map_err(|e| e.to_string())?;
                     Ok(mr)
                 });
@@ -819,114 +792,95 @@ impl Inner {
                         b.done = true;
                     }
                 }
-                let w = b.ended();
+                let ended = b.done;
                 drop(map);
-                w.into_iter().for_each(Waker::wake);
+                if ended {
+                    self.batches.wakers.wake(bid);
+                    self.progress.notify();
+                }
             }
         }
     }
 
     fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {
-        self.batches.waiters.fetch_add(1, Ordering::AcqRel);
-        let r = self.wait_inner(batch, timeout);
-        self.batches.waiters.fetch_sub(1, Ordering::AcqRel);
-        r
-    }
-
-    /// Drives batches nobody waits for (a caller that submitted and went on), so that their
-    /// requests keep flowing and their notifications go out: polls while a batch is open and no
-    /// caller is in `wait`, napping between polls outside the poller's lock.
-    pub(crate) fn background_progress(&self) {
-        if self.batches.waiters.load(Ordering::Acquire) > 0 {
-            // Callers drive progress: stay out of their way (and off their locks).
-            std::thread::sleep(Duration::from_millis(1));
-            return;
-        }
-        let open = self.batches.lock().values().any(|b| !b.done);
-        if !open {
-            // Idle: look again soon (a submit does not wake this thread, which would cost the
-            // submit a syscall; a batch nobody waits on starts moving within this nap).
-            std::thread::sleep(Duration::from_millis(2));
-            return;
-        }
-        self.progress(None, Duration::ZERO);
-        std::thread::sleep(Duration::from_micros(200));
-    }
-
-    fn wait_inner(&self, batch: BatchId, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        let dev = {
+        // Sleep on the queue of the (first) target segment's queue pair.
+        let hint = {
             let map = self.batches.lock();
             let b = map
                 .get(&batch)
                 .ok_or_else(|| Error::arg(format!("batch {batch} is unknown (freed?)")))?;
-            b.reqs.first().map(|r| r.peer.clone())
+            b.reqs.first().map_or(0, |r| r.peer.dev())
         };
-        loop {
-            {
-                let map = self.batches.lock();
-                let b = map.get(&batch).ok_or_else(|| {
-                    Error::arg(format!("batch {batch} was freed while waited for"))
-                })?;
-                if b.done {
-                    return b.result(batch);
-                }
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    let s = b.status();
-                    let pending = s
-                        .requests
-                        .iter()
-                        .filter(|r| **r == TransferStatus::Pending)
-                        .count();
-                    let segs: Vec<&str> = {
-                        let mut v: Vec<&str> =
-                            b.reqs.iter().map(|r| r.peer.name.as_str()).collect();
-                        v.dedup();
-                        v
-                    };
-                    return Err(Error::Timeout {
-                        what: format!(
-                            "batch {batch} to segment(s) {segs:?}: {pending} of {} requests \
-                             pending{}",
-                            b.reqs.len(),
-                            if pending == 0 {
-                                ", its notification undelivered"
-                            } else {
-                                ""
-                            }
-                        ),
-                        timeout,
-                    });
-                }
-                if self.closed.load(Ordering::Acquire) {
-                    return Err(Error::Closed);
-                }
-                if self.batches.poller.try_lock().is_err() {
-                    // Someone else polls: wait for their dispatch.
-                    self.batches.sleepers.fetch_add(1, Ordering::SeqCst);
-                    let _ = self
-                        .batches
-                        .changed
-                        .wait_timeout(map, left.min(Duration::from_micros(100)));
-                    self.batches.sleepers.fetch_sub(1, Ordering::SeqCst);
-                    continue;
-                }
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            // Sleep on the queue of the lane posted last (a lone request's, exactly); with
-            // lanes in several contexts, wake every millisecond to poll the others too.
-            let (d, nap) = match &dev {
-                Some(p) => {
-                    let lane = p.last_lane.load(Ordering::Relaxed);
-                    let multi = p.lane_dev.iter().any(|&d| d != p.dev());
-                    let nap = if multi { 1 } else { 10 };
-                    (p.lane_dev.get(lane).copied(), Duration::from_millis(nap))
-                }
-                None => (None, Duration::from_millis(1)),
+        let handle = |dev: usize, wc: &WorkCompletion| {
+            self.dispatch(dev, std::slice::from_ref(wc));
+            Ok::<(), ()>(())
+        };
+        let ready = || {
+            let map = self.batches.lock();
+            let Some(b) = map.get(&batch) else {
+                return Some(Err(Error::arg(format!(
+                    "batch {batch} was freed while waited for"
+                ))));
             };
-            self.progress(d, left.min(nap));
+            if b.done {
+                Some(b.result(batch))
+            } else if self.closed.load(Ordering::Acquire) {
+                Some(Err(Error::Closed))
+            } else {
+                None
+            }
+        };
+        let what = || self.pending(batch);
+        let deadline = Instant::now() + timeout;
+        match self.progress.wait_for(deadline, what, hint, handle, ready) {
+            Ok(r) => r,
+            Err(Waited::Timeout { what, .. }) => Err(Error::Timeout { what, timeout }),
+            Err(Waited::Queue(e)) => Err(Error::verbs(format!("waiting for batch {batch}"), e)),
+            Err(Waited::Handler(())) => Ok(()),
         }
+    }
+
+    /// What a batch still waits for, for a timeout's error.
+    fn pending(&self, batch: BatchId) -> String {
+        let map = self.batches.lock();
+        let Some(b) = map.get(&batch) else {
+            return format!("batch {batch} (freed)");
+        };
+        let pending = b
+            .status()
+            .requests
+            .iter()
+            .filter(|r| **r == TransferStatus::Pending)
+            .count();
+        let mut segs: Vec<&str> = b.reqs.iter().map(|r| r.peer.name.as_str()).collect();
+        segs.dedup();
+        format!(
+            "batch {batch} to segment(s) {segs:?}: {pending} of {} requests pending{}",
+            b.reqs.len(),
+            if pending == 0 {
+                ", its notification undelivered"
+            } else {
+                ""
+            }
+        )
+    }
+}
+
+impl Driven for Inner {
+    fn progress(&self) -> &Progress {
+        &self.progress
+    }
+
+    fn busy(&self) -> bool {
+        self.batches.lock().values().any(|b| !b.done)
+    }
+
+    fn closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    fn handle(&self, dev: usize, wc: &WorkCompletion) {
+        self.dispatch(dev, std::slice::from_ref(wc));
     }
 }
 
@@ -974,8 +928,8 @@ mod tests {
 
     #[test]
     fn wr_ids_round_trip() {
-        for (b, l, r) in [(1, 0, 0), (12345, 63, NOTIFY_REQ), ((1 << 32) - 1, 7, 99)] {
-            assert_eq!(split_wr_id(wr_id(b, l, r)), (b, l, r));
+        for (b, r) in [(1, 0), (12345, NOTIFY_REQ), ((1 << 32) - 1, 99)] {
+            assert_eq!(split_wr_id(wr_id(b, r)), (b, r));
         }
     }
 }

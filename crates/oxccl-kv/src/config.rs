@@ -48,10 +48,11 @@ pub struct EngineConfig {
     pub local_addr: SocketAddr,
     /// Which provider carries the data.
     pub protocol: Protocol,
-    /// tcp: connections (lanes) per opened segment; requests larger than `slice_size` are split
-    /// across them.
+    /// tcp: connections (lanes) of an opened segment's queue pair: the tcp provider stripes
+    /// large WRITEs over them and reads them with as many progress threads (up to 4). With more
+    /// than one, requests larger than `slice_size` are split into slices.
     pub lanes: usize,
-    /// tcp: bytes per slice of a large request.
+    /// tcp: bytes per slice (work request) of a large request.
     pub slice_size: usize,
     /// The default timeout of every wait (a batch, a lookup, a handshake).
     pub timeout: Duration,

@@ -7,6 +7,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use oxccl_verbs::progress::{Progress, run_helper};
 use oxccl_verbs::{
     AccessFlags, CompletionQueue, ConnectRole, Context, Device, DeviceConfig, MemoryRegion,
     ProtectionDomain, Provider, QpConfig, QpEndpoint, QueuePair, RecvWr, Sge, WorkCompletion,
@@ -23,9 +24,11 @@ use crate::meta::Metadata;
 pub const MAX_NOTIFY: usize = 4096;
 /// Receive buffers posted per inbound connection for notifications.
 const NOTIFY_DEPTH: usize = 64;
-/// Requests in flight per lane before later ones wait in the engine.
+/// Requests in flight per lane before later ones wait in the engine: a segment's queue pair
+/// takes this many per lane (its connections).
 pub(crate) const LANE_WINDOW: usize = 1024;
-/// Bytes in flight per lane before later requests wait in the engine.
+/// Bytes in flight per lane before later requests wait in the engine: a segment's queue pair
+/// takes this many per lane, so the bytes in flight do not depend on how they are carried.
 pub(crate) const LANE_BYTES: usize = 16 << 20;
 
 /// A notification: a message a peer delivered with a batch, after the batch's data was visible
@@ -49,14 +52,14 @@ pub type Service = Arc<dyn Fn(&str, &[u8]) -> Result<Vec<u8>> + Send + Sync>;
 /// One provider this engine serves: its context, protection domain and completion queues.
 pub(crate) struct Dev {
     pub provider: Provider,
-    /// Its name in descriptors' rkey lists: the provider's, then `.1`, `.2`, ... for the
-    /// further tcp contexts (one per lane, each with its own progress thread).
+    /// Its name in descriptors' rkey lists: the provider's.
     pub label: String,
     pub pd: ProtectionDomain,
     /// Completions of this engine's own requests (all opened segments on this provider).
     pub send_cq: CompletionQueue,
-    /// Receive completions (notifications) of inbound connections.
-    pub recv_cq: CompletionQueue,
+    /// Receive completions (notifications) of inbound connections, taken by this device's
+    /// notification thread.
+    pub recv: Arc<Progress>,
     _ctx: Context,
 }
 
@@ -84,34 +87,37 @@ impl Region {
     }
 }
 
-/// A segment this engine opened: queue pairs (lanes) connected to the owner's.
+/// A segment this engine opened: a queue pair connected to the owner's. Over tcp its lanes are
+/// the queue pair's connections ([`oxccl_verbs::DeviceConfig::tcp_nsocks`]): the provider
+/// stripes large WRITEs over them and reads them with several progress threads.
 pub(crate) struct Peer {
     pub id: SegmentId,
     pub name: String,
-    /// Each lane's dev (its context on this side).
-    pub lane_dev: Vec<usize>,
-    /// Each lane's rkey set at the target: the label its registrations have there.
-    pub lane_keys: Vec<String>,
-    /// The lane a request was last posted on (where a waiter sleeps first).
-    pub last_lane: std::sync::atomic::AtomicUsize,
+    /// The dev (context on this side) of the queue pair.
+    pub dev: usize,
+    /// The rkey set at the target: the label its registrations have there.
+    pub key: String,
+    /// The queue pair's lanes (its connections; 1 on shm): its window is this many lanes'.
+    pub lanes: usize,
     pub desc: RwLock<SegmentDesc>,
-    pub lanes: Vec<QueuePair>,
+    pub qp: QueuePair,
     /// The authenticated handshake connection, kept for service calls.
     pub client: Mutex<Client>,
-    /// Set when a lane failed: later requests fail at once with it.
+    /// Set when the queue pair failed: later requests fail at once with it.
     pub failed: Mutex<Option<String>>,
-    /// Slices waiting for room in a lane's window.
+    /// Slices waiting for room in the queue pair's window.
     pub queue: Mutex<crate::batch::LaneQueue>,
 }
 
 impl Peer {
-    /// The dev of the first lane (notifications go there).
+    /// The dev of the queue pair (notifications go there too).
     pub(crate) fn dev(&self) -> usize {
-        self.lane_dev[0]
+        self.dev
     }
 }
 
-/// An inbound connection: a peer's lanes to this engine, and the buffers its notifications land in.
+/// An inbound connection: a peer's queue pair to this engine, and the buffers its notifications
+/// land in.
 struct Inbound {
     from: String,
     qps: Vec<QueuePair>,
@@ -128,16 +134,18 @@ pub(crate) struct Inner {
     regions: RwLock<BTreeMap<u64, Arc<Region>>>,
     version: AtomicU64,
     pub peers: RwLock<HashMap<SegmentId, Arc<Peer>>>,
-    /// Every lane's peer, by (dev, queue pair number), for completions. A batch holds its
+    /// Every queue pair's peer, by (dev, queue pair number), for completions. A batch holds its
     /// peers until it is over, so a peer replaced after a failure, or closed, still gets its
     /// last completions.
     lanes: RwLock<HashMap<(usize, u32), Weak<Peer>>>,
     by_name: Mutex<HashMap<String, SegmentId>>,
     next_segment: AtomicU64,
     pub batches: Batches,
+    /// The send queues of `devs` (queue `i` is `devs[i]`'s), polled by the batches' waiters.
+    pub progress: Progress,
     notifies: Mutex<VecDeque<Notification>>,
     notified: Condvar,
-    /// Inbound connections by (dev, qp number of their first lane).
+    /// Inbound connections by (dev, number of their first queue pair).
     inbound: Mutex<HashMap<(usize, u32), Inbound>>,
     services: RwLock<HashMap<String, Service>>,
     pub closed: AtomicBool,
@@ -166,23 +174,17 @@ impl TransferEngine {
             Protocol::Tcp => &[Provider::Tcp],
         };
         let mut devs = Vec::new();
-        // tcp gets a context per lane: each lane's socket has its own progress thread, so the
-        // kernel's copies of several lanes run on several cores (as raw streams' threads do).
-        let contexts = providers.iter().flat_map(|&p| {
-            let n = if p == Provider::Tcp { config.lanes } else { 1 };
-            (0..n).map(move |i| (p, i))
-        });
-        for (p, i) in contexts {
-            let label = if i == 0 {
-                p.name().to_string()
-            } else {
-                format!("{}.{i}", p.name())
-            };
+        for &p in providers {
+            let label = p.name().to_string();
             let dc = DeviceConfig {
                 tcp_addr: std::net::SocketAddr::new(config.local_addr.ip(), 0),
                 // A caller that posts slices and then waits leaves the large frames to the
                 // progress thread: waiting costs a few percent of a core, not a third.
                 tcp_inline_max: 64 << 10,
+                // The lanes are the connections of a segment's queue pair, each read by its own
+                // progress thread (the automatic number of progress shards), so the kernel's
+                // copies of several lanes run on several cores (as raw streams' threads do).
+                tcp_nsocks: config.lanes,
                 ..DeviceConfig::default()
             };
             let what = |w: &str| format!("{w} of the {p} provider");
@@ -203,7 +205,7 @@ impl TransferEngine {
                 label,
                 pd,
                 send_cq,
-                recv_cq,
+                recv: Arc::new(Progress::new(vec![recv_cq])),
                 _ctx: ctx,
             });
         }
@@ -228,10 +230,12 @@ impl TransferEngine {
             .name
             .clone()
             .unwrap_or_else(|| handshake_addr.clone());
+        let progress = Progress::new(devs.iter().map(|d| d.send_cq.clone()).collect());
         let inner = Arc::new(Inner {
             name,
             host: oxccl_verbs::host_identity(),
             devs,
+            progress,
             meta,
             handshake_addr,
             regions: RwLock::new(BTreeMap::new()),
@@ -264,14 +268,7 @@ impl TransferEngine {
         let w = Arc::downgrade(&inner);
         threads.push(spawn("oxccl-kv-keeper", move || keeper_loop(w))?);
         let w = Arc::downgrade(&inner);
-        threads.push(spawn("oxccl-kv-progress", move || {
-            while let Some(inner) = w.upgrade() {
-                if inner.closed.load(Ordering::Acquire) {
-                    return;
-                }
-                inner.background_progress();
-            }
-        })?);
+        threads.push(spawn("oxccl-kv-progress", move || run_helper(w))?);
         Ok(TransferEngine {
             inner,
             server: Some(server),
@@ -463,7 +460,7 @@ impl Drop for TransferEngine {
         self.inner.closed.store(true, Ordering::Release);
         let _ = self.inner.meta.remove(&self.inner.name);
         self.server.take();
-        self.inner.batches.wake_all();
+        self.inner.progress.notify();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -518,13 +515,6 @@ impl Inner {
             }
         }
         v
-    }
-
-    /// The devs of `provider`, in order.
-    fn devs_of(&self, provider: Provider) -> Vec<usize> {
-        (0..self.devs.len())
-            .filter(|&i| self.devs[i].provider == provider)
-            .collect()
     }
 
     fn publish(&self) -> Result<()> {
@@ -747,67 +737,56 @@ impl Inner {
         )?;
         // The descriptor from the owner itself is the newest.
         let desc = client.get_desc()?;
-        let nlanes = if provider == Provider::Tcp {
+        let qcfg = QpConfig {
+            timeout: self.config.peer_timeout,
+            connect: ConnectRole::Active,
+            // This side only sends: a receive ring of one.
+            max_recv_wr: 1,
+            ..QpConfig::default()
+        };
+        let d = &self.devs[dev];
+        let qp = d
+            .pd
+            .create_qp(&d.send_cq, &d.recv.queues()[0], &qcfg)
+            .map_err(|e| Error::verbs(format!("creating a queue pair for segment {name:?}"), e))?;
+        let (theirs, key) = match client.call(&Msg::Connect {
+            provider: provider.name().to_string(),
+            endpoints: vec![qp.endpoint()],
+        })? {
+            Msg::Connected {
+                mut endpoints,
+                mut keys,
+            } if endpoints.len() == 1 && keys.len() == 1 => (endpoints.remove(0), keys.remove(0)),
+            m => {
+                return Err(Error::Handshake {
+                    peer: desc.handshake.clone(),
+                    detail: format!("expected 1 connected endpoint, got {m:?}"),
+                });
+            }
+        };
+        qp.connect(&theirs).map_err(|e| {
+            Error::verbs(format!("connecting to segment {name:?} over {provider}"), e)
+        })?;
+        let lanes = if provider == Provider::Tcp {
             self.config.lanes
         } else {
             1
         };
-        let qcfg = QpConfig {
-            timeout: self.config.peer_timeout,
-            connect: ConnectRole::Active,
-            // This side's lanes only send: a receive ring of one.
-            max_recv_wr: 1,
-            ..QpConfig::default()
-        };
-        let mine = self.devs_of(provider);
-        let lane_dev: Vec<usize> = (0..nlanes).map(|i| mine[i % mine.len()]).collect();
-        let lanes = lane_dev
-            .iter()
-            .map(|&l| {
-                let d = &self.devs[l];
-                d.pd.create_qp(&d.send_cq, &d.recv_cq, &qcfg)
-            })
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| Error::verbs(format!("creating queue pairs for segment {name:?}"), e))?;
-        let endpoints = lanes.iter().map(|q| q.endpoint()).collect();
-        let (theirs, lane_keys) = match client.call(&Msg::Connect {
-            provider: provider.name().to_string(),
-            endpoints,
-        })? {
-            Msg::Connected { endpoints, keys }
-                if endpoints.len() == nlanes && keys.len() == nlanes =>
-            {
-                (endpoints, keys)
-            }
-            m => {
-                return Err(Error::Handshake {
-                    peer: desc.handshake.clone(),
-                    detail: format!("expected {nlanes} connected endpoints, got {m:?}"),
-                });
-            }
-        };
-        for (q, e) in lanes.iter().zip(&theirs) {
-            q.connect(e).map_err(|e| {
-                Error::verbs(format!("connecting to segment {name:?} over {provider}"), e)
-            })?;
-        }
         let peer = Arc::new(Peer {
             id,
             name: name.to_string(),
-            queue: Mutex::new(crate::batch::LaneQueue::new(lane_dev.len())),
-            lane_dev,
-            lane_keys,
-            last_lane: Default::default(),
-            desc: RwLock::new(desc),
+            queue: Mutex::new(crate::batch::LaneQueue::new(lanes)),
+            dev,
+            key,
             lanes,
+            desc: RwLock::new(desc),
+            qp,
             client: Mutex::new(client),
             failed: Mutex::new(None),
         });
         let mut map = self.lanes.write().unwrap_or_else(|e| e.into_inner());
         map.retain(|_, w| w.strong_count() > 0);
-        for (q, &d) in peer.lanes.iter().zip(&peer.lane_dev) {
-            map.insert((d, q.qp_num()), Arc::downgrade(&peer));
-        }
+        map.insert((dev, peer.qp.qp_num()), Arc::downgrade(&peer));
         Ok(peer)
     }
 
@@ -843,25 +822,23 @@ impl Inner {
             })
     }
 
-    /// A peer asks for queue pairs connected to its lanes: lane `i` goes to this side's
-    /// context `i` (mod their number), and the answer names each lane's rkey set.
+    /// A peer asks for queue pairs connected to its own (one per opened segment; its lanes are
+    /// that queue pair's connections), on this side's context of the provider; the answer names
+    /// each one's rkey set.
     fn accept(&self, from: &str, provider: &str, endpoints: Vec<QpEndpoint>) -> Result<Msg> {
-        let devs: Vec<usize> = (0..self.devs.len())
-            .filter(|&i| self.devs[i].provider.name() == provider)
-            .collect();
-        if devs.is_empty() {
+        let Some(dev) = self.devs.iter().position(|d| d.provider.name() == provider) else {
             return Err(Error::arg(format!(
                 "this engine does not serve provider {provider}"
             )));
-        }
+        };
         if endpoints.is_empty() || endpoints.len() > 64 {
-            return Err(Error::arg(format!("{} lanes asked", endpoints.len())));
+            return Err(Error::arg(format!("{} queue pairs asked", endpoints.len())));
         }
         let mut qps = Vec::new();
         let mut keys = Vec::new();
         for (i, e) in endpoints.iter().enumerate() {
-            let d = &self.devs[devs[i % devs.len()]];
-            // Notifications arrive on the first lane only.
+            let d = &self.devs[dev];
+            // Notifications arrive on the first queue pair only.
             let qcfg = QpConfig {
                 timeout: self.config.peer_timeout,
                 connect: ConnectRole::Passive,
@@ -869,14 +846,14 @@ impl Inner {
                 ..QpConfig::default()
             };
             let q =
-                d.pd.create_qp(&d.send_cq, &d.recv_cq, &qcfg)
+                d.pd.create_qp(&d.send_cq, &d.recv.queues()[0], &qcfg)
                     .map_err(|e| Error::verbs("creating an inbound queue pair", e))?;
             q.connect(e)
-                .map_err(|e| Error::verbs(format!("connecting {from:?}'s lane"), e))?;
+                .map_err(|e| Error::verbs(format!("connecting {from:?}'s queue pair"), e))?;
             qps.push(q);
             keys.push(d.label.clone());
         }
-        let first = &self.devs[devs[0]];
+        let first = &self.devs[dev];
         let bufs = first
             .pd
             .alloc_mr(NOTIFY_DEPTH * MAX_NOTIFY, AccessFlags::LOCAL_WRITE)
@@ -885,7 +862,7 @@ impl Inner {
             post_notify_recv(&qps[0], &bufs, i)?;
         }
         let mine = qps.iter().map(|q| q.endpoint()).collect();
-        let key = (devs[0], qps[0].qp_num());
+        let key = (dev, qps[0].qp_num());
         self.inbound
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -956,26 +933,29 @@ impl handshake::Handler for Handler {
 /// Takes notifications off a provider's receive queue, and drops inbound connections whose
 /// peer went away.
 fn notify_loop(w: Weak<Inner>, dev: usize) {
-    let mut wc = [WorkCompletion::EMPTY; 64];
+    let mut wc: Vec<WorkCompletion> = Vec::new();
     loop {
         let Some(inner) = w.upgrade() else { return };
         if inner.closed.load(Ordering::Acquire) {
             return;
         }
-        let cq = inner.devs[dev].recv_cq.clone();
+        let recv = inner.devs[dev].recv.clone();
         drop(inner);
-        let n = cq
-            .wait(&mut wc, Duration::from_millis(100))
-            .unwrap_or_default();
-        if n == 0 {
+        wc.clear();
+        // (This thread is the queue's only poller.)
+        let _ = recv.sleep(0, Duration::from_millis(100), |_, c| {
+            wc.push(*c);
+            Ok::<(), ()>(())
+        });
+        if wc.is_empty() {
             continue;
         }
         let Some(inner) = w.upgrade() else { return };
         let mut inbound = inner.inbound.lock().unwrap_or_else(|e| e.into_inner());
-        for c in &wc[..n] {
+        for c in &wc {
             let key = (dev, c.qp_num);
             if !c.is_ok() {
-                // The peer is gone (its lanes flushed): forget the connection.
+                // The peer is gone (its queue pair flushed): forget the connection.
                 if let Some(ib) = inbound.remove(&key) {
                     tracing::debug!("oxccl-kv: {:?}'s connection closed: {}", ib.from, c.status);
                     drop(ib.qps);

@@ -52,13 +52,14 @@ pub(crate) enum Msg {
     GetDesc,
     /// Server: the descriptor.
     Desc { desc: SegmentDesc },
-    /// Client: connect queue pairs of `provider` to these (one per lane).
+    /// Client: connect queue pairs of `provider` to these (one per opened segment: its lanes
+    /// are the connections of that queue pair).
     Connect {
         provider: String,
         endpoints: Vec<QpEndpoint>,
     },
     /// Server: its queue pairs, connected, in the same order, and the label of the rkeys
-    /// each lane's context registered (a descriptor's `rkeys` names).
+    /// each one's context registered (a descriptor's `rkeys` names).
     Connected {
         endpoints: Vec<QpEndpoint>,
         keys: Vec<String>,

@@ -23,9 +23,12 @@
 //!  top          lib.rs, registry.rs    the public API's re-exports; Device, and opening a
 //!                                      Context on a provider: the only code that names one
 //! ─────────────────────────────────────────────────────────────────────────────────────────
-//!  4 providers  shm/  tcp/  ofi/       each private to itself: implements the contract's
+//!  5 providers  shm/  tcp/  ofi/       each private to itself: implements the contract's
 //!                 │     │     │        traits, calls the core's services
-//! ─ ─ ─ ─ ─ ─ ─ ─ ┼ ─ ─ ┼ ─ ─ ┼ ─ ─ ─  (a provider skips the resources)
+//! ─ ─ ─ ─ ─ ─ ─ ─ ┼ ─ ─ ┼ ─ ─ ┼ ─ ─ ─  (a provider skips layers 3 and 4)
+//!  4 progress     │     │     │        tags, polling by the caller, wakers, windows: what
+//!                 │     │     │        the engines above the crate drive operations with
+//! ────────────────┼─────┼─────┼────────────────────────────────────────────────────────────
 //!  3 resource/    │     │     │        the handles users hold: Context, ProtectionDomain,
 //!                 │     │     │        MemoryRegion's methods, CompletionQueue, QueuePair
 //! ────────────────┼─────┼─────┼────────────────────────────────────────────────────────────
@@ -76,6 +79,7 @@
 
 mod contract;
 mod model;
+pub mod progress;
 mod registry;
 mod resource;
 

@@ -6,8 +6,12 @@
 //! | 1 model | `src/model/` | the model |
 //! | 2 contract | `src/contract/` | the model, the contract |
 //! | 3 resource | `src/resource/` | the model, the contract, the resources |
-//! | 4 provider | `src/shm/`, `src/tcp/`, `src/ofi/` | the model, the contract, its own folder |
-//! | top | the files at the root of `src/` (`lib.rs`, `registry.rs`, `tests.rs`, ...) | all |
+//! | 4 progress | `src/progress.rs`, `src/progress/` | the model, the contract, the resources, itself |
+//! | 5 provider | `src/shm/`, `src/tcp/`, `src/ofi/` | the model, the contract, its own folder |
+//! | top | the files at the root of `src/` (`lib.rs`, `registry.rs`, `tests.rs`, ...), and unit-test modules (`*/tests.rs`) | all |
+//!
+//! A provider never uses the progress layer either (it polls completion queues: it is above the
+//! resources, used by the engines above the crate).
 //!
 //! So a provider never reaches into a resource (`resource::..`: a handle's internals) nor into
 //! another provider, and nothing below the top names a provider (only `registry.rs` does).
@@ -31,8 +35,9 @@ enum Layer {
     Model = 1,
     Contract = 2,
     Resource = 3,
-    Provider = 4,
-    Top = 5,
+    Progress = 4,
+    Provider = 5,
+    Top = 6,
 }
 
 const PROVIDERS: &[&str] = &["shm", "tcp", "ofi"];
@@ -43,8 +48,9 @@ fn layer_of_module(first: &str, is_dir: bool) -> Option<Layer> {
         "model" => Some(Layer::Model),
         "contract" => Some(Layer::Contract),
         "resource" => Some(Layer::Resource),
+        "progress" => Some(Layer::Progress),
         p if PROVIDERS.contains(&p) => Some(Layer::Provider),
-        // Files at the root of `src/` (lib.rs, registry.rs, tests.rs, a progress layer, ...).
+        // Files at the root of `src/` (lib.rs, registry.rs, tests.rs, ...).
         _ if !is_dir => Some(Layer::Top),
         _ => None,
     }
@@ -362,24 +368,32 @@ fn root_item_layer(name: &str, sources: &[Source]) -> Option<Layer> {
             })
         });
         if defines {
-            let layer = s
-                .module
-                .first()
-                .map_or(Some(Layer::Top), |f| layer_of_module(f, true));
-            best = best.max(layer);
+            best = best.max(file_layer(s).ok());
         }
     }
     best
 }
 
+/// The layer of a source file.
+fn file_layer(src: &Source) -> Result<Layer, String> {
+    // A unit-test module (`tests.rs`, beside the code it tests) may open contexts and use
+    // anything: it counts as the top.
+    let is_tests = src.module.last().is_some_and(|m| m == "tests");
+    match src.module.first() {
+        None => Ok(Layer::Top),
+        Some(_) if is_tests => Ok(Layer::Top),
+        Some(f) => layer_of_module(f, src.module.len() > 1 || src.is_mod)
+            .ok_or_else(|| format!("{}: folder `{f}` has no layer in tests/layers.rs", src.rel)),
+    }
+}
+
 /// What `src` may use, in words, and whether `target` (an absolute path's head) is allowed.
 fn check(src: &Source, target: &[String], sources: &[Source]) -> Result<(), String> {
     let from_first = src.module.first().map(String::as_str);
-    let from = match from_first {
-        None => Layer::Top,
-        Some(f) => layer_of_module(f, src.module.len() > 1 || src.is_mod)
-            .ok_or_else(|| format!("{}: folder `{f}` has no layer in tests/layers.rs", src.rel))?,
-    };
+    let from = file_layer(src)?;
+    if from == Layer::Top {
+        return Ok(());
+    }
     let Some(first) = target.first() else {
         return Ok(()); // `crate::` alone, or `super::*` at the root
     };
@@ -408,6 +422,7 @@ fn check(src: &Source, target: &[String], sources: &[Source]) -> Result<(), Stri
         Layer::Model => "the model only".to_string(),
         Layer::Contract => "the model and the contract".to_string(),
         Layer::Resource => "the model, the contract and the resources".to_string(),
+        Layer::Progress => "the model, the contract, the resources and itself".to_string(),
         Layer::Provider => format!(
             "the model, the contract and its own folder ({})",
             from_first.unwrap_or("?")
@@ -589,6 +604,25 @@ fn the_checker_catches_bad_imports() {
                 "use super::resource::Context;\nuse self::qp::ShmQp;\n",
             ),
             1,
+        ),
+        (
+            file(
+                "src/progress.rs",
+                &["progress"],
+                false,
+                "use crate::resource::CompletionQueue;\nuse crate::model::Error;\n\
+                 use crate::registry::Device;\n",
+            ),
+            1,
+        ),
+        (
+            file(
+                "src/progress/tests.rs",
+                &["progress", "tests"],
+                false,
+                "use super::*;\nuse crate::{Context, Device};\n",
+            ),
+            0,
         ),
         (
             file(

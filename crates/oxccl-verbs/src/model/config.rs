@@ -37,6 +37,13 @@ pub struct DeviceConfig {
     /// namespace test bed a second connection does not add bandwidth (`bench/verbs-tcp.sh`
     /// measures it); NICs whose single flow is limited by one core's copy gain from more.
     pub tcp_nsocks: usize,
+    /// tcp: progress shards of a context (`0..=16`; 0: automatic, the default): each has its
+    /// own epoll set, driver token and progress thread, and connection `i` of a queue pair is
+    /// read by shard `i % shards`, so that the parts of a striped WRITE are received in
+    /// parallel. Automatic is `min(tcp_nsocks, 4)`: one shard (today's single progress thread)
+    /// for one connection per queue pair, one per connection up to 4 beyond that. More shards
+    /// than `tcp_nsocks` would have nothing to read, so the number is capped at `tcp_nsocks`.
+    pub tcp_progress_threads: usize,
     /// ofi: the libfabric provider (`fi_info -l`), as `FI_PROVIDER` names it: `tcp;ofi_rxm`
     /// (the default: any host), `shm` (one host), `verbs;ofi_rxm`, `efa`, `cxi` on RDMA NICs;
     /// empty: libfabric's first choice.
@@ -59,6 +66,7 @@ impl Default for DeviceConfig {
             tcp_busy_poll: false,
             tcp_inline_max: usize::MAX,
             tcp_nsocks: 1,
+            tcp_progress_threads: 0,
             ofi_provider: "tcp;ofi_rxm".to_string(),
             ofi_addr: None,
             ofi_busy_poll: false,
@@ -68,8 +76,18 @@ impl Default for DeviceConfig {
 }
 
 impl DeviceConfig {
+    /// The number of tcp progress shards a context gets ([`DeviceConfig::tcp_progress_threads`]
+    /// resolved: automatic is `min(tcp_nsocks, 4)`; never more than `tcp_nsocks`, at least 1).
+    pub fn progress_shards(&self) -> usize {
+        let socks = self.tcp_nsocks.clamp(1, 16);
+        match self.tcp_progress_threads {
+            0 => socks.min(4),
+            n => n.min(socks),
+        }
+    }
+
     /// The defaults overridden by `OXCCL_TCP_ADDR` (`IP` or `IP:port`), `OXCCL_TCP_POLL=busy`,
-    /// `OXCCL_TCP_NSOCKS`, `OXCCL_OFI_PROVIDER`, `OXCCL_OFI_ADDR`, `OXCCL_OFI_POLL=busy` and
+    /// `OXCCL_TCP_NSOCKS`, `OXCCL_TCP_PROGRESS_THREADS`, `OXCCL_OFI_PROVIDER`, `OXCCL_OFI_ADDR`, `OXCCL_OFI_POLL=busy` and
     /// `OXCCL_SPIN_US`; a malformed value is an error naming the variable.
     pub fn from_env() -> Result<DeviceConfig> {
         DeviceConfig::from_vars(&|k| std::env::var(k).ok())
@@ -101,6 +119,18 @@ impl DeviceConfig {
                         "OXCCL_TCP_NSOCKS={v:?} is not a number of connections from 1 to 16"
                     ))
                 })?;
+        }
+        if let Some(v) = get("OXCCL_TCP_PROGRESS_THREADS") {
+            c.tcp_progress_threads =
+                v.parse()
+                    .ok()
+                    .filter(|n| (0..=16).contains(n))
+                    .ok_or_else(|| {
+                        Error::arg(format!(
+                            "OXCCL_TCP_PROGRESS_THREADS={v:?} is not a number of progress threads \
+                         from 0 (automatic) to 16"
+                        ))
+                    })?;
         }
         if let Some(p) = get("OXCCL_OFI_PROVIDER") {
             c.ofi_provider = p;

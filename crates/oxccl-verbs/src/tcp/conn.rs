@@ -20,6 +20,8 @@ use crate::model::{Error, Result};
 pub(super) struct Sock {
     /// Its epoll key.
     pub key: u64,
+    /// The progress shard whose epoll set watches it ([`Shared::shard_of`]).
+    pub shard: usize,
     pub stream: OnceLock<TcpStream>,
     pub tx: Mutex<Tx>,
     pub rx: Mutex<Rx>,
@@ -108,9 +110,10 @@ impl Conn {
         let Some(sh) = self.shared.upgrade() else {
             return;
         };
-        let socks: Box<[Sock]> = (0..count)
-            .map(|_| Sock {
+        let socks: Box<[Sock]> = (0..count as usize)
+            .map(|i| Sock {
                 key: sh.key(),
+                shard: sh.shard_of(i),
                 stream: OnceLock::new(),
                 tx: Mutex::new(Tx::default()),
                 rx: Mutex::new(Rx::new()),
@@ -164,7 +167,8 @@ impl Conn {
             let ok = h.initiator == remote && h.count as usize == self.socks().len();
             if !ok {
                 if let Some(sh) = self.shared.upgrade() {
-                    let _ = epoll::delete(&sh.epoll, &sock);
+                    // Still in shard 0's set, where it said hello.
+                    let _ = epoll::delete(&sh.shards[0].epoll, &sock);
                 }
                 continue;
             }
@@ -265,11 +269,15 @@ impl Conn {
         let mut tx = s.tx.lock().unwrap_or_else(|e| e.into_inner());
         let data = epoll::EventData::new_u64(s.key);
         let flags = epoll::EventFlags::IN | epoll::EventFlags::OUT;
+        let set = &shared.shards[s.shard].epoll;
         match key {
-            Some(_) => epoll::modify(&shared.epoll, sock, data, flags),
-            None => epoll::add(&shared.epoll, sock, data, flags),
+            // An accepted connection said hello in shard 0's set: it moves to its own shard's.
+            Some(_) if s.shard == 0 => epoll::modify(set, sock, data, flags),
+            Some(_) => epoll::delete(&shared.shards[0].epoll, sock)
+                .and_then(|()| epoll::add(set, sock, data, flags)),
+            None => epoll::add(set, sock, data, flags),
         }
-        .map_err(|e| Error::os("epoll add", e))?;
+        .map_err(|e| Error::os(format!("watching connection {idx} (epoll)"), e))?;
         tx.want_out = true;
         drop(tx);
         self.attached.fetch_add(1, Ordering::AcqRel);
@@ -316,7 +324,7 @@ impl Conn {
         for s in self.socks() {
             if let Some(st) = s.stream.get() {
                 if let Some(sh) = &sh {
-                    let _ = epoll::delete(&sh.epoll, st);
+                    let _ = epoll::delete(&sh.shards[s.shard].epoll, st);
                 }
                 let _ = st.shutdown(std::net::Shutdown::Both);
             }
@@ -328,7 +336,7 @@ impl Conn {
         let parked = std::mem::take(&mut *self.parked.lock().unwrap_or_else(|e| e.into_inner()));
         for (_, _, st) in parked {
             if let Some(sh) = &sh {
-                let _ = epoll::delete(&sh.epoll, &st);
+                let _ = epoll::delete(&sh.shards[0].epoll, &st);
             }
         }
     }
@@ -398,12 +406,17 @@ impl Conn {
         if want_out {
             flags |= epoll::EventFlags::OUT;
         }
-        let _ = epoll::modify(&sh.epoll, st, epoll::EventData::new_u64(s.key), flags);
+        let _ = epoll::modify(
+            &sh.shards[s.shard].epoll,
+            st,
+            epoll::EventData::new_u64(s.key),
+            flags,
+        );
     }
 
-    /// The periodic sweep: fail a connection that never came up, deliver what a failed one
-    /// still holds, retry stalled ones.
-    pub(super) fn sweep(&self) {
+    /// Shard `shard`'s periodic sweep: fail a connection that never came up, deliver what a
+    /// failed one still holds, retry the stalled connections the shard watches.
+    pub(super) fn sweep(&self, shard: usize) {
         if self.dead.load(Ordering::Acquire) {
             self.drain_then_report();
             return;
@@ -416,7 +429,8 @@ impl Conn {
             return;
         }
         for i in 0..self.socks().len() {
-            if self.socks()[i].stalled.load(Ordering::Acquire) {
+            let s = &self.socks()[i];
+            if s.shard == shard && s.stalled.load(Ordering::Acquire) {
                 self.on_readable(i);
             }
         }

@@ -10,16 +10,38 @@
 //!
 //! # Who moves the bytes
 //!
-//! Reading the sockets (and finishing writes the socket could not take at once) is done by
-//! whoever holds the context's *driver* token: an application thread polling or waiting on a
-//! completion queue of the context, or else the context's progress thread. An application that
-//! polls reads its own sockets ([`Shared::app_progress`]: one `epoll_wait` with no timeout, then
-//! the reads), and one that waits sleeps in `epoll_wait` on them ([`Shared::app_block`]), so a
-//! message wakes the thread that waits for it and no other (UCX's model). The progress thread
-//! stands back while the application drives: it sleeps until no application thread has driven
-//! for [`LINGER`], then blocks in `epoll_wait` itself, so one-sided operations that arrive while
-//! nobody polls (a READ of a passive target) are still served, at most [`LINGER`] late.
+//! A context has one or more progress *shards* ([`DeviceConfig::tcp_progress_threads`];
+//! automatic: `min(tcp_nsocks, 4)`, so one shard for one connection per queue pair). Each shard
+//! has its own epoll set, *driver* token and progress thread, and connection `i` of every
+//! queue pair is watched by shard `i % shards`: the parts of a striped WRITE, one per
+//! connection, are received by several threads at once, so striping scales the receive side
+//! too (with one shard, one thread reads every socket of the context). Shard 0 also watches
+//! the listener and the connections still saying hello.
+//!
+//! Reading a shard's sockets (and finishing writes the socket could not take at once) is done
+//! by whoever holds its driver token. For shard 0, which holds every connection 0 and so every
+//! frame but the later parts of striped WRITEs, that is an application thread polling or
+//! waiting on a completion queue of the context, or else shard 0's progress thread. An
+//! application that polls reads shard 0's sockets ([`Shared::app_progress`]: one `epoll_wait`
+//! with no timeout, then the reads), and one that waits sleeps in `epoll_wait` on them
+//! ([`Shared::app_block`]), so a message wakes the thread that waits for it and no other
+//! (UCX's model); a completion made by another shard's thread kicks a thread sleeping there.
+//! Shard 0's progress thread stands back while the application drives: it sleeps until no
+//! application thread has driven for [`LINGER`], then blocks in `epoll_wait` itself, so
+//! one-sided operations that arrive while nobody polls (a READ of a passive target) are still
+//! served, at most [`LINGER`] late. The other shards' progress threads always drive their own
+//! sockets (blocking in `epoll_wait`, or busy-polling with `tcp_busy_poll`): the small-message
+//! path of an application thread costs what it cost with one shard.
 //! Posting writes frames straight to the socket from the posting thread.
+//!
+//! Several shards read one queue pair's connections at once, so the target's state of a queue
+//! pair (which request is next, the striped request under way, the ACK owed, whether it drops
+//! requests after a NAK) is one lock, held from the decision to execute a request to its
+//! effect: the first part of a striped request to arrive starts it (and claims its receive)
+//! once, the others join it, and a request counts as done for every reader at once. A
+//! connection whose next request must wait for an earlier one (on another connection) is
+//! marked stalled before that lock is let go; the reader that finishes the earlier request
+//! reads it on, or, when another shard watches it, wakes that shard to read it.
 //!
 //! The target validates each request (rkey, bounds, access flags, lengths) against this
 //! context's regions and receives payloads straight into the target memory (small frames pass
@@ -43,6 +65,7 @@
 //! [`DeviceConfig::tcp_addr`](crate::DeviceConfig), which is also the address peers are given.
 //!
 //! [`DeviceConfig::tcp_nsocks`]: crate::DeviceConfig::tcp_nsocks
+//! [`DeviceConfig::tcp_progress_threads`]: crate::DeviceConfig::tcp_progress_threads
 
 mod conn;
 pub mod frame;
@@ -79,6 +102,7 @@ pub(crate) fn open(args: &OpenArgs<'_>) -> Result<Box<dyn ProviderContext>> {
                 inline_max: c.tcp_inline_max,
                 nsocks: c.tcp_nsocks.clamp(1, frame::MAX_PARTS as usize) as u32,
             },
+            c.progress_shards(),
         )?,
     }))
 }
@@ -120,7 +144,7 @@ impl ProviderContext for TcpContext {
 
     fn notify(&self) {
         let sh = &self.engine.shared;
-        if sh.blocked.load(Ordering::SeqCst) {
+        if sh.shards[0].blocked.load(Ordering::SeqCst) {
             sh.kick();
         }
     }
@@ -157,7 +181,8 @@ const APP: u8 = 2;
 /// The progress engine of a tcp context.
 pub(crate) struct Engine {
     shared: Arc<Shared>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    /// The progress threads, one per shard.
+    threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 /// What an epoll key names.
@@ -177,10 +202,80 @@ struct Pending {
     since: Instant,
 }
 
-/// What the engine thread, the application threads and the queue pairs share.
-pub(crate) struct Shared {
-    epoll: OwnedFd,
+/// One progress shard: an epoll set, its driver token and its progress thread. Connection `i`
+/// of every queue pair is watched by shard `i % shards` ([`Shared::shard_of`]); shard 0 also
+/// watches the listener and the connections still saying hello.
+pub(crate) struct Shard {
+    pub(super) epoll: OwnedFd,
     wake: OwnedFd,
+    /// FREE, THREAD or APP: who reads this shard's sockets now.
+    driver: AtomicU8,
+    /// When an application thread last drove this shard, in µs since `Shared::epoch`.
+    app_seen: AtomicU64,
+    /// An application thread sleeps in this shard's `epoll_wait` (completions made by other
+    /// threads kick it).
+    blocked: AtomicBool,
+    /// The progress thread was asked to stand back (it was driving when an application came).
+    standby: AtomicBool,
+    /// The progress thread sleeps long (an application thread blocks in `epoll_wait`).
+    deep: AtomicBool,
+    thread: OnceLock<std::thread::Thread>,
+    /// When this shard's sweep last ran, in µs since `Shared::epoch`.
+    last_sweep: AtomicU64,
+}
+
+impl Shard {
+    fn new() -> Result<Shard> {
+        let epoll =
+            epoll::create(epoll::CreateFlags::CLOEXEC).map_err(|e| Error::os("epoll", e))?;
+        let wake = rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+        )
+        .map_err(|e| Error::os("eventfd", e))?;
+        epoll::add(
+            &epoll,
+            &wake,
+            epoll::EventData::new_u64(WAKE),
+            epoll::EventFlags::IN,
+        )
+        .map_err(|e| Error::os("registering the tcp engine's wake-up with epoll", e))?;
+        Ok(Shard {
+            epoll,
+            wake,
+            driver: AtomicU8::new(FREE),
+            app_seen: AtomicU64::new(0),
+            blocked: AtomicBool::new(false),
+            standby: AtomicBool::new(false),
+            deep: AtomicBool::new(false),
+            thread: OnceLock::new(),
+            last_sweep: AtomicU64::new(0),
+        })
+    }
+
+    fn kick(&self) {
+        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+    }
+
+    fn unpark(&self) {
+        if let Some(t) = self.thread.get() {
+            t.unpark();
+        }
+    }
+
+    /// Takes the driver token for an application thread: `Ok` when it was free, otherwise
+    /// who holds it.
+    fn take_for_app(&self) -> std::result::Result<(), u8> {
+        self.driver
+            .compare_exchange(FREE, APP, Ordering::Acquire, Ordering::Relaxed)
+            .map(|_| ())
+    }
+}
+
+/// What the engine threads, the application threads and the queue pairs share.
+pub(crate) struct Shared {
+    /// The progress shards (at least one).
+    pub(super) shards: Box<[Shard]>,
     listener: TcpListener,
     /// The address peers connect to.
     pub addr: SocketAddr,
@@ -193,27 +288,20 @@ pub(crate) struct Shared {
     pub regions: RegionMap,
     stop: AtomicBool,
     tuning: Tuning,
-    /// FREE, THREAD or APP: who reads the sockets now.
-    driver: AtomicU8,
-    /// When an application thread last drove, in µs since `epoch`.
-    app_seen: AtomicU64,
     epoch: Instant,
-    /// An application thread sleeps in `epoll_wait` (completions made by other threads kick it).
-    blocked: AtomicBool,
-    /// The progress thread was asked to stand back (it was driving when an application came).
-    standby: AtomicBool,
-    /// The progress thread sleeps long (an application thread blocks in `epoll_wait`).
-    deep: AtomicBool,
-    thread: OnceLock<std::thread::Thread>,
-    /// When the sweep last ran, in µs since `epoch`.
-    last_sweep: AtomicU64,
     /// Some connection holds back an ACK ([`Conn::ack_out`]).
     acks_due: AtomicBool,
 }
 
 impl Engine {
-    /// Starts the engine: a listener on `bind` (port 0: any) and the progress thread.
-    fn start(regions: RegionMap, bind: SocketAddr, tuning: Tuning) -> Result<Engine> {
+    /// Starts the engine: a listener on `bind` (port 0: any) and `shards` progress shards,
+    /// each with its progress thread.
+    fn start(
+        regions: RegionMap,
+        bind: SocketAddr,
+        tuning: Tuning,
+        shards: usize,
+    ) -> Result<Engine> {
         let listener = TcpListener::bind(bind)
             .map_err(|e| Error::os(format!("binding the tcp provider's listener on {bind}"), e))?;
         listener
@@ -222,24 +310,18 @@ impl Engine {
         let addr = listener
             .local_addr()
             .map_err(|e| Error::os("listener address", e))?;
-        let ep = epoll::create(epoll::CreateFlags::CLOEXEC).map_err(|e| Error::os("epoll", e))?;
-        let wake = rustix::event::eventfd(
-            0,
-            rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+        let shards = (0..shards.max(1))
+            .map(|_| Shard::new())
+            .collect::<Result<Box<[Shard]>>>()?;
+        epoll::add(
+            &shards[0].epoll,
+            listener.as_fd(),
+            epoll::EventData::new_u64(LISTENER),
+            epoll::EventFlags::IN,
         )
-        .map_err(|e| Error::os("eventfd", e))?;
-        for (fd, key) in [(listener.as_fd(), LISTENER), (wake.as_fd(), WAKE)] {
-            epoll::add(
-                &ep,
-                fd,
-                epoll::EventData::new_u64(key),
-                epoll::EventFlags::IN,
-            )
-            .map_err(|e| Error::os("registering the tcp engine's descriptors with epoll", e))?;
-        }
+        .map_err(|e| Error::os("registering the tcp listener with epoll", e))?;
         let shared = Arc::new(Shared {
-            epoll: ep,
-            wake,
+            shards,
             listener,
             addr,
             conns: Mutex::new(HashMap::new()),
@@ -248,38 +330,45 @@ impl Engine {
             regions,
             stop: AtomicBool::new(false),
             tuning,
-            driver: AtomicU8::new(FREE),
-            app_seen: AtomicU64::new(0),
             epoch: Instant::now(),
-            blocked: AtomicBool::new(false),
-            standby: AtomicBool::new(false),
-            deep: AtomicBool::new(false),
-            thread: OnceLock::new(),
-            last_sweep: AtomicU64::new(0),
             acks_due: AtomicBool::new(false),
         });
-        let thread = {
-            let shared = shared.clone();
-            std::thread::Builder::new()
-                .name("oxccl-tcp-progress".into())
-                .spawn(move || shared.run())
-                .map_err(|e| Error::os("spawning the tcp progress thread", e))?
+        let engine = Engine {
+            shared: shared.clone(),
+            threads: Mutex::new(Vec::new()),
         };
-        let _ = shared.thread.set(thread.thread().clone());
-        Ok(Engine {
-            shared,
-            thread: Mutex::new(Some(thread)),
-        })
+        for k in 0..shared.shards.len() {
+            let sh = shared.clone();
+            let name = match k {
+                0 => "oxccl-tcp-progress".to_string(),
+                k => format!("oxccl-tcp-progress-{k}"),
+            };
+            // On an error the engine's drop stops the threads already started.
+            let t = std::thread::Builder::new()
+                .name(name)
+                .spawn(move || sh.run(k))
+                .map_err(|e| Error::os(format!("spawning tcp progress thread {k}"), e))?;
+            let _ = shared.shards[k].thread.set(t.thread().clone());
+            engine
+                .threads
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(t);
+        }
+        Ok(engine)
     }
 }
 
 impl Drop for Engine {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        self.shared.kick();
-        self.shared.unpark();
-        if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            // The progress thread itself may drop the last handle (it briefly holds queue pairs
+        for s in self.shared.shards.iter() {
+            s.kick();
+            s.unpark();
+        }
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
+        for t in threads {
+            // A progress thread itself may drop the last handle (it briefly holds queue pairs
             // and regions): it then exits on its own after this returns; joining would deadlock.
             if t.thread().id() != std::thread::current().id() {
                 let _ = t.join();
@@ -300,14 +389,21 @@ impl Drop for Engine {
 }
 
 impl Shared {
+    /// Wakes shard 0's driver (it then sweeps: dead connections, stalled ones of its shard).
     pub(crate) fn kick(&self) {
-        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+        self.shards[0].kick();
     }
 
-    fn unpark(&self) {
-        if let Some(t) = self.thread.get() {
-            t.unpark();
+    /// Wakes shard `k`'s driver: it retries its stalled connections.
+    pub(super) fn kick_shard(&self, k: usize) {
+        if let Some(s) = self.shards.get(k) {
+            s.kick();
         }
+    }
+
+    /// The shard that watches connection `idx` of a queue pair.
+    pub(super) fn shard_of(&self, idx: usize) -> usize {
+        idx % self.shards.len()
     }
 
     fn now_us(&self) -> u64 {
@@ -360,33 +456,32 @@ impl Shared {
         }
     }
 
-    /// An application thread polls a completion queue: read the sockets now, unless someone
-    /// else drives (the progress thread is then asked to stand back).
+    /// An application thread polls a completion queue: read shard 0's sockets now, unless
+    /// someone else drives it (its progress thread is then asked to stand back). Shard 0 holds
+    /// every connection 0, which carries every frame but the later parts of striped WRITEs;
+    /// the other shards' sockets are read by their own progress threads, in parallel.
     fn app_progress(&self) {
-        self.app_seen.store(self.now_us(), Ordering::Relaxed);
-        match self
-            .driver
-            .compare_exchange(FREE, APP, Ordering::Acquire, Ordering::Relaxed)
-        {
-            Ok(_) => {
-                self.turn(Some(Duration::ZERO));
-                self.driver.store(FREE, Ordering::Release);
+        let s = &self.shards[0];
+        s.app_seen.store(self.now_us(), Ordering::Relaxed);
+        match s.take_for_app() {
+            Ok(()) => {
+                self.turn(0, Some(Duration::ZERO));
+                s.driver.store(FREE, Ordering::Release);
             }
             Err(THREAD) => self.ask_standby(),
             Err(_) => {}
         }
     }
 
-    /// An application thread would sleep on a completion queue: sleep in `epoll_wait` on the
-    /// sockets instead (at most `nap`), handling what arrives. False when another thread drives
-    /// (the caller sleeps on the completion queue's doorbell).
+    /// An application thread would sleep on a completion queue: sleep in `epoll_wait` on
+    /// shard 0's sockets instead (at most `nap`), handling what arrives. False when another
+    /// thread drives it (the caller sleeps on the completion queue's doorbell). Completions
+    /// made by the other shards' threads kick it ([`TcpContext::notify`]).
     fn app_block(&self, nap: Duration) -> bool {
-        self.app_seen.store(self.now_us(), Ordering::Relaxed);
-        match self
-            .driver
-            .compare_exchange(FREE, APP, Ordering::Acquire, Ordering::Relaxed)
-        {
-            Ok(_) => {}
+        let s = &self.shards[0];
+        s.app_seen.store(self.now_us(), Ordering::Relaxed);
+        match s.take_for_app() {
+            Ok(()) => {}
             Err(THREAD) => {
                 self.ask_standby();
                 return false;
@@ -394,14 +489,14 @@ impl Shared {
             Err(_) => return false,
         }
         self.flush_acks();
-        self.blocked.store(true, Ordering::SeqCst);
-        self.turn(Some(nap));
-        self.blocked.store(false, Ordering::SeqCst);
-        self.app_seen.store(self.now_us(), Ordering::Relaxed);
-        self.driver.store(FREE, Ordering::Release);
-        if self.deep.load(Ordering::Acquire) {
+        s.blocked.store(true, Ordering::SeqCst);
+        self.turn(0, Some(nap));
+        s.blocked.store(false, Ordering::SeqCst);
+        s.app_seen.store(self.now_us(), Ordering::Relaxed);
+        s.driver.store(FREE, Ordering::Release);
+        if s.deep.load(Ordering::Acquire) {
             // The progress thread sleeps long: it must learn that nobody drives now.
-            self.unpark();
+            s.unpark();
         }
         true
     }
@@ -423,38 +518,41 @@ impl Shared {
         }
     }
 
+    /// Asks shard 0's progress thread to stand back (an application thread wants to drive).
     fn ask_standby(&self) {
-        if !self.standby.swap(true, Ordering::AcqRel) {
-            self.kick();
+        let s = &self.shards[0];
+        if !s.standby.swap(true, Ordering::AcqRel) {
+            s.kick();
         }
     }
 
-    /// The progress thread: drives when no application thread has for [`LINGER`].
-    fn run(self: Arc<Self>) {
+    /// Shard `k`'s progress thread: drives when no application thread has for [`LINGER`]
+    /// (application threads drive only shard 0: the others' threads always drive).
+    fn run(self: Arc<Self>, k: usize) {
+        let s = &self.shards[k];
         let mut last_activity = Instant::now();
         while !self.stop.load(Ordering::SeqCst) {
             let since = Duration::from_micros(
                 self.now_us()
-                    .saturating_sub(self.app_seen.load(Ordering::Relaxed)),
+                    .saturating_sub(s.app_seen.load(Ordering::Relaxed)),
             );
-            let app = self.driver.load(Ordering::Acquire) == APP;
+            let app = s.driver.load(Ordering::Acquire) == APP;
             if app || since < LINGER {
                 // Stand back: the application reads its sockets.
-                self.standby.store(false, Ordering::Release);
+                s.standby.store(false, Ordering::Release);
                 if app {
-                    self.deep.store(true, Ordering::Release);
-                    if self.driver.load(Ordering::Acquire) == APP {
+                    s.deep.store(true, Ordering::Release);
+                    if s.driver.load(Ordering::Acquire) == APP {
                         std::thread::park_timeout(SWEEP);
                     }
-                    self.deep.store(false, Ordering::Release);
+                    s.deep.store(false, Ordering::Release);
                 } else {
                     std::thread::park_timeout(LINGER - since);
                 }
-                self.sweep_if_due();
+                self.sweep_if_due(k);
                 continue;
             }
-            if self
-                .driver
+            if s.driver
                 .compare_exchange(FREE, THREAD, Ordering::Acquire, Ordering::Relaxed)
                 .is_err()
             {
@@ -462,10 +560,10 @@ impl Shared {
                 continue;
             }
             let spin = self.tuning.busy && last_activity.elapsed() < Duration::from_millis(50);
-            let got = self.turn(Some(if spin { Duration::ZERO } else { SWEEP }));
+            let got = self.turn(k, Some(if spin { Duration::ZERO } else { SWEEP }));
             // Nobody here answers: acknowledge now.
             self.flush_acks();
-            self.driver.store(FREE, Ordering::Release);
+            s.driver.store(FREE, Ordering::Release);
             if got {
                 last_activity = Instant::now();
             } else if spin {
@@ -477,15 +575,16 @@ impl Shared {
         }
     }
 
-    /// One `epoll_wait` (at most `timeout`) and the handling of what it returns, by the driver.
-    /// Returns whether anything was ready.
-    fn turn(&self, timeout: Option<Duration>) -> bool {
+    /// One `epoll_wait` on shard `k` (at most `timeout`) and the handling of what it returns,
+    /// by the shard's driver. Returns whether anything was ready.
+    fn turn(&self, k: usize, timeout: Option<Duration>) -> bool {
+        let s = &self.shards[k];
         let mut buf = [const { std::mem::MaybeUninit::<epoll::Event>::uninit() }; 64];
         let ts = timeout.map(|t| rustix::time::Timespec {
             tv_sec: t.as_secs() as i64,
             tv_nsec: t.subsec_nanos() as i64,
         });
-        let Ok((events, _)) = epoll::wait(&self.epoll, &mut buf, ts.as_ref()) else {
+        let Ok((events, _)) = epoll::wait(&s.epoll, &mut buf, ts.as_ref()) else {
             return false;
         };
         let mut recheck = false;
@@ -494,7 +593,7 @@ impl Shared {
                 LISTENER => self.accept_all(),
                 WAKE => {
                     let mut b = [0u8; 8];
-                    let _ = rustix::io::read(&self.wake, &mut b);
+                    let _ = rustix::io::read(&s.wake, &mut b);
                     recheck = true;
                 }
                 key => self.on_event(key, ev.flags),
@@ -502,9 +601,9 @@ impl Shared {
         }
         let got = !events.is_empty();
         if recheck {
-            self.sweep();
+            self.sweep(k);
         } else {
-            self.sweep_if_due();
+            self.sweep_if_due(k);
         }
         got
     }
@@ -534,22 +633,22 @@ impl Shared {
         }
     }
 
-    fn sweep_if_due(&self) {
+    fn sweep_if_due(&self, k: usize) {
+        let s = &self.shards[k];
         let now = self.now_us();
-        let last = self.last_sweep.load(Ordering::Relaxed);
+        let last = s.last_sweep.load(Ordering::Relaxed);
         if now.saturating_sub(last) >= SWEEP.as_micros() as u64
-            && self
-                .last_sweep
+            && s.last_sweep
                 .compare_exchange(last, now, Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
         {
-            self.sweep();
+            self.sweep(k);
         }
     }
 
-    /// Retries stalled receives, fails connections that never attached or stalled too long,
-    /// drops connections that never said hello.
-    fn sweep(&self) {
+    /// Shard `k`'s sweep: retries its stalled connections, fails connections that never
+    /// attached or stalled too long; shard 0 also drops connections that never said hello.
+    fn sweep(&self, k: usize) {
         let conns: Vec<Arc<Conn>> = self
             .conns
             .lock()
@@ -558,16 +657,19 @@ impl Shared {
             .cloned()
             .collect();
         for c in conns {
-            c.sweep();
+            c.sweep(k);
+        }
+        if k != 0 {
+            return;
         }
         let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
-        keys.retain(|_, k| match k {
+        keys.retain(|_, key| match key {
             Keyed::Pending(p) if p.since.elapsed() >= HELLO_TIMEOUT => {
                 eprintln!(
                     "oxccl tcp: refused a connection from {}: no hello within {HELLO_TIMEOUT:?}",
                     p.from
                 );
-                let _ = epoll::delete(&self.epoll, &p.sock);
+                let _ = epoll::delete(&self.shards[0].epoll, &p.sock);
                 false
             }
             _ => true,
@@ -582,7 +684,7 @@ impl Shared {
             }
             let key = self.key();
             if epoll::add(
-                &self.epoll,
+                &self.shards[0].epoll,
                 &sock,
                 epoll::EventData::new_u64(key),
                 epoll::EventFlags::IN,
@@ -610,7 +712,7 @@ impl Shared {
         loop {
             match (&p.sock).read(&mut p.buf[p.got..]) {
                 Ok(0) => {
-                    let _ = epoll::delete(&self.epoll, &p.sock);
+                    let _ = epoll::delete(&self.shards[0].epoll, &p.sock);
                     return;
                 }
                 Ok(n) => {
@@ -628,7 +730,7 @@ impl Shared {
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(_) => {
-                    let _ = epoll::delete(&self.epoll, &p.sock);
+                    let _ = epoll::delete(&self.shards[0].epoll, &p.sock);
                     return;
                 }
             }
@@ -648,7 +750,7 @@ impl Shared {
         buf: &[u8; HELLO_LEN],
     ) -> std::result::Result<(), String> {
         let refuse = |mut sock: &TcpStream, why: &str| {
-            let _ = epoll::delete(&self.epoll, sock);
+            let _ = epoll::delete(&self.shards[0].epoll, sock);
             let _ = sock.write_all(&[0u8; 16]);
             Err(why.to_string())
         };

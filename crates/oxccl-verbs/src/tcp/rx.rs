@@ -102,7 +102,8 @@ struct Striped {
     _writing: Option<Writing>,
 }
 
-// SAFETY: `ptr` points into `mr`, which the struct keeps alive; only the driver uses it.
+// SAFETY: `ptr` points into `mr`, which the struct keeps alive; it is used only under the
+// queue pair's `Exec` lock (several shards' drivers may read the queue pair's connections).
 unsafe impl Send for Striped {}
 
 /// The target's side of a queue pair: which requests are executed, what was acknowledged.
@@ -213,12 +214,20 @@ impl Conn {
         let Some(qp) = self.qp.upgrade() else {
             return;
         };
+        let mine = self.socks().get(i).map_or(0, |s| s.shard);
         let mut again = self.read_socket(&qp, i);
         while again {
             again = false;
-            for j in 0..self.socks().len() {
-                if self.socks()[j].stalled.load(Ordering::Acquire) {
+            for (j, s) in self.socks().iter().enumerate() {
+                if !s.stalled.load(Ordering::Acquire) {
+                    continue;
+                }
+                if s.shard == mine {
                     again |= self.read_socket(&qp, j);
+                } else if let Some(sh) = self.shared.upgrade() {
+                    // Another shard's connection: its own driver reads it, in parallel with
+                    // this one.
+                    sh.kick_shard(s.shard);
                 }
             }
         }
@@ -403,7 +412,9 @@ impl Conn {
                     Ok(true)
                 } else if budget != 0 && since.elapsed() >= Duration::from_micros(budget) {
                     self.set_stalled(i, false);
-                    self.nak(hdr.seq, WcStatus::RnrRetryExceeded);
+                    let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
+                    self.nak(&mut ex, hdr.seq, WcStatus::RnrRetryExceeded);
+                    drop(ex);
                     rx.state = RxState::Discard {
                         left: hdr.payload_len(),
                     };
@@ -422,38 +433,43 @@ impl Conn {
         }
     }
 
-    /// Stops (or resumes) watching connection `i`'s input while it waits.
+    /// Stops (or resumes) watching connection `i`'s input while it waits. The caller holds
+    /// connection `i`'s receive side; the interest is set under its send lock, so that the
+    /// last change wins.
     fn set_stalled(&self, i: usize, on: bool) {
         let s = &self.socks()[i];
         if s.stalled.swap(on, Ordering::AcqRel) == on {
             return;
         }
-        let want_out = s.tx.lock().unwrap_or_else(|e| e.into_inner()).want_out;
-        self.set_interest(i, want_out);
+        let tx = s.tx.lock().unwrap_or_else(|e| e.into_inner());
+        self.set_interest(i, tx.want_out);
     }
 
-    /// NAKs request `seq`: the target drops every later request.
-    fn nak(&self, seq: u64, status: WcStatus) {
-        {
-            let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
-            ex.dropping = true;
-            ex.cur = None;
-            ex.acked_seq = seq;
+    /// NAKs request `seq` (the caller holds the target's state): the target drops every later
+    /// request. Once only: with several readers two parts of one request may both fail.
+    fn nak(&self, ex: &mut Exec, seq: u64, status: WcStatus) {
+        if ex.dropping {
+            return;
         }
+        ex.dropping = true;
+        ex.cur = None;
+        ex.acked_seq = seq;
         let mut h = Header::new(Opcode::Nak, seq, 0);
         h.a = status as u64;
         self.queue(0, TxFrame::header(&h));
     }
 
-    /// A receive was posted: if a connection waits for one, let the driver retry.
+    /// A receive was posted: if a connection waits for one, let its shard's driver retry.
     pub(crate) fn receive_posted(&self) {
-        if self
-            .socks()
-            .iter()
-            .any(|s| s.stalled.load(Ordering::Acquire))
-            && let Some(sh) = self.shared.upgrade()
-        {
-            sh.kick();
+        let Some(sh) = self.shared.upgrade() else {
+            return;
+        };
+        let mut kicked = 0u64;
+        for s in self.socks() {
+            if s.stalled.load(Ordering::Acquire) && kicked & (1 << (s.shard % 64)) == 0 {
+                kicked |= 1 << (s.shard % 64);
+                sh.kick_shard(s.shard);
+            }
         }
     }
 
@@ -486,6 +502,10 @@ impl Conn {
 
     /// Starts executing a frame whose header just arrived on connection `i`. Returns whether a
     /// request was executed (one with no payload).
+    ///
+    /// The target's state ([`Exec`]) is held from the decision to its effect: with several
+    /// progress shards, two connections of the queue pair are read at once, and two parts of
+    /// one striped request must not both start it (nor claim a receive each).
     fn begin(
         &self,
         qp: &QpInner,
@@ -533,9 +553,10 @@ impl Conn {
         }
         if ex.cur.is_some() || h.seq != ex.done_seq + 1 {
             if self.socks().len() > 1 {
-                // An earlier request is not done: it comes on another connection.
+                // An earlier request is not done: it comes on another connection. Marked
+                // stalled before the state is let go, so that the reader that finishes the
+                // earlier request sees the mark ([`Conn::read_frames`]) and wakes this one.
                 rx.state = RxState::Blocked { hdr: h };
-                drop(ex);
                 self.set_stalled(i, true);
                 return Ok(false);
             }
@@ -545,140 +566,42 @@ impl Conn {
                 ex.done_seq + 1
             ));
         }
-        drop(ex);
-        self.execute(qp, rx, h)
+        self.execute(qp, rx, h, &mut ex)
+    }
+
+    /// Fails request `h` with `status`: NAKs it and discards its payload.
+    fn refuse(
+        &self,
+        rx: &mut Rx,
+        ex: &mut Exec,
+        h: &Header,
+        status: WcStatus,
+    ) -> std::result::Result<bool, String> {
+        self.nak(ex, h.seq, status);
+        rx.state = RxState::Discard {
+            left: h.payload_len(),
+        };
+        Ok(false)
     }
 
     /// Executes request `h`, the next in order (its payload, if any, follows).
-    fn execute(&self, qp: &QpInner, rx: &mut Rx, h: Header) -> std::result::Result<bool, String> {
-        let ack = h.flags & ACK_REQ != 0;
-        let fail = |rx: &mut Rx, status: WcStatus| -> std::result::Result<bool, String> {
-            self.nak(h.seq, status);
-            rx.state = RxState::Discard {
-                left: h.payload_len(),
-            };
-            Ok(false)
-        };
+    fn execute(
+        &self,
+        qp: &QpInner,
+        rx: &mut Rx,
+        h: Header,
+        ex: &mut Exec,
+    ) -> std::result::Result<bool, String> {
         match h.opcode {
-            Opcode::Write | Opcode::WriteImm => {
-                let part = if h.flags & PART != 0 {
-                    Some(h.part().ok_or("a part without its fields")?)
-                } else {
-                    None
-                };
-                let (base, len) =
-                    part.map_or((h.addr, h.len as usize), |p| (p.base, p.total as usize));
-                let Some((mr, p)) = self.target(base, h.rkey, len, AccessFlags::REMOTE_WRITE)
-                else {
-                    return fail(rx, WcStatus::RemoteAccessError);
-                };
-                // Held until the request has landed (all its parts): deregistering the region
-                // waits for it, so that nothing of it lands afterwards.
-                let Some(writing) = Writing::begin(mr.clone()) else {
-                    return fail(rx, WcStatus::RemoteAccessError);
-                };
-                let mut writing = Some(writing);
-                let after = if h.opcode == Opcode::WriteImm {
-                    let Some(slot) = qp.claim_recv() else {
-                        rx.state = RxState::Stalled {
-                            hdr: h,
-                            since: Instant::now(),
-                        };
-                        return Ok(false);
-                    };
-                    After::Recv {
-                        slot,
-                        opcode: WcOpcode::RecvRdmaWithImm,
-                        imm: Some(h.imm),
-                    }
-                } else {
-                    After::Nothing
-                };
-                let done = match part {
-                    Some(pt) => {
-                        let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
-                        ex.cur = Some(Striped {
-                            seq: h.seq,
-                            left: pt.count,
-                            total: pt.total,
-                            after,
-                            ack,
-                            base,
-                            ptr: p,
-                            mr: mr.clone(),
-                            _writing: writing.take(),
-                        });
-                        Done::Part
-                    }
-                    None => Done::Request {
-                        seq: h.seq,
-                        after,
-                        ack,
-                    },
-                };
-                // SAFETY: `addr - base < len` (checked by `part()` for a part; zero for a
-                // whole request), inside the validated range.
-                let at = unsafe { p.add((h.addr - base) as usize) };
-                rx.state = RxState::Payload {
-                    dst: SmallVec::from_elem(Span(at, h.len as usize), 1),
-                    got: 0,
-                    total: h.len as usize,
-                    done,
-                    _keep: SmallVec::from_elem(mr, 1),
-                    _writing: writing,
-                };
-                Ok(false)
-            }
-            Opcode::Send | Opcode::SendImm => {
-                let Some(slot) = qp.claim_recv() else {
-                    rx.state = RxState::Stalled {
-                        hdr: h,
-                        since: Instant::now(),
-                    };
-                    return Ok(false);
-                };
-                let imm = (h.opcode == Opcode::SendImm).then_some(h.imm);
-                let (spans, keep, room) = match qp.recv_spans(slot) {
-                    Ok(r) => r,
-                    Err(st) => {
-                        qp.complete_recv(slot, st, WcOpcode::Recv, h.len, imm);
-                        let sender = if st == WcStatus::LocalLengthError {
-                            WcStatus::RemoteInvalidRequest
-                        } else {
-                            WcStatus::RemoteOperationError
-                        };
-                        return fail(rx, sender);
-                    }
-                };
-                if h.len as usize > room {
-                    qp.complete_recv(slot, WcStatus::LocalLengthError, WcOpcode::Recv, h.len, imm);
-                    return fail(rx, WcStatus::RemoteInvalidRequest);
-                }
-                rx.state = RxState::Payload {
-                    dst: spans.into_iter().collect(),
-                    got: 0,
-                    total: h.len as usize,
-                    done: Done::Request {
-                        seq: h.seq,
-                        after: After::Recv {
-                            slot,
-                            opcode: WcOpcode::Recv,
-                            imm,
-                        },
-                        ack,
-                    },
-                    _keep: keep.into_iter().collect(),
-                    _writing: None,
-                };
-                Ok(false)
-            }
+            Opcode::Write | Opcode::WriteImm => self.execute_write(qp, rx, h, ex),
+            Opcode::Send | Opcode::SendImm => self.execute_send(qp, rx, h, ex),
             Opcode::ReadReq => {
                 let Some((mr, p)) =
                     self.target(h.addr, h.rkey, h.len as usize, AccessFlags::REMOTE_READ)
                 else {
-                    return fail(rx, WcStatus::RemoteAccessError);
+                    return self.refuse(rx, ex, &h, WcStatus::RemoteAccessError);
                 };
-                self.responded(h.seq);
+                responded(ex, h.seq);
                 self.queue(
                     0,
                     TxFrame::new(
@@ -690,48 +613,175 @@ impl Conn {
                 rx.state = FRESH;
                 Ok(true)
             }
-            Opcode::Cas | Opcode::Faa => {
-                if !h.addr.is_multiple_of(8) {
-                    return fail(rx, WcStatus::RemoteInvalidRequest);
-                }
-                let Some((_mr, p)) = self.target(h.addr, h.rkey, 8, AccessFlags::REMOTE_ATOMIC)
-                else {
-                    return fail(rx, WcStatus::RemoteAccessError);
-                };
-                // SAFETY: `p` is 8-byte aligned (region bases are, the address is checked) and
-                // inside a live registered region of this process (held by `_mr`).
-                let word = unsafe { &*(p as *const std::sync::atomic::AtomicU64) };
-                let old = if h.opcode == Opcode::Cas {
-                    match word.compare_exchange(h.a, h.b, Ordering::SeqCst, Ordering::SeqCst) {
-                        Ok(v) | Err(v) => v,
-                    }
-                } else {
-                    word.fetch_add(h.a, Ordering::SeqCst)
-                };
-                self.responded(h.seq);
-                let mut r = Header::new(Opcode::AtomicResp, h.seq, 0);
-                r.a = old;
-                self.queue(0, TxFrame::header(&r));
-                rx.state = FRESH;
-                Ok(true)
-            }
+            Opcode::Cas | Opcode::Faa => self.execute_atomic(rx, h, ex),
             _ => Err(format!("{:?} is not a request", h.opcode)),
         }
     }
 
-    /// Request `seq` was executed and its answer (which acknowledges it) is on its way.
-    fn responded(&self, seq: u64) {
-        let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
-        ex.done_seq = seq;
-        ex.acked_seq = seq;
+    /// Executes a WRITE or WRITE_WITH_IMM, whole or the first part to arrive of a striped one.
+    fn execute_write(
+        &self,
+        qp: &QpInner,
+        rx: &mut Rx,
+        h: Header,
+        ex: &mut Exec,
+    ) -> std::result::Result<bool, String> {
+        let ack = h.flags & ACK_REQ != 0;
+        let part = if h.flags & PART != 0 {
+            Some(h.part().ok_or("a part without its fields")?)
+        } else {
+            None
+        };
+        let (base, len) = part.map_or((h.addr, h.len as usize), |p| (p.base, p.total as usize));
+        let Some((mr, p)) = self.target(base, h.rkey, len, AccessFlags::REMOTE_WRITE) else {
+            return self.refuse(rx, ex, &h, WcStatus::RemoteAccessError);
+        };
+        // Held until the request has landed (all its parts): deregistering the region waits for
+        // it, so that nothing of it lands afterwards.
+        let Some(writing) = Writing::begin(mr.clone()) else {
+            return self.refuse(rx, ex, &h, WcStatus::RemoteAccessError);
+        };
+        let mut writing = Some(writing);
+        let after = if h.opcode == Opcode::WriteImm {
+            let Some(slot) = qp.claim_recv() else {
+                rx.state = RxState::Stalled {
+                    hdr: h,
+                    since: Instant::now(),
+                };
+                return Ok(false);
+            };
+            After::Recv {
+                slot,
+                opcode: WcOpcode::RecvRdmaWithImm,
+                imm: Some(h.imm),
+            }
+        } else {
+            After::Nothing
+        };
+        let done = match part {
+            Some(pt) => {
+                ex.cur = Some(Striped {
+                    seq: h.seq,
+                    left: pt.count,
+                    total: pt.total,
+                    after,
+                    ack,
+                    base,
+                    ptr: p,
+                    mr: mr.clone(),
+                    _writing: writing.take(),
+                });
+                Done::Part
+            }
+            None => Done::Request {
+                seq: h.seq,
+                after,
+                ack,
+            },
+        };
+        // SAFETY: `addr - base < len` (checked by `part()` for a part; zero for a whole
+        // request), inside the validated range.
+        let at = unsafe { p.add((h.addr - base) as usize) };
+        rx.state = RxState::Payload {
+            dst: SmallVec::from_elem(Span(at, h.len as usize), 1),
+            got: 0,
+            total: h.len as usize,
+            done,
+            _keep: SmallVec::from_elem(mr, 1),
+            _writing: writing,
+        };
+        Ok(false)
     }
 
-    /// A payload has all landed.
+    /// Executes a SEND or SEND_WITH_IMM: its payload lands in the next posted receive.
+    fn execute_send(
+        &self,
+        qp: &QpInner,
+        rx: &mut Rx,
+        h: Header,
+        ex: &mut Exec,
+    ) -> std::result::Result<bool, String> {
+        let Some(slot) = qp.claim_recv() else {
+            rx.state = RxState::Stalled {
+                hdr: h,
+                since: Instant::now(),
+            };
+            return Ok(false);
+        };
+        let imm = (h.opcode == Opcode::SendImm).then_some(h.imm);
+        let (spans, keep, room) = match qp.recv_spans(slot) {
+            Ok(r) => r,
+            Err(st) => {
+                qp.complete_recv(slot, st, WcOpcode::Recv, h.len, imm);
+                let sender = if st == WcStatus::LocalLengthError {
+                    WcStatus::RemoteInvalidRequest
+                } else {
+                    WcStatus::RemoteOperationError
+                };
+                return self.refuse(rx, ex, &h, sender);
+            }
+        };
+        if h.len as usize > room {
+            qp.complete_recv(slot, WcStatus::LocalLengthError, WcOpcode::Recv, h.len, imm);
+            return self.refuse(rx, ex, &h, WcStatus::RemoteInvalidRequest);
+        }
+        rx.state = RxState::Payload {
+            dst: spans.into_iter().collect(),
+            got: 0,
+            total: h.len as usize,
+            done: Done::Request {
+                seq: h.seq,
+                after: After::Recv {
+                    slot,
+                    opcode: WcOpcode::Recv,
+                    imm,
+                },
+                ack: h.flags & ACK_REQ != 0,
+            },
+            _keep: keep.into_iter().collect(),
+            _writing: None,
+        };
+        Ok(false)
+    }
+
+    /// Executes a compare-and-swap or fetch-and-add and queues its result.
+    fn execute_atomic(
+        &self,
+        rx: &mut Rx,
+        h: Header,
+        ex: &mut Exec,
+    ) -> std::result::Result<bool, String> {
+        if !h.addr.is_multiple_of(8) {
+            return self.refuse(rx, ex, &h, WcStatus::RemoteInvalidRequest);
+        }
+        let Some((_mr, p)) = self.target(h.addr, h.rkey, 8, AccessFlags::REMOTE_ATOMIC) else {
+            return self.refuse(rx, ex, &h, WcStatus::RemoteAccessError);
+        };
+        // SAFETY: `p` is 8-byte aligned (region bases are, the address is checked) and inside a
+        // live registered region of this process (held by `_mr`).
+        let word = unsafe { &*(p as *const std::sync::atomic::AtomicU64) };
+        let old = if h.opcode == Opcode::Cas {
+            match word.compare_exchange(h.a, h.b, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(v) | Err(v) => v,
+            }
+        } else {
+            word.fetch_add(h.a, Ordering::SeqCst)
+        };
+        responded(ex, h.seq);
+        let mut r = Header::new(Opcode::AtomicResp, h.seq, 0);
+        r.a = old;
+        self.queue(0, TxFrame::header(&r));
+        rx.state = FRESH;
+        Ok(true)
+    }
+
+    /// A payload has all landed. The target's state is held throughout, so that the receive
+    /// completes, and the request counts as done, at once for every reader.
     fn landed(&self, qp: &QpInner, done: Done, total: usize) -> bool {
+        let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
         let (seq, after, ack, total) = match done {
             Done::Request { seq, after, ack } => (seq, after, ack, total),
             Done::Part => {
-                let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
                 let Some(cur) = ex.cur.as_mut() else {
                     return false;
                 };
@@ -745,6 +795,7 @@ impl Conn {
                 (cur.seq, cur.after, cur.ack, cur.total as usize)
             }
             Done::ReadData { seq } => {
+                drop(ex);
                 if let Some(o) = self.sendq.pop_front_if(|o| o.seq == seq) {
                     qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, o.len, o.signaled);
                 }
@@ -755,7 +806,6 @@ impl Conn {
         if let After::Recv { slot, opcode, imm } = after {
             qp.complete_recv(slot, WcStatus::Success, opcode, total as u32, imm);
         }
-        let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
         ex.done_seq = seq;
         ex.ack_due |= ack;
         true
@@ -836,6 +886,12 @@ impl Conn {
         }
         Ok(())
     }
+}
+
+/// Request `seq` was executed and its answer (which acknowledges it) is on its way.
+fn responded(ex: &mut Exec, seq: u64) {
+    ex.done_seq = seq;
+    ex.acked_seq = seq;
 }
 
 /// Receives the rest of a `total`-byte payload into the spans, skipping the `got` bytes already

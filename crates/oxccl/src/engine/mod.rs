@@ -25,6 +25,7 @@ use oxccl_core::protocol::{
     self, ANNOUNCE, ANNOUNCE_RING, Action, Announce, Flows, Header, Imm, MAILBOX_DATA, Machine,
     Notice, PLACE_MIN, Queues, Reuse, SLOT_HEADER, Violation, Waiting,
 };
+use oxccl_verbs::progress::{self, Progress};
 use oxccl_verbs::{
     AccessFlags, CompletionQueue, MemoryRegion, ProtectionDomain, Provider, QpState, QueuePair,
     RecvWr, RemoteAddr, RemoteBuffer, RemoteMapping, SendWr, Sge, WcStatus, WorkCompletion, WrOp,
@@ -208,9 +209,10 @@ pub(crate) struct Engine {
     pub(crate) links: Vec<Link>,
     /// Link index per rank (`usize::MAX` for ourselves).
     pub(crate) link_of: Vec<usize>,
-    /// One protection domain and completion queue per provider context.
+    /// One protection domain per provider context.
     pub(crate) pds: Vec<ProtectionDomain>,
-    pub(crate) cqs: Vec<CompletionQueue>,
+    /// The completion queue of each context (in the contexts' order), polled by the call.
+    progress: Progress,
     pub(crate) abort: Arc<AbortFlag>,
     /// Where the running call publishes its progress (for the flight recorder).
     pub(crate) probe: Arc<Probe>,
@@ -220,8 +222,6 @@ pub(crate) struct Engine {
     last_words: Option<u32>,
     /// The last calls, for naming the one a peer reports a mismatch in.
     recent: Recent,
-    /// Each completion queue's doorbell when it was last polled.
-    doorbells: Vec<u32>,
     /// Every queue's flow control (slots posted, credits, fragments arrived), kept across
     /// calls.
     flows: Flows,
@@ -246,7 +246,6 @@ pub(crate) struct Engine {
     pub(crate) yield_for: Duration,
     scratch: Vec<u64>,
     scratch_mrs: Vec<Option<MemoryRegion>>,
-    wcs: Vec<WorkCompletion>,
     /// Whether the running call meters its tcp links ([`crate::meter`]).
     pub(crate) metering: bool,
     /// This rank's aggregate rate over its metered links.
@@ -336,13 +335,12 @@ impl Engine {
             links,
             link_of,
             pds,
-            cqs,
+            progress: Progress::new(cqs),
             abort,
             probe,
             faults: None,
             last_words: None,
             recent: Recent::default(),
-            doorbells: vec![u32::MAX; n],
             flows,
             reuse: Reuse::default(),
             mailbox_allowed: true,
@@ -353,7 +351,6 @@ impl Engine {
             yield_for: Duration::from_millis(2),
             scratch: Vec::new(),
             scratch_mrs: (0..n).map(|_| None).collect(),
-            wcs: vec![WorkCompletion::default(); 64],
             metering: false,
             egress: EgressMeter::default(),
             calls: 0,
@@ -591,9 +588,7 @@ impl Engine {
         // it did not take: a disagreement that happened to complete must still be reported.
         if r.is_ok() {
             // (Polling only if a completion arrived since the last poll: one load each.)
-            let rang = (0..call.eng.cqs.len())
-                .any(|c| call.eng.cqs[c].doorbell() != call.eng.doorbells[c]);
-            r = if rang {
+            r = if call.eng.progress.rang() {
                 call.poll_cqs().map(drop)
             } else {
                 Ok(())

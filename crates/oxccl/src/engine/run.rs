@@ -355,51 +355,40 @@ impl Call<'_, '_> {
         }
     }
 
-    /// Waits for a completion on the provider contexts; handles what arrives.
+    /// Waits for a completion on the provider contexts (at most `max`); handles what arrives.
     pub(super) fn wait(&mut self, max: Duration) -> Result<()> {
-        if self.eng.cqs.len() == 1 {
-            let mut wcs = std::mem::take(&mut self.eng.wcs);
-            let r = self.eng.cqs[0].wait(&mut wcs, max);
-            let res = match r {
-                Ok(n) => wcs[..n].iter().try_for_each(|wc| self.handle(wc)),
-                Err(oxccl_verbs::Error::Timeout { .. }) => Ok(()),
-                Err(e) => Err(Error::Verbs {
-                    rank: self.eng.rank,
-                    what: format!("{}: waiting for completions", self.calls[self.cur].desc),
-                    source: e,
-                }),
-            };
-            self.eng.wcs = wcs;
-            return res;
+        // Sleep on the context of the link the lead call waits on (the others are polled
+        // after at most a millisecond).
+        let hint = match self.calls[self.cur].m.waiting(&self.eng.flows) {
+            Some(
+                Waiting::Data { q, .. }
+                | Waiting::Slot { q, .. }
+                | Waiting::Transport { q, .. }
+                | Waiting::Earlier { q: Some(q), .. },
+            ) => self.eng.links[self.eng.flows.link_channel(q).0].ctx,
+            _ => 0,
+        };
+        let prog = std::mem::take(&mut self.eng.progress);
+        let r = prog.sleep(hint, max, |_, wc| self.handle(wc));
+        self.eng.progress = prog;
+        match r {
+            Ok(_) => Ok(()),
+            Err(progress::Waited::Handler(e)) => Err(e),
+            Err(progress::Waited::Queue(e)) => Err(Error::Verbs {
+                rank: self.eng.rank,
+                what: format!("{}: waiting for completions", self.calls[self.cur].desc),
+                source: e,
+            }),
+            Err(progress::Waited::Timeout { .. }) => Ok(()),
         }
-        // Several contexts: poll them in turn, briefly.
-        let end = Instant::now() + max.min(Duration::from_millis(1));
-        while Instant::now() < end {
-            if self.poll_cqs()? {
-                return Ok(());
-            }
-            std::thread::yield_now();
-        }
-        Ok(())
     }
 
+    /// Polls every completion queue and handles what they hold; whether anything was there.
     pub(super) fn poll_cqs(&mut self) -> Result<bool> {
-        let mut any = false;
-        for c in 0..self.eng.cqs.len() {
-            self.eng.doorbells[c] = self.eng.cqs[c].doorbell();
-            loop {
-                let mut wcs = std::mem::take(&mut self.eng.wcs);
-                let n = self.eng.cqs[c].poll(&mut wcs);
-                let r = wcs[..n].iter().try_for_each(|wc| self.handle(wc));
-                self.eng.wcs = wcs;
-                r?;
-                any |= n > 0;
-                if n < self.eng.wcs.len() {
-                    break;
-                }
-            }
-        }
-        Ok(any)
+        let mut prog = std::mem::take(&mut self.eng.progress);
+        let r = prog.poll_owned(|_, wc| self.handle(wc));
+        self.eng.progress = prog;
+        Ok(r? > 0)
     }
 
     pub(super) fn peer_of_qp(&self, qp_num: u32, ctx_hint: Option<usize>) -> Option<usize> {
@@ -751,16 +740,14 @@ impl Call<'_, '_> {
                 }
                 break;
             }
-            let mut wcs = std::mem::take(&mut self.eng.wcs);
-            for c in 0..self.eng.cqs.len() {
-                let n = self.eng.cqs[c].poll(&mut wcs);
-                for wc in &wcs[..n] {
-                    if wc.wr_id & (0xff << 56) == WR_DATA {
-                        self.data_completed(wc.wr_id, false);
-                    }
+            let mut prog = std::mem::take(&mut self.eng.progress);
+            let _ = prog.poll_owned(|_, wc| {
+                if wc.wr_id & (0xff << 56) == WR_DATA {
+                    self.data_completed(wc.wr_id, false);
                 }
-            }
-            self.eng.wcs = wcs;
+                Ok::<(), ()>(())
+            });
+            self.eng.progress = prog;
             std::thread::yield_now();
         }
     }

@@ -239,7 +239,7 @@ fn striped_and_small_requests_execute_in_order_with_shards() {
                     let k = next;
                     assert_eq!(w.status, WcStatus::Success, "round {k}: {w:?}");
                     assert_eq!(w.wr_id, 1000 + k as u64, "receives out of order: {w:?}");
-                    if k % 2 == 0 {
+                    if k.is_multiple_of(2) {
                         assert_eq!(w.opcode, WcOpcode::Recv, "{w:?}");
                         let mut msg = [0u8; 16];
                         inbox.read(k * 64, &mut msg).unwrap();

@@ -692,6 +692,16 @@ class TransferEngine:
                 done=True, transferred=0, completed=0, requests=0, error=self.last_error()
             )
 
+    def cancel_batch(self, batch_id: int) -> int:
+        """Cancels a batch (oxccl's addition, as NIXL's release of a transfer in progress):
+        its requests not yet sent fail as canceled and never move, those in flight end as
+        they end, and no notification goes. Returns how many requests were taken back, or
+        -1 (see ``last_error``). The batch stays until ``free_batch``."""
+        try:
+            return self._e.cancel_batch(batch_id)
+        except Exception as exc:
+            return self._fail(f"cancel_batch({batch_id})", exc)
+
     def free_batch(self, batch_id: int) -> int:
         """Forgets an ended batch (oxccl's addition, after ``get_batch_status``)."""
         try:

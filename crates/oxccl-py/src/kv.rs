@@ -20,7 +20,6 @@ use oxccl::DataType;
 use oxccl_kv::meta::{P2pMetadata, RedisMetadata, StoreMetadata};
 use oxccl_kv::{
     BatchId, EngineConfig, Metadata, Opcode, Protocol, SegmentId, TransferEngine, TransferRequest,
-    TransferStatus,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -36,6 +35,7 @@ pub fn kind_of(e: &oxccl_kv::Error) -> Kind {
         E::SegmentNotFound { .. } | E::PeerFailed { .. } | E::Handshake { .. } => Kind::PeerFailed,
         E::Timeout { .. } => Kind::Timeout,
         E::Auth { .. } => Kind::ConfigError,
+        E::Canceled { .. } => Kind::Aborted,
         _ => Kind::Error,
     }
 }
@@ -358,7 +358,7 @@ impl PyKvEngine {
             return;
         }
         let mut o = self.orphans.lock().unwrap_or_else(|e| e.into_inner());
-        o.retain(|&b| match e.batch_status(b) {
+        o.retain(|&b| match e.batch_summary(b) {
             Ok(s) if s.done => {
                 let _ = e.free_batch(b);
                 false
@@ -672,24 +672,27 @@ impl PyKvEngine {
     /// requests)`. A failed batch raises its error (and stays until freed).
     fn batch_status(&self, py: Python<'_>, batch: u64) -> PyResult<(bool, u64, usize, usize)> {
         let e = self.get(py)?;
-        let s = blocking(py, || e.batch_status(batch))?;
+        let s = blocking(py, || e.batch_summary(batch))?;
         if s.done {
             // The batch's own result: the error naming the segment and the request.
             blocking(py, || e.wait(batch, Duration::ZERO))?;
         }
-        let completed = s
-            .requests
-            .iter()
-            .filter(|r| **r == TransferStatus::Completed)
-            .count();
-        Ok((s.done, s.transferred, completed, s.requests.len()))
+        Ok((s.done, s.transferred, s.completed, s.requests))
+    }
+
+    /// Cancels a batch: its requests not yet sent fail as canceled and never move; those in
+    /// flight end as they end (no notification goes). Returns how many requests were taken
+    /// back; the batch stays until freed.
+    fn cancel_batch(&self, py: Python<'_>, batch: u64) -> PyResult<usize> {
+        let e = self.get(py)?;
+        guarded(py, || e.cancel_batch(batch))
     }
 
     /// Mooncake's `transfer_check_status`: 1 when the batch completed (it is freed), 0 while
     /// it runs, -2 while it runs past the engine's timeout; a failure raises (and frees it).
     fn check_status(&self, py: Python<'_>, batch: u64) -> PyResult<i32> {
         let e = self.get(py)?;
-        let s = blocking(py, || e.batch_status(batch))?;
+        let s = blocking(py, || e.batch_summary(batch))?;
         if !s.done {
             let late = self
                 .submitted

@@ -220,6 +220,7 @@ class KvEngine:
         timeout: Optional[float] = None,
         peer_timeout: Optional[float] = None,
         lanes: Optional[int] = None,
+        busy_poll: Optional[bool] = None,
     ) -> None: ...
     @property
     def name(self) -> str: ...

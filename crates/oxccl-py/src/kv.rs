@@ -192,15 +192,21 @@ struct Setup {
 }
 
 #[allow(clippy::too_many_arguments)]
+/// What the keyword arguments of `KvEngine(...)` override in the environment's configuration.
+struct Overrides {
+    name: Option<String>,
+    timeout: Option<Duration>,
+    peer_timeout: Option<Duration>,
+    lanes: Option<usize>,
+    busy_poll: Option<bool>,
+}
+
 fn setup(
     local_hostname: &str,
     metadata_server: &str,
     protocol: &str,
     metadata_type: Option<&str>,
-    name: Option<String>,
-    timeout: Option<Duration>,
-    peer_timeout: Option<Duration>,
-    lanes: Option<usize>,
+    over: Overrides,
 ) -> Result<Setup, (Kind, String)> {
     let cfg = |m: String| (Kind::ConfigError, m);
     let mut config = EngineConfig::from_vars(&env_var).map_err(|e| cfg(e.to_string()))?;
@@ -215,7 +221,7 @@ fn setup(
     if env_var("OXCCL_KV_ADDR").is_some() && local_hostname.trim().is_empty() {
         addr = config.local_addr;
     }
-    config.name = match (&backend, name.or_else(|| env_var("OXCCL_KV_NAME"))) {
+    config.name = match (&backend, over.name.or_else(|| env_var("OXCCL_KV_NAME"))) {
         (_, Some(n)) => Some(n),
         // Peer-to-peer: peers open `host:port` of the listener, as Mooncake's callers compute
         // it from get_rpc_port(). Under a host name (not an IP), the port is chosen here so
@@ -238,14 +244,17 @@ fn setup(
         (_, None) => Some(local_hostname.trim().to_string()),
     };
     config.local_addr = addr;
-    if let Some(t) = timeout {
+    if let Some(t) = over.timeout {
         config.timeout = t;
     }
-    if let Some(t) = peer_timeout {
+    if let Some(t) = over.peer_timeout {
         config.peer_timeout = t;
     }
-    if let Some(n) = lanes {
+    if let Some(n) = over.lanes {
         config.lanes = n;
+    }
+    if let Some(b) = over.busy_poll {
+        config.busy_poll = b;
     }
     Ok(Setup { config, backend })
 }
@@ -410,7 +419,7 @@ impl PyKvEngine {
     /// `OXCCL_SECRET_FILE`; the other `OXCCL_KV_*` variables are read as
     /// `EngineConfig::from_env` documents, and the keyword arguments override them.
     #[new]
-    #[pyo3(signature = (local_hostname, metadata_server, protocol="auto", *, metadata_type=None, name=None, timeout=None, peer_timeout=None, lanes=None))]
+    #[pyo3(signature = (local_hostname, metadata_server, protocol="auto", *, metadata_type=None, name=None, timeout=None, peer_timeout=None, lanes=None, busy_poll=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -422,18 +431,21 @@ impl PyKvEngine {
         timeout: Option<f64>,
         peer_timeout: Option<f64>,
         lanes: Option<usize>,
+        busy_poll: Option<bool>,
     ) -> PyResult<PyKvEngine> {
-        let timeout = seconds(py, "timeout", timeout)?;
-        let peer_timeout = seconds(py, "peer_timeout", peer_timeout)?;
+        let over = Overrides {
+            name,
+            timeout: seconds(py, "timeout", timeout)?,
+            peer_timeout: seconds(py, "peer_timeout", peer_timeout)?,
+            lanes,
+            busy_poll,
+        };
         let s = setup(
             local_hostname,
             metadata_server,
             protocol,
             metadata_type,
-            name,
-            timeout,
-            peer_timeout,
-            lanes,
+            over,
         )
         .map_err(|(k, m)| errors::make(py, k, m, None, None))?;
         let Setup { config, backend } = s;

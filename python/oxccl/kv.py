@@ -200,7 +200,9 @@ class TransferEngine:
     Keyword arguments (oxccl's, all optional) override the environment: ``timeout`` (seconds
     every wait and lookup may take; ``OXCCL_KV_TIMEOUT``), ``peer_timeout`` (how soon a dead
     peer is noticed; ``OXCCL_KV_PEER_TIMEOUT``), ``lanes`` (tcp connections per peer),
-    ``name`` (the segment name, instead of the one the metadata backend implies), and
+    ``busy_poll`` (waits poll without sleeping, for the shortest round trip at the cost of a
+    core while they wait; ``OXCCL_KV_POLL=busy``), ``name`` (the segment name, instead of
+    the one the metadata backend implies), and
     ``raise_errors`` (raise ``oxccl.errors`` exceptions instead of returning Mooncake's
     codes). Also a context manager: leaving the block closes the engine."""
 
@@ -214,9 +216,12 @@ class TransferEngine:
         lanes: Optional[int] = None,
         name: Optional[str] = None,
         raise_errors: bool = False,
+        busy_poll: Optional[bool] = None,
     ) -> None:
         self._e: Any = _NOT_INITIALIZED
-        self._options = dict(timeout=timeout, peer_timeout=peer_timeout, lanes=lanes, name=name)
+        self._options = dict(
+            timeout=timeout, peer_timeout=peer_timeout, lanes=lanes, name=name, busy_poll=busy_poll
+        )
         self._raise = raise_errors
         self._tls = threading.local()
         self._objects: dict[int, int] = {}
@@ -691,6 +696,16 @@ class TransferEngine:
             return dict(
                 done=True, transferred=0, completed=0, requests=0, error=self.last_error()
             )
+
+    def cancel_batch(self, batch_id: int) -> int:
+        """Cancels a batch (oxccl's addition, as NIXL's release of a transfer in progress):
+        its requests not yet sent fail as canceled and never move, those in flight end as
+        they end, and no notification goes. Returns how many requests were taken back, or
+        -1 (see ``last_error``). The batch stays until ``free_batch``."""
+        try:
+            return self._e.cancel_batch(batch_id)
+        except Exception as exc:
+            return self._fail(f"cancel_batch({batch_id})", exc)
 
     def free_batch(self, batch_id: int) -> int:
         """Forgets an ended batch (oxccl's addition, after ``get_batch_status``)."""

@@ -551,6 +551,41 @@ def test_killed_target_fails_the_transfer_within_the_timeout(targets, store, pro
         e.close()
 
 
+@pytest.mark.parametrize("proto", ["tcp", "shm"])
+def test_cancel_batch_takes_back_what_was_not_sent(targets, store, proto):
+    t = targets("P2PHANDSHAKE", proto)
+    e = engine("p2p", store, proto)
+    try:
+        # More small requests than a queue pair's window takes: most wait to be posted.
+        blk, count = 256, 8192
+        n = blk * count
+        buf = e.allocate_managed_buffer(n)
+        data = pattern(n, 9)
+        assert e.write_bytes_to_buffer(buf, data, n) == 0
+        t.ask(op="fill", len=n, seed=4)  # what the target holds before
+        held = pattern(n, 4)
+        srcs = [buf + i * blk for i in range(count)]
+        dsts = [t.addr + i * blk for i in range(count)]
+        b = e.batch_transfer_async_write(t.segment, srcs, dsts, [blk] * count)
+        assert b != 0, e.last_error()
+        canceled = e.cancel_batch(b)
+        assert 0 < canceled < count, (canceled, e.last_error())
+        while not (st := e.get_batch_status(b))["done"]:
+            time.sleep(0.0005)
+        assert st["error"] is not None and "canceled" in st["error"], st
+        # The posted requests are the batch's first ones (a segment's queue is in order):
+        # they landed whole; the canceled rest left the target's bytes as they were.
+        sent = count - canceled
+        assert t.ask(op="digest", off=0, len=sent * blk)["digest"] == digest(data[: sent * blk])
+        rest = t.ask(op="digest", off=sent * blk, len=n - sent * blk)["digest"]
+        assert rest == digest(held[sent * blk:]), "a canceled request moved bytes"
+        assert e.cancel_batch(b) == 0
+        assert e.free_batch(b) == 0
+        assert e.transfer_sync_write(t.segment, buf, t.addr, 4096) == 0, e.last_error()
+    finally:
+        e.close()
+
+
 def test_waits_release_the_gil(store):
     e = engine("p2p", store, "tcp")
     try:

@@ -85,6 +85,22 @@ pub struct BatchStatus {
     pub done: bool,
 }
 
+/// A batch's totals ([`TransferEngine::batch_summary`]): counted as requests end, so asking
+/// costs the same for a batch of one request or of a million.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchSummary {
+    /// Requests in the batch.
+    pub requests: usize,
+    /// Requests that completed successfully.
+    pub completed: usize,
+    /// Requests that failed (canceled ones included).
+    pub failed: usize,
+    /// Bytes of the requests that completed successfully.
+    pub transferred: u64,
+    /// Whether the batch is over (as [`BatchStatus::done`]).
+    pub done: bool,
+}
+
 // A work request's tag (oxccl_verbs::progress::tag): the batch is the operation, the request's
 // index in the batch the part (NOTIFY_REQ: the batch's notification).
 const REQ_BITS: u32 = 26;
@@ -151,12 +167,15 @@ impl LaneQueue {
 enum Failure {
     Remote(String),
     Peer(String),
+    /// Canceled before it was posted.
+    Canceled,
 }
 
 impl Failure {
     fn text(&self) -> &str {
         match self {
             Failure::Remote(d) | Failure::Peer(d) => d,
+            Failure::Canceled => "canceled before it was sent",
         }
     }
 }
@@ -175,6 +194,8 @@ struct BatchState {
     reqs: Vec<Req>,
     /// Requests not yet finished.
     open: usize,
+    /// Requests finished with a failure.
+    failed: usize,
     notify: Option<Notify>,
     done: bool,
     transferred: u64,
@@ -219,6 +240,11 @@ impl BatchState {
                     r.req.opcode, r.req.length, r.req.source, r.req.target_offset
                 );
                 return Err(match f {
+                    Failure::Canceled => Error::Canceled {
+                        batch: id,
+                        request: i,
+                        segment: r.peer.name.clone(),
+                    },
                     Failure::Remote(d) => Error::RemoteAccess {
                         segment: r.peer.name.clone(),
                         detail: format!("{what}: {d}"),
@@ -246,8 +272,8 @@ impl BatchState {
             .reqs
             .iter()
             .map(|r| match &r.failed {
-                Some(Failure::Remote(d) | Failure::Peer(d)) => {
-                    TransferStatus::Failed(format!("segment {:?}: {d}", r.peer.name))
+                Some(f) => {
+                    TransferStatus::Failed(format!("segment {:?}: {}", r.peer.name, f.text()))
                 }
                 None if r.slices == 0 => TransferStatus::Completed,
                 None => TransferStatus::Pending,
@@ -255,6 +281,16 @@ impl BatchState {
             .collect();
         BatchStatus {
             requests,
+            transferred: self.transferred,
+            done: self.done,
+        }
+    }
+
+    fn summary(&self) -> BatchSummary {
+        BatchSummary {
+            requests: self.reqs.len(),
+            completed: self.reqs.len() - self.open - self.failed,
+            failed: self.failed,
             transferred: self.transferred,
             done: self.done,
         }
@@ -300,6 +336,26 @@ impl TransferEngine {
         map.get(&batch)
             .map(|b| b.status())
             .ok_or_else(|| Error::arg(format!("batch {batch} is unknown (freed?)")))
+    }
+
+    /// A batch's totals, driving progress once without blocking: O(1), where
+    /// [`TransferEngine::batch_status`] lists every request.
+    pub fn batch_summary(&self, batch: BatchId) -> Result<BatchSummary> {
+        self.inner.poll();
+        let map = self.inner.batches.lock();
+        map.get(&batch)
+            .map(|b| b.summary())
+            .ok_or_else(|| Error::arg(format!("batch {batch} is unknown (freed?)")))
+    }
+
+    /// Cancels a batch (as NIXL's `releaseXferReq` of a transfer in progress): its requests
+    /// not yet posted fail with [`Error::Canceled`] and never move; those already posted
+    /// cannot be called back and end as they end. The batch is over once they have, with no
+    /// notification sent, and [`TransferEngine::wait`] then returns the first request's error.
+    /// Returns how many requests had slices taken back (a request cut into slices may have
+    /// had some posted already); 0 for a batch that is over.
+    pub fn cancel_batch(&self, batch: BatchId) -> Result<usize> {
+        self.inner.cancel(batch)
     }
 
     /// Waits up to `timeout` for a batch to end: `Ok` when every request completed, else the
@@ -484,6 +540,7 @@ impl Inner {
                 id,
                 BatchState {
                     open: state.len(),
+                    failed: 0,
                     reqs: state,
                     notify,
                     done: false,
@@ -580,6 +637,52 @@ impl Inner {
             failed: None,
         };
         Ok((req, slices))
+    }
+
+    fn cancel(&self, batch: BatchId) -> Result<usize> {
+        let peers: Vec<Arc<Peer>> = {
+            let map = self.batches.lock();
+            let b = map
+                .get(&batch)
+                .ok_or_else(|| Error::arg(format!("batch {batch} is unknown (freed?)")))?;
+            if b.done {
+                return Ok(0);
+            }
+            let mut v: Vec<Arc<Peer>> = Vec::new();
+            for r in &b.reqs {
+                if !v.iter().any(|p| Arc::ptr_eq(p, &r.peer)) {
+                    v.push(r.peer.clone());
+                }
+            }
+            v
+        };
+        // Take the batch's slices off its peers' queues (nothing posts them after this), then
+        // fail them.
+        let mut dropped: Vec<u64> = Vec::new();
+        for p in &peers {
+            let mut q = p.queue.lock().unwrap_or_else(|e| e.into_inner());
+            q.pending.retain(|s| {
+                let mine = s.batch == batch;
+                if mine {
+                    dropped.push(s.req);
+                }
+                !mine
+            });
+        }
+        let mut map = self.batches.lock();
+        let Some(b) = map.get_mut(&batch) else {
+            return Ok(0);
+        };
+        for &r in &dropped {
+            finish_slice(b, r as usize, 0, Some(Failure::Canceled));
+        }
+        dropped.dedup();
+        // A batch that failed sends no notification: ready_notify only ends it.
+        let sends: Vec<_> = ready_notify(b).map(|n| (batch, n)).into_iter().collect();
+        let ended = if b.done { vec![batch] } else { Vec::new() };
+        self.settle(map, ended, sends);
+        self.progress.notify();
+        Ok(dropped.len())
     }
 
     /// The peer of `segment`, opened afresh if its connection failed.
@@ -899,6 +1002,8 @@ fn finish_slice(b: &mut BatchState, r: usize, bytes: u64, failure: Option<Failur
         b.open -= 1;
         if req.failed.is_none() {
             b.transferred += req.bytes;
+        } else {
+            b.failed += 1;
         }
     }
 }
@@ -908,7 +1013,7 @@ fn ready_notify(b: &mut BatchState) -> Option<NotifySend> {
     if b.open > 0 || b.done {
         return None;
     }
-    let ok = b.reqs.iter().all(|r| r.failed.is_none());
+    let ok = b.failed == 0;
     match b.notify.as_mut() {
         Some(n) if ok && !n.sent => {
             n.sent = true;

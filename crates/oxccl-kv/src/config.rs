@@ -64,6 +64,10 @@ pub struct EngineConfig {
     pub republish_every: Duration,
     /// The job secret every handshake proves (`OXCCL_SECRET`): a stranger opens no segment.
     pub secret: Secret,
+    /// Busy polling (`OXCCL_KV_POLL=busy`): a waiting caller polls without sleeping and the tcp
+    /// provider's progress threads poll their sockets, for the shortest round trip at the cost
+    /// of a core each while they wait. By default they sleep (`OXCCL_KV_POLL=sleep`).
+    pub busy_poll: bool,
 }
 
 impl EngineConfig {
@@ -80,13 +84,15 @@ impl EngineConfig {
             peer_timeout: Duration::from_secs(5),
             republish_every: Duration::from_secs(1),
             secret,
+            busy_poll: false,
         }
     }
 
     /// The defaults overridden by the environment: `OXCCL_SECRET` (or `OXCCL_SECRET_FILE`;
     /// required), `OXCCL_KV_NAME`, `OXCCL_KV_ADDR` (`IP` or `IP:port`), `OXCCL_KV_PROTOCOL`,
     /// `OXCCL_KV_LANES`, `OXCCL_KV_SLICE` (bytes, `K`/`M` suffixes), `OXCCL_KV_TIMEOUT` and
-    /// `OXCCL_KV_PEER_TIMEOUT` (seconds). A malformed value is an error naming the variable.
+    /// `OXCCL_KV_PEER_TIMEOUT` (seconds), `OXCCL_KV_POLL` (`busy` or `sleep`). A malformed
+    /// value is an error naming the variable.
     pub fn from_env() -> Result<EngineConfig> {
         EngineConfig::from_vars(&|k| std::env::var(k).ok())
     }
@@ -127,6 +133,17 @@ impl EngineConfig {
                     "OXCCL_KV_SLICE={v:?}: expected a size of at least 4K"
                 ))
             })?;
+        }
+        if let Some(v) = get("OXCCL_KV_POLL") {
+            c.busy_poll = match v.to_ascii_lowercase().as_str() {
+                "busy" => true,
+                "sleep" => false,
+                _ => {
+                    return Err(Error::arg(format!(
+                        "OXCCL_KV_POLL={v:?}: expected busy or sleep"
+                    )));
+                }
+            };
         }
         for (k, slot) in [
             ("OXCCL_KV_TIMEOUT", &mut c.timeout),
@@ -202,8 +219,10 @@ mod tests {
             ("OXCCL_KV_LANES", "4"),
             ("OXCCL_KV_SLICE", "256K"),
             ("OXCCL_KV_TIMEOUT", "2.5"),
+            ("OXCCL_KV_POLL", "Busy"),
         ]))
         .unwrap();
+        assert!(c.busy_poll);
         assert_eq!(c.local_addr, "127.0.0.2:7000".parse().unwrap());
         assert_eq!(
             (c.protocol, c.lanes, c.slice_size),
@@ -225,6 +244,7 @@ mod tests {
             ("OXCCL_KV_PROTOCOL", "carrier-pigeon"),
             ("OXCCL_KV_ADDR", "nowhere"),
             ("OXCCL_KV_TIMEOUT", "-1"),
+            ("OXCCL_KV_POLL", "spin-a-little"),
         ] {
             let e = EngineConfig::from_vars(&vars(&[("OXCCL_SECRET", "s3cret-s3cret"), (k, v)]))
                 .unwrap_err();

@@ -181,6 +181,7 @@ impl TransferEngine {
                 // A caller that posts slices and then waits leaves the large frames to the
                 // progress thread: waiting costs a few percent of a core, not a third.
                 tcp_inline_max: 64 << 10,
+                tcp_busy_poll: config.busy_poll,
                 // The lanes are the connections of a segment's queue pair, each read by its own
                 // progress thread (the automatic number of progress shards), so the kernel's
                 // copies of several lanes run on several cores (as raw streams' threads do).
@@ -230,7 +231,8 @@ impl TransferEngine {
             .name
             .clone()
             .unwrap_or_else(|| handshake_addr.clone());
-        let progress = Progress::new(devs.iter().map(|d| d.send_cq.clone()).collect());
+        let progress = Progress::new(devs.iter().map(|d| d.send_cq.clone()).collect())
+            .busy_poll(config.busy_poll);
         let inner = Arc::new(Inner {
             name,
             host: oxccl_verbs::host_identity(),

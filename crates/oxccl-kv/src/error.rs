@@ -38,6 +38,19 @@ pub enum Error {
         /// What happened (the provider's completion status and detail).
         detail: String,
     },
+    /// The batch was canceled ([`crate::TransferEngine::cancel_batch`]) before this request
+    /// was posted: nothing of it moved.
+    #[error(
+        "batch {batch}, request {request}: canceled before it was sent (to segment {segment:?})"
+    )]
+    Canceled {
+        /// The batch.
+        batch: u64,
+        /// The request's index in the batch.
+        request: usize,
+        /// Its target segment.
+        segment: String,
+    },
     /// A wait ran past its timeout.
     #[error("timed out after {timeout:?} waiting for {what}")]
     Timeout {

@@ -62,7 +62,8 @@ mod handshake;
 pub mod meta;
 
 pub use batch::{
-    BatchId, BatchStatus, MAX_BATCH, Opcode, Transfer, TransferRequest, TransferStatus,
+    BatchId, BatchStatus, BatchSummary, MAX_BATCH, Opcode, Transfer, TransferRequest,
+    TransferStatus,
 };
 pub use blocks::{BLOCK_SERVICE, BlockStats, BlockStore, BlockStoreConfig, TierStats};
 pub use config::{EngineConfig, Protocol};

@@ -341,3 +341,97 @@ fn shm_transfers_as_futures() {
 fn tcp_transfers_as_futures() {
     transfers_as_futures(Protocol::Tcp);
 }
+
+/// Canceling a batch takes back what was not posted: those requests fail as canceled and their
+/// target bytes stay as they were; the posted ones land whole; no notification goes; the
+/// summary's counts agree with the per-request statuses; the engine goes on working.
+fn cancel_takes_back_what_was_not_sent(protocol: Protocol) {
+    const R: usize = 256;
+    let p = pair(protocol);
+    let data = pattern(LEN, 11);
+    p.a.write_local(p.abuf, &data).unwrap();
+    let before = {
+        let mut v = vec![0; LEN];
+        p.b.read_local(p.bbuf, &mut v).unwrap();
+        v
+    };
+    // More requests than a queue pair's window takes: most wait in the segment's queue.
+    let n = LEN / R;
+    let reqs: Vec<_> = (0..n)
+        .map(|i| req(Opcode::Write, &p, (i * R) as u64, (i * R) as u64, R))
+        .collect();
+    let b = p.a.submit(&reqs, Some(b"all of it")).unwrap();
+    let canceled = p.a.cancel_batch(b).unwrap();
+    assert!(canceled > 0, "nothing was left to cancel");
+    match p.a.wait(b, Duration::from_secs(10)) {
+        Err(Error::Canceled { batch, .. }) => assert_eq!(batch, b),
+        other => panic!("expected the batch to end canceled: {other:?}"),
+    }
+    let status = p.a.batch_status(b).unwrap();
+    let summary = p.a.batch_summary(b).unwrap();
+    let completed = status
+        .requests
+        .iter()
+        .filter(|s| **s == TransferStatus::Completed)
+        .count();
+    let failed = status
+        .requests
+        .iter()
+        .filter(|s| matches!(s, TransferStatus::Failed(m) if m.contains("canceled")))
+        .count();
+    assert_eq!(
+        completed + failed,
+        n,
+        "every request ended, completed or canceled"
+    );
+    assert_eq!(failed, canceled, "canceled requests");
+    assert_eq!(
+        summary,
+        BatchSummary {
+            requests: n,
+            completed,
+            failed,
+            transferred: (completed * R) as u64,
+            done: true,
+        }
+    );
+    let mut got = vec![0; LEN];
+    p.b.read_local(p.bbuf, &mut got).unwrap();
+    for (i, s) in status.requests.iter().enumerate() {
+        let range = i * R..(i + 1) * R;
+        let want = if *s == TransferStatus::Completed {
+            &data[range.clone()]
+        } else {
+            &before[range.clone()]
+        };
+        assert!(
+            got[range] == *want,
+            "request {i} ({s:?}): the target holds other bytes"
+        );
+    }
+    assert!(
+        p.b.wait_notifies(Duration::from_millis(200)).is_empty(),
+        "a canceled batch sent its notification"
+    );
+    assert_eq!(
+        p.a.cancel_batch(b).unwrap(),
+        0,
+        "an ended batch has nothing to cancel"
+    );
+    p.a.free_batch(b).unwrap();
+    // The engine goes on: a fresh batch moves.
+    p.a.transfer_sync(&[req(Opcode::Write, &p, 0, 0, 4096)], None)
+        .unwrap();
+    p.b.read_local(p.bbuf, &mut got[..4096]).unwrap();
+    assert!(got[..4096] == data[..4096]);
+}
+
+#[test]
+fn shm_cancel_takes_back_what_was_not_sent() {
+    cancel_takes_back_what_was_not_sent(Protocol::Shm);
+}
+
+#[test]
+fn tcp_cancel_takes_back_what_was_not_sent() {
+    cancel_takes_back_what_was_not_sent(Protocol::Tcp);
+}

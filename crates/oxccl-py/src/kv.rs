@@ -20,7 +20,6 @@ use oxccl::DataType;
 use oxccl_kv::meta::{P2pMetadata, RedisMetadata, StoreMetadata};
 use oxccl_kv::{
     BatchId, EngineConfig, Metadata, Opcode, Protocol, SegmentId, TransferEngine, TransferRequest,
-    TransferStatus,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -36,6 +35,7 @@ pub fn kind_of(e: &oxccl_kv::Error) -> Kind {
         E::SegmentNotFound { .. } | E::PeerFailed { .. } | E::Handshake { .. } => Kind::PeerFailed,
         E::Timeout { .. } => Kind::Timeout,
         E::Auth { .. } => Kind::ConfigError,
+        E::Canceled { .. } => Kind::Aborted,
         _ => Kind::Error,
     }
 }
@@ -192,15 +192,21 @@ struct Setup {
 }
 
 #[allow(clippy::too_many_arguments)]
+/// What the keyword arguments of `KvEngine(...)` override in the environment's configuration.
+struct Overrides {
+    name: Option<String>,
+    timeout: Option<Duration>,
+    peer_timeout: Option<Duration>,
+    lanes: Option<usize>,
+    busy_poll: Option<bool>,
+}
+
 fn setup(
     local_hostname: &str,
     metadata_server: &str,
     protocol: &str,
     metadata_type: Option<&str>,
-    name: Option<String>,
-    timeout: Option<Duration>,
-    peer_timeout: Option<Duration>,
-    lanes: Option<usize>,
+    over: Overrides,
 ) -> Result<Setup, (Kind, String)> {
     let cfg = |m: String| (Kind::ConfigError, m);
     let mut config = EngineConfig::from_vars(&env_var).map_err(|e| cfg(e.to_string()))?;
@@ -215,7 +221,7 @@ fn setup(
     if env_var("OXCCL_KV_ADDR").is_some() && local_hostname.trim().is_empty() {
         addr = config.local_addr;
     }
-    config.name = match (&backend, name.or_else(|| env_var("OXCCL_KV_NAME"))) {
+    config.name = match (&backend, over.name.or_else(|| env_var("OXCCL_KV_NAME"))) {
         (_, Some(n)) => Some(n),
         // Peer-to-peer: peers open `host:port` of the listener, as Mooncake's callers compute
         // it from get_rpc_port(). Under a host name (not an IP), the port is chosen here so
@@ -238,14 +244,17 @@ fn setup(
         (_, None) => Some(local_hostname.trim().to_string()),
     };
     config.local_addr = addr;
-    if let Some(t) = timeout {
+    if let Some(t) = over.timeout {
         config.timeout = t;
     }
-    if let Some(t) = peer_timeout {
+    if let Some(t) = over.peer_timeout {
         config.peer_timeout = t;
     }
-    if let Some(n) = lanes {
+    if let Some(n) = over.lanes {
         config.lanes = n;
+    }
+    if let Some(b) = over.busy_poll {
+        config.busy_poll = b;
     }
     Ok(Setup { config, backend })
 }
@@ -358,7 +367,7 @@ impl PyKvEngine {
             return;
         }
         let mut o = self.orphans.lock().unwrap_or_else(|e| e.into_inner());
-        o.retain(|&b| match e.batch_status(b) {
+        o.retain(|&b| match e.batch_summary(b) {
             Ok(s) if s.done => {
                 let _ = e.free_batch(b);
                 false
@@ -410,7 +419,7 @@ impl PyKvEngine {
     /// `OXCCL_SECRET_FILE`; the other `OXCCL_KV_*` variables are read as
     /// `EngineConfig::from_env` documents, and the keyword arguments override them.
     #[new]
-    #[pyo3(signature = (local_hostname, metadata_server, protocol="auto", *, metadata_type=None, name=None, timeout=None, peer_timeout=None, lanes=None))]
+    #[pyo3(signature = (local_hostname, metadata_server, protocol="auto", *, metadata_type=None, name=None, timeout=None, peer_timeout=None, lanes=None, busy_poll=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -422,18 +431,21 @@ impl PyKvEngine {
         timeout: Option<f64>,
         peer_timeout: Option<f64>,
         lanes: Option<usize>,
+        busy_poll: Option<bool>,
     ) -> PyResult<PyKvEngine> {
-        let timeout = seconds(py, "timeout", timeout)?;
-        let peer_timeout = seconds(py, "peer_timeout", peer_timeout)?;
+        let over = Overrides {
+            name,
+            timeout: seconds(py, "timeout", timeout)?,
+            peer_timeout: seconds(py, "peer_timeout", peer_timeout)?,
+            lanes,
+            busy_poll,
+        };
         let s = setup(
             local_hostname,
             metadata_server,
             protocol,
             metadata_type,
-            name,
-            timeout,
-            peer_timeout,
-            lanes,
+            over,
         )
         .map_err(|(k, m)| errors::make(py, k, m, None, None))?;
         let Setup { config, backend } = s;
@@ -672,24 +684,27 @@ impl PyKvEngine {
     /// requests)`. A failed batch raises its error (and stays until freed).
     fn batch_status(&self, py: Python<'_>, batch: u64) -> PyResult<(bool, u64, usize, usize)> {
         let e = self.get(py)?;
-        let s = blocking(py, || e.batch_status(batch))?;
+        let s = blocking(py, || e.batch_summary(batch))?;
         if s.done {
             // The batch's own result: the error naming the segment and the request.
             blocking(py, || e.wait(batch, Duration::ZERO))?;
         }
-        let completed = s
-            .requests
-            .iter()
-            .filter(|r| **r == TransferStatus::Completed)
-            .count();
-        Ok((s.done, s.transferred, completed, s.requests.len()))
+        Ok((s.done, s.transferred, s.completed, s.requests))
+    }
+
+    /// Cancels a batch: its requests not yet sent fail as canceled and never move; those in
+    /// flight end as they end (no notification goes). Returns how many requests were taken
+    /// back; the batch stays until freed.
+    fn cancel_batch(&self, py: Python<'_>, batch: u64) -> PyResult<usize> {
+        let e = self.get(py)?;
+        guarded(py, || e.cancel_batch(batch))
     }
 
     /// Mooncake's `transfer_check_status`: 1 when the batch completed (it is freed), 0 while
     /// it runs, -2 while it runs past the engine's timeout; a failure raises (and frees it).
     fn check_status(&self, py: Python<'_>, batch: u64) -> PyResult<i32> {
         let e = self.get(py)?;
-        let s = blocking(py, || e.batch_status(batch))?;
+        let s = blocking(py, || e.batch_summary(batch))?;
         if !s.done {
             let late = self
                 .submitted

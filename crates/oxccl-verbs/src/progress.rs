@@ -120,6 +120,9 @@ pub struct Progress {
     sleepers: AtomicUsize,
     /// Threads in [`Progress::wait_for`]: while there are any, [`run_helper`] stands back.
     waiters: AtomicUsize,
+    /// A waiter that finds nothing polls again at once instead of sleeping
+    /// ([`Progress::busy_poll`]).
+    busy: bool,
 }
 
 /// No queues: a placeholder (an engine takes its progress out while a handler borrows it).
@@ -143,7 +146,15 @@ impl Progress {
             changed: Condvar::new(),
             sleepers: AtomicUsize::new(0),
             waiters: AtomicUsize::new(0),
+            busy: false,
         }
+    }
+
+    /// Makes [`Progress::wait_for`] poll without sleeping (a core spent per waiting thread, for
+    /// the shortest round trip), or sleep again after its spin (the default).
+    pub fn busy_poll(mut self, busy: bool) -> Progress {
+        self.busy = busy;
+        self
     }
 
     /// The queues, in the order their indices name them.
@@ -275,6 +286,10 @@ impl Progress {
             match self.poller.try_lock() {
                 Ok(mut wcs) => {
                     let r = match self.drain(&mut wcs, &mut handle) {
+                        Ok(0) if self.busy => {
+                            std::hint::spin_loop();
+                            Ok(0)
+                        }
                         Ok(0) => self.sleep(hint, left.min(Duration::from_millis(10)), &mut handle),
                         Ok(n) => Ok(n),
                         Err(e) => Err(Waited::Handler(e)),

@@ -578,7 +578,10 @@ fn run_job(
                 if plans.len() >= 64 {
                     plans.clear();
                 }
-                plans.insert(key.clone(), Plan::new(sched, false));
+                plans.insert(
+                    key.clone(),
+                    Plan::new(sched, CollectiveKind::AllReduce, Algorithm::Aggregation),
+                );
             }
             keyed.push((key, desc));
         }

@@ -988,16 +988,8 @@ impl Communicator {
         let plan = match st.cache.get(&key) {
             Some(s) => s.clone(),
             None => {
-                // The mailbox protocol must be chosen alike at both ends of a link: not where
-                // one end's schedule alone can't tell (all_to_allv's private counts; blocks that
-                // are empty on some ranks only).
-                // (The aggregation service never runs mailboxes.)
-                let mailbox_ok = !matches!(coll, Collective::AllToAllV { .. })
-                    && !matches!(
-                        algo,
-                        Algorithm::Proportional | Algorithm::Hierarchical | Algorithm::Aggregation
-                    );
-                let mut p = Plan::new(build(&key.0).map_err(invalid)?, mailbox_ok);
+                // (Whether it runs in mailboxes: protocol::mailbox_mode, on first use.)
+                let mut p = Plan::new(build(&key.0).map_err(invalid)?, coll.kind(), algo);
                 if algo == Algorithm::Aggregation {
                     p.agg = Some((chunk, key.0.hosts.clone()));
                 }

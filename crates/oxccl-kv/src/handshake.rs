@@ -2,10 +2,10 @@
 //!
 //! Every engine listens on its handshake address. A peer connects, and both prove the job secret
 //! ([`oxccl_bootstrap::handshake`]: HMAC-SHA256 challenge-response in both directions, as the
-//! bootstrap store does), so a stranger learns neither a descriptor nor a queue pair. Then the peer asks, one message at a
-//! time: the segment's descriptor, queue pairs connected to its own, or a call to a service the
-//! owner registered (the block store's lookups). Messages are JSON, each after a 4-byte
-//! little-endian length.
+//! bootstrap store does), so a stranger learns neither a descriptor nor a queue pair. Then the
+//! peer asks, one message at a time: the segment's descriptor, queue pairs connected to its
+//! own, or a call to a service the owner registered (the block store's lookups). Messages are
+//! JSON, each after a 4-byte little-endian length.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;

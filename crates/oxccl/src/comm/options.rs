@@ -48,9 +48,10 @@ pub struct Options {
     /// Faults to inject, for tests (`OXCCL_FAULT`; see [`crate::fault`]).
     pub faults: Option<Faults>,
     /// Measure each host's link rate at init (`OXCCL_TOPO_PROBE`): `None` (the default) does
-    /// it for jobs of several hosts whose rates are not all given, with [`PROBE_BYTES`] per
-    /// transfer; `Some(0)` (`0`) never; `Some(bytes)` (`1` for the default size, or a size)
-    /// with that size. See [`Communicator::topology`]; a topology file's rates win.
+    /// it for jobs of several hosts whose rates are not all given, with `PROBE_BYTES` (1 MiB)
+    /// per transfer; `Some(0)` (`0`) never; `Some(bytes)` (`1` for the default size, or a
+    /// size) with that size. See [`Communicator::topology`](super::Communicator::topology); a
+    /// topology file's rates win.
     pub topo_probe: Option<usize>,
     /// Learn link rates from what every tcp link delivers while large collectives run, and
     /// agree on new rates and shares every this many of them (`OXCCL_TOPO_LEARN`: `0` off,
@@ -80,8 +81,8 @@ pub struct Options {
     /// all-reduces can then stream through it (`OXCCL_ALGO=agg`, or the tuner's choice
     /// across hosts). Default: the topology file's `aggregator`, if any.
     pub agg_addr: Option<String>,
-    /// Whether a plain [`Communicator::all_reduce`] (or `all_reduce_in_place`) of
-    /// `f32`/`f16`/`bf16` with `Sum` or `Avg` goes compressed
+    /// Whether a plain [`Communicator::all_reduce`](super::Communicator::all_reduce) (or
+    /// `all_reduce_in_place`) of `f32`/`f16`/`bf16` with `Sum` or `Avg` goes compressed
     /// (`OXCCL_COMPRESS=off|auto|bfp8|bfp4|bfp8/16|...`; default off). Calls started without
     /// blocking and group calls stay exact.
     pub compress: Compression,

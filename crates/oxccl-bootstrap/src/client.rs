@@ -6,6 +6,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::handshake::STORE;
 use crate::secret::{Secret, random_bytes};
 use crate::store::{CasOutcome, Store, check_args};
 use crate::wire::{
@@ -451,14 +452,14 @@ fn handshake(
     }
     let client_nonce = random_bytes()?;
     let auth = Msg::Auth {
-        mac: secret.client_proof(&server_nonce, &client_nonce, label),
+        mac: STORE.client_proof(secret, &server_nonce, &client_nonce, label.as_bytes()),
         nonce: client_nonce,
         label: label.to_owned(),
     };
     write_msg(stream, &auth).map_err(|e| io_err("cannot authenticate", &e))?;
     match read_msg(stream, 4096) {
         Ok(Msg::AuthOk { mac }) => {
-            if secret.verify_server_proof(&server_nonce, &client_nonce, &mac) {
+            if STORE.server_proven(secret, &server_nonce, &client_nonce, &mac) {
                 Ok(())
             } else {
                 let _ = stream.shutdown(Shutdown::Both);

@@ -1,7 +1,8 @@
 //! The handshake framing that the side channels authenticated by the job's secret share (the
 //! aggregation service's control connection, oxccl-kv's segment handshake): JSON messages,
 //! each after its length as 4 little-endian bytes, and the challenges (nonces) whose HMACs
-//! ([`Secret::mac_of`](crate::Secret::mac_of)) both ends exchange.
+//! ([`Secret::mac_of`](crate::Secret::mac_of)) both ends exchange; [`crate::handshake`] runs
+//! the proofs over them.
 //!
 //! ```
 //! # fn main() -> std::io::Result<()> {

@@ -65,6 +65,7 @@ mod client;
 mod config;
 mod error;
 pub mod frame;
+pub mod handshake;
 pub mod hostlist;
 #[cfg(test)]
 mod net_tests;

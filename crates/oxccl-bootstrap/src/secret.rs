@@ -8,7 +8,6 @@ use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 
 use crate::error::{Error, Result};
-use crate::wire::NONCE_LEN;
 
 /// Environment variable holding the secret itself.
 pub const SECRET_ENV: &str = "OXCCL_SECRET";
@@ -250,62 +249,6 @@ impl Secret {
     pub fn verify_mac(&self, label: &str, parts: &[&[u8]], mac: &[u8]) -> bool {
         self.mac(label.as_bytes(), parts).verify_slice(mac).is_ok()
     }
-
-    /// The client's answer to the server's challenge.
-    pub(crate) fn client_proof(
-        &self,
-        server_nonce: &[u8; NONCE_LEN],
-        client_nonce: &[u8; NONCE_LEN],
-        label: &str,
-    ) -> [u8; NONCE_LEN] {
-        let mac = self.mac(
-            CLIENT_LABEL,
-            &[server_nonce, client_nonce, label.as_bytes()],
-        );
-        let mut out = [0; NONCE_LEN];
-        out.copy_from_slice(&mac.finalize().into_bytes());
-        out
-    }
-
-    /// Checks a client's answer, in constant time.
-    pub(crate) fn verify_client_proof(
-        &self,
-        server_nonce: &[u8; NONCE_LEN],
-        client_nonce: &[u8; NONCE_LEN],
-        label: &str,
-        proof: &[u8],
-    ) -> bool {
-        self.mac(
-            CLIENT_LABEL,
-            &[server_nonce, client_nonce, label.as_bytes()],
-        )
-        .verify_slice(proof)
-        .is_ok()
-    }
-
-    /// The server's answer to the client's challenge.
-    pub(crate) fn server_proof(
-        &self,
-        server_nonce: &[u8; NONCE_LEN],
-        client_nonce: &[u8; NONCE_LEN],
-    ) -> [u8; NONCE_LEN] {
-        let mac = self.mac(SERVER_LABEL, &[client_nonce, server_nonce]);
-        let mut out = [0; NONCE_LEN];
-        out.copy_from_slice(&mac.finalize().into_bytes());
-        out
-    }
-
-    /// Checks the server's answer, in constant time.
-    pub(crate) fn verify_server_proof(
-        &self,
-        server_nonce: &[u8; NONCE_LEN],
-        client_nonce: &[u8; NONCE_LEN],
-        proof: &[u8],
-    ) -> bool {
-        self.mac(SERVER_LABEL, &[client_nonce, server_nonce])
-            .verify_slice(proof)
-            .is_ok()
-    }
 }
 
 /// Reads a secret file: trailing newlines dropped; refused when empty, or when other users
@@ -394,10 +337,6 @@ fn create_secret_file(path: &Path) -> Result<()> {
     Ok(())
 }
 
-// Distinct labels: a proof for one direction is never valid for the other (no reflection).
-const CLIENT_LABEL: &[u8] = b"oxccl-store v1 client proof";
-const SERVER_LABEL: &[u8] = b"oxccl-store v1 server proof";
-
 /// `N` random bytes from the OS.
 pub(crate) fn random_bytes<const N: usize>() -> Result<[u8; N]> {
     let mut b = [0; N];
@@ -421,20 +360,28 @@ mod tests {
 
     #[test]
     fn proofs_verify_only_with_the_same_secret_and_direction() {
+        use crate::handshake::{NONCE_LEN, STORE};
         let a = Secret::new("alpha").unwrap();
         let b = Secret::new("beta").unwrap();
         let (sn, cn) = ([1; NONCE_LEN], [2; NONCE_LEN]);
-        let p = a.client_proof(&sn, &cn, "rank 1");
-        assert!(a.verify_client_proof(&sn, &cn, "rank 1", &p));
-        assert!(!b.verify_client_proof(&sn, &cn, "rank 1", &p));
-        assert!(!a.verify_client_proof(&sn, &cn, "rank 2", &p));
-        assert!(!a.verify_client_proof(&cn, &sn, "rank 1", &p));
-        assert!(!a.verify_client_proof(&sn, &cn, "rank 1", &p[..31]));
-        let s = a.server_proof(&sn, &cn);
-        assert!(a.verify_server_proof(&sn, &cn, &s));
-        assert!(!b.verify_server_proof(&sn, &cn, &s));
+        let p = STORE.client_proof(&a, &sn, &cn, b"rank 1");
+        assert!(STORE.client_proven(&a, &sn, &cn, b"rank 1", &p));
+        assert!(!STORE.client_proven(&b, &sn, &cn, b"rank 1", &p));
+        assert!(!STORE.client_proven(&a, &sn, &cn, b"rank 2", &p));
+        assert!(!STORE.client_proven(&a, &cn, &sn, b"rank 1", &p));
+        assert!(!STORE.client_proven(&a, &sn, &cn, b"rank 1", &p[..31]));
+        let s = STORE.server_proof(&a, &sn, &cn);
+        assert!(STORE.server_proven(&a, &sn, &cn, &s));
+        assert!(!STORE.server_proven(&b, &sn, &cn, &s));
         // A client proof is not a server proof (no reflection).
-        assert!(!a.verify_server_proof(&sn, &cn, &a.client_proof(&sn, &cn, "")));
+        let c = STORE.client_proof(&a, &sn, &cn, b"");
+        assert!(!STORE.server_proven(&a, &sn, &cn, &c));
+        // The store's proofs are the MACs its wire always had.
+        assert_eq!(
+            p,
+            a.mac_of("oxccl-store v1 client proof", &[&sn, &cn, b"rank 1"])
+        );
+        assert_eq!(s, a.mac_of("oxccl-store v1 server proof", &[&cn, &sn]));
     }
 
     #[test]

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, warn};
 
 use crate::error::{Error, Result};
+use crate::handshake::STORE;
 use crate::secret::{Secret, random_bytes};
 use crate::store::{MemoryStore, WaitFail};
 use crate::wire::{
@@ -426,10 +427,13 @@ fn handshake(shared: &Shared, stream: &mut TcpStream, peer: SocketAddr) -> Resul
         );
         return Err(Refused);
     };
-    if !shared
-        .secret
-        .verify_client_proof(&server_nonce, &nonce, &label, &mac)
-    {
+    if !STORE.client_proven(
+        &shared.secret,
+        &server_nonce,
+        &nonce,
+        label.as_bytes(),
+        &mac,
+    ) {
         refuse(
             stream,
             peer,
@@ -440,7 +444,7 @@ fn handshake(shared: &Shared, stream: &mut TcpStream, peer: SocketAddr) -> Resul
         );
         return Err(Refused);
     }
-    let proof = shared.secret.server_proof(&server_nonce, &nonce);
+    let proof = STORE.server_proof(&shared.secret, &server_nonce, &nonce);
     if let Err(e) = write_msg(stream, &Msg::AuthOk { mac: proof }) {
         return Err(fail(
             stream,

@@ -22,7 +22,7 @@ pub const MAX_HANDSHAKE_FRAME_LEN: usize = 2048;
 /// Longest free-text field (client label, reasons, error messages), in bytes.
 pub const MAX_TEXT_LEN: usize = 1024;
 /// Length of the nonces and MACs of the handshake.
-pub const NONCE_LEN: usize = 32;
+pub const NONCE_LEN: usize = crate::handshake::NONCE_LEN;
 /// Protocol version the server announces in its greeting.
 pub const PROTOCOL_VERSION: u16 = 1;
 /// Magic number that opens the server's greeting ("OXST").

@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 use clap::ValueEnum;
 use oxccl_bootstrap::Secret;
 use oxccl_kv::meta::P2pMetadata;
-use oxccl_kv::{EngineConfig, Opcode, Protocol, TransferEngine, TransferRequest};
+use oxccl_kv::{EngineConfig, Opcode, Protocol, SegmentId, TransferEngine, TransferRequest};
 use serde::Serialize;
 
 /// The service a target answers with its process's CPU seconds (8 bytes, f64 LE).
@@ -757,102 +757,29 @@ fn run_engine(args: &Args, secret: Secret, name: &str) -> Result<Outcome> {
             .map_err(|_| "the target's CPU time is not 8 bytes".to_string())?;
         Ok(f64::from_le_bytes(a))
     };
-    let timeout = Duration::from_secs_f64(args.timeout);
     let per_op = if args.sync {
         1
     } else {
         args.batch_size as usize
     };
     let (warm, capped) = warmup_ops(args, lregion.min(rregion));
-    let duration = Duration::from_secs_f64(args.duration);
-    let opcode = args.op.opcode();
-    let ready = Barrier::new(threads + 1);
-    let go = Barrier::new(threads + 1);
+    let run = EngineRun {
+        args,
+        engine: &engine,
+        seg,
+        local: (lbuf, lregion, lslots),
+        remote: (rbase, rregion, rslots),
+        per_op,
+        warm: (warm, capped),
+        ready: Barrier::new(threads + 1),
+        go: Barrier::new(threads + 1),
+    };
+    let (ready, go) = (&run.ready, &run.go);
     let outcome = std::thread::scope(|sc| -> Result<Outcome> {
         let mut handles = Vec::new();
         for t in 0..threads {
-            let (engine, ready, go) = (&engine, &ready, &go);
-            handles.push(sc.spawn(move || -> Result<ThreadResult> {
-                let lb = lbuf + (t * lregion) as u64;
-                let rb = rbase + (t * rregion) as u64;
-                let mut k = 0u64;
-                let mut reqs = Vec::with_capacity(per_op);
-                let mut next = |reqs: &mut Vec<TransferRequest>| {
-                    reqs.clear();
-                    for _ in 0..per_op {
-                        let (ls, rs) = ((k % lslots as u64) as usize, (k % rslots as u64) as usize);
-                        reqs.push(TransferRequest {
-                            opcode,
-                            source: lb + (ls * block) as u64,
-                            target_id: seg,
-                            target_offset: rb + (rs * block) as u64,
-                            length: block,
-                        });
-                        k += 1;
-                    }
-                };
-                let one = |reqs: &[TransferRequest]| -> Result<()> {
-                    if args.sync {
-                        engine
-                            .transfer_sync(reqs, None)
-                            .map_err(|e| format!("thread {t}: {e}"))
-                    } else {
-                        let b = engine
-                            .submit(reqs, None)
-                            .map_err(|e| format!("thread {t}: submit: {e}"))?;
-                        engine
-                            .wait(b, timeout)
-                            .map_err(|e| format!("thread {t}: wait: {e}"))?;
-                        engine
-                            .free_batch(b)
-                            .map_err(|e| format!("thread {t}: free_batch: {e}"))
-                    }
-                };
-                let w0 = Instant::now();
-                let mut warm_err = None;
-                for _ in 0..warm {
-                    if capped && w0.elapsed() >= WARMUP_CAP {
-                        break;
-                    }
-                    next(&mut reqs);
-                    if let Err(e) = one(&reqs) {
-                        warm_err = Some(e);
-                        break;
-                    }
-                }
-                ready.wait();
-                go.wait();
-                if let Some(e) = warm_err {
-                    return Err(e);
-                }
-                let mut r = ThreadResult {
-                    lats: Vec::with_capacity(args.iters.unwrap_or(1 << 16).min(1 << 24) as usize),
-                    ..ThreadResult::default()
-                };
-                let t0 = Instant::now();
-                let c0 = thread_cpu();
-                let deadline = t0 + duration;
-                let mut last = t0;
-                loop {
-                    match args.iters {
-                        Some(n) if r.ops >= n => break,
-                        None if last >= deadline => break,
-                        _ => {}
-                    }
-                    next(&mut reqs);
-                    let s = Instant::now();
-                    one(&reqs)?;
-                    last = Instant::now();
-                    r.lats.push((last - s).as_nanos() as u64);
-                    r.ops += 1;
-                    r.reqs += per_op as u64;
-                    r.bytes += (per_op * block) as u64;
-                }
-                r.cpu = thread_cpu() - c0;
-                r.wall = (last - t0).as_secs_f64();
-                r.end = Some(last);
-                Ok(r)
-            }));
+            let run = &run;
+            handles.push(sc.spawn(move || run.thread(t)));
         }
         ready.wait();
         // Everyone warmed up: the target's CPU, ours, then go.
@@ -877,6 +804,116 @@ fn run_engine(args: &Args, secret: Secret, name: &str) -> Result<Outcome> {
     })?;
     drop(engine);
     Ok(outcome)
+}
+
+/// What the initiator threads of an engine run share.
+struct EngineRun<'a> {
+    args: &'a Args,
+    engine: &'a TransferEngine,
+    seg: SegmentId,
+    /// This side's buffer, each thread's region of it (bytes), and its blocks per region.
+    local: (u64, usize, usize),
+    /// The target's buffer, region and blocks, likewise.
+    remote: (u64, usize, usize),
+    /// Requests per measured operation (a batch, or one with --sync).
+    per_op: usize,
+    /// Warm-up operations per thread, and whether they stop at [`WARMUP_CAP`].
+    warm: (u64, bool),
+    /// Every thread has warmed up; the run starts.
+    ready: Barrier,
+    go: Barrier,
+}
+
+impl EngineRun<'_> {
+    /// Initiator thread `t`: warms up, waits for the start, and measures its operations.
+    fn thread(&self, t: usize) -> Result<ThreadResult> {
+        let (args, engine, seg, per_op) = (self.args, self.engine, self.seg, self.per_op);
+        let ((lbuf, lregion, lslots), (rbase, rregion, rslots)) = (self.local, self.remote);
+        let (warm, capped) = self.warm;
+        let (ready, go) = (&self.ready, &self.go);
+        let (block, opcode) = (args.block_size, args.op.opcode());
+        let timeout = Duration::from_secs_f64(args.timeout);
+        let duration = Duration::from_secs_f64(args.duration);
+        let lb = lbuf + (t * lregion) as u64;
+        let rb = rbase + (t * rregion) as u64;
+        let mut k = 0u64;
+        let mut reqs = Vec::with_capacity(per_op);
+        let mut next = |reqs: &mut Vec<TransferRequest>| {
+            reqs.clear();
+            for _ in 0..per_op {
+                let (ls, rs) = ((k % lslots as u64) as usize, (k % rslots as u64) as usize);
+                reqs.push(TransferRequest {
+                    opcode,
+                    source: lb + (ls * block) as u64,
+                    target_id: seg,
+                    target_offset: rb + (rs * block) as u64,
+                    length: block,
+                });
+                k += 1;
+            }
+        };
+        let one = |reqs: &[TransferRequest]| -> Result<()> {
+            if args.sync {
+                engine
+                    .transfer_sync(reqs, None)
+                    .map_err(|e| format!("thread {t}: {e}"))
+            } else {
+                let b = engine
+                    .submit(reqs, None)
+                    .map_err(|e| format!("thread {t}: submit: {e}"))?;
+                engine
+                    .wait(b, timeout)
+                    .map_err(|e| format!("thread {t}: wait: {e}"))?;
+                engine
+                    .free_batch(b)
+                    .map_err(|e| format!("thread {t}: free_batch: {e}"))
+            }
+        };
+        let w0 = Instant::now();
+        let mut warm_err = None;
+        for _ in 0..warm {
+            if capped && w0.elapsed() >= WARMUP_CAP {
+                break;
+            }
+            next(&mut reqs);
+            if let Err(e) = one(&reqs) {
+                warm_err = Some(e);
+                break;
+            }
+        }
+        ready.wait();
+        go.wait();
+        if let Some(e) = warm_err {
+            return Err(e);
+        }
+        let mut r = ThreadResult {
+            lats: Vec::with_capacity(args.iters.unwrap_or(1 << 16).min(1 << 24) as usize),
+            ..ThreadResult::default()
+        };
+        let t0 = Instant::now();
+        let c0 = thread_cpu();
+        let deadline = t0 + duration;
+        let mut last = t0;
+        loop {
+            match args.iters {
+                Some(n) if r.ops >= n => break,
+                None if last >= deadline => break,
+                _ => {}
+            }
+            next(&mut reqs);
+            let s = Instant::now();
+            one(&reqs)?;
+            last = Instant::now();
+            r.lats.push((last - s).as_nanos() as u64);
+            r.ops += 1;
+            r.reqs += per_op as u64;
+            r.bytes += (per_op * block) as u64;
+        }
+        r.cpu = thread_cpu() - c0;
+        r.wall = (last - t0).as_secs_f64();
+        r.end = Some(last);
+        Ok(r)
+    }
 }
 
 /// raw-tcp: `--lanes` streams, each sent by its own thread.

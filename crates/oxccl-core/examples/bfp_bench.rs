@@ -23,17 +23,8 @@ fn time(reps: usize, mut f: impl FnMut()) -> (f64, f64) {
     (best, total / reps as f64)
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
-    let mib = args.first().copied().unwrap_or(64);
-    let reps = args.get(1).copied().unwrap_or(20);
-    let n = mib << 18; // f32 values
-    let bytes = (n * 4) as f64;
-
-    // Gradient-like data: a random magnitude per run of 32 values, random signs and mantissas.
+/// Gradient-like data: a random magnitude per run of 32 values, random signs and mantissas.
+fn gradients(n: usize) -> Vec<f32> {
     let mut s = 0x9E37_79B9_7F4A_7C15u64;
     let mut rnd = move || {
         s ^= s << 13;
@@ -42,14 +33,109 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         s
     };
     let mut scale = 1.0f32;
-    let x: Vec<f32> = (0..n)
+    (0..n)
         .map(|i| {
             if i % 32 == 0 {
                 scale = 2f32.powi((rnd() % 24) as i32 - 20);
             }
             ((rnd() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
         })
+        .collect()
+}
+
+/// The table's rows: each a timing of `reps` runs over `bytes` of f32 input.
+struct Table {
+    bytes: f64,
+    reps: usize,
+}
+
+impl Table {
+    /// Prints the rate of `f`'s best and mean run as the row of kernel set `k`, format `f`,
+    /// block `blk` and operation `op`.
+    fn row(&self, k: &str, fmt: &str, blk: &str, op: &str, f: impl FnMut()) {
+        let (b, m) = time(self.reps, f);
+        println!(
+            "{k:<8} {fmt:<7} {blk:>5} {op:<8} {:>14.2} {:>14.2}",
+            self.bytes / b / 1e9,
+            self.bytes / m / 1e9
+        );
+    }
+}
+
+/// Encode and decode at every width and block size, with kernel set `kernel`.
+fn codec_rows(t: &Table, kernel: &str, x: &[f32], wire: &mut [u8], out: &mut [f32]) {
+    let n = x.len();
+    for width in [Width::Bfp8, Width::Bfp4] {
+        for block in [BlockSize::B16, BlockSize::B32, BlockSize::B64] {
+            let fmt = Format { width, block };
+            let name = if width == Width::Bfp8 { "bfp8" } else { "bfp4" };
+            let wire = &mut wire[..compress::encoded_len(n, fmt)];
+            let blk = block.values().to_string();
+            t.row(kernel, name, &blk, "encode", || {
+                compress::encode(black_box(x), fmt, wire).expect("lengths match");
+            });
+            t.row(kernel, name, &blk, "decode", || {
+                compress::decode(black_box(&*wire), out).expect("a valid buffer");
+            });
+        }
+    }
+}
+
+/// The all-reduce's steps, bfp8 at 32: exponents, quantise, decode an i16 sum; then the
+/// result phase: re-encoding the sums (plain Rust, the same for every kernel set), and
+/// decoding the re-encoded i8 mantissas.
+fn all_reduce_rows(t: &Table, kernel: &str, x: &[f32], out: &mut [f32]) {
+    let n = x.len();
+    let fmt = Format::BFP8;
+    let mut e = vec![0u8; compress::block_count(n, fmt.block)];
+    let mut q = vec![0i8; n];
+    t.row(kernel, "bfp8", "32", "exps", || {
+        compress::block_exponents(black_box(x), fmt, &mut e).expect("lengths match");
+    });
+    t.row(kernel, "bfp8", "32", "quantize", || {
+        compress::quantize(black_box(x), &e, fmt, &mut q).expect("finite");
+    });
+    let sum: Vec<i16> = q.iter().map(|&v| 3 * v as i16).collect();
+    t.row(kernel, "bfp8", "32", "deq-i16", || {
+        compress::dequantize(black_box(&sum), &e, fmt, out).expect("lengths match");
+    });
+    let mut ne = vec![0u8; e.len()];
+    t.row(kernel, "bfp8", "32", "requant", || {
+        compress::requantize(black_box(&sum), &e, fmt, &mut ne, &mut q).expect("lengths match");
+    });
+    t.row(kernel, "bfp8", "32", "deq-i8", || {
+        compress::dequantize(black_box(&q), &ne, fmt, out).expect("lengths match");
+    });
+}
+
+/// Half-precision inputs (widened on the stack), bfp8 at 32, with the current kernels.
+fn half_rows(t: &Table, x: &[f32], wire: &mut [u8]) {
+    let n = x.len();
+    let fmt = Format::BFP8;
+    let wire = &mut wire[..compress::encoded_len(n, fmt)];
+    let h: Vec<half::f16> = x.iter().map(|&v| half::f16::from_f32(v)).collect();
+    let mut ho = vec![half::f16::ZERO; n];
+    t.row(compress::kernel(), "bfp8", "32", "enc-f16", || {
+        compress::encode(black_box(&h), fmt, wire).expect("lengths match");
+    });
+    t.row(compress::kernel(), "bfp8", "32", "dec-f16", || {
+        compress::decode(black_box(&*wire), &mut ho).expect("a valid buffer");
+    });
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
         .collect();
+    let mib = args.first().copied().unwrap_or(64);
+    let reps = args.get(1).copied().unwrap_or(20);
+    let n = mib << 18; // f32 values
+    let t = Table {
+        bytes: (n * 4) as f64,
+        reps,
+    };
+    let x = gradients(n);
 
     println!("# bfp codec, one core: {mib} MiB of f32 ({n} values), best (mean) of {reps} runs");
     let best = compress::kernel();
@@ -68,14 +154,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "{:<8} {:<7} {:>5} {:<8} {:>14} {:>14}",
         "kernel", "format", "block", "op", "GB/s best", "GB/s mean"
     );
-    let row = |k: &str, f: &str, blk: &str, op: &str, (b, m): (f64, f64)| {
-        println!(
-            "{k:<8} {f:<7} {blk:>5} {op:<8} {:>14.2} {:>14.2}",
-            bytes / b / 1e9,
-            bytes / m / 1e9
-        );
-    };
-    row("-", "memcpy", "-", "copy", (b, m));
+    println!(
+        "{:<8} {:<7} {:>5} {:<8} {:>14.2} {:>14.2}",
+        "-",
+        "memcpy",
+        "-",
+        "copy",
+        t.bytes / b / 1e9,
+        t.bytes / m / 1e9
+    );
 
     let widest = Format {
         width: Width::Bfp8,
@@ -88,111 +175,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!("# {kernel}: not on this CPU");
             continue;
         }
-        for width in [Width::Bfp8, Width::Bfp4] {
-            for block in [BlockSize::B16, BlockSize::B32, BlockSize::B64] {
-                let fmt = Format { width, block };
-                let name = if width == Width::Bfp8 { "bfp8" } else { "bfp4" };
-                let wire = &mut wire[..compress::encoded_len(n, fmt)];
-                let blk = block.values().to_string();
-                row(
-                    kernel,
-                    name,
-                    &blk,
-                    "encode",
-                    time(reps, || {
-                        compress::encode(black_box(&x), fmt, wire).expect("lengths match");
-                    }),
-                );
-                row(
-                    kernel,
-                    name,
-                    &blk,
-                    "decode",
-                    time(reps, || {
-                        compress::decode(black_box(&*wire), &mut out).expect("a valid buffer");
-                    }),
-                );
-            }
-        }
-        // The all-reduce's steps, bfp8 at 32: exponents, quantise, decode an i16 sum.
-        let fmt = Format::BFP8;
-        let mut e = vec![0u8; compress::block_count(n, fmt.block)];
-        let mut q = vec![0i8; n];
-        row(
-            kernel,
-            "bfp8",
-            "32",
-            "exps",
-            time(reps, || {
-                compress::block_exponents(black_box(&x), fmt, &mut e).expect("lengths match");
-            }),
-        );
-        row(
-            kernel,
-            "bfp8",
-            "32",
-            "quantize",
-            time(reps, || {
-                compress::quantize(black_box(&x), &e, fmt, &mut q).expect("finite");
-            }),
-        );
-        let sum: Vec<i16> = q.iter().map(|&v| 3 * v as i16).collect();
-        row(
-            kernel,
-            "bfp8",
-            "32",
-            "deq-i16",
-            time(reps, || {
-                compress::dequantize(black_box(&sum), &e, fmt, &mut out).expect("lengths match");
-            }),
-        );
-        // The result phase: re-encoding the sums (plain Rust, the same for every kernel set),
-        // and decoding the re-encoded i8 mantissas.
-        let mut ne = vec![0u8; e.len()];
-        row(
-            kernel,
-            "bfp8",
-            "32",
-            "requant",
-            time(reps, || {
-                compress::requantize(black_box(&sum), &e, fmt, &mut ne, &mut q)
-                    .expect("lengths match");
-            }),
-        );
-        row(
-            kernel,
-            "bfp8",
-            "32",
-            "deq-i8",
-            time(reps, || {
-                compress::dequantize(black_box(&q), &ne, fmt, &mut out).expect("lengths match");
-            }),
-        );
+        codec_rows(&t, kernel, &x, &mut wire, &mut out);
+        all_reduce_rows(&t, kernel, &x, &mut out);
     }
-    // Half-precision inputs (widened on the stack), bfp8 at 32, the best kernels.
     compress::force_kernel(best);
-    let fmt = Format::BFP8;
-    let wire = &mut wire[..compress::encoded_len(n, fmt)];
-    let h: Vec<half::f16> = x.iter().map(|&v| half::f16::from_f32(v)).collect();
-    let mut ho = vec![half::f16::ZERO; n];
-    row(
-        compress::kernel(),
-        "bfp8",
-        "32",
-        "enc-f16",
-        time(reps, || {
-            compress::encode(black_box(&h), fmt, wire).expect("lengths match");
-        }),
-    );
-    row(
-        compress::kernel(),
-        "bfp8",
-        "32",
-        "dec-f16",
-        time(reps, || {
-            compress::decode(black_box(&*wire), &mut ho).expect("a valid buffer");
-        }),
-    );
+    half_rows(&t, &x, &mut wire);
     println!("# GB/s of f32 input (4 bytes a value; for f16 rows too), 1 GB = 1e9 bytes");
     Ok(())
 }

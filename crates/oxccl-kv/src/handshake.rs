@@ -1,11 +1,11 @@
 //! The segment handshake: an authenticated TCP side channel between engines.
 //!
 //! Every engine listens on its handshake address. A peer connects, and both prove the job secret
-//! (HMAC-SHA256 challenge-response in both directions, as the bootstrap store does), so a
-//! stranger learns neither a descriptor nor a queue pair. Then the peer asks, one message at a
-//! time: the segment's descriptor, queue pairs connected to its own, or a call to a service the
-//! owner registered (the block store's lookups). Messages are JSON, each after a 4-byte
-//! little-endian length.
+//! ([`oxccl_bootstrap::handshake`]: HMAC-SHA256 challenge-response in both directions, as the
+//! bootstrap store does), so a stranger learns neither a descriptor nor a queue pair. Then the
+//! peer asks, one message at a time: the segment's descriptor, queue pairs connected to its
+//! own, or a call to a service the owner registered (the block store's lookups). Messages are
+//! JSON, each after a 4-byte little-endian length.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use oxccl_bootstrap::handshake::{self as proof, Labels};
 use oxccl_bootstrap::{Secret, frame};
 use oxccl_verbs::QpEndpoint;
 use serde::{Deserialize, Serialize};
@@ -23,31 +24,20 @@ use crate::error::{Error, Result};
 /// Largest handshake message accepted (a descriptor with many buffers, a service's reply).
 pub(crate) const MAX_MSG: usize = 16 << 20;
 
-/// Largest message before a peer has proven the secret, and how long it may take to.
-const MAX_AUTH_MSG: usize = 4096;
+/// How long a peer may take to prove the secret.
 const AUTH_TIMEOUT: Duration = Duration::from_secs(5);
 /// Connections not yet authenticated, at most: more are closed at once.
 const MAX_UNAUTHENTICATED: usize = 64;
 
-const CLIENT_LABEL: &str = "oxccl-kv v1 handshake client";
-const SERVER_LABEL: &str = "oxccl-kv v1 handshake server";
+const LABELS: Labels = Labels::new(
+    "oxccl-kv v1 handshake client",
+    "oxccl-kv v1 handshake server",
+);
 
-/// One handshake message.
+/// One message after the handshake ([`oxccl_bootstrap::handshake`]'s messages come first).
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "msg", rename_all = "snake_case")]
 pub(crate) enum Msg {
-    /// Server → client, first: its name and challenge.
-    Hello { name: String, nonce: [u8; 32] },
-    /// Client → server: its name, its proof and its own challenge.
-    Auth {
-        name: String,
-        nonce: [u8; 32],
-        proof: Vec<u8>,
-    },
-    /// Server → client: accepted, with the server's proof.
-    Welcome { proof: Vec<u8> },
-    /// Either way: the conversation ends, and why.
-    Refused { reason: String },
     /// Client: the segment's descriptor, please.
     GetDesc,
     /// Server: the descriptor.
@@ -79,19 +69,7 @@ pub(crate) fn send(s: &mut TcpStream, m: &Msg) -> std::io::Result<()> {
 
 /// Reads one message (at most [`MAX_MSG`] bytes).
 pub(crate) fn recv(s: &mut TcpStream) -> std::io::Result<Msg> {
-    recv_at_most(s, MAX_MSG)
-}
-
-/// Reads one message of at most `max` bytes.
-fn recv_at_most(s: &mut TcpStream, max: usize) -> std::io::Result<Msg> {
-    frame::recv_json(s, max, "handshake message")
-}
-
-fn nonce() -> Result<[u8; 32]> {
-    frame::nonce().map_err(|e| Error::Auth {
-        peer: "-".into(),
-        detail: format!("the OS random source failed: {e}"),
-    })
+    frame::recv_json(s, MAX_MSG, "handshake message")
 }
 
 /// What the server does with an authenticated peer's requests.
@@ -223,40 +201,24 @@ fn serve(
     let mut unproven = Unproven(Some(pending));
     s.set_nonblocking(false)?;
     s.set_nodelay(true)?;
-    s.set_read_timeout(Some(AUTH_TIMEOUT.min(timeout)))?;
-    s.set_write_timeout(Some(timeout))?;
-    let ns = nonce().map_err(std::io::Error::other)?;
-    send(
+    let proven = proof::accept(
         &mut s,
-        &Msg::Hello {
-            name: name.to_string(),
-            nonce: ns,
-        },
-    )?;
-    let peer = match recv_at_most(&mut s, MAX_AUTH_MSG)? {
-        Msg::Auth {
-            name: peer,
-            nonce: nc,
-            proof,
-        } if secret.verify_mac(CLIENT_LABEL, &[&ns, &nc, peer.as_bytes()], &proof) => {
-            let proof = secret.mac_of(SERVER_LABEL, &[&nc, &ns]).to_vec();
-            send(&mut s, &Msg::Welcome { proof })?;
-            peer
-        }
-        _ => {
-            let reason = "the job secret was not proven (a stranger, or OXCCL_SECRET differs)";
-            let _ = send(
-                &mut s,
-                &Msg::Refused {
-                    reason: reason.into(),
-                },
-            );
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::PermissionDenied,
-                reason,
-            ));
-        }
-    };
+        &LABELS,
+        std::slice::from_ref(secret),
+        name,
+        AUTH_TIMEOUT.min(timeout),
+    );
+    let peer = proven
+        .map_err(|e| {
+            let kind = if e.is_auth() {
+                std::io::ErrorKind::PermissionDenied
+            } else {
+                std::io::ErrorKind::InvalidData
+            };
+            std::io::Error::new(kind, e.to_string())
+        })?
+        .name;
+    s.set_write_timeout(Some(timeout))?;
     unproven.proven();
     // Authenticated: answer requests until the peer hangs up. Idle connections are kept, but
     // checked for the engine's shutdown once a second.
@@ -309,46 +271,21 @@ impl Client {
             .map_err(|_| herr("not an IP:port or host:port that resolves".into()))?;
         let mut s = TcpStream::connect_timeout(&sa, timeout)
             .map_err(|e| herr(format!("cannot connect: {e}")))?;
-        let io = |e: std::io::Error| herr(e.to_string());
-        s.set_nodelay(true).map_err(io)?;
-        s.set_read_timeout(Some(timeout)).map_err(io)?;
-        s.set_write_timeout(Some(timeout)).map_err(io)?;
-        let ns = match recv(&mut s).map_err(io)? {
-            Msg::Hello { nonce, .. } => nonce,
-            m => return Err(herr(format!("expected a hello, got {m:?}"))),
-        };
-        let nc = nonce()?;
-        let proof = secret
-            .mac_of(CLIENT_LABEL, &[&ns, &nc, name.as_bytes()])
-            .to_vec();
-        send(
-            &mut s,
-            &Msg::Auth {
-                name: name.to_string(),
-                nonce: nc,
-                proof,
+        s.set_nodelay(true).map_err(|e| herr(e.to_string()))?;
+        proof::connect(&mut s, &LABELS, secret, name, timeout).map_err(|e| match e {
+            e if e.is_auth() => Error::Auth {
+                peer: addr.to_string(),
+                detail: e.to_string(),
             },
-        )
-        .map_err(io)?;
-        let auth = |detail: String| Error::Auth {
-            peer: addr.to_string(),
-            detail,
-        };
-        match recv(&mut s) {
-            Ok(Msg::Welcome { proof }) if secret.verify_mac(SERVER_LABEL, &[&nc, &ns], &proof) => {}
-            Ok(Msg::Welcome { .. }) => {
-                return Err(auth(
-                    "the peer did not prove the job secret (an impostor?)".into(),
-                ));
-            }
-            Ok(Msg::Refused { reason }) => return Err(auth(format!("refused: {reason}"))),
-            Ok(m) => return Err(herr(format!("expected a welcome, got {m:?}"))),
-            Err(e) => {
-                return Err(auth(format!(
+            // The server closes on a client that did not prove the secret.
+            e if e.awaited() == Some("the server's proof") => Error::Auth {
+                peer: addr.to_string(),
+                detail: format!(
                     "the peer closed the handshake ({e}): the job secret is likely wrong"
-                )));
-            }
-        }
+                ),
+            },
+            e => herr(e.to_string()),
+        })?;
         Ok(Client {
             stream: s,
             addr: addr.to_string(),

@@ -360,58 +360,8 @@ fn build_star(f: File) -> Result<Fabric, String> {
     let c = common(&f, false)?;
     let wan = wan(&f)?;
     let specs = f.hosts.as_ref().expect("hosts");
-    // The runtime's checks first (every rank once, names unique, rates valid).
-    let mut next = 0;
-    let mut topo = oxccl_core::Topology {
-        hosts: Vec::new(),
-        aggregator: None,
-    };
-    for (h, s) in specs.iter().enumerate() {
-        let ranks = match &s.ranks {
-            Ranks::List(r) => r.clone(),
-            Ranks::Count(k) => (next..next + k).collect(),
-        };
-        next = next.max(ranks.iter().map(|r| r + 1).max().unwrap_or(0));
-        let name = format!("hosts[{h}] ({:?})", s.name);
-        check(&format!("{name}.link_gbps"), s.link_gbps, false)?;
-        check(
-            &format!("{name}.scaleup_gbytes_per_s"),
-            s.scaleup_gbytes_per_s,
-            false,
-        )?;
-        check(
-            &format!("{name}.switch_reduce_gbytes_per_s"),
-            s.switch_reduce_gbytes_per_s,
-            false,
-        )?;
-        efficiency(&format!("{name}.link_efficiency"), s.link_efficiency)?;
-        topo.hosts.push(oxccl_core::Host {
-            name: s.name.clone(),
-            ranks,
-            link_gbps: s.link_gbps.or(f.link_gbps),
-        });
-    }
-    // The job's ranks are 0..=the highest listed: a gap is a rank on no host.
-    let world = next;
-    topo.validate(world)?;
-    let dcs = match wan.and_then(|w| w.datacenters) {
-        Some(d) => d,
-        None => specs.iter().filter_map(|s| s.dc).max().map_or(1, |d| d + 1),
-    };
-    if dcs > 1 && wan.is_none() {
-        return Err(format!(
-            "hosts are in {dcs} datacenters (dc) but there is no [wan] to join them"
-        ));
-    }
-    let host_dc: Vec<usize> = specs.iter().map(|s| s.dc.unwrap_or(0)).collect();
-    for (h, &d) in host_dc.iter().enumerate() {
-        if d >= dcs {
-            return Err(format!(
-                "hosts[{h}] ({:?}).dc must be below wan.datacenters = {dcs}, not {d}",
-                specs[h].name
-            ));
-        }
-    }
+    let (topo, world) = star_topology(&f, specs)?;
+    let (dcs, host_dc) = star_datacenters(wan, specs)?;
     let hosts_n = specs.len();
     let core = hosts_n > 1 || dcs > 1;
     let mut b = Builder {
@@ -506,8 +456,87 @@ fn build_star(f: File) -> Result<Fabric, String> {
             ..Layout::default()
         },
     };
-    // The candidate symmetry: hosts shift by one (inside one datacenter), by one datacenter,
-    // or, for a single host, its ranks shift by one. check_symmetry decides.
+    let map = star_symmetry(&fabric, &host_dc, dcs, &cores, &sw);
+    fabric.symmetry = fabric.check_symmetry(map);
+    Ok(fabric)
+}
+
+/// A star's hosts as the runtime sees them, after the runtime's checks (every rank once, names
+/// unique, rates valid), and the job's world: its ranks are 0..=the highest listed (a gap is
+/// a rank on no host).
+fn star_topology(f: &File, specs: &[HostSpec]) -> Result<(oxccl_core::Topology, usize), String> {
+    let mut next = 0;
+    let mut topo = oxccl_core::Topology {
+        hosts: Vec::new(),
+        aggregator: None,
+    };
+    for (h, s) in specs.iter().enumerate() {
+        let ranks = match &s.ranks {
+            Ranks::List(r) => r.clone(),
+            Ranks::Count(k) => (next..next + k).collect(),
+        };
+        next = next.max(ranks.iter().map(|r| r + 1).max().unwrap_or(0));
+        let name = format!("hosts[{h}] ({:?})", s.name);
+        check(&format!("{name}.link_gbps"), s.link_gbps, false)?;
+        check(
+            &format!("{name}.scaleup_gbytes_per_s"),
+            s.scaleup_gbytes_per_s,
+            false,
+        )?;
+        check(
+            &format!("{name}.switch_reduce_gbytes_per_s"),
+            s.switch_reduce_gbytes_per_s,
+            false,
+        )?;
+        efficiency(&format!("{name}.link_efficiency"), s.link_efficiency)?;
+        topo.hosts.push(oxccl_core::Host {
+            name: s.name.clone(),
+            ranks,
+            link_gbps: s.link_gbps.or(f.link_gbps),
+        });
+    }
+    let world = next;
+    topo.validate(world)?;
+    Ok((topo, world))
+}
+
+/// How many datacenters a star spans, and each host's.
+fn star_datacenters(
+    wan: Option<&WanSpec>,
+    specs: &[HostSpec],
+) -> Result<(usize, Vec<usize>), String> {
+    let dcs = match wan.and_then(|w| w.datacenters) {
+        Some(d) => d,
+        None => specs.iter().filter_map(|s| s.dc).max().map_or(1, |d| d + 1),
+    };
+    if dcs > 1 && wan.is_none() {
+        return Err(format!(
+            "hosts are in {dcs} datacenters (dc) but there is no [wan] to join them"
+        ));
+    }
+    let host_dc: Vec<usize> = specs.iter().map(|s| s.dc.unwrap_or(0)).collect();
+    for (h, &d) in host_dc.iter().enumerate() {
+        if d >= dcs {
+            return Err(format!(
+                "hosts[{h}] ({:?}).dc must be below wan.datacenters = {dcs}, not {d}",
+                specs[h].name
+            ));
+        }
+    }
+    Ok((dcs, host_dc))
+}
+
+/// A star's candidate symmetry as a node map (empty: none): hosts shift by one (inside one
+/// datacenter), by one datacenter, or, for a single host, its ranks shift by one.
+/// [`Fabric::check_symmetry`] decides.
+fn star_symmetry(
+    fabric: &Fabric,
+    host_dc: &[usize],
+    dcs: usize,
+    cores: &[usize],
+    sw: &[usize],
+) -> Vec<usize> {
+    let hosts_n = fabric.hosts.len();
     let n = fabric.nodes.len();
     let mut map: Vec<usize> = (0..n).collect();
     let ranks_of = |h: usize| &fabric.hosts[h].1;
@@ -552,8 +581,7 @@ fn build_star(f: File) -> Result<Fabric, String> {
             map[sw[h]] = sw[s[h]];
         }
     }
-    fabric.symmetry = fabric.check_symmetry(map);
-    Ok(fabric)
+    map
 }
 
 /// Each rail's NIC rate, and each rank's (`rail_nic_gbps`, then `nic_overrides`), in Gbit/s.
@@ -657,6 +685,57 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
     let c = common(&f, true)?;
     let wan = wan(&f)?;
     let cs = f.cluster.as_ref().expect("cluster");
+    let (cl, nic, over) = cluster_shape(cs, wan)?;
+    let (hn, hpd, dcs) = (cs.hosts, cl.hosts_per_dc, cl.dcs);
+    let world = hn * cl.g;
+    let (rail, rate) = nic_rates(cs, nic)?;
+    let mut b = Builder {
+        nodes: Vec::with_capacity(world + hn + dcs * cl.gpd * cl.g + dcs * (cl.spines + 1)),
+        links: Vec::new(),
+    };
+    let nodes = cluster_nodes(&mut b, cs, &cl);
+    let (cl, host_gbps) = cluster_links(&mut b, cl, hn, &nodes, &c, (&rail, &rate, over), wan);
+    // The symmetry's generator (the ECMP hash commutes with it: see crate::fabric).
+    let map = cluster_symmetry(
+        b.nodes.len(),
+        &cl,
+        hn,
+        &nodes.su,
+        &nodes.leaves,
+        &nodes.spines,
+        &nodes.routers,
+    );
+    // (One leaf group of several hosts: moving hosts would change their places in it, which
+    // spread the routes over the spines. No symmetry: at most hosts_per_leaf hosts.)
+    let g = cl.g;
+    let mut fabric = Fabric {
+        nodes: b.nodes,
+        links: b.links,
+        world,
+        hosts: (0..hn)
+            .map(|h| (format!("h{h}"), (h * g..(h + 1) * g).collect()))
+            .collect(),
+        reduce_bytes_per_s: c.reduce,
+        per_message_s: c.per_message,
+        scaleup_per_message_s: c.scaleup_per_message,
+        symmetry: None,
+        layout: Layout {
+            shape: Shape::Cluster(cl),
+            host_gbps,
+            host_dc: (0..hn).map(|h| h / hpd).collect(),
+            tuner_dcs: c.tuner_dcs,
+            wan_gbps: wan.map(|w| w.link_gbps),
+            dc_names: (0..dcs).map(|d| format!("dc{d}")).collect(),
+            ..Layout::default()
+        },
+    };
+    fabric.symmetry = fabric.check_symmetry(map);
+    Ok(fabric)
+}
+
+/// A cluster's dimensions, checked (its link tables still empty), its NIC rate (Gbit/s) and
+/// its oversubscription.
+fn cluster_shape(cs: &ClusterSpec, wan: Option<&WanSpec>) -> Result<(Cluster, f64, f64), String> {
     let (hn, g) = (cs.hosts, cs.gpus_per_host);
     if hn == 0 {
         return Err("cluster.hosts must be at least 1, not 0".into());
@@ -701,13 +780,42 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
         None if need_spines => ((hpl as f64 / over).ceil() as usize).max(1),
         None => 0,
     };
-    let world = hn * g;
-    let (rail, rate) = nic_rates(cs, nic)?;
-    let mut b = Builder {
-        nodes: Vec::with_capacity(world + hn + dcs * gpd * g + dcs * (spines + 1)),
-        links: Vec::new(),
+    let cl = Cluster {
+        g,
+        hosts_per_dc: hpd,
+        hpl,
+        gpd,
+        dcs,
+        spines,
+        su_up: Vec::new(),
+        su_down: Vec::new(),
+        nic_up: Vec::new(),
+        nic_down: Vec::new(),
+        ls_up: Vec::new(),
+        ls_down: Vec::new(),
+        sr_up: Vec::new(),
+        sr_down: Vec::new(),
+        wan: Vec::new(),
     };
-    for r in 0..world {
+    Ok((cl, nic, over))
+}
+
+/// A cluster's switches, by tier.
+struct ClusterNodes {
+    /// Each host's scale-up switch.
+    su: Vec<usize>,
+    /// The leaves: per datacenter, per leaf group, per rail.
+    leaves: Vec<usize>,
+    /// The spines: per datacenter.
+    spines: Vec<usize>,
+    /// Each datacenter's router (none in one datacenter).
+    routers: Vec<usize>,
+}
+
+/// A cluster's nodes: its ranks, then its switches.
+fn cluster_nodes(b: &mut Builder, cs: &ClusterSpec, cl: &Cluster) -> ClusterNodes {
+    let (hn, g, gpd, dcs, spines) = (cs.hosts, cl.g, cl.gpd, cl.dcs, cl.spines);
+    for r in 0..hn * g {
         b.node(
             format!("h{}.g{}", r / g, r % g),
             NodeKind::Rank { host: r / g },
@@ -744,26 +852,33 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
     } else {
         Vec::new()
     };
+    ClusterNodes {
+        su,
+        leaves,
+        spines: spine_nodes,
+        routers,
+    }
+}
+
+/// A cluster's links, tier by tier (`rates`: each rail's NIC rate, each rank's, in Gbit/s, and
+/// the oversubscription): `cl` with its link tables, and each host's NIC rates' sum.
+fn cluster_links(
+    b: &mut Builder,
+    cl: Cluster,
+    hn: usize,
+    nodes: &ClusterNodes,
+    c: &Common,
+    (rail, rate, over): (&[f64], &[f64], f64),
+    wan: Option<&WanSpec>,
+) -> (Cluster, Vec<Option<f64>>) {
+    let (g, hpd, hpl, gpd, dcs, spines) =
+        (cl.g, cl.hosts_per_dc, cl.hpl, cl.gpd, cl.dcs, cl.spines);
+    let world = hn * g;
+    let (su, leaves, spine_nodes, routers) =
+        (&nodes.su, &nodes.leaves, &nodes.spines, &nodes.routers);
     let (mut su_up, mut su_down) = (vec![0u32; world], vec![0u32; world]);
     let (mut nic_up, mut nic_down) = (vec![0u32; world], vec![0u32; world]);
     let mut host_gbps = vec![Some(0.0); hn];
-    let cl = Cluster {
-        g,
-        hosts_per_dc: hpd,
-        hpl,
-        gpd,
-        dcs,
-        spines,
-        su_up: Vec::new(),
-        su_down: Vec::new(),
-        nic_up: Vec::new(),
-        nic_down: Vec::new(),
-        ls_up: Vec::new(),
-        ls_down: Vec::new(),
-        sr_up: Vec::new(),
-        sr_down: Vec::new(),
-        wan: Vec::new(),
-    };
     for r in 0..world {
         let h = r / g;
         (su_up[r], su_down[r]) = b.duplex(r, su[h], c.scaleup, c.scaleup_lat);
@@ -805,42 +920,17 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
         }
         wan_links = b.wan_mesh(&routers[..dcs], w, c.link_lat);
     }
-    // The symmetry's generator (the ECMP hash commutes with it: see crate::fabric).
-    let map = cluster_symmetry(b.nodes.len(), &cl, hn, &su, &leaves, &spine_nodes, &routers);
-    // (One leaf group of several hosts: moving hosts would change their places in it, which
-    // spread the routes over the spines. No symmetry: at most hosts_per_leaf hosts.)
-    let mut fabric = Fabric {
-        nodes: b.nodes,
-        links: b.links,
-        world,
-        hosts: (0..hn)
-            .map(|h| (format!("h{h}"), (h * g..(h + 1) * g).collect()))
-            .collect(),
-        reduce_bytes_per_s: c.reduce,
-        per_message_s: c.per_message,
-        scaleup_per_message_s: c.scaleup_per_message,
-        symmetry: None,
-        layout: Layout {
-            shape: Shape::Cluster(Cluster {
-                su_up,
-                su_down,
-                nic_up,
-                nic_down,
-                ls_up,
-                ls_down,
-                sr_up,
-                sr_down,
-                wan: wan_links,
-                ..cl
-            }),
-            host_gbps,
-            host_dc: (0..hn).map(|h| h / hpd).collect(),
-            tuner_dcs: c.tuner_dcs,
-            wan_gbps: wan.map(|w| w.link_gbps),
-            dc_names: (0..dcs).map(|d| format!("dc{d}")).collect(),
-            ..Layout::default()
-        },
+    let cl = Cluster {
+        su_up,
+        su_down,
+        nic_up,
+        nic_down,
+        ls_up,
+        ls_down,
+        sr_up,
+        sr_down,
+        wan: wan_links,
+        ..cl
     };
-    fabric.symmetry = fabric.check_symmetry(map);
-    Ok(fabric)
+    (cl, host_gbps)
 }

@@ -34,7 +34,7 @@
 
 use std::collections::VecDeque;
 
-use crate::schedule::{Op, Schedule};
+use crate::schedule::{Algorithm, CollectiveKind, Op, Schedule};
 
 /// What the protocol is configured with, the same at both ends of every link.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -993,6 +993,62 @@ impl<'a> Machine<'a> {
             _ => Waiting::Earlier { step, q: Some(q) },
         })
     }
+}
+
+/// Whether a call runs in mailbox mode: the one decision, which both ends of every link must
+/// make alike. The call's collective and algorithm must let every rank tell from its own
+/// schedule what its peers' are ([`mailbox_call`]), and the schedule must fit the mailboxes
+/// ([`mailbox_eligible`], with `mailbox_link(peer)` saying whether the link to the peer has
+/// mailboxes: the executor's shm links, mapped here).
+///
+/// ```
+/// use oxccl_core::protocol::{MAILBOX_DATA, mailbox_mode};
+/// use oxccl_core::schedule::{Algorithm, Buf, CollectiveKind, Op, Region, Schedule, Step};
+///
+/// let step = |op| Step { op, deps: vec![] };
+/// let sched = Schedule {
+///     rank: 0,
+///     steps: vec![
+///         step(Op::Send { peer: 1, channel: 0, src: Region::new(Buf::Input, 0, 8) }),
+///         step(Op::Recv {
+///             peer: 1,
+///             channel: 0,
+///             dst: Region::new(Buf::Output, 0, 8),
+///             reduce_with: None,
+///         }),
+///     ],
+///     scratch: 0,
+/// };
+/// let ring = (CollectiveKind::AllReduce, Algorithm::Ring);
+/// assert!(mailbox_mode(ring.0, ring.1, &sched, 2, 4, MAILBOX_DATA, |_| true));
+/// // Not over a link without mailboxes, nor for a call one end cannot read off its schedule.
+/// assert!(!mailbox_mode(ring.0, ring.1, &sched, 2, 4, MAILBOX_DATA, |_| false));
+/// let v = CollectiveKind::AllToAllV;
+/// assert!(!mailbox_mode(v, Algorithm::Direct, &sched, 2, 4, MAILBOX_DATA, |_| true));
+/// ```
+pub fn mailbox_mode(
+    kind: CollectiveKind,
+    algo: Algorithm,
+    sched: &Schedule,
+    peers: usize,
+    esize: usize,
+    max_bytes: usize,
+    mailbox_link: impl Fn(usize) -> bool,
+) -> bool {
+    mailbox_call(kind, algo) && mailbox_eligible(sched, peers, esize, max_bytes, mailbox_link)
+}
+
+/// Whether a call of collective `kind` built with `algo` may run in mailbox mode at all: not
+/// where one end's schedule cannot tell what the other's is (all_to_allv: a rank knows its own
+/// blocks, not its peers'; proportional and hierarchical schedules, where a rank with empty
+/// blocks talks to fewer peers), nor through the aggregation service (it never runs
+/// mailboxes).
+pub fn mailbox_call(kind: CollectiveKind, algo: Algorithm) -> bool {
+    kind != CollectiveKind::AllToAllV
+        && !matches!(
+            algo,
+            Algorithm::Proportional | Algorithm::Hierarchical | Algorithm::Aggregation
+        )
 }
 
 /// Whether a schedule can run in mailbox mode: every peer it talks to gets exactly one

@@ -45,7 +45,8 @@ pub mod wire;
 
 pub use desc::{OpDesc, seq_text};
 pub use machine::{
-    Action, Config, Flow, Flows, Machine, Queues, Reuse, StepState, Waiting, mailbox_eligible,
+    Action, Config, Flow, Flows, Machine, Queues, Reuse, StepState, Waiting, mailbox_call,
+    mailbox_eligible, mailbox_mode,
 };
 pub use wire::{
     ANNOUNCE, ANNOUNCE_RING, Announce, Geometry, Header, INLINE, Imm, MAGIC, MAILBOX, MAILBOX_DATA,

@@ -6,7 +6,7 @@ use std::time::Duration;
 use oxccl_bootstrap::Secret;
 use oxccl_verbs::{QpEndpoint, RemoteBuffer};
 
-use super::wire::{self, ACCEPT_LABEL, CallDesc, JOIN_LABEL, Join, MAGIC, Msg};
+use super::wire::{self, CallDesc, Join, LABELS, MAGIC, Msg};
 use crate::engine::Aggregator;
 use crate::error::{Error, OpDesc, Result};
 use oxccl_core::protocol::Geometry;
@@ -109,8 +109,8 @@ impl Contact {
             region,
             timeout_ms: timeout.as_millis().min(u64::MAX as u128) as u64,
         };
-        join.proof = secret
-            .mac_of(JOIN_LABEL, &[&self.nonce, &nc, &join.claims()])
+        join.proof = LABELS
+            .client_proof(secret, &self.nonce, &nc, &join.claims())
             .to_vec();
         wire::send(&mut self.stream, &Msg::Join(Box::new(join)))
             .map_err(|e| fail(format!("cannot join: {e}")))?;
@@ -125,7 +125,7 @@ impl Contact {
                 region,
                 pool,
             }) => {
-                if !secret.verify_mac(ACCEPT_LABEL, &[&nc, &self.nonce], &proof) {
+                if !LABELS.server_proven(secret, &self.nonce, &nc, &proof) {
                     return Err(fail(
                         "it did not prove the job's secret: not the service this job trusts".into(),
                     ));

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use oxccl_bootstrap::Secret;
 use oxccl_verbs::{ConnectRole, Context, DeviceConfig, Provider, QpConfig, RemoteBuffer};
 
-use super::wire::{self, ACCEPT_LABEL, CallDesc, JOIN_LABEL, Join, MAGIC, Msg};
+use super::wire::{self, CallDesc, Join, LABELS, MAGIC, Msg};
 use crate::engine::{AbortFlag, Bufs, CallSpec, Engine, Link, Plan};
 use crate::error::{Error, OpDesc};
 use crate::flight::Probe;
@@ -237,10 +237,8 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>) {
         Ok(Msg::Join(j)) => j,
         _ => return,
     };
-    let tenant =
-        shared.opts.secrets.iter().position(|s| {
-            s.verify_mac(JOIN_LABEL, &[&ns, &join.nonce, &join.claims()], &join.proof)
-        });
+    let (secrets, claims) = (&shared.opts.secrets, join.claims());
+    let tenant = LABELS.client_secret(secrets, &ns, &join.nonce, &claims, &join.proof);
     let Some(tenant) = tenant else {
         refuse(
             &mut stream,
@@ -477,8 +475,8 @@ fn connect_job(members: &mut [Member], opts: &ServiceOptions) -> Result<(Engine,
     let share = opts.pool_bytes / opts.max_jobs;
     let pool = (share / geo.slot_data.max(1)).max(2);
     for (r, m) in members.iter_mut().enumerate() {
-        let proof = opts.secrets[m.tenant]
-            .mac_of(ACCEPT_LABEL, &[&m.join.nonce, &m.nonce])
+        let proof = LABELS
+            .server_proof(&opts.secrets[m.tenant], &m.nonce, &m.join.nonce)
             .to_vec();
         let accept = Msg::Accept {
             proof,
@@ -578,7 +576,10 @@ fn run_job(
                 if plans.len() >= 64 {
                     plans.clear();
                 }
-                plans.insert(key.clone(), Plan::new(sched, false));
+                plans.insert(
+                    key.clone(),
+                    Plan::new(sched, CollectiveKind::AllReduce, Algorithm::Aggregation),
+                );
             }
             keyed.push((key, desc));
         }

@@ -4,6 +4,7 @@
 use std::net::TcpStream;
 
 use oxccl_bootstrap::frame;
+use oxccl_bootstrap::handshake::Labels;
 
 use oxccl_verbs::{QpEndpoint, RemoteBuffer};
 use serde::{Deserialize, Serialize};
@@ -16,10 +17,10 @@ pub(crate) const MAX_MSG: usize = 64 << 10;
 
 /// What the service says first.
 pub(crate) const MAGIC: &str = "oxccl-agg v1";
-/// The member's proof covers the service's and its own challenge and what it asks for.
-pub(crate) const JOIN_LABEL: &str = "oxccl-agg v1 join";
-/// The service's proof covers both challenges the other way round.
-pub(crate) const ACCEPT_LABEL: &str = "oxccl-agg v1 accept";
+/// The proofs ([`oxccl_bootstrap::handshake`]): the member's join covers the service's and its
+/// own challenge and what it asks for ([`Join::claims`]); the service's accept covers both
+/// challenges the other way round.
+pub(crate) const LABELS: Labels = Labels::new("oxccl-agg v1 join", "oxccl-agg v1 accept");
 
 /// One control message.
 #[derive(Debug, Serialize, Deserialize)]

@@ -606,6 +606,11 @@ impl Communicator {
         // posted in the store, so that the others (waiting there) fail at once instead of
         // timing out. From then on failures travel over the connections (a dead peer, an
         // abort notice).
+        let established = Communicator::establish(bootstrap, &mut opts, cancel)
+            .inspect_err(|e| bootstrap.fail(&e.to_string()))?;
+        if log_enabled() {
+            established.log_connected(rank, world);
+        }
         let Established {
             comm_id,
             host,
@@ -621,26 +626,7 @@ impl Communicator {
             cqs,
             tcp_addrs,
             agg,
-        } = Communicator::establish(bootstrap, &mut opts, cancel)
-            .inspect_err(|e| bootstrap.fail(&e.to_string()))?;
-        let chosen = tcp_addrs[rank].clone();
-        if log_enabled() {
-            let count = |k| providers.iter().filter(|p| **p == Some(k)).count();
-            let distinct: std::collections::HashSet<&String> = hosts.iter().collect();
-            crate::log_line(format!(
-                "rank {rank}/{world}: connected {} peers over shm, {} over tcp{}; \
-                 {} hosts; {} channels × {} slots × {} KiB chunks",
-                count(Provider::Shm),
-                count(Provider::Tcp),
-                chosen
-                    .as_ref()
-                    .map_or_else(String::new, |c| format!(" from {c}")),
-                distinct.len(),
-                geo.channels,
-                geo.slots,
-                geo.slot_data >> 10
-            ));
-        }
+        } = established;
         let probe = Probe::new(comm_id, rank, world);
         flight::install_signal_handler();
         let mut engine = Engine::new(
@@ -653,26 +639,7 @@ impl Communicator {
             abort.clone(),
             probe.clone(),
         );
-        engine.faults = opts
-            .faults
-            .as_ref()
-            .and_then(|f| Injector::for_rank(f, rank));
-        // More ranks on this host than CPUs: a rank that waits must give its CPU away at once
-        // (spinning would hold off the very peer it waits for), as MPI's yield-when-idle does.
-        let local = hosts.iter().filter(|h| **h == host).count();
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        engine.set_spin(opts.idle_spin.unwrap_or(if local > cpus {
-            Duration::ZERO
-        } else {
-            Duration::from_micros(50)
-        }));
-        let one_host = hosts.iter().all(|h| *h == host);
-        engine.yield_for = opts.idle_yield.unwrap_or(if one_host {
-            Duration::from_millis(2)
-        } else {
-            Duration::ZERO
-        });
-        engine.mailbox_allowed = opts.mailboxes != Some(false);
+        configure_engine(&mut engine, &opts, &hosts, &host);
         let joined = agg.is_some();
         if let Some((membership, pool)) = agg {
             if log_enabled() {
@@ -745,6 +712,16 @@ impl Communicator {
                 wanting: Default::default(),
             }),
         };
+        comm.ready_at_init()?;
+        if let Some((action, limit)) = watchdog {
+            spawn_watchdog(Arc::downgrade(&comm.inner), action, limit);
+        }
+        Ok(comm)
+    }
+
+    /// Init's last step, a barrier over the new connections.
+    fn ready_at_init(&self) -> Result<()> {
+        let (comm, rank) = (self, self.inner.rank);
         // A barrier over the new connections: when it returns, every rank is past the store
         // barrier above, so a rank that now exits (and with rank 0, the store) strands nobody.
         // (Sequence number 0: users count their calls from 1.)
@@ -765,11 +742,58 @@ impl Communicator {
             std::thread::sleep(FAILED_INIT_GRACE.min(comm.inner.opts.timeout));
             return Err(e);
         }
-        if let Some((action, limit)) = watchdog {
-            spawn_watchdog(Arc::downgrade(&comm.inner), action, limit);
-        }
-        Ok(comm)
+        Ok(())
     }
+}
+
+impl Established {
+    /// Logs what init connected (`OXCCL_DEBUG=INFO`).
+    fn log_connected(&self, rank: usize, world: usize) {
+        let (providers, hosts, geo) = (&self.providers, &self.hosts, &self.geo);
+        let chosen = &self.tcp_addrs[rank];
+        let count = |k| providers.iter().filter(|p| **p == Some(k)).count();
+        let distinct: std::collections::HashSet<&String> = hosts.iter().collect();
+        crate::log_line(format!(
+            "rank {rank}/{world}: connected {} peers over shm, {} over tcp{}; \
+             {} hosts; {} channels × {} slots × {} KiB chunks",
+            count(Provider::Shm),
+            count(Provider::Tcp),
+            chosen
+                .as_ref()
+                .map_or_else(String::new, |c| format!(" from {c}")),
+            distinct.len(),
+            geo.channels,
+            geo.slots,
+            geo.slot_data >> 10
+        ));
+    }
+}
+
+/// The engine's settings from the options and where the ranks are (`hosts`; this one's is
+/// `host`): injected faults, how long a waiting rank spins and yields, whether it may run
+/// mailboxes.
+fn configure_engine(engine: &mut Engine, opts: &Options, hosts: &[String], host: &str) {
+    let rank = engine.rank;
+    engine.faults = opts
+        .faults
+        .as_ref()
+        .and_then(|f| Injector::for_rank(f, rank));
+    // More ranks on this host than CPUs: a rank that waits must give its CPU away at once
+    // (spinning would hold off the very peer it waits for), as MPI's yield-when-idle does.
+    let local = hosts.iter().filter(|h| **h == host).count();
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    engine.set_spin(opts.idle_spin.unwrap_or(if local > cpus {
+        Duration::ZERO
+    } else {
+        Duration::from_micros(50)
+    }));
+    let one_host = hosts.iter().all(|h| *h == host);
+    engine.yield_for = opts.idle_yield.unwrap_or(if one_host {
+        Duration::from_millis(2)
+    } else {
+        Duration::ZERO
+    });
+    engine.mailbox_allowed = opts.mailboxes != Some(false);
 }
 
 /// Joins the aggregation service (`contact`) with the link `connect_links` made for it (the

@@ -37,7 +37,7 @@ use crate::flight::Probe;
 use crate::mailbox::{self, Inbox};
 use crate::meter::{Delivered, EgressMeter, LinkMeter};
 use crate::reduce;
-use crate::schedule::{Buf, CollectiveKind, Op, Region, Schedule};
+use crate::schedule::{Algorithm, Buf, CollectiveKind, Op, Region, Schedule};
 use crate::{DataType, ReduceOp};
 
 mod data;
@@ -73,6 +73,9 @@ fn data_wr_step(wr_id: u64, call: u64) -> Option<usize> {
 /// A schedule with what the executor learns about it once: whether it runs in mailboxes.
 pub(crate) struct Plan {
     pub(crate) sched: Schedule,
+    /// The call's collective and algorithm, for the mailbox decision
+    /// ([`protocol::mailbox_mode`]).
+    call: (CollectiveKind, Algorithm),
     mailbox: std::sync::OnceLock<bool>,
     /// The protocol's queues, derived on first use.
     queues: std::sync::OnceLock<std::result::Result<Queues, String>>,
@@ -82,18 +85,12 @@ pub(crate) struct Plan {
 }
 
 impl Plan {
-    /// `mailbox_ok`: whether the mailbox protocol may be considered. It must be chosen alike
-    /// at both ends of every link, so never where one end's schedule cannot tell what the
-    /// other's is (all_to_allv: a rank knows its own blocks, not its peers'; proportional and
-    /// hierarchical schedules, where a rank with empty blocks talks to fewer peers).
-    pub(crate) fn new(sched: Schedule, mailbox_ok: bool) -> Plan {
-        let mailbox = std::sync::OnceLock::new();
-        if !mailbox_ok {
-            let _ = mailbox.set(false);
-        }
+    /// The plan of `sched`, a call of collective `kind` built with `algo`.
+    pub(crate) fn new(sched: Schedule, kind: CollectiveKind, algo: Algorithm) -> Plan {
         Plan {
             sched,
-            mailbox,
+            call: (kind, algo),
+            mailbox: std::sync::OnceLock::new(),
             queues: std::sync::OnceLock::new(),
             agg: None,
         }
@@ -363,11 +360,28 @@ impl Engine {
         }
     }
 
-    /// Whether `plan` runs with the mailbox protocol (decided once per plan).
+    /// Whether `plan` runs with the mailbox protocol (decided once per plan, by
+    /// [`protocol::mailbox_mode`]): every peer it talks to has its receive region mapped here
+    /// (shm: mailboxes are stored into directly) and gets one message each way of at most
+    /// [`MAILBOX_DATA`] bytes.
     pub(crate) fn uses_mailbox(&self, plan: &Plan, esize: usize) -> bool {
-        *plan
-            .mailbox
-            .get_or_init(|| self.mailbox_allowed && mailbox_eligible(self, &plan.sched, esize))
+        *plan.mailbox.get_or_init(|| {
+            let (kind, algo) = plan.call;
+            let peers = self.link_of.len();
+            self.mailbox_allowed
+                && protocol::mailbox_mode(
+                    kind,
+                    algo,
+                    &plan.sched,
+                    peers,
+                    esize,
+                    MAILBOX_DATA,
+                    |p| {
+                        let l = self.link_of[p];
+                        l != usize::MAX && self.links[l].outbox.is_some()
+                    },
+                )
+        })
     }
 
     /// Whether peer `p` is the aggregation service this rank joined (peer `world`, the last).
@@ -719,16 +733,6 @@ fn spans(
             scratch,
         ],
     }
-}
-
-/// Whether the mailbox protocol can run this schedule ([`protocol::mailbox_eligible`]):
-/// every peer it talks to has its receive region mapped here (shm: mailboxes are stored into
-/// directly) and gets one message each way of at most [`MAILBOX_DATA`] bytes.
-fn mailbox_eligible(eng: &Engine, sched: &Schedule, esize: usize) -> bool {
-    protocol::mailbox_eligible(sched, eng.link_of.len(), esize, MAILBOX_DATA, |p| {
-        let l = eng.link_of[p];
-        l != usize::MAX && eng.links[l].outbox.is_some()
-    })
 }
 
 fn check_disjoint(a: *mut u8, b: *mut u8, len: usize) -> std::result::Result<(), String> {

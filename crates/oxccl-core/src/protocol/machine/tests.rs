@@ -697,3 +697,57 @@ fn queues_refuse_bad_schedules() {
             .contains("depends on step 1")
     );
 }
+
+#[test]
+fn mailbox_calls_are_those_every_end_can_read_off_its_schedule() {
+    use crate::schedule::{Algorithm, CollectiveKind};
+    for kind in [
+        CollectiveKind::AllReduce,
+        CollectiveKind::AllGather,
+        CollectiveKind::Broadcast,
+        CollectiveKind::AllToAll,
+    ] {
+        for algo in [
+            Algorithm::Ring,
+            Algorithm::RecursiveDoubling,
+            Algorithm::Tree,
+            Algorithm::Direct,
+        ] {
+            assert!(mailbox_call(kind, algo), "{kind:?} {algo:?}");
+        }
+        for algo in [
+            Algorithm::Proportional,
+            Algorithm::Hierarchical,
+            Algorithm::Aggregation,
+        ] {
+            assert!(!mailbox_call(kind, algo), "{kind:?} {algo:?}");
+        }
+    }
+    assert!(!mailbox_call(CollectiveKind::AllToAllV, Algorithm::Direct));
+    // The whole decision: the call's conditions, then the schedule's.
+    let s0 = sched(0, vec![send(1, 4, &[]), recv(1, 4, &[])]);
+    let (ar, ring) = (CollectiveKind::AllReduce, Algorithm::Ring);
+    assert!(mailbox_mode(ar, ring, &s0, 2, 4, 64, |p| p == 1));
+    assert!(
+        !mailbox_mode(ar, ring, &s0, 2, 4, 8, |p| p == 1),
+        "too large"
+    );
+    assert!(!mailbox_mode(
+        ar,
+        Algorithm::Hierarchical,
+        &s0,
+        2,
+        4,
+        64,
+        |_| true
+    ));
+    assert!(!mailbox_mode(
+        CollectiveKind::AllToAllV,
+        Algorithm::Direct,
+        &s0,
+        2,
+        4,
+        64,
+        |_| true
+    ));
+}

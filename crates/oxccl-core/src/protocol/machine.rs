@@ -90,7 +90,7 @@ pub struct Flow {
     pub consumed: u64,
     /// The consumed count last reported to the sender.
     pub returned: u64,
-    /// Which call of a group ([`Machine::id`]) receives on this queue now: fragments arrive
+    /// Which call of a group ([`Machine::with_id`]) receives on this queue now: fragments arrive
     /// in the order of the calls, so a later call waits until the earlier ones took theirs.
     pub recv_turn: u32,
     /// Which call of a group posts on this queue now (the receiver takes fragments in the

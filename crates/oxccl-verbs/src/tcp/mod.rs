@@ -5,22 +5,23 @@
 //! queue pair's timeout so a cut link is noticed). Both directions share them: a side's requests
 //! (WRITE, WRITE_WITH_IMM, SEND, READ, atomics) and its responses to the other side's requests
 //! (ACK, NAK, READ data, atomic results), each a [`frame`] header plus payload. Connection 0
-//! carries every frame but the parts of striped WRITEs: a WRITE of at least [`STRIPE_MIN`] bytes
-//! is cut into one part per connection, as NCCL's `NCCL_NSOCKS_PERTHREAD` does.
+//! carries every frame but the parts of striped WRITEs and READ data: a WRITE, or the data of a
+//! READ, of at least [`STRIPE_MIN`] bytes is cut into one part per connection, as NCCL's
+//! `NCCL_NSOCKS_PERTHREAD` does.
 //!
 //! # Who moves the bytes
 //!
 //! A context has one or more progress *shards* ([`DeviceConfig::tcp_progress_threads`];
 //! automatic: `min(tcp_nsocks, 4)`, so one shard for one connection per queue pair). Each shard
 //! has its own epoll set, *driver* token and progress thread, and connection `i` of every
-//! queue pair is watched by shard `i % shards`: the parts of a striped WRITE, one per
-//! connection, are received by several threads at once, so striping scales the receive side
-//! too (with one shard, one thread reads every socket of the context). Shard 0 also watches
+//! queue pair is watched by shard `i % shards`: the parts of a striped WRITE (or READ data),
+//! one per connection, are received by several threads at once, so striping scales the receive
+//! side too (with one shard, one thread reads every socket of the context). Shard 0 also watches
 //! the listener and the connections still saying hello.
 //!
 //! Reading a shard's sockets (and finishing writes the socket could not take at once) is done
 //! by whoever holds its driver token. For shard 0, which holds every connection 0 and so every
-//! frame but the later parts of striped WRITEs, that is an application thread polling or
+//! frame but the later parts of striped transfers, that is an application thread polling or
 //! waiting on a completion queue of the context, or else shard 0's progress thread. An
 //! application that polls reads shard 0's sockets ([`Shared::app_progress`]: one `epoll_wait`
 //! with no timeout, then the reads), and one that waits sleeps in `epoll_wait` on them
@@ -56,7 +57,10 @@
 //! failed request is NAKed, the target drops every later request of the queue pair, and the
 //! initiator's queue pair goes to ERR (and closes the connections). A SEND or WRITE_WITH_IMM that
 //! finds no receive posted stalls its connection (receiver not ready) until one is posted or the
-//! initiator's RNR budget runs out, when the target NAKs it with `RnrRetryExceeded`. A connection
+//! initiator's RNR budget runs out, when the target NAKs it with `RnrRetryExceeded`. The
+//! initiator completes its requests in order: one without data once an ACK (or a later answer)
+//! covers it, a READ or atomic once its data has all landed, since an ACK of a later request
+//! on connection 0 may overtake READ data striped over the others. A connection
 //! that drops (process death, TCP user timeout) moves the queue pair to ERR: the first
 //! outstanding request of each queue completes with `RetryExceeded`, the rest are flushed.
 //!
@@ -459,7 +463,7 @@ impl Shared {
 
     /// An application thread polls a completion queue: read shard 0's sockets now, unless
     /// someone else drives it (its progress thread is then asked to stand back). Shard 0 holds
-    /// every connection 0, which carries every frame but the later parts of striped WRITEs;
+    /// every connection 0, which carries every frame but the later parts of striped transfers;
     /// the other shards' sockets are read by their own progress threads, in parallel.
     fn app_progress(&self) {
         let s = &self.shards[0];

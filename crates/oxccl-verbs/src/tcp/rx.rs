@@ -1,6 +1,7 @@
 //! The receiving side of a queue pair's connections: reading frames, executing requests in
 //! order (across connections), and taking the answers to our own requests.
 
+use std::collections::{BTreeSet, HashMap};
 use std::io::IoSliceMut;
 use std::net::TcpStream;
 use std::sync::atomic::Ordering;
@@ -9,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
 
+use super::STRIPE_MIN;
 use super::conn::Conn;
 use super::frame::{ACK_EVERY, ACK_REQ, HEADER_LEN, Header, Opcode, PART};
 use super::tx::TxFrame;
@@ -42,6 +44,8 @@ enum Done {
     Part,
     /// READ `seq` of ours has all its data.
     ReadData { seq: u64 },
+    /// A part of READ `seq`'s data, striped over the connections, has landed.
+    ReadPart { seq: u64 },
 }
 
 enum RxState {
@@ -106,6 +110,20 @@ struct Striped {
 // SAFETY: `ptr` points into `mr`, which the struct keeps alive; it is used only under the
 // queue pair's `Exec` lock (several shards' drivers may read the queue pair's connections).
 unsafe impl Send for Striped {}
+
+/// The initiator's record of what the target answered: how far it executed our requests, and
+/// which answers that carry data have all landed.
+#[derive(Default)]
+pub(super) struct Answers {
+    /// The target executed every request of ours up to this one.
+    seen: u64,
+    /// READs and atomics whose data has landed, not yet completed (they complete in order).
+    landed: BTreeSet<u64>,
+    /// READs whose data comes striped: the parts still to land.
+    parts: HashMap<u64, u32>,
+    /// A NAK waiting for the requests before it to complete.
+    nak: Option<(u64, WcStatus)>,
+}
 
 /// The target's side of a queue pair: which requests are executed, what was acknowledged.
 #[derive(Default)]
@@ -320,7 +338,7 @@ impl Conn {
                     .map_err(|e| Stop::Failed(format!("malformed frame from the peer: {e}")))?;
                 if h.ack != 0 && !qp.is_failed() {
                     // An ACK riding on the peer's frame.
-                    self.sendq.complete_upto(qp, h.ack);
+                    self.acked(qp, h.ack);
                 }
                 *executed |= self.begin(qp, i, rx, h).map_err(Stop::Failed)?;
                 Ok(true)
@@ -603,14 +621,18 @@ impl Conn {
                     return self.refuse(rx, ex, &h, WcStatus::RemoteAccessError);
                 };
                 responded(ex, h.seq);
-                self.queue(
-                    0,
-                    TxFrame::new(
-                        &Header::new(Opcode::ReadResp, h.seq, h.len),
-                        SmallVec::from_elem(Span(p, h.len as usize), 1),
-                        SmallVec::from_elem(mr, 1),
-                    ),
-                );
+                let mut data = Header::new(Opcode::ReadResp, h.seq, h.len);
+                let spans: Spans = SmallVec::from_elem(Span(p, h.len as usize), 1);
+                let keep: Keep = SmallVec::from_elem(mr, 1);
+                let k = self.socks().len();
+                if k > 1 && h.len as usize >= STRIPE_MIN {
+                    // Striped like a WRITE: one part per connection, read by the initiator's
+                    // shards in parallel.
+                    data.addr = h.addr;
+                    self.post_striped(data, &spans, &keep, k);
+                } else {
+                    self.queue(0, TxFrame::new(&data, spans, keep));
+                }
                 rx.state = FRESH;
                 Ok(true)
             }
@@ -797,10 +819,12 @@ impl Conn {
             }
             Done::ReadData { seq } => {
                 drop(ex);
-                if let Some(o) = self.sendq.pop_front_if(|o| o.seq == seq) {
-                    qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, o.len, o.signaled);
-                }
-                self.sendq.complete_local_failures(qp);
+                self.read_landed(qp, seq, false);
+                return false;
+            }
+            Done::ReadPart { seq } => {
+                drop(ex);
+                self.read_landed(qp, seq, true);
                 return false;
             }
         };
@@ -810,6 +834,41 @@ impl Conn {
         ex.done_seq = seq;
         ex.ack_due |= ack;
         true
+    }
+
+    /// The target executed every request of ours up to `seq` (an ACK, or implied by an answer):
+    /// complete what that completes.
+    fn acked(&self, qp: &QpInner, seq: u64) {
+        let mut a = self.answers.lock().unwrap_or_else(|e| e.into_inner());
+        a.seen = a.seen.max(seq);
+        self.settle(qp, &mut a);
+    }
+
+    /// Completes our requests in order while they may: one without data once the target
+    /// executed it, a READ or atomic once its data has all landed (READ data striped over the
+    /// connections lands in parallel with the ACKs on connection 0, which must not complete a
+    /// READ before its data); then a NAK waiting for the requests before it.
+    fn settle(&self, qp: &QpInner, a: &mut Answers) {
+        while let Some(o) = self.sendq.pop_front_if(|o| {
+            o.error.is_none()
+                && if needs_data(o.opcode) {
+                    a.landed.contains(&o.seq)
+                } else {
+                    o.seq <= a.seen
+                }
+        }) {
+            a.landed.remove(&o.seq);
+            qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, o.len, o.signaled);
+        }
+        if let Some((seq, status)) = a.nak
+            && let Some(o) = self.sendq.pop_front_if(|o| o.seq == seq)
+        {
+            a.nak = None;
+            qp.complete_send(o.wr_id, o.opcode, status, 0, true);
+            qp.request_failed();
+            return;
+        }
+        self.sendq.complete_local_failures(qp);
     }
 
     /// Takes an answer to one of our requests.
@@ -827,66 +886,129 @@ impl Conn {
                 let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
                 ex.ack_upto = ex.ack_upto.max(h.seq);
             }
-            Opcode::Ack => self.sendq.complete_upto(qp, h.seq),
+            Opcode::Ack => self.acked(qp, h.seq),
             Opcode::Nak => {
-                self.sendq.complete_upto(qp, h.seq.saturating_sub(1));
                 let status =
                     WcStatus::from_u32(h.a as u32).unwrap_or(WcStatus::RemoteOperationError);
-                let Some(o) = self.sendq.pop_front_if(|o| o.seq == h.seq) else {
+                if self
+                    .sendq
+                    .find(|o| (o.seq == h.seq).then_some(()))
+                    .is_none()
+                {
                     return Err(format!("NAK for request {} that is not outstanding", h.seq));
-                };
+                }
                 // The target NAKs on a request's header: its payload (and what follows it)
                 // may still be on its way out, and once the failure is polled the caller may
                 // free the buffers it is sent from.
                 self.detach_queued();
-                qp.complete_send(o.wr_id, o.opcode, status, 0, true);
-                qp.request_failed();
+                let mut a = self.answers.lock().unwrap_or_else(|e| e.into_inner());
+                a.seen = a.seen.max(h.seq.saturating_sub(1));
+                a.nak = Some((h.seq, status));
+                self.settle(qp, &mut a);
             }
-            Opcode::ReadResp => {
-                self.sendq.complete_upto(qp, h.seq.saturating_sub(1));
-                let Some((len, dst)) = self.sendq.peek(|o| {
-                    (o.seq == h.seq && o.opcode == WcOpcode::Read).then(|| (o.len, o.dst.clone()))
-                }) else {
-                    return Err(format!(
-                        "READ data for request {} that is not outstanding",
-                        h.seq
-                    ));
-                };
-                if len != h.len {
-                    return Err(format!("READ data of {} bytes for a READ of {len}", h.len));
-                }
-                rx.state = RxState::Payload {
-                    dst,
-                    got: 0,
-                    total: h.len as usize,
-                    done: Done::ReadData { seq: h.seq },
-                    _keep: Keep::new(),
-                    _writing: None,
-                };
-            }
+            Opcode::ReadResp => self.read_data(qp, rx, h)?,
             Opcode::AtomicResp => {
-                self.sendq.complete_upto(qp, h.seq.saturating_sub(1));
-                let Some(o) = self.sendq.pop_front_if(|o| {
-                    o.seq == h.seq && matches!(o.opcode, WcOpcode::CompareSwap | WcOpcode::FetchAdd)
-                }) else {
+                let mut a = self.answers.lock().unwrap_or_else(|e| e.into_inner());
+                a.seen = a.seen.max(h.seq.saturating_sub(1));
+                let copied = self.sendq.find(|o| {
+                    if o.seq != h.seq
+                        || !matches!(o.opcode, WcOpcode::CompareSwap | WcOpcode::FetchAdd)
+                    {
+                        return None;
+                    }
+                    if let Some(d) = o.dst.first().filter(|d| d.1 == 8) {
+                        let bytes = h.a.to_ne_bytes();
+                        // SAFETY: the 8-byte local SGE was validated at post time and is kept
+                        // alive by `o._keep` (the request stays outstanding while the queue's
+                        // lock is held).
+                        unsafe { crate::segment::copy_bytes(bytes.as_ptr(), d.0, 8) };
+                    }
+                    Some(())
+                });
+                if copied.is_none() {
                     return Err(format!(
                         "atomic result for request {} that is not outstanding",
                         h.seq
                     ));
-                };
-                if let Some(d) = o.dst.first().filter(|d| d.1 == 8) {
-                    let bytes = h.a.to_ne_bytes();
-                    // SAFETY: the 8-byte local SGE was validated at post time and is kept alive
-                    // by `o._keep`.
-                    unsafe { crate::segment::copy_bytes(bytes.as_ptr(), d.0, 8) };
                 }
-                qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, 8, o.signaled);
-                self.sendq.complete_local_failures(qp);
+                a.landed.insert(h.seq);
+                self.settle(qp, &mut a);
             }
             _ => return Err(format!("{:?} is not an answer", h.opcode)),
         }
         Ok(())
     }
+
+    /// Takes READ data (all of it, or one part of data striped over the connections): it lands
+    /// straight in the READ's local buffer.
+    fn read_data(&self, qp: &QpInner, rx: &mut Rx, h: Header) -> std::result::Result<(), String> {
+        let mut a = self.answers.lock().unwrap_or_else(|e| e.into_inner());
+        // The target answers in order: every request before this READ was executed.
+        a.seen = a.seen.max(h.seq.saturating_sub(1));
+        self.settle(qp, &mut a);
+        let Some((len, dst)) = self.sendq.find(|o| {
+            (o.seq == h.seq && o.opcode == WcOpcode::Read).then(|| (o.len, o.dst.clone()))
+        }) else {
+            return Err(format!(
+                "READ data for request {} that is not outstanding",
+                h.seq
+            ));
+        };
+        let (dst, done) = if h.flags & PART != 0 {
+            let part = h.part().ok_or("READ data part without its fields")?;
+            if part.total != len {
+                return Err(format!(
+                    "READ data part of a {}-byte READ for a READ of {len}",
+                    part.total
+                ));
+            }
+            a.parts.entry(h.seq).or_insert(part.count);
+            let lo = (h.addr - part.base) as usize;
+            (
+                super::tx::sub_spans(&dst, lo, lo + h.len as usize),
+                Done::ReadPart { seq: h.seq },
+            )
+        } else {
+            if len != h.len {
+                return Err(format!("READ data of {} bytes for a READ of {len}", h.len));
+            }
+            (dst, Done::ReadData { seq: h.seq })
+        };
+        rx.state = RxState::Payload {
+            dst,
+            got: 0,
+            total: h.len as usize,
+            done,
+            _keep: Keep::new(),
+            _writing: None,
+        };
+        Ok(())
+    }
+
+    /// READ data (all of it, or the last part) has landed: the READ completes in order.
+    fn read_landed(&self, qp: &QpInner, seq: u64, part: bool) {
+        let mut a = self.answers.lock().unwrap_or_else(|e| e.into_inner());
+        if part {
+            let Some(left) = a.parts.get_mut(&seq) else {
+                return;
+            };
+            *left -= 1;
+            if *left > 0 {
+                return;
+            }
+            a.parts.remove(&seq);
+        }
+        a.landed.insert(seq);
+        self.settle(qp, &mut a);
+    }
+}
+
+/// Whether a request completes only once data came back for it (READ, atomics).
+fn needs_data(op: WcOpcode) -> bool {
+    matches!(
+        op,
+        WcOpcode::Read | WcOpcode::CompareSwap | WcOpcode::FetchAdd
+    )
 }
 
 /// Request `seq` was executed and its answer (which acknowledges it) is on its way.

@@ -149,7 +149,7 @@ fn striped_write_over_shards_lands_byte_exact() {
         src.write(off, &data).unwrap();
         dst.write(0, &vec![0xee; CAP]).unwrap();
         let sge = [Sge::new(&src, off, len)];
-        let imm = round % 2 == 1;
+        let imm = !round.is_multiple_of(2);
         if imm {
             b.qp.post_recv(&[RecvWr::new(100 + k, &[])]).unwrap();
         }
@@ -276,7 +276,7 @@ fn striped_and_small_requests_execute_in_order_with_shards() {
                     let k = next;
                     assert_eq!(w.status, WcStatus::Success, "round {k}: {w:?}");
                     assert_eq!(w.wr_id, 1000 + k as u64, "receives out of order: {w:?}");
-                    if k % 2 == 0 {
+                    if k.is_multiple_of(2) {
                         assert_eq!(w.opcode, WcOpcode::Recv, "{w:?}");
                         let mut msg = [0u8; 16];
                         inbox.read(k * 64, &mut msg).unwrap();
@@ -321,7 +321,7 @@ fn striped_and_small_requests_execute_in_order_with_shards() {
             .collect();
         for k in 0..ROUNDS {
             let id = 10 * k as u64;
-            let notify = if k % 2 == 0 {
+            let notify = if k.is_multiple_of(2) {
                 SendWr::new(id + 2, WrOp::Send, &note[k])
             } else {
                 SendWr::new(
@@ -353,12 +353,12 @@ fn striped_and_small_requests_execute_in_order_with_shards() {
                     &reads[k],
                 ),
             ];
-            let n = if k % 3 == 0 { 4 } else { 3 };
+            let n = if k.is_multiple_of(3) { 4 } else { 3 };
             a.qp.post_send(&wrs[..n]).unwrap();
         }
         let want: Vec<u64> = (0..ROUNDS as u64)
             .flat_map(|k| {
-                let read = (k % 3 == 0).then_some(10 * k + 3);
+                let read = k.is_multiple_of(3).then_some(10 * k + 3);
                 [Some(10 * k + 2), read].into_iter().flatten()
             })
             .collect();

@@ -774,8 +774,9 @@ impl Inner {
             queue: Mutex::new(crate::batch::LaneQueue::new()),
             dev,
             key,
+            // The tcp provider opens at most 16 connections per queue pair.
             lanes: if provider == Provider::Tcp {
-                self.config.lanes
+                self.config.lanes.min(16)
             } else {
                 1
             },

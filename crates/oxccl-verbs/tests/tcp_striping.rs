@@ -406,3 +406,81 @@ fn progress_shards_follow_the_configuration() {
     assert_eq!(progress_threads_reach(before + 1), before + 1);
     drop(ctx);
 }
+
+/// WRITEs that start while earlier ones still land (on other connections) must not overtake
+/// an earlier WRITE to the same bytes: striped and whole WRITEs, some overlapping the one
+/// before, some elsewhere, leave exactly what applying them in order leaves, and the receive
+/// of the WRITE_WITH_IMM posted last completes only after all of them.
+#[test]
+fn overlapping_writes_land_in_order_with_shards() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    const SPAN: usize = 6 << 20;
+    let qc = QpConfig {
+        max_send_wr: 256,
+        ..QpConfig::default()
+    };
+    let (a, b) = pair(&config(4, 4), &qc);
+    let src = a.pd.alloc_mr(64 << 20, AccessFlags::LOCAL_WRITE).unwrap();
+    let dst = b.pd.alloc_mr(SPAN, AccessFlags::ALL).unwrap();
+    dst.write(0, &vec![0u8; SPAN]).unwrap();
+    let mut reference = vec![0u8; SPAN];
+    // (offset, length): a chain of overlapping striped WRITEs, small WRITEs into the middle of
+    // the last one, and WRITEs far from the others.
+    let mut writes: Vec<(usize, usize)> = Vec::new();
+    for k in 0..40usize {
+        let w = match k % 4 {
+            0 => ((k * 37 << 10) % (2 << 20), (1 << 20) + 4096 * (k % 7)),
+            1 => ((k * 37 << 10) % (2 << 20) + 1000, 3000 + k),
+            2 => ((4 << 20) + (k % 3) * (300 << 10), (512 << 10) + k),
+            _ => ((k * 53 << 10) % (2 << 20), 300 << 10),
+        };
+        writes.push(w);
+    }
+    let mut at = 0usize;
+    let mut sges = Vec::new();
+    for (k, &(off, len)) in writes.iter().enumerate() {
+        let data: Vec<u8> = (0..len as u64)
+            .map(|i| pattern(100 + k as u64, i))
+            .collect();
+        src.write(at, &data).unwrap();
+        reference[off..off + len].copy_from_slice(&data);
+        sges.push([Sge::new(&src, at, len)]);
+        at += len;
+    }
+    b.qp.post_recv(&[RecvWr::new(1, &[])]).unwrap();
+    let mut wrs: Vec<SendWr> = writes
+        .iter()
+        .enumerate()
+        .map(|(k, &(off, _))| {
+            SendWr::new(
+                k as u64,
+                WrOp::Write {
+                    remote: dst.remote().at(off as u64),
+                },
+                &sges[k],
+            )
+            .unsignaled()
+        })
+        .collect();
+    wrs.push(SendWr::new(
+        999,
+        WrOp::WriteWithImm {
+            remote: dst.remote().at(0),
+            imm: 7,
+        },
+        &[],
+    ));
+    a.qp.post_send(&wrs).unwrap();
+    let w = wait_n(&a.cq, 1, "writes");
+    assert_eq!(w[0].wr_id, 999);
+    let r = wait_n(&b.cq, 1, "the receive after the writes");
+    assert_eq!(r[0].imm, Some(7));
+    let mut seen = vec![0u8; SPAN];
+    dst.read(0, &mut seen).unwrap();
+    if let Some(i) = (0..SPAN).find(|&i| seen[i] != reference[i]) {
+        panic!(
+            "byte {i} is {:#x}, applying the WRITEs in order gives {:#x}",
+            seen[i], reference[i]
+        );
+    }
+}

@@ -36,24 +36,31 @@
 //! Posting writes frames straight to the socket from the posting thread.
 //!
 //! Several shards read one queue pair's connections at once, so the target's state of a queue
-//! pair (which request is next, the striped request under way, the ACK owed, whether it drops
+//! pair (which request starts next, the requests under way, the ACK owed, whether it drops
 //! requests after a NAK) is one lock, held from the decision to execute a request to its
 //! effect: the first part of a striped request to arrive starts it (and claims its receive)
 //! once, the others join it, and a request counts as done for every reader at once. A
 //! connection whose next request must wait for an earlier one (on another connection) is
-//! marked stalled before that lock is let go; the reader that finishes the earlier request
-//! reads it on, or, when another shard watches it, wakes that shard to read it.
+//! marked stalled before that lock is let go; the reader that starts or finishes the earlier
+//! request reads it on, or, when another shard watches it, wakes that shard to read it. On the
+//! initiator, READ data parts land in parallel, and one record of what the target answered
+//! completes the requests in order.
 //!
 //! The target validates each request (rkey, bounds, access flags, lengths) against this
 //! context's regions and receives payloads straight into the target memory (small frames pass
 //! through a staging buffer, so a small message costs one `recv`).
 //!
-//! RC semantics: the target executes requests in order (across connections: a part of a later
-//! request waits until every earlier request is done); ACKs are cumulative, due when a request
-//! that asked for one ([`frame::ACK_REQ`]: signaled, or one in [`frame::ACK_EVERY`]) is done,
-//! and ride in the `ack` field of the next frame that goes back on connection 0 (a credit, an
-//! answer); an ACK frame of its own goes when the application's poll finds nothing, before it
-//! sleeps, or when the progress thread drives (so at most [`LINGER`] late); a
+//! RC semantics: the target starts requests in order and finishes them in order (across
+//! connections: a part of a later request waits until every earlier request has started). A
+//! WRITE without an immediate may land while earlier such WRITEs still land, unless their
+//! ranges overlap (so a stream of striped WRITEs keeps every connection busy, and two WRITEs to
+//! the same bytes land in order); every other request (a WRITE_WITH_IMM or SEND, whose receive
+//! completes; a READ; an atomic; a WRITE that fails its checks, whose NAK must not pass the
+//! WRITEs before it) waits until every earlier request is done. ACKs are cumulative, due when
+//! a request that asked for one ([`frame::ACK_REQ`]: signaled, or one in [`frame::ACK_EVERY`])
+//! is done, and ride in the `ack` field of the next frame that goes back on connection 0 (a
+//! credit, an answer); an ACK frame of its own goes when the application's poll finds nothing,
+//! before it sleeps, or when the progress thread drives (so at most [`LINGER`] late); a
 //! failed request is NAKed, the target drops every later request of the queue pair, and the
 //! initiator's queue pair goes to ERR (and closes the connections). A SEND or WRITE_WITH_IMM that
 //! finds no receive posted stalls its connection (receiver not ready) until one is posted or the

@@ -1,7 +1,7 @@
 //! The receiving side of a queue pair's connections: reading frames, executing requests in
 //! order (across connections), and taking the answers to our own requests.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::IoSliceMut;
 use std::net::TcpStream;
 use std::sync::atomic::Ordering;
@@ -38,10 +38,10 @@ enum After {
 
 /// What a payload that has all landed completes.
 enum Done {
-    /// Request `seq` (acknowledged if `ack`).
-    Request { seq: u64, after: After, ack: bool },
-    /// A part of the striped request under way.
-    Part,
+    /// Request `seq`.
+    Request { seq: u64, after: After },
+    /// A part of striped request `seq`.
+    Part { seq: u64 },
     /// READ `seq` of ours has all its data.
     ReadData { seq: u64 },
     /// A part of READ `seq`'s data, striped over the connections, has landed.
@@ -98,7 +98,6 @@ struct Striped {
     /// The request's length.
     total: u32,
     after: After,
-    ack: bool,
     /// The request's address, its target memory there, and the region.
     base: u64,
     ptr: *mut u8,
@@ -125,10 +124,32 @@ pub(super) struct Answers {
     nak: Option<(u64, WcStatus)>,
 }
 
+/// A request that started and is not done yet.
+struct Open {
+    /// The target range it writes (`lo..hi`).
+    lo: u64,
+    hi: u64,
+    /// A WRITE without an immediate (a later one may start while it lands).
+    plain: bool,
+    /// It has all landed (it is done once every earlier request is).
+    landed: bool,
+    /// It asked for an ACK.
+    ack: bool,
+}
+
 /// The target's side of a queue pair: which requests are executed, what was acknowledged.
+///
+/// Requests start in order (their headers are executed one after the other) and are done in
+/// order. A WRITE without an immediate may start while earlier WRITEs without one still land
+/// (on other connections), unless their ranges overlap, so that the connections of a queue
+/// pair carry a stream of striped WRITEs in parallel; every other request starts once every
+/// earlier one is done (a receive completes, a READ reads, an atomic acts after the WRITEs
+/// before it).
 #[derive(Default)]
 pub(super) struct Exec {
     done_seq: u64,
+    /// Every request up to this one has started.
+    started: u64,
     acked_seq: u64,
     /// A request that asked for an ACK was executed.
     ack_due: bool,
@@ -136,7 +157,72 @@ pub(super) struct Exec {
     ack_upto: u64,
     /// After a NAK every later request of the queue pair is dropped.
     dropping: bool,
-    cur: Option<Striped>,
+    /// Striped requests under way, by sequence number.
+    striped: BTreeMap<u64, Striped>,
+    /// Requests started and not done, by sequence number.
+    open: BTreeMap<u64, Open>,
+}
+
+impl Exec {
+    /// Whether request `h` (the next to start) may start now: when every earlier request is
+    /// done, or, for a WRITE without an immediate, when every request under way is one too and
+    /// none of them writes where it writes.
+    fn may_start(&self, h: &Header) -> bool {
+        if self.done_seq == self.started {
+            return true;
+        }
+        if h.opcode != Opcode::Write {
+            return false;
+        }
+        let Some((lo, hi)) = write_range(h) else {
+            return false;
+        };
+        self.open
+            .values()
+            .all(|o| o.plain && (hi <= o.lo || lo >= o.hi))
+    }
+
+    /// Request `seq` started: it is done once it has landed and every earlier one is done.
+    fn start(&mut self, h: &Header) {
+        self.started = h.seq;
+        let (lo, hi) = write_range(h).unwrap_or((0, 0));
+        self.open.insert(
+            h.seq,
+            Open {
+                lo,
+                hi,
+                plain: h.opcode == Opcode::Write,
+                landed: false,
+                ack: h.flags & ACK_REQ != 0,
+            },
+        );
+    }
+
+    /// Request `seq` has all landed: the requests done in order from the oldest are done.
+    fn finish(&mut self, seq: u64) {
+        if let Some(o) = self.open.get_mut(&seq) {
+            o.landed = true;
+        }
+        while let Some(e) = self.open.first_entry() {
+            if *e.key() != self.done_seq + 1 || !e.get().landed {
+                break;
+            }
+            let (seq, o) = e.remove_entry();
+            self.done_seq = seq;
+            self.ack_due |= o.ack;
+        }
+    }
+}
+
+/// The target range a WRITE request writes (all of a striped one's), if its fields make one.
+fn write_range(h: &Header) -> Option<(u64, u64)> {
+    let (lo, len) = if h.flags & PART != 0 {
+        let p = h.part()?;
+        (p.base, p.total as u64)
+    } else {
+        (h.addr, h.len as u64)
+    };
+    Some((lo, lo.checked_add(len)?))
 }
 
 impl Rx {
@@ -471,7 +557,8 @@ impl Conn {
             return;
         }
         ex.dropping = true;
-        ex.cur = None;
+        ex.striped.clear();
+        ex.open.clear();
         ex.acked_seq = seq;
         let mut h = Header::new(Opcode::Nak, seq, 0);
         h.a = status as u64;
@@ -544,7 +631,7 @@ impl Conn {
             return Ok(false);
         }
         if h.flags & PART != 0
-            && let Some(cur) = ex.cur.as_mut().filter(|c| c.seq == h.seq)
+            && let Some(cur) = ex.striped.get_mut(&h.seq)
         {
             // Another part of the striped request under way: validated with the request.
             let part = h.part().ok_or("a part without its fields")?;
@@ -558,23 +645,24 @@ impl Conn {
                 dst: SmallVec::from_elem(Span(p, h.len as usize), 1),
                 got: 0,
                 total: h.len as usize,
-                done: Done::Part,
+                done: Done::Part { seq: h.seq },
                 _keep: SmallVec::from_elem(cur.mr.clone(), 1),
                 _writing: None,
             };
             return Ok(false);
         }
-        if h.seq <= ex.done_seq {
+        if h.seq <= ex.started {
             return Err(format!(
-                "request {} again (requests up to {} were executed)",
-                h.seq, ex.done_seq
+                "request {} again (requests up to {} were started)",
+                h.seq, ex.started
             ));
         }
-        if ex.cur.is_some() || h.seq != ex.done_seq + 1 {
+        if h.seq != ex.started + 1 || !ex.may_start(&h) {
             if self.socks().len() > 1 {
-                // An earlier request is not done: it comes on another connection. Marked
-                // stalled before the state is let go, so that the reader that finishes the
-                // earlier request sees the mark ([`Conn::read_frames`]) and wakes this one.
+                // An earlier request has not started, or is not done: it comes on another
+                // connection. Marked stalled before the state is let go, so that the reader
+                // that starts or finishes the earlier request sees the mark
+                // ([`Conn::read_frames`]) and wakes this one.
                 rx.state = RxState::Blocked { hdr: h };
                 self.set_stalled(i, true);
                 return Ok(false);
@@ -582,10 +670,10 @@ impl Conn {
             return Err(format!(
                 "request sequence {} out of order (expected {})",
                 h.seq,
-                ex.done_seq + 1
+                ex.started + 1
             ));
         }
-        self.execute(qp, rx, h, &mut ex)
+        self.execute(qp, i, rx, h, &mut ex)
     }
 
     /// Fails request `h` with `status`: NAKs it and discards its payload.
@@ -607,12 +695,13 @@ impl Conn {
     fn execute(
         &self,
         qp: &QpInner,
+        i: usize,
         rx: &mut Rx,
         h: Header,
         ex: &mut Exec,
     ) -> std::result::Result<bool, String> {
         match h.opcode {
-            Opcode::Write | Opcode::WriteImm => self.execute_write(qp, rx, h, ex),
+            Opcode::Write | Opcode::WriteImm => self.execute_write(qp, i, rx, h, ex),
             Opcode::Send | Opcode::SendImm => self.execute_send(qp, rx, h, ex),
             Opcode::ReadReq => {
                 let Some((mr, p)) =
@@ -645,23 +734,30 @@ impl Conn {
     fn execute_write(
         &self,
         qp: &QpInner,
+        i: usize,
         rx: &mut Rx,
         h: Header,
         ex: &mut Exec,
     ) -> std::result::Result<bool, String> {
-        let ack = h.flags & ACK_REQ != 0;
         let part = if h.flags & PART != 0 {
             Some(h.part().ok_or("a part without its fields")?)
         } else {
             None
         };
         let (base, len) = part.map_or((h.addr, h.len as usize), |p| (p.base, p.total as usize));
-        let Some((mr, p)) = self.target(base, h.rkey, len, AccessFlags::REMOTE_WRITE) else {
-            return self.refuse(rx, ex, &h, WcStatus::RemoteAccessError);
-        };
         // Held until the request has landed (all its parts): deregistering the region waits for
         // it, so that nothing of it lands afterwards.
-        let Some(writing) = Writing::begin(mr.clone()) else {
+        let target = self
+            .target(base, h.rkey, len, AccessFlags::REMOTE_WRITE)
+            .and_then(|(mr, p)| Some((Writing::begin(mr.clone())?, mr, p)));
+        let Some((writing, mr, p)) = target else {
+            if ex.done_seq != ex.started {
+                // Started early: a NAK must not pass the WRITEs still landing. It waits for
+                // them, and is NAKed as the next request.
+                rx.state = RxState::Blocked { hdr: h };
+                self.set_stalled(i, true);
+                return Ok(false);
+            }
             return self.refuse(rx, ex, &h, WcStatus::RemoteAccessError);
         };
         let mut writing = Some(writing);
@@ -681,26 +777,25 @@ impl Conn {
         } else {
             After::Nothing
         };
+        ex.start(&h);
         let done = match part {
             Some(pt) => {
-                ex.cur = Some(Striped {
-                    seq: h.seq,
-                    left: pt.count,
-                    total: pt.total,
-                    after,
-                    ack,
-                    base,
-                    ptr: p,
-                    mr: mr.clone(),
-                    _writing: writing.take(),
-                });
-                Done::Part
+                ex.striped.insert(
+                    h.seq,
+                    Striped {
+                        seq: h.seq,
+                        left: pt.count,
+                        total: pt.total,
+                        after,
+                        base,
+                        ptr: p,
+                        mr: mr.clone(),
+                        _writing: writing.take(),
+                    },
+                );
+                Done::Part { seq: h.seq }
             }
-            None => Done::Request {
-                seq: h.seq,
-                after,
-                ack,
-            },
+            None => Done::Request { seq: h.seq, after },
         };
         // SAFETY: `addr - base < len` (checked by `part()` for a part; zero for a whole
         // request), inside the validated range.
@@ -713,7 +808,8 @@ impl Conn {
             _keep: SmallVec::from_elem(mr, 1),
             _writing: writing,
         };
-        Ok(false)
+        // Started: a later request may start now (or a connection waiting for it go on).
+        Ok(true)
     }
 
     /// Executes a SEND or SEND_WITH_IMM: its payload lands in the next posted receive.
@@ -748,6 +844,7 @@ impl Conn {
             qp.complete_recv(slot, WcStatus::LocalLengthError, WcOpcode::Recv, h.len, imm);
             return self.refuse(rx, ex, &h, WcStatus::RemoteInvalidRequest);
         }
+        ex.start(&h);
         rx.state = RxState::Payload {
             dst: spans.into_iter().collect(),
             got: 0,
@@ -759,12 +856,11 @@ impl Conn {
                     opcode: WcOpcode::Recv,
                     imm,
                 },
-                ack: h.flags & ACK_REQ != 0,
             },
             _keep: keep.into_iter().collect(),
             _writing: None,
         };
-        Ok(false)
+        Ok(true)
     }
 
     /// Executes a compare-and-swap or fetch-and-add and queues its result.
@@ -802,20 +898,20 @@ impl Conn {
     /// completes, and the request counts as done, at once for every reader.
     fn landed(&self, qp: &QpInner, done: Done, total: usize) -> bool {
         let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
-        let (seq, after, ack, total) = match done {
-            Done::Request { seq, after, ack } => (seq, after, ack, total),
-            Done::Part => {
-                let Some(cur) = ex.cur.as_mut() else {
+        let (seq, after, total) = match done {
+            Done::Request { seq, after } => (seq, after, total),
+            Done::Part { seq } => {
+                let Some(cur) = ex.striped.get_mut(&seq) else {
                     return false;
                 };
                 cur.left -= 1;
                 if cur.left > 0 {
                     return false;
                 }
-                let Some(cur) = ex.cur.take() else {
+                let Some(cur) = ex.striped.remove(&seq) else {
                     return false;
                 };
-                (cur.seq, cur.after, cur.ack, cur.total as usize)
+                (cur.seq, cur.after, cur.total as usize)
             }
             Done::ReadData { seq } => {
                 drop(ex);
@@ -828,11 +924,12 @@ impl Conn {
                 return false;
             }
         };
+        // A request that completes a receive started once every earlier one was done, and no
+        // later one starts before it is done: its receive completes after their data.
         if let After::Recv { slot, opcode, imm } = after {
             qp.complete_recv(slot, WcStatus::Success, opcode, total as u32, imm);
         }
-        ex.done_seq = seq;
-        ex.ack_due |= ack;
+        ex.finish(seq);
         true
     }
 
@@ -1014,6 +1111,7 @@ fn needs_data(op: WcOpcode) -> bool {
 /// Request `seq` was executed and its answer (which acknowledges it) is on its way.
 fn responded(ex: &mut Exec, seq: u64) {
     ex.done_seq = seq;
+    ex.started = seq;
     ex.acked_seq = seq;
 }
 

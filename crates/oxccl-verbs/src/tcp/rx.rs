@@ -1,7 +1,7 @@
 //! The receiving side of a queue pair's connections: reading frames, executing requests in
 //! order (across connections), and taking the answers to our own requests.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::io::IoSliceMut;
 use std::net::TcpStream;
 use std::sync::atomic::Ordering;
@@ -126,6 +126,7 @@ pub(super) struct Answers {
 
 /// A request that started and is not done yet.
 struct Open {
+    seq: u64,
     /// The target range it writes (`lo..hi`).
     lo: u64,
     hi: u64,
@@ -159,8 +160,9 @@ pub(super) struct Exec {
     dropping: bool,
     /// Striped requests under way, by sequence number.
     striped: BTreeMap<u64, Striped>,
-    /// Requests started and not done, by sequence number.
-    open: BTreeMap<u64, Open>,
+    /// Requests started and not done, oldest first (a queue that keeps its room: the
+    /// small-message path allocates nothing).
+    open: VecDeque<Open>,
 }
 
 impl Exec {
@@ -178,7 +180,7 @@ impl Exec {
             return false;
         };
         self.open
-            .values()
+            .iter()
             .all(|o| o.plain && (hi <= o.lo || lo >= o.hi))
     }
 
@@ -186,30 +188,28 @@ impl Exec {
     fn start(&mut self, h: &Header) {
         self.started = h.seq;
         let (lo, hi) = write_range(h).unwrap_or((0, 0));
-        self.open.insert(
-            h.seq,
-            Open {
-                lo,
-                hi,
-                plain: h.opcode == Opcode::Write,
-                landed: false,
-                ack: h.flags & ACK_REQ != 0,
-            },
-        );
+        self.open.push_back(Open {
+            seq: h.seq,
+            lo,
+            hi,
+            plain: h.opcode == Opcode::Write,
+            landed: false,
+            ack: h.flags & ACK_REQ != 0,
+        });
     }
 
     /// Request `seq` has all landed: the requests done in order from the oldest are done.
     fn finish(&mut self, seq: u64) {
-        if let Some(o) = self.open.get_mut(&seq) {
+        if let Some(o) = self.open.iter_mut().find(|o| o.seq == seq) {
             o.landed = true;
         }
-        while let Some(e) = self.open.first_entry() {
-            if *e.key() != self.done_seq + 1 || !e.get().landed {
+        while let Some(o) = self.open.front() {
+            if o.seq != self.done_seq + 1 || !o.landed {
                 break;
             }
-            let (seq, o) = e.remove_entry();
-            self.done_seq = seq;
+            self.done_seq = o.seq;
             self.ack_due |= o.ack;
+            self.open.pop_front();
         }
     }
 }

@@ -59,7 +59,13 @@ fn check_header(bytes: &[u8; HEADER_LEN], hdr: &Header) {
         assert!(hdr.opcode.is_request(), "{hdr:?}: ACK_REQ on an answer");
     }
     if hdr.flags & PART != 0 {
-        assert!(matches!(hdr.opcode, Opcode::Write | Opcode::WriteImm), "{hdr:?}");
+        assert!(
+            matches!(
+                hdr.opcode,
+                Opcode::Write | Opcode::WriteImm | Opcode::ReadResp
+            ),
+            "{hdr:?}"
+        );
         let p = hdr.part().expect("a PART header has a part");
         assert!(p.index < p.count && (2..=MAX_PARTS as u32).contains(&p.count));
         assert!(hdr.addr >= p.base && hdr.addr + hdr.len as u64 <= p.base + p.total as u64);

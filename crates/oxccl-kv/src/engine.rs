@@ -769,8 +769,9 @@ impl Inner {
         qp.connect(&theirs).map_err(|e| {
             Error::verbs(format!("connecting to segment {name:?} over {provider}"), e)
         })?;
+        // The tcp provider opens at most 16 connections per queue pair.
         let lanes = if provider == Provider::Tcp {
-            self.config.lanes
+            self.config.lanes.min(16)
         } else {
             1
         };

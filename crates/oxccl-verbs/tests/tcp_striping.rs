@@ -44,6 +44,21 @@ fn progress_threads_reach(n: usize) -> usize {
     }
 }
 
+/// The tcp progress threads of this process once their number stays put for 100 ms (a
+/// context dropped by an earlier test may leave a thread that is still exiting).
+fn progress_threads_settled() -> usize {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut last = progress_threads();
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = progress_threads();
+        if now == last || Instant::now() >= deadline {
+            return now;
+        }
+        last = now;
+    }
+}
+
 /// The tcp progress threads of this process (the kernel keeps 15 bytes of a thread's name).
 fn progress_threads() -> usize {
     std::fs::read_dir("/proc/self/task")
@@ -106,11 +121,12 @@ fn wait_n(cq: &CompletionQueue, n: usize, what: &str) -> Vec<WorkCompletion> {
 
 /// A striped WRITE (and WRITE_WITH_IMM) over 4 connections, read by 4 progress shards on each
 /// side, lands byte-exact: every byte of the range equals the pattern computed here, and no
-/// byte around it is touched. The lengths are not multiples of the 4 KiB part alignment.
+/// byte around it is touched; a READ of the range back (its data striped too) brings exactly
+/// those bytes. The lengths are not multiples of the 4 KiB part alignment.
 #[test]
 fn striped_write_over_shards_lands_byte_exact() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let before = progress_threads();
+    let before = progress_threads_settled();
     let (a, b) = pair(&config(4, 4), &QpConfig::default());
     // Each context has 4 shards, each with its thread.
     assert_eq!(
@@ -133,7 +149,7 @@ fn striped_write_over_shards_lands_byte_exact() {
         src.write(off, &data).unwrap();
         dst.write(0, &vec![0xee; CAP]).unwrap();
         let sge = [Sge::new(&src, off, len)];
-        let imm = round % 2 == 1;
+        let imm = !round.is_multiple_of(2);
         if imm {
             b.qp.post_recv(&[RecvWr::new(100 + k, &[])]).unwrap();
         }
@@ -170,17 +186,35 @@ fn striped_write_over_shards_lands_byte_exact() {
                 data[i]
             );
         }
+        // And back with a READ into a fresh buffer.
+        let back =
+            a.pd.alloc_mr(CAP, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+                .unwrap();
+        let sge = [Sge::new(&back, off, len)];
+        a.qp.post_send(&[SendWr::new(50 + k, WrOp::Read { remote }, &sge)])
+            .unwrap();
+        let w = wait_n(&a.cq, 1, "striped read");
+        assert_eq!((w[0].wr_id, w[0].byte_len as usize), (50 + k, len));
+        let mut got = vec![0u8; CAP];
+        back.read(0, &mut got).unwrap();
+        assert!(got[..off].iter().all(|&x| x == 0), "READ wrote before");
+        assert!(got[off + len..].iter().all(|&x| x == 0), "READ wrote after");
+        if let Some(i) = (0..len).find(|&i| got[off + i] != data[i]) {
+            panic!("case {round}: byte {i} of {len} READ back is wrong");
+        }
     }
     assert_eq!(a.qp.state(), QpState::Rts);
     assert_eq!(b.qp.state(), QpState::Rts);
     drop((a, b));
 }
 
-/// Many striped WRITEs interleaved with small WRITEs, WRITE_WITH_IMMs and SENDs on one queue
-/// pair of 3 connections, with 3 progress shards per side: when the receive of round `k`
-/// completes, every request posted before it has executed (its striped WRITE is all in
-/// place, the small WRITE of the round has landed), the receives complete in order, and a READ
-/// posted last sees the last striped WRITE. The target polls while the shards receive.
+/// Many striped WRITEs interleaved with small WRITEs, WRITE_WITH_IMMs, SENDs and striped READs
+/// on one queue pair of 3 connections, with 3 progress shards per side: when the receive of
+/// round `k` completes, every request posted before it has executed (its striped WRITE is all
+/// in place, the small WRITE of the round has landed), the receives complete in order, the
+/// initiator's completions come in posting order (a READ's only once its data landed, though
+/// the ACKs of later requests overtake its data), and every READ sees the WRITE posted before
+/// it. The target polls while the shards receive.
 #[test]
 fn striped_and_small_requests_execute_in_order_with_shards() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -204,8 +238,11 @@ fn striped_and_small_requests_execute_in_order_with_shards() {
         b.pd.alloc_mr(ROUNDS * 64, AccessFlags::LOCAL_WRITE)
             .unwrap();
     let back =
-        a.pd.alloc_mr(SLOT, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
-            .unwrap();
+        a.pd.alloc_mr(
+            ROUNDS * SLOT,
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+        )
+        .unwrap();
     for k in 0..ROUNDS {
         let data: Vec<u8> = (0..len_of(k) as u64)
             .map(|i| pattern(k as u64, i))
@@ -279,9 +316,12 @@ fn striped_and_small_requests_execute_in_order_with_shards() {
         let note: Vec<[Sge; 1]> = (0..ROUNDS)
             .map(|k| [Sge::new(&small, k * 64, 16)])
             .collect();
+        let reads: Vec<[Sge; 1]> = (0..ROUNDS)
+            .map(|k| [Sge::new(&back, k * SLOT, len_of(k))])
+            .collect();
         for k in 0..ROUNDS {
             let id = 10 * k as u64;
-            let notify = if k % 2 == 0 {
+            let notify = if k.is_multiple_of(2) {
                 SendWr::new(id + 2, WrOp::Send, &note[k])
             } else {
                 SendWr::new(
@@ -304,33 +344,34 @@ fn striped_and_small_requests_execute_in_order_with_shards() {
                 .unsignaled(),
                 SendWr::new(id + 1, WrOp::Write { remote: last }, &word[k]).unsignaled(),
                 notify,
+                // Every third round, a READ of the round's striped WRITE (its data striped).
+                SendWr::new(
+                    id + 3,
+                    WrOp::Read {
+                        remote: dst.remote().at((k * SLOT) as u64),
+                    },
+                    &reads[k],
+                ),
             ];
-            a.qp.post_send(&wrs).unwrap();
+            let n = if k.is_multiple_of(3) { 4 } else { 3 };
+            a.qp.post_send(&wrs[..n]).unwrap();
         }
-        // A READ after all of them sees the last striped WRITE.
-        let k = ROUNDS - 1;
-        let rsge = [Sge::new(&back, 0, len_of(k))];
-        a.qp.post_send(&[SendWr::new(
-            9999,
-            WrOp::Read {
-                remote: dst.remote().at((k * SLOT) as u64),
-            },
-            &rsge,
-        )])
-        .unwrap();
-        let done = wait_n(&a.cq, ROUNDS + 1, "initiator");
-        let ids: Vec<u64> = done.iter().map(|w| w.wr_id).collect();
         let want: Vec<u64> = (0..ROUNDS as u64)
-            .map(|k| 10 * k + 2)
-            .chain([9999])
+            .flat_map(|k| {
+                let read = k.is_multiple_of(3).then_some(10 * k + 3);
+                [Some(10 * k + 2), read].into_iter().flatten()
+            })
             .collect();
+        let done = wait_n(&a.cq, want.len(), "initiator");
+        let ids: Vec<u64> = done.iter().map(|w| w.wr_id).collect();
         assert_eq!(ids, want, "send completions out of order");
-        let mut seen = vec![0u8; len_of(k)];
-        back.read(0, &mut seen).unwrap();
-        assert!(
-            (0..seen.len()).all(|i| seen[i] == pattern(k as u64, i as u64)),
-            "the READ after the striped WRITEs read other bytes"
-        );
+        for k in (0..ROUNDS).step_by(3) {
+            let mut seen = vec![0u8; len_of(k)];
+            back.read(k * SLOT, &mut seen).unwrap();
+            if let Some(i) = (0..seen.len()).find(|&i| seen[i] != pattern(k as u64, i as u64)) {
+                panic!("the READ of round {k} read another byte at {i}");
+            }
+        }
         target.join().unwrap();
     });
     assert_eq!(a.qp.state(), QpState::Rts);
@@ -357,11 +398,89 @@ fn progress_shards_follow_the_configuration() {
     assert!(e.contains("OXCCL_TCP_PROGRESS_THREADS"), "{e}");
     // One connection per queue pair: one shard, one thread per context, as before.
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let before = progress_threads();
+    let before = progress_threads_settled();
     let ctx = Device::by_name("tcp")
         .unwrap()
         .open_with(&DeviceConfig::default())
         .unwrap();
     assert_eq!(progress_threads_reach(before + 1), before + 1);
     drop(ctx);
+}
+
+/// WRITEs that start while earlier ones still land (on other connections) must not overtake
+/// an earlier WRITE to the same bytes: striped and whole WRITEs, some overlapping the one
+/// before, some elsewhere, leave exactly what applying them in order leaves, and the receive
+/// of the WRITE_WITH_IMM posted last completes only after all of them.
+#[test]
+fn overlapping_writes_land_in_order_with_shards() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    const SPAN: usize = 6 << 20;
+    let qc = QpConfig {
+        max_send_wr: 256,
+        ..QpConfig::default()
+    };
+    let (a, b) = pair(&config(4, 4), &qc);
+    let src = a.pd.alloc_mr(64 << 20, AccessFlags::LOCAL_WRITE).unwrap();
+    let dst = b.pd.alloc_mr(SPAN, AccessFlags::ALL).unwrap();
+    dst.write(0, &vec![0u8; SPAN]).unwrap();
+    let mut reference = vec![0u8; SPAN];
+    // (offset, length): a chain of overlapping striped WRITEs, small WRITEs into the middle of
+    // the last one, and WRITEs far from the others.
+    let mut writes: Vec<(usize, usize)> = Vec::new();
+    for k in 0..40usize {
+        let w = match k % 4 {
+            0 => (((k * 37) << 10) % (2 << 20), (1 << 20) + 4096 * (k % 7)),
+            1 => (((k * 37) << 10) % (2 << 20) + 1000, 3000 + k),
+            2 => ((4 << 20) + (k % 3) * (300 << 10), (512 << 10) + k),
+            _ => (((k * 53) << 10) % (2 << 20), 300 << 10),
+        };
+        writes.push(w);
+    }
+    let mut at = 0usize;
+    let mut sges = Vec::new();
+    for (k, &(off, len)) in writes.iter().enumerate() {
+        let data: Vec<u8> = (0..len as u64)
+            .map(|i| pattern(100 + k as u64, i))
+            .collect();
+        src.write(at, &data).unwrap();
+        reference[off..off + len].copy_from_slice(&data);
+        sges.push([Sge::new(&src, at, len)]);
+        at += len;
+    }
+    b.qp.post_recv(&[RecvWr::new(1, &[])]).unwrap();
+    let mut wrs: Vec<SendWr> = writes
+        .iter()
+        .enumerate()
+        .map(|(k, &(off, _))| {
+            SendWr::new(
+                k as u64,
+                WrOp::Write {
+                    remote: dst.remote().at(off as u64),
+                },
+                &sges[k],
+            )
+            .unsignaled()
+        })
+        .collect();
+    wrs.push(SendWr::new(
+        999,
+        WrOp::WriteWithImm {
+            remote: dst.remote().at(0),
+            imm: 7,
+        },
+        &[],
+    ));
+    a.qp.post_send(&wrs).unwrap();
+    let w = wait_n(&a.cq, 1, "writes");
+    assert_eq!(w[0].wr_id, 999);
+    let r = wait_n(&b.cq, 1, "the receive after the writes");
+    assert_eq!(r[0].imm, Some(7));
+    let mut seen = vec![0u8; SPAN];
+    dst.read(0, &mut seen).unwrap();
+    if let Some(i) = (0..SPAN).find(|&i| seen[i] != reference[i]) {
+        panic!(
+            "byte {i} is {:#x}, applying the WRITEs in order gives {:#x}",
+            seen[i], reference[i]
+        );
+    }
 }

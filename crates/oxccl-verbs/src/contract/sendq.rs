@@ -139,16 +139,19 @@ impl SendQueue {
         }
     }
 
-    /// What `f` reads of the oldest outstanding request, which stays.
-    pub fn peek<R>(&self, f: impl FnOnce(&Outstanding) -> Option<R>) -> Option<R> {
+    /// What `f` reads of the first outstanding request it answers for, oldest first; the
+    /// request stays.
+    pub fn find<R>(&self, mut f: impl FnMut(&Outstanding) -> Option<R>) -> Option<R> {
         self.out
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .front()
-            .and_then(f)
+            .iter()
+            .find_map(&mut f)
     }
 
-    /// Completes outstanding requests up to `seq` (inclusive) as successful.
+    /// Completes outstanding requests up to `seq` (inclusive) as successful (the ofi provider;
+    /// the tcp provider completes READs and atomics only once their data landed).
+    #[cfg(feature = "ofi")]
     pub fn complete_upto(&self, qp: &QpInner, seq: u64) {
         while let Some(o) = self.pop_front_if(|o| o.seq <= seq && o.error.is_none()) {
             qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, o.len, o.signaled);

@@ -33,13 +33,14 @@ pub struct DeviceConfig {
     /// waits) does not spend its time in `sendmsg`. Default: every size (the poster writes).
     pub tcp_inline_max: usize,
     /// tcp: TCP connections per queue pair (`1..=16`; the two sides use the smaller setting).
-    /// WRITEs of 256 KiB and more are striped over them. Default 1: on loopback and on the
-    /// namespace test bed a second connection does not add bandwidth (`bench/verbs-tcp.sh`
-    /// measures it); NICs whose single flow is limited by one core's copy gain from more.
+    /// WRITEs (and the data of READs) of 256 KiB and more are striped over them. Default 1: on
+    /// loopback and on the namespace test bed a second connection did not add bandwidth with
+    /// one progress thread (`bench/verbs-tcp.sh` measures it); NICs whose single flow is
+    /// limited by one core's copy gain from more.
     pub tcp_nsocks: usize,
     /// tcp: progress shards of a context (`0..=16`; 0: automatic, the default): each has its
     /// own epoll set, driver token and progress thread, and connection `i` of a queue pair is
-    /// read by shard `i % shards`, so that the parts of a striped WRITE are received in
+    /// read by shard `i % shards`, so that the parts of a striped transfer are received in
     /// parallel. Automatic is `min(tcp_nsocks, 4)`: one shard (today's single progress thread)
     /// for one connection per queue pair, one per connection up to 4 beyond that. More shards
     /// than `tcp_nsocks` would have nothing to read, so the number is capped at `tcp_nsocks`.
@@ -87,8 +88,9 @@ impl DeviceConfig {
     }
 
     /// The defaults overridden by `OXCCL_TCP_ADDR` (`IP` or `IP:port`), `OXCCL_TCP_POLL=busy`,
-    /// `OXCCL_TCP_NSOCKS`, `OXCCL_TCP_PROGRESS_THREADS`, `OXCCL_OFI_PROVIDER`, `OXCCL_OFI_ADDR`, `OXCCL_OFI_POLL=busy` and
-    /// `OXCCL_SPIN_US`; a malformed value is an error naming the variable.
+    /// `OXCCL_TCP_NSOCKS`, `OXCCL_TCP_PROGRESS_THREADS`, `OXCCL_OFI_PROVIDER`, `OXCCL_OFI_ADDR`,
+    /// `OXCCL_OFI_POLL=busy` and `OXCCL_SPIN_US`; a malformed value is an error naming the
+    /// variable.
     pub fn from_env() -> Result<DeviceConfig> {
         DeviceConfig::from_vars(&|k| std::env::var(k).ok())
     }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use rustix::event::epoll;
 
 use super::frame::Hello;
-use super::rx::{Exec, Rx};
+use super::rx::{Answers, Exec, Rx};
 use super::tx::Tx;
 use super::{Shared, read_reply, send_hello};
 use crate::contract::QpInner;
@@ -47,6 +47,8 @@ pub(crate) struct Conn {
     /// Our requests in flight.
     pub(super) sendq: SendQueue,
     pub(super) exec: Mutex<Exec>,
+    /// What the target answered to our requests (the order they complete in).
+    pub(super) answers: Mutex<Answers>,
     pub dead: AtomicBool,
     /// Why it died, for the queue pair's error detail.
     reason: Mutex<Option<String>>,
@@ -78,6 +80,7 @@ impl Conn {
             parked: Mutex::new(Vec::new()),
             sendq: SendQueue::default(),
             exec: Mutex::new(Exec::default()),
+            answers: Mutex::new(Answers::default()),
             dead: AtomicBool::new(false),
             reason: Mutex::new(None),
             reported: AtomicBool::new(false),

@@ -9,12 +9,14 @@
 //!
 //! Flags: [`ACK_REQ`] (the target acknowledges the request once it is executed; without it the
 //! target acknowledges only every [`ACK_EVERY`] requests, cumulatively), [`PART`] (one part of a
-//! WRITE striped across the queue pair's connections: `a` holds the part's index (bits 0-7), the
-//! number of parts (bits 8-15) and the whole request's length (bits 16-47), `b` the request's
-//! address, `addr` and `len` this part's; see [`Part`]). Every other bit is reserved (0).
+//! WRITE, or of a READ's data, striped across the queue pair's connections: `a` holds the part's
+//! index (bits 0-7), the number of parts (bits 8-15) and the whole request's length (bits
+//! 16-47), `b` the request's address (at the target), `addr` and `len` this part's; see
+//! [`Part`]). Every other bit is reserved (0).
 //!
 //! `ack`, on any frame: every request of the receiver's up to this one is done (a cumulative
-//! ACK riding on traffic that goes the other way anyway; 0: none).
+//! ACK riding on traffic that goes the other way anyway; 0: none). A READ or atomic among them
+//! still completes only once its data has arrived.
 //!
 //! All integers are little endian. [`Header::decode`] is a pure function: it accepts exactly the
 //! headers this module encodes and rejects everything else with a [`FrameError`] (fuzzed by
@@ -241,7 +243,12 @@ impl Header {
         let flags_ok = match hdr.flags {
             0 => true,
             ACK_REQ => opcode.is_request(),
-            PART | 3 => matches!(opcode, Opcode::Write | Opcode::WriteImm) && hdr.part().is_some(),
+            // READ data striped over the connections is a part too (never asks for an ACK).
+            PART => {
+                matches!(opcode, Opcode::Write | Opcode::WriteImm | Opcode::ReadResp)
+                    && hdr.part().is_some()
+            }
+            3 => matches!(opcode, Opcode::Write | Opcode::WriteImm) && hdr.part().is_some(),
             _ => false,
         };
         if !flags_ok {
@@ -419,6 +426,13 @@ mod tests {
         assert_eq!(Header::decode(&part.encode()), Err(FrameError::BadFlags(3)));
         part.set_part(Part { total: 15, ..p });
         assert_eq!(Header::decode(&part.encode()), Err(FrameError::BadFlags(3)));
+        // READ data may be a part, but never asks for an ACK.
+        let mut data = Header::new(Opcode::ReadResp, 1, 10);
+        data.addr = 1010;
+        data.set_part(p);
+        assert_eq!(Header::decode(&data.encode()), Ok(data));
+        data.flags |= ACK_REQ;
+        assert_eq!(Header::decode(&data.encode()), Err(FrameError::BadFlags(3)));
         let mut ack = Header::new(Opcode::Ack, 1, 0);
         ack.flags = ACK_REQ;
         assert_eq!(Header::decode(&ack.encode()), Err(FrameError::BadFlags(1)));

@@ -5,22 +5,23 @@
 //! queue pair's timeout so a cut link is noticed). Both directions share them: a side's requests
 //! (WRITE, WRITE_WITH_IMM, SEND, READ, atomics) and its responses to the other side's requests
 //! (ACK, NAK, READ data, atomic results), each a [`frame`] header plus payload. Connection 0
-//! carries every frame but the parts of striped WRITEs: a WRITE of at least [`STRIPE_MIN`] bytes
-//! is cut into one part per connection, as NCCL's `NCCL_NSOCKS_PERTHREAD` does.
+//! carries every frame but the parts of striped WRITEs and READ data: a WRITE, or the data of a
+//! READ, of at least [`STRIPE_MIN`] bytes is cut into one part per connection, as NCCL's
+//! `NCCL_NSOCKS_PERTHREAD` does.
 //!
 //! # Who moves the bytes
 //!
 //! A context has one or more progress *shards* ([`DeviceConfig::tcp_progress_threads`];
 //! automatic: `min(tcp_nsocks, 4)`, so one shard for one connection per queue pair). Each shard
 //! has its own epoll set, *driver* token and progress thread, and connection `i` of every
-//! queue pair is watched by shard `i % shards`: the parts of a striped WRITE, one per
-//! connection, are received by several threads at once, so striping scales the receive side
-//! too (with one shard, one thread reads every socket of the context). Shard 0 also watches
+//! queue pair is watched by shard `i % shards`: the parts of a striped WRITE (or READ data),
+//! one per connection, are received by several threads at once, so striping scales the receive
+//! side too (with one shard, one thread reads every socket of the context). Shard 0 also watches
 //! the listener and the connections still saying hello.
 //!
 //! Reading a shard's sockets (and finishing writes the socket could not take at once) is done
 //! by whoever holds its driver token. For shard 0, which holds every connection 0 and so every
-//! frame but the later parts of striped WRITEs, that is an application thread polling or
+//! frame but the later parts of striped transfers, that is an application thread polling or
 //! waiting on a completion queue of the context, or else shard 0's progress thread. An
 //! application that polls reads shard 0's sockets ([`Shared::app_progress`]: one `epoll_wait`
 //! with no timeout, then the reads), and one that waits sleeps in `epoll_wait` on them
@@ -35,28 +36,38 @@
 //! Posting writes frames straight to the socket from the posting thread.
 //!
 //! Several shards read one queue pair's connections at once, so the target's state of a queue
-//! pair (which request is next, the striped request under way, the ACK owed, whether it drops
+//! pair (which request starts next, the requests under way, the ACK owed, whether it drops
 //! requests after a NAK) is one lock, held from the decision to execute a request to its
 //! effect: the first part of a striped request to arrive starts it (and claims its receive)
 //! once, the others join it, and a request counts as done for every reader at once. A
 //! connection whose next request must wait for an earlier one (on another connection) is
-//! marked stalled before that lock is let go; the reader that finishes the earlier request
-//! reads it on, or, when another shard watches it, wakes that shard to read it.
+//! marked stalled before that lock is let go; the reader that starts or finishes the earlier
+//! request reads it on, or, when another shard watches it, wakes that shard to read it. On the
+//! initiator, READ data parts land in parallel, and one record of what the target answered
+//! completes the requests in order.
 //!
 //! The target validates each request (rkey, bounds, access flags, lengths) against this
 //! context's regions and receives payloads straight into the target memory (small frames pass
 //! through a staging buffer, so a small message costs one `recv`).
 //!
-//! RC semantics: the target executes requests in order (across connections: a part of a later
-//! request waits until every earlier request is done); ACKs are cumulative, due when a request
-//! that asked for one ([`frame::ACK_REQ`]: signaled, or one in [`frame::ACK_EVERY`]) is done,
-//! and ride in the `ack` field of the next frame that goes back on connection 0 (a credit, an
-//! answer); an ACK frame of its own goes when the application's poll finds nothing, before it
-//! sleeps, or when the progress thread drives (so at most [`LINGER`] late); a
+//! RC semantics: the target starts requests in order and finishes them in order (across
+//! connections: a part of a later request waits until every earlier request has started). A
+//! WRITE without an immediate may land while earlier such WRITEs still land, unless their
+//! ranges overlap (so a stream of striped WRITEs keeps every connection busy, and two WRITEs to
+//! the same bytes land in order); every other request (a WRITE_WITH_IMM or SEND, whose receive
+//! completes; a READ; an atomic; a WRITE that fails its checks, whose NAK must not pass the
+//! WRITEs before it) waits until every earlier request is done. ACKs are cumulative, due when
+//! a request that asked for one ([`frame::ACK_REQ`]: signaled, or one in [`frame::ACK_EVERY`])
+//! is done, and ride in the `ack` field of the next frame that goes back on connection 0 (a
+//! credit, an answer); an ACK frame of its own goes when the application's poll finds nothing,
+//! before it sleeps, or when the progress thread drives (so at most [`LINGER`] late); a
 //! failed request is NAKed, the target drops every later request of the queue pair, and the
 //! initiator's queue pair goes to ERR (and closes the connections). A SEND or WRITE_WITH_IMM that
 //! finds no receive posted stalls its connection (receiver not ready) until one is posted or the
-//! initiator's RNR budget runs out, when the target NAKs it with `RnrRetryExceeded`. A connection
+//! initiator's RNR budget runs out, when the target NAKs it with `RnrRetryExceeded`. The
+//! initiator completes its requests in order: one without data once an ACK (or a later answer)
+//! covers it, a READ or atomic once its data has all landed, since an ACK of a later request
+//! on connection 0 may overtake READ data striped over the others. A connection
 //! that drops (process death, TCP user timeout) moves the queue pair to ERR: the first
 //! outstanding request of each queue completes with `RetryExceeded`, the rest are flushed.
 //!
@@ -458,7 +469,7 @@ impl Shared {
 
     /// An application thread polls a completion queue: read shard 0's sockets now, unless
     /// someone else drives it (its progress thread is then asked to stand back). Shard 0 holds
-    /// every connection 0, which carries every frame but the later parts of striped WRITEs;
+    /// every connection 0, which carries every frame but the later parts of striped transfers;
     /// the other shards' sockets are read by their own progress threads, in parallel.
     fn app_progress(&self) {
         let s = &self.shards[0];

@@ -1,6 +1,7 @@
 //! The receiving side of a queue pair's connections: reading frames, executing requests in
 //! order (across connections), and taking the answers to our own requests.
 
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::io::IoSliceMut;
 use std::net::TcpStream;
 use std::sync::atomic::Ordering;
@@ -9,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
 
+use super::STRIPE_MIN;
 use super::conn::Conn;
 use super::frame::{ACK_EVERY, ACK_REQ, HEADER_LEN, Header, Opcode, PART};
 use super::tx::TxFrame;
@@ -35,12 +37,14 @@ enum After {
 
 /// What a payload that has all landed completes.
 enum Done {
-    /// Request `seq` (acknowledged if `ack`).
-    Request { seq: u64, after: After, ack: bool },
-    /// A part of the striped request under way.
-    Part,
+    /// Request `seq`.
+    Request { seq: u64, after: After },
+    /// A part of striped request `seq`.
+    Part { seq: u64 },
     /// READ `seq` of ours has all its data.
     ReadData { seq: u64 },
+    /// A part of READ `seq`'s data, striped over the connections, has landed.
+    ReadPart { seq: u64 },
 }
 
 enum RxState {
@@ -93,7 +97,6 @@ struct Striped {
     /// The request's length.
     total: u32,
     after: After,
-    ack: bool,
     /// The request's address, its target memory there, and the region.
     base: u64,
     ptr: *mut u8,
@@ -106,10 +109,47 @@ struct Striped {
 // queue pair's `Exec` lock (several shards' drivers may read the queue pair's connections).
 unsafe impl Send for Striped {}
 
+/// The initiator's record of what the target answered: how far it executed our requests, and
+/// which answers that carry data have all landed.
+#[derive(Default)]
+pub(super) struct Answers {
+    /// The target executed every request of ours up to this one.
+    seen: u64,
+    /// READs and atomics whose data has landed, not yet completed (they complete in order).
+    landed: BTreeSet<u64>,
+    /// READs whose data comes striped: the parts still to land.
+    parts: HashMap<u64, u32>,
+    /// A NAK waiting for the requests before it to complete.
+    nak: Option<(u64, WcStatus)>,
+}
+
+/// A request that started and is not done yet.
+struct Open {
+    seq: u64,
+    /// The target range it writes (`lo..hi`).
+    lo: u64,
+    hi: u64,
+    /// A WRITE without an immediate (a later one may start while it lands).
+    plain: bool,
+    /// It has all landed (it is done once every earlier request is).
+    landed: bool,
+    /// It asked for an ACK.
+    ack: bool,
+}
+
 /// The target's side of a queue pair: which requests are executed, what was acknowledged.
+///
+/// Requests start in order (their headers are executed one after the other) and are done in
+/// order. A WRITE without an immediate may start while earlier WRITEs without one still land
+/// (on other connections), unless their ranges overlap, so that the connections of a queue
+/// pair carry a stream of striped WRITEs in parallel; every other request starts once every
+/// earlier one is done (a receive completes, a READ reads, an atomic acts after the WRITEs
+/// before it).
 #[derive(Default)]
 pub(super) struct Exec {
     done_seq: u64,
+    /// Every request up to this one has started.
+    started: u64,
     acked_seq: u64,
     /// A request that asked for an ACK was executed.
     ack_due: bool,
@@ -117,7 +157,71 @@ pub(super) struct Exec {
     ack_upto: u64,
     /// After a NAK every later request of the queue pair is dropped.
     dropping: bool,
-    cur: Option<Striped>,
+    /// Striped requests under way, by sequence number.
+    striped: BTreeMap<u64, Striped>,
+    /// Requests started and not done, oldest first (a queue that keeps its room: the
+    /// small-message path allocates nothing).
+    open: VecDeque<Open>,
+}
+
+impl Exec {
+    /// Whether request `h` (the next to start) may start now: when every earlier request is
+    /// done, or, for a WRITE without an immediate, when every request under way is one too and
+    /// none of them writes where it writes.
+    fn may_start(&self, h: &Header) -> bool {
+        if self.done_seq == self.started {
+            return true;
+        }
+        if h.opcode != Opcode::Write {
+            return false;
+        }
+        let Some((lo, hi)) = write_range(h) else {
+            return false;
+        };
+        self.open
+            .iter()
+            .all(|o| o.plain && (hi <= o.lo || lo >= o.hi))
+    }
+
+    /// Request `seq` started: it is done once it has landed and every earlier one is done.
+    fn start(&mut self, h: &Header) {
+        self.started = h.seq;
+        let (lo, hi) = write_range(h).unwrap_or((0, 0));
+        self.open.push_back(Open {
+            seq: h.seq,
+            lo,
+            hi,
+            plain: h.opcode == Opcode::Write,
+            landed: false,
+            ack: h.flags & ACK_REQ != 0,
+        });
+    }
+
+    /// Request `seq` has all landed: the requests done in order from the oldest are done.
+    fn finish(&mut self, seq: u64) {
+        if let Some(o) = self.open.iter_mut().find(|o| o.seq == seq) {
+            o.landed = true;
+        }
+        while let Some(o) = self.open.front() {
+            if o.seq != self.done_seq + 1 || !o.landed {
+                break;
+            }
+            self.done_seq = o.seq;
+            self.ack_due |= o.ack;
+            self.open.pop_front();
+        }
+    }
+}
+
+/// The target range a WRITE request writes (all of a striped one's), if its fields make one.
+fn write_range(h: &Header) -> Option<(u64, u64)> {
+    let (lo, len) = if h.flags & PART != 0 {
+        let p = h.part()?;
+        (p.base, p.total as u64)
+    } else {
+        (h.addr, h.len as u64)
+    };
+    Some((lo, lo.checked_add(len)?))
 }
 
 impl Rx {
@@ -319,7 +423,7 @@ impl Conn {
                     .map_err(|e| Stop::Failed(format!("malformed frame from the peer: {e}")))?;
                 if h.ack != 0 && !qp.is_failed() {
                     // An ACK riding on the peer's frame.
-                    self.sendq.complete_upto(qp, h.ack);
+                    self.acked(qp, h.ack);
                 }
                 *executed |= self.begin(qp, i, rx, h).map_err(Stop::Failed)?;
                 Ok(true)
@@ -452,7 +556,8 @@ impl Conn {
             return;
         }
         ex.dropping = true;
-        ex.cur = None;
+        ex.striped.clear();
+        ex.open.clear();
         ex.acked_seq = seq;
         let mut h = Header::new(Opcode::Nak, seq, 0);
         h.a = status as u64;
@@ -525,7 +630,7 @@ impl Conn {
             return Ok(false);
         }
         if h.flags & PART != 0
-            && let Some(cur) = ex.cur.as_mut().filter(|c| c.seq == h.seq)
+            && let Some(cur) = ex.striped.get_mut(&h.seq)
         {
             // Another part of the striped request under way: validated with the request.
             let part = h.part().ok_or("a part without its fields")?;
@@ -539,23 +644,24 @@ impl Conn {
                 dst: SmallVec::from_elem(Span(p, h.len as usize), 1),
                 got: 0,
                 total: h.len as usize,
-                done: Done::Part,
+                done: Done::Part { seq: h.seq },
                 _keep: SmallVec::from_elem(cur.mr.clone(), 1),
                 _writing: None,
             };
             return Ok(false);
         }
-        if h.seq <= ex.done_seq {
+        if h.seq <= ex.started {
             return Err(format!(
-                "request {} again (requests up to {} were executed)",
-                h.seq, ex.done_seq
+                "request {} again (requests up to {} were started)",
+                h.seq, ex.started
             ));
         }
-        if ex.cur.is_some() || h.seq != ex.done_seq + 1 {
+        if h.seq != ex.started + 1 || !ex.may_start(&h) {
             if self.socks().len() > 1 {
-                // An earlier request is not done: it comes on another connection. Marked
-                // stalled before the state is let go, so that the reader that finishes the
-                // earlier request sees the mark ([`Conn::read_frames`]) and wakes this one.
+                // An earlier request has not started, or is not done: it comes on another
+                // connection. Marked stalled before the state is let go, so that the reader
+                // that starts or finishes the earlier request sees the mark
+                // ([`Conn::read_frames`]) and wakes this one.
                 rx.state = RxState::Blocked { hdr: h };
                 self.set_stalled(i, true);
                 return Ok(false);
@@ -563,10 +669,10 @@ impl Conn {
             return Err(format!(
                 "request sequence {} out of order (expected {})",
                 h.seq,
-                ex.done_seq + 1
+                ex.started + 1
             ));
         }
-        self.execute(qp, rx, h, &mut ex)
+        self.execute(qp, i, rx, h, &mut ex)
     }
 
     /// Fails request `h` with `status`: NAKs it and discards its payload.
@@ -588,12 +694,13 @@ impl Conn {
     fn execute(
         &self,
         qp: &QpInner,
+        i: usize,
         rx: &mut Rx,
         h: Header,
         ex: &mut Exec,
     ) -> std::result::Result<bool, String> {
         match h.opcode {
-            Opcode::Write | Opcode::WriteImm => self.execute_write(qp, rx, h, ex),
+            Opcode::Write | Opcode::WriteImm => self.execute_write(qp, i, rx, h, ex),
             Opcode::Send | Opcode::SendImm => self.execute_send(qp, rx, h, ex),
             Opcode::ReadReq => {
                 let Some((mr, p)) =
@@ -602,14 +709,18 @@ impl Conn {
                     return self.refuse(rx, ex, &h, WcStatus::RemoteAccessError);
                 };
                 responded(ex, h.seq);
-                self.queue(
-                    0,
-                    TxFrame::new(
-                        &Header::new(Opcode::ReadResp, h.seq, h.len),
-                        SmallVec::from_elem(Span(p, h.len as usize), 1),
-                        SmallVec::from_elem(mr, 1),
-                    ),
-                );
+                let mut data = Header::new(Opcode::ReadResp, h.seq, h.len);
+                let spans: Spans = SmallVec::from_elem(Span(p, h.len as usize), 1);
+                let keep: Keep = SmallVec::from_elem(mr, 1);
+                let k = self.socks().len();
+                if k > 1 && h.len as usize >= STRIPE_MIN {
+                    // Striped like a WRITE: one part per connection, read by the initiator's
+                    // shards in parallel.
+                    data.addr = h.addr;
+                    self.post_striped(data, &spans, &keep, k);
+                } else {
+                    self.queue(0, TxFrame::new(&data, spans, keep));
+                }
                 rx.state = FRESH;
                 Ok(true)
             }
@@ -622,23 +733,30 @@ impl Conn {
     fn execute_write(
         &self,
         qp: &QpInner,
+        i: usize,
         rx: &mut Rx,
         h: Header,
         ex: &mut Exec,
     ) -> std::result::Result<bool, String> {
-        let ack = h.flags & ACK_REQ != 0;
         let part = if h.flags & PART != 0 {
             Some(h.part().ok_or("a part without its fields")?)
         } else {
             None
         };
         let (base, len) = part.map_or((h.addr, h.len as usize), |p| (p.base, p.total as usize));
-        let Some((mr, p)) = self.target(base, h.rkey, len, AccessFlags::REMOTE_WRITE) else {
-            return self.refuse(rx, ex, &h, WcStatus::RemoteAccessError);
-        };
         // Held until the request has landed (all its parts): deregistering the region waits for
         // it, so that nothing of it lands afterwards.
-        let Some(writing) = Writing::begin(mr.clone()) else {
+        let target = self
+            .target(base, h.rkey, len, AccessFlags::REMOTE_WRITE)
+            .and_then(|(mr, p)| Some((Writing::begin(mr.clone())?, mr, p)));
+        let Some((writing, mr, p)) = target else {
+            if ex.done_seq != ex.started {
+                // Started early: a NAK must not pass the WRITEs still landing. It waits for
+                // them, and is NAKed as the next request.
+                rx.state = RxState::Blocked { hdr: h };
+                self.set_stalled(i, true);
+                return Ok(false);
+            }
             return self.refuse(rx, ex, &h, WcStatus::RemoteAccessError);
         };
         let mut writing = Some(writing);
@@ -658,26 +776,25 @@ impl Conn {
         } else {
             After::Nothing
         };
+        ex.start(&h);
         let done = match part {
             Some(pt) => {
-                ex.cur = Some(Striped {
-                    seq: h.seq,
-                    left: pt.count,
-                    total: pt.total,
-                    after,
-                    ack,
-                    base,
-                    ptr: p,
-                    mr: mr.clone(),
-                    _writing: writing.take(),
-                });
-                Done::Part
+                ex.striped.insert(
+                    h.seq,
+                    Striped {
+                        seq: h.seq,
+                        left: pt.count,
+                        total: pt.total,
+                        after,
+                        base,
+                        ptr: p,
+                        mr: mr.clone(),
+                        _writing: writing.take(),
+                    },
+                );
+                Done::Part { seq: h.seq }
             }
-            None => Done::Request {
-                seq: h.seq,
-                after,
-                ack,
-            },
+            None => Done::Request { seq: h.seq, after },
         };
         // SAFETY: `addr - base < len` (checked by `part()` for a part; zero for a whole
         // request), inside the validated range.
@@ -690,7 +807,8 @@ impl Conn {
             _keep: SmallVec::from_elem(mr, 1),
             _writing: writing,
         };
-        Ok(false)
+        // Started: a later request may start now (or a connection waiting for it go on).
+        Ok(true)
     }
 
     /// Executes a SEND or SEND_WITH_IMM: its payload lands in the next posted receive.
@@ -725,6 +843,7 @@ impl Conn {
             qp.complete_recv(slot, WcStatus::LocalLengthError, WcOpcode::Recv, h.len, imm);
             return self.refuse(rx, ex, &h, WcStatus::RemoteInvalidRequest);
         }
+        ex.start(&h);
         rx.state = RxState::Payload {
             dst: spans.into_iter().collect(),
             got: 0,
@@ -736,12 +855,11 @@ impl Conn {
                     opcode: WcOpcode::Recv,
                     imm,
                 },
-                ack: h.flags & ACK_REQ != 0,
             },
             _keep: keep.into_iter().collect(),
             _writing: None,
         };
-        Ok(false)
+        Ok(true)
     }
 
     /// Executes a compare-and-swap or fetch-and-add and queues its result.
@@ -779,36 +897,74 @@ impl Conn {
     /// completes, and the request counts as done, at once for every reader.
     fn landed(&self, qp: &QpInner, done: Done, total: usize) -> bool {
         let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
-        let (seq, after, ack, total) = match done {
-            Done::Request { seq, after, ack } => (seq, after, ack, total),
-            Done::Part => {
-                let Some(cur) = ex.cur.as_mut() else {
+        let (seq, after, total) = match done {
+            Done::Request { seq, after } => (seq, after, total),
+            Done::Part { seq } => {
+                let Some(cur) = ex.striped.get_mut(&seq) else {
                     return false;
                 };
                 cur.left -= 1;
                 if cur.left > 0 {
                     return false;
                 }
-                let Some(cur) = ex.cur.take() else {
+                let Some(cur) = ex.striped.remove(&seq) else {
                     return false;
                 };
-                (cur.seq, cur.after, cur.ack, cur.total as usize)
+                (cur.seq, cur.after, cur.total as usize)
             }
             Done::ReadData { seq } => {
                 drop(ex);
-                if let Some(o) = self.sendq.pop_front_if(|o| o.seq == seq) {
-                    qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, o.len, o.signaled);
-                }
-                self.sendq.complete_local_failures(qp);
+                self.read_landed(qp, seq, false);
+                return false;
+            }
+            Done::ReadPart { seq } => {
+                drop(ex);
+                self.read_landed(qp, seq, true);
                 return false;
             }
         };
+        // A request that completes a receive started once every earlier one was done, and no
+        // later one starts before it is done: its receive completes after their data.
         if let After::Recv { slot, opcode, imm } = after {
             qp.complete_recv(slot, WcStatus::Success, opcode, total as u32, imm);
         }
-        ex.done_seq = seq;
-        ex.ack_due |= ack;
+        ex.finish(seq);
         true
+    }
+
+    /// The target executed every request of ours up to `seq` (an ACK, or implied by an answer):
+    /// complete what that completes.
+    fn acked(&self, qp: &QpInner, seq: u64) {
+        let mut a = self.answers.lock().unwrap_or_else(|e| e.into_inner());
+        a.seen = a.seen.max(seq);
+        self.settle(qp, &mut a);
+    }
+
+    /// Completes our requests in order while they may: one without data once the target
+    /// executed it, a READ or atomic once its data has all landed (READ data striped over the
+    /// connections lands in parallel with the ACKs on connection 0, which must not complete a
+    /// READ before its data); then a NAK waiting for the requests before it.
+    fn settle(&self, qp: &QpInner, a: &mut Answers) {
+        while let Some(o) = self.sendq.pop_front_if(|o| {
+            o.error.is_none()
+                && if needs_data(o.opcode) {
+                    a.landed.contains(&o.seq)
+                } else {
+                    o.seq <= a.seen
+                }
+        }) {
+            a.landed.remove(&o.seq);
+            qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, o.len, o.signaled);
+        }
+        if let Some((seq, status)) = a.nak
+            && let Some(o) = self.sendq.pop_front_if(|o| o.seq == seq)
+        {
+            a.nak = None;
+            qp.complete_send(o.wr_id, o.opcode, status, 0, true);
+            qp.request_failed();
+            return;
+        }
+        self.sendq.complete_local_failures(qp);
     }
 
     /// Takes an answer to one of our requests.
@@ -826,71 +982,135 @@ impl Conn {
                 let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
                 ex.ack_upto = ex.ack_upto.max(h.seq);
             }
-            Opcode::Ack => self.sendq.complete_upto(qp, h.seq),
+            Opcode::Ack => self.acked(qp, h.seq),
             Opcode::Nak => {
-                self.sendq.complete_upto(qp, h.seq.saturating_sub(1));
                 let status =
                     WcStatus::from_u32(h.a as u32).unwrap_or(WcStatus::RemoteOperationError);
-                let Some(o) = self.sendq.pop_front_if(|o| o.seq == h.seq) else {
+                if self
+                    .sendq
+                    .find(|o| (o.seq == h.seq).then_some(()))
+                    .is_none()
+                {
                     return Err(format!("NAK for request {} that is not outstanding", h.seq));
-                };
+                }
                 // The target NAKs on a request's header: its payload (and what follows it)
                 // may still be on its way out, and once the failure is polled the caller may
                 // free the buffers it is sent from.
                 self.detach_queued();
-                qp.complete_send(o.wr_id, o.opcode, status, 0, true);
-                qp.request_failed();
+                let mut a = self.answers.lock().unwrap_or_else(|e| e.into_inner());
+                a.seen = a.seen.max(h.seq.saturating_sub(1));
+                a.nak = Some((h.seq, status));
+                self.settle(qp, &mut a);
             }
-            Opcode::ReadResp => {
-                self.sendq.complete_upto(qp, h.seq.saturating_sub(1));
-                let Some((len, dst)) = self.sendq.peek(|o| {
-                    (o.seq == h.seq && o.opcode == WcOpcode::Read).then(|| (o.len, o.dst.clone()))
-                }) else {
-                    return Err(format!(
-                        "READ data for request {} that is not outstanding",
-                        h.seq
-                    ));
-                };
-                if len != h.len {
-                    return Err(format!("READ data of {} bytes for a READ of {len}", h.len));
-                }
-                rx.state = RxState::Payload {
-                    dst,
-                    got: 0,
-                    total: h.len as usize,
-                    done: Done::ReadData { seq: h.seq },
-                    _keep: Keep::new(),
-                    _writing: None,
-                };
-            }
+            Opcode::ReadResp => self.read_data(qp, rx, h)?,
             Opcode::AtomicResp => {
-                self.sendq.complete_upto(qp, h.seq.saturating_sub(1));
-                let Some(o) = self.sendq.pop_front_if(|o| {
-                    o.seq == h.seq && matches!(o.opcode, WcOpcode::CompareSwap | WcOpcode::FetchAdd)
-                }) else {
+                let mut a = self.answers.lock().unwrap_or_else(|e| e.into_inner());
+                a.seen = a.seen.max(h.seq.saturating_sub(1));
+                let copied = self.sendq.find(|o| {
+                    if o.seq != h.seq
+                        || !matches!(o.opcode, WcOpcode::CompareSwap | WcOpcode::FetchAdd)
+                    {
+                        return None;
+                    }
+                    if let Some(d) = o.dst.first().filter(|d| d.1 == 8) {
+                        let bytes = h.a.to_ne_bytes();
+                        // SAFETY: the 8-byte local SGE was validated at post time and is kept
+                        // alive by `o._keep` (the request stays outstanding while the queue's
+                        // lock is held).
+                        unsafe { crate::contract::copy_bytes(bytes.as_ptr(), d.0, 8) };
+                    }
+                    Some(())
+                });
+                if copied.is_none() {
                     return Err(format!(
                         "atomic result for request {} that is not outstanding",
                         h.seq
                     ));
-                };
-                if let Some(d) = o.dst.first().filter(|d| d.1 == 8) {
-                    let bytes = h.a.to_ne_bytes();
-                    // SAFETY: the 8-byte local SGE was validated at post time and is kept alive
-                    // by `o._keep`.
-                    unsafe { crate::contract::copy_bytes(bytes.as_ptr(), d.0, 8) };
                 }
-                qp.complete_send(o.wr_id, o.opcode, WcStatus::Success, 8, o.signaled);
-                self.sendq.complete_local_failures(qp);
+                a.landed.insert(h.seq);
+                self.settle(qp, &mut a);
             }
             _ => return Err(format!("{:?} is not an answer", h.opcode)),
         }
         Ok(())
     }
+
+    /// Takes READ data (all of it, or one part of data striped over the connections): it lands
+    /// straight in the READ's local buffer.
+    fn read_data(&self, qp: &QpInner, rx: &mut Rx, h: Header) -> std::result::Result<(), String> {
+        let mut a = self.answers.lock().unwrap_or_else(|e| e.into_inner());
+        // The target answers in order: every request before this READ was executed.
+        a.seen = a.seen.max(h.seq.saturating_sub(1));
+        self.settle(qp, &mut a);
+        let Some((len, dst)) = self.sendq.find(|o| {
+            (o.seq == h.seq && o.opcode == WcOpcode::Read).then(|| (o.len, o.dst.clone()))
+        }) else {
+            return Err(format!(
+                "READ data for request {} that is not outstanding",
+                h.seq
+            ));
+        };
+        let (dst, done) = if h.flags & PART != 0 {
+            let part = h.part().ok_or("READ data part without its fields")?;
+            if part.total != len {
+                return Err(format!(
+                    "READ data part of a {}-byte READ for a READ of {len}",
+                    part.total
+                ));
+            }
+            a.parts.entry(h.seq).or_insert(part.count);
+            let lo = (h.addr - part.base) as usize;
+            (
+                super::tx::sub_spans(&dst, lo, lo + h.len as usize),
+                Done::ReadPart { seq: h.seq },
+            )
+        } else {
+            if len != h.len {
+                return Err(format!("READ data of {} bytes for a READ of {len}", h.len));
+            }
+            (dst, Done::ReadData { seq: h.seq })
+        };
+        rx.state = RxState::Payload {
+            dst,
+            got: 0,
+            total: h.len as usize,
+            done,
+            _keep: Keep::new(),
+            _writing: None,
+        };
+        Ok(())
+    }
+
+    /// READ data (all of it, or the last part) has landed: the READ completes in order.
+    fn read_landed(&self, qp: &QpInner, seq: u64, part: bool) {
+        let mut a = self.answers.lock().unwrap_or_else(|e| e.into_inner());
+        if part {
+            let Some(left) = a.parts.get_mut(&seq) else {
+                return;
+            };
+            *left -= 1;
+            if *left > 0 {
+                return;
+            }
+            a.parts.remove(&seq);
+        }
+        a.landed.insert(seq);
+        self.settle(qp, &mut a);
+    }
+}
+
+/// Whether a request completes only once data came back for it (READ, atomics).
+fn needs_data(op: WcOpcode) -> bool {
+    matches!(
+        op,
+        WcOpcode::Read | WcOpcode::CompareSwap | WcOpcode::FetchAdd
+    )
 }
 
 /// Request `seq` was executed and its answer (which acknowledges it) is on its way.
 fn responded(ex: &mut Exec, seq: u64) {
     ex.done_seq = seq;
+    ex.started = seq;
     ex.acked_seq = seq;
 }
 

@@ -355,24 +355,16 @@ impl Conn {
         )
     }
 
-    /// Cuts a WRITE into one part per connection (4 KiB aligned) and queues part `j` on
-    /// connection `j`. Called under the post lock.
-    fn post_striped(&self, h: Header, payload: &[Span], keep: &Keep, k: usize) {
+    /// Cuts a WRITE (or a READ's data) into one part per connection (4 KiB aligned) and queues
+    /// part `j` on connection `j`. Called under the post lock (a WRITE) or the target's state
+    /// lock (READ data), so that frames go out in sequence order on every connection.
+    pub(super) fn post_striped(&self, h: Header, payload: &[Span], keep: &Keep, k: usize) {
         let total = h.len as usize;
         let part = total.div_ceil(k).next_multiple_of(4096);
         let parts = total.div_ceil(part);
         for j in 0..parts {
             let (lo, hi) = (j * part, ((j + 1) * part).min(total));
-            let mut sub = Spans::new();
-            let mut at = 0usize;
-            for s in payload {
-                let (a, b) = (at.max(lo), (at + s.1).min(hi));
-                if a < b {
-                    // SAFETY: `a - at < s.1`: the pointer stays inside the span.
-                    sub.push(Span(unsafe { s.0.add(a - at) }, b - a));
-                }
-                at += s.1;
-            }
+            let sub = sub_spans(payload, lo, hi);
             let mut p = h;
             p.len = (hi - lo) as u32;
             p.addr = h.addr + lo as u64;
@@ -385,4 +377,19 @@ impl Conn {
             self.queue(j, TxFrame::new(&p, sub, keep.clone()));
         }
     }
+}
+
+/// The bytes `lo..hi` of what `spans` cover, as spans.
+pub(super) fn sub_spans(spans: &[Span], lo: usize, hi: usize) -> Spans {
+    let mut sub = Spans::new();
+    let mut at = 0usize;
+    for s in spans {
+        let (a, b) = (at.max(lo), (at + s.1).min(hi));
+        if a < b {
+            // SAFETY: `a - at < s.1`: the pointer stays inside the span.
+            sub.push(Span(unsafe { s.0.add(a - at) }, b - a));
+        }
+        at += s.1;
+    }
+    sub
 }

@@ -42,8 +42,11 @@ pub struct DeviceConfig {
     /// own epoll set, driver token and progress thread, and connection `i` of a queue pair is
     /// read by shard `i % shards`, so that the parts of a striped transfer are received in
     /// parallel. Automatic is `min(tcp_nsocks, 4)`: one shard (today's single progress thread)
-    /// for one connection per queue pair, one per connection up to 4 beyond that. More shards
-    /// than `tcp_nsocks` would have nothing to read, so the number is capped at `tcp_nsocks`.
+    /// for one connection per queue pair, one per connection up to 4 beyond that (a thread per
+    /// lane, as oxccl-kv had with a context per lane, for hosts with cores to spare; on a
+    /// 2-vCPU machine a second shard added nothing and cost a few percent of `write_bw`:
+    /// `bench/results/kv-striping-2026-12-06/`). More shards than `tcp_nsocks` would have
+    /// nothing to read, so the number is capped at `tcp_nsocks`.
     pub tcp_progress_threads: usize,
     /// ofi: the libfabric provider (`fi_info -l`), as `FI_PROVIDER` names it: `tcp;ofi_rxm`
     /// (the default: any host), `shm` (one host), `verbs;ofi_rxm`, `efa`, `cxi` on RDMA NICs;

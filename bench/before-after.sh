@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Two builds of oxccl side by side in one run: `oxccl perf` with the same arguments, the two
 # binaries alternating round by round (the machine is shared and noisy: a figure is only
-# compared with its neighbour), then per size the median out-of-place time of each and their
-# ratio (after / before: below 1 means the after build is faster).
+# compared with its neighbour), then per size the median and the best out-of-place time of each
+# and their ratios (after / before: below 1 means the after build is faster).
 #
 # Usage: bench/before-after.sh BEFORE_BIN AFTER_BIN [ROUNDS] -- PERF_ARGS...
 #   e.g. bench/before-after.sh /tmp/oxccl-main target/release/oxccl 6 -- \
@@ -63,8 +63,11 @@ for line in open(sys.argv[1]):
     for c in cells:
         size, us = c.split(":")
         t[which].setdefault(int(size), []).append(float(us))
-print(f"{'size':>10} {'before_us':>10} {'after_us':>10} {'after/before':>12}")
+print("medians, and the best (fastest) round of each: a busy neighbour only ever adds time")
+print(f"{'size':>10} {'before_us':>10} {'after_us':>10} {'after/before':>12}"
+      f" {'best_before':>11} {'best_after':>10} {'best ratio':>10}")
 for size in sorted(t["before"]):
     b, a = statistics.median(t["before"][size]), statistics.median(t["after"][size])
-    print(f"{size:>10} {b:>10.3f} {a:>10.3f} {a / b:>12.3f}")
+    bb, ba = min(t["before"][size]), min(t["after"][size])
+    print(f"{size:>10} {b:>10.3f} {a:>10.3f} {a / b:>12.3f} {bb:>11.3f} {ba:>10.3f} {ba / bb:>10.3f}")
 EOF

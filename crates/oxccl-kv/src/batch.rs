@@ -786,7 +786,7 @@ impl Inner {
         self.progress.notify();
     }
 
-    /// After batches changed under `map`: forgets the ended ones nobody will ask about, wakes
+    /// After batches changed under `map`: forgets the `ended` ones nobody will ask about, wakes
     /// the futures of the batches that `ended`, and sends the notifications that are due.
     fn settle(
         &self,
@@ -794,7 +794,13 @@ impl Inner {
         ended: Vec<BatchId>,
         sends: Vec<(BatchId, NotifySend)>,
     ) {
-        map.retain(|_, b| !(b.done && b.free_when_done));
+        // Only a batch that ended now can have become one to forget (the others were
+        // forgotten when they ended, or are forgotten by whoever marks them).
+        for id in &ended {
+            if map.get(id).is_some_and(|b| b.free_when_done) {
+                map.remove(id);
+            }
+        }
         drop(map);
         for b in ended {
             self.batches.wakers.wake(b);
@@ -804,26 +810,27 @@ impl Inner {
 
     /// Polls the completion queues once, unless another thread does.
     pub(crate) fn poll(&self) {
-        let _ = self.progress.poll(|dev, wc| {
-            self.dispatch(dev, std::slice::from_ref(wc));
-            Ok::<(), ()>(())
-        });
+        let _ = self.progress.poll(|dev, wc| self.on_completion(dev, wc));
     }
 
-    fn dispatch(&self, dev: usize, wcs: &[WorkCompletion]) {
-        // First each completion's connection: its window back, its failure noted. No
-        // batch lock is held here, so a poster copying into a lane (shm) delays nobody else.
-        let mut touched: Vec<Arc<Peer>> = Vec::new();
-        let mut failures: Vec<Option<Failure>> = Vec::with_capacity(wcs.len());
-        for c in wcs {
-            let (_, r) = split_wr_id(c.wr_id);
-            let peer = self.peer_of_lane(dev, c.qp_num);
-            failures.push((!c.is_ok()).then(|| match &peer {
-                Some(p) => describe_status(c.status, p),
-                None => Failure::Peer(c.status.to_string()),
-            }));
-            let Some(p) = peer else { continue };
-            if let Some(f) = failures.last().and_then(|f| f.as_ref()) {
+    /// The progress layer's handler: [`Inner::dispatch`], which cannot fail.
+    fn on_completion(&self, dev: usize, wc: &WorkCompletion) -> std::result::Result<(), ()> {
+        self.dispatch(dev, wc);
+        Ok(())
+    }
+
+    /// Routes one completion: first its queue pair (its window back, its failure noted; no
+    /// batch lock is held there, so a poster copying into a lane on shm delays nobody else),
+    /// then its batch; then posts what the window has room for now.
+    fn dispatch(&self, dev: usize, c: &WorkCompletion) {
+        let (bid, r) = split_wr_id(c.wr_id);
+        let peer = self.peer_of_lane(dev, c.qp_num);
+        let failure = (!c.is_ok()).then(|| match &peer {
+            Some(p) => describe_status(c.status, p),
+            None => Failure::Peer(c.status.to_string()),
+        });
+        if let Some(p) = &peer {
+            if let Some(f) = &failure {
                 let mut slot = p.failed.lock().unwrap_or_else(|e| e.into_inner());
                 if slot.is_none() {
                     *slot = Some(f.text().to_string());
@@ -836,17 +843,12 @@ impl Inner {
                     f.window.give_back(bytes);
                 }
             }
-            if !touched.iter().any(|t| Arc::ptr_eq(t, &p)) {
-                touched.push(p);
-            }
         }
-        // Then the batches.
+        // (Neither vector allocates unless the batch ends or its notification is due.)
         let mut sends = Vec::new();
         let mut ended = Vec::new();
         let mut map = self.batches.lock();
-        for (c, failure) in wcs.iter().zip(failures) {
-            let (bid, r) = split_wr_id(c.wr_id);
-            let Some(b) = map.get_mut(&bid) else { continue };
+        if let Some(b) = map.get_mut(&bid) {
             if r == NOTIFY_REQ {
                 if let Some(n) = b.notify.as_mut() {
                     n.mr = None;
@@ -864,7 +866,7 @@ impl Inner {
             }
         }
         self.settle(map, ended, sends);
-        for p in touched {
+        if let Some(p) = peer {
             self.pump(&p);
         }
     }
@@ -896,6 +898,9 @@ impl Inner {
                     }
                 }
                 let ended = b.done;
+                if ended && b.free_when_done {
+                    map.remove(&bid);
+                }
                 drop(map);
                 if ended {
                     self.batches.wakers.wake(bid);
@@ -914,10 +919,7 @@ impl Inner {
                 .ok_or_else(|| Error::arg(format!("batch {batch} is unknown (freed?)")))?;
             b.reqs.first().map_or(0, |r| r.peer.dev())
         };
-        let handle = |dev: usize, wc: &WorkCompletion| {
-            self.dispatch(dev, std::slice::from_ref(wc));
-            Ok::<(), ()>(())
-        };
+        let handle = |dev: usize, wc: &WorkCompletion| self.on_completion(dev, wc);
         let ready = || {
             let map = self.batches.lock();
             let Some(b) = map.get(&batch) else {
@@ -983,7 +985,7 @@ impl Driven for Inner {
     }
 
     fn handle(&self, dev: usize, wc: &WorkCompletion) {
-        self.dispatch(dev, std::slice::from_ref(wc));
+        self.dispatch(dev, wc);
     }
 }
 

@@ -119,15 +119,11 @@ impl Communicator {
     pub fn grow(&self, count: usize) -> Result<Communicator> {
         let rank = self.inner.rank;
         let n = self.inner.world;
-        let g = {
-            let mut s = self
-                .inner
-                .grow_seq
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            *s += 1;
-            *s
-        };
+        let g = self
+            .inner
+            .grow_seq
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
         let fail = |detail: String| Error::Grow {
             who: format!("rank {rank}"),
             detail: format!("grow {g} of a communicator of {n} ranks: {detail}"),

@@ -174,11 +174,12 @@ struct Inner {
     /// The timeout of later calls, in nanoseconds ([`Communicator::set_timeout`]).
     timeout_ns: AtomicU64,
     bootstrap: Arc<Bootstrap>,
-    split_seq: Mutex<u64>,
+    /// Splits started ([`Communicator::split`]).
+    split_seq: AtomicU64,
     /// Shrinks started (the epoch of the next is one more: [`Communicator::shrink`]).
-    shrink_seq: Mutex<u64>,
+    shrink_seq: AtomicU64,
     /// Grows started ([`Communicator::grow`]).
-    grow_seq: Mutex<u64>,
+    grow_seq: AtomicU64,
     /// The job id newcomers join under ([`Communicator::join`]): this communicator's
     /// bootstrap job id, or the one of the communicator it was shrunk or grown from.
     lineage: Mutex<String>,
@@ -1075,15 +1076,7 @@ impl Communicator {
         let mine = [color.map_or(-1i64, i64::from), i64::from(key)];
         let mut all = vec![0i64; 2 * self.inner.world];
         self.all_gather(&mine, &mut all)?;
-        let seq = {
-            let mut s = self
-                .inner
-                .split_seq
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            *s += 1;
-            *s
-        };
+        let seq = self.inner.split_seq.fetch_add(1, Ordering::Relaxed) + 1;
         let Some(color) = color else { return Ok(None) };
         let mut members: Vec<(i64, usize)> = (0..self.inner.world)
             .filter(|&r| all[2 * r] == i64::from(color))

@@ -163,15 +163,11 @@ impl Communicator {
         let timeout = self.timeout();
         let mut last_missing = BTreeSet::new();
         for _ in 0..MAX_ATTEMPTS {
-            let epoch = {
-                let mut s = self
-                    .inner
-                    .shrink_seq
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner());
-                *s += 1;
-                *s
-            };
+            let epoch = self
+                .inner
+                .shrink_seq
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                + 1;
             match self.shrink_epoch(epoch, &suspects, timeout)? {
                 Epoch::Done(c) => return Ok(c),
                 Epoch::Retry(more) => {
@@ -186,11 +182,10 @@ impl Communicator {
         }
         Err(Error::Shrink {
             rank,
-            epoch: *self
+            epoch: self
                 .inner
                 .shrink_seq
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()),
+                .load(std::sync::atomic::Ordering::Relaxed),
             detail: format!("gave up after {MAX_ATTEMPTS} epochs, each with ranks dying"),
             missing: last_missing.into_iter().collect(),
         })

@@ -1,10 +1,11 @@
 //! Fuzzes the tcp provider's wire decoder (`crates/oxccl-verbs/src/tcp/frame.rs`).
 //!
-//! The input is read the way a connection's receive side reads its stream: an optional 40-byte
-//! hello, then 64-byte headers, each followed by its payload. Every header that decodes must
+//! The input is read the way a connection's receive side reads its stream: an optional
+//! `HELLO_LEN`-byte hello, then 64-byte headers, each followed by its payload. Every header that decodes must
 //! re-encode to the very same bytes and satisfy the per-opcode rules (payload caps, fixed lengths,
 //! NAK status, flags and the fields of a striped part); every rejection must name what is wrong
-//! with the bytes. `decode_hello` is also fed the first 40 bytes of every input, hello or not.
+//! with the bytes. `decode_hello` is also fed the first `HELLO_LEN` bytes of every input, hello or
+//! not.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

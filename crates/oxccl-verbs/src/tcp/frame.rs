@@ -294,9 +294,14 @@ impl Header {
 }
 
 /// The first message on a new connection: which queue pair it is for, proven by its secret
-/// token, and which of the queue pair's connections it is.
-pub const HELLO_LEN: usize = 40;
-const HELLO_MAGIC: [u8; 8] = *b"OXTHELO2";
+/// token, which of the queue pair's connections it is, and, on a sealed queue pair, the
+/// initiator's fresh nonce.
+pub const HELLO_LEN: usize = 80;
+const HELLO_MAGIC: [u8; 8] = *b"OXTHELO3";
+/// Hello and reply flag: the connection is sealed (the nonce field holds a nonce).
+const SEALED: u32 = 1;
+/// Bytes of a fresh per-connection nonce (`oxccl_seal::NONCE_LEN`).
+pub const NONCE_LEN: usize = 32;
 
 /// A decoded hello.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -312,6 +317,8 @@ pub struct Hello {
     pub index: u32,
     /// How many connections the queue pair has (`1..=MAX_PARTS`).
     pub count: u32,
+    /// The initiator's fresh nonce when it wants the connection sealed; `None`: plain.
+    pub nonce: Option<[u8; NONCE_LEN]>,
 }
 
 /// Encodes a hello.
@@ -323,6 +330,10 @@ pub fn encode_hello(h: &Hello) -> [u8; HELLO_LEN] {
     b[24..32].copy_from_slice(&h.rnr_us.to_le_bytes());
     b[32..36].copy_from_slice(&h.index.to_le_bytes());
     b[36..40].copy_from_slice(&h.count.to_le_bytes());
+    if let Some(n) = &h.nonce {
+        b[40..44].copy_from_slice(&SEALED.to_le_bytes());
+        b[48..80].copy_from_slice(n);
+    }
     b
 }
 
@@ -333,15 +344,90 @@ pub fn decode_hello(b: &[u8; HELLO_LEN]) -> Option<Hello> {
     }
     let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]));
     let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap_or([0; 4]));
+    let nonce = decode_nonce(u32_at(40), u32_at(44), &b[48..80])?;
     let h = Hello {
         target: u64_at(8),
         initiator: u64_at(16),
         rnr_us: u64_at(24),
         index: u32_at(32),
         count: u32_at(36),
+        nonce,
     };
     ((1..=MAX_PARTS as u32).contains(&h.count) && h.index < h.count).then_some(h)
 }
+
+/// The nonce field of a hello or reply: `Some(None)` plain (flags 0, the field zero),
+/// `Some(Some(nonce))` sealed, `None` malformed.
+fn decode_nonce(flags: u32, reserved: u32, field: &[u8]) -> Option<Option<[u8; NONCE_LEN]>> {
+    let nonce: [u8; NONCE_LEN] = field.try_into().ok()?;
+    match (flags, reserved) {
+        (0, 0) if nonce == [0; NONCE_LEN] => Some(None),
+        (SEALED, 0) => Some(Some(nonce)),
+        _ => None,
+    }
+}
+
+/// The acceptor's answer to a hello.
+pub const REPLY_LEN: usize = 56;
+
+/// What the acceptor answers: whether it takes the connection, its RNR budget, and, on a
+/// sealed connection, its fresh nonce.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reply {
+    /// [`Verdict`] of the acceptor.
+    pub verdict: Verdict,
+    /// The acceptor's RNR budget in µs.
+    pub rnr_us: u64,
+    /// The acceptor's fresh nonce on a sealed connection.
+    pub nonce: Option<[u8; NONCE_LEN]>,
+}
+
+/// Whether the acceptor takes a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u64)]
+pub enum Verdict {
+    /// Refused: the queue pair is gone, or not connecting to this peer.
+    Refused = 0,
+    /// Accepted.
+    Accepted = 1,
+    /// Refused: the acceptor's queue pair is sealed and the hello is plain.
+    WantsSealed = 2,
+    /// Refused: the acceptor's queue pair is plain and the hello is sealed.
+    WantsPlain = 3,
+}
+
+/// Encodes a reply.
+pub fn encode_reply(r: &Reply) -> [u8; REPLY_LEN] {
+    let mut b = [0u8; REPLY_LEN];
+    b[0..8].copy_from_slice(&(r.verdict as u64).to_le_bytes());
+    b[8..16].copy_from_slice(&r.rnr_us.to_le_bytes());
+    if let Some(n) = &r.nonce {
+        b[16..20].copy_from_slice(&SEALED.to_le_bytes());
+        b[24..56].copy_from_slice(n);
+    }
+    b
+}
+
+/// Decodes a reply; `None` for anything [`encode_reply`] does not make.
+pub fn decode_reply(b: &[u8; REPLY_LEN]) -> Option<Reply> {
+    let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap_or([0; 4]));
+    let verdict = match u64::from_le_bytes(b[0..8].try_into().unwrap_or([0xff; 8])) {
+        0 => Verdict::Refused,
+        1 => Verdict::Accepted,
+        2 => Verdict::WantsSealed,
+        3 => Verdict::WantsPlain,
+        _ => return None,
+    };
+    Some(Reply {
+        verdict,
+        rnr_us: u64::from_le_bytes(b[8..16].try_into().unwrap_or([0; 8])),
+        nonce: decode_nonce(u32_at(16), u32_at(20), &b[24..56])?,
+    })
+}
+
+/// The plaintext of each side's first record on a sealed connection (key confirmation: a peer
+/// with another job key, or a hello altered on the path, fails it at connect).
+pub const FINISHED: &[u8] = b"oxccl tcp qp v1 finished";
 
 #[cfg(test)]
 mod tests {
@@ -405,8 +491,42 @@ mod tests {
             rnr_us: 3,
             index: 1,
             count: 4,
+            nonce: None,
         };
         assert_eq!(decode_hello(&encode_hello(&hello)), Some(hello));
+        let sealed = Hello {
+            nonce: Some([7; NONCE_LEN]),
+            ..hello
+        };
+        assert_eq!(decode_hello(&encode_hello(&sealed)), Some(sealed));
+        // A plain hello with a nonce, or unknown flags, is malformed.
+        let mut b = encode_hello(&hello);
+        b[50] = 1;
+        assert_eq!(decode_hello(&b), None);
+        let mut b = encode_hello(&sealed);
+        b[40] = 2;
+        assert_eq!(decode_hello(&b), None);
+        for r in [
+            Reply {
+                verdict: Verdict::Accepted,
+                rnr_us: 9,
+                nonce: Some([3; NONCE_LEN]),
+            },
+            Reply {
+                verdict: Verdict::WantsPlain,
+                rnr_us: 0,
+                nonce: None,
+            },
+        ] {
+            assert_eq!(decode_reply(&encode_reply(&r)), Some(r));
+        }
+        let mut b = encode_reply(&Reply {
+            verdict: Verdict::Refused,
+            rnr_us: 0,
+            nonce: None,
+        });
+        b[0] = 9;
+        assert_eq!(decode_reply(&b), None);
         assert_eq!(decode_hello(&[0; HELLO_LEN]), None);
         let bad = Hello { index: 4, ..hello };
         assert_eq!(decode_hello(&encode_hello(&bad)), None);
@@ -444,6 +564,22 @@ mod tests {
             let h: [u8; HEADER_LEN] = bytes.try_into().unwrap();
             if let Ok(hdr) = Header::decode(&h) {
                 prop_assert_eq!(hdr.encode(), h);
+            }
+        }
+
+        #[test]
+        fn hello_and_reply_decode_only_what_encodes(bytes in proptest::collection::vec(any::<u8>(), HELLO_LEN), sealed in any::<bool>()) {
+            let mut b: [u8; HELLO_LEN] = bytes.try_into().unwrap();
+            b[0..8].copy_from_slice(&HELLO_MAGIC);
+            if !sealed {
+                b[40..48].fill(0);
+            }
+            if let Some(h) = decode_hello(&b) {
+                prop_assert_eq!(encode_hello(&h), b);
+            }
+            let r: [u8; REPLY_LEN] = b[..REPLY_LEN].try_into().unwrap();
+            if let Some(x) = decode_reply(&r) {
+                prop_assert_eq!(encode_reply(&x), r);
             }
         }
     }

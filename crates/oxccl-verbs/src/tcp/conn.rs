@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use rustix::event::epoll;
 
-use super::frame::Hello;
+use oxccl_seal::{JobKey, Session};
+
+use super::frame::{self, Hello};
 use super::rx::{Answers, Exec, Rx};
 use super::tx::Tx;
 use super::{Shared, read_reply, send_hello};
@@ -29,6 +31,10 @@ pub(super) struct Sock {
     pub stalled: AtomicBool,
 }
 
+/// An accepted connection waiting for `connect` to name its peer: its hello, epoll key, socket
+/// and, when sealed, its keys.
+type Parked = (Hello, u64, TcpStream, Option<Session>);
+
 /// One queue pair's connections.
 pub(crate) struct Conn {
     /// The context's settings (copied: read on every frame).
@@ -42,8 +48,15 @@ pub(crate) struct Conn {
     socks: OnceLock<Box<[Sock]>>,
     /// How many of them are attached to a socket.
     attached: AtomicU32,
-    /// Connections that arrived before `connect`: (hello, epoll key, socket).
-    parked: Mutex<Vec<(Hello, u64, TcpStream)>>,
+    /// Connections that arrived before `connect`: (hello, epoll key, socket, keys if sealed).
+    parked: Mutex<Vec<Parked>>,
+    /// The job key when the queue pair's connections are sealed ([`QpConfig::seal`]).
+    ///
+    /// [`QpConfig::seal`]: crate::QpConfig
+    pub(super) seal: Option<JobKey>,
+    /// Why the last connection from a peer not yet named was refused (said if the peer never
+    /// connects).
+    refusal: Mutex<Option<String>>,
     /// Our requests in flight.
     pub(super) sendq: SendQueue,
     pub(super) exec: Mutex<Exec>,
@@ -68,7 +81,13 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
-    pub(super) fn new(shared: &Arc<Shared>, qp: Weak<QpInner>, local_token: u64, rnr: u64) -> Conn {
+    pub(super) fn new(
+        shared: &Arc<Shared>,
+        qp: Weak<QpInner>,
+        local_token: u64,
+        rnr: u64,
+        seal: Option<JobKey>,
+    ) -> Conn {
         Conn {
             tuning: shared.tuning,
             shared: Arc::downgrade(shared),
@@ -78,6 +97,8 @@ impl Conn {
             socks: OnceLock::new(),
             attached: AtomicU32::new(0),
             parked: Mutex::new(Vec::new()),
+            seal,
+            refusal: Mutex::new(None),
             sendq: SendQueue::default(),
             exec: Mutex::new(Exec::default()),
             answers: Mutex::new(Answers::default()),
@@ -152,13 +173,31 @@ impl Conn {
     }
 
     /// An accepted connection said hello: attach it, or park it until `connect` names the peer.
-    pub(super) fn arrived(self: &Arc<Self>, h: Hello, key: u64, sock: TcpStream) {
+    pub(super) fn arrived(
+        self: &Arc<Self>,
+        h: Hello,
+        key: u64,
+        sock: TcpStream,
+        session: Option<Session>,
+    ) {
         self.parked
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .push((h, key, sock));
+            .push((h, key, sock, session));
         if self.remote_token.load(Ordering::Acquire) != 0 {
             self.unpark();
+        }
+    }
+
+    /// A connection from the peer `initiator` was refused for `why` (its sealing differs from
+    /// ours): the queue pair fails at once when that is its named peer; otherwise the reason is
+    /// kept for the error if the peer never connects.
+    pub(super) fn refused(&self, initiator: u64, why: &str) {
+        let why = format!("refused the peer's connection: {why}");
+        if self.remote_token.load(Ordering::Acquire) == initiator {
+            self.fail(&why);
+        } else {
+            *self.refusal.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
         }
     }
 
@@ -166,7 +205,7 @@ impl Conn {
     fn unpark(&self) {
         let remote = self.remote_token.load(Ordering::Acquire);
         let parked = std::mem::take(&mut *self.parked.lock().unwrap_or_else(|e| e.into_inner()));
-        for (h, key, sock) in parked {
+        for (h, key, sock, session) in parked {
             let ok = h.initiator == remote && h.count as usize == self.socks().len();
             if !ok {
                 if let Some(sh) = self.shared.upgrade() {
@@ -175,7 +214,8 @@ impl Conn {
                 }
                 continue;
             }
-            if let Err(e) = self.attach(h.index as usize, Some(key), sock) {
+            // The acceptor confirms the keys on the initiator's first record.
+            if let Err(e) = self.attach(h.index as usize, Some(key), sock, session, false) {
                 self.fail(&format!("attaching connection {}: {e}", h.index));
             }
         }
@@ -213,27 +253,60 @@ impl Conn {
             };
             sock.set_read_timeout(Some(timeout.max(Duration::from_millis(100))))
                 .map_err(|e| Error::os(format!("handshake with {addr}"), e))?;
+            let nonce = self.seal.as_ref().map(|_| oxccl_seal::fresh_nonce());
             let hello = Hello {
                 target: self.remote_token.load(Ordering::Acquire),
                 initiator: self.local_token,
                 rnr_us: self.my_rnr_us,
                 index,
                 count,
+                nonce,
             };
             send_hello(&mut sock, addr, &hello)?;
             if let Some(c) = cancel {
                 wait_reply(&sock, addr, deadline, c)?;
             }
-            let rnr = read_reply(&mut sock, addr)?;
-            self.peer_rnr_us.store(rnr, Ordering::Relaxed);
-            self.attach(index as usize, None, sock)?;
+            let (reply, reply_bytes) = read_reply(&mut sock, addr)?;
+            self.peer_rnr_us.store(reply.rnr_us, Ordering::Relaxed);
+            let session = match (&self.seal, nonce) {
+                (Some(k), Some(ours)) => {
+                    let Some(theirs) = reply.nonce else {
+                        return Err(Error::arg(format!(
+                            "the peer at {addr} accepted a sealed connection with a plain reply \
+                             (connection {index})"
+                        )));
+                    };
+                    let transcript = super::transcript(&frame::encode_hello(&hello), &reply_bytes);
+                    let s = k.session(oxccl_seal::Role::Initiator, &ours, &theirs, &transcript);
+                    Some(confirm_keys(&mut sock, addr, index, s)?)
+                }
+                _ if reply.nonce.is_some() => {
+                    return Err(Error::arg(format!(
+                        "the peer at {addr} answered a plain hello with a sealed reply \
+                         (connection {index})"
+                    )));
+                }
+                _ => None,
+            };
+            self.attach(index as usize, None, sock, session, true)?;
         }
         Ok(())
     }
 
     /// Makes `sock` connection `idx`: configures it and watches it (under `key` when epoll
     /// already has it: an accepted connection).
-    fn attach(&self, idx: usize, key: Option<u64>, sock: TcpStream) -> Result<()> {
+    ///
+    /// A sealed connection (`session`) sends and receives records from now on; `confirmed`
+    /// says whether the peer's key confirmation was already read (the initiator reads it in
+    /// the handshake; the acceptor's first record must be it).
+    fn attach(
+        &self,
+        idx: usize,
+        key: Option<u64>,
+        sock: TcpStream,
+        session: Option<Session>,
+        confirmed: bool,
+    ) -> Result<()> {
         let io = |e: std::io::Error| Error::os("configuring the queue pair's socket", e);
         sock.set_nodelay(true).map_err(io)?;
         sock.set_read_timeout(None).map_err(io)?;
@@ -264,6 +337,21 @@ impl Conn {
             .get(&self.local_token)
             .cloned()
             .ok_or_else(|| Error::arg("queue pair destroyed"))?;
+        let peer = sock
+            .peer_addr()
+            .map_or_else(|_| "an unknown address".to_string(), |a| a.to_string());
+        if s.stream.get().is_some() {
+            return Err(Error::arg("queue pair already connected"));
+        }
+        if let Some(session) = session {
+            let what = format!("sealed connection {idx} with {peer}");
+            s.rx.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .seal(session.rx, confirmed, what);
+            s.tx.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .seal(session.tx);
+        }
         if s.stream.set(sock).is_err() {
             return Err(Error::arg("queue pair already connected"));
         }
@@ -337,7 +425,7 @@ impl Conn {
                 .clear();
         }
         let parked = std::mem::take(&mut *self.parked.lock().unwrap_or_else(|e| e.into_inner()));
-        for (_, _, st) in parked {
+        for (_, _, st, _) in parked {
             if let Some(sh) = &sh {
                 let _ = epoll::delete(&sh.shards[0].epoll, &st);
             }
@@ -427,7 +515,17 @@ impl Conn {
         if !self.is_up() {
             let by = *self.attach_by.lock().unwrap_or_else(|e| e.into_inner());
             if by.is_some_and(|by| Instant::now() >= by) {
-                self.fail("the peer never connected within the queue pair's timeout");
+                let refusal = self
+                    .refusal
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take();
+                self.fail(&match refusal {
+                    Some(r) => format!(
+                        "the peer never connected within the queue pair's timeout (this side {r})"
+                    ),
+                    None => "the peer never connected within the queue pair's timeout".into(),
+                });
             }
             return;
         }
@@ -467,6 +565,47 @@ impl Conn {
             tx.frames.iter_mut().for_each(|f| f.detach());
         }
     }
+}
+
+/// The initiator's key confirmation on a sealed connection (its socket still blocking, with
+/// the handshake's read timeout): reads the acceptor's first record, which must open to
+/// [`frame::FINISHED`] (a peer with another job key, or a hello or reply altered on the path,
+/// fails here, at connect), then sends its own.
+fn confirm_keys(
+    sock: &mut TcpStream,
+    addr: SocketAddr,
+    index: u32,
+    mut s: Session,
+) -> Result<Session> {
+    use std::io::{Read, Write};
+    let io = |e: std::io::Error| {
+        Error::os(
+            format!("key confirmation with {addr} (sealed connection {index})"),
+            e,
+        )
+    };
+    let refused = |e: oxccl_seal::SealError| {
+        Error::arg(format!(
+            "key confirmation with the peer at {addr} failed (sealed connection {index}): {e}: \
+             the peer has another job key, or the handshake was altered on the path"
+        ))
+    };
+    let mut header = [0u8; oxccl_seal::HEADER_LEN];
+    sock.read_exact(&mut header).map_err(io)?;
+    let len = s.rx.check_header(&header).map_err(refused)?;
+    let mut body = vec![0u8; len];
+    sock.read_exact(&mut body).map_err(io)?;
+    let plain = s.rx.open_record(&header, &mut body).map_err(refused)?;
+    if plain != frame::FINISHED {
+        return Err(Error::arg(format!(
+            "key confirmation with the peer at {addr} failed (sealed connection {index}): its \
+             first record is not the handshake's end"
+        )));
+    }
+    let mut out = Vec::with_capacity(64);
+    s.tx.seal(frame::FINISHED, &mut out);
+    sock.write_all(&out).map_err(io)?;
+    Ok(s)
 }
 
 /// Waits until the handshake's reply can be read, looking at `cancel` every 100 ms (a peer

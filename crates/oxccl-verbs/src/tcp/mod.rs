@@ -71,6 +71,31 @@
 //! that drops (process death, TCP user timeout) moves the queue pair to ERR: the first
 //! outstanding request of each queue completes with `RetryExceeded`, the rest are flushed.
 //!
+//! # Sealed queue pairs
+//!
+//! A queue pair whose [`QpConfig::seal`](crate::QpConfig) holds a job key seals its
+//! connections (both ends must, with the same key: a sealed side refuses a plain hello, and a
+//! plain side a sealed one, each saying which wants what). The hello and its reply carry a
+//! flag and a fresh nonce each way ([`frame::Hello`], [`frame::Reply`]); each connection's keys
+//! are `JobKey::session` of both nonces and both messages' bytes (a hello or reply altered on
+//! the path breaks them), so the stripes of a queue pair have keys of their own. Each side's
+//! first record is [`frame::FINISHED`]: the acceptor sends it behind its reply, the initiator
+//! reads and checks it in `connect` (a peer with another key fails the connect there, naming
+//! its address) and answers with its own, which the acceptor's receive side checks before
+//! anything else.
+//!
+//! Then every frame, both ways, travels in AEAD records (`oxccl_seal`): the sending side cuts
+//! its queued frames into records of at most `MAX_RECORD` bytes (several small frames share
+//! one, a payload is cut at record bounds), seals them into a buffer of the connection and
+//! writes that (`Conn::flush_sealed`). The receiving side reads the ciphertext ahead,
+//! non-blocking as before, authenticates and decrypts each whole record in place and only
+//! then copies its plaintext into the stage the frame parser reads, which never receives
+//! straight from the socket on a sealed connection: a payload's bytes reach target memory only
+//! after their record authenticated, so a WRITE that fits in one record and is tampered with
+//! never lands. A record that fails (tampered, replayed, dropped, reordered: the record's
+//! sequence number is authenticated) fails the queue pair like a broken connection, with an
+//! error naming the connection, the peer's address and what failed.
+//!
 //! [`DeviceConfig::tcp_busy_poll`](crate::DeviceConfig) makes the progress thread busy-poll
 //! when it drives; by default it blocks in `epoll_wait`. The listener binds
 //! [`DeviceConfig::tcp_addr`](crate::DeviceConfig), which is also the address peers are given.
@@ -98,7 +123,7 @@ use rustix::event::epoll;
 use crate::contract::{OpenArgs, ProviderContext, QpSetup, QpTransport, RegionMap};
 use crate::model::{Error, Result};
 use conn::Conn;
-use frame::{HELLO_LEN, Hello};
+use frame::{HELLO_LEN, Hello, Reply, Verdict};
 
 /// Opens the tcp half of a context: its listener and progress thread, configured by the
 /// `tcp_*` fields of the context's [`DeviceConfig`](crate::DeviceConfig).
@@ -127,7 +152,12 @@ impl ProviderContext for TcpContext {
     fn create_qp(&self, setup: &QpSetup<'_>) -> Result<Box<dyn QpTransport>> {
         let rnr_us = setup.rnr_budget_us();
         let shared = self.engine.shared.clone();
-        let conn = shared.conn(setup.qp.clone(), setup.token, rnr_us);
+        let conn = shared.conn(
+            setup.qp.clone(),
+            setup.token,
+            rnr_us,
+            setup.cfg.seal.clone(),
+        );
         Ok(Box::new(qp::TcpQp {
             shared,
             conn,
@@ -433,8 +463,9 @@ impl Shared {
         qp: std::sync::Weak<crate::contract::QpInner>,
         local_token: u64,
         rnr_us: u64,
+        seal: Option<oxccl_seal::JobKey>,
     ) -> Arc<Conn> {
-        let c = Arc::new(Conn::new(self, qp, local_token, rnr_us));
+        let c = Arc::new(Conn::new(self, qp, local_token, rnr_us, seal));
         self.conns
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -760,13 +791,18 @@ impl Shared {
         mut sock: TcpStream,
         buf: &[u8; HELLO_LEN],
     ) -> std::result::Result<(), String> {
-        let refuse = |mut sock: &TcpStream, why: &str| {
+        let refuse = |mut sock: &TcpStream, verdict: Verdict, why: &str| {
             let _ = epoll::delete(&self.shards[0].epoll, sock);
-            let _ = sock.write_all(&[0u8; 16]);
+            let reply = Reply {
+                verdict,
+                rnr_us: 0,
+                nonce: None,
+            };
+            let _ = sock.write_all(&frame::encode_reply(&reply));
             Err(why.to_string())
         };
         let Some(hello) = frame::decode_hello(buf) else {
-            return refuse(&sock, "malformed hello");
+            return refuse(&sock, Verdict::Refused, "malformed hello");
         };
         let conn = self
             .conns
@@ -777,38 +813,96 @@ impl Shared {
         let Some(conn) = conn.filter(|c| !c.dead.load(Ordering::Acquire)) else {
             return refuse(
                 &sock,
+                Verdict::Refused,
                 "no queue pair is waiting for this peer (wrong or stale token)",
             );
         };
         if let Err(why) = conn.accepts(&hello) {
-            return refuse(&sock, &why);
+            return refuse(&sock, Verdict::Refused, &why);
         }
-        let mut reply = [0u8; 16];
-        reply[0..8].copy_from_slice(&1u64.to_le_bytes());
-        reply[8..16].copy_from_slice(&conn.my_rnr_us.to_le_bytes());
-        // A fresh socket's send buffer takes 16 bytes at once.
-        sock.write_all(&reply).map_err(|e| e.to_string())?;
+        let mismatch = match (&conn.seal, hello.nonce) {
+            (Some(_), None) => Some((
+                Verdict::WantsSealed,
+                "its hello is plain, and this queue pair is sealed (encrypted): both ends must \
+                 seal (OXCCL_ENCRYPT, QpConfig::seal)",
+            )),
+            (None, Some(_)) => Some((
+                Verdict::WantsPlain,
+                "its hello asks for a sealed (encrypted) connection, and this queue pair is \
+                 plain: both ends must seal (OXCCL_ENCRYPT, QpConfig::seal)",
+            )),
+            _ => None,
+        };
+        if let Some((verdict, why)) = mismatch {
+            conn.refused(hello.initiator, why);
+            return refuse(&sock, verdict, why);
+        }
+        let nonce = conn.seal.as_ref().map(|_| oxccl_seal::fresh_nonce());
+        let reply = frame::encode_reply(&Reply {
+            verdict: Verdict::Accepted,
+            rnr_us: conn.my_rnr_us,
+            nonce,
+        });
+        let mut out = reply.to_vec();
+        // A sealed connection: keys bound to both nonces and both hellos, and this side's
+        // first record (key confirmation) right behind the reply.
+        let session = match (&conn.seal, hello.nonce, nonce) {
+            (Some(k), Some(theirs), Some(ours)) => {
+                let mut s = k.session(
+                    oxccl_seal::Role::Acceptor,
+                    &theirs,
+                    &ours,
+                    &transcript(buf, &reply),
+                );
+                s.tx.seal(frame::FINISHED, &mut out);
+                Some(s)
+            }
+            _ => None,
+        };
+        // A fresh socket's send buffer takes the reply (and a first record) at once.
+        sock.write_all(&out).map_err(|e| e.to_string())?;
         conn.peer_rnr_us.store(hello.rnr_us, Ordering::Relaxed);
-        conn.arrived(hello, key, sock);
+        conn.arrived(hello, key, sock, session);
         Ok(())
     }
 }
 
-/// What a connecting side learns from the hello's reply: whether it was accepted, and the
-/// target's RNR budget.
-fn read_reply(sock: &mut TcpStream, addr: SocketAddr) -> Result<u64> {
+/// What both sides of a sealed connection saw of its handshake (the keys are bound to it, so
+/// that a hello or reply altered on the path breaks them).
+fn transcript(hello: &[u8; HELLO_LEN], reply: &[u8; frame::REPLY_LEN]) -> Vec<u8> {
+    let mut t = Vec::with_capacity(HELLO_LEN + frame::REPLY_LEN);
+    t.extend_from_slice(hello);
+    t.extend_from_slice(reply);
+    t
+}
+
+/// What a connecting side learns from the hello's reply: whether it was accepted, the
+/// target's RNR budget and, on a sealed connection, its nonce (with the reply's bytes).
+fn read_reply(sock: &mut TcpStream, addr: SocketAddr) -> Result<(Reply, [u8; frame::REPLY_LEN])> {
     let io = |e: std::io::Error| Error::os(format!("handshake with {addr}"), e);
-    let mut reply = [0u8; 16];
-    sock.read_exact(&mut reply).map_err(io)?;
-    if u64::from_le_bytes(reply[0..8].try_into().unwrap_or_default()) != 1 {
-        return Err(Error::arg(format!(
-            "the peer at {addr} refused the connection: its queue pair is gone or not \
-             connecting to us"
-        )));
-    }
-    Ok(u64::from_le_bytes(
-        reply[8..16].try_into().unwrap_or_default(),
-    ))
+    let mut bytes = [0u8; frame::REPLY_LEN];
+    sock.read_exact(&mut bytes).map_err(io)?;
+    let reply = frame::decode_reply(&bytes).ok_or_else(|| {
+        Error::arg(format!(
+            "the peer at {addr} answered the hello with a malformed reply (not an oxccl tcp \
+             queue pair of this version?)"
+        ))
+    })?;
+    let why = match reply.verdict {
+        Verdict::Accepted => return Ok((reply, bytes)),
+        Verdict::Refused => "its queue pair is gone or not connecting to us",
+        Verdict::WantsSealed => {
+            "its queue pair is sealed (encrypted) and ours is plain: both ends must seal \
+             (OXCCL_ENCRYPT, QpConfig::seal)"
+        }
+        Verdict::WantsPlain => {
+            "its queue pair is plain and ours is sealed (encrypted): both ends must seal \
+             (OXCCL_ENCRYPT, QpConfig::seal)"
+        }
+    };
+    Err(Error::arg(format!(
+        "the peer at {addr} refused the connection: {why}"
+    )))
 }
 
 /// The listener address a tcp endpoint advertises.

@@ -12,7 +12,9 @@ use smallvec::SmallVec;
 
 use super::STRIPE_MIN;
 use super::conn::Conn;
-use super::frame::{ACK_EVERY, ACK_REQ, HEADER_LEN, Header, Opcode, PART};
+use oxccl_seal::{HEADER_LEN as SEAL_HEADER, MAX_RECORD, Opener, SealError, TAG_LEN};
+
+use super::frame::{ACK_EVERY, ACK_REQ, FINISHED, HEADER_LEN, Header, Opcode, PART};
 use super::tx::TxFrame;
 use crate::contract::sendq::{Keep, Spans};
 use crate::contract::{MrInner, QpInner, Span, Writing, key_index};
@@ -83,10 +85,43 @@ const FRESH: RxState = RxState::Header {
 /// One connection's receive side.
 pub(super) struct Rx {
     state: RxState,
-    /// Read-ahead: `stage[lo..hi]` is received and not yet used.
+    /// Read-ahead: `stage[lo..hi]` is received and not yet used (on a sealed connection:
+    /// authenticated plaintext).
     stage: Vec<u8>,
     lo: usize,
     hi: usize,
+    /// A sealed connection's receiving keys and the ciphertext read ahead.
+    seal: Option<Box<RxSeal>>,
+}
+
+/// The receiving half of a sealed connection. Its ciphertext is read ahead into the stage
+/// itself, at `stage[lo..hi]` of this struct; the next whole record there is authenticated and
+/// decrypted in place, and only then does its plaintext become the stage's readable window
+/// (`Rx::lo..Rx::hi`) for the frame parser: nothing of a record is parsed, let alone reaches
+/// target memory, before its tag checked, and no byte is copied on the way but the parser's
+/// own copy into the target.
+struct RxSeal {
+    opener: Opener,
+    /// Ciphertext read ahead and not yet opened: `Rx::stage[lo..hi]`.
+    lo: usize,
+    hi: usize,
+    /// The peer's first record (key confirmation) was read.
+    confirmed: bool,
+    /// The connection, for errors: "sealed connection 1 with 10.0.0.2:4711".
+    what: String,
+}
+
+/// A whole record, header to tag.
+const RECORD_MAX: usize = SEAL_HEADER + MAX_RECORD + TAG_LEN;
+/// A sealed connection's stage: four whole records of ciphertext (a partial record is moved
+/// to the front only when it would not fit after the records before it).
+const SEALED_STAGE: usize = 4 * RECORD_MAX;
+
+/// Why a read of the socket into the stage failed.
+enum Fill {
+    Os(rustix::io::Errno),
+    /// A record failed (the reason, naming the connection and the record).
+    Sealed(String),
 }
 
 /// A striped request being placed.
@@ -231,6 +266,104 @@ impl Rx {
             stage: Vec::new(),
             lo: 0,
             hi: 0,
+            seal: None,
+        }
+    }
+
+    /// From now on the connection's bytes are records opened with `opener`; `confirmed`: the
+    /// peer's key confirmation record was already read (else the first record must be it).
+    pub fn seal(&mut self, opener: Opener, confirmed: bool, what: String) {
+        self.seal = Some(Box::new(RxSeal {
+            opener,
+            lo: 0,
+            hi: 0,
+            confirmed,
+            what,
+        }));
+    }
+
+    /// [`Rx::fill`] of a sealed connection: opens the next whole record read ahead (reading
+    /// the socket when there is none) and makes its plaintext the stage's readable window.
+    /// Called when the frame parser has used every staged byte (it asks for more only then).
+    /// `Ok((n, drained))`: `n` plaintext bytes staged (0: the peer closed), `drained`: nothing
+    /// more to read or open now.
+    fn fill_sealed(&mut self, sock: &TcpStream) -> Result<(usize, bool), Fill> {
+        let Some(sl) = self.seal.as_deref_mut() else {
+            return Ok((0, true));
+        };
+        if self.lo != self.hi {
+            return Err(Fill::Sealed(format!(
+                "{}: internal error: the receive side asked for a record with {} bytes of the \
+                 last one unread",
+                sl.what,
+                self.hi - self.lo
+            )));
+        }
+        (self.lo, self.hi) = (0, 0);
+        if self.stage.len() < SEALED_STAGE {
+            // First use: nothing read ahead yet.
+            self.stage = vec![0; SEALED_STAGE];
+            (sl.lo, sl.hi) = (0, 0);
+        }
+        let mut dry = false;
+        loop {
+            if let Some(len) = sl.whole_record(&self.stage)? {
+                let header: [u8; SEAL_HEADER] = self.stage[sl.lo..sl.lo + SEAL_HEADER]
+                    .try_into()
+                    .unwrap_or([0; SEAL_HEADER]);
+                let start = sl.lo + SEAL_HEADER;
+                let n = match sl
+                    .opener
+                    .open_record(&header, &mut self.stage[start..start + len])
+                {
+                    Ok(plain) if sl.confirmed || plain == FINISHED => plain.len(),
+                    Ok(_) => {
+                        return Err(Fill::Sealed(format!(
+                            "{}: key confirmation failed: the peer's first record is not the \
+                             handshake's end",
+                            sl.what
+                        )));
+                    }
+                    Err(e) => return Err(sl.failed(&e)),
+                };
+                sl.lo = start + len;
+                if !sl.confirmed {
+                    sl.confirmed = true;
+                    continue;
+                }
+                if n == 0 {
+                    continue;
+                }
+                (self.lo, self.hi) = (start, start + n);
+                let ready = sl.whole_record(&self.stage)?.is_some();
+                return Ok((n, dry && !ready));
+            }
+            if dry {
+                return Err(Fill::Os(rustix::io::Errno::AGAIN));
+            }
+            // No whole record: read more ciphertext. The partial record moves to the front
+            // first (nothing of the stage is readable now) only when it could not be completed
+            // where it is: most reads append after it and copy nothing.
+            if sl.lo == sl.hi {
+                (sl.lo, sl.hi) = (0, 0);
+            } else if sl.lo + sl.pending_len(&self.stage) > self.stage.len() {
+                self.stage.copy_within(sl.lo..sl.hi, 0);
+                (sl.lo, sl.hi) = (0, sl.hi - sl.lo);
+            }
+            let room = self.stage.len() - sl.hi;
+            match rustix::net::recv(
+                sock,
+                &mut self.stage[sl.hi..],
+                rustix::net::RecvFlags::DONTWAIT,
+            ) {
+                Ok((0, _)) => return Ok((0, true)),
+                Ok((n, _)) => {
+                    sl.hi += n;
+                    dry = n < room;
+                }
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(Fill::Os(e)),
+            }
         }
     }
 
@@ -292,6 +425,50 @@ impl Rx {
         )?;
         self.hi += n;
         Ok((n, n < room))
+    }
+}
+
+impl RxSeal {
+    /// The body length of the record at `stage[lo..]` when it is all there (its header
+    /// checked: length within bounds, the next sequence number).
+    fn whole_record(&self, stage: &[u8]) -> Result<Option<usize>, Fill> {
+        if self.hi - self.lo < SEAL_HEADER {
+            return Ok(None);
+        }
+        let header: [u8; SEAL_HEADER] = stage[self.lo..self.lo + SEAL_HEADER]
+            .try_into()
+            .unwrap_or([0; SEAL_HEADER]);
+        let len = self
+            .opener
+            .check_header(&header)
+            .map_err(|e| self.failed(&e))?;
+        Ok((self.hi - self.lo >= SEAL_HEADER + len).then_some(len))
+    }
+
+    /// The whole length of the partial record at `stage[lo..hi]`, header to tag, once its
+    /// header is there ([`RECORD_MAX`] before; a bad header is found by `whole_record`).
+    fn pending_len(&self, stage: &[u8]) -> usize {
+        let Some(header) = stage.get(self.lo..self.lo + SEAL_HEADER) else {
+            return RECORD_MAX;
+        };
+        let header: [u8; SEAL_HEADER] = header.try_into().unwrap_or([0; SEAL_HEADER]);
+        match self.opener.check_header(&header) {
+            Ok(len) if self.hi - self.lo >= SEAL_HEADER => SEAL_HEADER + len,
+            _ => RECORD_MAX,
+        }
+    }
+
+    /// A record that failed: the error names the connection, the peer and what failed.
+    fn failed(&self, e: &SealError) -> Fill {
+        Fill::Sealed(if self.confirmed {
+            format!("{}: {e}", self.what)
+        } else {
+            format!(
+                "{}: key confirmation failed: {e}: the peer has another job key, or the \
+                 handshake was altered on the path",
+                self.what
+            )
+        })
     }
 }
 
@@ -383,10 +560,26 @@ impl Conn {
         if *idle {
             return Err(Stop::Idle);
         }
-        match rx.fill(sock) {
-            Ok((0, _)) => Err(Stop::Failed(
-                "the peer closed the connection (process exited or queue pair destroyed)".into(),
-            )),
+        let r = if rx.seal.is_some() {
+            match rx.fill_sealed(sock) {
+                Err(Fill::Sealed(why)) => return Err(Stop::Failed(why)),
+                Err(Fill::Os(e)) => Err(e),
+                Ok(r) => Ok(r),
+            }
+        } else {
+            rx.fill(sock)
+        };
+        match r {
+            Ok((0, _)) => Err(Stop::Failed(match rx.seal.as_deref() {
+                Some(sl) if !sl.confirmed => format!(
+                    "{}: the peer closed the connection before confirming the keys (it has \
+                     another job key, or refused ours)",
+                    sl.what
+                ),
+                _ => {
+                    "the peer closed the connection (process exited or queue pair destroyed)".into()
+                }
+            })),
             Ok((_, drained)) => {
                 *idle = drained;
                 Ok(())
@@ -449,7 +642,7 @@ impl Conn {
                             _writing,
                         };
                         return Ok(false);
-                    } else if total - got >= DIRECT {
+                    } else if total - got >= DIRECT && rx.seal.is_none() {
                         match read_spans(sock, &dst, got, total) {
                             Ok(0) => {
                                 return Err(Stop::Failed(

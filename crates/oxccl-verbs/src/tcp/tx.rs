@@ -5,6 +5,7 @@ use std::io::IoSlice;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use oxccl_seal::{HEADER_LEN as SEAL_HEADER, MAX_RECORD, Sealer, TAG_LEN};
 use rustix::net::SendFlags;
 use smallvec::SmallVec;
 
@@ -119,6 +120,38 @@ pub(super) struct Tx {
     /// A list of requests is being posted ([`Conn::cork`]): frames wait for its end, to leave
     /// in one `sendmsg`.
     pub corked: bool,
+    /// A sealed connection's sending keys and the records sealed, not yet written.
+    seal: Option<Box<TxSeal>>,
+}
+
+/// The sending half of a sealed connection: the frames are cut into records (several small
+/// frames share one, a payload is cut at [`MAX_RECORD`]), sealed into `wire` and written from
+/// there. A frame's `sent` counts the bytes of it sealed so far.
+struct TxSeal {
+    sealer: Sealer,
+    /// Sealed records; `wire[sent..]` is still to be written.
+    wire: Vec<u8>,
+    sent: usize,
+}
+
+/// Plaintext bytes sealed ahead of the socket at most (the records of one `send`).
+const SEAL_AHEAD: usize = 8 * MAX_RECORD;
+
+impl Tx {
+    /// From now on, every frame travels in records sealed with `sealer` (the peer's key
+    /// confirmation record, if this side sends one first, is already sealed with it).
+    pub fn seal(&mut self, sealer: Sealer) {
+        self.seal = Some(Box::new(TxSeal {
+            sealer,
+            wire: Vec::new(),
+            sent: 0,
+        }));
+    }
+
+    /// Whether nothing waits to be written (no frame, no sealed byte).
+    pub fn is_idle(&self) -> bool {
+        self.frames.is_empty() && self.seal.as_ref().is_none_or(|s| s.sent == s.wire.len())
+    }
 }
 
 impl Conn {
@@ -135,6 +168,9 @@ impl Conn {
         let Some(sock) = self.socks().get(i).and_then(|s| s.stream.get()) else {
             return Ok(());
         };
+        if tx.seal.is_some() {
+            return self.flush_sealed(i, sock, tx);
+        }
         while let Some(f) = tx.frames.front_mut() {
             if i == 0 && f.sent == 0 {
                 // Take the held-back ACK along.
@@ -213,6 +249,109 @@ impl Conn {
         Ok(())
     }
 
+    /// [`Conn::flush_locked`] of a sealed connection: writes the sealed records, sealing the
+    /// queued frames into more as the socket takes them, until it would block.
+    fn flush_sealed(
+        &self,
+        i: usize,
+        sock: &std::net::TcpStream,
+        tx: &mut Tx,
+    ) -> std::result::Result<(), String> {
+        while let Some(seal) = tx.seal.as_deref_mut() {
+            if seal.sent == seal.wire.len() {
+                seal.wire.clear();
+                seal.sent = 0;
+                if tx.frames.is_empty() {
+                    break;
+                }
+                self.seal_frames(i, tx);
+                continue;
+            }
+            match rustix::net::send(
+                sock,
+                &seal.wire[seal.sent..],
+                SendFlags::NOSIGNAL | SendFlags::DONTWAIT,
+            ) {
+                Ok(n) => seal.sent += n,
+                Err(rustix::io::Errno::AGAIN) => break,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => {
+                    let what = tx.frames.front().map(TxFrame::describe).unwrap_or_default();
+                    let records = seal.sealer.records_sealed();
+                    tx.frames.clear();
+                    return Err(format!(
+                        "sending to the peer failed: {e} (sealed connection {i}, {records} \
+                         records sealed; next frame: {what})"
+                    ));
+                }
+            }
+        }
+        let want = !tx.is_idle();
+        if tx.want_out != want {
+            tx.want_out = want;
+            self.set_interest(i, want);
+        }
+        Ok(())
+    }
+
+    /// Seals the queued frames of connection `i` into records, up to [`SEAL_AHEAD`] bytes:
+    /// each record takes up to [`MAX_RECORD`] bytes of the frames in turn (headers and
+    /// payloads), so small frames share one and a payload is cut at record bounds.
+    fn seal_frames(&self, i: usize, tx: &mut Tx) {
+        let Tx { frames, seal, .. } = tx;
+        let Some(seal) = seal.as_deref_mut() else {
+            return;
+        };
+        let mut ahead = 0;
+        while !frames.is_empty() && ahead < SEAL_AHEAD {
+            let at = seal.wire.len();
+            seal.wire.extend_from_slice(&[0u8; SEAL_HEADER]);
+            let mut room = MAX_RECORD;
+            while room > 0
+                && let Some(f) = frames.front_mut()
+            {
+                if i == 0 && f.sent == 0 {
+                    // Take the held-back ACK along.
+                    let ack = self.ack_out.swap(0, Ordering::AcqRel);
+                    let had = u64::from_le_bytes(f.hdr[56..64].try_into().unwrap_or_default());
+                    if ack > had {
+                        f.hdr[56..64].copy_from_slice(&ack.to_le_bytes());
+                    }
+                }
+                let mut skip = f.sent;
+                if skip < HEADER_LEN {
+                    let k = (HEADER_LEN - skip).min(room);
+                    seal.wire.extend_from_slice(&f.hdr[skip..skip + k]);
+                    (f.sent, room, skip) = (f.sent + k, room - k, 0);
+                } else {
+                    skip -= HEADER_LEN;
+                }
+                for s in &f.payload {
+                    if room == 0 {
+                        break;
+                    }
+                    if skip >= s.1 {
+                        skip -= s.1;
+                        continue;
+                    }
+                    let k = (s.1 - skip).min(room);
+                    // SAFETY: the span lies in a region kept alive by `f.keep` (or the
+                    // target's registered region, or the frame's own copy); `skip + k <= s.1`.
+                    seal.wire
+                        .extend_from_slice(unsafe { std::slice::from_raw_parts(s.0.add(skip), k) });
+                    (f.sent, room, skip) = (f.sent + k, room - k, 0);
+                }
+                if f.sent == f.total() {
+                    frames.pop_front();
+                }
+            }
+            let n = MAX_RECORD - room;
+            seal.wire.extend_from_slice(&[0u8; TAG_LEN]);
+            seal.sealer.seal_record(&mut seal.wire[at..]);
+            ahead += n;
+        }
+    }
+
     /// Holds back the frames of the requests posted from now until [`Conn::uncork`], so that a
     /// list of requests posted together (a credit and a fragment) leaves in one `sendmsg` per
     /// connection, as one doorbell rings for a list of work requests on an RDMA NIC.
@@ -227,7 +366,7 @@ impl Conn {
         for (i, s) in self.socks().iter().enumerate() {
             let mut tx = s.tx.lock().unwrap_or_else(|e| e.into_inner());
             tx.corked = false;
-            if tx.frames.is_empty() {
+            if tx.is_idle() {
                 continue;
             }
             let r = self.flush_locked(i, &mut tx);
@@ -248,7 +387,7 @@ impl Conn {
     /// Appends a frame; writes it at once when nothing is queued before it, otherwise leaves it
     /// to the driver (which is asked to watch for room in the socket).
     fn push_locked(&self, i: usize, tx: &mut Tx, f: TxFrame) -> std::result::Result<(), String> {
-        let inline = tx.frames.is_empty() && f.total() <= self.tuning.inline_max;
+        let inline = tx.is_idle() && f.total() <= self.tuning.inline_max;
         tx.frames.push_back(f);
         if tx.corked {
             // Written by `uncork`, with the rest of the list.

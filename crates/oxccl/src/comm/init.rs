@@ -29,6 +29,8 @@ struct Settings {
     /// The link probe and learning run collective calls: every rank must do the same.
     probe: Option<usize>,
     learn: usize,
+    /// Both ends of a link must decide alike whether it is sealed.
+    encrypt: String,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -71,6 +73,7 @@ fn exchange_hello(
         provider: opts.provider.map(|p| p.name().to_string()),
         probe: opts.topo_probe,
         learn: opts.learn_interval,
+        encrypt: format!("{:?}", opts.encrypt).to_lowercase(),
     };
     let hellos: Vec<Hello> = bootstrap.all_gather_serde(
         "oxccl/hello",
@@ -87,7 +90,7 @@ fn exchange_hello(
                 rank,
                 msg: format!(
                     "rank {r} has OXCCL_CHUNK_SIZE/OXCCL_SLOTS/OXCCL_NCHANNELS/OXCCL_PROVIDER/\
-                     OXCCL_TOPO_PROBE/OXCCL_TOPO_LEARN {:?}, rank 0 has {:?}: set them alike on \
+                     OXCCL_TOPO_PROBE/OXCCL_TOPO_LEARN/OXCCL_ENCRYPT {:?}, rank 0 has {:?}: set them alike on \
                      every rank",
                     h.settings, hellos[0].settings
                 ),
@@ -142,6 +145,8 @@ struct Established {
     pds: Vec<oxccl_verbs::ProtectionDomain>,
     cqs: Vec<oxccl_verbs::CompletionQueue>,
     tcp_addrs: Vec<Option<Chosen>>,
+    /// Whether the link to each rank is sealed (encrypted).
+    sealed: Vec<bool>,
     /// The aggregation service this job joined, with the slots it got.
     agg: Option<(crate::agg::Membership, usize)>,
 }
@@ -159,12 +164,14 @@ type Connected = (
 /// with its address, its interface and how it chose it. `before_exchange` runs once the
 /// links exist, before any is connected (it joins the aggregation service: a refusal then
 /// fails every rank there, not some of them while connecting).
+#[allow(clippy::too_many_arguments)]
 fn connect_links(
     bootstrap: &Bootstrap,
     opts: &Options,
     providers: &[Option<Provider>],
     geo: &Geometry,
     tcp: Option<Chosen>,
+    sealing: &Sealing,
     cancel: Cancel,
     before_exchange: impl FnOnce(&mut Vec<Link>, &mut Vec<usize>) -> Result<()>,
 ) -> Result<Connected> {
@@ -233,6 +240,7 @@ fn connect_links(
             } else {
                 ConnectRole::Passive
             },
+            seal: sealing.key_for(p),
             ..qp_cfg.clone()
         };
         let qp = pds[c]
@@ -486,6 +494,7 @@ impl Communicator {
         } else {
             None
         };
+        let sealing = Sealing::agree(bootstrap, opts, &providers, tcp.as_ref(), any_tcp)?;
         let mut agg = None;
         let (links, link_of, pds, cqs, tcp_addrs) = connect_links(
             bootstrap,
@@ -493,6 +502,7 @@ impl Communicator {
             &providers,
             &geo,
             tcp,
+            &sealing,
             cancel.clone(),
             |links, link_of| {
                 if let Some(c) = contact {
@@ -528,6 +538,7 @@ impl Communicator {
             pds,
             cqs,
             tcp_addrs,
+            sealed: sealing.links,
             agg,
         })
     }
@@ -625,6 +636,7 @@ impl Communicator {
             pds,
             cqs,
             tcp_addrs,
+            sealed,
             agg,
         } = established;
         let probe = Probe::new(comm_id, rank, world);
@@ -678,6 +690,7 @@ impl Communicator {
                 host_of: topology.host_table(),
                 providers,
                 tcp_addrs,
+                sealed,
                 opts,
                 comm_id,
                 state: Mutex::new(State {
@@ -766,6 +779,126 @@ impl Established {
             geo.slots,
             geo.slot_data >> 10
         ));
+        for (p, prov) in providers.iter().enumerate().take(world) {
+            let Some(prov) = prov else { continue };
+            let addr = match (prov, self.tcp_addrs.get(p).and_then(Option::as_ref)) {
+                (Provider::Tcp, Some(c)) => format!(" at {}:{}", c.ip, c.port),
+                _ => String::new(),
+            };
+            crate::log_line(format!(
+                "rank {rank}: link to rank {p}{addr} over {}: {}",
+                prov.name(),
+                if self.sealed.get(p).copied().unwrap_or(false) {
+                    "sealed (encrypted and authenticated)"
+                } else {
+                    "plain"
+                }
+            ));
+        }
+    }
+}
+
+/// Which tcp links are sealed ([`Options::encrypt`]), decided alike at both ends of each,
+/// and the job key that seals them.
+pub(super) struct Sealing {
+    key: Option<oxccl_seal::JobKey>,
+    /// Per peer (the aggregation service's link, after the ranks', is never sealed).
+    links: Vec<bool>,
+}
+
+/// What each rank tells the others so that both ends of a link decide alike
+/// (`OXCCL_ENCRYPT=auto`): whether it can seal, its tcp address and its interfaces'.
+#[derive(Serialize, Deserialize)]
+struct SealInfo {
+    /// It has the job's secret (the key is derived from it).
+    keyed: bool,
+    tcp: Option<std::net::IpAddr>,
+    local: Vec<std::net::IpAddr>,
+}
+
+/// The purpose the tcp queue pairs' job key is derived for.
+pub(crate) const TCP_KEY_PURPOSE: &str = "oxccl tcp qp v1";
+
+impl Sealing {
+    /// Decides which tcp links are sealed. With `OXCCL_ENCRYPT=off`, or no tcp anywhere
+    /// (`any_tcp`, alike on every rank), none: nothing is exchanged. Otherwise every rank
+    /// publishes a [`SealInfo`] and each end of a tcp link decides from both ends' (so the two
+    /// decide alike): `on` seals it, `auto` seals it unless each end's address is on the
+    /// other's host (loopback, or one of its interfaces' addresses). A link to be sealed
+    /// needs the job's secret at both ends: without it `on` fails init, naming the rank,
+    /// and `auto` leaves the link plain with a warning.
+    fn agree(
+        bootstrap: &Bootstrap,
+        opts: &Options,
+        providers: &[Option<Provider>],
+        tcp: Option<&Chosen>,
+        any_tcp: bool,
+    ) -> Result<Sealing> {
+        use oxccl_verbs::Encrypt;
+        let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
+        let mut links = vec![false; providers.len()];
+        if opts.encrypt == Encrypt::Off || !any_tcp {
+            return Ok(Sealing { key: None, links });
+        }
+        let key = bootstrap
+            .secret()
+            .map(|s| oxccl_seal::JobKey::derive(s.as_bytes(), TCP_KEY_PURPOSE));
+        let local = crate::netif::interfaces()
+            .map(|ifs| ifs.into_iter().map(|i| i.ip).collect())
+            .unwrap_or_default();
+        let all: Vec<SealInfo> = bootstrap.all_gather_serde(
+            "oxccl/encrypt",
+            &SealInfo {
+                keyed: key.is_some(),
+                tcp: tcp.map(|c| c.ip),
+                local,
+            },
+        )?;
+        let on_host = |of: &SealInfo, addr: Option<std::net::IpAddr>| {
+            addr.is_some_and(|a| a.is_loopback() || of.local.contains(&a))
+        };
+        let me = &all[rank];
+        for p in 0..world.min(providers.len()) {
+            if providers[p] != Some(Provider::Tcp) {
+                continue;
+            }
+            let them = &all[p];
+            let want =
+                opts.encrypt == Encrypt::On || !(on_host(me, them.tcp) && on_host(them, me.tcp));
+            if !want {
+                continue;
+            }
+            if me.keyed && them.keyed {
+                links[p] = true;
+                continue;
+            }
+            let who = if me.keyed {
+                format!("rank {p}")
+            } else {
+                "this rank".to_string()
+            };
+            if opts.encrypt == Encrypt::On {
+                return Err(Error::Config(format!(
+                    "rank {rank}: OXCCL_ENCRYPT=on seals the tcp link to rank {p}, and {who} \
+                     has no job secret to derive the key from: give every rank the job's secret \
+                     (OXCCL_SECRET or OXCCL_SECRET_FILE)"
+                )));
+            }
+            crate::log_warn(format!(
+                "rank {rank}: the tcp link to rank {p} leaves the host and is not encrypted: \
+                 {who} has no job secret (OXCCL_SECRET) to derive the key from"
+            ));
+        }
+        Ok(Sealing { key, links })
+    }
+
+    /// The job key for the link to peer `p`, if that link is sealed.
+    fn key_for(&self, p: usize) -> Option<oxccl_seal::JobKey> {
+        if self.links.get(p).copied().unwrap_or(false) {
+            self.key.clone()
+        } else {
+            None
+        }
     }
 }
 

@@ -163,6 +163,8 @@ struct Inner {
     providers: Vec<Option<Provider>>,
     /// The address each rank's tcp listener advertises, for the ranks that talk tcp.
     tcp_addrs: Vec<Option<Chosen>>,
+    /// Whether the link to each rank is sealed.
+    sealed: Vec<bool>,
     opts: Options,
     comm_id: u64,
     state: Mutex<State>,
@@ -307,6 +309,13 @@ impl Communicator {
     /// why it was chosen (`None` for a rank that reaches no peer over tcp).
     pub fn tcp_addrs(&self) -> &[Option<Chosen>] {
         &self.inner.tcp_addrs
+    }
+
+    /// Whether the link to each rank is sealed: its frames encrypted and authenticated
+    /// ([`Options::encrypt`], `OXCCL_ENCRYPT`). False for this rank and for links that are
+    /// not (shm links never are).
+    pub fn encrypted(&self) -> &[bool] {
+        &self.inner.sealed[..self.inner.world.min(self.inner.sealed.len())]
     }
 
     /// The provider used to reach each rank (`None` for this rank).

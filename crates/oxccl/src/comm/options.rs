@@ -86,6 +86,15 @@ pub struct Options {
     /// (`OXCCL_COMPRESS=off|auto|bfp8|bfp4|bfp8/16|...`; default off). Calls started without
     /// blocking and group calls stay exact.
     pub compress: Compression,
+    /// Which tcp links are sealed: encrypted and authenticated, record by record, with a key
+    /// derived from the job's secret (`OXCCL_ENCRYPT=off|on|auto`; default `auto`).
+    /// `auto` seals the tcp links whose peer address is not on this host (neither loopback
+    /// nor an address of one of this host's interfaces, as either end sees it; network
+    /// namespaces count as other hosts), `on` every tcp link, `off` none. shm links never
+    /// leave the host and are never sealed; ofi links are not (the provider's own
+    /// business); the link to the aggregation service is not sealed yet. Every rank must
+    /// set the same; sealing needs the job's secret.
+    pub encrypt: oxccl_verbs::Encrypt,
     /// Bytes of input per pipeline chunk of a compressed all-reduce
     /// (`OXCCL_COMPRESS_CHUNK`, 64K..=1G; default [`DEFAULT_COMPRESS_CHUNK`]). Every rank
     /// must use the same.
@@ -126,6 +135,7 @@ impl Default for Options {
             idle_yield: None,
             agg_addr: None,
             compress: Compression::Off,
+            encrypt: oxccl_verbs::Encrypt::default(),
             compress_chunk: DEFAULT_COMPRESS_CHUNK,
         }
     }
@@ -198,6 +208,12 @@ impl Options {
                 )
             })?;
             self.algo = Some(algo);
+        }
+        if let Some(v) = var("OXCCL_ENCRYPT") {
+            self.encrypt = v
+                .trim()
+                .parse()
+                .map_err(|_| bad("OXCCL_ENCRYPT", &v, "off, on or auto"))?;
         }
         self.agg_addr = var("OXCCL_AGG_ADDR")
             .map(|v| v.trim().to_string())
@@ -369,8 +385,10 @@ mod tests {
             ("OXCCL_SLOTS", "4"),
             ("OXCCL_PROTO", "slots"),
             ("OXCCL_SMALL_BYTES", "1M"),
+            ("OXCCL_ENCRYPT", "on"),
         ])
         .unwrap();
+        assert_eq!(o.encrypt, oxccl_verbs::Encrypt::On);
         assert_eq!(o.timeout, Duration::from_millis(2500));
         assert_eq!(o.provider, Some(Provider::Tcp));
         assert_eq!(o.algo, Some(Algorithm::Ring));
@@ -381,6 +399,13 @@ mod tests {
         assert_eq!((o.mailboxes, o.small_bytes), (Some(false), 1 << 20));
         let d = opts(&[]).unwrap();
         assert_eq!((d.provider, d.chunk_size, d.mailboxes), (None, None, None));
+        assert_eq!(d.encrypt, oxccl_verbs::Encrypt::Auto);
+        for (v, want) in [
+            ("off", oxccl_verbs::Encrypt::Off),
+            ("auto", oxccl_verbs::Encrypt::Auto),
+        ] {
+            assert_eq!(opts(&[("OXCCL_ENCRYPT", v)]).unwrap().encrypt, want);
+        }
         for (k, v) in [
             ("OXCCL_TIMEOUT", "-1"),
             ("OXCCL_PROVIDER", "ib"),
@@ -389,6 +414,7 @@ mod tests {
             ("OXCCL_CHUNK_SIZE", "1"),
             ("OXCCL_SLOTS", "1"),
             ("OXCCL_PROTO", "ll"),
+            ("OXCCL_ENCRYPT", "maybe"),
         ] {
             let e = opts(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k) && e.contains(v), "{k}={v}: {e}");

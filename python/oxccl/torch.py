@@ -36,6 +36,13 @@ forward, when the module's group is an "oxccl" group across more than one host a
 registered: ``init_process_group("oxccl")`` and DDP then compress across hosts with no code
 change (``OXCCL_DEBUG=INFO`` says what was chosen and why).
 
+Encryption (issue 31): ``OXCCL_ENCRYPT=off|on|auto`` (default ``auto``), or
+``ProcessGroupOxccl(..., encrypt="on")``, seals the group's tcp links (AES-256-GCM records keyed
+from the job's secret: a stranger on the path learns nothing and cannot alter, replay or drop a
+byte unnoticed): ``auto`` the links that leave the host, ``on`` every tcp link, ``off`` none;
+shm links never leave the host and are never sealed. Set it alike on every rank;
+``group.encrypted`` says which links are (``OXCCL_DEBUG=INFO`` logs it at init).
+
 Elastic training (issue 32): after a failure, ``oxccl.torch.shrink(group)`` on every survivor
 returns a new ``ProcessGroup`` of the survivors (they agree through the store on who is gone);
 ``oxccl.torch.grow(group, count)`` on the members and ``oxccl.torch.join(store)`` on newcomers
@@ -367,6 +374,7 @@ class ProcessGroupOxccl(_C10dBackend):
         size: int,
         timeout: Any = None,
         communicator: Optional[_oxccl.Communicator] = None,
+        encrypt: Optional[str] = None,
     ):
         if communicator is not None:
             # A communicator made elsewhere (a shrink, a grow, a join: oxccl.torch.shrink,
@@ -378,6 +386,12 @@ class ProcessGroupOxccl(_C10dBackend):
         # Checked before joining: a bad value fails every rank alike, at once.
         self._compress: Optional[str] = _env_format("OXCCL_COMPRESS")
         self._rs_compress: Optional[str] = _env_format("OXCCL_REDUCE_SCATTER_COMPRESS")
+        options = {**_defaults(), "OXCCL_COMPRESS": "off"}
+        if encrypt is not None:
+            # Wins over OXCCL_ENCRYPT.
+            if encrypt not in ("off", "on", "auto"):
+                raise ValueError(f"encrypt={encrypt!r}: expected 'off', 'on' or 'auto'")
+            options["OXCCL_ENCRYPT"] = encrypt
         self._noted: set = set()
         # Reconfigurations (shrink, grow, join) since init_process_group: names the groups
         # they make alike on every rank (oxccl.torch.shrink and friends).
@@ -391,7 +405,7 @@ class ProcessGroupOxccl(_C10dBackend):
             # The backend decides per call what goes compressed (OXCCL_COMPRESS read above,
             # group.compress, compressed()): the Rust side's own reading of OXCCL_COMPRESS
             # would compress every plain all-reduce and could not be turned off per call.
-            options={**_defaults(), "OXCCL_COMPRESS": "off"},
+            options=options,
         )
         self._store = store
         self._timeout = timeout
@@ -414,6 +428,12 @@ class ProcessGroupOxccl(_C10dBackend):
         if t is None:
             return _C10dBackend.Options(BACKEND)
         return _C10dBackend.Options(BACKEND, t)
+
+    @property
+    def encrypted(self) -> list:
+        """Whether the link to each rank is sealed (encrypted and authenticated:
+        ``OXCCL_ENCRYPT`` or ``encrypt=``); False for this rank and for shm links."""
+        return self._comm.encrypted
 
     @property
     def compress(self) -> Optional[str]:

@@ -538,6 +538,14 @@ impl PyCommunicator {
         Ok(self.get(py)?.hosts().to_vec())
     }
 
+    /// Whether the link to each rank is sealed: encrypted and authenticated with the job's
+    /// key (`OXCCL_ENCRYPT=off|on|auto`, in the environment or `options=`; False for this rank
+    /// and for shm links).
+    #[getter]
+    fn encrypted(&self, py: Python<'_>) -> PyResult<Vec<bool>> {
+        Ok(self.get(py)?.encrypted().to_vec())
+    }
+
     /// The provider used to reach each rank ("shm", "tcp"; None for this rank).
     #[getter]
     fn providers(&self, py: Python<'_>) -> PyResult<Vec<Option<&'static str>>> {

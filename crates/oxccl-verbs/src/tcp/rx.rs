@@ -335,7 +335,9 @@ impl Rx {
                     continue;
                 }
                 (self.lo, self.hi) = (start, start + n);
-                let ready = sl.whole_record(&self.stage)?.is_some();
+                // A bad next header is this record's successor's failure: reported by the next
+                // call, after this record's plaintext was used.
+                let ready = !matches!(sl.whole_record(&self.stage), Ok(None));
                 return Ok((n, dry && !ready));
             }
             if dry {

@@ -300,3 +300,294 @@ fn sealed_and_plain_refuse_each_other() {
         assert!(why.contains("refused the peer's connection"), "{why}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Through the man-in-the-middle proxy.
+
+use oxccl_seal::mitm::{Plan, Proxy, Tamper, Toward};
+
+/// Cleartext bytes before the records start: the hello toward the target (the acceptor), the
+/// reply toward the client (the initiator) (`tcp::frame::HELLO_LEN`, `REPLY_LEN`).
+fn handshake(dir: Toward, seen: &[u8]) -> Option<usize> {
+    let n = match dir {
+        Toward::Target => 80,
+        Toward::Client => 56,
+    };
+    (seen.len() >= n).then_some(n)
+}
+
+/// A proxy in front of `b`'s listener that does `tamper` toward `toward` on the first
+/// connection.
+fn proxy(b: &End, tamper: Tamper, toward: Toward) -> Proxy {
+    Proxy::start(
+        b._ctx.tcp_addr().unwrap(),
+        Plan {
+            tamper,
+            toward,
+            connection: 0,
+            handshake,
+        },
+    )
+    .unwrap()
+}
+
+/// Whether `hay` holds any `win`-byte window of `needle`.
+fn holds_window(hay: &[u8], needle: &[u8], win: usize) -> bool {
+    if needle.len() < win {
+        return hay.windows(needle.len().max(1)).any(|w| w == needle);
+    }
+    let set: std::collections::HashSet<&[u8]> = needle.windows(win).step_by(win / 2).collect();
+    hay.windows(win).any(|w| set.contains(w))
+}
+
+/// Waits (at most `WAIT`) for one completion on `cq` and returns it, whatever its status.
+fn next_completion(cq: &CompletionQueue, what: &str) -> WorkCompletion {
+    let mut wc = [WorkCompletion::default(); 1];
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "{what}: no completion within {WAIT:?}");
+        if cq.wait(&mut wc, left).unwrap_or(0) == 1 {
+            return wc[0];
+        }
+    }
+}
+
+/// The untampered run through the proxy, one connection and four: every byte moves exactly,
+/// and the bytes on the wire hold nothing of the payloads, the rkeys or the addresses.
+#[test]
+fn through_the_proxy_untampered_moves_exactly_and_leaks_nothing() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for nsocks in [1, 4] {
+        let (a, b) = pair(&config(nsocks), &sealed("job"), &sealed("job"));
+        let p = proxy(&b, Tamper::None, Toward::Target);
+        connect(&a, &b, Some(p.addr())).unwrap();
+        let lens = [100, 65_536, 300_000];
+        exchange_exactly(&a, &b, &lens);
+        let wire = p.captured();
+        let payload: usize = lens.iter().sum();
+        assert!(
+            wire.len() > 2 * payload,
+            "{nsocks} connections: the proxy forwarded only {} bytes",
+            wire.len()
+        );
+        for (round, &len) in lens.iter().enumerate() {
+            let data: Vec<u8> = (0..len as u64)
+                .map(|i| pattern(round as u64 + 1, i))
+                .collect();
+            // The check can find what it looks for.
+            assert!(holds_window(&data, &data[len / 3..], 16.min(len / 2)));
+            assert!(
+                !holds_window(&wire, &data, 16.min(len)),
+                "{nsocks} connections: payload {round} travels in clear"
+            );
+        }
+        assert!(!p.tampered());
+    }
+}
+
+/// An rkey and a target address, on the wire of a sealed WRITE and READ, are not there in
+/// clear (nor is the payload).
+#[test]
+fn through_the_proxy_rkeys_and_addresses_are_not_in_clear() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (a, b) = pair(&config(1), &sealed("job"), &sealed("job"));
+    let p = proxy(&b, Tamper::None, Toward::Target);
+    connect(&a, &b, Some(p.addr())).unwrap();
+    let src = a.pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
+    let dst = b.pd.alloc_mr(4096, AccessFlags::ALL).unwrap();
+    let data: Vec<u8> = (0..4096).map(|i| pattern(9, i)).collect();
+    src.write(0, &data).unwrap();
+    let sge = [Sge::new(&src, 0, 4096)];
+    a.qp.post_send(&[SendWr::new(
+        1,
+        WrOp::Write {
+            remote: dst.remote().at(0),
+        },
+        &sge,
+    )])
+    .unwrap();
+    wait_n(&a.cq, 1, "write");
+    assert_eq!(dst.to_vec(), data);
+    let wire = p.captured();
+    for (what, bytes) in [
+        ("rkey", dst.rkey().to_le_bytes()),
+        ("address", dst.addr().to_le_bytes()),
+    ] {
+        assert!(
+            !wire.windows(8).any(|w| w == bytes),
+            "the {what} travels in clear"
+        );
+    }
+    assert!(
+        !holds_window(&wire, &data, 16),
+        "the payload travels in clear"
+    );
+}
+
+/// What a tampered run shows: the target's queue pair goes to ERR, its error naming the
+/// sealed connection and the peer's address and what failed (`says`), and the initiator's
+/// request fails.
+fn assert_failed(victim: &End, other: &End, p: &Proxy, says: &str, what: &str) -> String {
+    let why = wait_err(&victim.qp, what);
+    assert!(p.tampered(), "{what}: the proxy did not tamper");
+    assert!(
+        why.contains("sealed connection 0 with 127.0.0.1:") && why.contains(says),
+        "{what}: {why}"
+    );
+    let _ = other;
+    why
+}
+
+/// A WRITE that fits in one record, its record's bit flipped on the way: the target's queue
+/// pair fails naming the record, the target memory is untouched, the WRITE fails.
+#[test]
+fn flipped_record_fails_the_queue_pair_and_never_lands() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (a, b) = pair(&config(1), &sealed("job"), &sealed("job"));
+    // Record 0 is the initiator's key confirmation; record 1 the WRITE.
+    let p = proxy(&b, Tamper::FlipBit { record: 1 }, Toward::Target);
+    connect(&a, &b, Some(p.addr())).unwrap();
+    let src = a.pd.alloc_mr(8192, AccessFlags::LOCAL_WRITE).unwrap();
+    let dst = b.pd.alloc_mr(8192, AccessFlags::ALL).unwrap();
+    dst.fill(0xee);
+    let data: Vec<u8> = (0..8192).map(|i| pattern(3, i)).collect();
+    src.write(0, &data).unwrap();
+    let sge = [Sge::new(&src, 0, 8192)];
+    a.qp.post_send(&[SendWr::new(
+        1,
+        WrOp::Write {
+            remote: dst.remote().at(0),
+        },
+        &sge,
+    )])
+    .unwrap();
+    let why = assert_failed(&b, &a, &p, "record 1", "flipped bit");
+    let w = next_completion(&a.cq, "the tampered WRITE");
+    assert_ne!(w.status, WcStatus::Success, "{w:?} ({why})");
+    assert!(
+        dst.to_vec().iter().all(|&x| x == 0xee),
+        "the tampered record reached target memory"
+    );
+}
+
+/// A fetch-and-add's record replayed: the word is added to once, the queue pair fails.
+#[test]
+fn replayed_record_fails_the_queue_pair_and_acts_once() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (a, b) = pair(&config(1), &sealed("job"), &sealed("job"));
+    let p = proxy(&b, Tamper::Replay { record: 1 }, Toward::Target);
+    connect(&a, &b, Some(p.addr())).unwrap();
+    let word = b.pd.alloc_mr(64, AccessFlags::ALL).unwrap();
+    word.atomic_u64(0)
+        .unwrap()
+        .store(1000, std::sync::atomic::Ordering::SeqCst);
+    let old = a.pd.alloc_mr(8, AccessFlags::LOCAL_WRITE).unwrap();
+    let sge = [Sge::new(&old, 0, 8)];
+    a.qp.post_send(&[SendWr::new(
+        1,
+        WrOp::FetchAdd {
+            remote: word.remote().at(0),
+            add: 5,
+        },
+        &sge,
+    )])
+    .unwrap();
+    assert_failed(&b, &a, &p, "record 1", "replayed record");
+    assert_eq!(
+        word.atomic_u64(0)
+            .unwrap()
+            .load(std::sync::atomic::Ordering::SeqCst),
+        1005,
+        "the replayed fetch-and-add acted twice (or never)"
+    );
+}
+
+/// Two WRITEs in two records; the proxy drops the first (or swaps them): the target's queue
+/// pair fails on the record out of order, and neither WRITE reaches target memory.
+#[test]
+fn dropped_or_swapped_record_fails_the_queue_pair() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for tamper in [Tamper::Drop { record: 1 }, Tamper::Swap { record: 1 }] {
+        let what = format!("{tamper:?}");
+        let (a, b) = pair(&config(1), &sealed("job"), &sealed("job"));
+        let p = proxy(&b, tamper, Toward::Target);
+        connect(&a, &b, Some(p.addr())).unwrap();
+        let src = a.pd.alloc_mr(2048, AccessFlags::LOCAL_WRITE).unwrap();
+        let dst = b.pd.alloc_mr(2048, AccessFlags::ALL).unwrap();
+        dst.fill(0xee);
+        let data: Vec<u8> = (0..2048).map(|i| pattern(4, i)).collect();
+        src.write(0, &data).unwrap();
+        for k in 0..2 {
+            let sge = [Sge::new(&src, k * 1024, 1024)];
+            a.qp.post_send(&[SendWr::new(
+                k as u64,
+                WrOp::Write {
+                    remote: dst.remote().at(k as u64 * 1024),
+                },
+                &sge,
+            )])
+            .unwrap();
+            // Each WRITE leaves in a record of its own.
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert_failed(&b, &a, &p, "record", &what);
+        assert!(
+            dst.to_vec().iter().all(|&x| x == 0xee),
+            "{what}: a WRITE reached target memory"
+        );
+    }
+}
+
+/// READ data (toward the initiator) with a flipped bit: the initiator's queue pair fails,
+/// the READ's buffer is untouched.
+#[test]
+fn flipped_read_data_fails_the_initiator() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (a, b) = pair(&config(1), &sealed("job"), &sealed("job"));
+    // Toward the client: record 0 is the acceptor's key confirmation, record 1 the READ data.
+    let p = proxy(&b, Tamper::FlipBit { record: 1 }, Toward::Client);
+    connect(&a, &b, Some(p.addr())).unwrap();
+    let src = b.pd.alloc_mr(4096, AccessFlags::ALL).unwrap();
+    src.write(0, &(0..4096).map(|i| pattern(5, i)).collect::<Vec<_>>())
+        .unwrap();
+    let back =
+        a.pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+            .unwrap();
+    back.fill(0x55);
+    let sge = [Sge::new(&back, 0, 4096)];
+    a.qp.post_send(&[SendWr::new(
+        1,
+        WrOp::Read {
+            remote: src.remote().at(0),
+        },
+        &sge,
+    )])
+    .unwrap();
+    let why = wait_err(&a.qp, "flipped READ data");
+    assert!(p.tampered());
+    assert!(
+        why.contains("sealed connection 0 with 127.0.0.1:") && why.contains("record 1"),
+        "{why}"
+    );
+    let w = next_completion(&a.cq, "the READ");
+    assert_ne!(w.status, WcStatus::Success, "{w:?}");
+    assert!(
+        back.to_vec().iter().all(|&x| x == 0x55),
+        "the tampered READ data reached the READ's buffer"
+    );
+}
+
+/// The key confirmation record tampered with: the connect fails, naming the peer.
+#[test]
+fn tampered_key_confirmation_fails_the_connect() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (a, b) = pair(&config(1), &sealed("job"), &sealed("job"));
+    let p = proxy(&b, Tamper::FlipBit { record: 0 }, Toward::Client);
+    let e = connect(&a, &b, Some(p.addr())).unwrap_err().to_string();
+    assert!(p.tampered());
+    assert!(
+        e.contains(&p.addr().to_string()) && e.contains("key confirmation"),
+        "{e}"
+    );
+}

@@ -73,7 +73,7 @@ fn exchange_hello(
         provider: opts.provider.map(|p| p.name().to_string()),
         probe: opts.topo_probe,
         learn: opts.learn_interval,
-        encrypt: format!("{:?}", opts.encrypt).to_lowercase(),
+        encrypt: opts.encrypt.name().to_string(),
     };
     let hellos: Vec<Hello> = bootstrap.all_gather_serde(
         "oxccl/hello",

@@ -816,6 +816,21 @@ struct SealInfo {
     local: Vec<std::net::IpAddr>,
 }
 
+/// Whether the tcp link between the ranks that published `a` and `b` is sealed under
+/// `policy` (before the secret is checked): `on` always, `auto` unless each end's address is
+/// on the other's host (loopback, or one of its interfaces' addresses). Symmetric: both ends
+/// compute the same answer from the same two records.
+fn wants_seal(policy: oxccl_verbs::Encrypt, a: &SealInfo, b: &SealInfo) -> bool {
+    let on_host = |of: &SealInfo, addr: Option<std::net::IpAddr>| {
+        addr.is_some_and(|x| x.is_loopback() || of.local.contains(&x))
+    };
+    match policy {
+        oxccl_verbs::Encrypt::Off => false,
+        oxccl_verbs::Encrypt::On => true,
+        oxccl_verbs::Encrypt::Auto => !(on_host(a, b.tcp) && on_host(b, a.tcp)),
+    }
+}
+
 /// The purpose the tcp queue pairs' job key is derived for.
 pub(crate) const TCP_KEY_PURPOSE: &str = "oxccl tcp qp v1";
 
@@ -854,18 +869,13 @@ impl Sealing {
                 local,
             },
         )?;
-        let on_host = |of: &SealInfo, addr: Option<std::net::IpAddr>| {
-            addr.is_some_and(|a| a.is_loopback() || of.local.contains(&a))
-        };
         let me = &all[rank];
         for p in 0..world.min(providers.len()) {
             if providers[p] != Some(Provider::Tcp) {
                 continue;
             }
             let them = &all[p];
-            let want =
-                opts.encrypt == Encrypt::On || !(on_host(me, them.tcp) && on_host(them, me.tcp));
-            if !want {
+            if !wants_seal(opts.encrypt, me, them) {
                 continue;
             }
             if me.keyed && them.keyed {
@@ -1007,4 +1017,64 @@ fn join_aggregator(
         link_of.truncate(world);
     }
     Ok(joined)
+}
+
+#[cfg(test)]
+mod seal_tests {
+    use super::{SealInfo, wants_seal};
+    use oxccl_verbs::Encrypt;
+
+    fn info(tcp: &str, local: &[&str]) -> SealInfo {
+        SealInfo {
+            keyed: true,
+            tcp: Some(tcp.parse().unwrap()),
+            local: local.iter().map(|a| a.parse().unwrap()).collect(),
+        }
+    }
+
+    /// `auto` leaves a link plain only when each end's address is on the other's host, and
+    /// both ends decide alike, whichever way round they look at it.
+    #[test]
+    fn the_seal_decision_is_symmetric() {
+        let one_host_a = info("10.0.0.1", &["127.0.0.1", "10.0.0.1"]);
+        let one_host_b = info("10.0.0.1", &["127.0.0.1", "10.0.0.1"]);
+        let lo_a = info("127.0.0.1", &["127.0.0.1"]);
+        let lo_b = info("127.0.0.1", &["127.0.0.1"]);
+        let ns_a = info("10.9.0.1", &["127.0.0.1", "10.9.0.1"]);
+        let ns_b = info("10.9.0.2", &["127.0.0.1", "10.9.0.2"]);
+        // An odd one: a's address is b's, but b's is not a's (a badly set OXCCL_TCP_ADDR).
+        let odd_a = info("10.0.0.1", &["10.0.0.1"]);
+        let odd_b = info("10.0.0.2", &["10.0.0.1", "10.0.0.2"]);
+        let cases = [
+            (&one_host_a, &one_host_b, false),
+            (&lo_a, &lo_b, false),
+            (&ns_a, &ns_b, true),
+            (&odd_a, &odd_b, true),
+        ];
+        for (a, b, sealed) in cases {
+            assert_eq!(
+                wants_seal(Encrypt::Auto, a, b),
+                sealed,
+                "{:?} {:?}",
+                a.tcp,
+                b.tcp
+            );
+            assert_eq!(
+                wants_seal(Encrypt::Auto, b, a),
+                sealed,
+                "{:?} {:?}",
+                b.tcp,
+                a.tcp
+            );
+            assert!(wants_seal(Encrypt::On, a, b) && wants_seal(Encrypt::On, b, a));
+            assert!(!wants_seal(Encrypt::Off, a, b) && !wants_seal(Encrypt::Off, b, a));
+        }
+        // An end that reaches no peer over tcp (no address): sealed under auto.
+        let none = SealInfo {
+            keyed: true,
+            tcp: None,
+            local: vec![],
+        };
+        assert!(wants_seal(Encrypt::Auto, &none, &lo_a) && wants_seal(Encrypt::Auto, &lo_a, &none));
+    }
 }

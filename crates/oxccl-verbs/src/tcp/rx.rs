@@ -586,7 +586,12 @@ impl Conn {
                 *idle = drained;
                 Ok(())
             }
-            Err(rustix::io::Errno::AGAIN) => Err(Stop::Idle),
+            Err(rustix::io::Errno::AGAIN) => {
+                // Nothing to read now: the rest of this pass does not ask again (a payload
+                // waiting for its next bytes would otherwise spin on `recv`).
+                *idle = true;
+                Err(Stop::Idle)
+            }
             Err(rustix::io::Errno::INTR) => Ok(()),
             Err(e) => Err(Stop::Failed(format!("receiving from the peer failed: {e}"))),
         }

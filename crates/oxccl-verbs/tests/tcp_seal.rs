@@ -436,6 +436,7 @@ fn assert_failed(victim: &End, other: &End, p: &Proxy, says: &str, what: &str) -
         "{what}: {why}"
     );
     let _ = other;
+    eprintln!("{what}: {why}");
     why
 }
 

@@ -20,10 +20,14 @@
 //!   number is the GCM nonce. A receiver takes only the next number ([`Opener::check_header`]):
 //!   a replayed, dropped or reordered record fails as [`SealError::OutOfOrder`], a changed
 //!   one as [`SealError::Tampered`], before any of its plaintext is handed out.
+//! - **What records do not say:** where a stream ends. A stream cut between two records (the
+//!   connection closed after record k) reads as a clean end after record k; the protocols
+//!   above know when a message is due (a reply, a frame's payload) and fail then.
 //!
 //! [`SealedStream`] (and its halves, [`SealedReader`] and [`SealedWriter`]) carry a blocking
 //! stream in records. Non-blocking users (the tcp provider) drive [`Sealer`] and [`Opener`]
 //! themselves. [`JobKey::seal_value`] seals a single value for a store that is not ours.
+//! [`Encrypt`] is the policy (`OXCCL_ENCRYPT=off|on|auto`) every wire reads.
 //!
 //! ```
 //! use std::io::{Read, Write};
@@ -46,6 +50,7 @@
 
 #[cfg(feature = "mitm")]
 pub mod mitm;
+mod policy;
 mod stream;
 
 use std::fmt;
@@ -53,6 +58,7 @@ use std::fmt;
 use ring::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN as GCM_NONCE_LEN, Nonce, UnboundKey};
 use ring::hkdf::{HKDF_SHA256, KeyType, Salt};
 
+pub use policy::{ENCRYPT_ENV, Encrypt, PolicyError, is_on_host};
 pub use stream::{SealedReader, SealedStream, SealedWriter};
 
 /// Length of a [`JobKey`] and of every derived key.

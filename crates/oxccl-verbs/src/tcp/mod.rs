@@ -96,6 +96,11 @@
 //! sequence number is authenticated) fails the queue pair like a broken connection, with an
 //! error naming the connection, the peer's address and what failed.
 //!
+//! A sealed connection costs memory: its receive side reads ahead up to four records
+//! (256 KiB), its sending side seals up to eight records (512 KiB) ahead of the socket, each
+//! allocated when first used. A failed read pass that finds its socket empty stops there and
+//! waits for epoll (it does not poll `recv` until the next record comes).
+//!
 //! [`DeviceConfig::tcp_busy_poll`](crate::DeviceConfig) makes the progress thread busy-poll
 //! when it drives; by default it blocks in `epoll_wait`. The listener binds
 //! [`DeviceConfig::tcp_addr`](crate::DeviceConfig), which is also the address peers are given.

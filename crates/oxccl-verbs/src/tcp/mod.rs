@@ -98,8 +98,8 @@
 //!
 //! A sealed connection costs memory: its receive side reads ahead up to four records
 //! (256 KiB), its sending side seals up to eight records (512 KiB) ahead of the socket, each
-//! allocated when first used. A failed read pass that finds its socket empty stops there and
-//! waits for epoll (it does not poll `recv` until the next record comes).
+//! allocated when first used. A read pass that finds its socket empty stops there and waits
+//! for epoll (it does not poll `recv` until the next record comes).
 //!
 //! [`DeviceConfig::tcp_busy_poll`](crate::DeviceConfig) makes the progress thread busy-poll
 //! when it drives; by default it blocks in `epoll_wait`. The listener binds

@@ -81,4 +81,7 @@ pub use config::{Config, DEFAULT_PORT, DEFAULT_TIMEOUT, Launcher, parse_size};
 pub use error::{Error, Result};
 pub use secret::{SECRET_ENV, SECRET_FILE_ENV, Secret, SecretSource};
 pub use server::{SERVICE_LABEL_PREFIX, StoreServer};
-pub use store::{CasOutcome, MemoryStore, Store};
+pub use store::{
+    CasOutcome, DEFAULT_STORE_MAX_BYTES, DEFAULT_STORE_MAX_KEYS, MemoryStore, STORE_MAX_BYTES_ENV,
+    STORE_MAX_KEYS_ENV, Store, StoreCaps,
+};

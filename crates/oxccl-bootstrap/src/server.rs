@@ -13,7 +13,7 @@ use tracing::{debug, warn};
 use crate::error::{Error, Result};
 use crate::handshake::STORE;
 use crate::secret::{Secret, random_bytes};
-use crate::store::{MemoryStore, WaitFail};
+use crate::store::{MemoryStore, StoreCaps, WaitFail};
 use crate::wire::{
     MAX_FRAME_LEN, MAX_HANDSHAKE_FRAME_LEN, MAX_TEXT_LEN, Msg, PROTOCOL_VERSION, ReadError,
     read_msg, write_msg,
@@ -120,9 +120,17 @@ impl StoreServer {
     /// Binds `addr` (`host:port`; port 0 picks a free one, see [`StoreServer::addr`]) and
     /// starts serving an empty store.
     ///
-    /// A port held by another socket is [`Error::AddrInUse`], naming the address.
+    /// A port held by another socket is [`Error::AddrInUse`], naming the address. The job
+    /// may keep what [`StoreCaps::from_env`] allows (`OXCCL_STORE_MAX_KEYS`,
+    /// `OXCCL_STORE_MAX_BYTES`); a bad value of either is [`Error::BadEnv`].
     pub fn bind(addr: &str, secret: Secret) -> Result<StoreServer> {
-        StoreServer::serve(bind_listener(addr)?, secret, MemoryStore::new())
+        let caps = StoreCaps::from_env(StoreCaps::job_of(&secret))?;
+        StoreServer::bind_with(addr, secret, caps)
+    }
+
+    /// [`StoreServer::bind`] with the caps given (the variables are not read).
+    pub fn bind_with(addr: &str, secret: Secret, caps: StoreCaps) -> Result<StoreServer> {
+        StoreServer::serve(bind_listener(addr)?, secret, MemoryStore::with_caps(caps))
     }
 
     /// Serves `store` on an already bound listener.
@@ -491,10 +499,12 @@ fn handle(store: &MemoryStore, req: Msg) -> Option<Msg> {
         },
     };
     Some(match req {
-        Msg::Set { key, value } => {
-            store.set_raw(&key, &value);
-            Msg::Done
-        }
+        Msg::Set { key, value } => match store.set_raw(&key, &value) {
+            Ok(()) => Msg::Done,
+            Err(message) => Msg::Failed {
+                message: truncate(message),
+            },
+        },
         Msg::Get { keys, timeout_ms } => {
             wait_reply(store.wait_raw(&keys, timeout(timeout_ms), true), true)
         }
@@ -511,13 +521,15 @@ fn handle(store: &MemoryStore, req: Msg) -> Option<Msg> {
             key,
             expected,
             desired,
-        } => {
-            let o = store.compare_set_raw(&key, expected.as_deref(), &desired);
-            Msg::Cas {
+        } => match store.compare_set_raw(&key, expected.as_deref(), &desired) {
+            Ok(o) => Msg::Cas {
                 swapped: o.swapped,
                 current: o.current,
-            }
-        }
+            },
+            Err(message) => Msg::Failed {
+                message: truncate(message),
+            },
+        },
         Msg::Delete { key } => Msg::Bool(store.delete_raw(&key)),
         Msg::Hello { .. }
         | Msg::Auth { .. }

@@ -1,7 +1,7 @@
 //! The aggregation service: admits jobs, connects to their members, and runs each job's
 //! aggregation calls through the executor, one thread per job.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -49,6 +49,20 @@ pub struct ServiceOptions {
     pub device: DeviceConfig,
     /// Logs jobs as they join and end, on stderr.
     pub verbose: bool,
+    /// Most ranks in one job (`--max-members`, default 4096): a member that says its job has
+    /// more is refused, and told this cap.
+    pub max_members: usize,
+    /// Jobs of one secret waiting for their members at once (`--max-pending`, default 4): the
+    /// first member of one more is refused, and told this cap. (Each waiting member holds a
+    /// connection and a thread of the service until its job is complete.)
+    pub max_pending: usize,
+    /// Longest a job's members wait for each other at the service (default 1 hour): a member
+    /// that asks for longer waits this long.
+    pub max_join_wait: Duration,
+    /// Most steps (slices times members) in the schedule of one named call, and in all the
+    /// schedules the service keeps for a job (default 8 Mi, a few hundred MiB): a call over it
+    /// fails the job with an error naming this cap.
+    pub max_call_steps: usize,
 }
 
 impl ServiceOptions {
@@ -62,6 +76,10 @@ impl ServiceOptions {
             host_id: crate::default_host_id(),
             device: DeviceConfig::default(),
             verbose: false,
+            max_members: 4096,
+            max_pending: 4,
+            max_join_wait: Duration::from_secs(3600),
+            max_call_steps: 8 << 20,
         }
     }
 }
@@ -113,7 +131,11 @@ struct Member {
 /// A job some of whose members have joined (removed from [`Shared::pending`] once taken:
 /// admitted or refused).
 struct Pending {
-    members: Vec<Option<Member>>,
+    /// Its ranks, as its first member said.
+    world: usize,
+    /// The members there, by rank (only those that came: a job's size costs nothing until
+    /// its members come).
+    members: BTreeMap<usize, Member>,
 }
 
 impl Service {
@@ -126,8 +148,17 @@ impl Service {
                     .into(),
             ));
         }
-        if opts.max_jobs == 0 {
-            return Err(Error::Config("max_jobs must be ≥ 1".into()));
+        for (name, v) in [
+            ("max_jobs", opts.max_jobs),
+            ("max_members", opts.max_members),
+            ("max_pending", opts.max_pending),
+            ("max_call_steps", opts.max_call_steps),
+        ] {
+            if v == 0 {
+                return Err(Error::Config(format!(
+                    "the aggregation service's {name} must be ≥ 1"
+                )));
+            }
         }
         let listener = TcpListener::bind(opts.listen).map_err(|e| {
             Error::Config(format!(
@@ -207,8 +238,13 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         let spawned = std::thread::Builder::new()
             .name("oxccl-agg-join".into())
             .spawn(move || {
-                admit(stream, &s);
-                s.unadmitted.fetch_sub(1, Ordering::AcqRel);
+                // `admit` gives the slot back once the member is proven (its job's caps
+                // bound it from then on), or when it returns before that.
+                let mut slot = Some(());
+                admit(stream, &s, &mut slot);
+                if slot.is_some() {
+                    s.unadmitted.fetch_sub(1, Ordering::AcqRel);
+                }
             });
         if spawned.is_err() {
             shared.unadmitted.fetch_sub(1, Ordering::AcqRel);
@@ -220,8 +256,9 @@ fn refuse(stream: &mut TcpStream, reason: String, busy: bool) {
     let _ = wire::send(stream, &Msg::Refused { reason, busy });
 }
 
-/// One connection: hello, the member's proof, then its job.
-fn admit(mut stream: TcpStream, shared: &Arc<Shared>) {
+/// One connection: hello, the member's proof, then its job. `slot` is the connection's
+/// place among the unadmitted: taken (given back) once the member is proven.
+fn admit(mut stream: TcpStream, shared: &Arc<Shared>, slot: &mut Option<()>) {
     let _ = stream.set_nodelay(true);
     let _ = stream.set_read_timeout(Some(AUTH_TIMEOUT));
     let Ok(ns) = wire::nonce() else { return };
@@ -249,7 +286,12 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>) {
         );
         return;
     };
-    if join.world == 0 || join.rank >= join.world || join.world > 1 << 16 {
+    // Proven: from here on the job's caps bound what it holds, not the strangers' count.
+    if slot.take().is_some() {
+        shared.unadmitted.fetch_sub(1, Ordering::AcqRel);
+    }
+    let opts = &shared.opts;
+    if join.world == 0 || join.rank >= join.world {
         refuse(
             &mut stream,
             format!("rank {} of world {} is not a member", join.rank, join.world),
@@ -257,7 +299,19 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>) {
         );
         return;
     }
-    let timeout = Duration::from_millis(join.timeout_ms).min(Duration::from_secs(3600));
+    if join.world > opts.max_members {
+        refuse(
+            &mut stream,
+            format!(
+                "rank {} says job {:016x} has {} ranks, over the service's cap of {} members \
+                 per job (max_members, --max-members)",
+                join.rank, join.job, join.world, opts.max_members
+            ),
+            false,
+        );
+        return;
+    }
+    let timeout = Duration::from_millis(join.timeout_ms).min(opts.max_join_wait);
     let key = (tenant, join.job);
     let (rank, world) = (join.rank, join.world);
     let member = Member {
@@ -267,23 +321,41 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>) {
         tenant,
     };
     let mut pending = shared.pending.lock().unwrap_or_else(|p| p.into_inner());
-    let entry = pending.entry(key).or_insert_with(|| Pending {
-        members: (0..world).map(|_| None).collect(),
-    });
     let mut member = member;
+    if !pending.contains_key(&key) {
+        let waiting = pending.keys().filter(|(t, _)| *t == tenant).count();
+        if waiting >= opts.max_pending {
+            drop(pending);
+            refuse(
+                &mut member.stream,
+                format!(
+                    "{waiting} jobs of this secret are waiting for their members, the \
+                     service's cap (max_pending, --max-pending {}): job {:016x} cannot start \
+                     waiting for its own",
+                    opts.max_pending, member.join.job
+                ),
+                false,
+            );
+            return;
+        }
+    }
+    let entry = pending.entry(key).or_insert_with(|| Pending {
+        world,
+        members: BTreeMap::new(),
+    });
     if let Some(why) = mismatch(entry, &member.join) {
         drop(pending);
         refuse(&mut member.stream, why, false);
         return;
     }
-    entry.members[rank] = Some(member);
-    if entry.members.iter().all(Option::is_some) {
+    entry.members.insert(rank, member);
+    if entry.members.len() == entry.world {
         let Some(job) = pending.remove(&key) else {
             return;
         };
         shared.joined.notify_all();
         drop(pending);
-        let members = job.members.into_iter().flatten().collect();
+        let members = job.members.into_values().collect();
         start_job(members, shared);
         return;
     }
@@ -299,8 +371,8 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>) {
                 return;
             };
             drop(pending);
-            let present: Vec<usize> = (0..world).filter(|&r| job.members[r].is_some()).collect();
-            for mut m in job.members.into_iter().flatten() {
+            let present: Vec<usize> = job.members.keys().copied().collect();
+            for mut m in job.members.into_values() {
                 refuse(
                     &mut m.stream,
                     format!(
@@ -322,18 +394,16 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>) {
 /// Why `join` cannot be part of the job `p` (another world size or slot geometry, a rank
 /// taken), if so.
 fn mismatch(p: &Pending, join: &Join) -> Option<String> {
-    if p.members.len() != join.world {
+    if p.world != join.world {
         return Some(format!(
             "rank {} says the job has {} ranks, another member says {}",
-            join.rank,
-            join.world,
-            p.members.len()
+            join.rank, join.world, p.world
         ));
     }
-    if p.members[join.rank].is_some() {
+    if p.members.contains_key(&join.rank) {
         return Some(format!("rank {} joined twice", join.rank));
     }
-    let other = p.members.iter().flatten().next()?;
+    let other = p.members.values().next()?;
     (other.join.geo != join.geo).then(|| {
         format!(
             "rank {} has slots {:?}, rank {} {:?}: set OXCCL_CHUNK_SIZE/OXCCL_SLOTS/\
@@ -526,6 +596,8 @@ fn run_job(
     let n = members.len();
     let timeout = Duration::from_millis(members[0].join.timeout_ms);
     let mut plans: HashMap<PlanKey, Plan> = HashMap::new();
+    // Steps of the schedules in `plans`.
+    let mut plan_steps = 0usize;
     let mut calls = 0u64;
     let _ = members[0].stream.set_read_timeout(Some(IDLE_TICK));
     for m in &members[1..] {
@@ -570,12 +642,32 @@ fn run_job(
         // The calls rank 0 named together run together (a group), as on the ranks.
         let mut keyed = Vec::with_capacity(named.len());
         for c in &named {
-            let (key, desc) = plan_key(c, n)?;
+            let (key, desc) = plan_key(c, n, engine.geo.slot_data)?;
             if !plans.contains_key(&key) {
-                let sched = build_aggregator(&key.request(n), pool)?;
-                if plans.len() >= 64 {
-                    plans.clear();
+                let steps = key.steps(n);
+                let cap = shared.opts.max_call_steps;
+                if steps > cap {
+                    return Err(format!(
+                        "rank 0 named call {} of {} elements in slices of {}: {steps} steps \
+                         for {n} members, over the service's cap of {cap} (max_call_steps)",
+                        desc.seq, key.count, key.chunk
+                    ));
                 }
+                // The schedules kept stay within the cap too (the calls of one group
+                // are kept together: they are used together just below).
+                if plans.len() >= 64 || plan_steps + steps > cap {
+                    plans.retain(|k, _| keyed.iter().any(|(kk, _)| kk == k));
+                    plan_steps = plans.keys().map(|k| k.steps(n)).sum();
+                }
+                if plan_steps + steps > cap {
+                    return Err(format!(
+                        "rank 0 named {} calls together whose schedules add up to more than \
+                         the service's cap of {cap} steps (max_call_steps)",
+                        named.len()
+                    ));
+                }
+                let sched = build_aggregator(&key.request(n), pool)?;
+                plan_steps += steps;
                 plans.insert(
                     key.clone(),
                     Plan::new(sched, CollectiveKind::AllReduce, Algorithm::Aggregation),
@@ -609,7 +701,7 @@ fn run_job(
 }
 
 /// What an aggregator's schedule depends on: count, chunk, element size, host table.
-#[derive(Clone, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct PlanKey {
     count: usize,
     chunk: usize,
@@ -633,6 +725,12 @@ impl PlanKey {
         }
     }
 
+    /// Steps of the aggregator's schedule, as [`ServiceOptions::max_call_steps`] counts them:
+    /// slices times members.
+    fn steps(&self, n: usize) -> usize {
+        self.count.div_ceil(self.chunk).max(1).saturating_mul(n)
+    }
+
     /// Bytes the service receives: every member's buffer; in two tiers, every host's (its
     /// rails').
     fn bytes_in(&self, n: usize) -> usize {
@@ -648,8 +746,10 @@ impl PlanKey {
     }
 }
 
-/// A named call's plan key and fingerprint, checked.
-fn plan_key(c: &CallDesc, n: usize) -> Result<(PlanKey, OpDesc), String> {
+/// A named call's plan key and fingerprint, checked against the job's `n` members and
+/// slots of `slot_data` bytes (a slice fills one slot at most, so the service's scratch for
+/// a call stays within its share of the pool).
+fn plan_key(c: &CallDesc, n: usize, slot_data: usize) -> Result<(PlanKey, OpDesc), String> {
     let (Some(&dtype), Some(&op)) = (
         DataType::ALL.get(c.dtype as usize),
         ReduceOp::ALL.get(c.op as usize),
@@ -666,9 +766,18 @@ fn plan_key(c: &CallDesc, n: usize) -> Result<(PlanKey, OpDesc), String> {
         ));
     }
     let count = usize::try_from(c.count).map_err(|_| format!("count {}", c.count))?;
+    let chunk = usize::try_from(c.chunk).unwrap_or(usize::MAX).max(1);
+    if chunk > 1 && chunk.saturating_mul(dtype.size()) > slot_data {
+        return Err(format!(
+            "rank 0 named call {} with slices of {chunk} elements of {} bytes, larger than \
+             the job's slots of {slot_data} bytes",
+            c.seq,
+            dtype.size()
+        ));
+    }
     let key = PlanKey {
         count,
-        chunk: (c.chunk as usize).max(1),
+        chunk,
         es: dtype.size(),
         hosts: c.hosts.clone(),
     };
@@ -704,5 +813,158 @@ fn closed(s: &TcpStream) -> bool {
         Ok(0) => true,
         Ok(_) => false,
         Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use oxccl_core::protocol::Geometry;
+    use oxccl_verbs::{EndpointAddr, QpEndpoint};
+
+    fn secret(s: &str) -> Secret {
+        Secret::new(s).unwrap()
+    }
+
+    fn start(secrets: Vec<Secret>, tune: impl FnOnce(&mut ServiceOptions)) -> Service {
+        let mut opts = ServiceOptions::new("127.0.0.1:0".parse().unwrap(), secrets);
+        tune(&mut opts);
+        Service::start(opts).unwrap()
+    }
+
+    const GEO: Geometry = Geometry {
+        slot_data: 4096,
+        slots: 2,
+        channels: 1,
+    };
+
+    /// A proven member of `job` (rank `rank` of `world`) that has sent its join; the stream
+    /// reads with a timeout of `wait`.
+    fn join(svc: &Service, s: &Secret, job: u64, rank: usize, world: usize) -> TcpStream {
+        let mut stream = TcpStream::connect(svc.addr()).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let Ok(Msg::Hello { nonce: ns, .. }) = wire::recv(&mut stream) else {
+            panic!("no hello")
+        };
+        let nc = wire::nonce().unwrap();
+        let mut j = Join {
+            nonce: nc,
+            proof: Vec::new(),
+            job,
+            rank,
+            world,
+            geo: GEO,
+            provider: "tcp".into(),
+            endpoint: QpEndpoint {
+                provider: Provider::Tcp,
+                host: "test".into(),
+                qp_num: 1,
+                addr: EndpointAddr::Tcp {
+                    addr: "127.0.0.1:1".into(),
+                    qp_token: 7,
+                    nsocks: 1,
+                },
+            },
+            region: RemoteBuffer {
+                addr: 0,
+                len: 0,
+                rkey: 0,
+            },
+            timeout_ms: 20_000,
+        };
+        j.proof = LABELS.client_proof(s, &ns, &nc, &j.claims()).to_vec();
+        wire::send(&mut stream, &Msg::Join(Box::new(j))).unwrap();
+        stream
+    }
+
+    fn refusal(stream: &mut TcpStream) -> String {
+        match wire::recv(stream) {
+            Ok(Msg::Refused { reason, busy }) => {
+                assert!(!busy, "{reason}");
+                reason
+            }
+            r => panic!("expected a refusal, got {r:?}"),
+        }
+    }
+
+    /// Whether the service has said nothing to `stream` for a while (the member waits).
+    fn waiting(stream: &mut TcpStream) -> bool {
+        stream
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        let r = wire::recv(stream);
+        matches!(&r, Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
+    }
+
+    #[test]
+    fn a_job_larger_than_the_member_cap_is_refused_naming_it() {
+        let s = secret("caps");
+        let svc = start(vec![s.clone()], |o| o.max_members = 2);
+        let mut m = join(&svc, &s, 0xabc, 0, 3);
+        let why = refusal(&mut m);
+        for part in [
+            "3 ranks",
+            "cap of 2 members",
+            "max_members",
+            "--max-members",
+            "abc",
+        ] {
+            assert!(why.contains(part), "{part} missing from {why}");
+        }
+        // A job within the cap waits for its other member.
+        let mut ok = join(&svc, &s, 0xdef, 0, 2);
+        assert!(waiting(&mut ok));
+    }
+
+    #[test]
+    fn pending_jobs_are_capped_per_secret() {
+        let (a, b) = (secret("tenant a"), secret("tenant b"));
+        let svc = start(vec![a.clone(), b.clone()], |o| o.max_pending = 2);
+        // Two jobs of tenant a wait for their second members.
+        let mut first = join(&svc, &a, 1, 0, 2);
+        let mut second = join(&svc, &a, 2, 0, 2);
+        assert!(waiting(&mut first) && waiting(&mut second));
+        // A third is refused, naming the cap.
+        let mut third = join(&svc, &a, 3, 0, 2);
+        let why = refusal(&mut third);
+        for part in [
+            "2 jobs of this secret",
+            "max_pending",
+            "--max-pending 2",
+            "0000000000000003",
+        ] {
+            assert!(why.contains(part), "{part} missing from {why}");
+        }
+        // A member of a job already waiting is not a new job; another tenant is not held
+        // back by tenant a's jobs.
+        let mut other = join(&svc, &b, 3, 0, 2);
+        assert!(waiting(&mut other));
+        let mut more = join(&svc, &a, 1, 1, 3);
+        assert!(refusal(&mut more).contains("says the job has 3 ranks"));
+        // Members that are proven do not count among the unadmitted connections.
+        assert_eq!(svc.shared.unadmitted.load(Ordering::Acquire), 0);
+    }
+
+    #[test]
+    fn a_named_call_is_checked_against_the_slots_and_counted_in_steps() {
+        let call = |count: u64, chunk: u64| CallDesc {
+            seq: 9,
+            count,
+            dtype: wire::dtype_code(DataType::F32),
+            op: wire::op_code(ReduceOp::Sum),
+            chunk,
+            hosts: Vec::new(),
+        };
+        // Slices of 1024 f32 fill 4096-byte slots exactly; 1025 do not fit.
+        let (key, desc) = plan_key(&call(10_000, 1024), 4, 4096).unwrap();
+        assert_eq!((key.chunk, desc.seq), (1024, 9));
+        assert_eq!(key.steps(4), 10_000usize.div_ceil(1024) * 4);
+        let e = plan_key(&call(10_000, 1025), 4, 4096).unwrap_err();
+        assert!(e.contains("call 9") && e.contains("4096 bytes"), "{e}");
+        // A count of u64::MAX in slices of 1 is counted without overflow (and far over any cap).
+        let (key, _) = plan_key(&call(u64::MAX, 1), 4, 4096).unwrap();
+        assert_eq!(key.steps(4), usize::MAX);
     }
 }

@@ -15,9 +15,39 @@ use crate::handshake::STORE;
 use crate::secret::{Secret, random_bytes};
 use crate::store::{MemoryStore, StoreCaps, WaitFail};
 use crate::wire::{
-    MAX_FRAME_LEN, MAX_HANDSHAKE_FRAME_LEN, MAX_TEXT_LEN, Msg, PROTOCOL_VERSION, ReadError,
-    read_msg, write_msg,
+    DecodeError, MAX_FRAME_LEN, MAX_HANDSHAKE_FRAME_LEN, MAX_TEXT_LEN, Msg, PROTOCOL_VERSION,
+    ReadError, encode, read_msg, write_msg,
 };
+use oxccl_seal::{JobKey, NONCE_LEN as SEAL_NONCE_LEN, Role, SealedStream, Session};
+
+/// The purpose the store's record keys are derived for ([`JobKey::derive`]).
+pub const STORE_PURPOSE: &str = "oxccl-store v2 records";
+
+/// What both ends saw of the handshake, which the record keys are bound to: the three
+/// messages' frames, as [`encode`] writes them.
+pub(crate) fn transcript(hello: &Msg, auth: &Msg, ok: &Msg) -> Result<Vec<u8>, DecodeError> {
+    let mut t = encode(hello)?;
+    t.extend(encode(auth)?);
+    t.extend(encode(ok)?);
+    Ok(t)
+}
+
+/// The keys of one store connection's records, both directions: from the secret, both
+/// sides' challenges and the handshake's transcript. The client is the initiator.
+pub(crate) fn session(
+    secret: &Secret,
+    role: Role,
+    client_nonce: &[u8; SEAL_NONCE_LEN],
+    server_nonce: &[u8; SEAL_NONCE_LEN],
+    transcript: &[u8],
+) -> Session {
+    JobKey::derive(secret.as_bytes(), STORE_PURPOSE).session(
+        role,
+        client_nonce,
+        server_nonce,
+        transcript,
+    )
+}
 
 /// How long a new connection has to authenticate.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -69,7 +99,11 @@ impl Shared {
 ///
 /// One thread accepts; one thread serves each connection. A connection that fails to
 /// authenticate, or sends a malformed or oversized message, is closed and the reason logged
-/// (`tracing` warning); other connections are not disturbed. Dropping the server stops it:
+/// (`tracing` warning); other connections are not disturbed. After the handshake every
+/// request and reply travels in sealed records (AES-256-GCM, `oxccl_seal`) under keys bound
+/// to the secret, both challenges and the handshake: a record changed, replayed, dropped or
+/// reordered on the way closes that connection, its request unapplied, and the warning names
+/// the client and the record. Dropping the server stops it:
 /// every connection is closed and pending requests fail on the client side.
 pub struct StoreServer {
     addr: SocketAddr,
@@ -332,7 +366,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 /// Runs one connection: handshake, then requests until the peer leaves or misbehaves.
 fn serve_conn(shared: &Shared, id: u64, mut stream: TcpStream, peer: SocketAddr) {
     let _ = stream.set_nodelay(true);
-    let Ok(label) = handshake(shared, &mut stream, peer) else {
+    let Ok((label, session)) = handshake(shared, &mut stream, peer) else {
         return;
     };
     if let Some(c) = shared.conns().map.get_mut(&id) {
@@ -344,6 +378,8 @@ fn serve_conn(shared: &Shared, id: u64, mut stream: TcpStream, peer: SocketAddr)
     {
         return;
     }
+    let mut stream =
+        SealedStream::new(stream, session, format!("store client {label:?} at {peer}"));
     loop {
         let req = match read_msg(&mut stream, MAX_FRAME_LEN) {
             Ok(m) => m,
@@ -393,7 +429,11 @@ fn refuse(stream: &mut TcpStream, peer: SocketAddr, why: &str, tell: &str) {
     }
 }
 
-fn handshake(shared: &Shared, stream: &mut TcpStream, peer: SocketAddr) -> Result<String, Refused> {
+fn handshake(
+    shared: &Shared,
+    stream: &mut TcpStream,
+    peer: SocketAddr,
+) -> Result<(String, Session), Refused> {
     let fail = |stream: &mut TcpStream, why: String| {
         if !shared.stopping.load(Ordering::SeqCst) {
             refuse(stream, peer, &why, "");
@@ -426,6 +466,7 @@ fn handshake(shared: &Shared, stream: &mut TcpStream, peer: SocketAddr) -> Resul
             ));
         }
     };
+    let auth = msg.clone();
     let Msg::Auth { mac, nonce, label } = msg else {
         refuse(
             stream,
@@ -453,13 +494,25 @@ fn handshake(shared: &Shared, stream: &mut TcpStream, peer: SocketAddr) -> Resul
         return Err(Refused);
     }
     let proof = STORE.server_proof(&shared.secret, &server_nonce, &nonce);
-    if let Err(e) = write_msg(stream, &Msg::AuthOk { mac: proof }) {
+    let ok = Msg::AuthOk { mac: proof };
+    let transcript = match transcript(&hello, &auth, &ok) {
+        Ok(t) => t,
+        Err(e) => return Err(fail(stream, format!("the handshake's messages: {e}"))),
+    };
+    if let Err(e) = write_msg(stream, &ok) {
         return Err(fail(
             stream,
             format!("{label:?} authenticated, but the reply failed: {e}"),
         ));
     }
-    Ok(label)
+    let session = session(
+        &shared.secret,
+        Role::Acceptor,
+        &nonce,
+        &server_nonce,
+        &transcript,
+    );
+    Ok((label, session))
 }
 
 /// Cuts a message to what the wire carries.

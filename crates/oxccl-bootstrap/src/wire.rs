@@ -6,6 +6,10 @@
 //! the value. Every length is checked against the caps below before anything is allocated, and
 //! [`decode`] is a pure function over a byte slice that never panics (a proptest and the
 //! `bootstrap_wire` fuzz target in `fuzz/` hold it to that).
+//!
+//! The handshake's three frames travel in clear; every frame after them travels inside
+//! AES-256-GCM records of `oxccl_seal` (a record's plaintext is a run of these frames' bytes,
+//! which [`decode`] reads once the record authenticated).
 
 use std::fmt;
 
@@ -23,8 +27,10 @@ pub const MAX_HANDSHAKE_FRAME_LEN: usize = 2048;
 pub const MAX_TEXT_LEN: usize = 1024;
 /// Length of the nonces and MACs of the handshake.
 pub const NONCE_LEN: usize = crate::handshake::NONCE_LEN;
-/// Protocol version the server announces in its greeting.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Protocol version the server announces in its greeting. Version 2: after the handshake
+/// (`Hello`, `Auth`, `AuthOk`), every frame travels inside sealed records
+/// ([`oxccl_seal::SealedStream`]) both ways.
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Magic number that opens the server's greeting ("OXST").
 pub const MAGIC: u32 = u32::from_le_bytes(*b"OXST");
 

@@ -1,0 +1,252 @@
+//! Values sealed before they go into a store that is not ours (torch's `TCPStore`, Redis, a
+//! file), and opened when they come back: such a store carries the ranks' endpoints and
+//! rkeys in clear, to whoever can reach it.
+//!
+//! [`SealedValues`] wraps any [`Store`]: `set` and `compare_set` seal each value with the job's
+//! key ([`JobKey::seal_value`], a fresh random nonce, the key's name as associated data),
+//! `get` opens it. A value that does not open (set by a process with another secret, changed
+//! in the store, or moved from another key) is [`Error::ValueNotAuthentic`], naming the key.
+//! Counters ([`Store::add`]) stay in clear: the store itself adds to them, and they are
+//! numbers (tickets, generations), not endpoints. Waits and deletes only name keys.
+
+use std::time::Duration;
+
+use oxccl_seal::JobKey;
+
+use crate::error::{Error, Result};
+use crate::secret::Secret;
+use crate::store::{CasOutcome, Store};
+
+/// The purpose the values' key is derived for ([`JobKey::derive`]).
+pub const VALUES_PURPOSE: &str = "oxccl store values v1";
+
+/// How many times a `compare_set` with an expected value retries when the value changes
+/// between its read and its swap.
+const CAS_TRIES: usize = 64;
+
+/// A [`Store`] whose values are sealed with the job's key: see the module's documentation.
+pub struct SealedValues {
+    inner: Box<dyn Store>,
+    key: JobKey,
+}
+
+impl std::fmt::Debug for SealedValues {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SealedValues")
+            .field("store", &self.inner.location())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SealedValues {
+    /// Wraps `inner`, sealing its values with the key `secret` derives for them.
+    pub fn new(inner: Box<dyn Store>, secret: &Secret) -> SealedValues {
+        SealedValues {
+            inner,
+            key: JobKey::derive(secret.as_bytes(), VALUES_PURPOSE),
+        }
+    }
+
+    /// `inner` as the encryption policy ([`crate::encrypt_from_env`], `OXCCL_ENCRYPT`) wants a
+    /// store that is not ours: wrapped in [`SealedValues`] unless the policy is `off`. The
+    /// secret is `secret` when given, else the environment's or the user's
+    /// ([`Secret::from_env_or_user_file`]).
+    pub fn per_policy(inner: Box<dyn Store>, secret: Option<&Secret>) -> Result<Box<dyn Store>> {
+        if !crate::encrypt_from_env()?.seals_foreign_stores() {
+            return Ok(inner);
+        }
+        let secret = match secret {
+            Some(s) => s.clone(),
+            None => Secret::from_env_or_user_file()?,
+        };
+        Ok(Box::new(SealedValues::new(inner, &secret)))
+    }
+
+    fn seal(&self, key: &str, value: &[u8]) -> Vec<u8> {
+        self.key.seal_value(key.as_bytes(), value)
+    }
+
+    fn open(&self, key: &str, sealed: &[u8]) -> Result<Vec<u8>> {
+        self.key
+            .open_value(key.as_bytes(), sealed)
+            .map_err(|e| Error::ValueNotAuthentic {
+                addr: self.inner.location(),
+                key: key.to_owned(),
+                reason: e.to_string(),
+            })
+    }
+
+    /// The value at `key` now, sealed as stored, if any.
+    fn current(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        match self.inner.multi_get(&[key], Duration::ZERO) {
+            Ok(mut v) => Ok(v.pop()),
+            Err(Error::Timeout { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Store for SealedValues {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.inner.set(key, &self.seal(key, value))
+    }
+
+    fn multi_get(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        let sealed = self.inner.multi_get(keys, timeout)?;
+        keys.iter()
+            .zip(&sealed)
+            .map(|(k, v)| self.open(k, v))
+            .collect()
+    }
+
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        self.inner.wait(keys, timeout)
+    }
+
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.inner.add(key, delta)
+    }
+
+    fn compare_set(
+        &self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+    ) -> Result<CasOutcome> {
+        let sealed = self.seal(key, desired);
+        let Some(expected) = expected else {
+            let o = self.inner.compare_set(key, None, &sealed)?;
+            return Ok(CasOutcome {
+                swapped: o.swapped,
+                current: match (o.swapped, o.current) {
+                    (true, _) => Some(desired.to_vec()),
+                    (false, Some(v)) => Some(self.open(key, &v)?),
+                    (false, None) => None,
+                },
+            });
+        };
+        // Sealed values differ each time: compare the plaintexts, then swap exactly the
+        // sealed value read (again if another process changed it in between).
+        for _ in 0..CAS_TRIES {
+            let Some(now) = self.current(key)? else {
+                return Ok(CasOutcome {
+                    swapped: false,
+                    current: None,
+                });
+            };
+            let plain = self.open(key, &now)?;
+            if plain != expected {
+                return Ok(CasOutcome {
+                    swapped: false,
+                    current: Some(plain),
+                });
+            }
+            if self.inner.compare_set(key, Some(&now), &sealed)?.swapped {
+                return Ok(CasOutcome {
+                    swapped: true,
+                    current: Some(desired.to_vec()),
+                });
+            }
+        }
+        Err(Error::Rejected {
+            addr: self.inner.location(),
+            message: format!(
+                "compare_set of {key:?}: its value changed under each of {CAS_TRIES} tries"
+            ),
+        })
+    }
+
+    fn delete(&self, key: &str) -> Result<bool> {
+        self.inner.delete(key)
+    }
+
+    fn location(&self) -> String {
+        self.inner.location()
+    }
+
+    fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        self.inner.local_addr()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemoryStore;
+
+    const T: Duration = Duration::from_secs(5);
+
+    fn sealed(store: &MemoryStore, secret: &str) -> SealedValues {
+        SealedValues::new(Box::new(store.clone()), &Secret::new(secret).unwrap())
+    }
+
+    #[test]
+    fn values_are_sealed_in_the_store_and_open_for_the_job() {
+        let under = MemoryStore::new();
+        let s = sealed(&under, "job");
+        let endpoint = b"tcp 10.0.0.7:41234 rkey 0x5eed";
+        s.set("ep/3", endpoint).unwrap();
+        // What the store holds shows nothing of the value, and another rank of the job
+        // reads it back.
+        let raw = under.get("ep/3", T).unwrap();
+        assert!(!raw.windows(8).any(|w| endpoint.windows(8).any(|e| e == w)));
+        assert_eq!(sealed(&under, "job").get("ep/3", T).unwrap(), endpoint);
+        assert_eq!(s.multi_get(&["ep/3", "ep/3"], T).unwrap(), [endpoint; 2]);
+    }
+
+    #[test]
+    fn a_value_that_does_not_open_names_its_key() {
+        let under = MemoryStore::new();
+        sealed(&under, "job").set("ep/1", b"one").unwrap();
+        // Another secret.
+        match sealed(&under, "stranger").get("ep/1", T) {
+            Err(Error::ValueNotAuthentic { key, .. }) => assert_eq!(key, "ep/1"),
+            r => panic!("{r:?}"),
+        }
+        // Changed in the store: one bit.
+        let mut raw = under.get("ep/1", T).unwrap();
+        let last = raw.len() - 1;
+        raw[last] ^= 1;
+        under.set("ep/1", &raw).unwrap();
+        let e = sealed(&under, "job").get("ep/1", T).unwrap_err();
+        assert!(e.to_string().contains("\"ep/1\""), "{e}");
+        // Moved from another key: sealed for "ep/2", stored at "ep/1".
+        sealed(&under, "job").set("ep/2", b"two").unwrap();
+        under.set("ep/1", &under.get("ep/2", T).unwrap()).unwrap();
+        assert!(matches!(
+            sealed(&under, "job").get("ep/1", T),
+            Err(Error::ValueNotAuthentic { .. })
+        ));
+        // A value set in clear by someone without the key.
+        under.set("ep/9", b"plain").unwrap();
+        assert!(sealed(&under, "job").get("ep/9", T).is_err());
+    }
+
+    #[test]
+    fn compare_set_compares_plaintexts() {
+        let under = MemoryStore::new();
+        let s = sealed(&under, "job");
+        assert!(s.compare_set("k", None, b"first").unwrap().swapped);
+        let o = s.compare_set("k", None, b"second").unwrap();
+        assert_eq!(
+            (o.swapped, o.current.as_deref()),
+            (false, Some(&b"first"[..]))
+        );
+        let o = s.compare_set("k", Some(b"nope"), b"x").unwrap();
+        assert_eq!(
+            (o.swapped, o.current.as_deref()),
+            (false, Some(&b"first"[..]))
+        );
+        let o = s.compare_set("k", Some(b"first"), b"third").unwrap();
+        assert_eq!(
+            (o.swapped, o.current.as_deref()),
+            (true, Some(&b"third"[..]))
+        );
+        assert_eq!(s.get("k", T).unwrap(), b"third");
+        let o = s.compare_set("missing", Some(b"x"), b"y").unwrap();
+        assert_eq!((o.swapped, o.current), (false, None));
+        // Counters stay numbers the store can add to.
+        assert_eq!(s.add("n", 2).unwrap(), 2);
+        assert_eq!(s.add("n", 3).unwrap(), 5);
+    }
+}

@@ -9,7 +9,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use oxccl_bootstrap::Secret;
-use oxccl_verbs::{ConnectRole, Context, DeviceConfig, Provider, QpConfig, RemoteBuffer};
+use oxccl_seal::{Role, SealedStream};
+use oxccl_verbs::{
+    ConnectRole, Context, DeviceConfig, Provider, QpConfig, QpEndpoint, RemoteBuffer,
+};
 
 use super::wire::{self, CallDesc, Join, LABELS, MAGIC, Msg};
 use crate::engine::{AbortFlag, Bufs, CallSpec, Engine, Link, Plan};
@@ -116,12 +119,37 @@ struct Shared {
     jobs: AtomicU64,
     calls: AtomicU64,
     bytes_in: AtomicU64,
+    /// The last jobs' failures ([`Service::failures`]).
+    failures: Mutex<std::collections::VecDeque<String>>,
+}
+
+/// Failures a service keeps for [`Service::failures`].
+const FAILURES_KEPT: usize = 16;
+
+impl Shared {
+    fn failed(&self, what: String) {
+        if self.opts.verbose {
+            eprintln!("oxccl agg: {what}");
+        }
+        let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        if f.len() == FAILURES_KEPT {
+            f.pop_front();
+        }
+        f.push_back(what);
+    }
 }
 
 /// A member that proved its secret, waiting for the rest of its job.
 struct Member {
-    stream: TcpStream,
+    /// Its control connection: sealed records after the join ([`wire::session`]); the accept
+    /// or a refusal goes in clear underneath (`get_mut`).
+    stream: SealedStream<TcpStream>,
     join: Box<Join>,
+    /// Its queue pair's endpoint and its receive region (they came sealed).
+    endpoint: QpEndpoint,
+    region: RemoteBuffer,
+    /// Whether its tcp queue pair seals its frames: ours to it then does too.
+    sealed: bool,
     /// The service's challenge to it.
     nonce: [u8; 32],
     /// The secret it proved (an index into [`ServiceOptions::secrets`]).
@@ -179,6 +207,7 @@ impl Service {
             jobs: AtomicU64::new(0),
             calls: AtomicU64::new(0),
             bytes_in: AtomicU64::new(0),
+            failures: Mutex::new(std::collections::VecDeque::new()),
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -195,6 +224,18 @@ impl Service {
     /// The address members reach it at.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// How the last jobs that failed failed (at most 16, oldest first), each naming the job
+    /// and what failed: a member's control connection whose record was changed, replayed,
+    /// dropped or reordered on the way, a call past a cap, a job that could not be connected.
+    pub fn failures(&self) -> Vec<String> {
+        let f = self
+            .shared
+            .failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        f.iter().cloned().collect()
     }
 
     /// What it has done so far.
@@ -252,8 +293,21 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
+/// Refuses a member, in clear (it reads the answer to its join in clear).
 fn refuse(stream: &mut TcpStream, reason: String, busy: bool) {
     let _ = wire::send(stream, &Msg::Refused { reason, busy });
+}
+
+/// A message's kind, for errors that must not print its fields.
+fn kind(m: &Msg) -> &'static str {
+    match m {
+        Msg::Hello { .. } => "a hello",
+        Msg::Join(_) => "a join",
+        Msg::Side { .. } => "a side",
+        Msg::Accept { .. } => "an accept",
+        Msg::Refused { .. } => "a refusal",
+        Msg::Calls { .. } => "calls",
+    }
 }
 
 /// One connection: hello, the member's proof, then its job. `slot` is the connection's
@@ -286,6 +340,39 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>, slot: &mut Option<()>) {
         );
         return;
     };
+    // Its side of the data connection follows, sealed.
+    let peer = match stream.peer_addr() {
+        Ok(a) => format!("rank {} of job {:016x} at {a}", join.rank, join.job),
+        Err(_) => format!("rank {} of job {:016x}", join.rank, join.job),
+    };
+    let session = wire::session(
+        &shared.opts.secrets[tenant],
+        Role::Acceptor,
+        &join.nonce,
+        &ns,
+        &join.claims(),
+        &join.proof,
+    );
+    let mut stream = SealedStream::new(stream, session, peer);
+    let (endpoint, region, sealed) = match wire::recv(&mut stream) {
+        Ok(Msg::Side {
+            endpoint,
+            region,
+            sealed,
+        }) => (endpoint, region, sealed),
+        Ok(m) => {
+            let why = format!("sent {} where its side belongs", kind(&m));
+            refuse(stream.get_mut(), why, false);
+            return;
+        }
+        Err(e) => {
+            shared.failed(format!(
+                "job {:016x}: closed the connection of rank {}: its side: {e}",
+                join.job, join.rank
+            ));
+            return;
+        }
+    };
     // Proven: from here on the job's caps bound what it holds, not the strangers' count.
     if slot.take().is_some() {
         shared.unadmitted.fetch_sub(1, Ordering::AcqRel);
@@ -293,7 +380,7 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>, slot: &mut Option<()>) {
     let opts = &shared.opts;
     if join.world == 0 || join.rank >= join.world {
         refuse(
-            &mut stream,
+            stream.get_mut(),
             format!("rank {} of world {} is not a member", join.rank, join.world),
             false,
         );
@@ -301,7 +388,7 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>, slot: &mut Option<()>) {
     }
     if join.world > opts.max_members {
         refuse(
-            &mut stream,
+            stream.get_mut(),
             format!(
                 "rank {} says job {:016x} has {} ranks, over the service's cap of {} members \
                  per job (max_members, --max-members)",
@@ -317,6 +404,9 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>, slot: &mut Option<()>) {
     let member = Member {
         stream,
         join,
+        endpoint,
+        region,
+        sealed,
         nonce: ns,
         tenant,
     };
@@ -327,7 +417,7 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>, slot: &mut Option<()>) {
         if waiting >= opts.max_pending {
             drop(pending);
             refuse(
-                &mut member.stream,
+                member.stream.get_mut(),
                 format!(
                     "{waiting} jobs of this secret are waiting for their members, the \
                      service's cap (max_pending, --max-pending {}): job {:016x} cannot start \
@@ -345,7 +435,7 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>, slot: &mut Option<()>) {
     });
     if let Some(why) = mismatch(entry, &member.join) {
         drop(pending);
-        refuse(&mut member.stream, why, false);
+        refuse(member.stream.get_mut(), why, false);
         return;
     }
     entry.members.insert(rank, member);
@@ -374,7 +464,7 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>, slot: &mut Option<()>) {
             let present: Vec<usize> = job.members.keys().copied().collect();
             for mut m in job.members.into_values() {
                 refuse(
-                    &mut m.stream,
+                    m.stream.get_mut(),
                     format!(
                         "only ranks {present:?} of the job's {world} joined within {timeout:?}"
                     ),
@@ -423,7 +513,7 @@ fn start_job(mut members: Vec<Member>, shared: &Arc<Shared>) {
         shared.running.fetch_sub(1, Ordering::AcqRel);
         for m in &mut members {
             refuse(
-                &mut m.stream,
+                m.stream.get_mut(),
                 format!(
                     "it serves {} jobs, its most (--max-jobs {})",
                     running, opts.max_jobs
@@ -450,15 +540,14 @@ fn start_job(mut members: Vec<Member>, shared: &Arc<Shared>) {
                 .name(format!("oxccl-agg-{job:x}"))
                 .spawn(move || {
                     let r = run_job(engine, members, pool, &s);
-                    s.running.fetch_sub(1, Ordering::AcqRel);
-                    if s.opts.verbose {
-                        match r {
-                            Ok(calls) => {
-                                eprintln!("oxccl agg: job {job:016x} ended after {calls} calls")
-                            }
-                            Err(e) => eprintln!("oxccl agg: job {job:016x} failed: {e}"),
+                    match r {
+                        Ok(calls) if s.opts.verbose => {
+                            eprintln!("oxccl agg: job {job:016x} ended after {calls} calls")
                         }
+                        Ok(_) => {}
+                        Err(e) => s.failed(format!("job {job:016x} failed: {e}")),
                     }
+                    s.running.fetch_sub(1, Ordering::AcqRel);
                 });
             if spawned.is_err() {
                 shared.running.fetch_sub(1, Ordering::AcqRel);
@@ -466,11 +555,9 @@ fn start_job(mut members: Vec<Member>, shared: &Arc<Shared>) {
         }
         Err(why) => {
             shared.running.fetch_sub(1, Ordering::AcqRel);
-            if opts.verbose {
-                eprintln!("oxccl agg: job {job:016x} could not be connected: {why}");
-            }
+            shared.failed(format!("job {job:016x} could not be connected: {why}"));
             for m in &mut members {
-                refuse(&mut m.stream, why.clone(), false);
+                refuse(m.stream.get_mut(), why.clone(), false);
             }
         }
     }
@@ -505,7 +592,7 @@ fn connect_job(members: &mut [Member], opts: &ServiceOptions) -> Result<(Engine,
                 .iter()
                 .zip(&providers)
                 .find(|(_, p)| **p == Provider::Tcp)
-                .and_then(|(m, _)| m.stream.local_addr().ok())
+                .and_then(|(m, _)| m.stream.get_ref().local_addr().ok())
                 .map_or(opts.listen.ip(), |a| a.ip());
             config.tcp_addr = SocketAddr::new(ip, 0);
         }
@@ -532,6 +619,9 @@ fn connect_job(members: &mut [Member], opts: &ServiceOptions) -> Result<(Engine,
             timeout: timeout.max(Duration::from_secs(10)),
             // The member connects (it knows our address; we need not reach it).
             connect: ConnectRole::Passive,
+            // Sealed as the member's end is (its decision, by the policy, as for its peers).
+            seal: (m.sealed && providers[r] == Provider::Tcp)
+                .then(|| wire::data_key(&opts.secrets[m.tenant])),
             ..QpConfig::default()
         };
         let qp = pds[c]
@@ -548,21 +638,22 @@ fn connect_job(members: &mut [Member], opts: &ServiceOptions) -> Result<(Engine,
         let proof = LABELS
             .server_proof(&opts.secrets[m.tenant], &m.nonce, &m.join.nonce)
             .to_vec();
-        let accept = Msg::Accept {
-            proof,
+        // The proof in clear, then the service's side sealed.
+        let side = Msg::Side {
             endpoint: links[r].qp.endpoint(),
             region: links[r].local_region(),
-            pool,
+            sealed: m.sealed && providers[r] == Provider::Tcp,
         };
-        wire::send(&mut m.stream, &accept)
+        wire::send(m.stream.get_mut(), &Msg::Accept { proof, pool })
+            .and_then(|()| wire::send(&mut m.stream, &side))
             .map_err(|e| format!("cannot answer rank {}: {e}", m.join.rank))?;
     }
     for (r, m) in members.iter().enumerate() {
         links[r]
             .qp
-            .connect(&m.join.endpoint)
+            .connect(&m.endpoint)
             .map_err(|e| format!("connecting rank {}: {e}", m.join.rank))?;
-        let region: RemoteBuffer = m.join.region;
+        let region: RemoteBuffer = m.region;
         links[r]
             .connect(region, &geo, r)
             .map_err(|e| format!("posting receives for rank {}: {e}", m.join.rank))?;
@@ -599,9 +690,14 @@ fn run_job(
     // Steps of the schedules in `plans`.
     let mut plan_steps = 0usize;
     let mut calls = 0u64;
-    let _ = members[0].stream.set_read_timeout(Some(IDLE_TICK));
+    // Rank 0 names the calls, in sealed records; the others say nothing more (their
+    // connections only tell when they leave).
+    let _ = members[0]
+        .stream
+        .get_ref()
+        .set_read_timeout(Some(IDLE_TICK));
     for m in &members[1..] {
-        let _ = m.stream.set_nonblocking(true);
+        let _ = m.stream.get_ref().set_nonblocking(true);
     }
     let mut left = vec![false; n];
     loop {
@@ -619,7 +715,7 @@ fn run_job(
             {
                 // Idle: has everyone left?
                 for (r, m) in members.iter().enumerate().skip(1) {
-                    left[r] |= closed(&m.stream);
+                    left[r] |= closed(m.stream.get_ref());
                 }
                 if members.len() > 1 && left[1..].iter().all(|&l| l) {
                     // The others are gone; rank 0 will see its connection close.
@@ -820,7 +916,7 @@ fn closed(s: &TcpStream) -> bool {
 mod tests {
     use super::*;
     use oxccl_core::protocol::Geometry;
-    use oxccl_verbs::{EndpointAddr, QpEndpoint};
+    use oxccl_verbs::EndpointAddr;
 
     fn secret(s: &str) -> Secret {
         Secret::new(s).unwrap()
@@ -838,9 +934,14 @@ mod tests {
         channels: 1,
     };
 
-    /// A proven member of `job` (rank `rank` of `world`) that has sent its join; the stream
-    /// reads with a timeout of `wait`.
-    fn join(svc: &Service, s: &Secret, job: u64, rank: usize, world: usize) -> TcpStream {
+    /// A proven member of `job` (rank `rank` of `world`) that has sent its join and its side.
+    fn join(
+        svc: &Service,
+        s: &Secret,
+        job: u64,
+        rank: usize,
+        world: usize,
+    ) -> SealedStream<TcpStream> {
         let mut stream = TcpStream::connect(svc.addr()).unwrap();
         stream
             .set_read_timeout(Some(Duration::from_secs(10)))
@@ -857,6 +958,13 @@ mod tests {
             world,
             geo: GEO,
             provider: "tcp".into(),
+            timeout_ms: 20_000,
+        };
+        j.proof = LABELS.client_proof(s, &ns, &nc, &j.claims()).to_vec();
+        let session = wire::session(s, Role::Initiator, &nc, &ns, &j.claims(), &j.proof);
+        wire::send(&mut stream, &Msg::Join(Box::new(j))).unwrap();
+        let mut stream = SealedStream::new(stream, session, "the service");
+        let side = Msg::Side {
             endpoint: QpEndpoint {
                 provider: Provider::Tcp,
                 host: "test".into(),
@@ -872,15 +980,14 @@ mod tests {
                 len: 0,
                 rkey: 0,
             },
-            timeout_ms: 20_000,
+            sealed: false,
         };
-        j.proof = LABELS.client_proof(s, &ns, &nc, &j.claims()).to_vec();
-        wire::send(&mut stream, &Msg::Join(Box::new(j))).unwrap();
+        wire::send(&mut stream, &side).unwrap();
         stream
     }
 
-    fn refusal(stream: &mut TcpStream) -> String {
-        match wire::recv(stream) {
+    fn refusal(stream: &mut SealedStream<TcpStream>) -> String {
+        match wire::recv(stream.get_mut()) {
             Ok(Msg::Refused { reason, busy }) => {
                 assert!(!busy, "{reason}");
                 reason
@@ -890,11 +997,12 @@ mod tests {
     }
 
     /// Whether the service has said nothing to `stream` for a while (the member waits).
-    fn waiting(stream: &mut TcpStream) -> bool {
+    fn waiting(stream: &mut SealedStream<TcpStream>) -> bool {
         stream
+            .get_ref()
             .set_read_timeout(Some(Duration::from_millis(300)))
             .unwrap();
-        let r = wire::recv(stream);
+        let r = wire::recv(stream.get_mut());
         matches!(&r, Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
     }
 

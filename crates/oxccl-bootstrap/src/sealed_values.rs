@@ -249,4 +249,42 @@ mod tests {
         assert_eq!(s.add("n", 2).unwrap(), 2);
         assert_eq!(s.add("n", 3).unwrap(), 5);
     }
+
+    #[test]
+    fn a_job_bootstraps_over_sealed_values_and_the_store_holds_no_endpoint() {
+        let under = MemoryStore::new();
+        let secret = Secret::new("job").unwrap();
+        let ranks: Vec<_> = (0..3)
+            .map(|rank| {
+                let store: Box<dyn Store> =
+                    Box::new(SealedValues::new(Box::new(under.clone()), &secret));
+                std::thread::spawn(move || {
+                    let b = crate::Bootstrap::with_store(rank, 3, store, "sealed", T)?;
+                    let ep = format!("endpoint of rank {rank} at 10.1.2.{rank}:4000");
+                    let all = b.all_gather("eps", ep.as_bytes())?;
+                    b.barrier("done", T)?;
+                    Ok::<_, Error>(all)
+                })
+            })
+            .collect();
+        for r in ranks {
+            let all = r.join().unwrap().unwrap();
+            for (rank, ep) in all.iter().enumerate() {
+                assert_eq!(
+                    ep,
+                    format!("endpoint of rank {rank} at 10.1.2.{rank}:4000").as_bytes()
+                );
+            }
+        }
+        // Every value the store holds is sealed (a counter aside): none shows an endpoint.
+        let keys: Vec<String> = under.keys();
+        assert!(!keys.is_empty());
+        for k in &keys {
+            let v = under.get(k, T).unwrap();
+            assert!(
+                !v.windows(8).any(|w| w == b"endpoint"),
+                "{k} holds an endpoint in clear"
+            );
+        }
+    }
 }

@@ -424,6 +424,12 @@ impl MemoryStore {
         self.lock().remove(key)
     }
 
+    /// The keys stored, for tests.
+    #[cfg(test)]
+    pub(crate) fn keys(&self) -> Vec<String> {
+        self.lock().map.keys().cloned().collect()
+    }
+
     /// Number of keys stored.
     pub fn len(&self) -> usize {
         self.lock().map.len()

@@ -48,16 +48,42 @@ impl SealedValues {
     }
 
     /// `inner` as the encryption policy ([`crate::encrypt_from_env`], `OXCCL_ENCRYPT`) wants a
-    /// store that is not ours: wrapped in [`SealedValues`] unless the policy is `off`. The
-    /// secret is `secret` when given, else the environment's or the user's
-    /// ([`Secret::from_env_or_user_file`]).
+    /// store that is not ours: wrapped in [`SealedValues`] unless the policy is `off`.
+    ///
+    /// The key comes from `secret` when given, else from the environment's (`OXCCL_SECRET`,
+    /// `OXCCL_SECRET_FILE`). Without either, `on` falls back to the user's secret file
+    /// ([`Secret::from_env_or_user_file`]; an error if there is none), and `auto` leaves the
+    /// values in clear with a warning, as the tcp links of a job without a secret are (every
+    /// rank must decide alike: give them all the secret, or none).
     pub fn per_policy(inner: Box<dyn Store>, secret: Option<&Secret>) -> Result<Box<dyn Store>> {
-        if !crate::encrypt_from_env()?.seals_foreign_stores() {
+        SealedValues::per_policy_from_vars(inner, secret, &|v| std::env::var(v).ok())
+    }
+
+    /// [`SealedValues::per_policy`] over any source of variables.
+    pub fn per_policy_from_vars(
+        inner: Box<dyn Store>,
+        secret: Option<&Secret>,
+        var: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Box<dyn Store>> {
+        let policy = crate::encrypt_from_vars(var)?;
+        if !policy.seals_foreign_stores() {
             return Ok(inner);
         }
-        let secret = match secret {
-            Some(s) => s.clone(),
-            None => Secret::from_env_or_user_file()?,
+        let secret = match (secret, Secret::from_vars(var)?) {
+            (Some(s), _) => s.clone(),
+            (None, Some(s)) => s,
+            (None, None) if policy == crate::EncryptPolicy::On => {
+                Secret::from_vars_or_user_file(var)?
+            }
+            (None, None) => {
+                tracing::warn!(
+                    "the values set in the store at {} are not sealed: no job secret \
+                     (OXCCL_SECRET or OXCCL_SECRET_FILE) to derive the key from \
+                     (OXCCL_ENCRYPT=on would use the user's secret file)",
+                    inner.location()
+                );
+                return Ok(inner);
+            }
         };
         Ok(Box::new(SealedValues::new(inner, &secret)))
     }
@@ -286,5 +312,39 @@ mod tests {
                 "{k} holds an endpoint in clear"
             );
         }
+    }
+
+    #[test]
+    fn the_policy_decides_whether_values_are_sealed() {
+        // Whether a value set through the store `per_policy` makes is sealed underneath.
+        let sealed_under = |vars: &[(&str, &str)]| -> Result<bool> {
+            let under = MemoryStore::new();
+            let var = |n: &str| {
+                vars.iter()
+                    .find(|(k, _)| *k == n)
+                    .map(|(_, v)| (*v).to_owned())
+            };
+            let s = SealedValues::per_policy_from_vars(Box::new(under.clone()), None, &var)?;
+            s.set("k", b"plain value")?;
+            assert_eq!(s.get("k", T)?, b"plain value");
+            Ok(under.get("k", T)? != b"plain value")
+        };
+        let secret = (crate::SECRET_ENV, "a job secret");
+        let off = (crate::ENCRYPT_ENV, "off");
+        let on = (crate::ENCRYPT_ENV, "on");
+        assert!(sealed_under(&[secret]).unwrap(), "auto with a secret");
+        assert!(sealed_under(&[secret, on]).unwrap(), "on with a secret");
+        assert!(!sealed_under(&[secret, off]).unwrap(), "off");
+        assert!(!sealed_under(&[]).unwrap(), "auto without a secret");
+        let bad = sealed_under(&[(crate::ENCRYPT_ENV, "sometimes")]).unwrap_err();
+        assert!(bad.to_string().contains(crate::ENCRYPT_ENV), "{bad}");
+        // A secret handed in wins over the environment's.
+        let under = MemoryStore::new();
+        let given = Secret::new("given").unwrap();
+        let s =
+            SealedValues::per_policy_from_vars(Box::new(under.clone()), Some(&given), &|_| None)
+                .unwrap();
+        s.set("k", b"v").unwrap();
+        assert_eq!(sealed(&under, "given").get("k", T).unwrap(), b"v");
     }
 }

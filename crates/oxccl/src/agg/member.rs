@@ -102,6 +102,21 @@ impl Contact {
         self.stream.peer_addr().ok().map(|a| a.ip())
     }
 
+    /// The key this rank's tcp queue pair to the service is sealed with under `encrypt`
+    /// (`on`: always; `auto`: when the service is not on this host; `off`: never), given the
+    /// job's `secret` (none: not sealed). Create the queue pair with it as
+    /// [`QpConfig::seal`](oxccl_verbs::QpConfig::seal), and say so with
+    /// [`Contact::seal_data`]`(key.is_some())`.
+    #[allow(dead_code)]
+    pub(crate) fn data_seal(
+        &self,
+        encrypt: oxccl_verbs::Encrypt,
+        secret: Option<&Secret>,
+    ) -> Option<oxccl_seal::JobKey> {
+        let ip = self.service_ip()?;
+        (encrypt.seals(ip)).then(|| secret.map(wire::data_key))?
+    }
+
     /// Joins job `job` as `rank` of `world`, handing over this rank's side of the connection;
     /// waits (up to `timeout`) until every member has joined.
     #[allow(clippy::too_many_arguments)]

@@ -942,6 +942,18 @@ mod tests {
         rank: usize,
         world: usize,
     ) -> SealedStream<TcpStream> {
+        join_sealed(svc, s, job, rank, world, false)
+    }
+
+    /// [`join`], saying whether the member's queue pair is sealed.
+    fn join_sealed(
+        svc: &Service,
+        s: &Secret,
+        job: u64,
+        rank: usize,
+        world: usize,
+        sealed: bool,
+    ) -> SealedStream<TcpStream> {
         let mut stream = TcpStream::connect(svc.addr()).unwrap();
         stream
             .set_read_timeout(Some(Duration::from_secs(10)))
@@ -980,7 +992,7 @@ mod tests {
                 len: 0,
                 rkey: 0,
             },
-            sealed: false,
+            sealed,
         };
         wire::send(&mut stream, &side).unwrap();
         stream
@@ -1074,5 +1086,27 @@ mod tests {
         // A count of u64::MAX in slices of 1 is counted without overflow (and far over any cap).
         let (key, _) = plan_key(&call(u64::MAX, 1), 4, 4096).unwrap();
         assert_eq!(key.steps(4), usize::MAX);
+    }
+
+    #[test]
+    fn the_service_seals_the_data_queue_pair_as_each_member_does() {
+        let s = secret("sealing");
+        let svc = start(vec![s.clone()], |_| {});
+        let mut members: Vec<_> = [true, false]
+            .into_iter()
+            .enumerate()
+            .map(|(rank, sealed)| (join_sealed(&svc, &s, 0x5ea1, rank, 2, sealed), sealed))
+            .collect();
+        for (rank, (m, sealed)) in members.iter_mut().enumerate() {
+            // The accept in clear, then the service's side, sealed, saying the same.
+            match wire::recv(m.get_mut()) {
+                Ok(Msg::Accept { .. }) => {}
+                r => panic!("rank {rank}: {r:?}"),
+            }
+            match wire::recv(m) {
+                Ok(Msg::Side { sealed: theirs, .. }) => assert_eq!(theirs, *sealed, "rank {rank}"),
+                r => panic!("rank {rank}: {r:?}"),
+            }
+        }
     }
 }

@@ -198,7 +198,10 @@ impl Contact {
                         )));
                     }
                     Ok(m) => return Err(fail(format!("sent {m:?} where its side belongs"))),
-                    Err(e) => return Err(fail(format!("its side: {e}"))),
+                    Err(e) => {
+                        let waited = timeout + Duration::from_secs(5);
+                        return Err(fail(format!("its side: {}", wire::describe(&e, waited))));
+                    }
                 };
                 // From now on, reads only tell that the service is gone.
                 let _ = ctl.get_ref().set_read_timeout(None);
@@ -216,7 +219,10 @@ impl Contact {
             Ok(Msg::Refused { reason, busy: true }) => Ok(Joined::Busy(reason)),
             Ok(Msg::Refused { reason, .. }) => Err(fail(format!("refused this rank: {reason}"))),
             Ok(m) => Err(fail(format!("answered the join with {m:?}"))),
-            Err(e) => Err(fail(format!("no answer to the join: {e}"))),
+            Err(e) => Err(fail(format!(
+                "no answer to the join: {}",
+                wire::describe(&e, timeout + Duration::from_secs(5))
+            ))),
         }
     }
 }

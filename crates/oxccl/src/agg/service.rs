@@ -367,8 +367,10 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>, slot: &mut Option<()>) {
         }
         Err(e) => {
             shared.failed(format!(
-                "job {:016x}: closed the connection of rank {}: its side: {e}",
-                join.job, join.rank
+                "job {:016x}: closed the connection of rank {}: its side: {}",
+                join.job,
+                join.rank,
+                wire::describe(&e, AUTH_TIMEOUT)
             ));
             return;
         }

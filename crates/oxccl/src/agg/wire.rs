@@ -119,6 +119,16 @@ pub(crate) fn recv(s: &mut impl Read) -> std::io::Result<Msg> {
     frame::recv_json(s, MAX_MSG, "control message")
 }
 
+/// An error of a read that waited up to `waited`, saying so when the wait ran out.
+pub(crate) fn describe(e: &std::io::Error, waited: std::time::Duration) -> String {
+    match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            format!("nothing came within {waited:?}")
+        }
+        _ => e.to_string(),
+    }
+}
+
 /// The purpose of the data path's job key: the same as the ranks' tcp queue pairs' (comm's
 /// `TCP_KEY_PURPOSE`), so that a rank seals its link to the service as it seals those to
 /// its peers.

@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use oxccl_seal::JobKey;
+use oxccl_seal::{Encrypt, JobKey};
 
 use crate::error::{Error, Result};
 use crate::secret::Secret;
@@ -66,15 +66,13 @@ impl SealedValues {
         var: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Box<dyn Store>> {
         let policy = crate::encrypt_from_vars(var)?;
-        if !policy.seals_foreign_stores() {
+        if policy == Encrypt::Off {
             return Ok(inner);
         }
         let secret = match (secret, Secret::from_vars(var)?) {
             (Some(s), _) => s.clone(),
             (None, Some(s)) => s,
-            (None, None) if policy == crate::EncryptPolicy::On => {
-                Secret::from_vars_or_user_file(var)?
-            }
+            (None, None) if policy == Encrypt::On => Secret::from_vars_or_user_file(var)?,
             (None, None) => {
                 tracing::warn!(
                     "the values set in the store at {} are not sealed: no job secret \

@@ -70,6 +70,13 @@ enum Abort {
         rank: usize,
         reason: String,
     },
+    /// A rank's join failed with its connection to the store (broken, or closed by the
+    /// store for a record that failed authentication): published over a fresh connection,
+    /// so that the others fail now rather than time out.
+    Failed {
+        rank: usize,
+        message: String,
+    },
     /// Published by the rank that serves the store when its join times out, so that the
     /// others report the same missing ranks rather than the store going away.
     Timeout {
@@ -108,6 +115,7 @@ impl Abort {
                 rank,
                 message: format!("it aborted its join ({reason})"),
             },
+            Abort::Failed { rank, message } => Error::RankFailed { rank, message },
             Abort::Timeout {
                 what,
                 missing,
@@ -391,6 +399,35 @@ impl Bootstrap {
                     });
                 }
                 server.wait_for_clients_to_leave(b.timeout.min(Duration::from_secs(5)));
+            } else if matches!(
+                e,
+                Error::StoreGone { .. } | Error::Protocol { .. } | Error::Rejected { .. }
+            ) {
+                // This rank's connection is what failed: tell the others over a fresh one
+                // (briefly: the store may be gone indeed).
+                let quick = ClientOptions {
+                    connect_timeout: b.timeout.min(Duration::from_secs(5)),
+                    label: format!("rank {} pid {pid} (reporting its failure)", b.rank),
+                    abort: None,
+                    ..ClientOptions::default()
+                };
+                if let Some(secret) = &b.secret
+                    && let Ok(client) = TcpStore::connect_with(&config.store_addr, secret, &quick)
+                {
+                    let abort = Abort::Failed {
+                        rank: b.rank,
+                        message: e.to_string(),
+                    };
+                    publish_abort(&client, &b.keys, &abort);
+                    // And for the waits after the join (the others may be past theirs).
+                    let notice = Failed {
+                        rank: b.rank,
+                        message: e.to_string(),
+                    };
+                    if let Ok(bytes) = serde_json::to_vec(&notice) {
+                        let _ = client.compare_set(&b.keys.failed(), None, &bytes);
+                    }
+                }
             }
             return Err(e);
         }

@@ -134,11 +134,17 @@ impl TcpStore {
         let hs_timeout = deadline
             .saturating_duration_since(Instant::now())
             .max(Duration::from_secs(5));
-        let session = handshake(&mut stream, addr, secret, &label, hs_timeout)?;
+        // The label goes sealed, after the handshake (the path learns nothing of the job).
+        let session = handshake(&mut stream, addr, secret, "", hs_timeout)?;
+        let mut stream = SealedStream::new(stream, session, format!("the store at {addr}"));
+        write_msg(&mut stream, &Msg::Name { label }).map_err(|e| Error::StoreGone {
+            addr: addr.to_owned(),
+            reason: format!("cannot send this client's name: {e}"),
+        })?;
         Ok(TcpStore {
             addr: addr.to_owned(),
             conn: Mutex::new(Conn {
-                stream: SealedStream::new(stream, session, format!("the store at {addr}")),
+                stream,
                 broken: None,
             }),
             reply_timeout: opts.reply_timeout.max(Duration::from_millis(1)),

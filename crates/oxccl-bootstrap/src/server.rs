@@ -369,17 +369,36 @@ fn serve_conn(shared: &Shared, id: u64, mut stream: TcpStream, peer: SocketAddr)
     let Ok((label, session)) = handshake(shared, &mut stream, peer) else {
         return;
     };
-    if let Some(c) = shared.conns().map.get_mut(&id) {
-        c.label = Some(label.clone());
-    }
+    let set_label = |label: &str| {
+        if let Some(c) = shared.conns().map.get_mut(&id) {
+            c.label = Some(label.to_owned());
+        }
+    };
+    // Authenticated; its name comes sealed, first (a version 1 label, if any, until then).
+    set_label(&label);
+    let mut stream = SealedStream::new(stream, session, format!("store client at {peer}"));
+    let label = match read_msg(&mut stream, MAX_HANDSHAKE_FRAME_LEN) {
+        Ok(Msg::Name { label }) => label,
+        Ok(m) => {
+            warn!(
+                "closing store connection from {peer}: a {} message where its name belongs",
+                m.kind()
+            );
+            return;
+        }
+        Err(e) => {
+            if !shared.stopping.load(Ordering::SeqCst) {
+                warn!("closing store connection from {peer}: no name: {e}");
+            }
+            return;
+        }
+    };
+    set_label(&label);
     debug!("store client {label:?} connected from {peer}");
-    if stream.set_read_timeout(None).is_err()
-        || stream.set_write_timeout(Some(WRITE_TIMEOUT)).is_err()
-    {
+    let raw = stream.get_ref();
+    if raw.set_read_timeout(None).is_err() || raw.set_write_timeout(Some(WRITE_TIMEOUT)).is_err() {
         return;
     }
-    let mut stream =
-        SealedStream::new(stream, session, format!("store client {label:?} at {peer}"));
     loop {
         let req = match read_msg(&mut stream, MAX_FRAME_LEN) {
             Ok(m) => m,
@@ -390,6 +409,16 @@ fn serve_conn(shared: &Shared, id: u64, mut stream: TcpStream, peer: SocketAddr)
             Err(e) => {
                 if !shared.stopping.load(Ordering::SeqCst) {
                     warn!("closing store connection of {label:?} from {peer}: {e}");
+                    // A record that failed to open: say which, sealed, before closing (the
+                    // client then knows why; someone on the path can only drop it).
+                    if let ReadError::Io(io) = &e
+                        && io.kind() == io::ErrorKind::InvalidData
+                    {
+                        let why = Msg::Failed {
+                            message: truncate(format!("the store closed this connection: {e}")),
+                        };
+                        let _ = write_msg(&mut stream, &why);
+                    }
                 }
                 return;
             }
@@ -487,7 +516,8 @@ fn handshake(
             stream,
             peer,
             &format!(
-                "{label:?} does not know the secret (wrong OXCCL_SECRET or OXCCL_SECRET_FILE?)"
+                "{} does not know the secret (wrong OXCCL_SECRET or OXCCL_SECRET_FILE?)",
+                who(&label)
             ),
             "wrong secret",
         );
@@ -502,7 +532,7 @@ fn handshake(
     if let Err(e) = write_msg(stream, &ok) {
         return Err(fail(
             stream,
-            format!("{label:?} authenticated, but the reply failed: {e}"),
+            format!("{} authenticated, but the reply failed: {e}", who(&label)),
         ));
     }
     let session = session(
@@ -513,6 +543,15 @@ fn handshake(
         &transcript,
     );
     Ok((label, session))
+}
+
+/// How a refusal names a client: by its label when it gave one in clear (version 1).
+fn who(label: &str) -> String {
+    if label.is_empty() {
+        "the client".into()
+    } else {
+        format!("{label:?}")
+    }
 }
 
 /// Cuts a message to what the wire carries.
@@ -588,6 +627,7 @@ fn handle(store: &MemoryStore, req: Msg) -> Option<Msg> {
         | Msg::Auth { .. }
         | Msg::AuthOk { .. }
         | Msg::AuthFail { .. }
+        | Msg::Name { .. }
         | Msg::Done
         | Msg::Values(_)
         | Msg::Int(_)

@@ -176,22 +176,31 @@ fn the_untampered_exchange_works_and_shows_nothing_it_carried() {
             String::from_utf8_lossy(needle)
         );
     }
-    // The label is the handshake's (in clear, covered by the proof); nothing else is.
-    assert!(contains(&seen, b"clean client"));
+    // Nor the client's name: it goes sealed, after the handshake.
+    assert!(
+        !contains(&seen, b"clean client"),
+        "the client's name crossed in clear"
+    );
 }
 
 #[test]
-fn a_flipped_request_is_not_applied_and_the_server_names_the_client() {
+fn a_flipped_request_is_not_applied_and_both_ends_name_the_record() {
     logging();
     let server = StoreServer::bind("127.0.0.1:0", secret()).unwrap();
-    let p = proxy(&server, Tamper::FlipBit { record: 0 }, Toward::Target);
+    // Record 0 toward the store is the client's name; record 1 its first request.
+    let p = proxy(&server, Tamper::FlipBit { record: 1 }, Toward::Target);
     let c = client(p.addr(), "flip-target client");
     let e = c.set(KEY, &value(64)).unwrap_err();
     assert!(tampered(&p), "the proxy did not flip a bit");
-    assert!(e.is_store_gone(), "{e}");
+    // The store says why, sealed, before it closes.
+    assert!(matches!(e, Error::Rejected { .. }), "{e}");
+    assert!(
+        e.to_string().contains("record 1 failed authentication"),
+        "{e}"
+    );
     let line = log_line("flip-target client");
     assert!(line.contains("closing store connection"), "{line}");
-    assert!(line.contains("record 0"), "{line}");
+    assert!(line.contains("record 1 failed authentication"), "{line}");
     // The server's table never saw the set.
     let clean = client(server.addr(), "checker");
     assert!(!clean.check(&[KEY]).unwrap());
@@ -202,7 +211,7 @@ fn a_flipped_request_is_not_applied_and_the_server_names_the_client() {
 fn a_replayed_request_is_applied_once() {
     logging();
     let server = StoreServer::bind("127.0.0.1:0", secret()).unwrap();
-    let p = proxy(&server, Tamper::Replay { record: 0 }, Toward::Target);
+    let p = proxy(&server, Tamper::Replay { record: 1 }, Toward::Target);
     let c = client(p.addr(), "replay-target client");
     // The first copy is the client's own request (it may see its reply, or the connection
     // closed once the replay arrives); the replay is refused.
@@ -210,6 +219,10 @@ fn a_replayed_request_is_applied_once() {
     assert!(tampered(&p), "the proxy did not replay");
     let line = log_line("replay-target client");
     assert!(line.contains("closing store connection"), "{line}");
+    assert!(
+        line.contains("record 1 arrived where record 2 was due"),
+        "{line}"
+    );
     let clean = client(server.addr(), "checker");
     assert_eq!(
         clean.add("counter", 0).unwrap(),
@@ -222,18 +235,27 @@ fn a_replayed_request_is_applied_once() {
 fn a_dropped_or_swapped_request_record_is_not_applied() {
     logging();
     for (tamper, label) in [
-        (Tamper::Drop { record: 0 }, "drop-target client"),
-        (Tamper::Swap { record: 0 }, "swap-target client"),
+        (Tamper::Drop { record: 1 }, "drop-target client"),
+        (Tamper::Swap { record: 1 }, "swap-target client"),
     ] {
         let server = StoreServer::bind("127.0.0.1:0", secret()).unwrap();
         let p = proxy(&server, tamper, Toward::Target);
         let c = client(p.addr(), label);
-        // Two records: the first dropped (or sent second), the other arrives out of order.
+        // Two records (1 and 2: record 0 is the client's name): the first dropped (or sent
+        // second), the other arrives out of order.
         let e = c.set(KEY, &value(BIG)).unwrap_err();
         assert!(tampered(&p), "{label}: the proxy did not tamper");
-        assert!(e.is_store_gone(), "{label}: {e}");
+        assert!(
+            e.to_string()
+                .contains("record 2 arrived where record 1 was due"),
+            "{label}: {e}"
+        );
         let line = log_line(label);
         assert!(line.contains("closing store connection"), "{line}");
+        assert!(
+            line.contains("record 2 arrived where record 1 was due"),
+            "{line}"
+        );
         let clean = client(server.addr(), "checker");
         assert!(
             !clean.check(&[KEY]).unwrap(),
@@ -241,6 +263,20 @@ fn a_dropped_or_swapped_request_record_is_not_applied() {
         );
         assert_eq!(server.store().len(), 0, "{label}");
     }
+}
+
+#[test]
+fn a_tampered_name_closes_the_connection_before_any_request() {
+    logging();
+    let server = StoreServer::bind("127.0.0.1:0", secret()).unwrap();
+    let p = proxy(&server, Tamper::FlipBit { record: 0 }, Toward::Target);
+    let c = client(p.addr(), "flip-name client");
+    assert!(c.set(KEY, b"v").is_err());
+    assert!(tampered(&p));
+    let line = log_line("no name");
+    assert!(line.contains("record 0 failed authentication"), "{line}");
+    assert!(server.clients().is_empty() || server.clients() == [""]);
+    assert_eq!(server.store().len(), 0);
 }
 
 #[test]
@@ -272,4 +308,44 @@ fn a_tampered_reply_fails_the_client_naming_the_store() {
         // The connection is not used again.
         assert!(c.get(KEY, T).is_err());
     }
+}
+
+/// A rank whose requests are tampered with on the way fails naming the record, and tells the
+/// others over a fresh connection: they fail at once with its error instead of waiting out
+/// their timeout for it.
+#[test]
+fn a_rank_whose_join_is_tampered_with_fails_and_the_others_learn_why() {
+    use oxccl_bootstrap::{Bootstrap, Config};
+    logging();
+    let server = StoreServer::bind("127.0.0.1:0", secret()).unwrap();
+    // Rank 1's record 2 (after its name and its first request) is flipped.
+    let p = proxy(&server, Tamper::FlipBit { record: 2 }, Toward::Target);
+    let timeout = Duration::from_secs(60);
+    let rank = |rank: usize, addr: SocketAddr| {
+        let mut config = Config::new(rank, 2, addr.to_string(), secret());
+        config.serve_store = false;
+        config.timeout = timeout;
+        std::thread::spawn(move || Bootstrap::new(config).map(drop))
+    };
+    let t = std::time::Instant::now();
+    let zero = rank(0, server.addr());
+    let one = rank(1, p.addr());
+    let e1 = one.join().unwrap().unwrap_err();
+    let e0 = zero.join().unwrap().unwrap_err();
+    assert!(tampered(&p));
+    assert!(
+        e1.to_string().contains("record 2 failed authentication"),
+        "{e1}"
+    );
+    match &e0 {
+        Error::RankFailed { rank: 1, message } => {
+            assert!(message.contains("record 2 failed authentication"), "{e0}")
+        }
+        e => panic!("rank 0: {e}"),
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        t.elapsed()
+    );
 }

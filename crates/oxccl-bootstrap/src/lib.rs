@@ -52,9 +52,9 @@
 //! users may read is refused. After the handshake every request and reply travels in
 //! AES-256-GCM records (`oxccl_seal`) under keys derived from the secret and bound to both
 //! challenges and the handshake's messages ([`STORE_PURPOSE`]): a stranger on the path reads
-//! nothing of the keys and values, and a record changed, replayed, dropped or reordered fails
-//! that connection (the server applies no such request, and logs the client and the record; the
-//! client's error names the store). Use a long random secret ([`Secret::generate`], `openssl
+//! nothing of the keys, values or client names, and a record changed, replayed, dropped or
+//! reordered fails that connection (the server applies no such request, logs the client and
+//! the record, and tells the client which record; the client's error names the store). Use a long random secret ([`Secret::generate`], `openssl
 //! rand -hex 32`): a short one could be guessed offline from an observed handshake.
 //!
 //! A store that is not ours (torch's, Redis) holds what the ranks set in it in clear, for

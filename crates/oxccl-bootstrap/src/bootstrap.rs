@@ -405,15 +405,7 @@ impl Bootstrap {
             ) {
                 // This rank's connection is what failed: tell the others over a fresh one
                 // (briefly: the store may be gone indeed).
-                let quick = ClientOptions {
-                    connect_timeout: b.timeout.min(Duration::from_secs(5)),
-                    label: format!("rank {} pid {pid} (reporting its failure)", b.rank),
-                    abort: None,
-                    ..ClientOptions::default()
-                };
-                if let Some(secret) = &b.secret
-                    && let Ok(client) = TcpStore::connect_with(&config.store_addr, secret, &quick)
-                {
+                if let Some(client) = b.fresh_client() {
                     let abort = Abort::Failed {
                         rank: b.rank,
                         message: e.to_string(),
@@ -779,6 +771,26 @@ impl Bootstrap {
         }
     }
 
+    /// A new connection to the store (a client rank of [`Bootstrap::new`] only), tried
+    /// briefly: to report this rank's failure when its own connection broke.
+    fn fresh_client(&self) -> Option<TcpStore> {
+        if self.server.is_some() {
+            return None;
+        }
+        let secret = self.secret.as_ref()?;
+        let quick = ClientOptions {
+            connect_timeout: self.timeout.min(Duration::from_secs(5)),
+            label: format!(
+                "rank {} pid {} (reporting its failure)",
+                self.rank,
+                std::process::id()
+            ),
+            abort: None,
+            ..ClientOptions::default()
+        };
+        TcpStore::connect_with(&self.store_addr, secret, &quick).ok()
+    }
+
     /// Tells the other ranks that this one gave up with `message` (the first notice
     /// published wins): their bootstrap waits ([`Bootstrap::all_gather`],
     /// [`Bootstrap::barrier`]) then fail at once with [`Error::RankFailed`] instead of timing
@@ -790,7 +802,16 @@ impl Bootstrap {
             message: message.to_owned(),
         };
         if let Ok(bytes) = serde_json::to_vec(&notice) {
-            let _ = self.store.compare_set(&self.keys.failed(), None, &bytes);
+            let posted = self.store.compare_set(&self.keys.failed(), None, &bytes);
+            // This rank's own connection broke (or was closed for a record that failed to
+            // open): post it over a fresh one, so that the others do not wait it out.
+            if matches!(
+                posted,
+                Err(Error::StoreGone { .. } | Error::Protocol { .. } | Error::Rejected { .. })
+            ) && let Some(client) = self.fresh_client()
+            {
+                let _ = client.compare_set(&self.keys.failed(), None, &bytes);
+            }
         }
         if let Some(server) = &self.server
             && !self

@@ -107,6 +107,9 @@ fn bootstrap_wire() -> BTreeMap<String, Vec<u8>> {
         Msg::AuthOk {
             mac: [9; NONCE_LEN],
         },
+        Msg::Name {
+            label: "rank 3 pid 42".into(),
+        },
         Msg::AuthFail {
             reason: "wrong secret".into(),
         },

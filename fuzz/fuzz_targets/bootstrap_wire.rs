@@ -61,7 +61,7 @@ fn check_message(buf: &[u8], msg: &Msg, used: usize) {
     let text = |t: &String| assert!(t.len() <= MAX_TEXT_LEN, "text of {} bytes", t.len());
     match msg {
         Msg::Hello { .. } | Msg::AuthOk { .. } | Msg::Done | Msg::Int(_) | Msg::Bool(_) => {}
-        Msg::Auth { label, .. } => text(label),
+        Msg::Auth { label, .. } | Msg::Name { label } => text(label),
         Msg::AuthFail { reason } => text(reason),
         Msg::Failed { message } => text(message),
         Msg::Set { key: k, value: v } => {

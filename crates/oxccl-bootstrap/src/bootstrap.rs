@@ -70,6 +70,13 @@ enum Abort {
         rank: usize,
         reason: String,
     },
+    /// A rank's join failed with its connection to the store (broken, or closed by the
+    /// store for a record that failed authentication): published over a fresh connection,
+    /// so that the others fail now rather than time out.
+    Failed {
+        rank: usize,
+        message: String,
+    },
     /// Published by the rank that serves the store when its join times out, so that the
     /// others report the same missing ranks rather than the store going away.
     Timeout {
@@ -108,6 +115,7 @@ impl Abort {
                 rank,
                 message: format!("it aborted its join ({reason})"),
             },
+            Abort::Failed { rank, message } => Error::RankFailed { rank, message },
             Abort::Timeout {
                 what,
                 missing,
@@ -391,6 +399,27 @@ impl Bootstrap {
                     });
                 }
                 server.wait_for_clients_to_leave(b.timeout.min(Duration::from_secs(5)));
+            } else if matches!(
+                e,
+                Error::StoreGone { .. } | Error::Protocol { .. } | Error::Rejected { .. }
+            ) {
+                // This rank's connection is what failed: tell the others over a fresh one
+                // (briefly: the store may be gone indeed).
+                if let Some(client) = b.fresh_client() {
+                    let abort = Abort::Failed {
+                        rank: b.rank,
+                        message: e.to_string(),
+                    };
+                    publish_abort(&client, &b.keys, &abort);
+                    // And for the waits after the join (the others may be past theirs).
+                    let notice = Failed {
+                        rank: b.rank,
+                        message: e.to_string(),
+                    };
+                    if let Ok(bytes) = serde_json::to_vec(&notice) {
+                        let _ = client.compare_set(&b.keys.failed(), None, &bytes);
+                    }
+                }
             }
             return Err(e);
         }
@@ -742,6 +771,26 @@ impl Bootstrap {
         }
     }
 
+    /// A new connection to the store (a client rank of [`Bootstrap::new`] only), tried
+    /// briefly: to report this rank's failure when its own connection broke.
+    fn fresh_client(&self) -> Option<TcpStore> {
+        if self.server.is_some() {
+            return None;
+        }
+        let secret = self.secret.as_ref()?;
+        let quick = ClientOptions {
+            connect_timeout: self.timeout.min(Duration::from_secs(5)),
+            label: format!(
+                "rank {} pid {} (reporting its failure)",
+                self.rank,
+                std::process::id()
+            ),
+            abort: None,
+            ..ClientOptions::default()
+        };
+        TcpStore::connect_with(&self.store_addr, secret, &quick).ok()
+    }
+
     /// Tells the other ranks that this one gave up with `message` (the first notice
     /// published wins): their bootstrap waits ([`Bootstrap::all_gather`],
     /// [`Bootstrap::barrier`]) then fail at once with [`Error::RankFailed`] instead of timing
@@ -753,7 +802,16 @@ impl Bootstrap {
             message: message.to_owned(),
         };
         if let Ok(bytes) = serde_json::to_vec(&notice) {
-            let _ = self.store.compare_set(&self.keys.failed(), None, &bytes);
+            let posted = self.store.compare_set(&self.keys.failed(), None, &bytes);
+            // This rank's own connection broke (or was closed for a record that failed to
+            // open): post it over a fresh one, so that the others do not wait it out.
+            if matches!(
+                posted,
+                Err(Error::StoreGone { .. } | Error::Protocol { .. } | Error::Rejected { .. })
+            ) && let Some(client) = self.fresh_client()
+            {
+                let _ = client.compare_set(&self.keys.failed(), None, &bytes);
+            }
         }
         if let Some(server) = &self.server
             && !self

@@ -12,6 +12,7 @@ use crate::store::{CasOutcome, Store, check_args};
 use crate::wire::{
     MAX_FRAME_LEN, MAX_TEXT_LEN, Msg, PROTOCOL_VERSION, ReadError, read_msg, write_msg,
 };
+use oxccl_seal::{Role, SealedStream, Session};
 
 /// Options of [`TcpStore::connect_with`].
 #[derive(Clone, Debug)]
@@ -53,12 +54,15 @@ impl Interrupter {
 }
 
 struct Conn {
-    stream: TcpStream,
+    /// Sealed records both ways after the handshake ([`crate::StoreServer`]).
+    stream: SealedStream<TcpStream>,
     /// Set when the connection broke: every later call fails at once with it.
     broken: Option<String>,
 }
 
-/// A client of a [`StoreServer`](crate::StoreServer), authenticated both ways.
+/// A client of a [`StoreServer`](crate::StoreServer), authenticated both ways; every request
+/// and reply after the handshake travels in AES-256-GCM records (`oxccl_seal`) keyed from the
+/// secret and both sides' challenges, so that no one on the path reads or changes them.
 ///
 /// Requests are serialized over one connection (the type is `Sync`; concurrent callers take
 /// turns). If the connection breaks (the store exits, is killed or shuts down), the pending
@@ -130,7 +134,13 @@ impl TcpStore {
         let hs_timeout = deadline
             .saturating_duration_since(Instant::now())
             .max(Duration::from_secs(5));
-        handshake(&mut stream, addr, secret, &label, hs_timeout)?;
+        // The label goes sealed, after the handshake (the path learns nothing of the job).
+        let session = handshake(&mut stream, addr, secret, "", hs_timeout)?;
+        let mut stream = SealedStream::new(stream, session, format!("the store at {addr}"));
+        write_msg(&mut stream, &Msg::Name { label }).map_err(|e| Error::StoreGone {
+            addr: addr.to_owned(),
+            reason: format!("cannot send this client's name: {e}"),
+        })?;
         Ok(TcpStore {
             addr: addr.to_owned(),
             conn: Mutex::new(Conn {
@@ -153,6 +163,7 @@ impl TcpStore {
         let stream = self
             .lock()
             .stream
+            .get_ref()
             .try_clone()
             .map_err(|e| Error::StoreGone {
                 addr: self.addr.clone(),
@@ -164,7 +175,11 @@ impl TcpStore {
     /// The raw connection, for tests that misbehave on purpose.
     #[cfg(test)]
     pub(crate) fn conn_for_tests(&self) -> TcpStream {
-        self.lock().stream.try_clone().expect("clone the socket")
+        self.lock()
+            .stream
+            .get_ref()
+            .try_clone()
+            .expect("clone the socket")
     }
 
     fn lock(&self) -> MutexGuard<'_, Conn> {
@@ -185,10 +200,10 @@ impl TcpStore {
         let limit = wait
             .saturating_add(self.reply_timeout)
             .min(Duration::from_secs(365 * 24 * 3600));
-        let result = conn
-            .stream
+        let raw = conn.stream.get_ref();
+        let result = raw
             .set_read_timeout(Some(limit))
-            .and_then(|()| conn.stream.set_write_timeout(Some(limit)))
+            .and_then(|()| raw.set_write_timeout(Some(limit)))
             .map_err(ReadError::Io)
             .and_then(|()| write_msg(&mut conn.stream, req).map_err(ReadError::Io))
             .and_then(|()| read_msg(&mut conn.stream, MAX_FRAME_LEN));
@@ -213,8 +228,19 @@ impl TcpStore {
                     e => e.to_string(),
                 };
                 // The stream may be mid-message: never use it again.
-                let _ = conn.stream.shutdown(Shutdown::Both);
+                let _ = conn.stream.get_ref().shutdown(Shutdown::Both);
                 conn.broken = Some(reason.clone());
+                // A record that failed authentication (changed, replayed, dropped or
+                // reordered on the way) is not the store going away: say what it was.
+                if matches!(&e, ReadError::Io(io) if io.kind() == io::ErrorKind::InvalidData) {
+                    return Err(Error::Protocol {
+                        addr: self.addr.clone(),
+                        reason: format!(
+                            "a reply failed authentication, the connection is closed (someone \
+                             on the path changed it?): {reason}"
+                        ),
+                    });
+                }
                 Err(Error::StoreGone {
                     addr: self.addr.clone(),
                     reason,
@@ -232,7 +258,7 @@ impl TcpStore {
             other => {
                 let mut conn = self.lock();
                 let reason = format!("a {} reply to a {what} request", other.kind());
-                let _ = conn.stream.shutdown(Shutdown::Both);
+                let _ = conn.stream.get_ref().shutdown(Shutdown::Both);
                 conn.broken = Some(reason.clone());
                 Error::Protocol {
                     addr: self.addr.clone(),
@@ -340,7 +366,7 @@ impl Store for TcpStore {
     }
 
     fn local_addr(&self) -> Option<SocketAddr> {
-        self.lock().stream.local_addr().ok()
+        self.lock().stream.get_ref().local_addr().ok()
     }
 }
 
@@ -409,13 +435,14 @@ fn connect_retrying(
     }
 }
 
+/// The handshake (see [`crate::StoreServer`]); returns the keys of the records that follow.
 fn handshake(
     stream: &mut TcpStream,
     addr: &str,
     secret: &Secret,
     label: &str,
     timeout: Duration,
-) -> Result<()> {
+) -> Result<Session> {
     let protocol = |reason: String| Error::Protocol {
         addr: addr.to_owned(),
         reason,
@@ -438,7 +465,7 @@ fn handshake(
     let Msg::Hello {
         version,
         nonce: server_nonce,
-    } = hello
+    } = hello.clone()
     else {
         return Err(protocol(format!(
             "not an oxccl store (a {} message instead of a greeting)",
@@ -460,7 +487,16 @@ fn handshake(
     match read_msg(stream, 4096) {
         Ok(Msg::AuthOk { mac }) => {
             if STORE.server_proven(secret, &server_nonce, &client_nonce, &mac) {
-                Ok(())
+                let ok = Msg::AuthOk { mac };
+                let transcript = crate::server::transcript(&hello, &auth, &ok)
+                    .map_err(|e| protocol(format!("the handshake's messages: {e}")))?;
+                Ok(crate::server::session(
+                    secret,
+                    Role::Initiator,
+                    &client_nonce,
+                    &server_nonce,
+                    &transcript,
+                ))
             } else {
                 let _ = stream.shutdown(Shutdown::Both);
                 Err(Error::StoreNotAuthentic {

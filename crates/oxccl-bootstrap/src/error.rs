@@ -89,6 +89,21 @@ pub enum Error {
         /// The store's message.
         message: String,
     },
+    /// A value read from a store that is not ours does not open with the job's key
+    /// ([`SealedValues`](crate::SealedValues)).
+    #[error(
+        "the value of key {key:?} in the store at {addr} does not open with this job's key: it \
+         was set by a process with another secret (OXCCL_SECRET differs, or OXCCL_ENCRYPT=off \
+         there), or changed in the store ({reason})"
+    )]
+    ValueNotAuthentic {
+        /// The store's address.
+        addr: String,
+        /// The key.
+        key: String,
+        /// What failed.
+        reason: String,
+    },
     /// A request's argument is invalid (checked before anything is sent).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -49,9 +49,23 @@
 //! mpirun), uses the per-user secret file ([`Secret::user_default`]:
 //! `~/.config/oxccl/secret`, created with mode 0600 on first use), which every process of the
 //! user on the host shares, and every host sharing the home directory. A secret file that other
-//! users may read is refused. The wire is not encrypted: run the store on a trusted network, and
-//! use a long random secret ([`Secret::generate`], `openssl rand -hex 32`): a short one could
-//! be guessed offline from an observed handshake.
+//! users may read is refused. After the handshake every request and reply travels in
+//! AES-256-GCM records (`oxccl_seal`) under keys derived from the secret and bound to both
+//! challenges and the handshake's messages ([`STORE_PURPOSE`]): a stranger on the path reads
+//! nothing of the keys, values or client names, and a record changed, replayed, dropped or
+//! reordered fails that connection (the server applies no such request, logs the client and
+//! the record, and tells the client which record; the client's error names the store). Use a long random secret ([`Secret::generate`], `openssl
+//! rand -hex 32`): a short one could be guessed offline from an observed handshake.
+//!
+//! A store that is not ours (torch's, Redis) holds what the ranks set in it in clear, for
+//! whoever reaches it: wrapped in [`SealedValues`] (as [`SealedValues::per_policy`] does unless
+//! `OXCCL_ENCRYPT=off`), its values are sealed with the job's key before they are set and
+//! opened after they are got; a value that does not open is [`Error::ValueNotAuthentic`],
+//! naming the key.
+//!
+//! What one job may keep in a store is capped ([`StoreCaps`]: `OXCCL_STORE_MAX_KEYS`,
+//! `OXCCL_STORE_MAX_BYTES`): a request past a cap fails naming the cap, its variable and the
+//! job, and stores nothing.
 //!
 //! ## Wire format
 //!
@@ -63,12 +77,14 @@ mod abort;
 mod bootstrap;
 mod client;
 mod config;
+mod encrypt;
 mod error;
 pub mod frame;
 pub mod handshake;
 pub mod hostlist;
 #[cfg(test)]
 mod net_tests;
+mod sealed_values;
 mod secret;
 mod server;
 mod store;
@@ -78,7 +94,13 @@ pub use abort::{ABORT_POLL, AbortHandle, AbortHook};
 pub use bootstrap::{Bootstrap, route_to};
 pub use client::{ClientOptions, Interrupter, TcpStore};
 pub use config::{Config, DEFAULT_PORT, DEFAULT_TIMEOUT, Launcher, parse_size};
+pub use encrypt::{encrypt_from_env, encrypt_from_vars};
 pub use error::{Error, Result};
+pub use oxccl_seal::{ENCRYPT_ENV, Encrypt};
+pub use sealed_values::{SealedValues, VALUES_PURPOSE};
 pub use secret::{SECRET_ENV, SECRET_FILE_ENV, Secret, SecretSource};
-pub use server::{SERVICE_LABEL_PREFIX, StoreServer};
-pub use store::{CasOutcome, MemoryStore, Store};
+pub use server::{SERVICE_LABEL_PREFIX, STORE_PURPOSE, StoreServer};
+pub use store::{
+    CasOutcome, DEFAULT_STORE_MAX_BYTES, DEFAULT_STORE_MAX_KEYS, MemoryStore, STORE_MAX_BYTES_ENV,
+    STORE_MAX_KEYS_ENV, Store, StoreCaps,
+};

@@ -403,3 +403,37 @@ fn an_interrupted_wait_ends_at_once_and_services_are_not_waited_for() {
     assert_eq!(left.len(), 1);
     assert!(left[0].starts_with("pid "), "{left:?}");
 }
+
+#[test]
+fn a_capped_store_refuses_over_the_wire_naming_cap_knob_and_job() {
+    let caps = StoreCaps {
+        max_keys: 2,
+        max_bytes: 1 << 10,
+        job: StoreCaps::job_of(&secret()),
+    };
+    let s = StoreServer::bind_with("127.0.0.1:0", secret(), caps.clone()).unwrap();
+    let c = client(&s);
+    c.set("a", b"1").unwrap();
+    c.set("b", b"2").unwrap();
+    match c.set("c", b"3") {
+        Err(Error::Rejected { addr, message }) => {
+            assert_eq!(addr, s.addr().to_string());
+            for part in [&caps.job as &str, "max_keys", STORE_MAX_KEYS_ENV, "\"c\""] {
+                assert!(message.contains(part), "{part} missing from {message}");
+            }
+        }
+        r => panic!("{r:?}"),
+    }
+    match c.set("a", &[0; 1 << 10]) {
+        Err(Error::Rejected { message, .. }) => {
+            assert!(message.contains(STORE_MAX_BYTES_ENV), "{message}")
+        }
+        r => panic!("{r:?}"),
+    }
+    // The connection still serves; nothing of the refused sets was stored (seen by another
+    // client).
+    let other = client(&s);
+    assert!(!other.check(&["c"]).unwrap());
+    assert_eq!(other.get("a", T).unwrap(), b"1");
+    assert_eq!(s.store().len(), 2);
+}

@@ -13,11 +13,41 @@ use tracing::{debug, warn};
 use crate::error::{Error, Result};
 use crate::handshake::STORE;
 use crate::secret::{Secret, random_bytes};
-use crate::store::{MemoryStore, WaitFail};
+use crate::store::{MemoryStore, StoreCaps, WaitFail};
 use crate::wire::{
-    MAX_FRAME_LEN, MAX_HANDSHAKE_FRAME_LEN, MAX_TEXT_LEN, Msg, PROTOCOL_VERSION, ReadError,
-    read_msg, write_msg,
+    DecodeError, MAX_FRAME_LEN, MAX_HANDSHAKE_FRAME_LEN, MAX_TEXT_LEN, Msg, PROTOCOL_VERSION,
+    ReadError, encode, read_msg, write_msg,
 };
+use oxccl_seal::{JobKey, NONCE_LEN as SEAL_NONCE_LEN, Role, SealedStream, Session};
+
+/// The purpose the store's record keys are derived for ([`JobKey::derive`]).
+pub const STORE_PURPOSE: &str = "oxccl-store v2 records";
+
+/// What both ends saw of the handshake, which the record keys are bound to: the three
+/// messages' frames, as [`encode`] writes them.
+pub(crate) fn transcript(hello: &Msg, auth: &Msg, ok: &Msg) -> Result<Vec<u8>, DecodeError> {
+    let mut t = encode(hello)?;
+    t.extend(encode(auth)?);
+    t.extend(encode(ok)?);
+    Ok(t)
+}
+
+/// The keys of one store connection's records, both directions: from the secret, both
+/// sides' challenges and the handshake's transcript. The client is the initiator.
+pub(crate) fn session(
+    secret: &Secret,
+    role: Role,
+    client_nonce: &[u8; SEAL_NONCE_LEN],
+    server_nonce: &[u8; SEAL_NONCE_LEN],
+    transcript: &[u8],
+) -> Session {
+    JobKey::derive(secret.as_bytes(), STORE_PURPOSE).session(
+        role,
+        client_nonce,
+        server_nonce,
+        transcript,
+    )
+}
 
 /// How long a new connection has to authenticate.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -69,7 +99,11 @@ impl Shared {
 ///
 /// One thread accepts; one thread serves each connection. A connection that fails to
 /// authenticate, or sends a malformed or oversized message, is closed and the reason logged
-/// (`tracing` warning); other connections are not disturbed. Dropping the server stops it:
+/// (`tracing` warning); other connections are not disturbed. After the handshake every
+/// request and reply travels in sealed records (AES-256-GCM, `oxccl_seal`) under keys bound
+/// to the secret, both challenges and the handshake: a record changed, replayed, dropped or
+/// reordered on the way closes that connection, its request unapplied, and the warning names
+/// the client and the record. Dropping the server stops it:
 /// every connection is closed and pending requests fail on the client side.
 pub struct StoreServer {
     addr: SocketAddr,
@@ -120,9 +154,17 @@ impl StoreServer {
     /// Binds `addr` (`host:port`; port 0 picks a free one, see [`StoreServer::addr`]) and
     /// starts serving an empty store.
     ///
-    /// A port held by another socket is [`Error::AddrInUse`], naming the address.
+    /// A port held by another socket is [`Error::AddrInUse`], naming the address. The job
+    /// may keep what [`StoreCaps::from_env`] allows (`OXCCL_STORE_MAX_KEYS`,
+    /// `OXCCL_STORE_MAX_BYTES`); a bad value of either is [`Error::BadEnv`].
     pub fn bind(addr: &str, secret: Secret) -> Result<StoreServer> {
-        StoreServer::serve(bind_listener(addr)?, secret, MemoryStore::new())
+        let caps = StoreCaps::from_env(StoreCaps::job_of(&secret))?;
+        StoreServer::bind_with(addr, secret, caps)
+    }
+
+    /// [`StoreServer::bind`] with the caps given (the variables are not read).
+    pub fn bind_with(addr: &str, secret: Secret, caps: StoreCaps) -> Result<StoreServer> {
+        StoreServer::serve(bind_listener(addr)?, secret, MemoryStore::with_caps(caps))
     }
 
     /// Serves `store` on an already bound listener.
@@ -324,16 +366,37 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 /// Runs one connection: handshake, then requests until the peer leaves or misbehaves.
 fn serve_conn(shared: &Shared, id: u64, mut stream: TcpStream, peer: SocketAddr) {
     let _ = stream.set_nodelay(true);
-    let Ok(label) = handshake(shared, &mut stream, peer) else {
+    let Ok((label, session)) = handshake(shared, &mut stream, peer) else {
         return;
     };
-    if let Some(c) = shared.conns().map.get_mut(&id) {
-        c.label = Some(label.clone());
-    }
+    let set_label = |label: &str| {
+        if let Some(c) = shared.conns().map.get_mut(&id) {
+            c.label = Some(label.to_owned());
+        }
+    };
+    // Authenticated; its name comes sealed, first (a version 1 label, if any, until then).
+    set_label(&label);
+    let mut stream = SealedStream::new(stream, session, format!("store client at {peer}"));
+    let label = match read_msg(&mut stream, MAX_HANDSHAKE_FRAME_LEN) {
+        Ok(Msg::Name { label }) => label,
+        Ok(m) => {
+            warn!(
+                "closing store connection from {peer}: a {} message where its name belongs",
+                m.kind()
+            );
+            return;
+        }
+        Err(e) => {
+            if !shared.stopping.load(Ordering::SeqCst) {
+                warn!("closing store connection from {peer}: no name: {e}");
+            }
+            return;
+        }
+    };
+    set_label(&label);
     debug!("store client {label:?} connected from {peer}");
-    if stream.set_read_timeout(None).is_err()
-        || stream.set_write_timeout(Some(WRITE_TIMEOUT)).is_err()
-    {
+    let raw = stream.get_ref();
+    if raw.set_read_timeout(None).is_err() || raw.set_write_timeout(Some(WRITE_TIMEOUT)).is_err() {
         return;
     }
     loop {
@@ -346,6 +409,16 @@ fn serve_conn(shared: &Shared, id: u64, mut stream: TcpStream, peer: SocketAddr)
             Err(e) => {
                 if !shared.stopping.load(Ordering::SeqCst) {
                     warn!("closing store connection of {label:?} from {peer}: {e}");
+                    // A record that failed to open: say which, sealed, before closing (the
+                    // client then knows why; someone on the path can only drop it).
+                    if let ReadError::Io(io) = &e
+                        && io.kind() == io::ErrorKind::InvalidData
+                    {
+                        let why = Msg::Failed {
+                            message: truncate(format!("the store closed this connection: {e}")),
+                        };
+                        let _ = write_msg(&mut stream, &why);
+                    }
                 }
                 return;
             }
@@ -385,7 +458,11 @@ fn refuse(stream: &mut TcpStream, peer: SocketAddr, why: &str, tell: &str) {
     }
 }
 
-fn handshake(shared: &Shared, stream: &mut TcpStream, peer: SocketAddr) -> Result<String, Refused> {
+fn handshake(
+    shared: &Shared,
+    stream: &mut TcpStream,
+    peer: SocketAddr,
+) -> Result<(String, Session), Refused> {
     let fail = |stream: &mut TcpStream, why: String| {
         if !shared.stopping.load(Ordering::SeqCst) {
             refuse(stream, peer, &why, "");
@@ -418,6 +495,7 @@ fn handshake(shared: &Shared, stream: &mut TcpStream, peer: SocketAddr) -> Resul
             ));
         }
     };
+    let auth = msg.clone();
     let Msg::Auth { mac, nonce, label } = msg else {
         refuse(
             stream,
@@ -438,20 +516,42 @@ fn handshake(shared: &Shared, stream: &mut TcpStream, peer: SocketAddr) -> Resul
             stream,
             peer,
             &format!(
-                "{label:?} does not know the secret (wrong OXCCL_SECRET or OXCCL_SECRET_FILE?)"
+                "{} does not know the secret (wrong OXCCL_SECRET or OXCCL_SECRET_FILE?)",
+                who(&label)
             ),
             "wrong secret",
         );
         return Err(Refused);
     }
     let proof = STORE.server_proof(&shared.secret, &server_nonce, &nonce);
-    if let Err(e) = write_msg(stream, &Msg::AuthOk { mac: proof }) {
+    let ok = Msg::AuthOk { mac: proof };
+    let transcript = match transcript(&hello, &auth, &ok) {
+        Ok(t) => t,
+        Err(e) => return Err(fail(stream, format!("the handshake's messages: {e}"))),
+    };
+    if let Err(e) = write_msg(stream, &ok) {
         return Err(fail(
             stream,
-            format!("{label:?} authenticated, but the reply failed: {e}"),
+            format!("{} authenticated, but the reply failed: {e}", who(&label)),
         ));
     }
-    Ok(label)
+    let session = session(
+        &shared.secret,
+        Role::Acceptor,
+        &nonce,
+        &server_nonce,
+        &transcript,
+    );
+    Ok((label, session))
+}
+
+/// How a refusal names a client: by its label when it gave one in clear (version 1).
+fn who(label: &str) -> String {
+    if label.is_empty() {
+        "the client".into()
+    } else {
+        format!("{label:?}")
+    }
 }
 
 /// Cuts a message to what the wire carries.
@@ -491,10 +591,12 @@ fn handle(store: &MemoryStore, req: Msg) -> Option<Msg> {
         },
     };
     Some(match req {
-        Msg::Set { key, value } => {
-            store.set_raw(&key, &value);
-            Msg::Done
-        }
+        Msg::Set { key, value } => match store.set_raw(&key, &value) {
+            Ok(()) => Msg::Done,
+            Err(message) => Msg::Failed {
+                message: truncate(message),
+            },
+        },
         Msg::Get { keys, timeout_ms } => {
             wait_reply(store.wait_raw(&keys, timeout(timeout_ms), true), true)
         }
@@ -511,18 +613,21 @@ fn handle(store: &MemoryStore, req: Msg) -> Option<Msg> {
             key,
             expected,
             desired,
-        } => {
-            let o = store.compare_set_raw(&key, expected.as_deref(), &desired);
-            Msg::Cas {
+        } => match store.compare_set_raw(&key, expected.as_deref(), &desired) {
+            Ok(o) => Msg::Cas {
                 swapped: o.swapped,
                 current: o.current,
-            }
-        }
+            },
+            Err(message) => Msg::Failed {
+                message: truncate(message),
+            },
+        },
         Msg::Delete { key } => Msg::Bool(store.delete_raw(&key)),
         Msg::Hello { .. }
         | Msg::Auth { .. }
         | Msg::AuthOk { .. }
         | Msg::AuthFail { .. }
+        | Msg::Name { .. }
         | Msg::Done
         | Msg::Values(_)
         | Msg::Int(_)

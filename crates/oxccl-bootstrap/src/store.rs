@@ -113,10 +113,131 @@ pub(crate) enum WaitFail {
     Closed,
 }
 
-#[derive(Default)]
+/// The variable that caps the keys one job may keep in a store ([`StoreCaps::max_keys`]).
+pub const STORE_MAX_KEYS_ENV: &str = "OXCCL_STORE_MAX_KEYS";
+/// The variable that caps the bytes one job may keep in a store ([`StoreCaps::max_bytes`]).
+pub const STORE_MAX_BYTES_ENV: &str = "OXCCL_STORE_MAX_BYTES";
+/// Keys a job may keep in a store unless told otherwise: 1 Mi (a job of 10 000 ranks keeps a
+/// few keys per rank).
+pub const DEFAULT_STORE_MAX_KEYS: usize = 1 << 20;
+/// Bytes (keys and values) a job may keep in a store unless told otherwise: 1 GiB.
+pub const DEFAULT_STORE_MAX_BYTES: usize = 1 << 30;
+
+/// Caps on what one job may keep in a store: a request that would pass one fails with an
+/// error that names the cap, its variable and the job, and stores nothing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoreCaps {
+    /// Most keys held at once ([`STORE_MAX_KEYS_ENV`], default [`DEFAULT_STORE_MAX_KEYS`]).
+    pub max_keys: usize,
+    /// Most bytes held at once, keys and values ([`STORE_MAX_BYTES_ENV`], default
+    /// [`DEFAULT_STORE_MAX_BYTES`]).
+    pub max_bytes: usize,
+    /// The job, as errors name it (e.g. `job 1a2b3c4d`: see [`StoreCaps::job_of`]).
+    pub job: String,
+}
+
+impl Default for StoreCaps {
+    fn default() -> Self {
+        StoreCaps {
+            max_keys: DEFAULT_STORE_MAX_KEYS,
+            max_bytes: DEFAULT_STORE_MAX_BYTES,
+            job: "the job".into(),
+        }
+    }
+}
+
+impl StoreCaps {
+    /// The defaults, overridden by [`STORE_MAX_KEYS_ENV`] and [`STORE_MAX_BYTES_ENV`] (a
+    /// count; a size such as `256M`); `job` names the job in errors.
+    pub fn from_env(job: impl Into<String>) -> Result<StoreCaps> {
+        StoreCaps::from_vars(&|v| std::env::var(v).ok(), job)
+    }
+
+    /// [`StoreCaps::from_env`] over any source of variables. A value that is not a positive
+    /// number is [`Error::BadEnv`], naming the variable.
+    pub fn from_vars(
+        var: &dyn Fn(&str) -> Option<String>,
+        job: impl Into<String>,
+    ) -> Result<StoreCaps> {
+        let read = |name: &'static str, default: usize| -> Result<usize> {
+            match var(name) {
+                None => Ok(default),
+                Some(value) => match crate::config::parse_size(&value) {
+                    Some(n) if n > 0 => Ok(n),
+                    _ => Err(Error::BadEnv {
+                        var: name,
+                        value,
+                        reason: "expected a positive count (a size such as 64M for bytes)".into(),
+                    }),
+                },
+            }
+        };
+        Ok(StoreCaps {
+            max_keys: read(STORE_MAX_KEYS_ENV, DEFAULT_STORE_MAX_KEYS)?,
+            max_bytes: read(STORE_MAX_BYTES_ENV, DEFAULT_STORE_MAX_BYTES)?,
+            job: job.into(),
+        })
+    }
+
+    /// How errors name the job of `secret`: `job` and a fingerprint of its secret (a MAC
+    /// under a label of its own: it tells nothing of the secret), the same on every rank.
+    pub fn job_of(secret: &crate::Secret) -> String {
+        let f = secret.mac_of("oxccl store job fingerprint", &[]);
+        format!("job {:02x}{:02x}{:02x}{:02x}", f[0], f[1], f[2], f[3])
+    }
+}
+
 struct State {
     map: HashMap<String, Vec<u8>>,
     closed: bool,
+    /// Bytes held: every key's and value's length.
+    bytes: usize,
+    caps: StoreCaps,
+}
+
+impl State {
+    /// Checks that `key` may hold `len` bytes of value within the caps; returns the bytes
+    /// the store then holds. Nothing changes.
+    fn room(&self, key: &str, len: usize) -> std::result::Result<usize, String> {
+        let old = self.map.get(key).map(|v| key.len() + v.len());
+        let caps = &self.caps;
+        if old.is_none() && self.map.len() >= caps.max_keys {
+            return Err(format!(
+                "{key:?} not stored: {} holds {} keys, its cap (max_keys, {STORE_MAX_KEYS_ENV}={})",
+                caps.job,
+                self.map.len(),
+                caps.max_keys
+            ));
+        }
+        let total = (self.bytes - old.unwrap_or(0))
+            .saturating_add(key.len())
+            .saturating_add(len);
+        if total > caps.max_bytes {
+            return Err(format!(
+                "{key:?} not stored: {} would hold {total} bytes, over its cap (max_bytes, \
+                 {STORE_MAX_BYTES_ENV}={})",
+                caps.job, caps.max_bytes
+            ));
+        }
+        Ok(total)
+    }
+
+    /// Stores `value` at `key` within the caps ([`State::room`]).
+    fn put(&mut self, key: &str, value: Vec<u8>) -> std::result::Result<(), String> {
+        self.bytes = self.room(key, value.len())?;
+        self.map.insert(key.to_owned(), value);
+        Ok(())
+    }
+
+    fn remove(&mut self, key: &str) -> bool {
+        match self.map.remove(key) {
+            Some(v) => {
+                self.bytes -= key.len() + v.len();
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 struct Shared {
@@ -157,11 +278,21 @@ fn deadline_after(timeout: Duration) -> Instant {
 }
 
 impl MemoryStore {
-    /// An empty store.
+    /// An empty store, with the default caps ([`StoreCaps::default`]).
     pub fn new() -> MemoryStore {
+        MemoryStore::with_caps(StoreCaps::default())
+    }
+
+    /// An empty store that holds at most what `caps` allow.
+    pub fn with_caps(caps: StoreCaps) -> MemoryStore {
         MemoryStore {
             shared: Arc::new(Shared {
-                state: Mutex::new(State::default()),
+                state: Mutex::new(State {
+                    map: HashMap::new(),
+                    closed: false,
+                    bytes: 0,
+                    caps,
+                }),
                 changed: Condvar::new(),
             }),
             location: None,
@@ -191,9 +322,20 @@ impl MemoryStore {
         self.shared.changed.notify_all();
     }
 
-    pub(crate) fn set_raw(&self, key: &str, value: &[u8]) {
-        self.lock().map.insert(key.to_owned(), value.to_vec());
+    /// The caps this store keeps to.
+    pub fn caps(&self) -> StoreCaps {
+        self.lock().caps.clone()
+    }
+
+    /// Bytes held now (every key's and value's length), as the caps count them.
+    pub fn bytes(&self) -> usize {
+        self.lock().bytes
+    }
+
+    pub(crate) fn set_raw(&self, key: &str, value: &[u8]) -> std::result::Result<(), String> {
+        self.lock().put(key, value.to_vec())?;
         self.shared.changed.notify_all();
+        Ok(())
     }
 
     /// Waits until all keys exist; returns their values when `values` is set.
@@ -246,7 +388,8 @@ impl MemoryStore {
         let new = old
             .checked_add(delta)
             .ok_or_else(|| format!("add: {old} + {delta} overflows at {key:?}"))?;
-        st.map.insert(key.to_owned(), new.to_string().into_bytes());
+        st.put(key, new.to_string().into_bytes())
+            .map_err(|e| format!("add: {e}"))?;
         drop(st);
         self.shared.changed.notify_all();
         Ok(new)
@@ -257,27 +400,34 @@ impl MemoryStore {
         key: &str,
         expected: Option<&[u8]>,
         desired: &[u8],
-    ) -> CasOutcome {
+    ) -> std::result::Result<CasOutcome, String> {
         let mut st = self.lock();
         let current = st.map.get(key).map(Vec::as_slice);
         if current == expected {
-            st.map.insert(key.to_owned(), desired.to_vec());
+            st.put(key, desired.to_vec())
+                .map_err(|e| format!("compare_set: {e}"))?;
             drop(st);
             self.shared.changed.notify_all();
-            CasOutcome {
+            Ok(CasOutcome {
                 swapped: true,
                 current: Some(desired.to_vec()),
-            }
+            })
         } else {
-            CasOutcome {
+            Ok(CasOutcome {
                 swapped: false,
                 current: current.map(<[u8]>::to_vec),
-            }
+            })
         }
     }
 
     pub(crate) fn delete_raw(&self, key: &str) -> bool {
-        self.lock().map.remove(key).is_some()
+        self.lock().remove(key)
+    }
+
+    /// The keys stored, for tests.
+    #[cfg(test)]
+    pub(crate) fn keys(&self) -> Vec<String> {
+        self.lock().map.keys().cloned().collect()
     }
 
     /// Number of keys stored.
@@ -309,8 +459,10 @@ impl MemoryStore {
 impl Store for MemoryStore {
     fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         check_args([key], Some(value))?;
-        self.set_raw(key, value);
-        Ok(())
+        self.set_raw(key, value).map_err(|message| Error::Rejected {
+            addr: self.location(),
+            message,
+        })
     }
 
     fn multi_get(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
@@ -337,7 +489,11 @@ impl Store for MemoryStore {
     ) -> Result<CasOutcome> {
         check_args([key], Some(desired))?;
         check_args([], expected)?;
-        Ok(self.compare_set_raw(key, expected, desired))
+        self.compare_set_raw(key, expected, desired)
+            .map_err(|message| Error::Rejected {
+                addr: self.location(),
+                message,
+            })
     }
 
     fn delete(&self, key: &str) -> Result<bool> {
@@ -450,5 +606,121 @@ mod tests {
         std::thread::sleep(Duration::from_millis(20));
         s.close();
         assert!(t.join().unwrap().unwrap_err().is_store_gone());
+    }
+
+    fn capped(max_keys: usize, max_bytes: usize) -> MemoryStore {
+        MemoryStore::with_caps(StoreCaps {
+            max_keys,
+            max_bytes,
+            job: "job test-caps".into(),
+        })
+    }
+
+    fn rejected(r: Result<impl std::fmt::Debug>) -> String {
+        match r {
+            Err(Error::Rejected { message, .. }) => message,
+            r => panic!("expected a refusal, got {r:?}"),
+        }
+    }
+
+    #[test]
+    fn a_set_past_the_key_cap_names_it_and_stores_nothing() {
+        let s = capped(3, 1 << 20);
+        for k in ["a", "b", "c"] {
+            s.set(k, b"v").unwrap();
+        }
+        let m = rejected(s.set("d", b"v"));
+        for part in [
+            "\"d\"",
+            "job test-caps",
+            "max_keys",
+            STORE_MAX_KEYS_ENV,
+            "=3",
+        ] {
+            assert!(m.contains(part), "{part} missing from {m}");
+        }
+        assert!(!s.check(&["d"]).unwrap());
+        assert_eq!(s.len(), 3);
+        // A new key by add or compare_set is refused the same way.
+        assert!(rejected(s.add("n", 1)).contains(STORE_MAX_KEYS_ENV));
+        assert!(rejected(s.compare_set("n", None, b"1")).contains(STORE_MAX_KEYS_ENV));
+        assert!(!s.check(&["n"]).unwrap());
+        // Replacing a key held is not a new key; deleting one makes room.
+        s.set("a", b"w").unwrap();
+        assert!(s.delete("b").unwrap());
+        s.set("d", b"v").unwrap();
+        assert_eq!(s.get("d", T).unwrap(), b"v");
+    }
+
+    #[test]
+    fn a_set_past_the_byte_cap_names_it_and_keeps_the_old_value() {
+        // Keys count: "k" + 10 bytes, "j" + 4 bytes = 16.
+        let s = capped(100, 16);
+        s.set("k", &[1; 10]).unwrap();
+        s.set("j", &[2; 4]).unwrap();
+        assert_eq!(s.bytes(), 16);
+        let m = rejected(s.set("k", &[3; 11]));
+        for part in [
+            "\"k\"",
+            "job test-caps",
+            "max_bytes",
+            STORE_MAX_BYTES_ENV,
+            "=16",
+            "17",
+        ] {
+            assert!(m.contains(part), "{part} missing from {m}");
+        }
+        // Nothing half-stored: the old value and the count are as they were.
+        assert_eq!(s.get("k", T).unwrap(), [1; 10]);
+        assert_eq!(s.bytes(), 16);
+        // compare_set that would swap is refused and leaves the value.
+        assert!(rejected(s.compare_set("j", Some(&[2; 4]), &[9; 5])).contains("max_bytes"));
+        assert_eq!(s.get("j", T).unwrap(), [2; 4]);
+        // add that makes the number's text longer than the cap allows: "n" + "99" is 3 bytes,
+        // "n" + "100" would be 4.
+        let s = capped(100, 3);
+        assert_eq!(s.add("n", 99).unwrap(), 99);
+        assert!(rejected(s.add("n", 1)).contains("max_bytes"));
+        assert_eq!(s.get("n", T).unwrap(), b"99");
+        // A smaller value fits again, and a delete gives the bytes back.
+        let s = capped(100, 16);
+        s.set("k", &[1; 15]).unwrap();
+        s.set("k", &[1; 5]).unwrap();
+        assert_eq!(s.bytes(), 6);
+        assert!(s.delete("k").unwrap());
+        assert_eq!(s.bytes(), 0);
+        s.set("big", &[0; 13]).unwrap();
+    }
+
+    #[test]
+    fn caps_come_from_the_variables_and_bad_values_name_the_variable() {
+        let none = |_: &str| None;
+        let c = StoreCaps::from_vars(&none, "job x").unwrap();
+        assert_eq!(
+            (c.max_keys, c.max_bytes),
+            (DEFAULT_STORE_MAX_KEYS, DEFAULT_STORE_MAX_BYTES)
+        );
+        let vars = |v: &str| match v {
+            STORE_MAX_KEYS_ENV => Some("1000".to_owned()),
+            STORE_MAX_BYTES_ENV => Some("64M".to_owned()),
+            _ => None,
+        };
+        let c = StoreCaps::from_vars(&vars, "job x").unwrap();
+        assert_eq!(
+            (c.max_keys, c.max_bytes, c.job.as_str()),
+            (1000, 64 << 20, "job x")
+        );
+        for bad in ["0", "lots", "-1"] {
+            let vars = |v: &str| (v == STORE_MAX_BYTES_ENV).then(|| bad.to_owned());
+            match StoreCaps::from_vars(&vars, "job x") {
+                Err(Error::BadEnv { var, value, .. }) => {
+                    assert_eq!((var, value.as_str()), (STORE_MAX_BYTES_ENV, bad))
+                }
+                r => panic!("{bad}: {r:?}"),
+            }
+        }
+        let a = StoreCaps::job_of(&crate::Secret::new("one").unwrap());
+        let b = StoreCaps::job_of(&crate::Secret::new("two").unwrap());
+        assert!(a.starts_with("job ") && a.len() == 12 && a != b, "{a} {b}");
     }
 }

@@ -6,6 +6,10 @@
 //! the value. Every length is checked against the caps below before anything is allocated, and
 //! [`decode`] is a pure function over a byte slice that never panics (a proptest and the
 //! `bootstrap_wire` fuzz target in `fuzz/` hold it to that).
+//!
+//! The handshake's three frames travel in clear; every frame after them travels inside
+//! AES-256-GCM records of `oxccl_seal` (a record's plaintext is a run of these frames' bytes,
+//! which [`decode`] reads once the record authenticated).
 
 use std::fmt;
 
@@ -23,8 +27,10 @@ pub const MAX_HANDSHAKE_FRAME_LEN: usize = 2048;
 pub const MAX_TEXT_LEN: usize = 1024;
 /// Length of the nonces and MACs of the handshake.
 pub const NONCE_LEN: usize = crate::handshake::NONCE_LEN;
-/// Protocol version the server announces in its greeting.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Protocol version the server announces in its greeting. Version 2: after the handshake
+/// (`Hello`, `Auth` with an empty label, `AuthOk`), every frame travels inside sealed records
+/// ([`oxccl_seal::SealedStream`]) both ways, the client's [`Msg::Name`] first.
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Magic number that opens the server's greeting ("OXST").
 pub const MAGIC: u32 = u32::from_le_bytes(*b"OXST");
 
@@ -44,7 +50,14 @@ pub enum Msg {
         mac: [u8; NONCE_LEN],
         /// The client's challenge.
         nonce: [u8; NONCE_LEN],
-        /// Free text naming the client, for the server's logs (e.g. "rank 3 pid 1234").
+        /// Free text naming the client, covered by the MAC. Empty since version 2: the name
+        /// follows sealed ([`Msg::Name`]), so that the path learns nothing of the job.
+        label: String,
+    },
+    /// Client → server, the first sealed frame (version 2): free text naming the client, for
+    /// the server's logs (e.g. "rank 3 pid 1234 on node7").
+    Name {
+        /// The client's name.
         label: String,
     },
     /// Server → client: the client is authenticated; the server's answer to its challenge.
@@ -130,6 +143,7 @@ const T_HELLO: u8 = 1;
 const T_AUTH: u8 = 2;
 const T_AUTH_OK: u8 = 3;
 const T_AUTH_FAIL: u8 = 4;
+const T_NAME: u8 = 5;
 const T_SET: u8 = 10;
 const T_GET: u8 = 11;
 const T_WAIT: u8 = 12;
@@ -152,6 +166,7 @@ impl Msg {
             Msg::Auth { .. } => "Auth",
             Msg::AuthOk { .. } => "AuthOk",
             Msg::AuthFail { .. } => "AuthFail",
+            Msg::Name { .. } => "Name",
             Msg::Set { .. } => "Set",
             Msg::Get { .. } => "Get",
             Msg::Wait { .. } => "Wait",
@@ -390,6 +405,9 @@ impl<'a> Reader<'a> {
             T_AUTH_OK => Msg::AuthOk {
                 mac: self.array("mac")?,
             },
+            T_NAME => Msg::Name {
+                label: self.text("label")?,
+            },
             T_AUTH_FAIL => Msg::AuthFail {
                 reason: self.text("reason")?,
             },
@@ -526,6 +544,10 @@ impl Writer {
             Msg::AuthFail { reason } => {
                 self.u8(T_AUTH_FAIL);
                 self.text("reason", reason);
+            }
+            Msg::Name { label } => {
+                self.u8(T_NAME);
+                self.text("label", label);
             }
             Msg::Set { key, value } => {
                 self.u8(T_SET);
@@ -827,6 +849,7 @@ mod tests {
                 .prop_map(|(version, nonce)| Msg::Hello { version, nonce }),
             (any::<[u8; 32]>(), any::<[u8; 32]>(), ".{0,20}")
                 .prop_map(|(mac, nonce, label)| Msg::Auth { mac, nonce, label }),
+            ".{0,20}".prop_map(|label| Msg::Name { label }),
             (key, arb_bytes()).prop_map(|(key, value)| Msg::Set { key, value }),
             (proptest::collection::vec(key, 0..5), any::<u64>())
                 .prop_map(|(keys, timeout_ms)| Msg::Get { keys, timeout_ms }),

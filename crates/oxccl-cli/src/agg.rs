@@ -26,6 +26,12 @@ pub struct Args {
     /// Jobs served at once; a job beyond them runs without the service.
     #[arg(long, default_value_t = 4)]
     max_jobs: usize,
+    /// Most ranks in one job; a member of a larger one is refused.
+    #[arg(long, default_value_t = 4096)]
+    max_members: usize,
+    /// Jobs of one secret waiting for their members at once; one more is refused.
+    #[arg(long, default_value_t = 4)]
+    max_pending: usize,
     /// Print what the service did every this many seconds (0: never): bytes reduced, their
     /// rate, and the rate per CPU-second the service used (its own cost).
     #[arg(long, default_value_t = 0.0)]
@@ -64,6 +70,8 @@ fn serve(args: Args) -> Result<(), String> {
     let mut opts = ServiceOptions::new(listen, secrets);
     opts.pool_bytes = pool_bytes;
     opts.max_jobs = args.max_jobs;
+    opts.max_members = args.max_members;
+    opts.max_pending = args.max_pending;
     opts.verbose = !args.quiet;
     let service = Service::start(opts).map_err(|e| e.to_string())?;
     let mut out = std::io::stdout().lock();

@@ -129,6 +129,8 @@ fn a_man_in_the_middle_between_hosts_learns_nothing_and_changes_nothing() {
     let p = proxy(&tb, port, &capture, Some(400));
     let t = Instant::now();
     let outs = run_in_bed_with(&tb, &[0, 1], &args, &[], port, &through(&tb));
+    // The proxy marks the flip on its next 100 ms tick; the ranks may be done before it.
+    std::thread::sleep(Duration::from_millis(300));
     drop(p);
     assert!(
         Path::new(&format!("{}.tampered", capture.display())).exists(),

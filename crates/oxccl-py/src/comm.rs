@@ -431,7 +431,8 @@ impl PyCommunicator {
         let r = py.detach(move || -> oxccl::Result<Communicator> {
             // `options` wins over the environment.
             let opts = options_with(&options, timeout)?;
-            let boot = Bootstrap::with_store(rank, world, Box::new(store), &job, opts.timeout)?;
+            let store = crate::store::foreign(store)?;
+            let boot = Bootstrap::with_store(rank, world, store, &job, opts.timeout)?;
             Communicator::init(boot, opts)
         });
         r.map(PyCommunicator::wrap)
@@ -455,7 +456,8 @@ impl PyCommunicator {
     ) -> PyResult<crate::pending::PyPendingInit> {
         let timeout = parse_timeout(timeout)?;
         let options = check_options(options)?;
-        let store = PyStore::new(store)?;
+        let store = crate::store::foreign(PyStore::new(store)?)
+            .map_err(|e| errors::to_py(store.py(), &e.into()))?;
         crate::pending::PyPendingInit::start(store, rank, world_size, job_id, &options, timeout)
     }
 
@@ -1189,7 +1191,7 @@ impl PyCommunicator {
         let job = job_id.to_string();
         let r = py.detach(move || -> oxccl::Result<Communicator> {
             let opts = options_with(&options, timeout)?;
-            Communicator::join(Box::new(store), &job, opts)
+            Communicator::join(crate::store::foreign(store)?, &job, opts)
         });
         r.map(PyCommunicator::wrap)
             .map_err(|e| errors::to_py(py, &e))

@@ -12,7 +12,6 @@ use pyo3::prelude::*;
 
 use crate::comm::PyCommunicator;
 use crate::errors::{self, Kind};
-use crate::store::PyStore;
 
 /// `oxccl.PendingInit`: see `Communicator.init_async`.
 #[pyclass(frozen, module = "oxccl._oxccl", name = "PendingInit")]
@@ -26,7 +25,7 @@ pub struct PyPendingInit {
 impl PyPendingInit {
     /// Starts the init of rank `rank` of `world` over `store` on a thread of its own.
     pub(crate) fn start(
-        store: PyStore,
+        store: Box<dyn oxccl_bootstrap::Store>,
         rank: usize,
         world: usize,
         job: &str,
@@ -35,7 +34,7 @@ impl PyPendingInit {
     ) -> PyResult<PyPendingInit> {
         let opts = crate::calls::options_with(options, timeout)
             .map_err(|e| Python::attach(|py| errors::to_py(py, &e)))?;
-        let init = Communicator::init_store_async(rank, world, Box::new(store), job, opts);
+        let init = Communicator::init_store_async(rank, world, store, job, opts);
         Ok(PyPendingInit {
             abort: init.abort_handle(),
             rank,

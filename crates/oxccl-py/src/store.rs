@@ -270,6 +270,14 @@ impl Store for PyStore {
     }
 }
 
+/// `store` as the ranks use it: its values sealed with the job's key unless
+/// `OXCCL_ENCRYPT=off` ([`oxccl_bootstrap::SealedValues::per_policy`]: the secret is
+/// `OXCCL_SECRET` or `OXCCL_SECRET_FILE`; without one, `auto` leaves them in clear with a
+/// warning), since whoever reaches a store handed in from Python reads what is set in it.
+pub fn foreign(store: PyStore) -> Result<Box<dyn Store>> {
+    oxccl_bootstrap::SealedValues::per_policy(Box::new(store), None)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

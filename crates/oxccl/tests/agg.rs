@@ -612,3 +612,41 @@ fn a_group_of_aggregation_calls_runs_as_one() {
     assert_eq!(stats_after(&svc, 2).calls, 2);
     destroy_all(comms);
 }
+
+/// A call whose schedule would pass the service's `max_call_steps` fails the job (every rank
+/// sees the service fail, naming it), where calls under the cap ran exactly before.
+#[test]
+fn a_call_over_the_step_cap_fails_every_rank_naming_the_service() {
+    let _g = serial();
+    let secret = Secret::new(common::IN_PROCESS_SECRET).expect("a secret");
+    let mut opts = ServiceOptions::new("127.0.0.1:0".parse().unwrap(), vec![secret]);
+    opts.pool_bytes = 1 << 20;
+    opts.max_jobs = 1;
+    // 8 KiB slices of f32 are 2048 elements: 100 slices of 2 members is 200 steps.
+    opts.max_call_steps = 100;
+    let svc = Service::start(opts).expect("the service starts");
+    let addr = svc.addr().to_string();
+    let comms = job(2, &svc, Provider::Tcp, 8 << 10);
+    for c in &comms {
+        c.set_timeout(Duration::from_secs(20));
+    }
+    let small = vec![encode(DataType::F32, 1.0).repeat(2048 * 40); 2];
+    for got in all_reduce(&comms, DataType::F32, ReduceOp::Sum, &small) {
+        assert!(got.expect("under the cap") == encode(DataType::F32, 2.0).repeat(2048 * 40));
+    }
+    let big = vec![encode(DataType::F32, 1.0).repeat(2048 * 100); 2];
+    let t = std::time::Instant::now();
+    for (r, got) in all_reduce(&comms, DataType::F32, ReduceOp::Sum, &big)
+        .into_iter()
+        .enumerate()
+    {
+        let e = got.expect_err("a call over the service's step cap");
+        assert!(e.to_string().contains(&addr), "rank {r}: {e}");
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(stats_after(&svc, 1).calls, 1, "the capped call was not run");
+}

@@ -18,6 +18,8 @@ pub(crate) struct Contact {
     /// The service's host (ranks on it talk shm to it).
     pub(crate) host: String,
     nonce: [u8; 32],
+    /// Whether this rank's tcp queue pair to the service is sealed ([`Contact::seal_data`]).
+    sealed: bool,
 }
 
 /// What joining gave.
@@ -33,9 +35,10 @@ pub(crate) enum Joined {
     Busy(String),
 }
 
-/// A rank's membership: its control connection, over which rank 0 names each call.
+/// A rank's membership: its control connection, over which rank 0 names each call (sealed
+/// records, [`wire::session`]).
 pub(crate) struct Membership {
-    ctl: TcpStream,
+    ctl: Box<oxccl_seal::SealedStream<TcpStream>>,
     /// The service's address, as the user gave it.
     pub(crate) addr: String,
     /// Whether this rank names the calls (rank 0).
@@ -66,6 +69,7 @@ pub(crate) fn contact(addr: &str, rank: usize, timeout: Duration) -> Result<Cont
             addr: addr.to_string(),
             host,
             nonce,
+            sealed: false,
         }),
         Ok(m) => Err(fail(format!(
             "not an oxccl aggregation service (it said {m:?})"
@@ -75,6 +79,44 @@ pub(crate) fn contact(addr: &str, rank: usize, timeout: Duration) -> Result<Cont
 }
 
 impl Contact {
+    /// Says that this rank's tcp queue pair to the service seals its frames: the caller
+    /// created it with [`QpConfig::seal`](oxccl_verbs::QpConfig::seal) set to
+    /// [`Contact::data_key`]; the service then seals its end too. The policy's decision
+    /// (`OXCCL_ENCRYPT`; `auto`: the service is on another host, see
+    /// [`Contact::service_ip`]) is the caller's, as for its peers.
+    #[allow(dead_code)] // For comm's init, which decides which tcp links are sealed.
+    pub(crate) fn seal_data(mut self, sealed: bool) -> Contact {
+        self.sealed = sealed;
+        self
+    }
+
+    /// The job key the tcp queue pair to the service is sealed with.
+    #[allow(dead_code)]
+    pub(crate) fn data_key(secret: &Secret) -> oxccl_seal::JobKey {
+        wire::data_key(secret)
+    }
+
+    /// The service's IP as this rank reaches it (for `OXCCL_ENCRYPT=auto`).
+    #[allow(dead_code)]
+    pub(crate) fn service_ip(&self) -> Option<std::net::IpAddr> {
+        self.stream.peer_addr().ok().map(|a| a.ip())
+    }
+
+    /// The key this rank's tcp queue pair to the service is sealed with under `encrypt`
+    /// (`on`: always; `auto`: when the service is not on this host; `off`: never), given the
+    /// job's `secret` (none: not sealed). Create the queue pair with it as
+    /// [`QpConfig::seal`](oxccl_verbs::QpConfig::seal), and say so with
+    /// [`Contact::seal_data`]`(key.is_some())`.
+    #[allow(dead_code)]
+    pub(crate) fn data_seal(
+        &self,
+        encrypt: oxccl_verbs::Encrypt,
+        secret: Option<&Secret>,
+    ) -> Option<oxccl_seal::JobKey> {
+        let ip = self.service_ip()?;
+        (encrypt.seals(ip)).then(|| secret.map(wire::data_key))?
+    }
+
     /// Joins job `job` as `rank` of `world`, handing over this rank's side of the connection;
     /// waits (up to `timeout`) until every member has joined.
     #[allow(clippy::too_many_arguments)]
@@ -105,36 +147,67 @@ impl Contact {
             world,
             geo,
             provider: provider.to_string(),
-            endpoint,
-            region,
             timeout_ms: timeout.as_millis().min(u64::MAX as u128) as u64,
         };
         join.proof = LABELS
             .client_proof(secret, &self.nonce, &nc, &join.claims())
             .to_vec();
+        let session = wire::session(
+            secret,
+            oxccl_seal::Role::Initiator,
+            &nc,
+            &self.nonce,
+            &join.claims(),
+            &join.proof,
+        );
         wire::send(&mut self.stream, &Msg::Join(Box::new(join)))
             .map_err(|e| fail(format!("cannot join: {e}")))?;
-        // The service answers once every member has joined (or it gave up waiting).
-        let _ = self
-            .stream
+        // This rank's side (its endpoint, its region's rkey) goes sealed.
+        let peer = format!("the aggregation service at {}", self.addr);
+        let mut ctl = oxccl_seal::SealedStream::new(self.stream, session, peer);
+        let sealed = self.sealed;
+        let side = Msg::Side {
+            endpoint,
+            region,
+            sealed,
+        };
+        wire::send(&mut ctl, &side)
+            .map_err(|e| fail(format!("cannot send this rank's side: {e}")))?;
+        // The service answers once every member has joined (or it gave up waiting): its
+        // proof in clear, then its side sealed.
+        let _ = ctl
+            .get_ref()
             .set_read_timeout(Some(timeout + Duration::from_secs(5)));
-        match wire::recv(&mut self.stream) {
-            Ok(Msg::Accept {
-                proof,
-                endpoint,
-                region,
-                pool,
-            }) => {
+        match wire::recv(ctl.get_mut()) {
+            Ok(Msg::Accept { proof, pool }) => {
                 if !LABELS.server_proven(secret, &self.nonce, &nc, &proof) {
                     return Err(fail(
                         "it did not prove the job's secret: not the service this job trusts".into(),
                     ));
                 }
+                let (endpoint, region) = match wire::recv(&mut ctl) {
+                    Ok(Msg::Side {
+                        endpoint,
+                        region,
+                        sealed: theirs,
+                    }) if theirs == sealed => (endpoint, region),
+                    Ok(Msg::Side { .. }) => {
+                        return Err(fail(format!(
+                            "this rank seals its queue pair to it (OXCCL_ENCRYPT) and it does \
+                             not (sealed: {sealed}): an older service?"
+                        )));
+                    }
+                    Ok(m) => return Err(fail(format!("sent {m:?} where its side belongs"))),
+                    Err(e) => {
+                        let waited = timeout + Duration::from_secs(5);
+                        return Err(fail(format!("its side: {}", wire::describe(&e, waited))));
+                    }
+                };
                 // From now on, reads only tell that the service is gone.
-                let _ = self.stream.set_read_timeout(None);
+                let _ = ctl.get_ref().set_read_timeout(None);
                 Ok(Joined::Accepted {
                     membership: Membership {
-                        ctl: self.stream,
+                        ctl: Box::new(ctl),
                         addr: self.addr,
                         names_calls: rank == 0,
                     },
@@ -146,7 +219,10 @@ impl Contact {
             Ok(Msg::Refused { reason, busy: true }) => Ok(Joined::Busy(reason)),
             Ok(Msg::Refused { reason, .. }) => Err(fail(format!("refused this rank: {reason}"))),
             Ok(m) => Err(fail(format!("answered the join with {m:?}"))),
-            Err(e) => Err(fail(format!("no answer to the join: {e}"))),
+            Err(e) => Err(fail(format!(
+                "no answer to the join: {}",
+                wire::describe(&e, timeout + Duration::from_secs(5))
+            ))),
         }
     }
 }

@@ -14,13 +14,20 @@
 //! How a job joins: at init, with [`Options::agg_addr`](crate::Options::agg_addr)
 //! (`OXCCL_AGG_ADDR`), every rank connects to the service, proves the job's secret
 //! (HMAC-SHA256 challenge-response both ways; the service holds the secrets of the jobs it
-//! serves, so a stranger is refused), and hands over a queue pair and its receive region. Once
-//! every rank of the job has joined, the service answers each with its own, and the job runs.
+//! serves, so a stranger is refused), and hands over a queue pair and its receive region,
+//! sealed (AES-256-GCM records of `oxccl_seal`, keyed from the secret and both challenges:
+//! nobody on the path reads an endpoint or rkey, or changes a call unnoticed). Once every rank
+//! of the job has joined, the service answers each with its own, sealed too, and the job runs.
 //! Rank 0's control connection then names each aggregation call before its data flows (the
 //! service builds its schedule from it); the data carries each rank's fingerprint, so a rank
 //! whose call differs is found as between ranks. A service with no room for the job (its
 //! [`ServiceOptions::max_jobs`] are running) says so, and the job runs its other algorithms,
 //! saying so at `OXCCL_DEBUG=INFO`.
+//!
+//! What a member that proved its secret can make the service hold is capped
+//! ([`ServiceOptions::max_members`], [`ServiceOptions::max_pending`],
+//! [`ServiceOptions::max_join_wait`], [`ServiceOptions::max_call_steps`]), each named in the
+//! error of a request past it; [`Service::failures`] tells how the last failed jobs failed.
 //!
 //! Only all-reduces go through it: a reduce-scatter through a service moves `N` up and `N/n`
 //! down per rank where a ring moves `(n-1)/n · N` each way, an all-gather `N/n` up and `N`

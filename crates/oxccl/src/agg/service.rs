@@ -1,7 +1,7 @@
 //! The aggregation service: admits jobs, connects to their members, and runs each job's
 //! aggregation calls through the executor, one thread per job.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -9,7 +9,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use oxccl_bootstrap::Secret;
-use oxccl_verbs::{ConnectRole, Context, DeviceConfig, Provider, QpConfig, RemoteBuffer};
+use oxccl_seal::{Role, SealedStream};
+use oxccl_verbs::{
+    ConnectRole, Context, DeviceConfig, Provider, QpConfig, QpEndpoint, RemoteBuffer,
+};
 
 use super::wire::{self, CallDesc, Join, LABELS, MAGIC, Msg};
 use crate::engine::{AbortFlag, Bufs, CallSpec, Engine, Link, Plan};
@@ -49,6 +52,20 @@ pub struct ServiceOptions {
     pub device: DeviceConfig,
     /// Logs jobs as they join and end, on stderr.
     pub verbose: bool,
+    /// Most ranks in one job (`--max-members`, default 4096): a member that says its job has
+    /// more is refused, and told this cap.
+    pub max_members: usize,
+    /// Jobs of one secret waiting for their members at once (`--max-pending`, default 4): the
+    /// first member of one more is refused, and told this cap. (Each waiting member holds a
+    /// connection and a thread of the service until its job is complete.)
+    pub max_pending: usize,
+    /// Longest a job's members wait for each other at the service (default 1 hour): a member
+    /// that asks for longer waits this long.
+    pub max_join_wait: Duration,
+    /// Most steps (slices times members) in the schedule of one named call, and in all the
+    /// schedules the service keeps for a job (default 8 Mi, a few hundred MiB): a call over it
+    /// fails the job with an error naming this cap.
+    pub max_call_steps: usize,
 }
 
 impl ServiceOptions {
@@ -62,6 +79,10 @@ impl ServiceOptions {
             host_id: crate::default_host_id(),
             device: DeviceConfig::default(),
             verbose: false,
+            max_members: 4096,
+            max_pending: 4,
+            max_join_wait: Duration::from_secs(3600),
+            max_call_steps: 8 << 20,
         }
     }
 }
@@ -98,12 +119,37 @@ struct Shared {
     jobs: AtomicU64,
     calls: AtomicU64,
     bytes_in: AtomicU64,
+    /// The last jobs' failures ([`Service::failures`]).
+    failures: Mutex<std::collections::VecDeque<String>>,
+}
+
+/// Failures a service keeps for [`Service::failures`].
+const FAILURES_KEPT: usize = 16;
+
+impl Shared {
+    fn failed(&self, what: String) {
+        if self.opts.verbose {
+            eprintln!("oxccl agg: {what}");
+        }
+        let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        if f.len() == FAILURES_KEPT {
+            f.pop_front();
+        }
+        f.push_back(what);
+    }
 }
 
 /// A member that proved its secret, waiting for the rest of its job.
 struct Member {
-    stream: TcpStream,
+    /// Its control connection: sealed records after the join ([`wire::session`]); the accept
+    /// or a refusal goes in clear underneath (`get_mut`).
+    stream: SealedStream<TcpStream>,
     join: Box<Join>,
+    /// Its queue pair's endpoint and its receive region (they came sealed).
+    endpoint: QpEndpoint,
+    region: RemoteBuffer,
+    /// Whether its tcp queue pair seals its frames: ours to it then does too.
+    sealed: bool,
     /// The service's challenge to it.
     nonce: [u8; 32],
     /// The secret it proved (an index into [`ServiceOptions::secrets`]).
@@ -113,7 +159,11 @@ struct Member {
 /// A job some of whose members have joined (removed from [`Shared::pending`] once taken:
 /// admitted or refused).
 struct Pending {
-    members: Vec<Option<Member>>,
+    /// Its ranks, as its first member said.
+    world: usize,
+    /// The members there, by rank (only those that came: a job's size costs nothing until
+    /// its members come).
+    members: BTreeMap<usize, Member>,
 }
 
 impl Service {
@@ -126,8 +176,17 @@ impl Service {
                     .into(),
             ));
         }
-        if opts.max_jobs == 0 {
-            return Err(Error::Config("max_jobs must be ≥ 1".into()));
+        for (name, v) in [
+            ("max_jobs", opts.max_jobs),
+            ("max_members", opts.max_members),
+            ("max_pending", opts.max_pending),
+            ("max_call_steps", opts.max_call_steps),
+        ] {
+            if v == 0 {
+                return Err(Error::Config(format!(
+                    "the aggregation service's {name} must be ≥ 1"
+                )));
+            }
         }
         let listener = TcpListener::bind(opts.listen).map_err(|e| {
             Error::Config(format!(
@@ -148,6 +207,7 @@ impl Service {
             jobs: AtomicU64::new(0),
             calls: AtomicU64::new(0),
             bytes_in: AtomicU64::new(0),
+            failures: Mutex::new(std::collections::VecDeque::new()),
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -164,6 +224,18 @@ impl Service {
     /// The address members reach it at.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// How the last jobs that failed failed (at most 16, oldest first), each naming the job
+    /// and what failed: a member's control connection whose record was changed, replayed,
+    /// dropped or reordered on the way, a call past a cap, a job that could not be connected.
+    pub fn failures(&self) -> Vec<String> {
+        let f = self
+            .shared
+            .failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        f.iter().cloned().collect()
     }
 
     /// What it has done so far.
@@ -207,8 +279,13 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         let spawned = std::thread::Builder::new()
             .name("oxccl-agg-join".into())
             .spawn(move || {
-                admit(stream, &s);
-                s.unadmitted.fetch_sub(1, Ordering::AcqRel);
+                // `admit` gives the slot back once the member is proven (its job's caps
+                // bound it from then on), or when it returns before that.
+                let mut slot = Some(());
+                admit(stream, &s, &mut slot);
+                if slot.is_some() {
+                    s.unadmitted.fetch_sub(1, Ordering::AcqRel);
+                }
             });
         if spawned.is_err() {
             shared.unadmitted.fetch_sub(1, Ordering::AcqRel);
@@ -216,12 +293,26 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
+/// Refuses a member, in clear (it reads the answer to its join in clear).
 fn refuse(stream: &mut TcpStream, reason: String, busy: bool) {
     let _ = wire::send(stream, &Msg::Refused { reason, busy });
 }
 
-/// One connection: hello, the member's proof, then its job.
-fn admit(mut stream: TcpStream, shared: &Arc<Shared>) {
+/// A message's kind, for errors that must not print its fields.
+fn kind(m: &Msg) -> &'static str {
+    match m {
+        Msg::Hello { .. } => "a hello",
+        Msg::Join(_) => "a join",
+        Msg::Side { .. } => "a side",
+        Msg::Accept { .. } => "an accept",
+        Msg::Refused { .. } => "a refusal",
+        Msg::Calls { .. } => "calls",
+    }
+}
+
+/// One connection: hello, the member's proof, then its job. `slot` is the connection's
+/// place among the unadmitted: taken (given back) once the member is proven.
+fn admit(mut stream: TcpStream, shared: &Arc<Shared>, slot: &mut Option<()>) {
     let _ = stream.set_nodelay(true);
     let _ = stream.set_read_timeout(Some(AUTH_TIMEOUT));
     let Ok(ns) = wire::nonce() else { return };
@@ -249,41 +340,114 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>) {
         );
         return;
     };
-    if join.world == 0 || join.rank >= join.world || join.world > 1 << 16 {
+    // Its side of the data connection follows, sealed.
+    let peer = match stream.peer_addr() {
+        Ok(a) => format!("rank {} of job {:016x} at {a}", join.rank, join.job),
+        Err(_) => format!("rank {} of job {:016x}", join.rank, join.job),
+    };
+    let session = wire::session(
+        &shared.opts.secrets[tenant],
+        Role::Acceptor,
+        &join.nonce,
+        &ns,
+        &join.claims(),
+        &join.proof,
+    );
+    let mut stream = SealedStream::new(stream, session, peer);
+    let (endpoint, region, sealed) = match wire::recv(&mut stream) {
+        Ok(Msg::Side {
+            endpoint,
+            region,
+            sealed,
+        }) => (endpoint, region, sealed),
+        Ok(m) => {
+            let why = format!("sent {} where its side belongs", kind(&m));
+            refuse(stream.get_mut(), why, false);
+            return;
+        }
+        Err(e) => {
+            shared.failed(format!(
+                "job {:016x}: closed the connection of rank {}: its side: {}",
+                join.job,
+                join.rank,
+                wire::describe(&e, AUTH_TIMEOUT)
+            ));
+            return;
+        }
+    };
+    // Proven: from here on the job's caps bound what it holds, not the strangers' count.
+    if slot.take().is_some() {
+        shared.unadmitted.fetch_sub(1, Ordering::AcqRel);
+    }
+    let opts = &shared.opts;
+    if join.world == 0 || join.rank >= join.world {
         refuse(
-            &mut stream,
+            stream.get_mut(),
             format!("rank {} of world {} is not a member", join.rank, join.world),
             false,
         );
         return;
     }
-    let timeout = Duration::from_millis(join.timeout_ms).min(Duration::from_secs(3600));
+    if join.world > opts.max_members {
+        refuse(
+            stream.get_mut(),
+            format!(
+                "rank {} says job {:016x} has {} ranks, over the service's cap of {} members \
+                 per job (max_members, --max-members)",
+                join.rank, join.job, join.world, opts.max_members
+            ),
+            false,
+        );
+        return;
+    }
+    let timeout = Duration::from_millis(join.timeout_ms).min(opts.max_join_wait);
     let key = (tenant, join.job);
     let (rank, world) = (join.rank, join.world);
     let member = Member {
         stream,
         join,
+        endpoint,
+        region,
+        sealed,
         nonce: ns,
         tenant,
     };
     let mut pending = shared.pending.lock().unwrap_or_else(|p| p.into_inner());
-    let entry = pending.entry(key).or_insert_with(|| Pending {
-        members: (0..world).map(|_| None).collect(),
-    });
     let mut member = member;
+    if !pending.contains_key(&key) {
+        let waiting = pending.keys().filter(|(t, _)| *t == tenant).count();
+        if waiting >= opts.max_pending {
+            drop(pending);
+            refuse(
+                member.stream.get_mut(),
+                format!(
+                    "{waiting} jobs of this secret are waiting for their members, the \
+                     service's cap (max_pending, --max-pending {}): job {:016x} cannot start \
+                     waiting for its own",
+                    opts.max_pending, member.join.job
+                ),
+                false,
+            );
+            return;
+        }
+    }
+    let entry = pending.entry(key).or_insert_with(|| Pending {
+        world,
+        members: BTreeMap::new(),
+    });
     if let Some(why) = mismatch(entry, &member.join) {
         drop(pending);
-        refuse(&mut member.stream, why, false);
+        refuse(member.stream.get_mut(), why, false);
         return;
     }
-    entry.members[rank] = Some(member);
-    if entry.members.iter().all(Option::is_some) {
+    entry.members.insert(rank, member);
+    if entry.members.len() == entry.world {
         let Some(job) = pending.remove(&key) else {
             return;
         };
         shared.joined.notify_all();
         drop(pending);
-        let members = job.members.into_iter().flatten().collect();
+        let members = job.members.into_values().collect();
         start_job(members, shared);
         return;
     }
@@ -299,10 +463,10 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>) {
                 return;
             };
             drop(pending);
-            let present: Vec<usize> = (0..world).filter(|&r| job.members[r].is_some()).collect();
-            for mut m in job.members.into_iter().flatten() {
+            let present: Vec<usize> = job.members.keys().copied().collect();
+            for mut m in job.members.into_values() {
                 refuse(
-                    &mut m.stream,
+                    m.stream.get_mut(),
                     format!(
                         "only ranks {present:?} of the job's {world} joined within {timeout:?}"
                     ),
@@ -322,18 +486,16 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>) {
 /// Why `join` cannot be part of the job `p` (another world size or slot geometry, a rank
 /// taken), if so.
 fn mismatch(p: &Pending, join: &Join) -> Option<String> {
-    if p.members.len() != join.world {
+    if p.world != join.world {
         return Some(format!(
             "rank {} says the job has {} ranks, another member says {}",
-            join.rank,
-            join.world,
-            p.members.len()
+            join.rank, join.world, p.world
         ));
     }
-    if p.members[join.rank].is_some() {
+    if p.members.contains_key(&join.rank) {
         return Some(format!("rank {} joined twice", join.rank));
     }
-    let other = p.members.iter().flatten().next()?;
+    let other = p.members.values().next()?;
     (other.join.geo != join.geo).then(|| {
         format!(
             "rank {} has slots {:?}, rank {} {:?}: set OXCCL_CHUNK_SIZE/OXCCL_SLOTS/\
@@ -353,7 +515,7 @@ fn start_job(mut members: Vec<Member>, shared: &Arc<Shared>) {
         shared.running.fetch_sub(1, Ordering::AcqRel);
         for m in &mut members {
             refuse(
-                &mut m.stream,
+                m.stream.get_mut(),
                 format!(
                     "it serves {} jobs, its most (--max-jobs {})",
                     running, opts.max_jobs
@@ -380,15 +542,14 @@ fn start_job(mut members: Vec<Member>, shared: &Arc<Shared>) {
                 .name(format!("oxccl-agg-{job:x}"))
                 .spawn(move || {
                     let r = run_job(engine, members, pool, &s);
-                    s.running.fetch_sub(1, Ordering::AcqRel);
-                    if s.opts.verbose {
-                        match r {
-                            Ok(calls) => {
-                                eprintln!("oxccl agg: job {job:016x} ended after {calls} calls")
-                            }
-                            Err(e) => eprintln!("oxccl agg: job {job:016x} failed: {e}"),
+                    match r {
+                        Ok(calls) if s.opts.verbose => {
+                            eprintln!("oxccl agg: job {job:016x} ended after {calls} calls")
                         }
+                        Ok(_) => {}
+                        Err(e) => s.failed(format!("job {job:016x} failed: {e}")),
                     }
+                    s.running.fetch_sub(1, Ordering::AcqRel);
                 });
             if spawned.is_err() {
                 shared.running.fetch_sub(1, Ordering::AcqRel);
@@ -396,11 +557,9 @@ fn start_job(mut members: Vec<Member>, shared: &Arc<Shared>) {
         }
         Err(why) => {
             shared.running.fetch_sub(1, Ordering::AcqRel);
-            if opts.verbose {
-                eprintln!("oxccl agg: job {job:016x} could not be connected: {why}");
-            }
+            shared.failed(format!("job {job:016x} could not be connected: {why}"));
             for m in &mut members {
-                refuse(&mut m.stream, why.clone(), false);
+                refuse(m.stream.get_mut(), why.clone(), false);
             }
         }
     }
@@ -435,7 +594,7 @@ fn connect_job(members: &mut [Member], opts: &ServiceOptions) -> Result<(Engine,
                 .iter()
                 .zip(&providers)
                 .find(|(_, p)| **p == Provider::Tcp)
-                .and_then(|(m, _)| m.stream.local_addr().ok())
+                .and_then(|(m, _)| m.stream.get_ref().local_addr().ok())
                 .map_or(opts.listen.ip(), |a| a.ip());
             config.tcp_addr = SocketAddr::new(ip, 0);
         }
@@ -462,6 +621,9 @@ fn connect_job(members: &mut [Member], opts: &ServiceOptions) -> Result<(Engine,
             timeout: timeout.max(Duration::from_secs(10)),
             // The member connects (it knows our address; we need not reach it).
             connect: ConnectRole::Passive,
+            // Sealed as the member's end is (its decision, by the policy, as for its peers).
+            seal: (m.sealed && providers[r] == Provider::Tcp)
+                .then(|| wire::data_key(&opts.secrets[m.tenant])),
             ..QpConfig::default()
         };
         let qp = pds[c]
@@ -478,21 +640,22 @@ fn connect_job(members: &mut [Member], opts: &ServiceOptions) -> Result<(Engine,
         let proof = LABELS
             .server_proof(&opts.secrets[m.tenant], &m.nonce, &m.join.nonce)
             .to_vec();
-        let accept = Msg::Accept {
-            proof,
+        // The proof in clear, then the service's side sealed.
+        let side = Msg::Side {
             endpoint: links[r].qp.endpoint(),
             region: links[r].local_region(),
-            pool,
+            sealed: m.sealed && providers[r] == Provider::Tcp,
         };
-        wire::send(&mut m.stream, &accept)
+        wire::send(m.stream.get_mut(), &Msg::Accept { proof, pool })
+            .and_then(|()| wire::send(&mut m.stream, &side))
             .map_err(|e| format!("cannot answer rank {}: {e}", m.join.rank))?;
     }
     for (r, m) in members.iter().enumerate() {
         links[r]
             .qp
-            .connect(&m.join.endpoint)
+            .connect(&m.endpoint)
             .map_err(|e| format!("connecting rank {}: {e}", m.join.rank))?;
-        let region: RemoteBuffer = m.join.region;
+        let region: RemoteBuffer = m.region;
         links[r]
             .connect(region, &geo, r)
             .map_err(|e| format!("posting receives for rank {}: {e}", m.join.rank))?;
@@ -526,10 +689,17 @@ fn run_job(
     let n = members.len();
     let timeout = Duration::from_millis(members[0].join.timeout_ms);
     let mut plans: HashMap<PlanKey, Plan> = HashMap::new();
+    // Steps of the schedules in `plans`.
+    let mut plan_steps = 0usize;
     let mut calls = 0u64;
-    let _ = members[0].stream.set_read_timeout(Some(IDLE_TICK));
+    // Rank 0 names the calls, in sealed records; the others say nothing more (their
+    // connections only tell when they leave).
+    let _ = members[0]
+        .stream
+        .get_ref()
+        .set_read_timeout(Some(IDLE_TICK));
     for m in &members[1..] {
-        let _ = m.stream.set_nonblocking(true);
+        let _ = m.stream.get_ref().set_nonblocking(true);
     }
     let mut left = vec![false; n];
     loop {
@@ -547,7 +717,7 @@ fn run_job(
             {
                 // Idle: has everyone left?
                 for (r, m) in members.iter().enumerate().skip(1) {
-                    left[r] |= closed(&m.stream);
+                    left[r] |= closed(m.stream.get_ref());
                 }
                 if members.len() > 1 && left[1..].iter().all(|&l| l) {
                     // The others are gone; rank 0 will see its connection close.
@@ -570,12 +740,32 @@ fn run_job(
         // The calls rank 0 named together run together (a group), as on the ranks.
         let mut keyed = Vec::with_capacity(named.len());
         for c in &named {
-            let (key, desc) = plan_key(c, n)?;
+            let (key, desc) = plan_key(c, n, engine.geo.slot_data)?;
             if !plans.contains_key(&key) {
-                let sched = build_aggregator(&key.request(n), pool)?;
-                if plans.len() >= 64 {
-                    plans.clear();
+                let steps = key.steps(n);
+                let cap = shared.opts.max_call_steps;
+                if steps > cap {
+                    return Err(format!(
+                        "rank 0 named call {} of {} elements in slices of {}: {steps} steps \
+                         for {n} members, over the service's cap of {cap} (max_call_steps)",
+                        desc.seq, key.count, key.chunk
+                    ));
                 }
+                // The schedules kept stay within the cap too (the calls of one group
+                // are kept together: they are used together just below).
+                if plans.len() >= 64 || plan_steps + steps > cap {
+                    plans.retain(|k, _| keyed.iter().any(|(kk, _)| kk == k));
+                    plan_steps = plans.keys().map(|k| k.steps(n)).sum();
+                }
+                if plan_steps + steps > cap {
+                    return Err(format!(
+                        "rank 0 named {} calls together whose schedules add up to more than \
+                         the service's cap of {cap} steps (max_call_steps)",
+                        named.len()
+                    ));
+                }
+                let sched = build_aggregator(&key.request(n), pool)?;
+                plan_steps += steps;
                 plans.insert(
                     key.clone(),
                     Plan::new(sched, CollectiveKind::AllReduce, Algorithm::Aggregation),
@@ -609,7 +799,7 @@ fn run_job(
 }
 
 /// What an aggregator's schedule depends on: count, chunk, element size, host table.
-#[derive(Clone, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct PlanKey {
     count: usize,
     chunk: usize,
@@ -633,6 +823,12 @@ impl PlanKey {
         }
     }
 
+    /// Steps of the aggregator's schedule, as [`ServiceOptions::max_call_steps`] counts them:
+    /// slices times members.
+    fn steps(&self, n: usize) -> usize {
+        self.count.div_ceil(self.chunk).max(1).saturating_mul(n)
+    }
+
     /// Bytes the service receives: every member's buffer; in two tiers, every host's (its
     /// rails').
     fn bytes_in(&self, n: usize) -> usize {
@@ -648,8 +844,10 @@ impl PlanKey {
     }
 }
 
-/// A named call's plan key and fingerprint, checked.
-fn plan_key(c: &CallDesc, n: usize) -> Result<(PlanKey, OpDesc), String> {
+/// A named call's plan key and fingerprint, checked against the job's `n` members and
+/// slots of `slot_data` bytes (a slice fills one slot at most, so the service's scratch for
+/// a call stays within its share of the pool).
+fn plan_key(c: &CallDesc, n: usize, slot_data: usize) -> Result<(PlanKey, OpDesc), String> {
     let (Some(&dtype), Some(&op)) = (
         DataType::ALL.get(c.dtype as usize),
         ReduceOp::ALL.get(c.op as usize),
@@ -666,9 +864,18 @@ fn plan_key(c: &CallDesc, n: usize) -> Result<(PlanKey, OpDesc), String> {
         ));
     }
     let count = usize::try_from(c.count).map_err(|_| format!("count {}", c.count))?;
+    let chunk = usize::try_from(c.chunk).unwrap_or(usize::MAX).max(1);
+    if chunk > 1 && chunk.saturating_mul(dtype.size()) > slot_data {
+        return Err(format!(
+            "rank 0 named call {} with slices of {chunk} elements of {} bytes, larger than \
+             the job's slots of {slot_data} bytes",
+            c.seq,
+            dtype.size()
+        ));
+    }
     let key = PlanKey {
         count,
-        chunk: (c.chunk as usize).max(1),
+        chunk,
         es: dtype.size(),
         hosts: c.hosts.clone(),
     };
@@ -704,5 +911,204 @@ fn closed(s: &TcpStream) -> bool {
         Ok(0) => true,
         Ok(_) => false,
         Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use oxccl_core::protocol::Geometry;
+    use oxccl_verbs::EndpointAddr;
+
+    fn secret(s: &str) -> Secret {
+        Secret::new(s).unwrap()
+    }
+
+    fn start(secrets: Vec<Secret>, tune: impl FnOnce(&mut ServiceOptions)) -> Service {
+        let mut opts = ServiceOptions::new("127.0.0.1:0".parse().unwrap(), secrets);
+        tune(&mut opts);
+        Service::start(opts).unwrap()
+    }
+
+    const GEO: Geometry = Geometry {
+        slot_data: 4096,
+        slots: 2,
+        channels: 1,
+    };
+
+    /// A proven member of `job` (rank `rank` of `world`) that has sent its join and its side.
+    fn join(
+        svc: &Service,
+        s: &Secret,
+        job: u64,
+        rank: usize,
+        world: usize,
+    ) -> SealedStream<TcpStream> {
+        join_sealed(svc, s, job, rank, world, false)
+    }
+
+    /// [`join`], saying whether the member's queue pair is sealed.
+    fn join_sealed(
+        svc: &Service,
+        s: &Secret,
+        job: u64,
+        rank: usize,
+        world: usize,
+        sealed: bool,
+    ) -> SealedStream<TcpStream> {
+        let mut stream = TcpStream::connect(svc.addr()).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let Ok(Msg::Hello { nonce: ns, .. }) = wire::recv(&mut stream) else {
+            panic!("no hello")
+        };
+        let nc = wire::nonce().unwrap();
+        let mut j = Join {
+            nonce: nc,
+            proof: Vec::new(),
+            job,
+            rank,
+            world,
+            geo: GEO,
+            provider: "tcp".into(),
+            timeout_ms: 20_000,
+        };
+        j.proof = LABELS.client_proof(s, &ns, &nc, &j.claims()).to_vec();
+        let session = wire::session(s, Role::Initiator, &nc, &ns, &j.claims(), &j.proof);
+        wire::send(&mut stream, &Msg::Join(Box::new(j))).unwrap();
+        let mut stream = SealedStream::new(stream, session, "the service");
+        let side = Msg::Side {
+            endpoint: QpEndpoint {
+                provider: Provider::Tcp,
+                host: "test".into(),
+                qp_num: 1,
+                addr: EndpointAddr::Tcp {
+                    addr: "127.0.0.1:1".into(),
+                    qp_token: 7,
+                    nsocks: 1,
+                },
+            },
+            region: RemoteBuffer {
+                addr: 0,
+                len: 0,
+                rkey: 0,
+            },
+            sealed,
+        };
+        wire::send(&mut stream, &side).unwrap();
+        stream
+    }
+
+    fn refusal(stream: &mut SealedStream<TcpStream>) -> String {
+        match wire::recv(stream.get_mut()) {
+            Ok(Msg::Refused { reason, busy }) => {
+                assert!(!busy, "{reason}");
+                reason
+            }
+            r => panic!("expected a refusal, got {r:?}"),
+        }
+    }
+
+    /// Whether the service has said nothing to `stream` for a while (the member waits).
+    fn waiting(stream: &mut SealedStream<TcpStream>) -> bool {
+        stream
+            .get_ref()
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        let r = wire::recv(stream.get_mut());
+        matches!(&r, Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
+    }
+
+    #[test]
+    fn a_job_larger_than_the_member_cap_is_refused_naming_it() {
+        let s = secret("caps");
+        let svc = start(vec![s.clone()], |o| o.max_members = 2);
+        let mut m = join(&svc, &s, 0xabc, 0, 3);
+        let why = refusal(&mut m);
+        for part in [
+            "3 ranks",
+            "cap of 2 members",
+            "max_members",
+            "--max-members",
+            "abc",
+        ] {
+            assert!(why.contains(part), "{part} missing from {why}");
+        }
+        // A job within the cap waits for its other member.
+        let mut ok = join(&svc, &s, 0xdef, 0, 2);
+        assert!(waiting(&mut ok));
+    }
+
+    #[test]
+    fn pending_jobs_are_capped_per_secret() {
+        let (a, b) = (secret("tenant a"), secret("tenant b"));
+        let svc = start(vec![a.clone(), b.clone()], |o| o.max_pending = 2);
+        // Two jobs of tenant a wait for their second members.
+        let mut first = join(&svc, &a, 1, 0, 2);
+        let mut second = join(&svc, &a, 2, 0, 2);
+        assert!(waiting(&mut first) && waiting(&mut second));
+        // A third is refused, naming the cap.
+        let mut third = join(&svc, &a, 3, 0, 2);
+        let why = refusal(&mut third);
+        for part in [
+            "2 jobs of this secret",
+            "max_pending",
+            "--max-pending 2",
+            "0000000000000003",
+        ] {
+            assert!(why.contains(part), "{part} missing from {why}");
+        }
+        // A member of a job already waiting is not a new job; another tenant is not held
+        // back by tenant a's jobs.
+        let mut other = join(&svc, &b, 3, 0, 2);
+        assert!(waiting(&mut other));
+        let mut more = join(&svc, &a, 1, 1, 3);
+        assert!(refusal(&mut more).contains("says the job has 3 ranks"));
+        // Members that are proven do not count among the unadmitted connections.
+        assert_eq!(svc.shared.unadmitted.load(Ordering::Acquire), 0);
+    }
+
+    #[test]
+    fn a_named_call_is_checked_against_the_slots_and_counted_in_steps() {
+        let call = |count: u64, chunk: u64| CallDesc {
+            seq: 9,
+            count,
+            dtype: wire::dtype_code(DataType::F32),
+            op: wire::op_code(ReduceOp::Sum),
+            chunk,
+            hosts: Vec::new(),
+        };
+        // Slices of 1024 f32 fill 4096-byte slots exactly; 1025 do not fit.
+        let (key, desc) = plan_key(&call(10_000, 1024), 4, 4096).unwrap();
+        assert_eq!((key.chunk, desc.seq), (1024, 9));
+        assert_eq!(key.steps(4), 10_000usize.div_ceil(1024) * 4);
+        let e = plan_key(&call(10_000, 1025), 4, 4096).unwrap_err();
+        assert!(e.contains("call 9") && e.contains("4096 bytes"), "{e}");
+        // A count of u64::MAX in slices of 1 is counted without overflow (and far over any cap).
+        let (key, _) = plan_key(&call(u64::MAX, 1), 4, 4096).unwrap();
+        assert_eq!(key.steps(4), usize::MAX);
+    }
+
+    #[test]
+    fn the_service_seals_the_data_queue_pair_as_each_member_does() {
+        let s = secret("sealing");
+        let svc = start(vec![s.clone()], |_| {});
+        let mut members: Vec<_> = [true, false]
+            .into_iter()
+            .enumerate()
+            .map(|(rank, sealed)| (join_sealed(&svc, &s, 0x5ea1, rank, 2, sealed), sealed))
+            .collect();
+        for (rank, (m, sealed)) in members.iter_mut().enumerate() {
+            // The accept in clear, then the service's side, sealed, saying the same.
+            match wire::recv(m.get_mut()) {
+                Ok(Msg::Accept { .. }) => {}
+                r => panic!("rank {rank}: {r:?}"),
+            }
+            match wire::recv(m) {
+                Ok(Msg::Side { sealed: theirs, .. }) => assert_eq!(theirs, *sealed, "rank {rank}"),
+                r => panic!("rank {rank}: {r:?}"),
+            }
+        }
     }
 }

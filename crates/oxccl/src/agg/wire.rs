@@ -1,7 +1,11 @@
 //! The aggregation service's control protocol: JSON messages, each after a 4-byte
 //! little-endian length, on one TCP connection per member (the data travels over verbs).
+//! The hello, the join and the answer travel in clear (the proofs are in them); everything
+//! else travels in sealed records ([`oxccl_seal::SealedStream`]) keyed by [`session`]: the
+//! member's side of the connection (its queue pair's endpoint and its region's rkey) right
+//! after its join, the service's right after its accept, and rank 0's calls.
 
-use std::net::TcpStream;
+use std::io::{Read, Write};
 
 use oxccl_bootstrap::frame;
 use oxccl_bootstrap::handshake::Labels;
@@ -32,13 +36,23 @@ pub(crate) enum Msg {
         host: String,
         nonce: [u8; 32],
     },
-    /// Member → service: the job it belongs to and its side of the connection.
+    /// Member → service: the job it belongs to, and its proof.
     Join(Box<Join>),
-    /// Service → member: every member has joined; the service's side of the connection.
-    Accept {
-        proof: Vec<u8>,
+    /// Either way, sealed, right after the join (member) or the accept (service): that end's
+    /// side of the data connection.
+    Side {
         endpoint: QpEndpoint,
         region: RemoteBuffer,
+        /// Whether that end's tcp queue pair carries its frames in sealed records
+        /// ([`oxccl_verbs::QpConfig::seal`], keyed by [`data_key`]): the member says, the
+        /// service follows and says so back.
+        #[serde(default)]
+        sealed: bool,
+    },
+    /// Service → member: every member has joined; the service's proof (its side follows,
+    /// sealed).
+    Accept {
+        proof: Vec<u8>,
         /// Aggregation slots this job got.
         pool: usize,
     },
@@ -79,8 +93,6 @@ pub(crate) struct Join {
     pub geo: Geometry,
     /// `shm` or `tcp`.
     pub provider: String,
-    pub endpoint: QpEndpoint,
-    pub region: RemoteBuffer,
     /// How long the member waits for the others (milliseconds): the service waits as long.
     pub timeout_ms: u64,
 }
@@ -96,14 +108,62 @@ impl Join {
     }
 }
 
-/// Writes one message.
-pub(crate) fn send(s: &mut TcpStream, m: &Msg) -> std::io::Result<()> {
-    frame::send_json(s, m)
+/// Writes one message (and flushes it: a sealed stream seals and sends it then).
+pub(crate) fn send(s: &mut impl Write, m: &Msg) -> std::io::Result<()> {
+    frame::send_json(s, m)?;
+    s.flush()
 }
 
 /// Reads one message of at most [`MAX_MSG`] bytes.
-pub(crate) fn recv(s: &mut TcpStream) -> std::io::Result<Msg> {
+pub(crate) fn recv(s: &mut impl Read) -> std::io::Result<Msg> {
     frame::recv_json(s, MAX_MSG, "control message")
+}
+
+/// An error of a read that waited up to `waited`, saying so when the wait ran out.
+pub(crate) fn describe(e: &std::io::Error, waited: std::time::Duration) -> String {
+    match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            format!("nothing came within {waited:?}")
+        }
+        _ => e.to_string(),
+    }
+}
+
+/// The purpose of the data path's job key: the same as the ranks' tcp queue pairs' (comm's
+/// `TCP_KEY_PURPOSE`), so that a rank seals its link to the service as it seals those to
+/// its peers.
+pub(crate) const DATA_KEY_PURPOSE: &str = "oxccl tcp qp v1";
+
+/// The job key of the tcp queue pairs between the members and the service
+/// ([`oxccl_verbs::QpConfig::seal`]).
+pub(crate) fn data_key(secret: &oxccl_bootstrap::Secret) -> oxccl_seal::JobKey {
+    oxccl_seal::JobKey::derive(secret.as_bytes(), DATA_KEY_PURPOSE)
+}
+
+/// The purpose the control connections' record keys are derived for.
+pub(crate) const CONTROL_PURPOSE: &str = "oxccl-agg v1 control records";
+
+/// The keys of one member's control connection once it has joined: from the job's secret,
+/// both challenges (the member's is the initiator's) and what both saw of the join: the
+/// member's claims and its proof.
+pub(crate) fn session(
+    secret: &oxccl_bootstrap::Secret,
+    role: oxccl_seal::Role,
+    member_nonce: &[u8; 32],
+    service_nonce: &[u8; 32],
+    claims: &[u8; 24],
+    join_proof: &[u8],
+) -> oxccl_seal::Session {
+    let mut transcript = Vec::with_capacity(MAGIC.len() + claims.len() + join_proof.len());
+    transcript.extend_from_slice(MAGIC.as_bytes());
+    transcript.extend_from_slice(claims);
+    transcript.extend_from_slice(join_proof);
+    oxccl_seal::JobKey::derive(secret.as_bytes(), CONTROL_PURPOSE).session(
+        role,
+        member_nonce,
+        service_nonce,
+        &transcript,
+    )
 }
 
 pub(crate) use frame::nonce;

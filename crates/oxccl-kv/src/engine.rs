@@ -2,6 +2,7 @@
 //! that keep the engine reachable. Batches and their completions are in [`crate::batch`].
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock, Weak};
 use std::thread::JoinHandle;
@@ -9,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use oxccl_verbs::progress::{Progress, run_helper};
 use oxccl_verbs::{
-    AccessFlags, CompletionQueue, ConnectRole, Context, Device, DeviceConfig, MemoryRegion,
-    ProtectionDomain, Provider, QpConfig, QpEndpoint, QueuePair, RecvWr, Sge, WorkCompletion,
+    AccessFlags, CompletionQueue, ConnectRole, Context, Device, DeviceConfig, EndpointAddr,
+    MemoryRegion, ProtectionDomain, Provider, QpConfig, QpEndpoint, QueuePair, RecvWr, Sge,
+    WorkCompletion,
 };
 
 use crate::batch::Batches;
@@ -120,6 +122,10 @@ impl Peer {
 /// land in.
 struct Inbound {
     from: String,
+    /// The address the peer's handshake came from: the caps count by it.
+    ip: IpAddr,
+    /// Its queue pairs' connections (lanes).
+    lanes: usize,
     qps: Vec<QueuePair>,
     bufs: MemoryRegion,
 }
@@ -145,6 +151,8 @@ pub(crate) struct Inner {
     pub progress: Progress,
     notifies: Mutex<VecDeque<Notification>>,
     notified: Condvar,
+    /// Notifications dropped because the queue was full.
+    notifies_dropped: AtomicU64,
     /// Inbound connections by (dev, number of their first queue pair).
     inbound: Mutex<HashMap<(usize, u32), Inbound>>,
     services: RwLock<HashMap<String, Service>>,
@@ -255,6 +263,7 @@ impl TransferEngine {
             batches: Batches::default(),
             notifies: Mutex::new(VecDeque::new()),
             notified: Condvar::new(),
+            notifies_dropped: AtomicU64::new(0),
             inbound: Mutex::new(HashMap::new()),
             services: RwLock::new(HashMap::new()),
             closed: AtomicBool::new(false),
@@ -449,6 +458,12 @@ impl TransferEngine {
                 .0;
         }
         q.drain(..).collect()
+    }
+
+    /// How many notifications were dropped, since the engine started, because the queue held
+    /// [`EngineConfig::notify_queue`] of them that nobody had taken: the oldest goes first.
+    pub fn notifies_dropped(&self) -> u64 {
+        self.inner.notifies_dropped.load(Ordering::Relaxed)
     }
 
     /// The configuration the engine runs with.
@@ -736,6 +751,7 @@ impl Inner {
             &self.name,
             &self.config.secret,
             self.config.timeout,
+            Some(self.config.local_addr.ip()),
         )?;
         // The descriptor from the owner itself is the newest.
         let desc = client.get_desc()?;
@@ -828,7 +844,13 @@ impl Inner {
     /// A peer asks for queue pairs connected to its own (one per opened segment; its lanes are
     /// that queue pair's connections), on this side's context of the provider; the answer names
     /// each one's rkey set.
-    fn accept(&self, from: &str, provider: &str, endpoints: Vec<QpEndpoint>) -> Result<Msg> {
+    fn accept(
+        &self,
+        from: &str,
+        addr: SocketAddr,
+        provider: &str,
+        endpoints: Vec<QpEndpoint>,
+    ) -> Result<Msg> {
         let Some(dev) = self.devs.iter().position(|d| d.provider.name() == provider) else {
             return Err(Error::arg(format!(
                 "this engine does not serve provider {provider}"
@@ -837,6 +859,18 @@ impl Inner {
         if endpoints.is_empty() || endpoints.len() > 64 {
             return Err(Error::arg(format!("{} queue pairs asked", endpoints.len())));
         }
+        // The connections each queue pair will have: the smaller of the two sides' wishes.
+        let lanes: usize = endpoints
+            .iter()
+            .map(|e| match &e.addr {
+                EndpointAddr::Tcp { nsocks, .. } => {
+                    (*nsocks as usize).clamp(1, 16).min(self.config.lanes)
+                }
+                _ => 1,
+            })
+            .sum();
+        let ip = addr.ip();
+        self.within_caps(from, ip, endpoints.len(), lanes)?;
         let mut qps = Vec::new();
         let mut keys = Vec::new();
         for (i, e) in endpoints.iter().enumerate() {
@@ -866,22 +900,80 @@ impl Inner {
         }
         let mine = qps.iter().map(|q| q.endpoint()).collect();
         let key = (dev, qps[0].qp_num());
-        self.inbound
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(
-                key,
-                Inbound {
-                    from: from.to_string(),
-                    qps,
-                    bufs,
-                },
-            );
+        // Checked again with the connection counted, against connects of the same peer that
+        // ran alongside this one (this one's queue pairs then go, unused).
+        let mut inbound = self.inbound.lock().unwrap_or_else(|e| e.into_inner());
+        check_caps(&self.config, &inbound, from, ip, endpoints.len(), lanes)?;
+        inbound.insert(
+            key,
+            Inbound {
+                from: from.to_string(),
+                ip,
+                lanes,
+                qps,
+                bufs,
+            },
+        );
+        drop(inbound);
         Ok(Msg::Connected {
             endpoints: mine,
             keys,
         })
     }
+}
+
+impl Inner {
+    fn within_caps(&self, from: &str, ip: IpAddr, qps: usize, lanes: usize) -> Result<()> {
+        let inbound = self.inbound.lock().unwrap_or_else(|e| e.into_inner());
+        check_caps(&self.config, &inbound, from, ip, qps, lanes)
+    }
+}
+
+/// Whether the peer at `ip` may connect `qps` more queue pairs of `lanes` connections in all.
+fn check_caps(
+    config: &EngineConfig,
+    inbound: &HashMap<(usize, u32), Inbound>,
+    from: &str,
+    ip: IpAddr,
+    qps: usize,
+    lanes: usize,
+) -> Result<()> {
+    let (mut has_qps, mut has_lanes) = (0, 0);
+    for ib in inbound.values().filter(|ib| ib.ip == ip) {
+        has_qps += ib.qps.len();
+        has_lanes += ib.lanes;
+    }
+    let over = |what: &str, has: usize, more: usize, cap: usize, knob: &str| {
+        let e = Error::PeerLimit {
+            peer: format!("{ip} (as {from:?})"),
+            detail: format!(
+                "it has {has} {what} connected here and asked for {more} more, over the cap of \
+                 {cap} per peer address (EngineConfig::{knob}, OXCCL_KV_{})",
+                knob.to_ascii_uppercase()
+            ),
+        };
+        tracing::warn!("oxccl-kv: {e}");
+        Err(e)
+    };
+    if has_qps + qps > config.max_peer_qps {
+        return over(
+            "queue pairs",
+            has_qps,
+            qps,
+            config.max_peer_qps,
+            "max_peer_qps",
+        );
+    }
+    if has_lanes + lanes > config.max_peer_lanes {
+        return over(
+            "lanes",
+            has_lanes,
+            lanes,
+            config.max_peer_lanes,
+            "max_peer_lanes",
+        );
+    }
+    Ok(())
 }
 
 fn post_notify_recv(qp: &QueuePair, bufs: &MemoryRegion, i: usize) -> Result<()> {
@@ -896,7 +988,7 @@ struct Handler {
 }
 
 impl handshake::Handler for Handler {
-    fn handle(&self, peer: &str, msg: Msg) -> Msg {
+    fn handle(&self, peer: &str, addr: SocketAddr, msg: Msg) -> Msg {
         let Some(inner) = self.inner.get().and_then(Weak::upgrade) else {
             return Msg::Failed {
                 reason: "the engine is shutting down".into(),
@@ -909,7 +1001,7 @@ impl handshake::Handler for Handler {
             Msg::Connect {
                 provider,
                 endpoints,
-            } => inner.accept(peer, &provider, endpoints),
+            } => inner.accept(peer, addr, &provider, endpoints),
             Msg::Call { service, body } => {
                 let s = inner
                     .services
@@ -973,14 +1065,26 @@ fn notify_loop(w: Weak<Inner>, dev: usize) {
             let mut msg = vec![0; len];
             if ib.bufs.read(slot * MAX_NOTIFY, &mut msg).is_ok() {
                 // The sender is the peer this connection authenticated, not what it says.
-                inner
-                    .notifies
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push_back(Notification {
-                        from: ib.from.clone(),
-                        msg,
-                    });
+                let mut q = inner.notifies.lock().unwrap_or_else(|e| e.into_inner());
+                while q.len() >= inner.config.notify_queue {
+                    q.pop_front();
+                    if inner.notifies_dropped.fetch_add(1, Ordering::Relaxed) == 0 {
+                        tracing::warn!(
+                            "oxccl-kv: engine {:?} dropped its oldest notification: {} were \
+                             waiting and nobody took them (get_notifies); the queue holds \
+                             notify_queue = {} (OXCCL_KV_NOTIFY_QUEUE). Further drops are \
+                             counted (notifies_dropped), not logged",
+                            inner.name,
+                            q.len() + 1,
+                            inner.config.notify_queue
+                        );
+                    }
+                }
+                q.push_back(Notification {
+                    from: ib.from.clone(),
+                    msg,
+                });
+                drop(q);
                 inner.notified.notify_all();
             }
             if let Err(e) = post_notify_recv(&ib.qps[0], &ib.bufs, slot) {

@@ -7,7 +7,7 @@
 //! own, or a call to a service the owner registered (the block store's lookups). Messages are
 //! JSON, each after a 4-byte little-endian length.
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
@@ -74,8 +74,8 @@ pub(crate) fn recv(s: &mut TcpStream) -> std::io::Result<Msg> {
 
 /// What the server does with an authenticated peer's requests.
 pub(crate) trait Handler: Send + Sync + 'static {
-    /// Answers one request from the peer named `peer`.
-    fn handle(&self, peer: &str, msg: Msg) -> Msg;
+    /// Answers one request from the peer that proved the name `peer` from address `addr`.
+    fn handle(&self, peer: &str, addr: SocketAddr, msg: Msg) -> Msg;
 }
 
 /// The listening side: a thread accepting connections, one thread per connection.
@@ -158,7 +158,7 @@ fn accept_loop(
                 let _ = std::thread::Builder::new()
                     .name("oxccl-kv-peer".into())
                     .spawn(move || {
-                        let r = serve(s, &name, &secret, &*handler, timeout, &stop, &pending);
+                        let r = serve(s, peer, &name, &secret, &*handler, timeout, &stop, &pending);
                         if let Err(e) = r {
                             tracing::debug!("oxccl-kv handshake with {peer}: {e}");
                         }
@@ -175,8 +175,10 @@ fn accept_loop(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn serve(
     mut s: TcpStream,
+    addr: SocketAddr,
     name: &str,
     secret: &Secret,
     handler: &dyn Handler,
@@ -240,9 +242,24 @@ fn serve(
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
         };
-        let reply = handler.handle(&peer, m);
+        let reply = handler.handle(&peer, addr, m);
         send(&mut s, &reply)?;
     }
+}
+
+/// A TCP connection to `to`, leaving from `from` when given.
+fn open(to: SocketAddr, from: Option<IpAddr>, timeout: Duration) -> std::io::Result<TcpStream> {
+    let Some(from) = from else {
+        return TcpStream::connect_timeout(&to, timeout);
+    };
+    let sock = socket2::Socket::new(
+        socket2::Domain::for_address(to),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    sock.bind(&SocketAddr::new(from, 0).into())?;
+    sock.connect_timeout(&to.into(), timeout)?;
+    Ok(sock.into())
 }
 
 /// An authenticated connection to a peer engine's handshake listener.
@@ -252,9 +269,40 @@ pub(crate) struct Client {
     pub addr: String,
 }
 
+/// Why [`Client::dial`] failed: the error, and whether nobody listens there (connection
+/// refused), which a lookup retries only briefly.
+pub(crate) struct DialError {
+    pub error: Error,
+    pub refused: bool,
+}
+
 impl Client {
-    /// Connects to `addr` and runs the mutual proof; `name` is this engine's.
-    pub fn connect(addr: &str, name: &str, secret: &Secret, timeout: Duration) -> Result<Client> {
+    /// Connects to `addr` and runs the mutual proof; `name` is this engine's. With `from`, the
+    /// connection leaves from that IP (the engine's own address, which the peer counts its
+    /// queue pairs and lanes by) when it can: a loopback source for a loopback peer, another
+    /// for the others.
+    pub fn connect(
+        addr: &str,
+        name: &str,
+        secret: &Secret,
+        timeout: Duration,
+        from: Option<IpAddr>,
+    ) -> Result<Client> {
+        Client::dial(addr, name, secret, timeout, from).map_err(|e| e.error)
+    }
+
+    /// [`Client::connect`], saying whether the connection was refused.
+    pub fn dial(
+        addr: &str,
+        name: &str,
+        secret: &Secret,
+        timeout: Duration,
+        from: Option<IpAddr>,
+    ) -> std::result::Result<Client, DialError> {
+        let failed = |error: Error| DialError {
+            error,
+            refused: false,
+        };
         let herr = |detail: String| Error::Handshake {
             peer: addr.to_string(),
             detail,
@@ -268,23 +316,33 @@ impl Client {
                     .and_then(|mut a| a.next())
                     .ok_or(())
             })
-            .map_err(|_| herr("not an IP:port or host:port that resolves".into()))?;
-        let mut s = TcpStream::connect_timeout(&sa, timeout)
-            .map_err(|e| herr(format!("cannot connect: {e}")))?;
-        s.set_nodelay(true).map_err(|e| herr(e.to_string()))?;
-        proof::connect(&mut s, &LABELS, secret, name, timeout).map_err(|e| match e {
-            e if e.is_auth() => Error::Auth {
-                peer: addr.to_string(),
-                detail: e.to_string(),
-            },
-            // The server closes on a client that did not prove the secret.
-            e if e.awaited() == Some("the server's proof") => Error::Auth {
-                peer: addr.to_string(),
-                detail: format!(
-                    "the peer closed the handshake ({e}): the job secret is likely wrong"
-                ),
-            },
-            e => herr(e.to_string()),
+            .map_err(|_| failed(herr("not an IP:port or host:port that resolves".into())))?;
+        let from = from.filter(|f| {
+            !f.is_unspecified()
+                && f.is_loopback() == sa.ip().is_loopback()
+                && f.is_ipv4() == sa.is_ipv4()
+        });
+        let mut s = open(sa, from, timeout).map_err(|e| DialError {
+            refused: e.kind() == std::io::ErrorKind::ConnectionRefused,
+            error: herr(format!("cannot connect: {e}")),
+        })?;
+        s.set_nodelay(true)
+            .map_err(|e| failed(herr(e.to_string())))?;
+        proof::connect(&mut s, &LABELS, secret, name, timeout).map_err(|e| {
+            failed(match e {
+                e if e.is_auth() => Error::Auth {
+                    peer: addr.to_string(),
+                    detail: e.to_string(),
+                },
+                // The server closes on a client that did not prove the secret.
+                e if e.awaited() == Some("the server's proof") => Error::Auth {
+                    peer: addr.to_string(),
+                    detail: format!(
+                        "the peer closed the handshake ({e}): the job secret is likely wrong"
+                    ),
+                },
+                e => herr(e.to_string()),
+            })
         })?;
         Ok(Client {
             stream: s,

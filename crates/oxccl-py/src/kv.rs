@@ -261,7 +261,9 @@ fn setup(
 
 fn connect_backend(b: &Backend, config: &EngineConfig) -> oxccl_kv::Result<Arc<dyn Metadata>> {
     Ok(match b {
-        Backend::P2p => Arc::new(P2pMetadata::new(config.secret.clone())),
+        Backend::P2p => Arc::new(
+            P2pMetadata::new(config.secret.clone()).with_connect_retry(config.connect_retry),
+        ),
         Backend::Redis(url) => Arc::new(RedisMetadata::connect(url, config.timeout)?),
         Backend::Store(addr) => Arc::new(StoreMetadata::connect(
             addr,

@@ -775,6 +775,15 @@ class TransferEngine:
             return self._fail("wait_notifies", exc, [])
         return [TransferNotify._decode(s, m) for s, m in raw]
 
+    def get_notifies_dropped(self) -> int:
+        """How many notifications were dropped because nobody took them and the queue
+        (``OXCCL_KV_NOTIFY_QUEUE``, 4096 by default) was full: the oldest go first (oxccl's
+        addition); -1 before ``initialize``."""
+        try:
+            return self._e.notifies_dropped
+        except Exception as exc:
+            return self._fail("get_notifies_dropped", exc)
+
     def __repr__(self) -> str:
         e = self._e
         if isinstance(e, KvEngine):

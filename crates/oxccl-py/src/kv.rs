@@ -807,6 +807,13 @@ impl PyKvEngine {
             .collect())
     }
 
+    /// How many notifications were dropped because the queue (`OXCCL_KV_NOTIFY_QUEUE`) was
+    /// full: the oldest go first.
+    #[getter]
+    fn notifies_dropped(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.get(py)?.notifies_dropped())
+    }
+
     /// Waits up to `timeout` seconds for a notification, then takes all that arrived.
     fn wait_notifies<'py>(
         &self,

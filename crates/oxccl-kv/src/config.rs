@@ -76,6 +76,10 @@ pub struct EngineConfig {
     /// allowance, so the default leaves room for a host of many engines, each opening this
     /// segment once. A peer over the cap is refused with an error naming it.
     pub max_peer_qps: usize,
+    /// Authenticated handshake connections one peer may hold open to this engine at once
+    /// (`OXCCL_KV_MAX_PEER_CONNS`; default 256): each opened segment keeps one (for its
+    /// service calls), and each is a thread here. A peer as for `max_peer_qps`.
+    pub max_peer_conns: usize,
     /// tcp connections (lanes) one peer may have connected to this engine at once, over all its
     /// queue pairs (`OXCCL_KV_MAX_PEER_LANES`; default 512). A peer as for `max_peer_qps`.
     pub max_peer_lanes: usize,
@@ -108,6 +112,7 @@ impl EngineConfig {
             secret,
             busy_poll: false,
             max_peer_qps: 128,
+            max_peer_conns: 256,
             max_peer_lanes: 512,
             notify_queue: 4096,
             connect_retry: Duration::from_secs(1),
@@ -118,7 +123,7 @@ impl EngineConfig {
     /// required), `OXCCL_KV_NAME`, `OXCCL_KV_ADDR` (`IP` or `IP:port`), `OXCCL_KV_PROTOCOL`,
     /// `OXCCL_KV_LANES`, `OXCCL_KV_SLICE` (bytes, `K`/`M` suffixes), `OXCCL_KV_TIMEOUT` and
     /// `OXCCL_KV_PEER_TIMEOUT` (seconds), `OXCCL_KV_POLL` (`busy` or `sleep`),
-    /// `OXCCL_KV_MAX_PEER_QPS`, `OXCCL_KV_MAX_PEER_LANES`, `OXCCL_KV_NOTIFY_QUEUE` (counts) and
+    /// `OXCCL_KV_MAX_PEER_QPS`, `OXCCL_KV_MAX_PEER_CONNS`, `OXCCL_KV_MAX_PEER_LANES`, `OXCCL_KV_NOTIFY_QUEUE` (counts) and
     /// `OXCCL_KV_CONNECT_RETRY` (seconds). A malformed value is an error naming the variable.
     pub fn from_env() -> Result<EngineConfig> {
         EngineConfig::from_vars(&|k| std::env::var(k).ok())
@@ -174,6 +179,7 @@ impl EngineConfig {
         }
         for (k, slot) in [
             ("OXCCL_KV_MAX_PEER_QPS", &mut c.max_peer_qps),
+            ("OXCCL_KV_MAX_PEER_CONNS", &mut c.max_peer_conns),
             ("OXCCL_KV_MAX_PEER_LANES", &mut c.max_peer_lanes),
             ("OXCCL_KV_NOTIFY_QUEUE", &mut c.notify_queue),
         ] {
@@ -234,6 +240,10 @@ impl EngineConfig {
         for (v, what) in [
             (self.max_peer_qps, "max_peer_qps (OXCCL_KV_MAX_PEER_QPS)"),
             (
+                self.max_peer_conns,
+                "max_peer_conns (OXCCL_KV_MAX_PEER_CONNS)",
+            ),
+            (
                 self.max_peer_lanes,
                 "max_peer_lanes (OXCCL_KV_MAX_PEER_LANES)",
             ),
@@ -274,14 +284,20 @@ mod tests {
             ("OXCCL_KV_TIMEOUT", "2.5"),
             ("OXCCL_KV_POLL", "Busy"),
             ("OXCCL_KV_MAX_PEER_QPS", "3"),
+            ("OXCCL_KV_MAX_PEER_CONNS", "5"),
             ("OXCCL_KV_MAX_PEER_LANES", "7"),
             ("OXCCL_KV_NOTIFY_QUEUE", "11"),
             ("OXCCL_KV_CONNECT_RETRY", "0.25"),
         ]))
         .unwrap();
         assert_eq!(
-            (c.max_peer_qps, c.max_peer_lanes, c.notify_queue),
-            (3, 7, 11)
+            (
+                c.max_peer_qps,
+                c.max_peer_conns,
+                c.max_peer_lanes,
+                c.notify_queue
+            ),
+            (3, 5, 7, 11)
         );
         assert_eq!(c.connect_retry, Duration::from_millis(250));
         assert!(c.busy_poll);

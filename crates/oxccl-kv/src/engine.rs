@@ -233,6 +233,7 @@ impl TransferEngine {
             config.secret.clone(),
             handler,
             config.timeout,
+            handshake::PeerConns::new(config.max_peer_conns),
         )?;
         let handshake_addr = server.addr().to_string();
         let name = config

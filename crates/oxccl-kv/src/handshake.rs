@@ -78,6 +78,47 @@ pub(crate) trait Handler: Send + Sync + 'static {
     fn handle(&self, peer: &str, addr: SocketAddr, msg: Msg) -> Msg;
 }
 
+/// Authenticated handshake connections per peer address, and their cap.
+pub(crate) struct PeerConns {
+    max: usize,
+    open: std::sync::Mutex<std::collections::HashMap<IpAddr, usize>>,
+}
+
+impl PeerConns {
+    /// At most `max` authenticated connections per peer address.
+    pub fn new(max: usize) -> PeerConns {
+        PeerConns {
+            max,
+            open: Default::default(),
+        }
+    }
+
+    /// Counts one more connection from `ip`, or says why not.
+    fn enter(&self, ip: IpAddr, name: &str) -> std::result::Result<(), String> {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let n = open.entry(ip).or_insert(0);
+        if *n >= self.max {
+            return Err(format!(
+                "peer {ip} (as {name:?}) refused: it has {n} handshake connections open here, \
+                 the cap per peer address (EngineConfig::max_peer_conns, \
+                 OXCCL_KV_MAX_PEER_CONNS)"
+            ));
+        }
+        *n += 1;
+        Ok(())
+    }
+
+    fn leave(&self, ip: IpAddr) {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = open.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&ip);
+            }
+        }
+    }
+}
+
 /// The listening side: a thread accepting connections, one thread per connection.
 pub(crate) struct Server {
     addr: SocketAddr,
@@ -93,6 +134,7 @@ impl Server {
         secret: Secret,
         handler: Arc<dyn Handler>,
         timeout: Duration,
+        conns: PeerConns,
     ) -> Result<Server> {
         let listener = TcpListener::bind(addr)
             .map_err(|e| Error::io(format!("binding the handshake listener to {addr}"), e))?;
@@ -106,7 +148,17 @@ impl Server {
         let stop2 = stop.clone();
         let thread = std::thread::Builder::new()
             .name("oxccl-kv-handshake".into())
-            .spawn(move || accept_loop(listener, name, secret, handler, timeout, stop2))
+            .spawn(move || {
+                accept_loop(
+                    listener,
+                    name,
+                    secret,
+                    handler,
+                    timeout,
+                    stop2,
+                    Arc::new(conns),
+                )
+            })
             .map_err(|e| Error::io("spawning the handshake thread", e))?;
         Ok(Server {
             addr,
@@ -130,6 +182,7 @@ impl Drop for Server {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn accept_loop(
     listener: TcpListener,
     name: String,
@@ -137,6 +190,7 @@ fn accept_loop(
     handler: Arc<dyn Handler>,
     timeout: Duration,
     stop: Arc<AtomicBool>,
+    conns: Arc<PeerConns>,
 ) {
     let pending = Arc::new(AtomicUsize::new(0));
     while !stop.load(Ordering::Acquire) {
@@ -148,17 +202,20 @@ fn accept_loop(
                     drop(s);
                     continue;
                 }
-                let (name, secret, handler, stop, pending) = (
+                let (name, secret, handler, stop, pending, conns) = (
                     name.clone(),
                     secret.clone(),
                     handler.clone(),
                     stop.clone(),
                     pending.clone(),
+                    conns.clone(),
                 );
                 let _ = std::thread::Builder::new()
                     .name("oxccl-kv-peer".into())
                     .spawn(move || {
-                        let r = serve(s, peer, &name, &secret, &*handler, timeout, &stop, &pending);
+                        let r = serve(
+                            s, peer, &name, &secret, &*handler, timeout, &stop, &pending, &conns,
+                        );
                         if let Err(e) = r {
                             tracing::debug!("oxccl-kv handshake with {peer}: {e}");
                         }
@@ -185,6 +242,7 @@ fn serve(
     timeout: Duration,
     stop: &AtomicBool,
     pending: &AtomicUsize,
+    conns: &PeerConns,
 ) -> std::io::Result<()> {
     // Counted as unproven until the proof is checked, whichever way this ends.
     struct Unproven<'a>(Option<&'a AtomicUsize>);
@@ -222,6 +280,23 @@ fn serve(
         .name;
     s.set_write_timeout(Some(timeout))?;
     unproven.proven();
+    // Within the cap of connections per peer address, or refused: its first request is
+    // answered with the reason (so that its error names the cap), then the connection closes.
+    if let Err(reason) = conns.enter(addr.ip(), &peer) {
+        tracing::warn!("oxccl-kv handshake: {reason}");
+        s.set_read_timeout(Some(AUTH_TIMEOUT.min(timeout)))?;
+        if recv(&mut s).is_ok() {
+            send(&mut s, &Msg::Failed { reason })?;
+        }
+        return Ok(());
+    }
+    struct Counted<'a>(&'a PeerConns, IpAddr);
+    impl Drop for Counted<'_> {
+        fn drop(&mut self) {
+            self.0.leave(self.1);
+        }
+    }
+    let _counted = Counted(conns, addr.ip());
     // Authenticated: answer requests until the peer hangs up. Idle connections are kept, but
     // checked for the engine's shutdown once a second.
     s.set_read_timeout(Some(Duration::from_secs(1)))?;

@@ -267,3 +267,37 @@ fn a_p2p_lookup_waits_for_a_peer_that_is_starting() {
     assert_eq!(d.handshake, addr.to_string());
     starter.join().unwrap();
 }
+
+#[test]
+fn handshake_connections_per_peer_are_capped() {
+    let meta = store();
+    let mut tc = config("target", [127, 0, 0, 1], 1);
+    tc.max_peer_conns = 2;
+    let target = TransferEngine::new(tc, meta.clone()).unwrap();
+    let tbuf = target.allocate_managed_buffer(LEN).unwrap();
+    // Each opened segment keeps its handshake connection: two from 127.0.0.1, the third
+    // refused with the cap's name.
+    let a = TransferEngine::new(config("a", [127, 0, 0, 1], 1), meta.clone()).unwrap();
+    let b = TransferEngine::new(config("b", [127, 0, 0, 1], 1), meta.clone()).unwrap();
+    let c = TransferEngine::new(config("c", [127, 0, 0, 1], 1), meta.clone()).unwrap();
+    let sa = a.open_segment("target").unwrap();
+    let _sb = b.open_segment("target").unwrap();
+    let err = c.open_segment("target").unwrap_err().to_string();
+    for want in [
+        "127.0.0.1",
+        "\"c\"",
+        "2 handshake connections",
+        "max_peer_conns",
+        "OXCCL_KV_MAX_PEER_CONNS",
+    ] {
+        assert!(err.contains(want), "{want:?} not in: {err}");
+    }
+    // Others are served; and a peer that closes its segment gives the connection back.
+    let d = TransferEngine::new(config("d", [127, 0, 0, 5], 1), meta.clone()).unwrap();
+    let sd = d.open_segment("target").unwrap();
+    write_and_check(&d, sd, &target, tbuf, 8);
+    write_and_check(&a, sa, &target, tbuf, 9);
+    a.close_segment(sa).unwrap();
+    let sc = open_eventually(&c, "target");
+    write_and_check(&c, sc, &target, tbuf, 10);
+}

@@ -298,22 +298,31 @@ fn serve(
     }
     let _counted = Counted(conns, addr.ip());
     // Authenticated: answer requests until the peer hangs up. Idle connections are kept, but
-    // checked for the engine's shutdown once a second.
-    s.set_read_timeout(Some(Duration::from_secs(1)))?;
+    // checked for the engine's shutdown once a second; a request that began is read with the
+    // whole timeout (a timeout in the middle of a message would lose its place).
     loop {
         if stop.load(Ordering::Acquire) {
             return Ok(());
         }
-        let m = match recv(&mut s) {
-            Ok(m) => m,
+        s.set_read_timeout(Some(Duration::from_secs(1)))?;
+        match s.peek(&mut [0u8; 1]) {
+            Ok(0) => return Ok(()),
+            Ok(_) => {}
             Err(e)
                 if matches!(
                     e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
                 ) =>
             {
                 continue;
             }
+            Err(e) => return Err(e),
+        }
+        s.set_read_timeout(Some(timeout))?;
+        let m = match recv(&mut s) {
+            Ok(m) => m,
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
         };

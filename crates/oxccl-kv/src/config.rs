@@ -7,6 +7,33 @@ use oxccl_bootstrap::{Secret, parse_size};
 
 use crate::error::{Error, Result};
 
+/// STUB until main's `oxccl_verbs::Encrypt` is merged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Encrypt {
+    /// off
+    Off,
+    /// on
+    On,
+    /// auto
+    Auto,
+}
+impl std::str::FromStr for Encrypt {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Encrypt, String> {
+        match s.trim() {
+            "off" => Ok(Encrypt::Off),
+            "on" => Ok(Encrypt::On),
+            "auto" => Ok(Encrypt::Auto),
+            _ => Err("expected off, on or auto".into()),
+        }
+    }
+}
+impl std::fmt::Display for Encrypt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self { Encrypt::Off => "off", Encrypt::On => "on", Encrypt::Auto => "auto" })
+    }
+}
+
 /// Which verbs provider carries a segment's data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Protocol {
@@ -94,6 +121,12 @@ pub struct EngineConfig {
     /// default 1): a peer that is starting gets this long, a wrong address fails in about this
     /// long instead of the whole `timeout`.
     pub connect_retry: Duration,
+    /// Whether the tcp lanes are encrypted and authenticated (`OXCCL_ENCRYPT=off|on|auto`;
+    /// default auto: the lanes to a segment on another host, not those on this one; shm never
+    /// leaves the host and is never encrypted). Both ends must agree: a segment opened with a
+    /// different wish is refused, saying which side wants what. The handshake connection is
+    /// encrypted always.
+    pub encrypt: Encrypt,
 }
 
 impl EngineConfig {
@@ -116,6 +149,7 @@ impl EngineConfig {
             max_peer_lanes: 512,
             notify_queue: 4096,
             connect_retry: Duration::from_secs(1),
+            encrypt: Encrypt::Auto,
         }
     }
 
@@ -124,7 +158,8 @@ impl EngineConfig {
     /// `OXCCL_KV_LANES`, `OXCCL_KV_SLICE` (bytes, `K`/`M` suffixes), `OXCCL_KV_TIMEOUT` and
     /// `OXCCL_KV_PEER_TIMEOUT` (seconds), `OXCCL_KV_POLL` (`busy` or `sleep`),
     /// `OXCCL_KV_MAX_PEER_QPS`, `OXCCL_KV_MAX_PEER_CONNS`, `OXCCL_KV_MAX_PEER_LANES`, `OXCCL_KV_NOTIFY_QUEUE` (counts) and
-    /// `OXCCL_KV_CONNECT_RETRY` (seconds). A malformed value is an error naming the variable.
+    /// `OXCCL_KV_CONNECT_RETRY` (seconds), `OXCCL_ENCRYPT` (`off`, `on` or `auto`). A
+    /// malformed value is an error naming the variable.
     pub fn from_env() -> Result<EngineConfig> {
         EngineConfig::from_vars(&|k| std::env::var(k).ok())
     }
@@ -164,6 +199,11 @@ impl EngineConfig {
                 Error::arg(format!(
                     "OXCCL_KV_SLICE={v:?}: expected a size of at least 4K"
                 ))
+            })?;
+        }
+        if let Some(v) = get("OXCCL_ENCRYPT") {
+            c.encrypt = v.parse().map_err(|e| {
+                Error::arg(format!("OXCCL_ENCRYPT={v:?}: {e}"))
             })?;
         }
         if let Some(v) = get("OXCCL_KV_POLL") {

@@ -16,11 +16,14 @@ use oxccl_verbs::{
 };
 
 use crate::batch::Batches;
-use crate::config::{EngineConfig, Protocol};
+use crate::config::{Encrypt, EngineConfig, Protocol};
 use crate::desc::{BufferDesc, DESC_FORMAT, SegmentDesc};
 use crate::error::{Error, Result};
 use crate::handshake::{self, Client, Msg, Server};
 use crate::meta::Metadata;
+
+/// The purpose the lanes' job key is derived for.
+const LANES_PURPOSE: &str = "oxccl-kv lanes v1";
 
 /// Largest notification message, bytes (one posted receive buffer).
 pub const MAX_NOTIFY: usize = 4096;
@@ -50,6 +53,9 @@ pub type SegmentId = u64;
 /// A service answering calls that peers make over the handshake channel
 /// ([`TransferEngine::serve`], [`TransferEngine::call`]): `(caller's name, body) → reply`.
 pub type Service = Arc<dyn Fn(&str, &[u8]) -> Result<Vec<u8>> + Send + Sync>;
+
+/// Rewrites the tcp address a target's queue pair listens on ([`TransferEngine::redirect_lanes`]).
+pub type LaneRedirect = Arc<dyn Fn(&str) -> String + Send + Sync>;
 
 /// One provider this engine serves: its context, protection domain and completion queues.
 pub(crate) struct Dev {
@@ -105,6 +111,8 @@ pub(crate) struct Peer {
     pub qp: QueuePair,
     /// The authenticated handshake connection, kept for service calls.
     pub client: Mutex<Client>,
+    /// Whether the queue pair's connections are sealed (encrypted and authenticated).
+    pub sealed: bool,
     /// Set when the queue pair failed: later requests fail at once with it.
     pub failed: Mutex<Option<String>>,
     /// Slices waiting for room in the queue pair's window.
@@ -156,6 +164,12 @@ pub(crate) struct Inner {
     /// Inbound connections by (dev, number of their first queue pair).
     inbound: Mutex<HashMap<(usize, u32), Inbound>>,
     services: RwLock<HashMap<String, Service>>,
+    /// The job key of the lanes (`"oxccl-kv lanes v1"`): the tcp provider derives each
+    /// connection's keys from it.
+    lane_key: oxccl_seal::JobKey,
+    /// Tests: where this engine's queue pairs connect instead of the tcp address a target
+    /// gave (a man in the middle on the lanes).
+    lane_redirect: RwLock<Option<LaneRedirect>>,
     pub closed: AtomicBool,
 }
 
@@ -267,6 +281,8 @@ impl TransferEngine {
             notifies_dropped: AtomicU64::new(0),
             inbound: Mutex::new(HashMap::new()),
             services: RwLock::new(HashMap::new()),
+            lane_redirect: RwLock::new(None),
+            lane_key: oxccl_seal::JobKey::derive(config.secret.as_bytes(), LANES_PURPOSE),
             closed: AtomicBool::new(false),
             config,
         });
@@ -465,6 +481,24 @@ impl TransferEngine {
     /// [`EngineConfig::notify_queue`] of them that nobody had taken: the oldest goes first.
     pub fn notifies_dropped(&self) -> u64 {
         self.inner.notifies_dropped.load(Ordering::Relaxed)
+    }
+
+    /// For tests of the wire: segments opened after this call connect their lanes to
+    /// `redirect(target's tcp address)` instead (a proxy in the middle). Not for production.
+    #[doc(hidden)]
+    pub fn redirect_lanes(&self, redirect: Option<LaneRedirect>) {
+        *self
+            .inner
+            .lane_redirect
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = redirect;
+    }
+
+    /// Whether the lanes of an opened segment are encrypted and authenticated
+    /// ([`EngineConfig::encrypt`]): over tcp as the policy says for the owner's address; never
+    /// over shm (it does not leave the host).
+    pub fn lanes_encrypted(&self, segment: SegmentId) -> Result<bool> {
+        Ok(self.inner.peer(segment)?.sealed)
     }
 
     /// The configuration the engine runs with.
@@ -756,11 +790,14 @@ impl Inner {
         )?;
         // The descriptor from the owner itself is the newest.
         let desc = client.get_desc()?;
+        let owner_ip = client.peer_ip();
+        let sealed = self.seals(provider, owner_ip);
         let qcfg = QpConfig {
             timeout: self.config.peer_timeout,
             connect: ConnectRole::Active,
             // This side only sends: a receive ring of one.
             max_recv_wr: 1,
+            // SEAL-AFTER-MERGE seal: sealed.then(|| self.lane_key.clone()),
             ..QpConfig::default()
         };
         let d = &self.devs[dev];
@@ -771,6 +808,7 @@ impl Inner {
         let (theirs, key) = match client.call(&Msg::Connect {
             provider: provider.name().to_string(),
             endpoints: vec![qp.endpoint()],
+            encrypt: sealed,
         })? {
             Msg::Connected {
                 mut endpoints,
@@ -783,6 +821,12 @@ impl Inner {
                 });
             }
         };
+        let mut theirs = theirs;
+        if let Some(r) = &*self.lane_redirect.read().unwrap_or_else(|e| e.into_inner())
+            && let EndpointAddr::Tcp { addr, .. } = &mut theirs.addr
+        {
+            *addr = r(addr);
+        }
         qp.connect(&theirs).map_err(|e| {
             Error::verbs(format!("connecting to segment {name:?} over {provider}"), e)
         })?;
@@ -792,8 +836,21 @@ impl Inner {
         } else {
             1
         };
+        if provider == Provider::Tcp {
+            tracing::info!(
+                "oxccl-kv: segment {name:?} ({}): its {lanes} tcp lanes are {} (OXCCL_ENCRYPT={})",
+                desc.handshake,
+                if sealed {
+                    "encrypted and authenticated"
+                } else {
+                    "in clear"
+                },
+                self.config.encrypt
+            );
+        }
         let peer = Arc::new(Peer {
             id,
+            sealed,
             name: name.to_string(),
             queue: Mutex::new(crate::batch::LaneQueue::new(lanes)),
             dev,
@@ -851,6 +908,7 @@ impl Inner {
         addr: SocketAddr,
         provider: &str,
         endpoints: Vec<QpEndpoint>,
+        encrypt: bool,
     ) -> Result<Msg> {
         let Some(dev) = self.devs.iter().position(|d| d.provider.name() == provider) else {
             return Err(Error::arg(format!(
@@ -872,6 +930,19 @@ impl Inner {
             .sum();
         let ip = addr.ip();
         self.within_caps(from, ip, endpoints.len(), lanes)?;
+        let sealed = self.seals(self.devs[dev].provider, Some(ip));
+        if sealed != encrypt {
+            let how = |on: bool| if on { "encrypted" } else { "in clear" };
+            return Err(Error::arg(format!(
+                "the lanes' encryption differs: engine {:?} wants the lanes from {ip} ({from:?}) \
+                 {} (OXCCL_ENCRYPT={} here), the peer asked for them {}: set OXCCL_ENCRYPT \
+                 (EngineConfig::encrypt) alike on both",
+                self.name,
+                how(sealed),
+                self.config.encrypt,
+                how(encrypt)
+            )));
+        }
         let mut qps = Vec::new();
         let mut keys = Vec::new();
         for (i, e) in endpoints.iter().enumerate() {
@@ -881,6 +952,7 @@ impl Inner {
                 timeout: self.config.peer_timeout,
                 connect: ConnectRole::Passive,
                 max_recv_wr: if i == 0 { NOTIFY_DEPTH as u32 } else { 1 },
+                // SEAL-AFTER-MERGE seal: sealed.then(|| self.lane_key.clone()),
                 ..QpConfig::default()
             };
             let q =
@@ -916,6 +988,17 @@ impl Inner {
             },
         );
         drop(inbound);
+        if self.devs[dev].provider == Provider::Tcp {
+            tracing::info!(
+                "oxccl-kv: {from:?} at {ip} connected {lanes} tcp lanes to segment {:?}, {}",
+                self.name,
+                if sealed {
+                    "encrypted and authenticated"
+                } else {
+                    "in clear"
+                }
+            );
+        }
         Ok(Msg::Connected {
             endpoints: mine,
             keys,
@@ -924,6 +1007,18 @@ impl Inner {
 }
 
 impl Inner {
+    /// Whether queue pairs of `provider` to the peer at `ip` are sealed: over tcp as
+    /// [`EngineConfig::encrypt`] says (`auto`: when the peer is not on this host; an address
+    /// not known counts as off the host); never over shm.
+    fn seals(&self, provider: Provider, ip: Option<IpAddr>) -> bool {
+        provider == Provider::Tcp
+            && match self.config.encrypt {
+                Encrypt::Off => false,
+                Encrypt::On => true,
+                Encrypt::Auto => !ip.is_some_and(crate::host::on_host),
+            }
+    }
+
     fn within_caps(&self, from: &str, ip: IpAddr, qps: usize, lanes: usize) -> Result<()> {
         let inbound = self.inbound.lock().unwrap_or_else(|e| e.into_inner());
         check_caps(&self.config, &inbound, from, ip, qps, lanes)
@@ -1002,7 +1097,8 @@ impl handshake::Handler for Handler {
             Msg::Connect {
                 provider,
                 endpoints,
-            } => inner.accept(peer, addr, &provider, endpoints),
+                encrypt,
+            } => inner.accept(peer, addr, &provider, endpoints, encrypt),
             Msg::Call { service, body } => {
                 let s = inner
                     .services

@@ -5,7 +5,11 @@
 //! bootstrap store does), so a stranger learns neither a descriptor nor a queue pair. Then the
 //! peer asks, one message at a time: the segment's descriptor, queue pairs connected to its
 //! own, or a call to a service the owner registered (the block store's lookups). Messages are
-//! JSON, each after a 4-byte little-endian length.
+//! JSON, each after a 4-byte little-endian length, carried in [`oxccl_seal`] records
+//! (AES-256-GCM, keys of this connection from the job secret and both sides' fresh nonces):
+//! a stranger on the path reads no descriptor, rkey, endpoint or service payload, and a
+//! changed, replayed, dropped or reordered record ends the connection with an error naming the
+//! peer and the record (the side that caught it tells the other why, then closes).
 
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
@@ -14,7 +18,10 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use oxccl_bootstrap::handshake::{self as proof, Labels};
+use std::io::{Read, Write};
+
 use oxccl_bootstrap::{Secret, frame};
+use oxccl_seal::{JobKey, Role, SealedStream};
 use oxccl_verbs::QpEndpoint;
 use serde::{Deserialize, Serialize};
 
@@ -47,6 +54,11 @@ pub(crate) enum Msg {
     Connect {
         provider: String,
         endpoints: Vec<QpEndpoint>,
+        /// Whether the client seals the queue pairs' connections (its `OXCCL_ENCRYPT` for
+        /// this peer); the server refuses when it wants otherwise. Absent (an older
+        /// client): in clear.
+        #[serde(default)]
+        encrypt: bool,
     },
     /// Server: its queue pairs, connected, in the same order, and the label of the rkeys
     /// each one's context registered (a descriptor's `rkeys` names).
@@ -62,13 +74,23 @@ pub(crate) enum Msg {
     Failed { reason: String },
 }
 
-/// Writes one message.
-pub(crate) fn send(s: &mut TcpStream, m: &Msg) -> std::io::Result<()> {
-    frame::send_json(s, m)
+/// The handshake connection after the proof: every message in records sealed with keys of
+/// this connection (derived from the job secret, both sides' fresh nonces and what they said
+/// in the proof), so a stranger on the path reads nothing and changes, replays, drops or
+/// reorders nothing unnoticed.
+pub(crate) type Wire = SealedStream<TcpStream>;
+
+/// The purpose the handshake connections' keys are derived for.
+const PURPOSE: &str = "oxccl-kv handshake v1";
+
+/// Writes one message (sealed, and sent at once).
+pub(crate) fn send(s: &mut Wire, m: &Msg) -> std::io::Result<()> {
+    frame::send_json(s, m)?;
+    s.flush()
 }
 
 /// Reads one message (at most [`MAX_MSG`] bytes).
-pub(crate) fn recv(s: &mut TcpStream) -> std::io::Result<Msg> {
+pub(crate) fn recv(s: &mut Wire) -> std::io::Result<Msg> {
     frame::recv_json(s, MAX_MSG, "handshake message")
 }
 
@@ -278,13 +300,17 @@ fn serve(
             std::io::Error::new(kind, e.to_string())
         })?
         .name;
-    s.set_write_timeout(Some(timeout))?;
+    let session = interim_session(&mut s, Role::Acceptor, secret, &peer, name)?;
+    let who = format!("{addr} ({peer:?})");
+    let mut s = SealedStream::new(s, session, who.clone());
+    s.get_ref().set_write_timeout(Some(timeout))?;
     unproven.proven();
     // Within the cap of connections per peer address, or refused: its first request is
     // answered with the reason (so that its error names the cap), then the connection closes.
     if let Err(reason) = conns.enter(addr.ip(), &peer) {
         tracing::warn!("oxccl-kv handshake: {reason}");
-        s.set_read_timeout(Some(AUTH_TIMEOUT.min(timeout)))?;
+        s.get_ref()
+            .set_read_timeout(Some(AUTH_TIMEOUT.min(timeout)))?;
         if recv(&mut s).is_ok() {
             send(&mut s, &Msg::Failed { reason })?;
         }
@@ -304,8 +330,8 @@ fn serve(
         if stop.load(Ordering::Acquire) {
             return Ok(());
         }
-        s.set_read_timeout(Some(Duration::from_secs(1)))?;
-        match s.peek(&mut [0u8; 1]) {
+        s.get_ref().set_read_timeout(Some(Duration::from_secs(1)))?;
+        match s.get_ref().peek(&mut [0u8; 1]) {
             Ok(0) => return Ok(()),
             Ok(_) => {}
             Err(e)
@@ -320,15 +346,70 @@ fn serve(
             }
             Err(e) => return Err(e),
         }
-        s.set_read_timeout(Some(timeout))?;
+        s.get_ref().set_read_timeout(Some(timeout))?;
         let m = match recv(&mut s) {
             Ok(m) => m,
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e),
+            // Hung up between messages.
+            Err(e)
+                if e.kind() == std::io::ErrorKind::UnexpectedEof
+                    && !e.to_string().contains("sealed stream") =>
+            {
+                return Ok(());
+            }
+            Err(e) => {
+                // A broken record (changed, replayed, dropped, reordered), a malformed message
+                // or a timeout inside one: nothing more from this connection is trusted. The
+                // peer is told why (its direction of the wire is intact), then it closes.
+                if e.kind() == std::io::ErrorKind::InvalidData {
+                    tracing::warn!("oxccl-kv handshake: {e}");
+                }
+                let reason = format!("engine {name:?} closed the handshake connection: {e}");
+                let _ = send(&mut s, &Msg::Failed { reason });
+                linger(s.get_ref());
+                return Err(e);
+            }
         };
         let reply = handler.handle(&peer, addr, m);
         send(&mut s, &reply)?;
     }
+}
+
+/// Closes our side and reads what the peer still sends for up to a second, so that a reply
+/// just written is not cut off by a reset (closing with unread bytes resets the connection).
+fn linger(s: &TcpStream) {
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let _ = s.set_read_timeout(Some(Duration::from_millis(100)));
+    let end = std::time::Instant::now() + Duration::from_secs(1);
+    let mut buf = [0u8; 4096];
+    while std::time::Instant::now() < end {
+        match (&mut &*s).read(&mut buf) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(_) => return,
+        }
+    }
+}
+
+/// INTERIM (until the bootstrap's handshake hands back its nonces): each side sends a fresh
+/// nonce after the proof, and the keys bind both, the labels and both names.
+fn interim_session(
+    s: &mut TcpStream,
+    role: Role,
+    secret: &Secret,
+    client: &str,
+    server: &str,
+) -> std::io::Result<oxccl_seal::Session> {
+    let mine = oxccl_seal::fresh_nonce();
+    s.write_all(&mine)?;
+    let mut theirs = [0u8; oxccl_seal::NONCE_LEN];
+    s.read_exact(&mut theirs)?;
+    let (ni, na) = match role {
+        Role::Initiator => (mine, theirs),
+        Role::Acceptor => (theirs, mine),
+    };
+    let transcript = [LABELS.client, LABELS.server, client, server].join("\0");
+    Ok(JobKey::derive(secret.as_bytes(), PURPOSE).session(role, &ni, &na, transcript.as_bytes()))
 }
 
 /// A TCP connection to `to`, leaving from `from` when given.
@@ -348,7 +429,7 @@ fn open(to: SocketAddr, from: Option<IpAddr>, timeout: Duration) -> std::io::Res
 
 /// An authenticated connection to a peer engine's handshake listener.
 pub(crate) struct Client {
-    stream: TcpStream,
+    stream: Wire,
     /// The peer's address, for messages.
     pub addr: String,
 }
@@ -412,7 +493,7 @@ impl Client {
         })?;
         s.set_nodelay(true)
             .map_err(|e| failed(herr(e.to_string())))?;
-        proof::connect(&mut s, &LABELS, secret, name, timeout).map_err(|e| {
+        let server = proof::connect(&mut s, &LABELS, secret, name, timeout).map_err(|e| {
             failed(match e {
                 e if e.is_auth() => Error::Auth {
                     peer: addr.to_string(),
@@ -428,10 +509,17 @@ impl Client {
                 e => herr(e.to_string()),
             })
         })?;
+        let session = interim_session(&mut s, Role::Initiator, secret, name, &server)
+            .map_err(|e| failed(herr(format!("keying the connection: {e}"))))?;
         Ok(Client {
-            stream: s,
+            stream: SealedStream::new(s, session, format!("{addr} ({server:?})")),
             addr: addr.to_string(),
         })
+    }
+
+    /// The address of the peer's end of the connection.
+    pub fn peer_ip(&self) -> Option<IpAddr> {
+        self.stream.get_ref().peer_addr().ok().map(|a| a.ip())
     }
 
     /// Sends one request and reads its answer; a `Failed` answer becomes an error.

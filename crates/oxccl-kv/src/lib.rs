@@ -59,6 +59,7 @@ pub mod disk;
 mod engine;
 mod error;
 mod handshake;
+mod host;
 pub mod meta;
 
 pub use batch::{
@@ -66,9 +67,9 @@ pub use batch::{
     TransferStatus,
 };
 pub use blocks::{BLOCK_SERVICE, BlockStats, BlockStore, BlockStoreConfig, TierStats};
-pub use config::{EngineConfig, Protocol};
+pub use config::{Encrypt, EngineConfig, Protocol};
 pub use desc::{BufferDesc, DESC_FORMAT, SegmentDesc};
-pub use engine::{MAX_NOTIFY, Notification, SegmentId, Service, TransferEngine};
+pub use engine::{LaneRedirect, MAX_NOTIFY, Notification, SegmentId, Service, TransferEngine};
 pub use error::{Error, Result};
 pub use meta::Metadata;
 /// Byte counts as the `OXCCL_*` variables write them (`64K`, `1M`): the bootstrap's parser.

@@ -199,6 +199,8 @@ struct Overrides {
     peer_timeout: Option<Duration>,
     lanes: Option<usize>,
     busy_poll: Option<bool>,
+    /// `"off"`, `"on"` or `"auto"` (`OXCCL_ENCRYPT`).
+    encrypt: Option<String>,
 }
 
 fn setup(
@@ -255,6 +257,14 @@ fn setup(
     }
     if let Some(b) = over.busy_poll {
         config.busy_poll = b;
+    }
+    if let Some(e) = over.encrypt {
+        config.encrypt = e.parse().map_err(|why| {
+            (
+                Kind::InvalidArgument,
+                format!("encrypt={e:?}: {why} (or True/False)"),
+            )
+        })?;
     }
     Ok(Setup { config, backend })
 }
@@ -421,7 +431,7 @@ impl PyKvEngine {
     /// `OXCCL_SECRET_FILE`; the other `OXCCL_KV_*` variables are read as
     /// `EngineConfig::from_env` documents, and the keyword arguments override them.
     #[new]
-    #[pyo3(signature = (local_hostname, metadata_server, protocol="auto", *, metadata_type=None, name=None, timeout=None, peer_timeout=None, lanes=None, busy_poll=None))]
+    #[pyo3(signature = (local_hostname, metadata_server, protocol="auto", *, metadata_type=None, name=None, timeout=None, peer_timeout=None, lanes=None, busy_poll=None, encrypt=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -434,13 +444,28 @@ impl PyKvEngine {
         peer_timeout: Option<f64>,
         lanes: Option<usize>,
         busy_poll: Option<bool>,
+        encrypt: Option<Bound<'_, PyAny>>,
     ) -> PyResult<PyKvEngine> {
+        // True/False, or "on"/"off"/"auto".
+        let encrypt = match encrypt {
+            None => None,
+            Some(v) if v.is_instance_of::<pyo3::types::PyBool>() => Some(
+                if v.extract::<bool>()? { "on" } else { "off" }.to_string(),
+            ),
+            Some(v) => Some(v.extract::<String>().map_err(|_| {
+                invalid(
+                    py,
+                    format!("encrypt={v}: expected \"off\", \"on\", \"auto\", True or False"),
+                )
+            })?),
+        };
         let over = Overrides {
             name,
             timeout: seconds(py, "timeout", timeout)?,
             peer_timeout: seconds(py, "peer_timeout", peer_timeout)?,
             lanes,
             busy_poll,
+            encrypt,
         };
         let s = setup(
             local_hostname,
@@ -805,6 +830,15 @@ impl PyKvEngine {
         Ok(n.into_iter()
             .map(|n| (n.from, PyBytes::new(py, &n.msg)))
             .collect())
+    }
+
+    /// Whether the lanes to segment `name` (opened) are encrypted.
+    fn lanes_encrypted(&self, py: Python<'_>, name: &str) -> PyResult<bool> {
+        let e = self.get(py)?;
+        guarded(py, || {
+            let seg = e.open_segment(name)?;
+            e.lanes_encrypted(seg)
+        })
     }
 
     /// How many notifications were dropped because the queue (`OXCCL_KV_NOTIFY_QUEUE`) was

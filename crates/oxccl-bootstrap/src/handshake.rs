@@ -296,6 +296,63 @@ pub struct Proven {
     pub name: String,
     /// Which of the server's secrets it proved (an index).
     pub secret: usize,
+    /// What keys the connection from here on ([`Keying::session`]).
+    pub keying: Keying,
+}
+
+/// What both ends of a finished handshake share to key the connection that follows: both
+/// challenges and both names. With the secret, it makes the connection's
+/// [`oxccl_seal::Session`], which a stranger (no secret) cannot, and which a man in the middle
+/// who changed a challenge or a name leaves different on the two ends.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Keying {
+    /// The server's challenge.
+    pub server_nonce: [u8; NONCE_LEN],
+    /// The client's challenge.
+    pub client_nonce: [u8; NONCE_LEN],
+    /// The server's name, then the client's (length-prefixed), as each said it.
+    pub transcript: Vec<u8>,
+}
+
+impl Keying {
+    fn new(ns: [u8; NONCE_LEN], nc: [u8; NONCE_LEN], server: &str, client: &str) -> Keying {
+        let mut transcript = Vec::with_capacity(8 + server.len() + client.len());
+        for n in [server, client] {
+            transcript.extend_from_slice(&(n.len() as u32).to_le_bytes());
+            transcript.extend_from_slice(n.as_bytes());
+        }
+        Keying {
+            server_nonce: ns,
+            client_nonce: nc,
+            transcript,
+        }
+    }
+
+    /// The connection's keys on one end (`Role::Initiator`: the client), for the conversation
+    /// of `labels` under `secret`: carry the stream in records with
+    /// [`oxccl_seal::SealedStream`] from here on.
+    pub fn session(
+        &self,
+        labels: &Labels,
+        secret: &Secret,
+        role: oxccl_seal::Role,
+    ) -> oxccl_seal::Session {
+        oxccl_seal::JobKey::derive(secret.as_bytes(), labels.client).session(
+            role,
+            &self.client_nonce,
+            &self.server_nonce,
+            &self.transcript,
+        )
+    }
+}
+
+/// A server that proved the secret to [`connect_keyed`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Connected {
+    /// The server's name.
+    pub server: String,
+    /// What keys the connection from here on ([`Keying::session`]).
+    pub keying: Keying,
 }
 
 /// The server's side: says hello as `name`, checks the client's proof against `secrets`, and
@@ -335,7 +392,12 @@ pub fn accept(
     })?;
     let proof = labels.server_proof(&secrets[secret], &ns, &nc).to_vec();
     send(s, &Msg::Welcome { proof }, "the server's proof")?;
-    Ok(Proven { name: peer, secret })
+    let keying = Keying::new(ns, nc, name, &peer);
+    Ok(Proven {
+        name: peer,
+        secret,
+        keying,
+    })
 }
 
 /// The client's side: reads the server's hello, proves `secret` as `name`, and checks the
@@ -348,6 +410,17 @@ pub fn connect(
     name: &str,
     timeout: Duration,
 ) -> Result<String, Error> {
+    connect_keyed(s, labels, secret, name, timeout).map(|c| c.server)
+}
+
+/// [`connect`], returning also what keys the connection from here on.
+pub fn connect_keyed(
+    s: &mut TcpStream,
+    labels: &Labels,
+    secret: &Secret,
+    name: &str,
+    timeout: Duration,
+) -> Result<Connected, Error> {
     timeouts(s, timeout)?;
     let (server, ns) = match recv(s, "the server's hello", timeout)? {
         Msg::Hello { name, nonce } => (name, nonce),
@@ -368,7 +441,10 @@ pub fn connect(
     };
     send(s, &auth, "the client's proof")?;
     match recv(s, "the server's proof", timeout)? {
-        Msg::Welcome { proof } if labels.server_proven(secret, &ns, &nc, &proof) => Ok(server),
+        Msg::Welcome { proof } if labels.server_proven(secret, &ns, &nc, &proof) => {
+            let keying = Keying::new(ns, nc, &server, name);
+            Ok(Connected { server, keying })
+        }
         Msg::Welcome { .. } => Err(Error::ServerNotProven),
         Msg::Refused { reason } => Err(Error::Refused(reason)),
         m => Err(Error::Unexpected {
@@ -405,20 +481,30 @@ mod tests {
 
     #[test]
     fn both_prove_the_same_secret() {
-        let (mut c, t) =
-            pair(|mut s| accept(&mut s, &LABELS, &[secret("a"), secret("b")], "srv", T));
-        assert_eq!(
-            connect(&mut c, &LABELS, &secret("b"), "cli", T).unwrap(),
-            "srv"
-        );
-        let p = t.join().unwrap().unwrap();
-        assert_eq!(
-            p,
-            Proven {
-                name: "cli".into(),
-                secret: 1
-            }
-        );
+        use std::io::Write;
+        let (mut c, t) = pair(|mut s| {
+            let p = accept(&mut s, &LABELS, &[secret("a"), secret("b")], "srv", T)?;
+            // The connection goes on sealed under the keys the handshake made.
+            let session = p.keying.session(&LABELS, &secret("b"), oxccl_seal::Role::Acceptor);
+            let mut sealed = oxccl_seal::SealedStream::new(s, session, "cli");
+            let mut got = [0u8; 5];
+            sealed.read_exact(&mut got).unwrap();
+            sealed.write_all(&got).unwrap();
+            sealed.flush().unwrap();
+            Ok::<_, Error>((p, got))
+        });
+        let connected = connect_keyed(&mut c, &LABELS, &secret("b"), "cli", T).unwrap();
+        assert_eq!(connected.server, "srv");
+        let session = connected.keying.session(&LABELS, &secret("b"), oxccl_seal::Role::Initiator);
+        let mut sealed = oxccl_seal::SealedStream::new(c, session, "srv");
+        sealed.write_all(b"hello").unwrap();
+        sealed.flush().unwrap();
+        let mut back = [0u8; 5];
+        sealed.read_exact(&mut back).unwrap();
+        assert_eq!(&back, b"hello");
+        let (p, got) = t.join().unwrap().unwrap();
+        assert_eq!((p.name.as_str(), p.secret, &got), ("cli", 1, b"hello"));
+        assert_eq!(p.keying, connected.keying);
     }
 
     #[test]

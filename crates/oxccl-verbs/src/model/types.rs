@@ -376,6 +376,13 @@ pub struct QpConfig {
     /// otherwise), every 100 ms while waiting for a tcp handshake's reply, and every 100 ms
     /// while waiting for a shm peer's segment service. `None`: wait until `timeout`.
     pub cancel: Option<Cancel>,
+    /// tcp: carry every frame of the queue pair's connections in authenticated, encrypted
+    /// records ([`oxccl_seal`]), keyed per connection from this job key and both sides' fresh
+    /// nonces. Both ends must set it, with the same key; an end without it (or with another
+    /// key) is refused at connect. `None`: frames travel in clear. Other providers ignore it
+    /// (shm never leaves the host; ofi's wire is the NIC's). Which links to seal is
+    /// [`Encrypt`](crate::Encrypt)'s decision.
+    pub seal: Option<oxccl_seal::JobKey>,
 }
 
 /// A flag that cancels a queue pair's connection setup ([`QpConfig::cancel`]); clones share
@@ -431,6 +438,7 @@ impl Default for QpConfig {
             timeout: Duration::from_secs(5),
             connect: ConnectRole::Auto,
             cancel: None,
+            seal: None,
         }
     }
 }

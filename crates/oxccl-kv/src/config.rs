@@ -4,35 +4,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use oxccl_bootstrap::{Secret, parse_size};
+pub use oxccl_verbs::Encrypt;
 
 use crate::error::{Error, Result};
-
-/// STUB until main's `oxccl_verbs::Encrypt` is merged.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Encrypt {
-    /// off
-    Off,
-    /// on
-    On,
-    /// auto
-    Auto,
-}
-impl std::str::FromStr for Encrypt {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Encrypt, String> {
-        match s.trim() {
-            "off" => Ok(Encrypt::Off),
-            "on" => Ok(Encrypt::On),
-            "auto" => Ok(Encrypt::Auto),
-            _ => Err("expected off, on or auto".into()),
-        }
-    }
-}
-impl std::fmt::Display for Encrypt {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self { Encrypt::Off => "off", Encrypt::On => "on", Encrypt::Auto => "auto" })
-    }
-}
 
 /// Which verbs provider carries a segment's data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -201,11 +175,8 @@ impl EngineConfig {
                 ))
             })?;
         }
-        if let Some(v) = get("OXCCL_ENCRYPT") {
-            c.encrypt = v.parse().map_err(|e| {
-                Error::arg(format!("OXCCL_ENCRYPT={v:?}: {e}"))
-            })?;
-        }
+        // (Its error names the variable and the value.)
+        c.encrypt = Encrypt::from_vars(&|k| get(k)).map_err(|e| Error::arg(e.to_string()))?;
         if let Some(v) = get("OXCCL_KV_POLL") {
             c.busy_poll = match v.to_ascii_lowercase().as_str() {
                 "busy" => true,

@@ -797,7 +797,7 @@ impl Inner {
             connect: ConnectRole::Active,
             // This side only sends: a receive ring of one.
             max_recv_wr: 1,
-            // SEAL-AFTER-MERGE seal: sealed.then(|| self.lane_key.clone()),
+            seal: sealed.then(|| self.lane_key.clone()),
             ..QpConfig::default()
         };
         let d = &self.devs[dev];
@@ -952,7 +952,7 @@ impl Inner {
                 timeout: self.config.peer_timeout,
                 connect: ConnectRole::Passive,
                 max_recv_wr: if i == 0 { NOTIFY_DEPTH as u32 } else { 1 },
-                // SEAL-AFTER-MERGE seal: sealed.then(|| self.lane_key.clone()),
+                seal: sealed.then(|| self.lane_key.clone()),
                 ..QpConfig::default()
             };
             let q =
@@ -1012,10 +1012,9 @@ impl Inner {
     /// not known counts as off the host); never over shm.
     fn seals(&self, provider: Provider, ip: Option<IpAddr>) -> bool {
         provider == Provider::Tcp
-            && match self.config.encrypt {
-                Encrypt::Off => false,
-                Encrypt::On => true,
-                Encrypt::Auto => !ip.is_some_and(crate::host::on_host),
+            && match ip {
+                Some(ip) => self.config.encrypt.seals(ip),
+                None => self.config.encrypt != Encrypt::Off,
             }
     }
 

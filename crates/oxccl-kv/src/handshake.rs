@@ -21,7 +21,7 @@ use oxccl_bootstrap::handshake::{self as proof, Labels};
 use std::io::{Read, Write};
 
 use oxccl_bootstrap::{Secret, frame};
-use oxccl_seal::{JobKey, Role, SealedStream};
+use oxccl_seal::{Role, SealedStream};
 use oxccl_verbs::QpEndpoint;
 use serde::{Deserialize, Serialize};
 
@@ -79,9 +79,6 @@ pub(crate) enum Msg {
 /// in the proof), so a stranger on the path reads nothing and changes, replays, drops or
 /// reorders nothing unnoticed.
 pub(crate) type Wire = SealedStream<TcpStream>;
-
-/// The purpose the handshake connections' keys are derived for.
-const PURPOSE: &str = "oxccl-kv handshake v1";
 
 /// Writes one message (sealed, and sent at once).
 pub(crate) fn send(s: &mut Wire, m: &Msg) -> std::io::Result<()> {
@@ -290,17 +287,17 @@ fn serve(
         name,
         AUTH_TIMEOUT.min(timeout),
     );
-    let peer = proven
-        .map_err(|e| {
-            let kind = if e.is_auth() {
-                std::io::ErrorKind::PermissionDenied
-            } else {
-                std::io::ErrorKind::InvalidData
-            };
-            std::io::Error::new(kind, e.to_string())
-        })?
-        .name;
-    let session = interim_session(&mut s, Role::Acceptor, secret, &peer, name)?;
+    let proven = proven.map_err(|e| {
+        let kind = if e.is_auth() {
+            std::io::ErrorKind::PermissionDenied
+        } else {
+            std::io::ErrorKind::InvalidData
+        };
+        std::io::Error::new(kind, e.to_string())
+    })?;
+    // From here on, every byte in records under this connection's keys.
+    let session = proven.keying.session(&LABELS, secret, Role::Acceptor);
+    let peer = proven.name;
     let who = format!("{addr} ({peer:?})");
     let mut s = SealedStream::new(s, session, who.clone());
     s.get_ref().set_write_timeout(Some(timeout))?;
@@ -385,31 +382,14 @@ fn linger(s: &TcpStream) {
         match (&mut &*s).read(&mut buf) {
             Ok(0) => return,
             Ok(_) => {}
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
             Err(_) => return,
         }
     }
-}
-
-/// INTERIM (until the bootstrap's handshake hands back its nonces): each side sends a fresh
-/// nonce after the proof, and the keys bind both, the labels and both names.
-fn interim_session(
-    s: &mut TcpStream,
-    role: Role,
-    secret: &Secret,
-    client: &str,
-    server: &str,
-) -> std::io::Result<oxccl_seal::Session> {
-    let mine = oxccl_seal::fresh_nonce();
-    s.write_all(&mine)?;
-    let mut theirs = [0u8; oxccl_seal::NONCE_LEN];
-    s.read_exact(&mut theirs)?;
-    let (ni, na) = match role {
-        Role::Initiator => (mine, theirs),
-        Role::Acceptor => (theirs, mine),
-    };
-    let transcript = [LABELS.client, LABELS.server, client, server].join("\0");
-    Ok(JobKey::derive(secret.as_bytes(), PURPOSE).session(role, &ni, &na, transcript.as_bytes()))
 }
 
 /// A TCP connection to `to`, leaving from `from` when given.
@@ -493,24 +473,25 @@ impl Client {
         })?;
         s.set_nodelay(true)
             .map_err(|e| failed(herr(e.to_string())))?;
-        let server = proof::connect(&mut s, &LABELS, secret, name, timeout).map_err(|e| {
-            failed(match e {
-                e if e.is_auth() => Error::Auth {
-                    peer: addr.to_string(),
-                    detail: e.to_string(),
-                },
-                // The server closes on a client that did not prove the secret.
-                e if e.awaited() == Some("the server's proof") => Error::Auth {
-                    peer: addr.to_string(),
-                    detail: format!(
-                        "the peer closed the handshake ({e}): the job secret is likely wrong"
-                    ),
-                },
-                e => herr(e.to_string()),
-            })
-        })?;
-        let session = interim_session(&mut s, Role::Initiator, secret, name, &server)
-            .map_err(|e| failed(herr(format!("keying the connection: {e}"))))?;
+        let connected =
+            proof::connect_keyed(&mut s, &LABELS, secret, name, timeout).map_err(|e| {
+                failed(match e {
+                    e if e.is_auth() => Error::Auth {
+                        peer: addr.to_string(),
+                        detail: e.to_string(),
+                    },
+                    // The server closes on a client that did not prove the secret.
+                    e if e.awaited() == Some("the server's proof") => Error::Auth {
+                        peer: addr.to_string(),
+                        detail: format!(
+                            "the peer closed the handshake ({e}): the job secret is likely wrong"
+                        ),
+                    },
+                    e => herr(e.to_string()),
+                })
+            })?;
+        let session = connected.keying.session(&LABELS, secret, Role::Initiator);
+        let server = connected.server;
         Ok(Client {
             stream: SealedStream::new(s, session, format!("{addr} ({server:?})")),
             addr: addr.to_string(),

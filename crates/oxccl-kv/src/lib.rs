@@ -59,7 +59,6 @@ pub mod disk;
 mod engine;
 mod error;
 mod handshake;
-mod host;
 pub mod meta;
 
 pub use batch::{

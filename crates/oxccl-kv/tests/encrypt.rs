@@ -104,10 +104,19 @@ fn oxccl_encrypt_is_read_and_a_bad_value_named() {
             _ => None,
         }
     };
-    for (v, want) in [("on", Encrypt::On), ("off", Encrypt::Off), ("auto", Encrypt::Auto)] {
+    for (v, want) in [
+        ("on", Encrypt::On),
+        ("off", Encrypt::Off),
+        ("auto", Encrypt::Auto),
+    ] {
         assert_eq!(EngineConfig::from_vars(&vars(v)).unwrap().encrypt, want);
     }
-    let err = EngineConfig::from_vars(&vars("sometimes")).unwrap_err().to_string();
-    assert!(err.contains("OXCCL_ENCRYPT") && err.contains("sometimes"), "{err}");
+    let err = EngineConfig::from_vars(&vars("sometimes"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("OXCCL_ENCRYPT") && err.contains("sometimes"),
+        "{err}"
+    );
     assert_eq!(EngineConfig::new(secret()).encrypt, Encrypt::Auto);
 }

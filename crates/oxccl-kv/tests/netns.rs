@@ -70,7 +70,10 @@ fn child() {
             // OXCCL_ENCRYPT=auto (the default) on both hosts: lanes that leave the host are
             // encrypted, and both ends agreed (or the open was refused).
             assert!(e.config().encrypt == Encrypt::Auto);
-            assert!(e.lanes_encrypted(seg).unwrap(), "auto left off-host lanes in clear");
+            assert!(
+                e.lanes_encrypted(seg).unwrap(),
+                "auto left off-host lanes in clear"
+            );
             let blocks = |op, from: u64| -> Vec<TransferRequest> {
                 (0..(LEN >> 20) as u64)
                     .map(|k| TransferRequest {

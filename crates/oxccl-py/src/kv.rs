@@ -259,10 +259,10 @@ fn setup(
         config.busy_poll = b;
     }
     if let Some(e) = over.encrypt {
-        config.encrypt = e.parse().map_err(|why| {
+        config.encrypt = e.parse().map_err(|_| {
             (
                 Kind::InvalidArgument,
-                format!("encrypt={e:?}: {why} (or True/False)"),
+                format!("encrypt={e:?}: expected \"off\", \"on\", \"auto\", True or False"),
             )
         })?;
     }
@@ -449,9 +449,9 @@ impl PyKvEngine {
         // True/False, or "on"/"off"/"auto".
         let encrypt = match encrypt {
             None => None,
-            Some(v) if v.is_instance_of::<pyo3::types::PyBool>() => Some(
-                if v.extract::<bool>()? { "on" } else { "off" }.to_string(),
-            ),
+            Some(v) if v.is_instance_of::<pyo3::types::PyBool>() => {
+                Some(if v.extract::<bool>()? { "on" } else { "off" }.to_string())
+            }
             Some(v) => Some(v.extract::<String>().map_err(|_| {
                 invalid(
                     py,

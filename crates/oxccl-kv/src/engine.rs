@@ -55,6 +55,7 @@ pub type SegmentId = u64;
 pub type Service = Arc<dyn Fn(&str, &[u8]) -> Result<Vec<u8>> + Send + Sync>;
 
 /// Rewrites the tcp address a target's queue pair listens on ([`TransferEngine::redirect_lanes`]).
+#[doc(hidden)]
 pub type LaneRedirect = Arc<dyn Fn(&str) -> String + Send + Sync>;
 
 /// One provider this engine serves: its context, protection domain and completion queues.

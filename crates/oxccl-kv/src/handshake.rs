@@ -11,6 +11,7 @@
 //! changed, replayed, dropped or reordered record ends the connection with an error naming the
 //! peer and the record (the side that caught it tells the other why, then closes).
 
+use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -18,8 +19,6 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use oxccl_bootstrap::handshake::{self as proof, Labels};
-use std::io::{Read, Write};
-
 use oxccl_bootstrap::{Secret, frame};
 use oxccl_seal::{Role, SealedStream};
 use oxccl_verbs::QpEndpoint;
@@ -298,8 +297,7 @@ fn serve(
     // From here on, every byte in records under this connection's keys.
     let session = proven.keying.session(&LABELS, secret, Role::Acceptor);
     let peer = proven.name;
-    let who = format!("{addr} ({peer:?})");
-    let mut s = SealedStream::new(s, session, who.clone());
+    let mut s = SealedStream::new(s, session, format!("{addr} ({peer:?})"));
     s.get_ref().set_write_timeout(Some(timeout))?;
     unproven.proven();
     // Within the cap of connections per peer address, or refused: its first request is
@@ -346,7 +344,8 @@ fn serve(
         s.get_ref().set_read_timeout(Some(timeout))?;
         let m = match recv(&mut s) {
             Ok(m) => m,
-            // Hung up between messages.
+            // Hung up between messages (a connection that closes inside a record is an error
+            // of the sealed stream, which names it).
             Err(e)
                 if e.kind() == std::io::ErrorKind::UnexpectedEof
                     && !e.to_string().contains("sealed stream") =>
@@ -392,19 +391,33 @@ fn linger(s: &TcpStream) {
     }
 }
 
-/// A TCP connection to `to`, leaving from `from` when given.
+/// A TCP connection to `to`, leaving from `from` when given and possible (a source address
+/// that cannot reach `to` falls back to the one the kernel picks).
 fn open(to: SocketAddr, from: Option<IpAddr>, timeout: Duration) -> std::io::Result<TcpStream> {
     let Some(from) = from else {
         return TcpStream::connect_timeout(&to, timeout);
     };
-    let sock = socket2::Socket::new(
-        socket2::Domain::for_address(to),
-        socket2::Type::STREAM,
-        Some(socket2::Protocol::TCP),
-    )?;
-    sock.bind(&SocketAddr::new(from, 0).into())?;
-    sock.connect_timeout(&to.into(), timeout)?;
-    Ok(sock.into())
+    let bound = || -> std::io::Result<TcpStream> {
+        let sock = socket2::Socket::new(
+            socket2::Domain::for_address(to),
+            socket2::Type::STREAM,
+            Some(socket2::Protocol::TCP),
+        )?;
+        sock.bind(&SocketAddr::new(from, 0).into())?;
+        sock.connect_timeout(&to.into(), timeout)?;
+        Ok(sock.into())
+    };
+    match bound() {
+        Err(e)
+            if !matches!(
+                e.kind(),
+                std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            TcpStream::connect_timeout(&to, timeout)
+        }
+        r => r,
+    }
 }
 
 /// An authenticated connection to a peer engine's handshake listener.

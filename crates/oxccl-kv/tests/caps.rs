@@ -219,6 +219,7 @@ fn a_p2p_lookup_of_a_refused_address_fails_in_about_a_second() {
         .unwrap_err();
     let took = t.elapsed();
     let text = err.to_string();
+    eprintln!("a lookup of refused {addr} failed after {took:?}: {text}");
     assert!(
         took < Duration::from_secs(2) && took >= Duration::from_millis(900),
         "took {took:?}: {text}"
@@ -240,6 +241,10 @@ fn a_p2p_lookup_of_a_refused_address_fails_in_about_a_second() {
     let e = TransferEngine::new(c, meta).unwrap();
     let t = Instant::now();
     let err = e.open_segment(&addr.to_string()).unwrap_err();
+    eprintln!(
+        "open_segment of refused {addr} (connect_retry 300 ms) failed after {:?}",
+        t.elapsed()
+    );
     assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
     assert!(matches!(err, Error::SegmentNotFound { .. }), "{err}");
     assert!(err.to_string().contains(&addr.to_string()), "{err}");

@@ -2,6 +2,8 @@
 # Bounded fuzzing of oxccl's pure wire decoders and schedule builder with cargo-fuzz (libFuzzer):
 #   tcp_frame       crates/oxccl-verbs/src/tcp/frame.rs (Header::decode, decode_hello)
 #   bootstrap_wire  crates/oxccl-bootstrap/src/wire.rs  (wire::decode)
+#   seal_stream     crates/oxccl-seal (records): a sealed stream changed on the way (flipped,
+#                   dropped, replayed, swapped, cut) reads as a prefix of what was sent, then an error
 #   schedule        crates/oxccl-core/src/schedule/ (build) against the reference executor
 #                   crates/oxccl-core/src/verify.rs (every rank's schedule run together); the input
 #                   format and the checks are in fuzz/src/schedule.rs
@@ -19,7 +21,7 @@
 # executions, exec/s, sanitizer, result ok/FINDING); scripts/fuzz-totals.sh sums it per target.
 #
 # Knobs: FUZZ_SANITIZER=address|none (default address), FUZZ_TARGETS="tcp_frame ..." (default
-# all three), FUZZ_LEDGER=path (default fuzz/HISTORY.tsv; empty: no row).
+# all four), FUZZ_LEDGER=path (default fuzz/HISTORY.tsv; empty: no row).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
@@ -29,7 +31,7 @@ if ! [[ $secs =~ ^[0-9]+$ ]] || [ "$secs" -lt 1 ]; then
     echo "usage: $0 [SECONDS]   (SECONDS >= 1, per target)" >&2
     exit 2
 fi
-read -r -a targets <<<"${FUZZ_TARGETS:-tcp_frame bootstrap_wire schedule}"
+read -r -a targets <<<"${FUZZ_TARGETS:-tcp_frame bootstrap_wire seal_stream schedule}"
 ledger=${FUZZ_LEDGER-fuzz/HISTORY.tsv}
 sanitizer=${FUZZ_SANITIZER:-address}
 

@@ -8,6 +8,7 @@
 //! `tcp_frame`: a hello, a header of every opcode (with its payload where it has one), a hello
 //! followed by a stream of frames, and malformed headers (one per rejection reason).
 //! `bootstrap_wire`: a frame of every message kind, two frames back to back, and malformed frames.
+//! `seal_stream`: a sealed stream, unchanged and changed each way a man in the middle could.
 //! `schedule`: every collective with every algorithm that supports it, over worlds of 1, 2, 3, 5,
 //! 8 and 16 ranks, in and out of place, with a small count and a large one, pipelined in small
 //! chunks or not; all-to-allv with uneven counts and send/recv pairs; then an unsupported
@@ -23,11 +24,17 @@ use oxccl_core::fuzzing::CollectiveKind;
 use oxccl_fuzz::schedule::{self as sched, ALGORITHMS, Input, KINDS, Outcome, label};
 
 use oxccl_bootstrap::wire::{self, MAX_FRAME_LEN, Msg, NONCE_LEN, PROTOCOL_VERSION};
-use oxccl_verbs::fuzzing::{Header, MAX_PAYLOAD, Opcode, encode_hello};
+use oxccl_verbs::fuzzing::{Header, Hello, MAX_PAYLOAD, Opcode, encode_hello};
 
 fn tcp_frame() -> BTreeMap<String, Vec<u8>> {
     let mut out = BTreeMap::new();
-    let hello = encode_hello(0x1122_3344_5566_7788, 0x99aa_bbcc_ddee_ff00, 5_000_000);
+    let hello = encode_hello(&Hello {
+        target: 0x1122_3344_5566_7788,
+        initiator: 0x99aa_bbcc_ddee_ff00,
+        rnr_us: 5_000_000,
+        index: 0,
+        count: 1,
+    });
     out.insert("hello".into(), hello.to_vec());
     let mut stream = hello.to_vec();
     for (name, op, len) in [
@@ -277,6 +284,27 @@ fn schedule() -> BTreeMap<String, Vec<u8>> {
     out
 }
 
+/// `seal_stream`: every change (none, flip, drop, replay, swap, cut, overwrite) of a stream of
+/// small, empty and record-spanning messages.
+fn seal_stream() -> BTreeMap<String, Vec<u8>> {
+    let names = ["none", "flip", "drop", "replay", "swap", "cut", "overwrite"];
+    let mut out = BTreeMap::new();
+    for (change, name) in names.iter().enumerate() {
+        for (shape, lens) in [
+            ("small", &[5u16, 0, 40][..]),
+            ("spanning", &[40_000u16, 3][..]),
+        ] {
+            let mut input = vec![change as u8];
+            input.extend_from_slice(&(7u32 + change as u32 * 13).to_le_bytes());
+            for l in lens {
+                input.extend_from_slice(&l.to_le_bytes());
+            }
+            out.insert(format!("{name}_{shape}"), input);
+        }
+    }
+    out
+}
+
 fn main() {
     let check = std::env::args().any(|a| a == "--check");
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus-seed");
@@ -285,6 +313,7 @@ fn main() {
         ("tcp_frame", tcp_frame()),
         ("bootstrap_wire", bootstrap_wire()),
         ("schedule", schedule()),
+        ("seal_stream", seal_stream()),
     ] {
         let dir = root.join(target);
         if check {

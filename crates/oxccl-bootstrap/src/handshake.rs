@@ -485,7 +485,9 @@ mod tests {
         let (mut c, t) = pair(|mut s| {
             let p = accept(&mut s, &LABELS, &[secret("a"), secret("b")], "srv", T)?;
             // The connection goes on sealed under the keys the handshake made.
-            let session = p.keying.session(&LABELS, &secret("b"), oxccl_seal::Role::Acceptor);
+            let session = p
+                .keying
+                .session(&LABELS, &secret("b"), oxccl_seal::Role::Acceptor);
             let mut sealed = oxccl_seal::SealedStream::new(s, session, "cli");
             let mut got = [0u8; 5];
             sealed.read_exact(&mut got).unwrap();
@@ -495,7 +497,9 @@ mod tests {
         });
         let connected = connect_keyed(&mut c, &LABELS, &secret("b"), "cli", T).unwrap();
         assert_eq!(connected.server, "srv");
-        let session = connected.keying.session(&LABELS, &secret("b"), oxccl_seal::Role::Initiator);
+        let session = connected
+            .keying
+            .session(&LABELS, &secret("b"), oxccl_seal::Role::Initiator);
         let mut sealed = oxccl_seal::SealedStream::new(c, session, "srv");
         sealed.write_all(b"hello").unwrap();
         sealed.flush().unwrap();

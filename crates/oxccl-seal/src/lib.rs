@@ -20,6 +20,9 @@
 //!   number is the GCM nonce. A receiver takes only the next number ([`Opener::check_header`]):
 //!   a replayed, dropped or reordered record fails as [`SealError::OutOfOrder`], a changed
 //!   one as [`SealError::Tampered`], before any of its plaintext is handed out.
+//! - **What records do not say:** where a stream ends. A stream cut between two records (the
+//!   connection closed after record k) reads as a clean end after record k; the protocols
+//!   above know when a message is due (a reply, a frame's payload) and fail then.
 //!
 //! [`SealedStream`] (and its halves, [`SealedReader`] and [`SealedWriter`]) carry a blocking
 //! stream in records. Non-blocking users (the tcp provider) drive [`Sealer`] and [`Opener`]

@@ -9,7 +9,8 @@
 //! (AES-256-GCM, keys of this connection from the job secret and both sides' fresh nonces):
 //! a stranger on the path reads no descriptor, rkey, endpoint or service payload, and a
 //! changed, replayed, dropped or reordered record ends the connection with an error naming the
-//! peer and the record (the side that caught it tells the other why, then closes).
+//! peer and the record (the side that caught it tells the other why, then closes; the
+//! client's next request connects afresh).
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
@@ -359,7 +360,7 @@ fn serve(
                 if e.kind() == std::io::ErrorKind::InvalidData {
                     tracing::warn!("oxccl-kv handshake: {e}");
                 }
-                let reason = format!("engine {name:?} closed the handshake connection: {e}");
+                let reason = format!("engine {name:?} {CLOSING}: {e}");
                 let _ = send(&mut s, &Msg::Failed { reason });
                 linger(s.get_ref());
                 return Err(e);
@@ -425,7 +426,15 @@ pub(crate) struct Client {
     stream: Wire,
     /// The peer's address, for messages.
     pub addr: String,
+    /// What connects again: this engine's name, the secret, the timeout, the source address.
+    redial: (String, Secret, Duration, Option<IpAddr>),
+    /// The connection broke (a broken record, a closed or timed-out stream, or the peer closed
+    /// it after telling why): the next call connects afresh.
+    broken: bool,
 }
+
+/// What a server's last answer says before it closes a connection it no longer trusts.
+const CLOSING: &str = "closed the handshake connection";
 
 /// Why [`Client::dial`] failed: the error, and whether nobody listens there (connection
 /// refused), which a lookup retries only briefly.
@@ -508,6 +517,8 @@ impl Client {
         Ok(Client {
             stream: SealedStream::new(s, session, format!("{addr} ({server:?})")),
             addr: addr.to_string(),
+            redial: (name.to_string(), secret.clone(), timeout, from),
+            broken: false,
         })
     }
 
@@ -517,15 +528,28 @@ impl Client {
     }
 
     /// Sends one request and reads its answer; a `Failed` answer becomes an error.
+    /// A connection that broke before is replaced by a fresh one first (new keys; nothing of
+    /// the old one is read again).
     pub fn call(&mut self, m: &Msg) -> Result<Msg> {
-        let herr = |detail: String| Error::Handshake {
-            peer: self.addr.clone(),
-            detail,
-        };
-        send(&mut self.stream, m).map_err(|e| herr(format!("sending a request: {e}")))?;
-        match recv(&mut self.stream).map_err(|e| herr(format!("reading the answer: {e}")))? {
-            Msg::Failed { reason } => Err(herr(reason)),
-            m => Ok(m),
+        if self.broken {
+            let (name, secret, timeout, from) = self.redial.clone();
+            *self = Client::connect(&self.addr, &name, &secret, timeout, from)?;
+        }
+        let peer = self.addr.clone();
+        let herr = |detail: String| Error::Handshake { peer, detail };
+        let answer = send(&mut self.stream, m)
+            .map_err(|e| format!("sending a request: {e}"))
+            .and_then(|()| recv(&mut self.stream).map_err(|e| format!("reading the answer: {e}")));
+        match answer {
+            Ok(Msg::Failed { reason }) => {
+                self.broken = reason.contains(CLOSING);
+                Err(herr(reason))
+            }
+            Ok(m) => Ok(m),
+            Err(e) => {
+                self.broken = true;
+                Err(herr(e))
+            }
         }
     }
 

@@ -55,6 +55,13 @@ pub enum Tamper {
         /// The first of the two.
         record: u64,
     },
+    /// Flips one bit of the byte at `offset` of the direction, counted from its first byte,
+    /// handshake or not: for a wire whose handshake the test does not parse (a flip past the
+    /// handshake lands in some record).
+    FlipAt {
+        /// The byte's offset.
+        offset: u64,
+    },
 }
 
 /// A direction of the proxied connection.
@@ -189,7 +196,9 @@ fn accept_loop(listener: TcpListener, target: SocketAddr, shared: Arc<Shared>) {
             let _ = std::thread::Builder::new()
                 .name("mitm-pipe".into())
                 .spawn(move || {
-                    let _ = if planned {
+                    let _ = if let (true, Tamper::FlipAt { offset }) = (planned, s.plan.tamper) {
+                        pipe_flip_at(&from, &to, offset, &s)
+                    } else if planned {
                         pipe_records(&from, &to, toward, &s)
                     } else {
                         pipe_raw(&from, &to, &s)
@@ -218,6 +227,24 @@ fn pipe_raw(from: &TcpStream, to: &TcpStream, shared: &Shared) -> io::Result<()>
         if n == 0 {
             return Ok(());
         }
+        forward(to, &buf[..n], shared)?;
+    }
+}
+
+/// [`pipe_raw`], flipping a bit of the byte at `offset`.
+fn pipe_flip_at(from: &TcpStream, to: &TcpStream, offset: u64, shared: &Shared) -> io::Result<()> {
+    let mut buf = vec![0u8; 64 << 10];
+    let mut at = 0u64;
+    loop {
+        let n = (&mut &*from).read(&mut buf)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if (at..at + n as u64).contains(&offset) {
+            buf[(offset - at) as usize] ^= 0x10;
+            shared.tampered.store(true, Ordering::SeqCst);
+        }
+        at += n as u64;
         forward(to, &buf[..n], shared)?;
     }
 }

@@ -40,6 +40,10 @@ tools run inside the hosts:
   tcp-sink PORT [WARMUP_SECS]          receive one stream, print `mbit_per_s=..` measured after
                                        the warm-up (default 0.2 s)
   tcp-source ADDR:PORT SECS            send as fast as possible for SECS seconds
+  mitm LISTEN TARGET CAPTURE [FLIP_AT] a man in the middle: forward LISTEN (IP:PORT) to TARGET
+                                       (IP:PORT) both ways, append every byte forwarded to the
+                                       file CAPTURE, and flip a bit of the byte at offset
+                                       FLIP_AT of the client's direction; runs until killed
 ";
 
 fn main() -> ExitCode {
@@ -63,6 +67,7 @@ fn main() -> ExitCode {
         "tcp-echo-client" => echo_client(rest),
         "tcp-sink" => sink(rest),
         "tcp-source" => source(rest),
+        "mitm" => mitm(rest),
         "-h" | "--help" | "help" => {
             print!("{USAGE}");
             Ok(())
@@ -331,6 +336,51 @@ fn source(args: &[String]) -> Result<(), String> {
     // Wait for the sink to close, so that the data has arrived when we exit.
     let _ = s.read(&mut [0u8; 1]);
     Ok(())
+}
+
+/// `mitm LISTEN TARGET CAPTURE [FLIP_AT]`: oxccl-seal's proxy (the one the tests use in
+/// process) inside a host, writing what it forwarded to CAPTURE every 100 ms.
+fn mitm(args: &[String]) -> Result<(), String> {
+    use oxccl_seal::mitm::{Plan, Proxy, Tamper, Toward};
+    let [listen, target, capture, rest @ ..] = args else {
+        return Err("usage: mitm LISTEN TARGET CAPTURE [FLIP_AT]".into());
+    };
+    let addr = |s: &str| {
+        s.parse::<std::net::SocketAddr>()
+            .map_err(|e| format!("`{s}`: {e}"))
+    };
+    let tamper = match rest.first() {
+        Some(o) => Tamper::FlipAt {
+            offset: o.parse().map_err(|e| format!("FLIP_AT `{o}`: {e}"))?,
+        },
+        None => Tamper::None,
+    };
+    let proxy = Proxy::start_on(
+        addr(listen)?,
+        addr(target)?,
+        Plan::new(tamper, Toward::Target),
+    )
+    .map_err(|e| format!("listening on {listen}: {e}"))?;
+    println!("mitm: listening on {}", proxy.addr());
+    let mut written = 0;
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        let bytes = proxy.captured();
+        if bytes.len() > written {
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(capture)
+                .map_err(|e| format!("{capture}: {e}"))?;
+            f.write_all(&bytes[written..])
+                .map_err(|e| format!("{capture}: {e}"))?;
+            written = bytes.len();
+        }
+        if proxy.tampered() && !std::path::Path::new(&format!("{capture}.tampered")).exists() {
+            std::fs::write(format!("{capture}.tampered"), b"")
+                .map_err(|e| format!("{capture}.tampered: {e}"))?;
+        }
+    }
 }
 
 #[cfg(test)]

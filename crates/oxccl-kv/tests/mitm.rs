@@ -399,21 +399,11 @@ fn encrypted_lanes_show_nothing_to_a_proxy() {
     assert!(!shows, "a payload pattern crossed the lanes in clear");
 }
 
-/// The cleartext before the tcp provider's records on a sealed connection, from the tcp
-/// helper's work in progress for issue 31: the initiator's hello (80 bytes) toward the target,
-/// the acceptor's reply (56 bytes) back. CHECK against `oxccl_verbs::tcp` frame sizes when it
-/// lands.
-fn tcp_qp_handshake(dir: Toward, _seen: &[u8]) -> Option<usize> {
-    Some(match dir {
-        Toward::Target => 80,
-        Toward::Client => 56,
-    })
-}
-
-/// MARKED: needs the tcp provider's encryption of `QpConfig::seal` on main (issue 31); check
-/// `tcp_qp_handshake` against its frames, then drop the `ignore`. A bit flipped in a record of
-/// a WRITE on an encrypted lane fails the transfer, and no byte of the target's buffer holds
-/// anything but what it held before or what was written (no garbage from the broken record).
+/// MARKED: needs the tcp provider's encryption of `QpConfig::seal` on main (issue 31); then
+/// drop the `ignore`. A bit flipped 300,000 bytes into the first lane toward the target (past
+/// its cleartext handshake, inside the WRITE's records, whatever their framing) fails the
+/// transfer, and no byte of the target's buffer holds anything but what it held before or
+/// what was written (no garbage from the broken record), and its notification never comes.
 #[test]
 #[ignore = "needs the tcp provider's encryption of QpConfig::seal on main (issue 31)"]
 fn a_flipped_bit_on_an_encrypted_lane_fails_the_write_and_lands_nothing() {
@@ -431,12 +421,7 @@ fn a_flipped_bit_on_an_encrypted_lane_fails_the_write_and_lands_nothing() {
     let proxies: Arc<Mutex<Vec<Proxy>>> = Arc::default();
     let p2 = proxies.clone();
     client.redirect_lanes(Some(Arc::new(move |addr: &str| {
-        let plan = Plan {
-            tamper: Tamper::FlipBit { record: 3 },
-            toward: Toward::Target,
-            connection: 0,
-            handshake: tcp_qp_handshake,
-        };
+        let plan = Plan::new(Tamper::FlipAt { offset: 300_000 }, Toward::Target);
         let p = Proxy::start(addr.parse().unwrap(), plan).unwrap();
         let a = p.addr().to_string();
         p2.lock().unwrap().push(p);

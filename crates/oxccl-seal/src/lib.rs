@@ -27,6 +27,7 @@
 //! [`SealedStream`] (and its halves, [`SealedReader`] and [`SealedWriter`]) carry a blocking
 //! stream in records. Non-blocking users (the tcp provider) drive [`Sealer`] and [`Opener`]
 //! themselves. [`JobKey::seal_value`] seals a single value for a store that is not ours.
+//! [`Encrypt`] is the policy (`OXCCL_ENCRYPT=off|on|auto`) every wire reads.
 //!
 //! ```
 //! use std::io::{Read, Write};
@@ -49,6 +50,7 @@
 
 #[cfg(feature = "mitm")]
 pub mod mitm;
+mod policy;
 mod stream;
 
 use std::fmt;
@@ -56,6 +58,7 @@ use std::fmt;
 use ring::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN as GCM_NONCE_LEN, Nonce, UnboundKey};
 use ring::hkdf::{HKDF_SHA256, KeyType, Salt};
 
+pub use policy::{ENCRYPT_ENV, Encrypt, PolicyError, is_on_host};
 pub use stream::{SealedReader, SealedStream, SealedWriter};
 
 /// Length of a [`JobKey`] and of every derived key.

@@ -1,14 +1,28 @@
-//! Which tcp links are encrypted: `OXCCL_ENCRYPT=off|on|auto`.
+//! Which links are encrypted: `OXCCL_ENCRYPT=off|on|auto`, the one policy every wire reads
+//! (re-exported by oxccl-verbs, read by the bootstrap for values in foreign stores).
 
+use std::fmt;
 use std::net::IpAddr;
 
-use super::error::{Error, Result};
+/// `OXCCL_ENCRYPT` (or an option) holds something other than `off`, `on` or `auto`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PolicyError(pub String);
+
+impl fmt::Display for PolicyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{ENCRYPT_ENV}={:?}: expected off, on or auto", self.0)
+    }
+}
+
+impl std::error::Error for PolicyError {}
+
+type Result<T> = std::result::Result<T, PolicyError>;
 
 /// The variable that chooses the [`Encrypt`] policy.
 pub const ENCRYPT_ENV: &str = "OXCCL_ENCRYPT";
 
 /// Which tcp links carry their frames in authenticated, encrypted records
-/// ([`QpConfig::seal`](crate::QpConfig::seal)). The handshakes (the store's, oxccl-kv's, the
+/// (oxccl-verbs' `QpConfig::seal`). The handshakes (the store's, oxccl-kv's, the
 /// aggregation service's) are authenticated whatever this says.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Encrypt {
@@ -29,9 +43,7 @@ impl Encrypt {
             "off" | "0" | "false" | "no" => Ok(Encrypt::Off),
             "on" | "1" | "true" | "yes" => Ok(Encrypt::On),
             "auto" | "" => Ok(Encrypt::Auto),
-            _ => Err(Error::arg(format!(
-                "{ENCRYPT_ENV}={s:?}: expected off, on or auto"
-            ))),
+            _ => Err(PolicyError(s.to_string())),
         }
     }
 
@@ -65,14 +77,14 @@ impl Encrypt {
 }
 
 impl std::str::FromStr for Encrypt {
-    type Err = Error;
+    type Err = PolicyError;
     fn from_str(s: &str) -> Result<Encrypt> {
         Encrypt::parse(s)
     }
 }
 
-impl std::fmt::Display for Encrypt {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl fmt::Display for Encrypt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
 }

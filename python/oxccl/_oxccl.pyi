@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from enum import IntEnum
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 __version__: str
 
@@ -223,6 +223,7 @@ class KvEngine:
         peer_timeout: Optional[float] = None,
         lanes: Optional[int] = None,
         busy_poll: Optional[bool] = None,
+        encrypt: Union[str, bool, None] = None,
     ) -> None: ...
     @property
     def name(self) -> str: ...
@@ -269,6 +270,11 @@ class KvEngine:
     def open_segment(self, name: str) -> None: ...
     def get_notifies(self) -> list[tuple[str, bytes]]: ...
     def wait_notifies(self, timeout: float) -> list[tuple[str, bytes]]: ...
+    def lanes_encrypted(self, name: str) -> bool:
+        """Whether the tcp lanes to segment ``name`` (opened if it is not) are encrypted."""
+    @property
+    def notifies_dropped(self) -> int:
+        """Notifications dropped because the queue (``OXCCL_KV_NOTIFY_QUEUE``) was full."""
     def close(self) -> None: ...
 
 class KvMetadataServer:

@@ -249,12 +249,19 @@ class TransferEngine:
         metadata_server: str,
         protocol: str = "auto",
         device_name: Optional[str] = "",
+        *,
+        encrypt: Union[str, bool, None] = None,
     ) -> int:
         """Starts the engine: binds ``local_hostname`` (``IP`` or ``IP:port``), connects to
         ``metadata_server`` (``P2PHANDSHAKE``, ``redis://...``, ``oxccl://host:port`` or
         ``host:port``) and serves ``protocol`` (``tcp``, ``rdma``, ``shm``, ``auto``).
-        ``device_name`` is ignored. 0 on success, -1 on failure."""
-        return self._init(local_hostname, metadata_server, protocol, None, "initialize")
+        ``device_name`` is ignored. ``encrypt`` (oxccl's, keyword only): whether the tcp lanes
+        are encrypted and authenticated, ``"auto"`` (lanes that leave the host), ``"on"``
+        (``True``) or ``"off"`` (``False``); default ``OXCCL_ENCRYPT``, else auto; both ends
+        must agree. The handshake is always encrypted. 0 on success, -1 on failure."""
+        return self._init(
+            local_hostname, metadata_server, protocol, None, "initialize", encrypt
+        )
 
     def initialize_ext(
         self,
@@ -263,11 +270,18 @@ class TransferEngine:
         protocol: str,
         device_name: Optional[str],
         metadata_type: str,
+        *,
+        encrypt: Union[str, bool, None] = None,
     ) -> int:
         """``initialize`` with the metadata service's type given apart (``"redis"``,
         ``"oxccl"``, ``"p2p"``) for a ``metadata_server`` without a scheme."""
         return self._init(
-            local_hostname, metadata_server, protocol, metadata_type, "initialize_ext"
+            local_hostname,
+            metadata_server,
+            protocol,
+            metadata_type,
+            "initialize_ext",
+            encrypt,
         )
 
     def _init(
@@ -277,6 +291,7 @@ class TransferEngine:
         protocol: str,
         metadata_type: Optional[str],
         what: str,
+        encrypt: Union[str, bool, None] = None,
     ) -> int:
         if isinstance(self._e, KvEngine):
             return self._fail(
@@ -288,6 +303,7 @@ class TransferEngine:
                 metadata_server,
                 protocol or "auto",
                 metadata_type=metadata_type,
+                encrypt=encrypt,
                 **self._options,
             )
         except Exception as exc:
@@ -774,6 +790,15 @@ class TransferEngine:
         except Exception as exc:
             return self._fail("wait_notifies", exc, [])
         return [TransferNotify._decode(s, m) for s, m in raw]
+
+    def get_notifies_dropped(self) -> int:
+        """How many notifications were dropped because nobody took them and the queue
+        (``OXCCL_KV_NOTIFY_QUEUE``, 4096 by default) was full: the oldest go first (oxccl's
+        addition); -1 before ``initialize``."""
+        try:
+            return self._e.notifies_dropped
+        except Exception as exc:
+            return self._fail("get_notifies_dropped", exc)
 
     def __repr__(self) -> str:
         e = self._e

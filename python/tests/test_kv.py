@@ -424,6 +424,44 @@ def test_initialize_maps_hostnames_protocols_and_timeouts(monkeypatch):
     assert c.get_rpc_port() == -1 and "closed" in c.last_error()
 
 
+def test_encrypt_keyword_and_the_notification_queue(monkeypatch):
+    """initialize(..., encrypt=...) (keyword only; Mooncake's positional call unchanged): both
+    ends on encrypt the tcp lanes; a peer that wants them in clear is refused, saying which
+    side wants what; a bad value is named. A full notification queue drops the oldest and
+    counts."""
+    from oxccl.kv import TransferEngine, TransferNotify, TransferOpcode
+
+    monkeypatch.setenv("OXCCL_KV_NOTIFY_QUEUE", "2")
+    t, c, clear = TransferEngine(), TransferEngine(), TransferEngine()
+    assert t.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "", encrypt=True) == 0, t.last_error()
+    assert c.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "", encrypt="on") == 0, c.last_error()
+    # auto (the default): on-host lanes in clear.
+    assert clear.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, clear.last_error()
+    try:
+        seg = t.get_segment_name()
+        assert c.get_engine().lanes_encrypted(seg) is True
+        tbuf, cbuf = t.allocate_managed_buffer(65536), c.allocate_managed_buffer(65536)
+        for i in range(5):
+            c.write_bytes_to_buffer(cbuf, bytes([i]) * 65536, 65536)
+            assert c.batch_transfer_sync(seg, [cbuf], [tbuf], [65536], TransferOpcode.WRITE,
+                                         TransferNotify("n", f"note-{i}")) == 0, c.last_error()
+        deadline = time.monotonic() + 10
+        while t.get_notifies_dropped() < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert t.get_notifies_dropped() == 3
+        assert [n.msg for n in t.get_notifies()] == ["note-3", "note-4"]
+        assert t.read_bytes_from_buffer(tbuf, 65536) == bytes([4]) * 65536
+        with pytest.raises(Exception, match=r"wants the lanes from 127\.0\.0\.1 .* encrypted "
+                           r"\(OXCCL_ENCRYPT=on here\), the peer asked for them in clear"):
+            clear.get_engine().lanes_encrypted(seg)
+    finally:
+        for e in (t, c, clear):
+            e.close()
+    bad = TransferEngine()
+    assert bad.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "", encrypt="sometimes") == -1
+    assert "encrypt=\"sometimes\"" in bad.last_error()
+
+
 # ---- failures: Mooncake's codes, and the message -------------------------------------------
 
 

@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use oxccl_bootstrap::{Secret, parse_size};
+pub use oxccl_verbs::Encrypt;
 
 use crate::error::{Error, Result};
 
@@ -68,6 +69,38 @@ pub struct EngineConfig {
     /// provider's progress threads poll their sockets, for the shortest round trip at the cost
     /// of a core each while they wait. By default they sleep (`OXCCL_KV_POLL=sleep`).
     pub busy_poll: bool,
+    /// Queue pairs one peer may have connected to this engine at once
+    /// (`OXCCL_KV_MAX_PEER_QPS`; default 128). A peer is the IP address its handshake
+    /// connection comes from: the names peers prove are whatever they claim (any holder of the
+    /// job secret may claim any name, and a new one each time), the address is the one thing
+    /// an authenticated peer cannot choose. Every engine of one host shares its host's
+    /// allowance, so the default leaves room for a host of many engines, each opening this
+    /// segment once. A peer over the cap is refused with an error naming it.
+    pub max_peer_qps: usize,
+    /// Authenticated handshake connections one peer may hold open to this engine at once
+    /// (`OXCCL_KV_MAX_PEER_CONNS`; default 256): each opened segment keeps one (for its
+    /// service calls), and each is a thread here. A peer as for `max_peer_qps`.
+    pub max_peer_conns: usize,
+    /// tcp connections (lanes) one peer may have connected to this engine at once, over all its
+    /// queue pairs (`OXCCL_KV_MAX_PEER_LANES`; default 512). A peer as for `max_peer_qps`.
+    pub max_peer_lanes: usize,
+    /// Notifications kept until [`get_notifies`](crate::TransferEngine::get_notifies) takes
+    /// them (`OXCCL_KV_NOTIFY_QUEUE`; default 4096, each at most
+    /// [`MAX_NOTIFY`](crate::MAX_NOTIFY) bytes). When full the oldest is dropped and counted
+    /// ([`notifies_dropped`](crate::TransferEngine::notifies_dropped)), with a warning at the
+    /// first drop.
+    pub notify_queue: usize,
+    /// How long a lookup of the peer-to-peer backend keeps retrying an address where nobody
+    /// listens (connection refused) before it fails (`OXCCL_KV_CONNECT_RETRY`, seconds;
+    /// default 1): a peer that is starting gets this long, a wrong address fails in about this
+    /// long instead of the whole `timeout`.
+    pub connect_retry: Duration,
+    /// Whether the tcp lanes are encrypted and authenticated (`OXCCL_ENCRYPT=off|on|auto`;
+    /// default auto: the lanes to a segment on another host, not those on this one; shm never
+    /// leaves the host and is never encrypted). Both ends must agree: a segment opened with a
+    /// different wish is refused, saying which side wants what. The handshake connection is
+    /// encrypted always.
+    pub encrypt: Encrypt,
 }
 
 impl EngineConfig {
@@ -85,14 +118,22 @@ impl EngineConfig {
             republish_every: Duration::from_secs(1),
             secret,
             busy_poll: false,
+            max_peer_qps: 128,
+            max_peer_conns: 256,
+            max_peer_lanes: 512,
+            notify_queue: 4096,
+            connect_retry: Duration::from_secs(1),
+            encrypt: Encrypt::Auto,
         }
     }
 
     /// The defaults overridden by the environment: `OXCCL_SECRET` (or `OXCCL_SECRET_FILE`;
     /// required), `OXCCL_KV_NAME`, `OXCCL_KV_ADDR` (`IP` or `IP:port`), `OXCCL_KV_PROTOCOL`,
     /// `OXCCL_KV_LANES`, `OXCCL_KV_SLICE` (bytes, `K`/`M` suffixes), `OXCCL_KV_TIMEOUT` and
-    /// `OXCCL_KV_PEER_TIMEOUT` (seconds), `OXCCL_KV_POLL` (`busy` or `sleep`). A malformed
-    /// value is an error naming the variable.
+    /// `OXCCL_KV_PEER_TIMEOUT` (seconds), `OXCCL_KV_POLL` (`busy` or `sleep`),
+    /// `OXCCL_KV_MAX_PEER_QPS`, `OXCCL_KV_MAX_PEER_CONNS`, `OXCCL_KV_MAX_PEER_LANES`, `OXCCL_KV_NOTIFY_QUEUE` (counts) and
+    /// `OXCCL_KV_CONNECT_RETRY` (seconds), `OXCCL_ENCRYPT` (`off`, `on` or `auto`). A
+    /// malformed value is an error naming the variable.
     pub fn from_env() -> Result<EngineConfig> {
         EngineConfig::from_vars(&|k| std::env::var(k).ok())
     }
@@ -134,6 +175,8 @@ impl EngineConfig {
                 ))
             })?;
         }
+        // (Its error names the variable and the value.)
+        c.encrypt = Encrypt::from_vars(&|k| get(k)).map_err(|e| Error::arg(e.to_string()))?;
         if let Some(v) = get("OXCCL_KV_POLL") {
             c.busy_poll = match v.to_ascii_lowercase().as_str() {
                 "busy" => true,
@@ -146,8 +189,23 @@ impl EngineConfig {
             };
         }
         for (k, slot) in [
+            ("OXCCL_KV_MAX_PEER_QPS", &mut c.max_peer_qps),
+            ("OXCCL_KV_MAX_PEER_CONNS", &mut c.max_peer_conns),
+            ("OXCCL_KV_MAX_PEER_LANES", &mut c.max_peer_lanes),
+            ("OXCCL_KV_NOTIFY_QUEUE", &mut c.notify_queue),
+        ] {
+            if let Some(v) = get(k) {
+                *slot = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|&n| n >= 1)
+                    .ok_or_else(|| Error::arg(format!("{k}={v:?}: expected a count >= 1")))?;
+            }
+        }
+        for (k, slot) in [
             ("OXCCL_KV_TIMEOUT", &mut c.timeout),
             ("OXCCL_KV_PEER_TIMEOUT", &mut c.peer_timeout),
+            ("OXCCL_KV_CONNECT_RETRY", &mut c.connect_retry),
         ] {
             if let Some(v) = get(k) {
                 *slot = v
@@ -190,6 +248,22 @@ impl EngineConfig {
                 self.local_addr
             )));
         }
+        for (v, what) in [
+            (self.max_peer_qps, "max_peer_qps (OXCCL_KV_MAX_PEER_QPS)"),
+            (
+                self.max_peer_conns,
+                "max_peer_conns (OXCCL_KV_MAX_PEER_CONNS)",
+            ),
+            (
+                self.max_peer_lanes,
+                "max_peer_lanes (OXCCL_KV_MAX_PEER_LANES)",
+            ),
+            (self.notify_queue, "notify_queue (OXCCL_KV_NOTIFY_QUEUE)"),
+        ] {
+            if v == 0 {
+                return Err(Error::arg(format!("{what} = 0: expected at least 1")));
+            }
+        }
         if self.timeout.is_zero() || self.peer_timeout.is_zero() {
             return Err(Error::arg("timeouts must be longer than zero"));
         }
@@ -220,8 +294,23 @@ mod tests {
             ("OXCCL_KV_SLICE", "256K"),
             ("OXCCL_KV_TIMEOUT", "2.5"),
             ("OXCCL_KV_POLL", "Busy"),
+            ("OXCCL_KV_MAX_PEER_QPS", "3"),
+            ("OXCCL_KV_MAX_PEER_CONNS", "5"),
+            ("OXCCL_KV_MAX_PEER_LANES", "7"),
+            ("OXCCL_KV_NOTIFY_QUEUE", "11"),
+            ("OXCCL_KV_CONNECT_RETRY", "0.25"),
         ]))
         .unwrap();
+        assert_eq!(
+            (
+                c.max_peer_qps,
+                c.max_peer_conns,
+                c.max_peer_lanes,
+                c.notify_queue
+            ),
+            (3, 5, 7, 11)
+        );
+        assert_eq!(c.connect_retry, Duration::from_millis(250));
         assert!(c.busy_poll);
         assert_eq!(c.local_addr, "127.0.0.2:7000".parse().unwrap());
         assert_eq!(
@@ -245,6 +334,10 @@ mod tests {
             ("OXCCL_KV_ADDR", "nowhere"),
             ("OXCCL_KV_TIMEOUT", "-1"),
             ("OXCCL_KV_POLL", "spin-a-little"),
+            ("OXCCL_KV_MAX_PEER_QPS", "0"),
+            ("OXCCL_KV_MAX_PEER_LANES", "many"),
+            ("OXCCL_KV_NOTIFY_QUEUE", "-5"),
+            ("OXCCL_KV_CONNECT_RETRY", "0"),
         ] {
             let e = EngineConfig::from_vars(&vars(&[("OXCCL_SECRET", "s3cret-s3cret"), (k, v)]))
                 .unwrap_err();

@@ -2,6 +2,7 @@
 //! that keep the engine reachable. Batches and their completions are in [`crate::batch`].
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock, Weak};
 use std::thread::JoinHandle;
@@ -9,16 +10,20 @@ use std::time::{Duration, Instant};
 
 use oxccl_verbs::progress::{Progress, run_helper};
 use oxccl_verbs::{
-    AccessFlags, CompletionQueue, ConnectRole, Context, Device, DeviceConfig, MemoryRegion,
-    ProtectionDomain, Provider, QpConfig, QpEndpoint, QueuePair, RecvWr, Sge, WorkCompletion,
+    AccessFlags, CompletionQueue, ConnectRole, Context, Device, DeviceConfig, EndpointAddr,
+    MemoryRegion, ProtectionDomain, Provider, QpConfig, QpEndpoint, QueuePair, RecvWr, Sge,
+    WorkCompletion,
 };
 
 use crate::batch::Batches;
-use crate::config::{EngineConfig, Protocol};
+use crate::config::{Encrypt, EngineConfig, Protocol};
 use crate::desc::{BufferDesc, DESC_FORMAT, SegmentDesc};
 use crate::error::{Error, Result};
 use crate::handshake::{self, Client, Msg, Server};
 use crate::meta::Metadata;
+
+/// The purpose the lanes' job key is derived for.
+const LANES_PURPOSE: &str = "oxccl-kv lanes v1";
 
 /// Largest notification message, bytes (one posted receive buffer).
 pub const MAX_NOTIFY: usize = 4096;
@@ -48,6 +53,10 @@ pub type SegmentId = u64;
 /// A service answering calls that peers make over the handshake channel
 /// ([`TransferEngine::serve`], [`TransferEngine::call`]): `(caller's name, body) → reply`.
 pub type Service = Arc<dyn Fn(&str, &[u8]) -> Result<Vec<u8>> + Send + Sync>;
+
+/// Rewrites the tcp address a target's queue pair listens on ([`TransferEngine::redirect_lanes`]).
+#[doc(hidden)]
+pub type LaneRedirect = Arc<dyn Fn(&str) -> String + Send + Sync>;
 
 /// One provider this engine serves: its context, protection domain and completion queues.
 pub(crate) struct Dev {
@@ -103,6 +112,8 @@ pub(crate) struct Peer {
     pub qp: QueuePair,
     /// The authenticated handshake connection, kept for service calls.
     pub client: Mutex<Client>,
+    /// Whether the queue pair's connections are sealed (encrypted and authenticated).
+    pub sealed: bool,
     /// Set when the queue pair failed: later requests fail at once with it.
     pub failed: Mutex<Option<String>>,
     /// Slices waiting for room in the queue pair's window.
@@ -120,6 +131,10 @@ impl Peer {
 /// land in.
 struct Inbound {
     from: String,
+    /// The address the peer's handshake came from: the caps count by it.
+    ip: IpAddr,
+    /// Its queue pairs' connections (lanes).
+    lanes: usize,
     qps: Vec<QueuePair>,
     bufs: MemoryRegion,
 }
@@ -145,9 +160,17 @@ pub(crate) struct Inner {
     pub progress: Progress,
     notifies: Mutex<VecDeque<Notification>>,
     notified: Condvar,
+    /// Notifications dropped because the queue was full.
+    notifies_dropped: AtomicU64,
     /// Inbound connections by (dev, number of their first queue pair).
     inbound: Mutex<HashMap<(usize, u32), Inbound>>,
     services: RwLock<HashMap<String, Service>>,
+    /// The job key of the lanes (`"oxccl-kv lanes v1"`): the tcp provider derives each
+    /// connection's keys from it.
+    lane_key: oxccl_seal::JobKey,
+    /// Tests: where this engine's queue pairs connect instead of the tcp address a target
+    /// gave (a man in the middle on the lanes).
+    lane_redirect: RwLock<Option<LaneRedirect>>,
     pub closed: AtomicBool,
 }
 
@@ -225,6 +248,7 @@ impl TransferEngine {
             config.secret.clone(),
             handler,
             config.timeout,
+            handshake::PeerConns::new(config.max_peer_conns),
         )?;
         let handshake_addr = server.addr().to_string();
         let name = config
@@ -255,8 +279,11 @@ impl TransferEngine {
             batches: Batches::default(),
             notifies: Mutex::new(VecDeque::new()),
             notified: Condvar::new(),
+            notifies_dropped: AtomicU64::new(0),
             inbound: Mutex::new(HashMap::new()),
             services: RwLock::new(HashMap::new()),
+            lane_redirect: RwLock::new(None),
+            lane_key: oxccl_seal::JobKey::derive(config.secret.as_bytes(), LANES_PURPOSE),
             closed: AtomicBool::new(false),
             config,
         });
@@ -449,6 +476,30 @@ impl TransferEngine {
                 .0;
         }
         q.drain(..).collect()
+    }
+
+    /// How many notifications were dropped, since the engine started, because the queue held
+    /// [`EngineConfig::notify_queue`] of them that nobody had taken: the oldest goes first.
+    pub fn notifies_dropped(&self) -> u64 {
+        self.inner.notifies_dropped.load(Ordering::Relaxed)
+    }
+
+    /// For tests of the wire: segments opened after this call connect their lanes to
+    /// `redirect(target's tcp address)` instead (a proxy in the middle). Not for production.
+    #[doc(hidden)]
+    pub fn redirect_lanes(&self, redirect: Option<LaneRedirect>) {
+        *self
+            .inner
+            .lane_redirect
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = redirect;
+    }
+
+    /// Whether the lanes of an opened segment are encrypted and authenticated
+    /// ([`EngineConfig::encrypt`]): over tcp as the policy says for the owner's address; never
+    /// over shm (it does not leave the host).
+    pub fn lanes_encrypted(&self, segment: SegmentId) -> Result<bool> {
+        Ok(self.inner.peer(segment)?.sealed)
     }
 
     /// The configuration the engine runs with.
@@ -736,14 +787,18 @@ impl Inner {
             &self.name,
             &self.config.secret,
             self.config.timeout,
+            Some(self.config.local_addr.ip()),
         )?;
         // The descriptor from the owner itself is the newest.
         let desc = client.get_desc()?;
+        let owner_ip = client.peer_ip();
+        let sealed = self.seals(provider, owner_ip);
         let qcfg = QpConfig {
             timeout: self.config.peer_timeout,
             connect: ConnectRole::Active,
             // This side only sends: a receive ring of one.
             max_recv_wr: 1,
+            seal: sealed.then(|| self.lane_key.clone()),
             ..QpConfig::default()
         };
         let d = &self.devs[dev];
@@ -754,6 +809,7 @@ impl Inner {
         let (theirs, key) = match client.call(&Msg::Connect {
             provider: provider.name().to_string(),
             endpoints: vec![qp.endpoint()],
+            encrypt: sealed,
         })? {
             Msg::Connected {
                 mut endpoints,
@@ -766,6 +822,12 @@ impl Inner {
                 });
             }
         };
+        let mut theirs = theirs;
+        if let Some(r) = &*self.lane_redirect.read().unwrap_or_else(|e| e.into_inner())
+            && let EndpointAddr::Tcp { addr, .. } = &mut theirs.addr
+        {
+            *addr = r(addr);
+        }
         qp.connect(&theirs).map_err(|e| {
             Error::verbs(format!("connecting to segment {name:?} over {provider}"), e)
         })?;
@@ -775,8 +837,21 @@ impl Inner {
         } else {
             1
         };
+        if provider == Provider::Tcp {
+            tracing::info!(
+                "oxccl-kv: segment {name:?} ({}): its {lanes} tcp lanes are {} (OXCCL_ENCRYPT={})",
+                desc.handshake,
+                if sealed {
+                    "encrypted and authenticated"
+                } else {
+                    "in clear"
+                },
+                self.config.encrypt
+            );
+        }
         let peer = Arc::new(Peer {
             id,
+            sealed,
             name: name.to_string(),
             queue: Mutex::new(crate::batch::LaneQueue::new(lanes)),
             dev,
@@ -828,7 +903,14 @@ impl Inner {
     /// A peer asks for queue pairs connected to its own (one per opened segment; its lanes are
     /// that queue pair's connections), on this side's context of the provider; the answer names
     /// each one's rkey set.
-    fn accept(&self, from: &str, provider: &str, endpoints: Vec<QpEndpoint>) -> Result<Msg> {
+    fn accept(
+        &self,
+        from: &str,
+        addr: SocketAddr,
+        provider: &str,
+        endpoints: Vec<QpEndpoint>,
+        encrypt: bool,
+    ) -> Result<Msg> {
         let Some(dev) = self.devs.iter().position(|d| d.provider.name() == provider) else {
             return Err(Error::arg(format!(
                 "this engine does not serve provider {provider}"
@@ -836,6 +918,31 @@ impl Inner {
         };
         if endpoints.is_empty() || endpoints.len() > 64 {
             return Err(Error::arg(format!("{} queue pairs asked", endpoints.len())));
+        }
+        // The connections each queue pair will have: the smaller of the two sides' wishes.
+        let lanes: usize = endpoints
+            .iter()
+            .map(|e| match &e.addr {
+                EndpointAddr::Tcp { nsocks, .. } => {
+                    (*nsocks as usize).clamp(1, 16).min(self.config.lanes)
+                }
+                _ => 1,
+            })
+            .sum();
+        let ip = addr.ip();
+        self.within_caps(from, ip, endpoints.len(), lanes)?;
+        let sealed = self.seals(self.devs[dev].provider, Some(ip));
+        if sealed != encrypt {
+            let how = |on: bool| if on { "encrypted" } else { "in clear" };
+            return Err(Error::arg(format!(
+                "the lanes' encryption differs: engine {:?} wants the lanes from {ip} ({from:?}) \
+                 {} (OXCCL_ENCRYPT={} here), the peer asked for them {}: set OXCCL_ENCRYPT \
+                 (EngineConfig::encrypt) alike on both",
+                self.name,
+                how(sealed),
+                self.config.encrypt,
+                how(encrypt)
+            )));
         }
         let mut qps = Vec::new();
         let mut keys = Vec::new();
@@ -846,6 +953,7 @@ impl Inner {
                 timeout: self.config.peer_timeout,
                 connect: ConnectRole::Passive,
                 max_recv_wr: if i == 0 { NOTIFY_DEPTH as u32 } else { 1 },
+                seal: sealed.then(|| self.lane_key.clone()),
                 ..QpConfig::default()
             };
             let q =
@@ -866,22 +974,102 @@ impl Inner {
         }
         let mine = qps.iter().map(|q| q.endpoint()).collect();
         let key = (dev, qps[0].qp_num());
-        self.inbound
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(
-                key,
-                Inbound {
-                    from: from.to_string(),
-                    qps,
-                    bufs,
-                },
+        // Checked again with the connection counted, against connects of the same peer that
+        // ran alongside this one (this one's queue pairs then go, unused).
+        let mut inbound = self.inbound.lock().unwrap_or_else(|e| e.into_inner());
+        check_caps(&self.config, &inbound, from, ip, endpoints.len(), lanes)?;
+        inbound.insert(
+            key,
+            Inbound {
+                from: from.to_string(),
+                ip,
+                lanes,
+                qps,
+                bufs,
+            },
+        );
+        drop(inbound);
+        if self.devs[dev].provider == Provider::Tcp {
+            tracing::info!(
+                "oxccl-kv: {from:?} at {ip} connected {lanes} tcp lanes to segment {:?}, {}",
+                self.name,
+                if sealed {
+                    "encrypted and authenticated"
+                } else {
+                    "in clear"
+                }
             );
+        }
         Ok(Msg::Connected {
             endpoints: mine,
             keys,
         })
     }
+}
+
+impl Inner {
+    /// Whether queue pairs of `provider` to the peer at `ip` are sealed: over tcp as
+    /// [`EngineConfig::encrypt`] says (`auto`: when the peer is not on this host; an address
+    /// not known counts as off the host); never over shm.
+    fn seals(&self, provider: Provider, ip: Option<IpAddr>) -> bool {
+        provider == Provider::Tcp
+            && match ip {
+                Some(ip) => self.config.encrypt.seals(ip),
+                None => self.config.encrypt != Encrypt::Off,
+            }
+    }
+
+    fn within_caps(&self, from: &str, ip: IpAddr, qps: usize, lanes: usize) -> Result<()> {
+        let inbound = self.inbound.lock().unwrap_or_else(|e| e.into_inner());
+        check_caps(&self.config, &inbound, from, ip, qps, lanes)
+    }
+}
+
+/// Whether the peer at `ip` may connect `qps` more queue pairs of `lanes` connections in all.
+fn check_caps(
+    config: &EngineConfig,
+    inbound: &HashMap<(usize, u32), Inbound>,
+    from: &str,
+    ip: IpAddr,
+    qps: usize,
+    lanes: usize,
+) -> Result<()> {
+    let (mut has_qps, mut has_lanes) = (0, 0);
+    for ib in inbound.values().filter(|ib| ib.ip == ip) {
+        has_qps += ib.qps.len();
+        has_lanes += ib.lanes;
+    }
+    let over = |what: &str, has: usize, more: usize, cap: usize, knob: &str| {
+        let e = Error::PeerLimit {
+            peer: format!("{ip} (as {from:?})"),
+            detail: format!(
+                "it has {has} {what} connected here and asked for {more} more, over the cap of \
+                 {cap} per peer address (EngineConfig::{knob}, OXCCL_KV_{})",
+                knob.to_ascii_uppercase()
+            ),
+        };
+        tracing::warn!("oxccl-kv: {e}");
+        Err(e)
+    };
+    if has_qps + qps > config.max_peer_qps {
+        return over(
+            "queue pairs",
+            has_qps,
+            qps,
+            config.max_peer_qps,
+            "max_peer_qps",
+        );
+    }
+    if has_lanes + lanes > config.max_peer_lanes {
+        return over(
+            "lanes",
+            has_lanes,
+            lanes,
+            config.max_peer_lanes,
+            "max_peer_lanes",
+        );
+    }
+    Ok(())
 }
 
 fn post_notify_recv(qp: &QueuePair, bufs: &MemoryRegion, i: usize) -> Result<()> {
@@ -896,7 +1084,7 @@ struct Handler {
 }
 
 impl handshake::Handler for Handler {
-    fn handle(&self, peer: &str, msg: Msg) -> Msg {
+    fn handle(&self, peer: &str, addr: SocketAddr, msg: Msg) -> Msg {
         let Some(inner) = self.inner.get().and_then(Weak::upgrade) else {
             return Msg::Failed {
                 reason: "the engine is shutting down".into(),
@@ -909,7 +1097,8 @@ impl handshake::Handler for Handler {
             Msg::Connect {
                 provider,
                 endpoints,
-            } => inner.accept(peer, &provider, endpoints),
+                encrypt,
+            } => inner.accept(peer, addr, &provider, endpoints, encrypt),
             Msg::Call { service, body } => {
                 let s = inner
                     .services
@@ -973,14 +1162,26 @@ fn notify_loop(w: Weak<Inner>, dev: usize) {
             let mut msg = vec![0; len];
             if ib.bufs.read(slot * MAX_NOTIFY, &mut msg).is_ok() {
                 // The sender is the peer this connection authenticated, not what it says.
-                inner
-                    .notifies
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push_back(Notification {
-                        from: ib.from.clone(),
-                        msg,
-                    });
+                let mut q = inner.notifies.lock().unwrap_or_else(|e| e.into_inner());
+                while q.len() >= inner.config.notify_queue {
+                    q.pop_front();
+                    if inner.notifies_dropped.fetch_add(1, Ordering::Relaxed) == 0 {
+                        tracing::warn!(
+                            "oxccl-kv: engine {:?} dropped its oldest notification: {} were \
+                             waiting and nobody took them (get_notifies); the queue holds \
+                             notify_queue = {} (OXCCL_KV_NOTIFY_QUEUE). Further drops are \
+                             counted (notifies_dropped), not logged",
+                            inner.name,
+                            q.len() + 1,
+                            inner.config.notify_queue
+                        );
+                    }
+                }
+                q.push_back(Notification {
+                    from: ib.from.clone(),
+                    msg,
+                });
+                drop(q);
                 inner.notified.notify_all();
             }
             if let Err(e) = post_notify_recv(&ib.qps[0], &ib.bufs, slot) {

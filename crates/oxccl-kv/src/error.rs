@@ -67,6 +67,15 @@ pub enum Error {
         /// Why.
         detail: String,
     },
+    /// An authenticated peer asked for more than this engine lets one peer have (queue pairs,
+    /// lanes): refused, and the engine goes on serving the others.
+    #[error("peer {peer} refused: {detail}")]
+    PeerLimit {
+        /// The peer: its address, and the name it proved.
+        peer: String,
+        /// Which cap, its value and its knob.
+        detail: String,
+    },
     /// The handshake with a peer broke (connection refused, closed, a malformed message).
     #[error("handshake with {peer} failed: {detail}")]
     Handshake {

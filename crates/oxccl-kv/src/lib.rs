@@ -10,7 +10,9 @@
 //!   [`Metadata`] backend under the engine's name: peer to peer ([`meta::P2pMetadata`]), the oxccl
 //!   store ([`meta::StoreMetadata`]) or Redis ([`meta::RedisMetadata`]).
 //! - A peer opens the segment by name ([`TransferEngine::open_segment`]; an authenticated
-//!   handshake, so a stranger without the job secret opens nothing) and submits batches of READ
+//!   handshake, so a stranger without the job secret opens nothing, and everything after the
+//!   proof in `oxccl-seal` records; the tcp lanes encrypted as [`EngineConfig::encrypt`] says)
+//!   and submits batches of READ
 //!   and WRITE requests ([`TransferEngine::submit`], [`TransferEngine::wait`],
 //!   [`TransferEngine::batch_status`], or [`TransferEngine::transfer_sync`]).
 //! - A batch may carry a notification, delivered to the target only after all of the batch's
@@ -66,9 +68,9 @@ pub use batch::{
     TransferStatus,
 };
 pub use blocks::{BLOCK_SERVICE, BlockStats, BlockStore, BlockStoreConfig, TierStats};
-pub use config::{EngineConfig, Protocol};
+pub use config::{Encrypt, EngineConfig, Protocol};
 pub use desc::{BufferDesc, DESC_FORMAT, SegmentDesc};
-pub use engine::{MAX_NOTIFY, Notification, SegmentId, Service, TransferEngine};
+pub use engine::{LaneRedirect, MAX_NOTIFY, Notification, SegmentId, Service, TransferEngine};
 pub use error::{Error, Result};
 pub use meta::Metadata;
 /// Byte counts as the `OXCCL_*` variables write them (`64K`, `1M`): the bootstrap's parser.

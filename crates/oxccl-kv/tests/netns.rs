@@ -1,6 +1,7 @@
 //! Two hosts (network namespaces on a bridge, links shaped to 1 Gbit/s with `tc tbf`): the
 //! target in one, the initiator in the other, found peer to peer by the target's address; tcp
-//! lanes carry batches both ways, checked byte for byte. Needs root; skips with the reason on a
+//! lanes carry batches both ways, checked byte for byte, encrypted (`OXCCL_ENCRYPT=auto`: the
+//! lanes leave the host). Needs root; skips with the reason on a
 //! developer's machine, fails under `CI=true` when it cannot run.
 
 use std::io::{BufRead, BufReader};
@@ -66,6 +67,13 @@ fn child() {
             let local = e.allocate_managed_buffer(2 * LEN).unwrap();
             e.write_local(local, &pattern(LEN, 13)).unwrap();
             let seg = e.open_segment(&args[2]).unwrap();
+            // OXCCL_ENCRYPT=auto (the default) on both hosts: lanes that leave the host are
+            // encrypted, and both ends agreed (or the open was refused).
+            assert!(e.config().encrypt == Encrypt::Auto);
+            assert!(
+                e.lanes_encrypted(seg).unwrap(),
+                "auto left off-host lanes in clear"
+            );
             let blocks = |op, from: u64| -> Vec<TransferRequest> {
                 (0..(LEN >> 20) as u64)
                     .map(|k| TransferRequest {

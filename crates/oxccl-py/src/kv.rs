@@ -199,6 +199,8 @@ struct Overrides {
     peer_timeout: Option<Duration>,
     lanes: Option<usize>,
     busy_poll: Option<bool>,
+    /// `"off"`, `"on"` or `"auto"` (`OXCCL_ENCRYPT`).
+    encrypt: Option<String>,
 }
 
 fn setup(
@@ -256,12 +258,22 @@ fn setup(
     if let Some(b) = over.busy_poll {
         config.busy_poll = b;
     }
+    if let Some(e) = over.encrypt {
+        config.encrypt = e.parse().map_err(|_| {
+            (
+                Kind::InvalidArgument,
+                format!("encrypt={e:?}: expected \"off\", \"on\", \"auto\", True or False"),
+            )
+        })?;
+    }
     Ok(Setup { config, backend })
 }
 
 fn connect_backend(b: &Backend, config: &EngineConfig) -> oxccl_kv::Result<Arc<dyn Metadata>> {
     Ok(match b {
-        Backend::P2p => Arc::new(P2pMetadata::new(config.secret.clone())),
+        Backend::P2p => Arc::new(
+            P2pMetadata::new(config.secret.clone()).with_connect_retry(config.connect_retry),
+        ),
         Backend::Redis(url) => Arc::new(RedisMetadata::connect(url, config.timeout)?),
         Backend::Store(addr) => Arc::new(StoreMetadata::connect(
             addr,
@@ -419,7 +431,7 @@ impl PyKvEngine {
     /// `OXCCL_SECRET_FILE`; the other `OXCCL_KV_*` variables are read as
     /// `EngineConfig::from_env` documents, and the keyword arguments override them.
     #[new]
-    #[pyo3(signature = (local_hostname, metadata_server, protocol="auto", *, metadata_type=None, name=None, timeout=None, peer_timeout=None, lanes=None, busy_poll=None))]
+    #[pyo3(signature = (local_hostname, metadata_server, protocol="auto", *, metadata_type=None, name=None, timeout=None, peer_timeout=None, lanes=None, busy_poll=None, encrypt=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -432,13 +444,28 @@ impl PyKvEngine {
         peer_timeout: Option<f64>,
         lanes: Option<usize>,
         busy_poll: Option<bool>,
+        encrypt: Option<Bound<'_, PyAny>>,
     ) -> PyResult<PyKvEngine> {
+        // True/False, or "on"/"off"/"auto".
+        let encrypt = match encrypt {
+            None => None,
+            Some(v) if v.is_instance_of::<pyo3::types::PyBool>() => {
+                Some(if v.extract::<bool>()? { "on" } else { "off" }.to_string())
+            }
+            Some(v) => Some(v.extract::<String>().map_err(|_| {
+                invalid(
+                    py,
+                    format!("encrypt={v}: expected \"off\", \"on\", \"auto\", True or False"),
+                )
+            })?),
+        };
         let over = Overrides {
             name,
             timeout: seconds(py, "timeout", timeout)?,
             peer_timeout: seconds(py, "peer_timeout", peer_timeout)?,
             lanes,
             busy_poll,
+            encrypt,
         };
         let s = setup(
             local_hostname,
@@ -803,6 +830,22 @@ impl PyKvEngine {
         Ok(n.into_iter()
             .map(|n| (n.from, PyBytes::new(py, &n.msg)))
             .collect())
+    }
+
+    /// Whether the lanes to segment `name` (opened) are encrypted.
+    fn lanes_encrypted(&self, py: Python<'_>, name: &str) -> PyResult<bool> {
+        let e = self.get(py)?;
+        guarded(py, || {
+            let seg = e.open_segment(name)?;
+            e.lanes_encrypted(seg)
+        })
+    }
+
+    /// How many notifications were dropped because the queue (`OXCCL_KV_NOTIFY_QUEUE`) was
+    /// full: the oldest go first.
+    #[getter]
+    fn notifies_dropped(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.get(py)?.notifies_dropped())
     }
 
     /// Waits up to `timeout` seconds for a notification, then takes all that arrived.

@@ -34,6 +34,17 @@ fn service(pool_bytes: usize, max_jobs: usize) -> Service {
 
 /// `n` ranks joined to `svc` over `provider` with `chunk`-byte slices, aggregation forced.
 fn job(n: usize, svc: &Service, provider: Provider, chunk: usize) -> Vec<Communicator> {
+    job_sealed(n, svc, provider, chunk, oxccl_verbs::Encrypt::Auto)
+}
+
+/// [`job`] under an `OXCCL_ENCRYPT` policy.
+fn job_sealed(
+    n: usize,
+    svc: &Service,
+    provider: Provider,
+    chunk: usize,
+    encrypt: oxccl_verbs::Encrypt,
+) -> Vec<Communicator> {
     let addr = svc.addr().to_string();
     common::in_process(n, &format!("agg over {provider:?}"), |rank| Options {
         timeout: Duration::from_secs(60),
@@ -42,6 +53,7 @@ fn job(n: usize, svc: &Service, provider: Provider, chunk: usize) -> Vec<Communi
         algo: Some(Algorithm::Aggregation),
         chunk_size: Some(chunk),
         agg_addr: Some(addr.clone()),
+        encrypt,
         ..Options::default()
     })
 }
@@ -161,6 +173,8 @@ fn check_every_type(provider: Provider) {
     }
     let stats = stats_after(&svc, 12 * 4 * 3);
     assert_eq!(stats.jobs, 1);
+    // In one process (loopback), `auto` seals nothing.
+    assert_eq!(stats.sealed_links, 0);
     assert!(
         stats.calls >= 12 * 4 * 3,
         "the service ran {} calls",
@@ -172,6 +186,44 @@ fn check_every_type(provider: Provider) {
 #[test]
 fn every_type_and_op_is_exact_over_tcp() {
     check_every_type(Provider::Tcp);
+}
+
+/// `OXCCL_ENCRYPT=on`: the ranks' tcp queue pairs to the service are sealed (the service seals
+/// its ends as their joins say), and the all-reduce through it is exact.
+#[test]
+fn a_sealed_data_link_to_the_service_is_exact() {
+    let _g = serial();
+    let svc = service(64 << 10, 2);
+    let n = 3;
+    let comms = job_sealed(n, &svc, Provider::Tcp, 4 << 10, oxccl_verbs::Encrypt::On);
+    let (vals, reference) = exact_case(n, 9001, ReduceOp::Sum, 31);
+    let dtype = DataType::F32;
+    let inputs: Vec<Vec<u8>> = vals
+        .iter()
+        .map(|v| v.iter().flat_map(|&x| encode(dtype, x)).collect())
+        .collect();
+    let want: Vec<u8> = reference.iter().flat_map(|&x| encode(dtype, x)).collect();
+    for (r, got) in all_reduce(&comms, dtype, ReduceOp::Sum, &inputs)
+        .into_iter()
+        .enumerate()
+    {
+        assert!(
+            got.unwrap_or_else(|e| panic!("rank {r}: {e}")) == want,
+            "rank {r} differs"
+        );
+    }
+    let stats = stats_after(&svc, 1);
+    assert!(stats.calls >= 1);
+    assert_eq!(
+        stats.sealed_links, n as u64,
+        "every member's data link sealed"
+    );
+    assert!(
+        comms
+            .iter()
+            .all(|c| c.encrypted().iter().filter(|&&s| s).count() == n - 1)
+    );
+    destroy_all(comms);
 }
 
 #[test]

@@ -80,24 +80,16 @@ pub(crate) fn contact(addr: &str, rank: usize, timeout: Duration) -> Result<Cont
 
 impl Contact {
     /// Says that this rank's tcp queue pair to the service seals its frames: the caller
-    /// created it with [`QpConfig::seal`](oxccl_verbs::QpConfig::seal) set to
-    /// [`Contact::data_key`]; the service then seals its end too. The policy's decision
-    /// (`OXCCL_ENCRYPT`; `auto`: the service is on another host, see
+    /// created it with [`QpConfig::seal`](oxccl_verbs::QpConfig::seal) set to the key
+    /// [`Contact::data_seal`] gives; the service then seals its end too. The policy's
+    /// decision (`OXCCL_ENCRYPT`; `auto`: the service is on another host, see
     /// [`Contact::service_ip`]) is the caller's, as for its peers.
-    #[allow(dead_code)] // For comm's init, which decides which tcp links are sealed.
     pub(crate) fn seal_data(mut self, sealed: bool) -> Contact {
         self.sealed = sealed;
         self
     }
 
-    /// The job key the tcp queue pair to the service is sealed with.
-    #[allow(dead_code)]
-    pub(crate) fn data_key(secret: &Secret) -> oxccl_seal::JobKey {
-        wire::data_key(secret)
-    }
-
     /// The service's IP as this rank reaches it (for `OXCCL_ENCRYPT=auto`).
-    #[allow(dead_code)]
     pub(crate) fn service_ip(&self) -> Option<std::net::IpAddr> {
         self.stream.peer_addr().ok().map(|a| a.ip())
     }
@@ -107,7 +99,6 @@ impl Contact {
     /// job's `secret` (none: not sealed). Create the queue pair with it as
     /// [`QpConfig::seal`](oxccl_verbs::QpConfig::seal), and say so with
     /// [`Contact::seal_data`]`(key.is_some())`.
-    #[allow(dead_code)]
     pub(crate) fn data_seal(
         &self,
         encrypt: oxccl_verbs::Encrypt,

@@ -98,6 +98,8 @@ pub struct ServiceStats {
     pub calls: u64,
     /// Bytes the service summed (each member's contribution to each call).
     pub bytes_in: u64,
+    /// Members' tcp data links that were sealed (`OXCCL_ENCRYPT`, as each member's join said).
+    pub sealed_links: u64,
 }
 
 /// A running aggregation service; stops when dropped: it admits no more members, and its
@@ -119,6 +121,7 @@ struct Shared {
     jobs: AtomicU64,
     calls: AtomicU64,
     bytes_in: AtomicU64,
+    sealed_links: AtomicU64,
     /// The last jobs' failures ([`Service::failures`]).
     failures: Mutex<std::collections::VecDeque<String>>,
 }
@@ -207,6 +210,7 @@ impl Service {
             jobs: AtomicU64::new(0),
             calls: AtomicU64::new(0),
             bytes_in: AtomicU64::new(0),
+            sealed_links: AtomicU64::new(0),
             failures: Mutex::new(std::collections::VecDeque::new()),
         });
         let s = shared.clone();
@@ -246,6 +250,7 @@ impl Service {
             running: s.running.load(Ordering::Relaxed),
             calls: s.calls.load(Ordering::Relaxed),
             bytes_in: s.bytes_in.load(Ordering::Relaxed),
+            sealed_links: s.sealed_links.load(Ordering::Relaxed),
         }
     }
 }
@@ -529,6 +534,13 @@ fn start_job(mut members: Vec<Member>, shared: &Arc<Shared>) {
     match connect_job(&mut members, opts) {
         Ok((engine, pool)) => {
             shared.jobs.fetch_add(1, Ordering::Relaxed);
+            let sealed = members
+                .iter()
+                .filter(|m| m.sealed && m.join.provider == "tcp")
+                .count();
+            shared
+                .sealed_links
+                .fetch_add(sealed as u64, Ordering::Relaxed);
             if opts.verbose {
                 eprintln!(
                     "oxccl agg: job {job:016x} of {} ranks ({}) joined: {pool} slots of {} KiB",

@@ -494,7 +494,15 @@ impl Communicator {
         } else {
             None
         };
-        let sealing = Sealing::agree(bootstrap, opts, &providers, tcp.as_ref(), any_tcp)?;
+        let mut sealing = Sealing::agree(bootstrap, opts, &providers, tcp.as_ref(), any_tcp)?;
+        // The tcp link to the aggregation service is sealed by this rank's own decision (the
+        // service seals its end as the join says).
+        let agg_key = contact
+            .as_ref()
+            .filter(|_| agg_provider == Some(Provider::Tcp))
+            .and_then(|c| c.data_seal(opts.encrypt, bootstrap.secret()));
+        let contact = contact.map(|c| c.seal_data(agg_key.is_some()));
+        sealing.set_service(world, agg_key);
         let mut agg = None;
         let (links, link_of, pds, cqs, tcp_addrs) = connect_links(
             bootstrap,
@@ -802,8 +810,10 @@ impl Established {
 /// and the job key that seals them.
 pub(super) struct Sealing {
     key: Option<oxccl_seal::JobKey>,
-    /// Per peer (the aggregation service's link, after the ranks', is never sealed).
+    /// Per rank.
     links: Vec<bool>,
+    /// The aggregation service's link's key (peer `world`), when it is sealed.
+    service: Option<oxccl_seal::JobKey>,
 }
 
 /// What each rank tells the others so that both ends of a link decide alike
@@ -853,7 +863,11 @@ impl Sealing {
         let (rank, world) = (bootstrap.rank(), bootstrap.world_size());
         let mut links = vec![false; providers.len()];
         if opts.encrypt == Encrypt::Off || !any_tcp {
-            return Ok(Sealing { key: None, links });
+            return Ok(Sealing {
+                key: None,
+                links,
+                service: None,
+            });
         }
         let key = bootstrap
             .secret()
@@ -899,16 +913,30 @@ impl Sealing {
                  {who} has no job secret (OXCCL_SECRET) to derive the key from"
             ));
         }
-        Ok(Sealing { key, links })
+        Ok(Sealing {
+            key,
+            links,
+            service: None,
+        })
     }
 
     /// The job key for the link to peer `p`, if that link is sealed.
     fn key_for(&self, p: usize) -> Option<oxccl_seal::JobKey> {
+        if p == self.links.len() {
+            return self.service.clone();
+        }
         if self.links.get(p).copied().unwrap_or(false) {
             self.key.clone()
         } else {
             None
         }
+    }
+
+    /// The link to the aggregation service (peer `world`, after the ranks) is sealed with
+    /// `key` (its own purpose's, from [`crate::agg::Contact::data_seal`]), if any.
+    fn set_service(&mut self, world: usize, key: Option<oxccl_seal::JobKey>) {
+        self.links.truncate(world);
+        self.service = key;
     }
 }
 

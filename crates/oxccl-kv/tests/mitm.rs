@@ -388,24 +388,20 @@ fn lanes_in_clear_show_the_payload_to_a_proxy() {
     assert!(shows, "the proxy saw the lanes but not the payload");
 }
 
-/// MARKED: needs the tcp provider's encryption (`QpConfig::seal`, the tcp helper's part of
-/// issue 31). Until it is on main, `seal` is accepted and ignored and this fails; then drop the
-/// `ignore`. Run it with `cargo test -p oxccl-kv --test mitm -- --ignored encrypted_lanes`.
+/// Encrypted lanes (the tcp provider's sealing of `QpConfig::seal`): the same WRITE and READ
+/// through the proxy, and no pattern in what it saw.
 #[test]
-#[ignore = "needs the tcp provider's encryption of QpConfig::seal on main (issue 31)"]
 fn encrypted_lanes_show_nothing_to_a_proxy() {
     let (seen, shows) = lanes_through_a_proxy(Encrypt::On);
     assert!(seen > 2 * (256 << 10), "the proxy saw {seen} bytes");
     assert!(!shows, "a payload pattern crossed the lanes in clear");
 }
 
-/// MARKED: needs the tcp provider's encryption of `QpConfig::seal` on main (issue 31); then
-/// drop the `ignore`. A bit flipped 300,000 bytes into the first lane toward the target (past
+/// A bit flipped 300,000 bytes into the first lane toward the target (past
 /// its cleartext handshake, inside the WRITE's records, whatever their framing) fails the
 /// transfer, and no byte of the target's buffer holds anything but what it held before or
 /// what was written (no garbage from the broken record), and its notification never comes.
 #[test]
-#[ignore = "needs the tcp provider's encryption of QpConfig::seal on main (issue 31)"]
 fn a_flipped_bit_on_an_encrypted_lane_fails_the_write_and_lands_nothing() {
     let meta: Arc<dyn Metadata> = Arc::new(StoreMetadata::new(Arc::new(MemoryStore::new())));
     let cfg = |name: &str| EngineConfig {

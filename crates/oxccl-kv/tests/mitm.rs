@@ -388,8 +388,8 @@ fn lanes_in_clear_show_the_payload_to_a_proxy() {
     assert!(shows, "the proxy saw the lanes but not the payload");
 }
 
-/// The same through the tcp provider's sealed queue pairs: the proxy sees the bytes and none of
-/// the payload.
+/// Encrypted lanes (the tcp provider's sealing of `QpConfig::seal`): the same WRITE and READ
+/// through the proxy, and no pattern in what it saw.
 #[test]
 fn encrypted_lanes_show_nothing_to_a_proxy() {
     let (seen, shows) = lanes_through_a_proxy(Encrypt::On);

@@ -320,9 +320,10 @@ fn pipe_records(
             }
             Tamper::Swap { record: r } if r == k => held = Some(record),
             Tamper::Swap { record: r } if r + 1 == k => {
+                // Marked before the receiver can see the swap (it may fail at once).
+                shared.tampered.store(true, Ordering::SeqCst);
                 forward(to, &record, shared)?;
                 if let Some(h) = held.take() {
-                    shared.tampered.store(true, Ordering::SeqCst);
                     forward(to, &h, shared)?;
                 }
             }

@@ -86,7 +86,9 @@ fn a_man_in_the_middle_between_hosts_learns_nothing_and_changes_nothing() {
     let through = |tb: &Testbed| {
         let proxy_addr = tb.host_addr(2).to_string();
         move |rank: usize, c: &mut std::process::Command| {
-            c.env("LOCAL_RANK", "0").env("OXCCL_TIMEOUT", "15");
+            c.env("LOCAL_RANK", "0")
+                .env("OXCCL_TIMEOUT", "15")
+                .env("OXCCL_BOOTSTRAP_TIMEOUT", "15");
             if rank == 1 {
                 c.env("MASTER_ADDR", &proxy_addr);
             }

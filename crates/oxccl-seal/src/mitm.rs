@@ -175,9 +175,18 @@ fn accept_loop(listener: TcpListener, target: SocketAddr, shared: Arc<Shared>) {
             return;
         }
         let Ok(client) = client else { continue };
-        let Ok(server) = TcpStream::connect(target) else {
-            continue;
+        // The target may not listen yet (a client would retry): retry for a while.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let server = loop {
+            match TcpStream::connect(target) {
+                Ok(s) => break Some(s),
+                Err(_) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+                Err(_) => break None,
+            }
         };
+        let Some(server) = server else { continue };
         let _ = client.set_nodelay(true);
         let _ = server.set_nodelay(true);
         let index = count.fetch_add(1, Ordering::SeqCst);

@@ -126,17 +126,22 @@ pub fn run_in_bed_with(
         })
         .collect();
     let deadline = Instant::now() + Duration::from_secs(90);
+    let mut late = false;
     while ranks
         .iter_mut()
         .any(|r| r.0.try_wait().expect("try_wait").is_none())
     {
-        assert!(
-            Instant::now() < deadline,
-            "the ranks did not finish in 90 s"
-        );
+        if Instant::now() >= deadline {
+            // Stop them and say what they printed, so that a hang shows where.
+            for r in &mut ranks {
+                let _ = r.0.kill();
+            }
+            late = true;
+            break;
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
-    ranks
+    let outs: Vec<Output> = ranks
         .iter_mut()
         .map(|r| {
             let mut out = Output {
@@ -152,5 +157,20 @@ pub fn run_in_bed_with(
             }
             out
         })
-        .collect()
+        .collect();
+    if late {
+        let said: Vec<String> = outs
+            .iter()
+            .enumerate()
+            .map(|(r, o)| {
+                format!(
+                    "rank {r} ({}):\n{}",
+                    o.status,
+                    String::from_utf8_lossy(&o.stderr)
+                )
+            })
+            .collect();
+        panic!("the ranks did not finish in 90 s:\n{}", said.join("\n"));
+    }
+    outs
 }

@@ -61,14 +61,16 @@ if has kv; then
             row=$("$tmp/oxccl-$m" kv-bench --protocol tcp --op write --block-size 4M \
                 --batch-size 16 --duration "$SECS" --json)
             g=$(field gb_per_sec <<<"$row")
-            printf '  round %d %-3s %8.3f GB/s\n' "$r" "$m" "$g"
+            sealed=$(sed -n 's/.*"encrypted":\([a-z]*\).*/\1/p' <<<"$row")
+            printf '  round %d %-3s %8.3f GB/s (lanes sealed: %s)\n' "$r" "$m" "$g" "$sealed"
             echo "$r $m $g" >>"$tmp/kv"
         done
     done
-    awk '{ g[$1 " " $2] = $3; if ($1 > n) n = $1 }
-         END { for (r = 1; r <= n; r++) { q[r] = g[r " on"] / g[r " off"]; printf "  round %d sealed/plain %.3f\n", r, q[r] }
-               asort(q); m = (n % 2) ? q[(n + 1) / 2] : (q[n / 2] + q[n / 2 + 1]) / 2;
-               printf "  median sealed/plain %.3f\n", m }' "$tmp/kv"
+    ratios=$(awk '{ g[$1 " " $2] = $3; if ($1 > n) n = $1 }
+         END { for (r = 1; r <= n; r++) printf "%.3f\n", g[r " on"] / g[r " off"] }' "$tmp/kv")
+    echo "  sealed/plain per round: $(echo $ratios)"
+    echo "  median sealed/plain: $(echo "$ratios" | sort -n | awk '{ v[NR] = $1 }
+        END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }')"
 fi
 
 if has bed; then
@@ -89,13 +91,14 @@ if has bed; then
                     OXCCL_TIMEOUT=300 OXCCL_DEBUG=INFO OXCCL_PROVIDER=tcp \
                     $tmp/oxccl-$m perf all_reduce -b 64M -e 64M -d float -c 1 -w 1 -i 3" 2>&1)
             echo "$out" | grep -E '^\[h0\] +[0-9]+ |^\[h0\].*(sealed|encrypt)' | head -4
-            # After the [hI] prefix the out-of-place busbw is field 9, #wrong field 10.
-            bw=$(echo "$out" | awk '/^\[h0\] +[0-9]+ / { print $9; exit }')
+            # After the [hI] prefix the out-of-place time (us) is field 7, #wrong field 10
+            # (busbw has two decimals only: the ratio is of the times).
+            t=$(echo "$out" | awk '/^\[h0\] +[0-9]+ / { print $7; exit }')
             w=$(echo "$out" | awk '/^\[h[0-9]+\] +[0-9]+ / { if ($10 > w) w = $10 } END { print w + 0 }')
-            printf '  round %d %-3s busbw %s GB/s, wrong %s\n' "$r" "$m" "${bw:-nan}" "$w"
-            echo "$r $m ${bw:-nan}" >>"$tmp/bed"
+            printf '  round %d %-3s time %s us, wrong %s\n' "$r" "$m" "${t:-nan}" "$w"
+            echo "$r $m ${t:-nan}" >>"$tmp/bed"
         done
     done
     awk '{ g[$1 " " $2] = $3; if ($1 > n) n = $1 }
-         END { for (r = 1; r <= n; r++) printf "  round %d sealed/plain busbw %.3f\n", r, g[r " on"] / g[r " off"] }' "$tmp/bed"
+         END { for (r = 1; r <= n; r++) printf "  round %d sealed/plain busbw %.3f\n", r, g[r " off"] / g[r " on"] }' "$tmp/bed"
 fi

@@ -355,6 +355,7 @@ fn local_ip_towards(to: IpAddr) -> IpAddr {
 
 fn engine_config(args: &Args, secret: Secret, local: SocketAddr) -> Result<EngineConfig> {
     let mut c = EngineConfig::new(secret);
+    c.encrypt = oxccl_kv::Encrypt::from_env().map_err(|e| e.to_string())?;
     c.protocol = args
         .protocol
         .engine()
@@ -684,6 +685,8 @@ struct Outcome {
     secs: f64,
     init_cpu: f64,
     target_cpu: Option<f64>,
+    /// The segment's lanes were sealed (`OXCCL_ENCRYPT`).
+    encrypted: bool,
 }
 
 /// How many warm-up operations a thread runs, and whether they stop at [`WARMUP_CAP`].
@@ -728,6 +731,7 @@ fn run_engine(args: &Args, secret: Secret, name: &str) -> Result<Outcome> {
     let seg = engine
         .open_segment(name)
         .map_err(|e| format!("opening segment {name}: {e}"))?;
+    let encrypted = engine.lanes_encrypted(seg).unwrap_or(false);
     let desc = engine
         .segment_descriptor(seg)
         .map_err(|e| format!("segment {name}: {e}"))?;
@@ -800,6 +804,7 @@ fn run_engine(args: &Args, secret: Secret, name: &str) -> Result<Outcome> {
                 _ => None,
             },
             results,
+            encrypted,
         })
     })?;
     drop(engine);
@@ -1033,6 +1038,7 @@ fn run_raw(args: &Args, secret: &Secret, name: &str) -> Result<Outcome> {
             init_cpu: c1 - c0,
             target_cpu: Some(tb - ta),
             results,
+            encrypted: false,
         })
     })
 }
@@ -1085,6 +1091,8 @@ struct Row {
     wait_cpu_pct: f64,
     /// The initiator process's CPU time over the wall time, in % of a core.
     init_cpu_pct: f64,
+    /// The lanes were sealed (`OXCCL_ENCRYPT`; never over shm or raw-tcp).
+    encrypted: bool,
 }
 
 /// The nearest-rank percentile `p` of sorted `v`, in µs.
@@ -1160,6 +1168,7 @@ fn report(args: &Args, who: &str, o: &Outcome) -> Result<()> {
         cpu_target_s_per_gb: o.target_cpu.map(per_gb),
         wait_cpu_pct: 100.0 * wait_cpu,
         init_cpu_pct: 100.0 * o.init_cpu / secs,
+        encrypted: o.encrypted,
     };
     let mut out = std::io::stdout().lock();
     let text = if args.json {

@@ -34,8 +34,20 @@ fn tcp_frame() -> BTreeMap<String, Vec<u8>> {
         rnr_us: 5_000_000,
         index: 0,
         count: 1,
+        nonce: None,
     });
     out.insert("hello".into(), hello.to_vec());
+    // A sealed connection's hello: the flag and a nonce (its records are oxccl-seal's, fuzzed by
+    // `seal_stream`).
+    let sealed = encode_hello(&Hello {
+        target: 7,
+        initiator: 9,
+        rnr_us: 0,
+        index: 1,
+        count: 4,
+        nonce: Some([0x5a; 32]),
+    });
+    out.insert("hello_sealed".into(), sealed.to_vec());
     let mut stream = hello.to_vec();
     for (name, op, len) in [
         ("write", Opcode::Write, 16),

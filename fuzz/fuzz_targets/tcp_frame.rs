@@ -1,8 +1,8 @@
 //! Fuzzes the tcp provider's wire decoder (`crates/oxccl-verbs/src/tcp/frame.rs`).
 //!
 //! The input is read the way a connection's receive side reads its stream: an optional
-//! `HELLO_LEN`-byte hello, then 64-byte headers, each followed by its payload. Every header that decodes must
-//! re-encode to the very same bytes and satisfy the per-opcode rules (payload caps, fixed lengths,
+//! `HELLO_LEN`-byte hello, then 64-byte headers, each followed by its payload. Every header
+//! that decodes must re-encode to the very same bytes and satisfy the per-opcode rules (payload caps, fixed lengths,
 //! NAK status, flags and the fields of a striped part); every rejection must name what is wrong
 //! with the bytes. `decode_hello` is also fed the first `HELLO_LEN` bytes of every input, hello or
 //! not.
@@ -21,12 +21,20 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(&encode_hello(&hello), prefix);
             assert!(hello.index < hello.count && hello.count as u64 <= MAX_PARTS);
             rest = &rest[HELLO_LEN..];
-        } else if &prefix[..8] == b"OXTHELO2" {
-            // Refused only for a connection index or count out of range.
-            let count = u32::from_le_bytes(prefix[36..40].try_into().unwrap());
-            let index = u32::from_le_bytes(prefix[32..36].try_into().unwrap());
+        } else if &prefix[..8] == b"OXTHELO3" {
+            // Refused only for a connection index or count out of range, or a malformed
+            // seal field: flags other than 0 (plain) or 1 (sealed), a non-zero reserved word,
+            // or a plain hello with a nonce.
+            let u32_at = |o: usize| u32::from_le_bytes(prefix[o..o + 4].try_into().unwrap());
+            let (index, count, flags, reserved) = (u32_at(32), u32_at(36), u32_at(40), u32_at(44));
+            let nonce_set = prefix[48..80].iter().any(|&b| b != 0);
             assert!(
-                count == 0 || count as u64 > MAX_PARTS || index >= count,
+                count == 0
+                    || count as u64 > MAX_PARTS
+                    || index >= count
+                    || flags > 1
+                    || reserved != 0
+                    || (flags == 0 && nonce_set),
                 "a hello with its magic and valid fields was refused"
             );
         }

@@ -385,24 +385,8 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>, slot: &mut Option<()>) {
         shared.unadmitted.fetch_sub(1, Ordering::AcqRel);
     }
     let opts = &shared.opts;
-    if join.world == 0 || join.rank >= join.world {
-        refuse(
-            stream.get_mut(),
-            format!("rank {} of world {} is not a member", join.rank, join.world),
-            false,
-        );
-        return;
-    }
-    if join.world > opts.max_members {
-        refuse(
-            stream.get_mut(),
-            format!(
-                "rank {} says job {:016x} has {} ranks, over the service's cap of {} members \
-                 per job (max_members, --max-members)",
-                join.rank, join.job, join.world, opts.max_members
-            ),
-            false,
-        );
+    if let Some(why) = not_a_member(&join, opts) {
+        refuse(stream.get_mut(), why, false);
         return;
     }
     let timeout = Duration::from_millis(join.timeout_ms).min(opts.max_join_wait);
@@ -457,6 +441,36 @@ fn admit(mut stream: TcpStream, shared: &Arc<Shared>, slot: &mut Option<()>) {
         return;
     }
     // Wait for the others; the last to come starts the job.
+    wait_for_members(shared, pending, key, world, timeout);
+}
+
+/// Why a proven member's join is refused before it waits: a rank outside its world, or a
+/// world over the service's cap of members per job.
+fn not_a_member(join: &Join, opts: &ServiceOptions) -> Option<String> {
+    if join.world == 0 || join.rank >= join.world {
+        return Some(format!(
+            "rank {} of world {} is not a member",
+            join.rank, join.world
+        ));
+    }
+    (join.world > opts.max_members).then(|| {
+        format!(
+            "rank {} says job {:016x} has {} ranks, over the service's cap of {} members per \
+             job (max_members, --max-members)",
+            join.rank, join.job, join.world, opts.max_members
+        )
+    })
+}
+
+/// Waits (up to `timeout`) until job `key`'s last member comes and starts it; refuses every
+/// member that waited when it does not.
+fn wait_for_members(
+    shared: &Arc<Shared>,
+    mut pending: std::sync::MutexGuard<'_, HashMap<(usize, u64), Pending>>,
+    key: (usize, u64),
+    world: usize,
+    timeout: Duration,
+) {
     let deadline = Instant::now() + timeout;
     loop {
         let now = Instant::now();

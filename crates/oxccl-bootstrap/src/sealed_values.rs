@@ -47,7 +47,7 @@ impl SealedValues {
         }
     }
 
-    /// `inner` as the encryption policy ([`crate::encrypt_from_env`], `OXCCL_ENCRYPT`) wants a
+    /// `inner` as the encryption policy (`OXCCL_ENCRYPT`, [`Encrypt`]) wants a
     /// store that is not ours: wrapped in [`SealedValues`] unless the policy is `off`.
     ///
     /// The key comes from `secret` when given, else from the environment's (`OXCCL_SECRET`,
@@ -65,7 +65,7 @@ impl SealedValues {
         secret: Option<&Secret>,
         var: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Box<dyn Store>> {
-        let policy = crate::encrypt_from_vars(var)?;
+        let policy = policy_from_vars(var)?;
         if policy == Encrypt::Off {
             return Ok(inner);
         }
@@ -191,6 +191,16 @@ impl Store for SealedValues {
     fn local_addr(&self) -> Option<std::net::SocketAddr> {
         self.inner.local_addr()
     }
+}
+
+/// The policy in `OXCCL_ENCRYPT` (unset: [`Encrypt::Auto`]); a value that is none of `off`,
+/// `on`, `auto` is [`Error::BadEnv`], naming the variable.
+fn policy_from_vars(var: &dyn Fn(&str) -> Option<String>) -> Result<Encrypt> {
+    Encrypt::from_vars(var).map_err(|e| Error::BadEnv {
+        var: oxccl_seal::ENCRYPT_ENV,
+        value: e.0,
+        reason: "expected off, on or auto".into(),
+    })
 }
 
 #[cfg(test)]
@@ -344,5 +354,23 @@ mod tests {
                 .unwrap();
         s.set("k", b"v").unwrap();
         assert_eq!(sealed(&under, "given").get("k", T).unwrap(), b"v");
+    }
+
+    #[test]
+    fn the_policy_parses_and_bad_values_name_the_variable() {
+        let with = |v: Option<&str>| {
+            let v = v.map(str::to_owned);
+            policy_from_vars(&move |n| (n == oxccl_seal::ENCRYPT_ENV).then(|| v.clone()).flatten())
+        };
+        assert_eq!(with(None).unwrap(), Encrypt::Auto);
+        assert_eq!(with(Some("off")).unwrap(), Encrypt::Off);
+        assert_eq!(with(Some("ON")).unwrap(), Encrypt::On);
+        assert_eq!(with(Some("auto")).unwrap(), Encrypt::Auto);
+        match with(Some("maybe")) {
+            Err(Error::BadEnv { var, value, .. }) => {
+                assert_eq!((var, value.as_str()), (oxccl_seal::ENCRYPT_ENV, "maybe"))
+            }
+            r => panic!("{r:?}"),
+        }
     }
 }

@@ -806,7 +806,7 @@ impl Inner {
             .pd
             .create_qp(&d.send_cq, &d.recv.queues()[0], &qcfg)
             .map_err(|e| Error::verbs(format!("creating a queue pair for segment {name:?}"), e))?;
-        let (theirs, key) = match client.call(&Msg::Connect {
+        let (mut theirs, key) = match client.call(&Msg::Connect {
             provider: provider.name().to_string(),
             endpoints: vec![qp.endpoint()],
             encrypt: sealed,
@@ -822,7 +822,6 @@ impl Inner {
                 });
             }
         };
-        let mut theirs = theirs;
         if let Some(r) = &*self.lane_redirect.read().unwrap_or_else(|e| e.into_inner())
             && let EndpointAddr::Tcp { addr, .. } = &mut theirs.addr
         {

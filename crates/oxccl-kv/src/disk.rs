@@ -47,6 +47,9 @@ use crate::error::{Error, Result};
 pub const DISK_ALIGN: u64 = 4096;
 
 const ALIGN: usize = DISK_ALIGN as usize;
+/// How long opening a tier waits for a file lock held by a tier that was just dropped (see
+/// `DiskTier::open`).
+const LOCK_GRACE: Duration = Duration::from_millis(200);
 
 /// Whether the tier bypasses the page cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -672,8 +675,20 @@ impl DiskTier {
             e
         };
 
-        // One tier per file: an existing file is truncated only once its lock is held.
-        match rustix::fs::flock(&fd, FlockOperation::NonBlockingLockExclusive) {
+        // One tier per file: an existing file is truncated only once its lock is held. A lock
+        // held is waited on for up to LOCK_GRACE: a tier just dropped may still hold it for a
+        // moment through a child another thread is forking (the child keeps a copy of the file
+        // description until it execs).
+        let grace = Instant::now() + LOCK_GRACE;
+        let locked = loop {
+            match rustix::fs::flock(&fd, FlockOperation::NonBlockingLockExclusive) {
+                Err(Errno::WOULDBLOCK) if Instant::now() < grace => {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                r => break r,
+            }
+        };
+        match locked {
             Ok(()) => {}
             Err(Errno::WOULDBLOCK) => {
                 return Err(cleanup(Error::arg(format!(

@@ -35,9 +35,12 @@
 use std::collections::{HashMap, VecDeque};
 
 use crate::protocol::{Action, Config, Flows, Machine, Queues, Reuse, Waiting};
+
+mod compiled;
 use crate::schedule::{
     Algorithm, Buf, Collective, Op, Region, Request, Schedule, build, build_aggregator,
 };
+pub use compiled::verify_compiled;
 
 /// A symbolic element: which input element it derives from, and whose contributions it holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,6 +64,7 @@ struct Fragment {
 }
 
 /// One participant's memory.
+#[derive(Clone)]
 struct RankState {
     /// The participant.
     rank: usize,
@@ -480,28 +484,34 @@ impl Wires {
                 let at = self.flows[peer].queue(r, ch);
                 self.credits[peer * parts + r].push_back((at, consumed));
             }
-            Action::Local { step } => match sched.steps[step].op {
-                Op::Copy { src, dst } => {
-                    if src.len != dst.len {
-                        return Err(fail(step, format!("copies {src:?} into {dst:?}")));
-                    }
-                    if st.locate(src) != st.locate(dst) {
-                        let data = st.read(src).map_err(|e| fail(step, e))?;
-                        st.write(dst, &data).map_err(|e| fail(step, e))?;
-                    }
-                }
-                Op::Reduce { dst, a, b } => {
-                    let a = st.read(a).map_err(|e| fail(step, e))?;
-                    let b = st.read(b).map_err(|e| fail(step, e))?;
-                    let v = reduce_slices(&a, &b).map_err(|e| fail(step, e))?;
-                    st.write(dst, &v).map_err(|e| fail(step, e))?;
-                }
-                _ => unreachable!("a local step is a copy or a reduction"),
-            },
+            Action::Local { step } => run_local(sched, st, step).map_err(|e| fail(step, e))?,
             Action::MailboxSend { .. } => unreachable!("the verifier runs the slot protocol"),
         }
         Ok(())
     }
+}
+
+/// Runs local step `step` of `sched` (a copy or a reduction) on `st`'s symbolic buffers.
+fn run_local(sched: &Schedule, st: &mut RankState, step: usize) -> Result<(), String> {
+    match sched.steps[step].op {
+        Op::Copy { src, dst } => {
+            if src.len != dst.len {
+                return Err(format!("copies {src:?} into {dst:?}"));
+            }
+            if st.locate(src) != st.locate(dst) {
+                let data = st.read(src)?;
+                st.write(dst, &data)?;
+            }
+        }
+        Op::Reduce { dst, a, b } => {
+            let a = st.read(a)?;
+            let b = st.read(b)?;
+            let v = reduce_slices(&a, &b)?;
+            st.write(dst, &v)?;
+        }
+        _ => unreachable!("a local step is a copy or a reduction"),
+    }
+    Ok(())
 }
 
 /// What the verifier's transport may do next.

@@ -1394,10 +1394,19 @@ fn shm_2_ranks_everything() {
     run_job("shm, 2 ranks", 2, &shm(), plan);
 }
 
+/// With `OXCCL_COMPILED=0`: the mailbox calls are driven by their protocol machines, which
+/// exchange the same messages as the compiled programs the other jobs run.
 #[test]
-fn shm_3_ranks_everything() {
+fn shm_3_ranks_everything_uncompiled() {
     let plan = Plan::full(3);
-    run_job("shm, 3 ranks", 3, &shm(), plan);
+    let env = [
+        ("OXCCL_PROVIDER", "shm"),
+        ("OXCCL_COMPILED", "0"),
+        ("OXCCL_DEBUG", "INFO"),
+    ];
+    let log = run_job("shm, 3 ranks, uncompiled", 3, &env, plan);
+    assert!(log.contains("protocol mailbox, "), "no mailbox call: {log}");
+    assert!(!log.contains("(compiled)"), "a call ran compiled: {log}");
 }
 
 /// Also checks the tuner: a latency algorithm (recursive doubling or direct for all-reduce,
@@ -1433,6 +1442,16 @@ fn shm_4_ranks_everything() {
             "{name}: no {coll} ran with {algos:?}; the log shows {lines:?}"
         );
     }
+    // The small calls that run in mailboxes (an exchange each way with each peer) ran
+    // compiled, each rank's program verified with the others'.
+    for coll in ["all_reduce", "barrier"] {
+        assert!(
+            log.lines().any(|l| l.contains(&format!(": {coll} of "))
+                && l.contains("protocol mailbox (compiled), ")),
+            "{name}: no {coll} ran compiled; the log: {log}"
+        );
+    }
+    assert!(!log.contains("runs uncompiled"), "{name}: {log}");
     for (c, bytes, a, _) in lines {
         let latency = matches!(
             (c.as_str(), a.as_str()),

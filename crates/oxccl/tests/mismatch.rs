@@ -38,6 +38,7 @@ fn dispatch(scenario: &str, args: &Value) -> Value {
         "invalid" => invalid(),
         "dead_peer" => dead_peer(args),
         "abort" => abort(args),
+        "late" => late(args),
         other => panic!("unknown scenario {other:?}"),
     }
 }
@@ -230,6 +231,21 @@ fn abort(args: &Value) -> Value {
     common::mark_done();
     common::linger();
     json!({ "first": first, "second": second })
+}
+
+/// Rank 1 starts its small all-reduce `delay_ms` late (past rank 0's timeout); rank 0 runs
+/// its own at once.
+fn late(args: &Value) -> Value {
+    let comm = init();
+    if comm.rank() == 1 {
+        std::thread::sleep(Duration::from_millis(args["delay_ms"].as_u64().unwrap()));
+    }
+    let mut v = vec![1f32; SMALL];
+    let t = Instant::now();
+    let first = outcome(comm.all_reduce_in_place(&mut v, ReduceOp::Sum), t);
+    common::mark_done();
+    common::linger();
+    json!({ "first": first })
 }
 
 fn launch(n: usize, provider: &str, scenario: &str, args: Value) -> (Vec<Value>, String) {
@@ -705,6 +721,45 @@ fn every_survivor_names_the_dead_peer() {
 #[test]
 fn small_call_notices_a_dead_peer() {
     check_dead_peer(3, "shm", 0, 300, SMALL, AT_ONCE);
+}
+
+/// A small all-reduce on shm that times out says what it waited for, step and peer: the same
+/// whether it ran compiled (the program tells its machine what ran only once it must say
+/// what it waits for) or driven by its machine.
+#[test]
+fn a_small_call_that_times_out_names_the_mailbox_it_waits_on() {
+    let mut said = Vec::new();
+    for compiled in ["1", "0"] {
+        let env = [
+            ("OXCCL_PROVIDER", "shm"),
+            ("OXCCL_TIMEOUT", "1"),
+            ("OXCCL_COMPILED", compiled),
+        ];
+        let outs = run_ranks(2, &env, "late", &json!({ "delay_ms": 2500 }));
+        let results = expect_results("late", &outs);
+        let first = &results[0]["first"];
+        let msg = first["msg"].as_str().unwrap_or("");
+        assert_eq!(
+            first["kind"], "Timeout",
+            "OXCCL_COMPILED={compiled}: {first}"
+        );
+        assert!(
+            msg.contains("all_reduce #1")
+                && msg.contains("waiting for rank 1's message in its mailbox"),
+            "OXCCL_COMPILED={compiled}: {msg}"
+        );
+        let ms = first["ms"].as_u64().unwrap();
+        assert!(
+            (900..2400).contains(&ms),
+            "OXCCL_COMPILED={compiled}: {ms} ms: {first}"
+        );
+        // What follows "waiting ...": the step and the bytes that arrived.
+        said.push(msg.split_once("waiting").unwrap().1.to_string());
+    }
+    assert_eq!(
+        said[0], said[1],
+        "compiled and uncompiled say different things"
+    );
 }
 
 // ------------------------------------------------------------------------------------------

@@ -731,7 +731,8 @@ impl<'a> Machine<'a> {
             })
     }
 
-    fn mailbox_action(&self, s: usize) -> Action {
+    /// The action of step `s` in mailbox mode (a send, a receive or a local step).
+    pub(super) fn mailbox_action(&self, s: usize) -> Action {
         let total = self.total(s);
         let q = self.queues.queue_of(s).unwrap_or(0);
         match self.sched.steps[s].op {

@@ -1,7 +1,8 @@
 //! The wire protocol, without I/O: what travels ([`wire`]: the fragment header and the call's
 //! fingerprint in it, the immediates, where slots, credit words and mailboxes lie), and the
 //! protocol of one call as a state machine ([`Machine`]: slots, credits, fragments, step
-//! dependencies, the mailbox mode). The runtime's executor (`oxccl`'s engine) performs its
+//! dependencies, the mailbox mode), and a mailbox call compiled from that machine to a straight
+//! line ([`Program`]). The runtime's executor (`oxccl`'s engine) performs its
 //! actions over verbs, the verifier ([`crate::verify`]) over symbolic memory, the simulator
 //! (`oxccl-sim`) over its fabric model.
 //!
@@ -41,6 +42,7 @@
 
 mod desc;
 mod machine;
+mod program;
 pub mod wire;
 
 pub use desc::{OpDesc, seq_text};
@@ -48,6 +50,7 @@ pub use machine::{
     Action, Config, Flow, Flows, Machine, Queues, Reuse, StepState, Waiting, mailbox_call,
     mailbox_eligible, mailbox_mode,
 };
+pub use program::{Instr, Program};
 pub use wire::{
     ANNOUNCE, ANNOUNCE_RING, Announce, Geometry, Header, INLINE, Imm, MAGIC, MAILBOX, MAILBOX_DATA,
     Notice, PLACE_MIN, SLOT_HEADER, STAGE, Violation, mailbox,

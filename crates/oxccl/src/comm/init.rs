@@ -965,6 +965,7 @@ fn configure_engine(engine: &mut Engine, opts: &Options, hosts: &[String], host:
         Duration::ZERO
     });
     engine.mailbox_allowed = opts.mailboxes != Some(false);
+    engine.compiled = opts.compiled;
 }
 
 /// Joins the aggregation service (`contact`) with the link `connect_links` made for it (the

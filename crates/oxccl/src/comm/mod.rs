@@ -710,6 +710,8 @@ impl Communicator {
                 let mut p = Plan::new(build(&key.0).map_err(invalid)?, coll.kind(), algo);
                 if algo == Algorithm::Aggregation {
                     p.agg = Some((chunk, key.0.hosts.clone()));
+                } else {
+                    p.req = Some(key.0.clone());
                 }
                 let s = Arc::new(p);
                 if st.cache.len() >= 256 {
@@ -725,12 +727,14 @@ impl Communicator {
             Protocol::Slots
         };
         if log_enabled() && st.logged.insert((coll.name(), algo, chunk * es)) {
+            let compiled = protocol == Protocol::Mailbox && st.engine.program(&plan).is_some();
             crate::log_line(format!(
-                "rank {rank}: {} of {} bytes: algorithm {}, protocol {}, {} channels, {} KiB chunks, {} steps",
+                "rank {rank}: {} of {} bytes: algorithm {}, protocol {}{}, {} channels, {} KiB chunks, {} steps",
                 coll.name(),
                 coll.count() * es,
                 algo.name(),
                 protocol.name(),
+                if compiled { " (compiled)" } else { "" },
                 channels,
                 (chunk * es) >> 10,
                 plan.sched.steps.len()

@@ -36,6 +36,10 @@ pub struct Options {
     /// The protocol (`OXCCL_PROTO`): `None` lets each schedule use mailboxes where it can,
     /// `Some(false)` (`slots`) always uses the slot protocol.
     pub mailboxes: Option<bool>,
+    /// Whether a mailbox call that repeats a planned shape runs compiled: its steps in the
+    /// order its protocol machine gave them once, checked by the verifier with every rank's
+    /// (`OXCCL_COMPILED=1|0`; default on).
+    pub compiled: bool,
     /// Messages up to this many bytes use the latency algorithms (recursive doubling, trees;
     /// `OXCCL_SMALL_BYTES`, default 64 KiB).
     pub small_bytes: usize,
@@ -123,6 +127,7 @@ impl Default for Options {
             slots: None,
             small_bytes: 64 << 10,
             mailboxes: None,
+            compiled: true,
             watchdog: None,
             watchdog_timeout: None,
             faults: None,
@@ -253,6 +258,13 @@ impl Options {
                 "slots" | "simple" => Some(false),
                 "mailbox" | "auto" => None,
                 _ => return Err(bad("OXCCL_PROTO", &v, "slots or mailbox")),
+            };
+        }
+        if let Some(v) = var("OXCCL_COMPILED") {
+            self.compiled = match v.trim() {
+                "1" | "on" | "true" => true,
+                "0" | "off" | "false" => false,
+                _ => return Err(bad("OXCCL_COMPILED", &v, "1 or 0")),
             };
         }
         if let Some(v) = var("OXCCL_SMALL_BYTES") {
@@ -386,8 +398,10 @@ mod tests {
             ("OXCCL_PROTO", "slots"),
             ("OXCCL_SMALL_BYTES", "1M"),
             ("OXCCL_ENCRYPT", "on"),
+            ("OXCCL_COMPILED", "0"),
         ])
         .unwrap();
+        assert!(!o.compiled);
         assert_eq!(o.encrypt, oxccl_verbs::Encrypt::On);
         assert_eq!(o.timeout, Duration::from_millis(2500));
         assert_eq!(o.provider, Some(Provider::Tcp));
@@ -400,6 +414,7 @@ mod tests {
         let d = opts(&[]).unwrap();
         assert_eq!((d.provider, d.chunk_size, d.mailboxes), (None, None, None));
         assert_eq!(d.encrypt, oxccl_verbs::Encrypt::Auto);
+        assert!(d.compiled);
         for (v, want) in [
             ("off", oxccl_verbs::Encrypt::Off),
             ("auto", oxccl_verbs::Encrypt::Auto),
@@ -415,6 +430,7 @@ mod tests {
             ("OXCCL_SLOTS", "1"),
             ("OXCCL_PROTO", "ll"),
             ("OXCCL_ENCRYPT", "maybe"),
+            ("OXCCL_COMPILED", "yes"),
         ] {
             let e = opts(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k) && e.contains(v), "{k}={v}: {e}");

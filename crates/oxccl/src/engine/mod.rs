@@ -23,7 +23,7 @@ pub(crate) use oxccl_core::protocol::Geometry;
 use oxccl_core::protocol::mailbox::SHORT_HEADER;
 use oxccl_core::protocol::{
     self, ANNOUNCE, ANNOUNCE_RING, Action, Announce, Flows, Header, Imm, MAILBOX_DATA, Machine,
-    Notice, PLACE_MIN, Queues, Reuse, SLOT_HEADER, Violation, Waiting,
+    Notice, PLACE_MIN, Program, Queues, Reuse, SLOT_HEADER, Violation, Waiting,
 };
 use oxccl_verbs::progress::{self, Progress};
 use oxccl_verbs::{
@@ -37,9 +37,10 @@ use crate::flight::Probe;
 use crate::mailbox::{self, Inbox};
 use crate::meter::{Delivered, EgressMeter, LinkMeter};
 use crate::reduce;
-use crate::schedule::{Algorithm, Buf, CollectiveKind, Op, Region, Schedule};
+use crate::schedule::{Algorithm, Buf, CollectiveKind, Op, Region, Request, Schedule};
 use crate::{DataType, ReduceOp};
 
+mod compiled;
 mod data;
 mod link;
 mod registry;
@@ -82,6 +83,12 @@ pub(crate) struct Plan {
     /// An aggregation all-reduce's slice (elements) and host table (two tiers; else empty):
     /// the call is named to the aggregation service before it runs ([`crate::agg`]).
     pub(crate) agg: Option<(usize, Vec<u32>)>,
+    /// The request the schedule was built from, where every rank's differs from it only in
+    /// the rank: the compiled program's verification builds the others' schedules from it.
+    pub(crate) req: Option<Request>,
+    /// The mailbox call compiled to a straight line and verified with every rank's, on first
+    /// use ([`Engine::program`]); `None` where it is not a mailbox call or did not verify.
+    program: std::sync::OnceLock<Option<Program>>,
 }
 
 impl Plan {
@@ -93,6 +100,8 @@ impl Plan {
             mailbox: std::sync::OnceLock::new(),
             queues: std::sync::OnceLock::new(),
             agg: None,
+            req: None,
+            program: std::sync::OnceLock::new(),
         }
     }
 }
@@ -226,6 +235,8 @@ pub(crate) struct Engine {
     reuse: Reuse,
     /// Whether schedules may run in mailboxes (`OXCCL_PROTO=slots` forbids it).
     pub(crate) mailbox_allowed: bool,
+    /// Whether mailbox calls run compiled ([`Engine::program`]; `OXCCL_COMPILED=0` forbids it).
+    pub(crate) compiled: bool,
     /// A mismatch a peer reported in a call this rank had not reached: (sequence number
     /// modulo 2^24, the peer).
     pending_mismatch: Option<(u32, usize)>,
@@ -341,6 +352,7 @@ impl Engine {
             flows,
             reuse: Reuse::default(),
             mailbox_allowed: true,
+            compiled: true,
             pending_mismatch: None,
             failed_by_notice: false,
             spin_for: Duration::from_micros(50),
@@ -382,6 +394,40 @@ impl Engine {
                     },
                 )
         })
+    }
+
+    /// The compiled form of `plan` (a mailbox call, [`Engine::uses_mailbox`]), made once per
+    /// plan: every rank's program of the call, compiled from its protocol machine, run
+    /// together by [`oxccl_core::verify::verify_compiled`], and this rank's kept. `None` where
+    /// compiling is off or the programs do not verify (the call is then driven by its
+    /// machine, which exchanges the same messages).
+    pub(crate) fn program<'p>(&self, plan: &'p Plan) -> Option<&'p Program> {
+        plan.program
+            .get_or_init(|| {
+                let req = plan.req.as_ref().filter(|_| self.compiled)?;
+                let reqs: Vec<Request> = (0..req.world)
+                    .map(|rank| Request {
+                        rank,
+                        ..req.clone()
+                    })
+                    .collect();
+                match oxccl_core::verify::verify_compiled(&reqs) {
+                    Ok(mut progs) if progs.len() > self.rank => Some(progs.swap_remove(self.rank)),
+                    Ok(_) => None,
+                    Err(e) => {
+                        if crate::log_enabled() {
+                            crate::log_line(format!(
+                                "rank {}: {} of {} elements runs uncompiled: {e}",
+                                self.rank,
+                                req.coll.name(),
+                                req.coll.count()
+                            ));
+                        }
+                        None
+                    }
+                }
+            })
+            .as_ref()
     }
 
     /// Whether peer `p` is the aggregation service this rank joined (peer `world`, the last).
@@ -555,8 +601,15 @@ impl Engine {
         };
         let m = Machine::new(sched, queues, self.geo.config(esize), esize, mailbox, reuse)
             .with_id(i as u32);
+        // A call that injects faults counts its steps as the machine runs them.
+        let prog = if mailbox && self.faults.is_none() {
+            self.program(spec.plan)
+        } else {
+            None
+        };
         Ok(One {
             sched,
+            prog,
             desc: spec.desc,
             dtype: spec.dtype,
             op: if spec.op == ReduceOp::Avg {
@@ -593,6 +646,8 @@ impl Engine {
         let mut r = call.check_members();
         r = if r.is_err() {
             r
+        } else if let Some(prog) = call.calls[0].prog.filter(|_| mailbox) {
+            call.run_program(prog, timeout)
         } else if mailbox {
             call.run_mailbox(timeout)
         } else {
@@ -664,6 +719,8 @@ pub(crate) struct One<'a> {
     esize: usize,
     /// The call's protocol state ([`oxccl_core::protocol`]).
     m: Machine<'a>,
+    /// A lone mailbox call's compiled form, which then runs instead of the machine.
+    prog: Option<&'a Program>,
     mrs: CallMrs,
     /// This call's number ([`Engine::calls`]): its data requests carry it.
     tag: u64,

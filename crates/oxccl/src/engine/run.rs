@@ -1,11 +1,9 @@
 //! Driving calls: the loops of the slot and mailbox protocols, the completion queues and
 //! what arrives through them (fragments, credits, notices), health, timeouts, strays.
 
+use super::compiled::{MailboxIdle, PUBLISH_AFTER, Turn};
 use super::*;
 use crate::flight::{self, Waited};
-
-/// How long a call idles before it publishes what it waits for (`oxccl status`).
-const PUBLISH_AFTER: Duration = Duration::from_millis(1);
 
 impl Call<'_, '_> {
     /// A communicator with a failed member cannot run collectives: says so at once, naming
@@ -64,14 +62,7 @@ impl Call<'_, '_> {
     /// into the peer's mapped mailbox, flags last ([`crate::mailbox`]), and the receiver
     /// polls the flags in its own memory. No request, no completion queue, no credits.
     pub(super) fn run_mailbox(&mut self, timeout: Duration) -> Result<()> {
-        // The clock is read only once the call idles (most small calls never do).
-        let mut deadline: Option<Instant> = None;
-        let mut graced = false;
-        let mut idle_since: Option<Instant> = None;
-        let mut idle_polls = 0u32;
-        let mut napping = false;
-        // Whether this idle spell's wait is published for `oxccl status`.
-        let mut published = false;
+        let mut idle = MailboxIdle::default();
         let geo = self.eng.geo;
         while !self.calls[self.cur].m.is_done() {
             let mut progress = false;
@@ -82,13 +73,7 @@ impl Call<'_, '_> {
                 break;
             }
             if progress {
-                idle_since = None;
-                idle_polls = 0;
-                napping = false;
-                if published {
-                    published = false;
-                    self.eng.probe.waiting.store(0, Ordering::Relaxed);
-                }
+                self.mailbox_moved(&mut idle);
                 // What is left waits for a message (the sends went out): watch its flag
                 // rather than make a pass that finds nothing.
                 if !self.eng.spin_now.is_zero() && !self.spun_out {
@@ -96,69 +81,35 @@ impl Call<'_, '_> {
                 }
                 continue;
             }
-            // Reading the clock costs as much as a poll: look at it every 32 idle passes.
-            idle_polls += 1;
-            // (Once napping, every pass is long anyway: look at everything each time.)
-            if !napping && !idle_polls.is_multiple_of(32) {
-                if self.eng.spin_now.is_zero() || self.spun_out {
-                    std::thread::yield_now();
-                } else {
-                    // Watch the one word the call waits for, rather than make passes: the
-                    // message is taken as soon as it lands.
-                    self.spin_on_awaited(&geo);
-                }
-                continue;
-            }
-            // Notices (abort, mismatch), failed connections and data that does not belong to
-            // this call arrive through the completion queues.
-            self.poll_cqs()?;
-            self.check_strays(true)?;
-            self.check_health()?;
-            let now = Instant::now();
-            if expired(deadline.get_or_insert(now + timeout), &mut graced, now) {
-                return Err(self.timeout_error(timeout));
-            }
-            let since = *idle_since.get_or_insert(now);
-            let idle = now - since;
-            if !published && idle >= PUBLISH_AFTER {
-                published = true;
-                self.publish_waiting(since, now);
-            }
-            if idle < self.eng.spin_now {
-                std::hint::spin_loop();
-            } else if idle < self.eng.yield_for {
-                self.spun_out = true;
-                std::thread::yield_now();
-            } else {
-                // Nothing to sleep on: nap briefly.
-                napping = true;
-                std::thread::sleep(Duration::from_micros(100));
+            let awaited = self.awaited_message();
+            match self.mailbox_idle(&mut idle, timeout, awaited)? {
+                Turn::Again => {}
+                Turn::TimedOut => return Err(self.timeout_error(timeout)),
+                Turn::Publish(since, now) => self.publish_waiting(since, now),
             }
         }
         Ok(())
     }
 
-    /// Spins (a bounded while) on the flag the first message this mailbox call waits for
-    /// will set.
-    #[inline(never)]
-    pub(super) fn spin_on_awaited(&self, geo: &Geometry) {
+    /// The link and length of the message the first waiting step of this mailbox call waits
+    /// for.
+    fn awaited_message(&self) -> Option<(usize, usize)> {
         let one = &self.calls[self.cur];
         let Some(Waiting::Data { step, q }) = one.m.waiting(&self.eng.flows) else {
-            std::hint::spin_loop();
-            return;
+            return None;
         };
         let Op::Recv { dst, .. } = one.sched.steps[step].op else {
-            return;
+            return None;
         };
-        let link = &self.eng.links[self.eng.flows.link_channel(q).0];
-        let flag = link.mbox_recv + 1;
-        if let Some(w) = link.inbox(geo).awaited(dst.len * one.esize, flag) {
-            for _ in 0..MAILBOX_SPIN {
-                if w.load(Ordering::Acquire) == flag {
-                    return;
-                }
-                std::hint::spin_loop();
-            }
+        Some((self.eng.flows.link_channel(q).0, dst.len * one.esize))
+    }
+
+    /// Spins (a bounded while) on the flag the first message this mailbox call waits for
+    /// will set.
+    pub(super) fn spin_on_awaited(&self, geo: &Geometry) {
+        match self.awaited_message() {
+            Some((l, total)) => self.spin_on_message(l, total, geo),
+            None => std::hint::spin_loop(),
         }
     }
 

@@ -1,6 +1,7 @@
 //! Mailbox messages through mapped memory: the sender stores a message straight into the
-//! peer's mailbox (its receive region, mapped with `QueuePair::map_remote`), and the receiver
-//! reads it from its own memory. The layout, and why it is safe to read, is
+//! peer's mailbox (its receive region, mapped with `QueuePair::map_remote`), or, where the
+//! provider maps nothing, composes it in its own staging region for one write that carries it
+//! there; the receiver reads it from its own memory. The layout, and why it is safe to read, is
 //! [`oxccl_core::protocol::mailbox`]'s: a first line with a flag, the short header and the
 //! start of the data; the data contiguous from [`DATA`]; a stamp after it when it does not fit
 //! the first line. This module is the only one that touches those bytes.
@@ -24,11 +25,38 @@ unsafe fn word<'a>(p: *mut u8) -> &'a AtomicU64 {
     unsafe { &*(p as *const AtomicU64) }
 }
 
-/// Stores message number `flag - 1` into the peer's mailbox at byte `at` of `outbox`: the
-/// short header `hdr` (with any fault already applied), `data`, then the flags. Fails, naming
-/// the sizes, if the message does not fit the mapping.
+/// Memory a mailbox message can be stored into: a peer's receive region mapped here, or this
+/// rank's own staging region.
+pub(crate) trait Mapped {
+    /// The first byte (page-aligned); valid for [`Mapped::len`] bytes while `self` lives.
+    fn base(&self) -> *mut u8;
+    /// Bytes.
+    fn len(&self) -> usize;
+}
+
+impl Mapped for RemoteMapping {
+    fn base(&self) -> *mut u8 {
+        self.as_ptr()
+    }
+    fn len(&self) -> usize {
+        RemoteMapping::len(self)
+    }
+}
+
+impl Mapped for MemoryRegion {
+    fn base(&self) -> *mut u8 {
+        self.as_ptr()
+    }
+    fn len(&self) -> usize {
+        MemoryRegion::len(self)
+    }
+}
+
+/// Stores message number `flag - 1` into the mailbox at byte `at` of `outbox`: the short
+/// header `hdr` (with any fault already applied), `data`, then the flags. Fails, naming the
+/// sizes, if the message does not fit.
 pub(crate) fn post(
-    outbox: &RemoteMapping,
+    outbox: &impl Mapped,
     at: usize,
     hdr: &[u8; SHORT_HEADER],
     data: &[u8],
@@ -38,18 +66,18 @@ pub(crate) fn post(
     let end = at.checked_add(used(total));
     if end.is_none_or(|e| e > outbox.len()) || !at.is_multiple_of(LINE) {
         return Err(format!(
-            "a mailbox message of {total} bytes at {at} does not fit the peer's receive region \
-             of {} bytes",
+            "a mailbox message of {total} bytes at {at} does not fit the region of {} bytes",
             outbox.len()
         ));
     }
-    // SAFETY: `at + used(total)` lies inside the mapping (checked above) and `at` is on a
-    // line, so every offset below is in bounds and each flag 8-byte aligned (the mapping
+    // SAFETY: `at + used(total)` lies inside the memory (checked above) and `at` is on a
+    // line, so every offset below is in bounds and each flag 8-byte aligned (the memory
     // starts on a page). The receiver reads none of these bytes before it sees the flag that
-    // follows them, and does not hand the mailbox back (by sending its next message) before
-    // it has read them: nothing else touches them meanwhile. `data` is local memory.
+    // follows them (or, for a written mailbox, before the write has landed), and does not
+    // hand the mailbox back (by sending its next message) before it has read them: nothing
+    // else touches them meanwhile. `data` is local memory.
     unsafe {
-        let line = outbox.as_ptr().add(at);
+        let line = outbox.base().add(at);
         std::ptr::copy_nonoverlapping(hdr.as_ptr(), line.add(HEADER), SHORT_HEADER);
         std::ptr::copy_nonoverlapping(data.as_ptr(), line.add(DATA), total);
         word(line.add(FLAG)).store(flag, Ordering::Release);

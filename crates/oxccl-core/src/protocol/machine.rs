@@ -28,7 +28,8 @@
 //! # Mailbox mode
 //! A schedule in which every peer gets at most one small message each way
 //! ([`mailbox_eligible`]) can run without slots, credits or completions: one write of the
-//! message and one of its stamp, into one of two mailboxes per peer. Steps then run in order
+//! message and one of its stamp, into one of two mailboxes per peer (over a link that maps
+//! nothing, one WRITE_WITH_IMM of both, whose completion at the receiver says it landed). Steps then run in order
 //! as their dependencies allow, a receive when the driver finds its message ([`Action::Recv`]
 //! with `mailbox`; the driver's answer says whether it had arrived).
 
@@ -1000,7 +1001,8 @@ impl<'a> Machine<'a> {
 /// make alike. The call's collective and algorithm must let every rank tell from its own
 /// schedule what its peers' are ([`mailbox_call`]), and the schedule must fit the mailboxes
 /// ([`mailbox_eligible`], with `mailbox_link(peer)` saying whether the link to the peer has
-/// mailboxes: the executor's shm links, mapped here).
+/// mailboxes: every link of the executor's to a rank; it stores into those it has mapped
+/// (shm) and writes the others whole).
 ///
 /// ```
 /// use oxccl_core::protocol::{MAILBOX_DATA, mailbox_mode};
@@ -1054,7 +1056,7 @@ pub fn mailbox_call(kind: CollectiveKind, algo: Algorithm) -> bool {
 
 /// Whether a schedule can run in mailbox mode: every peer it talks to gets exactly one
 /// message each way, of at most `max_bytes`, and `mailbox_link(peer)` says the link to it
-/// has mailboxes (shared memory). One exchange per peer and call is what makes two mailboxes
+/// has mailboxes. One exchange per peer and call is what makes two mailboxes
 /// enough: a peer sends its next message only after it has read ours of the call before, so
 /// it never overwrites one still being read.
 pub fn mailbox_eligible(

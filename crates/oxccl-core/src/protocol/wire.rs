@@ -46,6 +46,10 @@ pub enum Imm {
         /// The call's sequence number modulo 2^24.
         seq: u32,
     },
+    /// The peer's next mailbox message has landed whole (a link without a mapping: the
+    /// message is written with one WRITE_WITH_IMM, and this completion is what says it is all
+    /// there; see [`mailbox`]).
+    Mailbox,
 }
 
 /// A peer's notice ([`Imm::Notice`]).
@@ -63,6 +67,9 @@ const KIND_DATA: u32 = 0;
 const KIND_CREDIT: u32 = 1;
 const KIND_NOTICE: u32 = 2;
 const KIND_MISMATCH: u32 = 3;
+/// The channel field of [`Imm::Mailbox`] (a data immediate on a channel no link has: at most
+/// 16).
+const MAILBOX_CHANNEL: usize = 0x3f;
 const ABORTED_BY_USER: u32 = 0xff_ffff;
 const DUMP_REQUEST: u32 = 0xff_fffe;
 
@@ -79,6 +86,7 @@ impl Imm {
             Imm::Notice(Notice::DumpRequest) => pack(KIND_NOTICE, 0, DUMP_REQUEST),
             Imm::Notice(Notice::Failed(r)) => pack(KIND_NOTICE, 0, r as u32),
             Imm::Mismatch { seq } => pack(KIND_MISMATCH, 0, seq),
+            Imm::Mailbox => pack(KIND_DATA, MAILBOX_CHANNEL, 0),
         }
     }
 
@@ -87,6 +95,7 @@ impl Imm {
         let channel = ((v >> 24) & 0x3f) as usize;
         let value = v & 0xff_ffff;
         match v >> 30 {
+            KIND_DATA if channel == MAILBOX_CHANNEL => Imm::Mailbox,
             KIND_DATA => Imm::Data {
                 channel,
                 slot: value,
@@ -103,8 +112,13 @@ impl Imm {
 }
 
 /// How a mailbox message lies in the receiver's mailbox, which the sender writes with its own
-/// stores (the receive region is mapped into the sender: `QueuePair::map_remote`): no request,
-/// no completion, and no stamp of its own for a small message.
+/// stores where the receive region is mapped into the sender (`QueuePair::map_remote`, shm):
+/// no request, no completion, and no stamp of its own for a small message. Where it is not
+/// (tcp, ofi), the sender composes the same bytes in its staging region
+/// ([`Geometry::stage_mailbox`]) and writes them with one WRITE_WITH_IMM ([`Imm::Mailbox`]);
+/// the receiver takes the message once that completion has come (a provider's copy into
+/// memory promises no order of its bytes), and reads it as it would a stored one: one frame
+/// each way per peer and call, no slot, no credit.
 ///
 /// The first 64-byte line holds a flag, the message's short header
 /// ([`Header::encode_short`]: the call's fingerprint and the message's length) and the first
@@ -309,10 +323,16 @@ impl Geometry {
             i,
         )
     }
+    /// Where the image of a mailbox message of parity `parity` (0 or 1: messages to a peer
+    /// alternate) is composed in the staging region, on a link whose mailboxes are written
+    /// rather than stored into (no mapping): the source of the one write that carries it.
+    pub fn stage_mailbox(&self, parity: usize) -> usize {
+        self.stage_announce(self.channels, 0) + parity * MAILBOX
+    }
     /// Bytes of the staging region: headers and inline data per slot, credit source words,
-    /// then the announcement rings.
+    /// the announcement rings, then two mailbox images.
     pub fn stage_region(&self) -> usize {
-        self.stage_announce(self.channels, 0)
+        self.stage_mailbox(2)
     }
     /// Receive work requests kept posted per queue pair.
     pub fn recv_depth(&self) -> u32 {
@@ -812,9 +832,10 @@ mod tests {
                 slot: 0,
             },
             Imm::Data {
-                channel: 63,
+                channel: 62,
                 slot: 0xff_fffd,
             },
+            Imm::Mailbox,
             Imm::Credit { channel: 5 },
             Imm::Notice(Notice::Aborted),
             Imm::Notice(Notice::DumpRequest),
@@ -865,14 +886,16 @@ mod tests {
                 stage.push((g.stage_announce(ch, i), ANNOUNCE));
             }
         }
+        for p in 0..2 {
+            stage.push((g.stage_mailbox(p), MAILBOX));
+        }
         stage.sort();
         for w in stage.windows(2) {
             assert!(w[0].0 + w[0].1 <= w[1].0, "{w:?} overlap");
         }
-        assert_eq!(
-            g.stage_announce(1, ANNOUNCE_RING - 1) + ANNOUNCE,
-            g.stage_region()
-        );
+        assert_eq!(g.stage_mailbox(1) + MAILBOX, g.stage_region());
+        // A mailbox image starts on a line, as the mailbox it is written into.
+        assert!(g.stage_mailbox(0).is_multiple_of(mailbox::LINE));
         let c = g.config(4);
         assert_eq!(
             (c.frag_bytes, c.inline_max, c.credit_every),

@@ -54,8 +54,9 @@
 //!   at the end of the call stays owed, as in the executor; every queue starts empty (a
 //!   fresh communicator's first call).
 //! - The mailbox protocol where the runtime would use it: a rank whose schedule is
-//!   [`mailbox_eligible`] (every peer it talks to on its own host, the runtime's shm links,
-//!   one message each way of at most [`MAILBOX_DATA`] bytes) runs the call in mailbox mode:
+//!   [`mailbox_eligible`] (every peer it talks to a rank, on its host or another: the runtime
+//!   stores into shm mailboxes and writes the others; one message each way of at most
+//!   [`MAILBOX_DATA`] bytes) runs the call in mailbox mode:
 //!   each message is one write (one post, plus its copy into the staging mailbox) that leaves
 //!   as one flow, with no slots, no credits and no completion (the send is done when posted);
 //!   steps run as their dependencies allow, a receive once its message has arrived. Both
@@ -395,17 +396,10 @@ pub fn simulate_with(fabric: &Fabric, spec: &Spec, opts: &Options) -> Result<Rep
         let in_place = spec.in_place;
         move |a: Region, b: Region| copy_skipped(coll, world, r, in_place, a, b)
     };
-    // The mailbox protocol where the runtime would use it: every peer on the rank's own
-    // host (the runtime's shm links; the aggregator is none).
-    let host = |r: usize| match fabric.nodes[r].kind {
-        NodeKind::Rank { host } => Some(host),
-        NodeKind::Switch { .. } => None,
-    };
+    // The mailbox protocol where the runtime would use it: between ranks (stored into on one
+    // host, written across hosts; the aggregator has none).
     let mailbox = |r: usize, s: &Schedule| {
-        r < world
-            && mailbox_eligible(s, world, spec.elem_size, MAILBOX_DATA, |p| {
-                p < world && host(p) == host(r)
-            })
+        r < world && mailbox_eligible(s, world, spec.elem_size, MAILBOX_DATA, |p| p < world)
     };
     // Participants of the same shape share it (one copy per run).
     let shapes = Shapes::default();

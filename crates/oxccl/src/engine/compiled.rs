@@ -14,7 +14,7 @@ pub(super) const PUBLISH_AFTER: Duration = Duration::from_millis(1);
 /// The waiting of a mailbox call between messages: the clock is read only once it idles
 /// (most small calls never do), and only every 32 idle polls.
 #[derive(Default)]
-pub(super) struct MailboxIdle {
+pub(super) struct MailboxIdle<'p> {
     deadline: Option<Instant>,
     graced: bool,
     since: Option<Instant>,
@@ -22,6 +22,17 @@ pub(super) struct MailboxIdle {
     napping: bool,
     /// Whether this idle spell's wait is published for `oxccl status`.
     published: bool,
+    /// The program the call runs, if it runs compiled: its machine is told what ran before
+    /// anything asks it (the links' health, what the call waits for).
+    program: Option<Running<'p>>,
+}
+
+/// A compiled call's progress: its program, the instruction it is at, and how many of them
+/// its machine has been told of.
+struct Running<'p> {
+    prog: &'p Program,
+    at: usize,
+    synced: usize,
 }
 
 /// What one idle turn of a mailbox call found.
@@ -47,8 +58,8 @@ impl Call<'_, '_> {
     }
 
     /// One idle turn of a mailbox call whose next message is link `l`'s, of `total` bytes:
-    /// spins on the word it waits for, or yields; every 32 turns also polls the completion
-    /// queues (notices, failed connections and data that does not belong to the call arrive
+    /// spins on the word it waits for (or, on a written mailbox, polls the completion queues),
+    /// or yields; every 32 turns also polls the completion queues (notices, failed connections and data that does not belong to the call arrive
     /// there), checks the links and the clock, and spins, yields or naps by how long the call
     /// has idled.
     pub(super) fn mailbox_idle(
@@ -59,9 +70,18 @@ impl Call<'_, '_> {
     ) -> Result<Turn> {
         let geo = self.eng.geo;
         idle.polls += 1;
+        // A written mailbox's message is there once its completion is: look for it.
+        let written = awaited.is_some_and(|(l, _)| self.eng.links[l].outbox.is_none());
         // (Once napping, every pass is long anyway: look at everything each time.)
         if !idle.napping && !idle.polls.is_multiple_of(32) {
-            if self.eng.spin_now.is_zero() || self.spun_out {
+            if written {
+                if self.poll_cqs()? {
+                    return Ok(Turn::Again);
+                }
+                if self.eng.spin_now.is_zero() || self.spun_out {
+                    std::thread::yield_now();
+                }
+            } else if self.eng.spin_now.is_zero() || self.spun_out {
                 std::thread::yield_now();
             } else if let Some((l, total)) = awaited {
                 // Watch the one word the call waits for, rather than make passes: the message
@@ -72,6 +92,7 @@ impl Call<'_, '_> {
             }
             return Ok(Turn::Again);
         }
+        self.sync_machine(idle);
         self.poll_cqs()?;
         self.check_strays(true)?;
         self.check_health()?;
@@ -90,6 +111,15 @@ impl Call<'_, '_> {
         } else if waited < self.eng.yield_for {
             self.spun_out = true;
             std::thread::yield_now();
+        } else if written {
+            // Sleep on the completion queues, where the message's completion comes.
+            idle.napping = true;
+            let deadline = idle.deadline.unwrap_or(now);
+            self.wait(
+                deadline
+                    .min(now + Duration::from_millis(50))
+                    .saturating_duration_since(now),
+            )?;
         } else {
             // Nothing to sleep on: nap briefly.
             idle.napping = true;
@@ -107,6 +137,10 @@ impl Call<'_, '_> {
     #[inline(never)]
     pub(super) fn spin_on_message(&self, l: usize, total: usize, geo: &Geometry) {
         let link = &self.eng.links[l];
+        if link.outbox.is_none() {
+            // A written mailbox: its completion says when, not its flags.
+            return;
+        }
         let flag = link.mbox_recv + 1;
         if let Some(w) = link.inbox(geo).awaited(total, flag) {
             for _ in 0..MAILBOX_SPIN {
@@ -121,39 +155,50 @@ impl Call<'_, '_> {
     /// Runs the lone mailbox call as compiled: `prog`'s instructions in order, each receive
     /// waiting (as [`Call::mailbox_idle`] says) until its message is there.
     pub(super) fn run_program(&mut self, prog: &Program, timeout: Duration) -> Result<()> {
-        let mut synced = 0;
-        let r = self.run_instrs(prog, timeout, &mut synced);
-        if let Err(k) = r {
-            // Tell the machine what ran, for what the error says of the call.
-            self.sync_machine(prog, &mut synced, k.at);
-            return Err(k.error.unwrap_or_else(|| self.timeout_error(timeout)));
+        let mut idle = MailboxIdle {
+            program: Some(Running {
+                prog,
+                at: 0,
+                synced: 0,
+            }),
+            ..MailboxIdle::default()
+        };
+        let r = self.run_instrs(prog, timeout, &mut idle);
+        match r {
+            Ok(()) => {
+                self.eng
+                    .probe
+                    .steps_done
+                    .store(prog.instrs().len() as u32, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(e) => {
+                // Tell the machine what ran, for what the error says of the call.
+                self.sync_machine(&mut idle);
+                Err(e.unwrap_or_else(|| self.timeout_error(timeout)))
+            }
         }
-        self.eng
-            .probe
-            .steps_done
-            .store(prog.instrs().len() as u32, Ordering::Relaxed);
-        Ok(())
     }
 
-    /// [`Call::run_program`]'s loop; fails with the instruction it stopped at and the error
-    /// (none: the call timed out).
+    /// [`Call::run_program`]'s loop; fails with the error (none: the call timed out).
     fn run_instrs(
         &mut self,
         prog: &Program,
         timeout: Duration,
-        synced: &mut usize,
-    ) -> std::result::Result<(), Stopped> {
+        idle: &mut MailboxIdle<'_>,
+    ) -> std::result::Result<(), Option<Error>> {
         let geo = self.eng.geo;
         let sched = self.calls[0].sched;
-        let mut idle = MailboxIdle::default();
         for (k, &ins) in prog.instrs().iter().enumerate() {
-            let at = |error| Stopped { at: k, error };
+            if let Some(p) = idle.program.as_mut() {
+                p.at = k;
+            }
             let s = ins.step();
             match (ins, &sched.steps[s].op) {
-                (Instr::Send(_), &Op::Send { peer, src, .. }) => self
-                    .mailbox_send(peer, src, &geo)
-                    .map_err(|e| at(Some(e)))?,
-                (Instr::Local(_), _) => self.run_local(s).map_err(|e| at(Some(e)))?,
+                (Instr::Send(_), &Op::Send { peer, src, .. }) => {
+                    self.mailbox_send(peer, src, &geo)?
+                }
+                (Instr::Local(_), _) => self.run_local(s)?,
                 (
                     Instr::Recv(_),
                     &Op::Recv {
@@ -164,23 +209,14 @@ impl Call<'_, '_> {
                     },
                 ) => {
                     let awaited = Some((self.eng.link_of[peer], dst.len * self.calls[0].esize));
-                    while !self
-                        .mailbox_recv(peer, dst, reduce_with, &geo)
-                        .map_err(|e| at(Some(e)))?
-                    {
-                        match self
-                            .mailbox_idle(&mut idle, timeout, awaited)
-                            .map_err(|e| at(Some(e)))?
-                        {
+                    while !self.mailbox_recv(peer, dst, reduce_with, &geo)? {
+                        match self.mailbox_idle(idle, timeout, awaited)? {
                             Turn::Again => {}
-                            Turn::TimedOut => return Err(at(None)),
-                            Turn::Publish(since, now) => {
-                                self.sync_machine(prog, synced, k);
-                                self.publish_waiting(since, now);
-                            }
+                            Turn::TimedOut => return Err(None),
+                            Turn::Publish(since, now) => self.publish_waiting(since, now),
                         }
                     }
-                    self.mailbox_moved(&mut idle);
+                    self.mailbox_moved(idle);
                 }
                 _ => unreachable!("a program's instruction is its step's kind (Program::compile)"),
             }
@@ -188,20 +224,18 @@ impl Call<'_, '_> {
         Ok(())
     }
 
-    /// Brings the call's machine from instruction `synced` of `prog` to `k` (it has run the
-    /// first `k`), and says so to the flight recorder.
+    /// Tells a compiled call's machine which of its program's instructions ran (none of a
+    /// call its machine drives), and the flight recorder how many.
     #[cold]
-    fn sync_machine(&mut self, prog: &Program, synced: &mut usize, k: usize) {
-        if k > *synced {
-            prog.replay(&mut self.calls[0].m, &mut self.eng.flows, *synced..k);
-            *synced = k;
+    fn sync_machine(&mut self, idle: &mut MailboxIdle<'_>) {
+        let Some(p) = idle.program.as_mut() else {
+            return;
+        };
+        if p.at > p.synced {
+            p.prog
+                .replay(&mut self.calls[0].m, &mut self.eng.flows, p.synced..p.at);
+            p.synced = p.at;
         }
         self.note_steps();
     }
-}
-
-/// Where [`Call::run_program`] stopped: the instruction, and why (`None`: time ran out).
-struct Stopped {
-    at: usize,
-    error: Option<Error>,
 }

@@ -153,22 +153,37 @@ impl Call<'_, '_> {
         if link.qp.state() != QpState::Rts {
             return Err(self.link_down(l));
         }
-        let Some(outbox) = &link.outbox else {
-            return Err(self.invalid(format!(
-                "a mailbox message to rank {peer}, whose receive region is not mapped"
-            )));
-        };
         let m = link.mbox_sent;
+        let parity = (m % 2) as usize;
         // SAFETY: bounds-checked by `locate`.
         let data = unsafe { std::slice::from_raw_parts(p as *const u8, len) };
-        mailbox::post(
-            outbox,
-            geo.mailbox_offset((m % 2) as usize),
-            &hb,
-            data,
-            m + 1,
-        )
-        .map_err(|e| self.invalid(e))?;
+        match &link.outbox {
+            Some(outbox) => {
+                mailbox::post(outbox, geo.mailbox_offset(parity), &hb, data, m + 1)
+                    .map_err(|e| self.invalid(e))?;
+            }
+            None => {
+                // Composed in the staging region, then written whole. The image of parity
+                // `parity` is composed again two messages later, once the peer has answered
+                // the one between: by then it has read this one, so the write has left.
+                let at = geo.stage_mailbox(parity);
+                mailbox::post(&link.stage, at, &hb, data, m + 1).map_err(|e| self.invalid(e))?;
+                let used = oxccl_core::protocol::mailbox::used(len);
+                let sge = [Sge::new(&link.stage, at, used)];
+                let wr = SendWr::new(
+                    WR_CTRL,
+                    WrOp::WriteWithImm {
+                        remote: link.remote.at(geo.mailbox_offset(parity) as u64),
+                        imm: Imm::Mailbox.encode(),
+                    },
+                    &sge,
+                )
+                .unsignaled();
+                link.qp
+                    .post_send(&[wr])
+                    .map_err(|e| self.send_error(l, e))?;
+            }
+        }
         self.eng.links[l].mbox_sent += 1;
         self.eng.stats.sent += len as u64;
         Ok(())
@@ -188,7 +203,9 @@ impl Call<'_, '_> {
         let link = &self.eng.links[l];
         let flag = link.mbox_recv + 1;
         let inbox = link.inbox(geo);
-        if !inbox.header_arrived(flag) {
+        // A written mailbox is read only once its write has landed whole.
+        let landed = link.outbox.is_some() || link.mbox_landed > link.mbox_recv;
+        if !landed || !inbox.header_arrived(flag) {
             return Ok(false);
         }
         let one = &self.calls[self.cur];

@@ -23,6 +23,9 @@ pub(crate) struct Link {
     /// Mailbox messages sent to and received from this peer.
     pub(super) mbox_sent: u64,
     pub(super) mbox_recv: u64,
+    /// Mailbox messages from this peer whose write has landed (a link without
+    /// [`Link::outbox`]: its mailboxes are written, and taken only once landed).
+    pub(super) mbox_landed: u64,
     /// What our data fragments to this peer delivered (tcp links only; see [`crate::meter`]).
     pub(crate) meter: Option<LinkMeter>,
 }
@@ -58,6 +61,7 @@ impl Link {
             failed: None,
             mbox_sent: 0,
             mbox_recv: 0,
+            mbox_landed: 0,
             meter: (provider == Provider::Tcp).then(LinkMeter::default),
         })
     }
@@ -111,9 +115,11 @@ impl Link {
         )
     }
 
-    /// Whether the header of the peer's next mailbox message has arrived.
+    /// Whether the header of the peer's next mailbox message has arrived (on a link whose
+    /// mailboxes are written: whether the whole message has).
     pub(super) fn mailbox_arrived(&self, geo: &Geometry) -> bool {
-        self.inbox(geo).header_arrived(self.mbox_recv + 1)
+        (self.outbox.is_some() || self.mbox_landed > self.mbox_recv)
+            && self.inbox(geo).header_arrived(self.mbox_recv + 1)
     }
 
     pub(super) fn credit_word(&self, ch: usize, geo: &Geometry) -> u64 {

@@ -373,9 +373,9 @@ impl Engine {
     }
 
     /// Whether `plan` runs with the mailbox protocol (decided once per plan, by
-    /// [`protocol::mailbox_mode`]): every peer it talks to has its receive region mapped here
-    /// (shm: mailboxes are stored into directly) and gets one message each way of at most
-    /// [`MAILBOX_DATA`] bytes.
+    /// [`protocol::mailbox_mode`]): every peer it talks to gets one message each way of at
+    /// most [`MAILBOX_DATA`] bytes. Mailboxes are stored into directly where the peer's
+    /// receive region is mapped here (shm), and written with one WRITE_WITH_IMM elsewhere.
     pub(crate) fn uses_mailbox(&self, plan: &Plan, esize: usize) -> bool {
         *plan.mailbox.get_or_init(|| {
             let (kind, algo) = plan.call;
@@ -388,10 +388,7 @@ impl Engine {
                     peers,
                     esize,
                     MAILBOX_DATA,
-                    |p| {
-                        let l = self.link_of[p];
-                        l != usize::MAX && self.links[l].outbox.is_some()
-                    },
+                    |p| self.link_of[p] != usize::MAX,
                 )
         })
     }

@@ -399,6 +399,14 @@ impl Call<'_, '_> {
                             .bytes_in
                             .store(self.bytes_in, Ordering::Relaxed);
                     }
+                    Imm::Mailbox => {
+                        lk.mbox_landed += 1;
+                        self.bytes_in += wc.byte_len as u64;
+                        self.eng
+                            .probe
+                            .bytes_in
+                            .store(self.bytes_in, Ordering::Relaxed);
+                    }
                     Imm::Credit { channel: ch } if ch < geo.channels => {
                         let q = self.eng.flows.queue(l, ch);
                         let word = lk.credit_word(ch, &geo);

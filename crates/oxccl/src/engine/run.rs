@@ -1,6 +1,7 @@
 //! Driving calls: the loops of the slot and mailbox protocols, the completion queues and
 //! what arrives through them (fragments, credits, notices), health, timeouts, strays.
 
+use super::wait;
 use super::*;
 use crate::flight::{self, Waited};
 
@@ -91,23 +92,26 @@ impl Call<'_, '_> {
                 }
                 // What is left waits for a message (the sends went out): watch its flag
                 // rather than make a pass that finds nothing.
-                if !self.eng.spin_now.is_zero() && !self.spun_out {
-                    self.spin_on_awaited(&geo);
+                if !self.eng.policy().yields(self.spun_out) {
+                    self.watch_awaited(&geo, false);
                 }
                 continue;
             }
-            // Reading the clock costs as much as a poll: look at it every 32 idle passes.
+            // Reading the clock costs as much as a poll: look at it every 32 idle passes, or
+            // after a watch that did not see its word.
             idle_polls += 1;
             // (Once napping, every pass is long anyway: look at everything each time.)
-            if !napping && !idle_polls.is_multiple_of(32) {
-                if self.eng.spin_now.is_zero() || self.spun_out {
-                    std::thread::yield_now();
-                } else {
-                    // Watch the one word the call waits for, rather than make passes: the
-                    // message is taken as soon as it lands.
-                    self.spin_on_awaited(&geo);
+            if !napping && !idle_polls.is_multiple_of(wait::WATCH_YIELDS) {
+                // Watch the one word the call waits for, rather than make passes: the
+                // message is taken as soon as it lands. A watch (64 spins, about 3-10 us:
+                // a `pause` takes 40-140 cycles; or 32 yields) stands for many passes, so the
+                // clock is read after each one that fails: 31 spinning watches in a row
+                // would spin ~100 us, twice OXCCL_SPIN_US's default.
+                let yielding = self.eng.policy().yields(self.spun_out);
+                if self.watch_awaited(&geo, yielding) != Some(false) {
+                    continue;
                 }
-                continue;
+                idle_polls = idle_polls.next_multiple_of(wait::WATCH_YIELDS);
             }
             // Notices (abort, mismatch), failed connections and data that does not belong to
             // this call arrive through the completion queues.
@@ -124,40 +128,50 @@ impl Call<'_, '_> {
                 published = true;
                 self.publish_waiting(since, now);
             }
-            if idle < self.eng.spin_now {
-                std::hint::spin_loop();
-            } else if idle < self.eng.yield_for {
-                self.spun_out = true;
-                std::thread::yield_now();
-            } else {
-                // Nothing to sleep on: nap briefly.
-                napping = true;
-                std::thread::sleep(Duration::from_micros(100));
+            match self.eng.policy().pause(idle) {
+                wait::Pause::Spin => std::hint::spin_loop(),
+                wait::Pause::Yield => {
+                    self.spun_out = true;
+                    std::thread::yield_now();
+                }
+                wait::Pause::Sleep => {
+                    // Nothing to sleep on: nap briefly.
+                    napping = true;
+                    std::thread::sleep(Duration::from_micros(100));
+                }
             }
         }
         Ok(())
     }
 
-    /// Spins (a bounded while) on the flag the first message this mailbox call waits for
-    /// will set.
+    /// Spins or yields (`yielding`) a bounded while ([`wait::watch`]) on the flag that the
+    /// first message this mailbox call waits for will set. `None`: the call waits for no
+    /// message's word (it spun or yielded once); otherwise whether the word was set.
     #[inline(never)]
-    pub(super) fn spin_on_awaited(&self, geo: &Geometry) {
+    pub(super) fn watch_awaited(&self, geo: &Geometry, yielding: bool) -> Option<bool> {
         let one = &self.calls[self.cur];
-        let Some(Waiting::Data { step, q }) = one.m.waiting(&self.eng.flows) else {
-            std::hint::spin_loop();
-            return;
-        };
-        let Op::Recv { dst, .. } = one.sched.steps[step].op else {
-            return;
-        };
-        let link = &self.eng.links[self.eng.flows.link_channel(q).0];
-        let flag = link.mbox_recv + 1;
-        if let Some(w) = link.inbox(geo).awaited(dst.len * one.esize, flag) {
-            for _ in 0..MAILBOX_SPIN {
-                if w.load(Ordering::Acquire) == flag {
-                    return;
+        let word = match one.m.waiting(&self.eng.flows) {
+            Some(Waiting::Data { step, q }) => match one.sched.steps[step].op {
+                Op::Recv { dst, .. } => {
+                    let link = &self.eng.links[self.eng.flows.link_channel(q).0];
+                    let flag = link.mbox_recv + 1;
+                    link.inbox(geo)
+                        .awaited(dst.len * one.esize, flag)
+                        .map(|w| (w, flag))
                 }
+                _ => None,
+            },
+            _ => None,
+        };
+        match word {
+            Some((w, flag)) => Some(wait::watch(w, flag, yielding)),
+            None if yielding => {
+                std::thread::yield_now();
+                None
+            }
+            None => {
                 std::hint::spin_loop();
+                None
             }
         }
     }
@@ -192,16 +206,18 @@ impl Call<'_, '_> {
         idle_since: Instant,
         deadline: Instant,
     ) -> Result<()> {
-        let idle = now - idle_since;
-        if idle < self.eng.spin_now {
-            std::hint::spin_loop();
-            return Ok(());
-        }
-        self.spun_out = true;
-        if idle < self.eng.yield_for {
-            // Poll, and let other runnable threads (more ranks than cores) use the CPU.
-            std::thread::yield_now();
-            return Ok(());
+        match self.eng.policy().pause(now - idle_since) {
+            wait::Pause::Spin => {
+                std::hint::spin_loop();
+                return Ok(());
+            }
+            wait::Pause::Yield => {
+                // Poll, and let other runnable threads (more ranks than cores) use the CPU.
+                self.spun_out = true;
+                std::thread::yield_now();
+                return Ok(());
+            }
+            wait::Pause::Sleep => self.spun_out = true,
         }
         self.wait(
             deadline

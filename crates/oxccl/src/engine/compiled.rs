@@ -5,6 +5,7 @@
 //! again. The machine is brought up to date only when something must be told about the call
 //! (what it waits for, in `oxccl status` or a timeout error).
 
+use super::wait;
 use super::*;
 use oxccl_core::protocol::{Instr, Program};
 
@@ -57,11 +58,13 @@ impl Call<'_, '_> {
         }
     }
 
-    /// One idle turn of a mailbox call whose next message is link `l`'s, of `total` bytes:
-    /// spins on the word it waits for (or, on a written mailbox, polls the completion queues),
-    /// or yields; every 32 turns also polls the completion queues (notices, failed connections and data that does not belong to the call arrive
-    /// there), checks the links and the clock, and spins, yields or naps by how long the call
-    /// has idled.
+    /// One idle turn of a mailbox call whose next message is link `l`'s, of `total` bytes
+    /// (`awaited`): watches the word it waits for ([`wait::watch`]: spinning, or yielding once
+    /// the call's policy says so), or on a written mailbox polls the completion queues. Every
+    /// [`wait::WATCH_YIELDS`] turns, and after a watch that did not see its word, it also
+    /// polls the completion queues (notices, failed connections and data that does not belong
+    /// to the call arrive there), checks the links and the clock, and spins, yields or sleeps
+    /// by how long the call has idled ([`wait::Policy::pause`]).
     pub(super) fn mailbox_idle(
         &mut self,
         idle: &mut MailboxIdle,
@@ -69,28 +72,26 @@ impl Call<'_, '_> {
         awaited: Option<(usize, usize)>,
     ) -> Result<Turn> {
         let geo = self.eng.geo;
+        let policy = self.eng.policy();
         idle.polls += 1;
         // A written mailbox's message is there once its completion is: look for it.
         let written = awaited.is_some_and(|(l, _)| self.eng.links[l].outbox.is_none());
         // (Once napping, every pass is long anyway: look at everything each time.)
-        if !idle.napping && !idle.polls.is_multiple_of(32) {
+        if !idle.napping && !idle.polls.is_multiple_of(wait::WATCH_YIELDS) {
+            let yielding = policy.yields(self.spun_out);
             if written {
-                if self.poll_cqs()? {
-                    return Ok(Turn::Again);
-                }
-                if self.eng.spin_now.is_zero() || self.spun_out {
+                if !self.poll_cqs()? && yielding {
                     std::thread::yield_now();
                 }
-            } else if self.eng.spin_now.is_zero() || self.spun_out {
-                std::thread::yield_now();
-            } else if let Some((l, total)) = awaited {
-                // Watch the one word the call waits for, rather than make passes: the message
-                // is taken as soon as it lands.
-                self.spin_on_message(l, total, &geo);
-            } else {
-                std::hint::spin_loop();
+                return Ok(Turn::Again);
             }
-            return Ok(Turn::Again);
+            // Watch the one word the call waits for, rather than make passes: the message is
+            // taken as soon as it lands. A watch (64 spins or 32 yields) stands for many
+            // passes, so the clock is read after one that fails.
+            match awaited.and_then(|(l, total)| self.watch_message(l, total, &geo, yielding)) {
+                Some(false) => idle.polls = idle.polls.next_multiple_of(wait::WATCH_YIELDS),
+                _ => return Ok(Turn::Again),
+            }
         }
         self.sync_machine(idle);
         self.poll_cqs()?;
@@ -106,24 +107,27 @@ impl Call<'_, '_> {
         }
         let since = *idle.since.get_or_insert(now);
         let waited = now - since;
-        if waited < self.eng.spin_now {
-            std::hint::spin_loop();
-        } else if waited < self.eng.yield_for {
-            self.spun_out = true;
-            std::thread::yield_now();
-        } else if written {
-            // Sleep on the completion queues, where the message's completion comes.
-            idle.napping = true;
-            let deadline = idle.deadline.unwrap_or(now);
-            self.wait(
-                deadline
-                    .min(now + Duration::from_millis(50))
-                    .saturating_duration_since(now),
-            )?;
-        } else {
-            // Nothing to sleep on: nap briefly.
-            idle.napping = true;
-            std::thread::sleep(Duration::from_micros(100));
+        match policy.pause(waited) {
+            wait::Pause::Spin => std::hint::spin_loop(),
+            wait::Pause::Yield => {
+                self.spun_out = true;
+                std::thread::yield_now();
+            }
+            wait::Pause::Sleep if written => {
+                // Sleep on the completion queues, where the message's completion comes.
+                idle.napping = true;
+                let deadline = idle.deadline.unwrap_or(now);
+                self.wait(
+                    deadline
+                        .min(now + Duration::from_millis(50))
+                        .saturating_duration_since(now),
+                )?;
+            }
+            wait::Pause::Sleep => {
+                // Nothing to sleep on: nap briefly.
+                idle.napping = true;
+                std::thread::sleep(Duration::from_micros(100));
+            }
         }
         if !idle.published && waited >= PUBLISH_AFTER {
             idle.published = true;
@@ -132,24 +136,23 @@ impl Call<'_, '_> {
         Ok(Turn::Again)
     }
 
-    /// Spins (a bounded while) on the word link `l`'s next message of `total` bytes will set:
-    /// its flag, then its stamp.
+    /// Watches ([`wait::watch`], spinning or `yielding`) the word link `l`'s next message of
+    /// `total` bytes will set: its flag, then its stamp. `None` where there is no word to
+    /// watch (a written mailbox: its completion says when, not its flags; or the message is
+    /// whole); otherwise whether the word was set.
     #[inline(never)]
-    pub(super) fn spin_on_message(&self, l: usize, total: usize, geo: &Geometry) {
+    pub(super) fn watch_message(
+        &self,
+        l: usize,
+        total: usize,
+        geo: &Geometry,
+        yielding: bool,
+    ) -> Option<bool> {
         let link = &self.eng.links[l];
-        if link.outbox.is_none() {
-            // A written mailbox: its completion says when, not its flags.
-            return;
-        }
+        link.outbox.as_ref()?;
         let flag = link.mbox_recv + 1;
-        if let Some(w) = link.inbox(geo).awaited(total, flag) {
-            for _ in 0..MAILBOX_SPIN {
-                if w.load(Ordering::Acquire) == flag {
-                    return;
-                }
-                std::hint::spin_loop();
-            }
-        }
+        let w = link.inbox(geo).awaited(total, flag)?;
+        Some(wait::watch(w, flag, yielding))
     }
 
     /// Runs the lone mailbox call as compiled: `prog`'s instructions in order, each receive

@@ -46,6 +46,7 @@ mod link;
 mod registry;
 mod run;
 mod session;
+pub(crate) mod wait;
 
 pub(crate) use link::Link;
 pub(crate) use registry::{Reg, RegCache, Registry};
@@ -126,9 +127,6 @@ impl Recent {
 
 /// The spin of an idle call after one whose wait outlasted its spin ([`Engine::adapt_spin`]).
 const SHORT_SPIN: Duration = Duration::from_micros(2);
-
-/// Polls of one awaited mailbox flag between passes of an idle mailbox call.
-const MAILBOX_SPIN: u32 = 64;
 
 /// Extra polling a call gets once its time is up, before it reports a timeout: what the
 /// transport already holds (a peer's abort or failure notice, the awaited data itself) comes
@@ -478,6 +476,14 @@ impl Engine {
     pub(crate) fn set_spin(&mut self, d: Duration) {
         self.spin_for = d;
         self.spin_now = d;
+    }
+
+    /// How an idle call waits now ([`wait`]): the spin this call gets, then the yielding.
+    pub(crate) fn policy(&self) -> wait::Policy {
+        wait::Policy {
+            spin: self.spin_now,
+            yield_for: self.yield_for,
+        }
     }
 
     /// After a call: if its wait outlasted the spin (`spun_out`), the next calls spin only

@@ -2,6 +2,7 @@
 //! what arrives through them (fragments, credits, notices), health, timeouts, strays.
 
 use super::compiled::{MailboxIdle, PUBLISH_AFTER, Turn};
+use super::wait;
 use super::*;
 use crate::flight::{self, Waited};
 
@@ -76,8 +77,8 @@ impl Call<'_, '_> {
                 self.mailbox_moved(&mut idle);
                 // What is left waits for a message (the sends went out): watch its flag
                 // rather than make a pass that finds nothing.
-                if !self.eng.spin_now.is_zero() && !self.spun_out {
-                    self.spin_on_awaited(&geo);
+                if !self.eng.policy().yields(self.spun_out) {
+                    self.watch_awaited(&geo);
                 }
                 continue;
             }
@@ -104,12 +105,11 @@ impl Call<'_, '_> {
         Some((self.eng.flows.link_channel(q).0, dst.len * one.esize))
     }
 
-    /// Spins (a bounded while) on the flag the first message this mailbox call waits for
-    /// will set.
-    pub(super) fn spin_on_awaited(&self, geo: &Geometry) {
-        match self.awaited_message() {
-            Some((l, total)) => self.spin_on_message(l, total, geo),
-            None => std::hint::spin_loop(),
+    /// Spins a bounded while ([`wait::watch`]) on the flag the first message this mailbox
+    /// call waits for will set.
+    fn watch_awaited(&self, geo: &Geometry) {
+        if let Some((l, total)) = self.awaited_message() {
+            self.watch_message(l, total, geo, false);
         }
     }
 
@@ -143,16 +143,18 @@ impl Call<'_, '_> {
         idle_since: Instant,
         deadline: Instant,
     ) -> Result<()> {
-        let idle = now - idle_since;
-        if idle < self.eng.spin_now {
-            std::hint::spin_loop();
-            return Ok(());
-        }
-        self.spun_out = true;
-        if idle < self.eng.yield_for {
-            // Poll, and let other runnable threads (more ranks than cores) use the CPU.
-            std::thread::yield_now();
-            return Ok(());
+        match self.eng.policy().pause(now - idle_since) {
+            wait::Pause::Spin => {
+                std::hint::spin_loop();
+                return Ok(());
+            }
+            wait::Pause::Yield => {
+                // Poll, and let other runnable threads (more ranks than cores) use the CPU.
+                self.spun_out = true;
+                std::thread::yield_now();
+                return Ok(());
+            }
+            wait::Pause::Sleep => self.spun_out = true,
         }
         self.wait(
             deadline

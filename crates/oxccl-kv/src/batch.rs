@@ -395,8 +395,23 @@ impl TransferEngine {
 
     /// Submits a batch, waits for it with the engine's timeout and frees it.
     pub fn transfer_sync(&self, reqs: &[TransferRequest], notify: Option<&[u8]>) -> Result<()> {
+        self.transfer_sync_within(reqs, notify, self.inner.config.timeout)
+    }
+
+    /// [`TransferEngine::transfer_sync`] bounded by `timeout` rather than the engine's: past
+    /// it, [`Error::Timeout`] names the batch, its segment(s) and the requests still
+    /// outstanding (index, READ or WRITE, bytes). The requests already posted cannot be called
+    /// back: a late completion still lands (a WRITE in the target's memory, a READ in the local
+    /// buffer, which must stay registered until then) or fails, and the batch is freed when it
+    /// ends; nothing else is touched, and later transfers go on normally.
+    pub fn transfer_sync_within(
+        &self,
+        reqs: &[TransferRequest],
+        notify: Option<&[u8]>,
+        timeout: Duration,
+    ) -> Result<()> {
         let b = self.submit(reqs, notify)?;
-        let r = self.wait(b, self.inner.config.timeout);
+        let r = self.wait(b, timeout);
         let mut map = self.inner.batches.lock();
         match map.get_mut(&b) {
             Some(st) if !st.done => st.free_when_done = true,
@@ -951,23 +966,35 @@ impl Inner {
         let Some(b) = map.get(&batch) else {
             return format!("batch {batch} (freed)");
         };
-        let pending = b
-            .status()
-            .requests
-            .iter()
-            .filter(|r| **r == TransferStatus::Pending)
-            .count();
-        let mut segs: Vec<&str> = b.reqs.iter().map(|r| r.peer.name.as_str()).collect();
-        segs.dedup();
-        format!(
-            "batch {batch} to segment(s) {segs:?}: {pending} of {} requests pending{}",
-            b.reqs.len(),
-            if pending == 0 {
-                ", its notification undelivered"
-            } else {
-                ""
+        // The requests still outstanding: the first few by index, kind and size.
+        const SHOWN: usize = 8;
+        let mut pending = 0;
+        let mut bytes = 0u64;
+        let mut shown = Vec::new();
+        for (i, r) in b.reqs.iter().enumerate() {
+            if r.slices == 0 {
+                continue;
             }
-        )
+            pending += 1;
+            bytes += r.req.length as u64;
+            if shown.len() < SHOWN {
+                shown.push(format!("#{i} {} of {} B", r.req.opcode, r.req.length));
+            }
+        }
+        let mut segs: Vec<&str> = b.reqs.iter().map(|r| r.peer.name.as_str()).collect();
+        segs.sort_unstable();
+        segs.dedup();
+        let what = if pending == 0 {
+            "every request done, its notification undelivered".to_string()
+        } else {
+            format!(
+                "{pending} of {} requests ({bytes} B) outstanding: {}{}",
+                b.reqs.len(),
+                shown.join(", "),
+                if pending > SHOWN { ", ..." } else { "" }
+            )
+        };
+        format!("batch {batch} to segment(s) {segs:?}: {what}")
     }
 }
 

@@ -572,7 +572,14 @@ impl TargetChild {
             .args(["--block-size", &args.block_size.to_string()])
             .args(["--lanes", &args.lanes.to_string()])
             .args(["--timeout", &args.timeout.to_string()])
-            .args(["--poll", if args.poll == Poll::Busy { "busy" } else { "sleep" }])
+            .args([
+                "--poll",
+                if args.poll == Poll::Busy {
+                    "busy"
+                } else {
+                    "sleep"
+                },
+            ])
             .args(["--parent-pid", &std::process::id().to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

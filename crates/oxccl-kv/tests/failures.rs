@@ -236,21 +236,30 @@ fn tcp_stopped_target_bounds_the_wait_by_the_callers_timeout() {
         took >= bound && took < bound + Duration::from_secs(2),
         "the bounded wait took {took:?}"
     );
-    for part in ["batch ", &name, "1 of 1 requests (4096 B) outstanding", "#0 WRITE of 4096 B"] {
+    for part in [
+        "batch ",
+        &name,
+        "1 of 1 requests (4096 B) outstanding",
+        "#0 WRITE of 4096 B",
+    ] {
         assert!(msg.contains(part), "{part:?} missing from: {msg}");
     }
     // A submitted batch of two, waited for with a bound: the same error, and it is still open.
     e.write_local(local + 8192, &pattern(3)).unwrap();
     let b = e
         .submit(
-            &[req(Opcode::Write, 8192, 8192), req(Opcode::Write, 8192, 12288)],
+            &[
+                req(Opcode::Write, 8192, 8192),
+                req(Opcode::Write, 8192, 12288),
+            ],
             None,
         )
         .unwrap();
     let err = e.wait(b, Duration::from_millis(200)).unwrap_err();
     assert!(
-        err.to_string()
-            .contains(&format!("batch {b} to segment(s) [\"{name}\"]: 2 of 2 requests")),
+        err.to_string().contains(&format!(
+            "batch {b} to segment(s) [\"{name}\"]: 2 of 2 requests"
+        )),
         "{err}"
     );
     assert!(!e.batch_summary(b).unwrap().done);
@@ -272,7 +281,10 @@ fn tcp_stopped_target_bounds_the_wait_by_the_callers_timeout() {
     let mut got = vec![0u8; 4096];
     for (off, seed) in [(16384u64, 2u8), (20480, 3), (24576, 3)] {
         e.read_local(local + off, &mut got).unwrap();
-        assert!(got == pattern(seed), "the data at {off} is not what was written");
+        assert!(
+            got == pattern(seed),
+            "the data at {off} is not what was written"
+        );
     }
     drop(child);
 }

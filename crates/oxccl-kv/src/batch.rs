@@ -17,7 +17,9 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use oxccl_verbs::progress::{Driven, Progress, Waited, Window, tag, untag};
-use oxccl_verbs::{MemoryRegion, RemoteAddr, SendWr, Sge, WcStatus, WorkCompletion, WrOp};
+use oxccl_verbs::{
+    MemoryRegion, Provider, RemoteAddr, SendWr, Sge, WcStatus, WorkCompletion, WrOp,
+};
 
 use crate::engine::{
     Inner, LANE_BYTES, LANE_WINDOW, MAX_NOTIFY, Peer, Region, SegmentId, TransferEngine,
@@ -109,6 +111,10 @@ const NOTIFY_REQ: u64 = (1 << REQ_BITS) - 1;
 const BATCH_MASK: u64 = u32::MAX as u64;
 /// Most bytes one work request carries (the tcp provider's frames take up to 2 GiB).
 const MAX_WR: usize = 1 << 30;
+/// A tcp batch of at least this many bytes is waited for without driving the sockets
+/// ([`Progress::wait_passive`]): its copies then run in the provider's progress threads, not in
+/// the waiting thread (a 256 MiB WRITE cost its waiter a quarter of a core driving).
+const PASSIVE_MIN: usize = 1 << 20;
 /// Most requests in one batch.
 pub const MAX_BATCH: usize = NOTIFY_REQ as usize;
 
@@ -927,12 +933,24 @@ impl Inner {
 
     fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {
         // Sleep on the queue of the (first) target segment's queue pair.
-        let hint = {
+        let (hint, passive) = {
             let map = self.batches.lock();
             let b = map
                 .get(&batch)
                 .ok_or_else(|| Error::arg(format!("batch {batch} is unknown (freed?)")))?;
-            b.reqs.first().map_or(0, |r| r.peer.dev())
+            let hint = b.reqs.first().map_or(0, |r| r.peer.dev());
+            // A long tcp batch is waited for without driving the sockets: the provider's
+            // progress threads copy its slices, and the waiter wakes once per completion
+            // (driving, it would make those copies itself). A short one is driven, so that
+            // its answer wakes the waiter directly.
+            let bytes: usize = b.reqs.iter().map(|r| r.req.length).sum();
+            let passive = !self.config.busy_poll
+                && bytes >= PASSIVE_MIN
+                && self
+                    .devs
+                    .get(hint)
+                    .is_some_and(|d| d.provider == Provider::Tcp);
+            (hint, passive)
         };
         let handle = |dev: usize, wc: &WorkCompletion| self.on_completion(dev, wc);
         let ready = || {
@@ -952,7 +970,13 @@ impl Inner {
         };
         let what = || self.pending(batch);
         let deadline = Instant::now() + timeout;
-        match self.progress.wait_for(deadline, what, hint, handle, ready) {
+        let r = if passive {
+            self.progress
+                .wait_passive(deadline, what, hint, handle, ready)
+        } else {
+            self.progress.wait_for(deadline, what, hint, handle, ready)
+        };
+        match r {
             Ok(r) => r,
             Err(Waited::Timeout { what, .. }) => Err(Error::Timeout { what, timeout }),
             Err(Waited::Queue(e)) => Err(Error::verbs(format!("waiting for batch {batch}"), e)),

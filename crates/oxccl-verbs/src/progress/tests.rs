@@ -392,3 +392,63 @@ fn a_collector_takes_what_others_drive_without_driving() {
         assert_eq!(back, [i + 1; 64]);
     }
 }
+
+/// A passive waiter over tcp (`Progress::wait_passive`): it drives nothing, the progress
+/// threads move a 4 MiB WRITE, and the waiter's handler sees its completion, with the bytes in
+/// place; waiting for what never comes times out naming it.
+#[test]
+fn a_passive_waiter_gets_its_completion_from_the_progress_threads() {
+    let ctx = Device::by_name("tcp").unwrap().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let a = pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap();
+    let b = pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap();
+    a.connect(&b.endpoint()).unwrap();
+    b.connect(&a.endpoint()).unwrap();
+    let len = 4 << 20;
+    let src = pd.alloc_mr(len, AccessFlags::LOCAL_WRITE).unwrap();
+    let dst = pd
+        .alloc_mr(len, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+        .unwrap();
+    let data: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+    src.write(0, &data).unwrap();
+    let progress = Progress::new(vec![cq]);
+    let sge = [Sge::new(&src, 0, len)];
+    a.post_send(&[SendWr::new(
+        tag(9, 1),
+        WrOp::Write {
+            remote: dst.remote().at(0),
+        },
+        &sge,
+    )])
+    .unwrap();
+    let done = AtomicBool::new(false);
+    let r = progress.wait_passive(
+        Instant::now() + Duration::from_secs(20),
+        || "operation 9's WRITE".to_string(),
+        0,
+        |_, wc| {
+            assert_eq!(untag(wc.wr_id), (9, 1));
+            done.store(wc.is_ok(), Ordering::SeqCst);
+            Ok::<_, String>(())
+        },
+        || done.load(Ordering::SeqCst).then_some(()),
+    );
+    assert!(r.is_ok(), "{:?}", r.err().map(|e| e.to_string()));
+    let mut back = vec![0u8; len];
+    dst.read(0, &mut back).unwrap();
+    assert!(back == data, "the WRITE's bytes are not in place");
+    let t = Instant::now();
+    let r = progress.wait_passive(
+        Instant::now() + Duration::from_millis(100),
+        || "nothing at all".to_string(),
+        0,
+        |_, _| Ok::<_, String>(()),
+        || None::<()>,
+    );
+    match r {
+        Err(Waited::Timeout { what, .. }) => assert_eq!(what, "nothing at all"),
+        other => panic!("{:?}", other.map_err(|e| e.to_string())),
+    }
+    assert!(t.elapsed() >= Duration::from_millis(100));
+}

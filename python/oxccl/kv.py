@@ -18,7 +18,9 @@ Conventions kept from Mooncake, so that ported callers check results the same wa
 - calls return ``0`` on success and a negative number (``-1``) on failure;
 - calls that return an address or a batch id return ``0`` on failure;
 - ``transfer_check_status`` returns 1 (completed), 0 (running), -1 (failed), -2 (running past
-  the timeout); ``get_batch_transfer_status`` waits and returns 0 or -1.
+  the timeout); ``get_batch_transfer_status`` waits and returns 0 or -1;
+- (oxccl's) the synchronous calls and ``get_batch_transfer_status`` take ``timeout=`` in
+  seconds, bounding that one wait instead of the engine's timeout.
 
 Failures are never silent: each one is logged as a warning on the ``oxccl.kv`` logger with
 the engine's message (which names the segment, the request and the address), and
@@ -492,12 +494,17 @@ class TransferEngine:
         peer_buffer_address: int,
         length: int,
         transport_hint: str = "",
+        timeout: Optional[float] = None,
     ) -> int:
         """Writes ``length`` bytes from local ``buffer`` to ``peer_buffer_address`` in segment
-        ``target_hostname``, and waits. 0 on success, -1 on failure."""
+        ``target_hostname``, and waits, up to ``timeout`` seconds (oxccl's keyword; default
+        the engine's). 0 on success, -1 on failure or timeout (:meth:`last_error` names the
+        batch, the segment and what is outstanding; a late completion still lands)."""
         return self._sync(
             "transfer_sync_write to", target_hostname,
-            lambda: self._e.transfer(target_hostname, True, buffer, peer_buffer_address, length),
+            lambda: self._e.transfer(
+                target_hostname, True, buffer, peer_buffer_address, length, None, timeout
+            ),
         )
 
     def transfer_sync_read(
@@ -507,12 +514,15 @@ class TransferEngine:
         peer_buffer_address: int,
         length: int,
         transport_hint: str = "",
+        timeout: Optional[float] = None,
     ) -> int:
         """Reads ``length`` bytes at ``peer_buffer_address`` of segment ``target_hostname``
         into local ``buffer``, and waits. 0 on success, -1 on failure."""
         return self._sync(
             "transfer_sync_read from", target_hostname,
-            lambda: self._e.transfer(target_hostname, False, buffer, peer_buffer_address, length),
+            lambda: self._e.transfer(
+                target_hostname, False, buffer, peer_buffer_address, length, None, timeout
+            ),
         )
 
     def transfer_sync(
@@ -524,6 +534,7 @@ class TransferEngine:
         opcode: TransferOpcode,
         notify: Optional[TransferNotify] = None,
         transport_hint: str = "",
+        timeout: Optional[float] = None,
     ) -> int:
         """One transfer of ``opcode``, then ``notify`` (if given) delivered to the target
         after the data. 0 on success, -1 on failure."""
@@ -531,7 +542,7 @@ class TransferEngine:
             "transfer_sync with", target_hostname,
             lambda: self._e.transfer(
                 target_hostname, _is_write(opcode), buffer, peer_buffer_address, length,
-                _notify_bytes(notify),
+                _notify_bytes(notify), timeout,
             ),
         )
 
@@ -542,13 +553,14 @@ class TransferEngine:
         peer_buffer_addresses: Sequence[int],
         lengths: Sequence[int],
         transport_hint: str = "",
+        timeout: Optional[float] = None,
     ) -> int:
         """Writes ``lengths[i]`` bytes from ``buffers[i]`` to ``peer_buffer_addresses[i]``
         for every i, as one batch, and waits. 0 on success, -1 on failure."""
         return self._sync(
             "batch_transfer_sync_write to", target_hostname,
             lambda: self._e.batch_transfer(
-                target_hostname, True, buffers, peer_buffer_addresses, lengths
+                target_hostname, True, buffers, peer_buffer_addresses, lengths, None, timeout
             ),
         )
 
@@ -559,13 +571,14 @@ class TransferEngine:
         peer_buffer_addresses: Sequence[int],
         lengths: Sequence[int],
         transport_hint: str = "",
+        timeout: Optional[float] = None,
     ) -> int:
         """Reads ``lengths[i]`` bytes at ``peer_buffer_addresses[i]`` into ``buffers[i]`` for
         every i, as one batch, and waits. 0 on success, -1 on failure."""
         return self._sync(
             "batch_transfer_sync_read from", target_hostname,
             lambda: self._e.batch_transfer(
-                target_hostname, False, buffers, peer_buffer_addresses, lengths
+                target_hostname, False, buffers, peer_buffer_addresses, lengths, None, timeout
             ),
         )
 
@@ -578,6 +591,7 @@ class TransferEngine:
         opcode: TransferOpcode,
         notify: Optional[TransferNotify] = None,
         transport_hint: str = "",
+        timeout: Optional[float] = None,
     ) -> int:
         """A batch of ``opcode``, then ``notify`` (if given) delivered after all its data.
         0 on success, -1 on failure."""
@@ -585,7 +599,7 @@ class TransferEngine:
             "batch_transfer_sync with", target_hostname,
             lambda: self._e.batch_transfer(
                 target_hostname, _is_write(opcode), buffers, peer_buffer_addresses, lengths,
-                _notify_bytes(notify),
+                _notify_bytes(notify), timeout,
             ),
         )
 
@@ -680,12 +694,15 @@ class TransferEngine:
         except Exception as exc:
             return self._fail(f"{what} to {target!r}", exc, 0)
 
-    def get_batch_transfer_status(self, batch_ids: Sequence[int]) -> int:
-        """Waits (sleeping, GIL released) until every batch of ``batch_ids`` ended, within the
-        engine's timeout, and frees them. 0 when all completed, -1 when any failed or timed
-        out."""
+    def get_batch_transfer_status(
+        self, batch_ids: Sequence[int], timeout: Optional[float] = None
+    ) -> int:
+        """Waits (sleeping, GIL released) until every batch of ``batch_ids`` ended, within
+        ``timeout`` seconds in all (default the engine's), and frees them. 0 when all
+        completed, -1 when any failed or timed out (:meth:`last_error` names the batch, its
+        segment and what is outstanding; a timed-out batch is freed once it ends)."""
         try:
-            self._e.wait_all(list(batch_ids))
+            self._e.wait_all(list(batch_ids), timeout)
             return 0
         except Exception as exc:
             return self._fail("get_batch_transfer_status", exc)

@@ -589,6 +589,64 @@ def test_killed_target_fails_the_transfer_within_the_timeout(targets, store, pro
         e.close()
 
 
+def all_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (state T in /proc)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                if not f.read().rsplit(") ", 1)[1].startswith("T"):
+                    return False
+        except FileNotFoundError:
+            pass
+    return True
+
+
+def test_stopped_target_bounds_the_wait_by_the_callers_timeout(targets, store):
+    # SIGSTOP: the target's sockets stay open and its kernel still takes the bytes, so nothing
+    # looks dead; only the caller's timeout ends the wait (the engine's is 60 s here).
+    t = targets("P2PHANDSHAKE", "tcp")
+    e = engine("p2p", store, "tcp", timeout=60.0)
+    try:
+        n = 3 * 4096
+        buf = e.allocate_managed_buffer(n)
+        data = pattern(n, 7)
+        assert e.write_bytes_to_buffer(buf, data, n) == 0
+        assert e.transfer_sync_write(t.segment, buf, t.addr, 4096) == 0, e.last_error()
+        os.killpg(t.p.pid, signal.SIGSTOP)
+        try:
+            # A signal stops each thread as it next runs: wait until all of them have.
+            deadline = time.monotonic() + 10
+            while not all_stopped(t.p.pid):
+                assert time.monotonic() < deadline, "the target did not stop"
+                time.sleep(0.001)
+            t0 = time.monotonic()
+            rc = e.transfer_sync_write(t.segment, buf + 4096, t.addr + 4096, 4096, timeout=0.3)
+            took = time.monotonic() - t0
+            assert rc == -1
+            assert 0.3 <= took < 2.3, took
+            err = e.last_error()
+            for part in ("timed out", "batch ", t.segment, "1 of 1 requests (4096 B) outstanding",
+                         "#0 WRITE of 4096 B"):
+                assert part in err, (part, err)
+            b = e.batch_transfer_async_write(t.segment, [buf + 8192], [t.addr + 8192], [4096])
+            assert b != 0, e.last_error()
+            t0 = time.monotonic()
+            assert e.get_batch_transfer_status([b], timeout=0.2) == -1
+            assert time.monotonic() - t0 < 2.2
+            assert f"batch {b} to segment(s)" in e.last_error(), e.last_error()
+        finally:
+            os.killpg(t.p.pid, signal.SIGCONT)
+        # Served again: the late WRITEs land, and the engine goes on.
+        deadline = time.monotonic() + 10
+        while t.ask(op="digest", off=0, len=n)["digest"] != digest(data):
+            assert time.monotonic() < deadline, "the late WRITEs never landed"
+            time.sleep(0.05)
+        assert e.transfer_sync_read(t.segment, buf, t.addr + 4096, 4096, timeout=10) == 0, \
+            e.last_error()
+    finally:
+        e.close()
+
+
 @pytest.mark.parametrize("proto", ["tcp", "shm"])
 def test_cancel_batch_takes_back_what_was_not_sent(targets, store, proto):
     t = targets("P2PHANDSHAKE", proto)

@@ -143,6 +143,16 @@ pub struct Args {
     #[arg(long, default_value_t = 30.0, value_parser = parse_secs)]
     timeout: f64,
 
+    /// How waits wait (the engine's `busy_poll`): `sleep` (the default) or `busy` (the waiting
+    /// thread and the tcp progress threads poll without sleeping, a core each). A spawned
+    /// target gets the same.
+    #[arg(long, value_enum, default_value = "sleep")]
+    poll: Poll,
+
+    /// Microseconds a sleeping wait spins first (the engine's `spin`) [default: the engine's, 0].
+    #[arg(long)]
+    spin_us: Option<u64>,
+
     /// Internal: this target was spawned by an initiator (it serves until stdin closes).
     #[arg(long, hide = true)]
     child: bool,
@@ -150,6 +160,15 @@ pub struct Args {
     /// Internal: the spawning initiator's pid (the child dies with it).
     #[arg(long, hide = true)]
     parent_pid: Option<u32>,
+}
+
+/// How waits wait (`--poll`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Poll {
+    /// Spin briefly, then sleep in the provider's wait.
+    Sleep,
+    /// Poll without sleeping.
+    Busy,
 }
 
 /// The side a process plays.
@@ -366,6 +385,10 @@ fn engine_config(args: &Args, secret: Secret, local: SocketAddr) -> Result<Engin
         c.slice_size = s;
     }
     c.timeout = Duration::from_secs_f64(args.timeout);
+    c.busy_poll = args.poll == Poll::Busy;
+    if let Some(us) = args.spin_us {
+        c.spin = Duration::from_micros(us);
+    }
     Ok(c)
 }
 
@@ -549,12 +572,23 @@ impl TargetChild {
             .args(["--block-size", &args.block_size.to_string()])
             .args(["--lanes", &args.lanes.to_string()])
             .args(["--timeout", &args.timeout.to_string()])
+            .args([
+                "--poll",
+                if args.poll == Poll::Busy {
+                    "busy"
+                } else {
+                    "sleep"
+                },
+            ])
             .args(["--parent-pid", &std::process::id().to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         if let Some(s) = args.slice_size {
             cmd.args(["--slice-size", &s.to_string()]);
+        }
+        if let Some(us) = args.spin_us {
+            cmd.args(["--spin-us", &us.to_string()]);
         }
         secret.export_to(&mut cmd);
         let mut child = cmd

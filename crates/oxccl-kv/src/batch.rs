@@ -17,7 +17,9 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use oxccl_verbs::progress::{Driven, Progress, Waited, Window, tag, untag};
-use oxccl_verbs::{MemoryRegion, RemoteAddr, SendWr, Sge, WcStatus, WorkCompletion, WrOp};
+use oxccl_verbs::{
+    MemoryRegion, Provider, RemoteAddr, SendWr, Sge, WcStatus, WorkCompletion, WrOp,
+};
 
 use crate::engine::{
     Inner, LANE_BYTES, LANE_WINDOW, MAX_NOTIFY, Peer, Region, SegmentId, TransferEngine,
@@ -109,6 +111,10 @@ const NOTIFY_REQ: u64 = (1 << REQ_BITS) - 1;
 const BATCH_MASK: u64 = u32::MAX as u64;
 /// Most bytes one work request carries (the tcp provider's frames take up to 2 GiB).
 const MAX_WR: usize = 1 << 30;
+/// A tcp batch of at least this many bytes is waited for without driving the sockets
+/// ([`Progress::wait_passive`]): its copies then run in the provider's progress threads, not in
+/// the waiting thread (a 256 MiB WRITE cost its waiter a quarter of a core driving).
+const PASSIVE_MIN: usize = 1 << 20;
 /// Most requests in one batch.
 pub const MAX_BATCH: usize = NOTIFY_REQ as usize;
 
@@ -395,8 +401,23 @@ impl TransferEngine {
 
     /// Submits a batch, waits for it with the engine's timeout and frees it.
     pub fn transfer_sync(&self, reqs: &[TransferRequest], notify: Option<&[u8]>) -> Result<()> {
+        self.transfer_sync_within(reqs, notify, self.inner.config.timeout)
+    }
+
+    /// [`TransferEngine::transfer_sync`] bounded by `timeout` rather than the engine's: past
+    /// it, [`Error::Timeout`] names the batch, its segment(s) and the requests still
+    /// outstanding (index, READ or WRITE, bytes). The requests already posted cannot be called
+    /// back: a late completion still lands (a WRITE in the target's memory, a READ in the local
+    /// buffer, which must stay registered until then) or fails, and the batch is freed when it
+    /// ends; nothing else is touched, and later transfers go on normally.
+    pub fn transfer_sync_within(
+        &self,
+        reqs: &[TransferRequest],
+        notify: Option<&[u8]>,
+        timeout: Duration,
+    ) -> Result<()> {
         let b = self.submit(reqs, notify)?;
-        let r = self.wait(b, self.inner.config.timeout);
+        let r = self.wait(b, timeout);
         let mut map = self.inner.batches.lock();
         match map.get_mut(&b) {
             Some(st) if !st.done => st.free_when_done = true,
@@ -912,12 +933,24 @@ impl Inner {
 
     fn wait(&self, batch: BatchId, timeout: Duration) -> Result<()> {
         // Sleep on the queue of the (first) target segment's queue pair.
-        let hint = {
+        let (hint, passive) = {
             let map = self.batches.lock();
             let b = map
                 .get(&batch)
                 .ok_or_else(|| Error::arg(format!("batch {batch} is unknown (freed?)")))?;
-            b.reqs.first().map_or(0, |r| r.peer.dev())
+            let hint = b.reqs.first().map_or(0, |r| r.peer.dev());
+            // A long tcp batch is waited for without driving the sockets: the provider's
+            // progress threads copy its slices, and the waiter wakes once per completion
+            // (driving, it would make those copies itself). A short one is driven, so that
+            // its answer wakes the waiter directly.
+            let bytes: usize = b.reqs.iter().map(|r| r.req.length).sum();
+            let passive = !self.config.busy_poll
+                && bytes >= PASSIVE_MIN
+                && self
+                    .devs
+                    .get(hint)
+                    .is_some_and(|d| d.provider == Provider::Tcp);
+            (hint, passive)
         };
         let handle = |dev: usize, wc: &WorkCompletion| self.on_completion(dev, wc);
         let ready = || {
@@ -937,7 +970,13 @@ impl Inner {
         };
         let what = || self.pending(batch);
         let deadline = Instant::now() + timeout;
-        match self.progress.wait_for(deadline, what, hint, handle, ready) {
+        let r = if passive {
+            self.progress
+                .wait_passive(deadline, what, hint, handle, ready)
+        } else {
+            self.progress.wait_for(deadline, what, hint, handle, ready)
+        };
+        match r {
             Ok(r) => r,
             Err(Waited::Timeout { what, .. }) => Err(Error::Timeout { what, timeout }),
             Err(Waited::Queue(e)) => Err(Error::verbs(format!("waiting for batch {batch}"), e)),
@@ -951,23 +990,35 @@ impl Inner {
         let Some(b) = map.get(&batch) else {
             return format!("batch {batch} (freed)");
         };
-        let pending = b
-            .status()
-            .requests
-            .iter()
-            .filter(|r| **r == TransferStatus::Pending)
-            .count();
-        let mut segs: Vec<&str> = b.reqs.iter().map(|r| r.peer.name.as_str()).collect();
-        segs.dedup();
-        format!(
-            "batch {batch} to segment(s) {segs:?}: {pending} of {} requests pending{}",
-            b.reqs.len(),
-            if pending == 0 {
-                ", its notification undelivered"
-            } else {
-                ""
+        // The requests still outstanding: the first few by index, kind and size.
+        const SHOWN: usize = 8;
+        let mut pending = 0;
+        let mut bytes = 0u64;
+        let mut shown = Vec::new();
+        for (i, r) in b.reqs.iter().enumerate() {
+            if r.slices == 0 {
+                continue;
             }
-        )
+            pending += 1;
+            bytes += r.req.length as u64;
+            if shown.len() < SHOWN {
+                shown.push(format!("#{i} {} of {} B", r.req.opcode, r.req.length));
+            }
+        }
+        let mut segs: Vec<&str> = b.reqs.iter().map(|r| r.peer.name.as_str()).collect();
+        segs.sort_unstable();
+        segs.dedup();
+        let what = if pending == 0 {
+            "every request done, its notification undelivered".to_string()
+        } else {
+            format!(
+                "{pending} of {} requests ({bytes} B) outstanding: {}{}",
+                b.reqs.len(),
+                shown.join(", "),
+                if pending > SHOWN { ", ..." } else { "" }
+            )
+        };
+        format!("batch {batch} to segment(s) {segs:?}: {what}")
     }
 }
 

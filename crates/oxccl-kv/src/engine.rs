@@ -209,6 +209,11 @@ impl TransferEngine {
                 // progress thread (the automatic number of progress shards), so the kernel's
                 // copies of several lanes run on several cores (as raw streams' threads do).
                 tcp_nsocks: config.lanes,
+                tcp_progress_threads: match config.progress_threads {
+                    0 if config.busy_poll => 1,
+                    n => n,
+                },
+                spin: config.spin,
                 ..DeviceConfig::default()
             };
             let what = |w: &str| format!("{w} of the {p} provider");
@@ -1133,11 +1138,28 @@ fn notify_loop(w: Weak<Inner>, dev: usize) {
         let recv = inner.devs[dev].recv.clone();
         drop(inner);
         wc.clear();
-        // (This thread is the queue's only poller.)
-        let _ = recv.sleep(0, Duration::from_millis(100), |_, c| {
-            wc.push(*c);
-            Ok::<(), ()>(())
-        });
+        // (This thread is the queue's only poller.) It collects and never drives: sleeping in
+        // the provider's own wait would make it the thread that reads the tcp sockets, so that
+        // every frame (a request at a target, the ACK a waiting initiator wants) woke it first
+        // and then, through the completion queue, the thread it was for: two wake-ups per
+        // round trip where one does. The progress thread, or the caller that waits, reads.
+        let Some(cq) = recv.queues().first() else {
+            return;
+        };
+        let seen = cq.doorbell();
+        let mut buf = [WorkCompletion::EMPTY; 16];
+        let mut n = cq.take(&mut buf);
+        if n == 0 {
+            if !cq.wait_doorbell(seen, Duration::from_millis(100)) {
+                continue;
+            }
+            n = cq.take(&mut buf);
+            if n == 0 {
+                // The doorbell also rings when a peer dies: a poll notices it (and flushes).
+                n = cq.poll(&mut buf);
+            }
+        }
+        wc.extend_from_slice(&buf[..n]);
         if wc.is_empty() {
             continue;
         }

@@ -142,3 +142,159 @@ fn shm_target_killed_mid_batch() {
     }
     killed_target_fails_the_batch("shm");
 }
+
+/// Sends `sig` (`STOP`, `CONT`) to process `pid`.
+fn signal(pid: u32, sig: &str) {
+    let st = Command::new("kill")
+        .args([&format!("-{sig}"), &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success(), "kill -{sig} {pid} failed");
+    if sig == "STOP" {
+        // A signal stops the threads as each next runs: wait until all of them have.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !all_stopped(pid) {
+            assert!(Instant::now() < deadline, "process {pid} did not stop");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// Whether every thread of `pid` is stopped (state `T` in /proc).
+fn all_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|t| {
+        std::fs::read_to_string(t.path().join("stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(") ").map(|(_, r)| r.starts_with('T')))
+            .unwrap_or(true)
+    })
+}
+
+/// A target that stops serving (SIGSTOP: its sockets stay open and the kernel still
+/// acknowledges the bytes, so nothing looks dead) bounds a transfer by the caller's timeout, not
+/// the engine's: the error names the batch, the segment and what is outstanding; once the target
+/// serves again (SIGCONT) the late WRITE lands, the batch waited for ends, and later transfers
+/// work.
+#[test]
+fn tcp_stopped_target_bounds_the_wait_by_the_callers_timeout() {
+    if std::env::var(CHILD).is_ok() {
+        return;
+    }
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_target", "--nocapture", "--test-threads=1"])
+        .env(CHILD, "tcp")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    // Killed however the test ends (SIGKILL ends a stopped process too).
+    let child = Reap(child);
+    let mut line = String::new();
+    let (name, buf) = loop {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "the target exited early"
+        );
+        if let Some(rest) = line.trim().split("READY ").nth(1) {
+            let (n, b) = rest.split_once(' ').unwrap();
+            break (n.to_string(), b.parse::<u64>().unwrap());
+        }
+    };
+    let mut cfg = config(Protocol::Tcp);
+    // The engine's own timeout is long: only the caller's bound may end the waits below.
+    cfg.timeout = Duration::from_secs(60);
+    let e = TransferEngine::new(cfg, Arc::new(P2pMetadata::new(secret()))).unwrap();
+    let local = e.allocate_managed_buffer(1 << 20).unwrap();
+    let seg = e.open_segment(&name).unwrap();
+    let req = |op: Opcode, local_off: u64, off: u64| TransferRequest {
+        opcode: op,
+        source: local + local_off,
+        target_id: seg,
+        target_offset: buf + off,
+        length: 4096,
+    };
+    let pattern = |seed: u8| -> Vec<u8> { (0..4096u32).map(|i| (i as u8) ^ seed).collect() };
+    e.write_local(local, &pattern(1)).unwrap();
+    e.transfer_sync(&[req(Opcode::Write, 0, 0)], None).unwrap();
+
+    signal(child.0.id(), "STOP");
+    // A synchronous WRITE bounded at 300 ms.
+    e.write_local(local + 4096, &pattern(2)).unwrap();
+    let bound = Duration::from_millis(300);
+    let t = Instant::now();
+    let err = e
+        .transfer_sync_within(&[req(Opcode::Write, 4096, 4096)], None, bound)
+        .expect_err("a WRITE to a stopped target completed");
+    let took = t.elapsed();
+    let msg = err.to_string();
+    assert!(matches!(err, Error::Timeout { .. }), "{msg}");
+    assert!(
+        took >= bound && took < bound + Duration::from_secs(2),
+        "the bounded wait took {took:?}"
+    );
+    for part in [
+        "batch ",
+        &name,
+        "1 of 1 requests (4096 B) outstanding",
+        "#0 WRITE of 4096 B",
+    ] {
+        assert!(msg.contains(part), "{part:?} missing from: {msg}");
+    }
+    // A submitted batch of two, waited for with a bound: the same error, and it is still open.
+    e.write_local(local + 8192, &pattern(3)).unwrap();
+    let b = e
+        .submit(
+            &[
+                req(Opcode::Write, 8192, 8192),
+                req(Opcode::Write, 8192, 12288),
+            ],
+            None,
+        )
+        .unwrap();
+    let err = e.wait(b, Duration::from_millis(200)).unwrap_err();
+    assert!(
+        err.to_string().contains(&format!(
+            "batch {b} to segment(s) [\"{name}\"]: 2 of 2 requests"
+        )),
+        "{err}"
+    );
+    assert!(!e.batch_summary(b).unwrap().done);
+    assert!(e.free_batch(b).is_err(), "a batch in flight was freed");
+
+    signal(child.0.id(), "CONT");
+    // The late completions land: the batch ends well and the timed-out WRITE's data is there.
+    e.wait(b, Duration::from_secs(10)).unwrap();
+    e.free_batch(b).unwrap();
+    e.transfer_sync(
+        &[
+            req(Opcode::Read, 16384, 4096),
+            req(Opcode::Read, 20480, 8192),
+            req(Opcode::Read, 24576, 12288),
+        ],
+        None,
+    )
+    .unwrap();
+    let mut got = vec![0u8; 4096];
+    for (off, seed) in [(16384u64, 2u8), (20480, 3), (24576, 3)] {
+        e.read_local(local + off, &mut got).unwrap();
+        assert!(
+            got == pattern(seed),
+            "the data at {off} is not what was written"
+        );
+    }
+    drop(child);
+}
+
+/// A child process killed and reaped when dropped.
+struct Reap(std::process::Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

@@ -398,13 +398,15 @@ impl PyKvEngine {
         self.has_orphans.store(true, Ordering::Release);
     }
 
-    /// Submits, waits with the engine's timeout, frees (a timed-out batch is freed later).
+    /// Submits, waits up to `timeout` (the engine's when `None`), frees (a timed-out batch is
+    /// freed once it ends: its late completions land or fail, nothing else waits for them).
     fn sync(
         &self,
         e: &TransferEngine,
         target: &str,
         reqs: &mut [TransferRequest],
         notify: Option<&[u8]>,
+        timeout: Option<Duration>,
     ) -> oxccl_kv::Result<()> {
         self.sweep(e);
         let seg = e.open_segment(target)?;
@@ -412,7 +414,7 @@ impl PyKvEngine {
             r.target_id = seg;
         }
         let b = submit_fresh(e, seg, reqs, notify)?;
-        let r = e.wait(b, self.timeout);
+        let r = e.wait(b, timeout.unwrap_or(self.timeout));
         if matches!(r, Err(oxccl_kv::Error::Timeout { .. })) {
             self.orphan(b);
         } else {
@@ -634,8 +636,9 @@ impl PyKvEngine {
 
     /// One synchronous transfer of `length` bytes between local `buffer` and the target's
     /// `peer_addr` (WRITE when `write`, else READ), with an optional notification; waits up to
-    /// the engine's timeout.
-    #[pyo3(signature = (target, write, buffer, peer_addr, length, notify=None))]
+    /// `timeout` seconds (default the engine's), then raises a timeout naming the batch, the
+    /// segment and what is outstanding.
+    #[pyo3(signature = (target, write, buffer, peer_addr, length, notify=None, timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn transfer(
         &self,
@@ -646,7 +649,9 @@ impl PyKvEngine {
         peer_addr: u64,
         length: usize,
         notify: Option<&[u8]>,
+        timeout: Option<f64>,
     ) -> PyResult<()> {
+        let timeout = seconds(py, "timeout", timeout)?;
         let e = self.get(py)?;
         let mut req = [TransferRequest {
             opcode: if write { Opcode::Write } else { Opcode::Read },
@@ -655,12 +660,13 @@ impl PyKvEngine {
             target_offset: peer_addr,
             length,
         }];
-        blocking(py, || self.sync(&e, target, &mut req, notify))
+        blocking(py, || self.sync(&e, target, &mut req, notify, timeout))
     }
 
     /// A synchronous batch to one target: request `i` moves `lengths[i]` bytes between local
-    /// `buffers[i]` and the target's `peer_addrs[i]`.
-    #[pyo3(signature = (target, write, buffers, peer_addrs, lengths, notify=None))]
+    /// `buffers[i]` and the target's `peer_addrs[i]`; waits up to `timeout` seconds (default
+    /// the engine's).
+    #[pyo3(signature = (target, write, buffers, peer_addrs, lengths, notify=None, timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn batch_transfer(
         &self,
@@ -671,10 +677,12 @@ impl PyKvEngine {
         peer_addrs: Vec<u64>,
         lengths: Vec<usize>,
         notify: Option<&[u8]>,
+        timeout: Option<f64>,
     ) -> PyResult<()> {
+        let timeout = seconds(py, "timeout", timeout)?;
         let e = self.get(py)?;
         let mut reqs = requests(py, write, &buffers, &peer_addrs, &lengths)?;
-        blocking(py, || self.sync(&e, target, &mut reqs, notify))
+        blocking(py, || self.sync(&e, target, &mut reqs, notify, timeout))
     }
 
     /// Submits a batch to one target and returns its id (never 0) at once.

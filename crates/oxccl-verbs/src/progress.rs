@@ -74,6 +74,9 @@ pub fn untag(wr_id: u64) -> (u32, u32) {
 const WATCH_NAP: Duration = Duration::from_millis(1);
 /// With several queues, a sleeper blocks on one for this long at most before it polls them all.
 const TURN: Duration = Duration::from_millis(1);
+/// A passive waiter's longest sleep on a doorbell before it looks again (a bound: completions
+/// ring the doorbell and wake it).
+const MAX_PASSIVE_NAP: Duration = Duration::from_millis(10);
 
 /// Why driving stopped.
 #[derive(Debug)]
@@ -300,6 +303,84 @@ impl Progress {
                 Err(_) => self.watch(seen, left.min(WATCH_NAP)),
             }
         }
+    }
+
+    /// [`Progress::wait_for`] without driving the providers: completions are collected
+    /// ([`CompletionQueue::take`]) and a waiter that finds none sleeps on queue `hint`'s
+    /// doorbell ([`CompletionQueue::wait_doorbell`]), so that the provider's own threads (the
+    /// tcp progress threads) move the bytes. For long transfers, whose copies would otherwise
+    /// run in the waiting thread (it reads and writes the sockets while it drives): the waiter
+    /// then wakes once per completion and costs little CPU. A short round trip waits better
+    /// with [`Progress::wait_for`], where the message wakes the waiter directly.
+    pub fn wait_passive<T, E>(
+        &self,
+        deadline: Instant,
+        what: impl FnOnce() -> String,
+        hint: usize,
+        mut handle: impl FnMut(usize, &WorkCompletion) -> Result<(), E>,
+        mut ready: impl FnMut() -> Option<T>,
+    ) -> Result<T, Waited<E>> {
+        self.waiters.fetch_add(1, Ordering::AcqRel);
+        let _out = Leave(&self.waiters);
+        let start = Instant::now();
+        let q = hint.min(self.cqs.len().saturating_sub(1));
+        loop {
+            let seen = self.dispatched.load(Ordering::Acquire);
+            if let Some(v) = ready() {
+                return Ok(v);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Waited::Timeout {
+                    what: what(),
+                    waited: now - start,
+                });
+            }
+            let left = deadline - now;
+            match self.poller.try_lock() {
+                Ok(mut wcs) => {
+                    let bell = self.cqs.get(q).map(CompletionQueue::doorbell);
+                    let r = self.collect(&mut wcs, &mut handle);
+                    drop(wcs);
+                    self.notify();
+                    let n = r.map_err(Waited::Handler)?;
+                    if let (0, Some(cq), Some(bell)) = (n, self.cqs.get(q), bell) {
+                        let nap = if self.cqs.len() > 1 {
+                            TURN
+                        } else {
+                            MAX_PASSIVE_NAP
+                        };
+                        cq.wait_doorbell(bell, left.min(nap));
+                    }
+                }
+                Err(_) => self.watch(seen, left.min(WATCH_NAP)),
+            }
+        }
+    }
+
+    /// Takes what every queue holds (driving nothing) and hands it over.
+    fn collect<E>(
+        &self,
+        wcs: &mut [WorkCompletion],
+        mut handle: impl FnMut(usize, &WorkCompletion) -> Result<(), E>,
+    ) -> Result<usize, E> {
+        if wcs.is_empty() {
+            return Ok(0);
+        }
+        let mut total = 0;
+        for (q, cq) in self.cqs.iter().enumerate() {
+            loop {
+                let n = cq.take(wcs);
+                total += n;
+                for wc in &wcs[..n] {
+                    handle(q, wc)?;
+                }
+                if n < wcs.len() {
+                    break;
+                }
+            }
+        }
+        Ok(total)
     }
 
     /// Sleeps until a dispatch after `seen`, at most `max`.

@@ -339,3 +339,116 @@ fn the_helper_drives_operations_nobody_waits_for_and_ends_with_its_engine() {
     );
     helper.join().unwrap();
 }
+
+/// A collector of receive completions (`CompletionQueue::take` after `wait_doorbell`) over
+/// tcp: it never drives the provider, the progress thread reads the SENDs, and it still gets
+/// each one, in order and with its bytes; a doorbell that does not move times out.
+#[test]
+fn a_collector_takes_what_others_drive_without_driving() {
+    let ctx = Device::by_name("tcp").unwrap().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let scq = ctx.create_cq(64).unwrap();
+    let rcq = ctx.create_cq(64).unwrap();
+    let a = pd.create_qp(&scq, &scq, &QpConfig::default()).unwrap();
+    let b = pd.create_qp(&scq, &rcq, &QpConfig::default()).unwrap();
+    a.connect(&b.endpoint()).unwrap();
+    b.connect(&a.endpoint()).unwrap();
+    let src = pd.alloc_mr(4 * 64, AccessFlags::LOCAL_WRITE).unwrap();
+    let dst = pd.alloc_mr(4 * 64, AccessFlags::LOCAL_WRITE).unwrap();
+    for i in 0..4u64 {
+        let sge = [Sge::new(&dst, i as usize * 64, 64)];
+        b.post_recv(&[crate::RecvWr::new(i, &sge)]).unwrap();
+    }
+    let seen = rcq.doorbell();
+    let t = Instant::now();
+    assert!(
+        !rcq.wait_doorbell(seen, Duration::from_millis(50)),
+        "nothing was sent"
+    );
+    assert!(t.elapsed() >= Duration::from_millis(50));
+    let mut wcs = [crate::WorkCompletion::EMPTY; 4];
+    assert_eq!(rcq.take(&mut wcs), 0);
+    for i in 0..4u8 {
+        src.write(i as usize * 64, &[i + 1; 64]).unwrap();
+        let sge = [Sge::new(&src, i as usize * 64, 64)];
+        a.post_send(&[SendWr::new(u64::from(i), WrOp::Send, &sge)])
+            .unwrap();
+    }
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while got.len() < 4 {
+        assert!(Instant::now() < deadline, "collected {got:?} only");
+        let seen = rcq.doorbell();
+        let n = rcq.take(&mut wcs);
+        if n == 0 {
+            rcq.wait_doorbell(seen, Duration::from_millis(100));
+        }
+        got.extend(wcs[..n].iter().map(|w| (w.wr_id, w.byte_len, w.is_ok())));
+    }
+    assert_eq!(got, (0..4).map(|i| (i, 64, true)).collect::<Vec<_>>());
+    let mut back = [0u8; 64];
+    for i in 0..4u8 {
+        dst.read(i as usize * 64, &mut back).unwrap();
+        assert_eq!(back, [i + 1; 64]);
+    }
+}
+
+/// A passive waiter over tcp (`Progress::wait_passive`): it drives nothing, the progress
+/// threads move a 4 MiB WRITE, and the waiter's handler sees its completion, with the bytes in
+/// place; waiting for what never comes times out naming it.
+#[test]
+fn a_passive_waiter_gets_its_completion_from_the_progress_threads() {
+    let ctx = Device::by_name("tcp").unwrap().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let a = pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap();
+    let b = pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap();
+    a.connect(&b.endpoint()).unwrap();
+    b.connect(&a.endpoint()).unwrap();
+    let len = 4 << 20;
+    let src = pd.alloc_mr(len, AccessFlags::LOCAL_WRITE).unwrap();
+    let dst = pd
+        .alloc_mr(len, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
+        .unwrap();
+    let data: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+    src.write(0, &data).unwrap();
+    let progress = Progress::new(vec![cq]);
+    let sge = [Sge::new(&src, 0, len)];
+    a.post_send(&[SendWr::new(
+        tag(9, 1),
+        WrOp::Write {
+            remote: dst.remote().at(0),
+        },
+        &sge,
+    )])
+    .unwrap();
+    let done = AtomicBool::new(false);
+    let r = progress.wait_passive(
+        Instant::now() + Duration::from_secs(20),
+        || "operation 9's WRITE".to_string(),
+        0,
+        |_, wc| {
+            assert_eq!(untag(wc.wr_id), (9, 1));
+            done.store(wc.is_ok(), Ordering::SeqCst);
+            Ok::<_, String>(())
+        },
+        || done.load(Ordering::SeqCst).then_some(()),
+    );
+    assert!(r.is_ok(), "{:?}", r.err().map(|e| e.to_string()));
+    let mut back = vec![0u8; len];
+    dst.read(0, &mut back).unwrap();
+    assert!(back == data, "the WRITE's bytes are not in place");
+    let t = Instant::now();
+    let r = progress.wait_passive(
+        Instant::now() + Duration::from_millis(100),
+        || "nothing at all".to_string(),
+        0,
+        |_, _| Ok::<_, String>(()),
+        || None::<()>,
+    );
+    match r {
+        Err(Waited::Timeout { what, .. }) => assert_eq!(what, "nothing at all"),
+        other => panic!("{:?}", other.map_err(|e| e.to_string())),
+    }
+    assert!(t.elapsed() >= Duration::from_millis(100));
+}

@@ -71,6 +71,52 @@ impl CompletionQueue {
             .load(Ordering::Acquire)
     }
 
+    /// Moves up to `out.len()` completions that are already made into `out`, driving nothing
+    /// (no provider progress, no socket read): for a thread that leaves the driving to others
+    /// (the tcp provider's progress thread, the threads that wait for their requests) and only
+    /// collects, as a listener for incoming messages does. A peer's death is noticed by a
+    /// [`CompletionQueue::poll`].
+    pub fn take(&self, out: &mut [WorkCompletion]) -> usize {
+        let inner = &self.inner;
+        let mut n = inner.core.drain_local(out);
+        let sources = inner.sources.lock().unwrap_or_else(|e| e.into_inner());
+        for qp in sources.iter() {
+            if n == out.len() {
+                break;
+            }
+            if Arc::ptr_eq(qp.recv_cq(), &inner.core) {
+                n += qp.harvest(&mut out[n..]);
+            }
+        }
+        n
+    }
+
+    /// Sleeps until the [`doorbell`](CompletionQueue::doorbell) differs from `seen` (a
+    /// completion was added, or a peer died), at most `timeout`, without driving the provider:
+    /// unlike [`CompletionQueue::wait`], it never becomes the thread that reads the tcp
+    /// provider's sockets, so a message for another thread does not wake this one first.
+    /// Returns whether the doorbell moved.
+    pub fn wait_doorbell(&self, seen: u32, timeout: Duration) -> bool {
+        let core = &self.inner.core;
+        let seq = core.ctx.seg.cq_word(core.index, SEQ);
+        let sleepers = core.ctx.seg.cq_word(core.index, SLEEPERS);
+        let deadline = Instant::now() + timeout;
+        loop {
+            if seq.load(Ordering::SeqCst) != seen {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            sleepers.fetch_add(1, Ordering::SeqCst);
+            if seq.load(Ordering::SeqCst) == seen {
+                futex_wait(seq, seen, (deadline - now).min(MAX_NAP));
+            }
+            sleepers.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
     /// Waits up to `timeout` for at least one completion and moves what is there into `out`.
     /// Errors with [`Error::Timeout`] naming this queue when nothing arrived in time.
     pub fn wait(&self, out: &mut [WorkCompletion], timeout: Duration) -> Result<usize> {
@@ -89,12 +135,18 @@ impl CompletionQueue {
                 return Ok(n);
             }
             spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(64) && Instant::now() >= spin_until {
+            // (The clock is read every 64 polls, and after the first: a spin of 0 polls once,
+            // where 64 polls of a tcp queue, a system call each, kept a waiting thread busy for
+            // a whole 4 KiB round trip.)
+            if (spins == 1 || spins.is_multiple_of(64)) && Instant::now() >= spin_until {
                 break;
             }
             std::hint::spin_loop();
         }
-        for _ in 0..4 {
+        // A spin of 0 asks for no busy waiting: no yields either (each is a system call and a
+        // poll, which on tcp is another).
+        let yields = if core.ctx.tuning.spin.is_zero() { 0 } else { 4 };
+        for _ in 0..yields {
             std::thread::yield_now();
             let n = inner.poll(out);
             if n > 0 {

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Fixed cost per call of a 2-rank all-reduce over the tcp provider (loopback), both ranks together:
+# syscalls (strace -f -c) and instructions / context switches (perf stat), each the difference of
+# two runs with N1 and N2 iterations divided by N2 - N1, so start-up and teardown cancel out.
+#
+# Usage: bench/tcp-percall.sh [SIZE] [N1] [N2]     (default 8 2000 12000)
+# Env: OXCCL_BIN (default target/release/oxccl), EXTRA_ENV (e.g. "OXCCL_TCP_POLL=busy"),
+#      PERF=0 skips perf stat, STRACE=0 skips strace.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SIZE=${1:-8}
+N1=${2:-2000}
+N2=${3:-12000}
+B=${OXCCL_BIN:-target/release/oxccl}
+OUT=$(mktemp -d)
+trap 'rm -rf "$OUT"' EXIT
+run() { env OXCCL_PROVIDER=tcp ${EXTRA_ENV:-} "$@" "$B" perf all_reduce -n 2 -b "$SIZE" -e "$SIZE" -w 10 -c 0 -i "$N" >/dev/null; }
+calls() { awk '/^-/ || /^% time/ { next } NF >= 5 { n = ($5 ~ /^[0-9]+$/) ? $6 : $5; print n, $4 }' "$1"; }
+if [ "${STRACE:-1}" != 0 ]; then
+    for N in "$N1" "$N2"; do run strace -f -c -o "$OUT/s.$N"; done
+    echo "# syscalls per call (both ranks), size $SIZE, ($N2 - $N1) iterations"
+    join <(calls "$OUT/s.$N1" | sort) <(calls "$OUT/s.$N2" | sort) |
+        awk -v d=$((N2 - N1)) '{ p = ($3 - $2) / d; if (p >= 0.05 || p <= -0.05) printf "%-16s %7.2f\n", $1, p }' | sort -k2 -nr
+fi
+if [ "${PERF:-1}" != 0 ]; then
+    for N in "$N1" "$N2"; do
+        run perf stat -x, -e instructions,context-switches,task-clock -o "$OUT/p.$N" --
+    done
+    echo "# perf stat per call (both ranks, all threads), size $SIZE"
+    join -t, <(awk -F, 'NF>3 { print $3 "," $1 }' "$OUT/p.$N1" | sort) <(awk -F, 'NF>3 { print $3 "," $1 }' "$OUT/p.$N2" | sort) |
+        awk -F, -v d=$((N2 - N1)) '{ printf "%-18s %10.2f\n", $1, ($3 - $2) / d }'
+fi

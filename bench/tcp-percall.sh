@@ -2,8 +2,10 @@
 # Fixed cost per call of a 2-rank all-reduce over the tcp provider (loopback), both ranks together:
 # syscalls (strace -f -c) and instructions / context switches (perf stat), each the difference of
 # two runs with N1 and N2 iterations divided by 2 (N2 - N1) (`oxccl perf` runs N iterations out of
-# place, then N in place), so start-up and teardown cancel out. task-clock is in ms (CPU time of
-# every thread of both ranks); instructions read 0 where the machine has no PMU (a VM).
+# place, then N in place), so start-up and teardown cancel out. perf stat also counts the system
+# calls by tracepoint (no ptrace slow-down: strace's counts include extra empty polls).
+# task-clock is CPU time of every thread of both ranks, in us; instructions read 0 where the
+# machine has no PMU (a VM, as here).
 #
 # Usage: bench/tcp-percall.sh [SIZE] [N1] [N2]     (default 8 2000 12000)
 # Env: OXCCL_BIN (default target/release/oxccl), EXTRA_ENV (e.g. "OXCCL_TCP_POLL=busy"),
@@ -26,7 +28,7 @@ if [ "${STRACE:-1}" != 0 ]; then
 fi
 if [ "${PERF:-1}" != 0 ]; then
     for N in "$N1" "$N2"; do
-        run perf stat -x, -e instructions,context-switches,task-clock -o "$OUT/p.$N" --
+        run perf stat -x, -e instructions,context-switches,task-clock,raw_syscalls:sys_enter,syscalls:sys_enter_recvfrom,syscalls:sys_enter_sendmsg,syscalls:sys_enter_epoll_pwait,syscalls:sys_enter_sched_yield -o "$OUT/p.$N" --
     done
     echo "# perf stat per call (both ranks, all threads), size $SIZE"
     join -t, <(awk -F, 'NF>3 { print $3 "," $1 }' "$OUT/p.$N1" | sort) <(awk -F, 'NF>3 { print $3 "," $1 }' "$OUT/p.$N2" | sort) |

@@ -15,7 +15,7 @@
 //! let tuning = Tuning::new(&topo, true);
 //! let req = tuning.request(&Collective::AllReduce { count: 1 << 24 }, 4, 2, false);
 //! assert_eq!(req.algo, Algorithm::Hierarchical);
-//! assert_eq!(req.chunk, (1 << 20) / 4);
+//! assert_eq!(req.chunk, (256 << 10) / 4);
 //! let small = tuning.request(&Collective::AllReduce { count: 16 }, 4, 2, false);
 //! assert_eq!(small.algo, Algorithm::RecursiveDoubling);
 //! # Ok::<(), String>(())
@@ -30,8 +30,13 @@ pub use crate::protocol::INLINE;
 
 /// Default bytes per slice (and slot) when every peer is on the host.
 pub const CHUNK_SHM: usize = 128 << 10;
-/// Default bytes per slice (and slot) when any pair of ranks talks over the network.
-pub const CHUNK_NET: usize = 1 << 20;
+/// Default bytes per slice (and slot) when any pair of ranks talks over the network. 256 KiB
+/// rather than 1 MiB: a 2-rank ring over tcp then pipelines a 2 MiB all-reduce in four
+/// fragments a step where it sent one (receive, reduce and send overlap): on loopback 2 MiB took
+/// 456 us against 862 us and 8 MiB 2776 us against 4042 us (best of 3 alternating rounds,
+/// bench/results/latency-2026-12-06/tcp), at 32 MiB the same. Four slots keep 1 MiB in flight
+/// per peer and channel, more than a 10 Gbit/s link's bandwidth-delay product at 100 us.
+pub const CHUNK_NET: usize = 256 << 10;
 /// Default receive slots per (peer, channel) when every peer is on the host.
 pub const SLOTS_SHM: usize = 8;
 /// Default receive slots per (peer, channel) when any pair of ranks talks over the network.

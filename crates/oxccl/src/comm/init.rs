@@ -468,9 +468,11 @@ impl Communicator {
             || hosts.iter().any(|h| h != &hosts[0])
             || agg_provider == Some(Provider::Tcp);
         let geo = Geometry {
-            slot_data: opts
-                .chunk_size
-                .unwrap_or(if any_tcp { 1 << 20 } else { 128 << 10 }),
+            slot_data: opts.chunk_size.unwrap_or(if any_tcp {
+                crate::tuner::CHUNK_NET
+            } else {
+                crate::tuner::CHUNK_SHM
+            }),
             slots: opts.slots.unwrap_or(if any_tcp {
                 crate::tuner::SLOTS_NET
             } else {

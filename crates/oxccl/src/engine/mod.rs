@@ -40,9 +40,9 @@ use crate::reduce;
 use crate::schedule::{Algorithm, Buf, CollectiveKind, Op, Region, Request, Schedule};
 use crate::{DataType, ReduceOp};
 
-mod compiled;
 mod data;
 mod link;
+mod mailboxes;
 mod registry;
 mod run;
 mod session;

@@ -1,7 +1,7 @@
 //! Driving calls: the loops of the slot and mailbox protocols, the completion queues and
 //! what arrives through them (fragments, credits, notices), health, timeouts, strays.
 
-use super::compiled::{MailboxIdle, PUBLISH_AFTER, Turn};
+use super::mailboxes::PUBLISH_AFTER;
 use super::wait;
 use super::*;
 use crate::flight::{self, Waited};
@@ -56,60 +56,6 @@ impl Call<'_, '_> {
             if let Some(f) = self.eng.faults.as_mut().filter(|f| f.armed) {
                 f.steps_done(done);
             }
-        }
-    }
-
-    /// Runs the schedule with the mailbox protocol: the sender stores each message straight
-    /// into the peer's mapped mailbox, flags last ([`crate::mailbox`]), and the receiver
-    /// polls the flags in its own memory. No request, no completion queue, no credits.
-    pub(super) fn run_mailbox(&mut self, timeout: Duration) -> Result<()> {
-        let mut idle = MailboxIdle::default();
-        let geo = self.eng.geo;
-        while !self.calls[self.cur].m.is_done() {
-            let mut progress = false;
-            while let Some(a) = self.calls[self.cur].m.next(&mut self.eng.flows) {
-                progress |= self.perform(&a, &geo)?;
-            }
-            if self.calls[self.cur].m.is_done() {
-                break;
-            }
-            if progress {
-                self.mailbox_moved(&mut idle);
-                // What is left waits for a message (the sends went out): watch its flag
-                // rather than make a pass that finds nothing.
-                if !self.eng.policy().yields(self.spun_out) {
-                    self.watch_awaited(&geo);
-                }
-                continue;
-            }
-            let awaited = self.awaited_message();
-            match self.mailbox_idle(&mut idle, timeout, awaited)? {
-                Turn::Again => {}
-                Turn::TimedOut => return Err(self.timeout_error(timeout)),
-                Turn::Publish(since, now) => self.publish_waiting(since, now),
-            }
-        }
-        Ok(())
-    }
-
-    /// The link and length of the message the first waiting step of this mailbox call waits
-    /// for.
-    fn awaited_message(&self) -> Option<(usize, usize)> {
-        let one = &self.calls[self.cur];
-        let Some(Waiting::Data { step, q }) = one.m.waiting(&self.eng.flows) else {
-            return None;
-        };
-        let Op::Recv { dst, .. } = one.sched.steps[step].op else {
-            return None;
-        };
-        Some((self.eng.flows.link_channel(q).0, dst.len * one.esize))
-    }
-
-    /// Spins a bounded while ([`wait::watch`]) on the flag the first message this mailbox
-    /// call waits for will set.
-    fn watch_awaited(&self, geo: &Geometry) {
-        if let Some((l, total)) = self.awaited_message() {
-            self.watch_message(l, total, geo, false);
         }
     }
 

@@ -1,9 +1,10 @@
-//! Mailbox calls: how an idle one waits ([`MailboxIdle`], shared by both drivers), and the
-//! driver of a compiled call ([`Program`]): the steps of a call that repeats a planned shape,
-//! run one after the other in the order the protocol machine gave them when the program was
-//! compiled and verified ([`oxccl_core::verify::verify_compiled`]), without asking the machine
-//! again. The machine is brought up to date only when something must be told about the call
-//! (what it waits for, in `oxccl status` or a timeout error).
+//! Mailbox calls: their two drivers and how an idle one waits ([`MailboxIdle`]). A call runs
+//! either as its protocol machine says, pass after pass ([`Call::run_mailbox`]), or, when it
+//! repeats a planned shape, compiled ([`Call::run_program`]): its steps one after the other in
+//! the order the machine gave them when the program was compiled and verified
+//! ([`oxccl_core::verify::verify_compiled`]), without asking the machine again. The machine is
+//! then brought up to date only when something must be told about the call (the links' health,
+//! what it waits for in `oxccl status` or a timeout error).
 
 use super::wait;
 use super::*;
@@ -47,6 +48,60 @@ pub(super) enum Turn {
 }
 
 impl Call<'_, '_> {
+    /// Runs the schedule with the mailbox protocol: the sender stores each message straight
+    /// into the peer's mapped mailbox, flags last ([`crate::mailbox`]), and the receiver
+    /// polls the flags in its own memory. No request, no completion queue, no credits.
+    pub(super) fn run_mailbox(&mut self, timeout: Duration) -> Result<()> {
+        let mut idle = MailboxIdle::default();
+        let geo = self.eng.geo;
+        while !self.calls[self.cur].m.is_done() {
+            let mut progress = false;
+            while let Some(a) = self.calls[self.cur].m.next(&mut self.eng.flows) {
+                progress |= self.perform(&a, &geo)?;
+            }
+            if self.calls[self.cur].m.is_done() {
+                break;
+            }
+            if progress {
+                self.mailbox_moved(&mut idle);
+                // What is left waits for a message (the sends went out): watch its flag
+                // rather than make a pass that finds nothing.
+                if !self.eng.policy().yields(self.spun_out) {
+                    self.watch_awaited(&geo);
+                }
+                continue;
+            }
+            let awaited = self.awaited_message();
+            match self.mailbox_idle(&mut idle, timeout, awaited)? {
+                Turn::Again => {}
+                Turn::TimedOut => return Err(self.timeout_error(timeout)),
+                Turn::Publish(since, now) => self.publish_waiting(since, now),
+            }
+        }
+        Ok(())
+    }
+
+    /// The link and length of the message the first waiting step of this mailbox call waits
+    /// for.
+    fn awaited_message(&self) -> Option<(usize, usize)> {
+        let one = &self.calls[self.cur];
+        let Some(Waiting::Data { step, q }) = one.m.waiting(&self.eng.flows) else {
+            return None;
+        };
+        let Op::Recv { dst, .. } = one.sched.steps[step].op else {
+            return None;
+        };
+        Some((self.eng.flows.link_channel(q).0, dst.len * one.esize))
+    }
+
+    /// Spins a bounded while ([`wait::watch`]) on the flag the first message this mailbox
+    /// call waits for will set.
+    fn watch_awaited(&self, geo: &Geometry) {
+        if let Some((l, total)) = self.awaited_message() {
+            self.watch_message(l, total, geo, false);
+        }
+    }
+
     /// The call moved: a new idle spell starts at its next wait.
     pub(super) fn mailbox_moved(&self, idle: &mut MailboxIdle) {
         idle.since = None;

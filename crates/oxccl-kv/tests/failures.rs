@@ -40,7 +40,9 @@ fn child_target() {
     std::thread::sleep(Duration::from_secs(60));
 }
 
-fn killed_target_fails_the_batch(protocol: &str) {
+/// Starts the target process (this test binary's `child_target`) over `protocol`: the child
+/// (killed and reaped when dropped), its segment's name and its buffer's address.
+fn spawn_target(protocol: &str) -> (Reap, String, u64) {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "child_target", "--nocapture", "--test-threads=1"])
         .env(CHILD, protocol)
@@ -48,8 +50,9 @@ fn killed_target_fails_the_batch(protocol: &str) {
         .spawn()
         .unwrap();
     let mut out = BufReader::new(child.stdout.take().unwrap());
+    let child = Reap(child);
     let mut line = String::new();
-    let (name, buf) = loop {
+    loop {
         line.clear();
         assert!(
             out.read_line(&mut line).unwrap() > 0,
@@ -58,9 +61,13 @@ fn killed_target_fails_the_batch(protocol: &str) {
         // libtest prints "test child_target ... " on the same line.
         if let Some(rest) = line.trim().split("READY ").nth(1) {
             let (n, b) = rest.split_once(' ').unwrap();
-            break (n.to_string(), b.parse::<u64>().unwrap());
+            return (child, n.to_string(), b.parse::<u64>().unwrap());
         }
-    };
+    }
+}
+
+fn killed_target_fails_the_batch(protocol: &str) {
+    let (mut child, name, buf) = spawn_target(protocol);
     let cfg = config(protocol.parse().unwrap());
     let peer_timeout = cfg.peer_timeout;
     let e = TransferEngine::new(cfg, Arc::new(P2pMetadata::new(secret()))).unwrap();
@@ -81,11 +88,11 @@ fn killed_target_fails_the_batch(protocol: &str) {
         .collect();
     let b = e.submit(&reqs, Some(b"must-not-arrive")).unwrap();
     std::thread::sleep(Duration::from_millis(20));
-    child.kill().unwrap();
+    child.0.kill().unwrap();
     let killed = Instant::now();
     let r = e.wait(b, Duration::from_secs(20));
     let took = killed.elapsed();
-    let _ = child.wait();
+    let _ = child.0.wait();
     let err = r.expect_err("a batch to a killed target succeeded");
     assert!(
         matches!(&err, Error::PeerFailed { segment, .. } if *segment == name),
@@ -183,27 +190,8 @@ fn tcp_stopped_target_bounds_the_wait_by_the_callers_timeout() {
     if std::env::var(CHILD).is_ok() {
         return;
     }
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_target", "--nocapture", "--test-threads=1"])
-        .env(CHILD, "tcp")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
     // Killed however the test ends (SIGKILL ends a stopped process too).
-    let child = Reap(child);
-    let mut line = String::new();
-    let (name, buf) = loop {
-        line.clear();
-        assert!(
-            out.read_line(&mut line).unwrap() > 0,
-            "the target exited early"
-        );
-        if let Some(rest) = line.trim().split("READY ").nth(1) {
-            let (n, b) = rest.split_once(' ').unwrap();
-            break (n.to_string(), b.parse::<u64>().unwrap());
-        }
-    };
+    let (child, name, buf) = spawn_target("tcp");
     let mut cfg = config(Protocol::Tcp);
     // The engine's own timeout is long: only the caller's bound may end the waits below.
     cfg.timeout = Duration::from_secs(60);

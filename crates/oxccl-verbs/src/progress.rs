@@ -268,41 +268,21 @@ impl Progress {
         what: impl FnOnce() -> String,
         hint: usize,
         mut handle: impl FnMut(usize, &WorkCompletion) -> Result<(), E>,
-        mut ready: impl FnMut() -> Option<T>,
+        ready: impl FnMut() -> Option<T>,
     ) -> Result<T, Waited<E>> {
-        self.waiters.fetch_add(1, Ordering::AcqRel);
-        let _out = Leave(&self.waiters);
-        let start = Instant::now();
-        loop {
-            let seen = self.dispatched.load(Ordering::Acquire);
-            if let Some(v) = ready() {
-                return Ok(v);
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(Waited::Timeout {
-                    what: what(),
-                    waited: now - start,
-                });
-            }
-            let left = deadline - now;
-            match self.poller.try_lock() {
-                Ok(mut wcs) => {
-                    let r = match self.drain(&mut wcs, &mut handle) {
-                        Ok(0) if self.busy => {
-                            std::hint::spin_loop();
-                            Ok(0)
-                        }
-                        Ok(0) => self.sleep(hint, left.min(Duration::from_millis(10)), &mut handle),
-                        Ok(n) => Ok(n),
-                        Err(e) => Err(Waited::Handler(e)),
-                    };
-                    self.notify();
-                    r?;
+        self.wait_turns(deadline, what, ready, |mut wcs, left| {
+            let r = match self.drain(&mut wcs, &mut handle) {
+                Ok(0) if self.busy => {
+                    std::hint::spin_loop();
+                    Ok(0)
                 }
-                Err(_) => self.watch(seen, left.min(WATCH_NAP)),
-            }
-        }
+                Ok(0) => self.sleep(hint, left.min(Duration::from_millis(10)), &mut handle),
+                Ok(n) => Ok(n),
+                Err(e) => Err(Waited::Handler(e)),
+            };
+            self.notify();
+            r.map(drop)
+        })
     }
 
     /// [`Progress::wait_for`] without driving the providers: completions are collected
@@ -318,12 +298,43 @@ impl Progress {
         what: impl FnOnce() -> String,
         hint: usize,
         mut handle: impl FnMut(usize, &WorkCompletion) -> Result<(), E>,
+        ready: impl FnMut() -> Option<T>,
+    ) -> Result<T, Waited<E>> {
+        let q = hint.min(self.cqs.len().saturating_sub(1));
+        self.wait_turns(deadline, what, ready, |mut wcs, left| {
+            let bell = self.cqs.get(q).map(CompletionQueue::doorbell);
+            let r = self.collect(&mut wcs, &mut handle);
+            drop(wcs);
+            self.notify();
+            let n = r.map_err(Waited::Handler)?;
+            if let (0, Some(cq), Some(bell)) = (n, self.cqs.get(q), bell) {
+                let nap = if self.cqs.len() > 1 {
+                    TURN
+                } else {
+                    MAX_PASSIVE_NAP
+                };
+                cq.wait_doorbell(bell, left.min(nap));
+            }
+            Ok(())
+        })
+    }
+
+    /// The loop of both waits: until `ready` gives a value (asked before every turn) or
+    /// `deadline` passes, the thread that holds the poller takes a turn (`turn`, with the
+    /// time left), and one that does not sleeps until the holder's next dispatch.
+    fn wait_turns<T, E>(
+        &self,
+        deadline: Instant,
+        what: impl FnOnce() -> String,
         mut ready: impl FnMut() -> Option<T>,
+        mut turn: impl FnMut(
+            std::sync::MutexGuard<'_, Vec<WorkCompletion>>,
+            Duration,
+        ) -> Result<(), Waited<E>>,
     ) -> Result<T, Waited<E>> {
         self.waiters.fetch_add(1, Ordering::AcqRel);
         let _out = Leave(&self.waiters);
         let start = Instant::now();
-        let q = hint.min(self.cqs.len().saturating_sub(1));
         loop {
             let seen = self.dispatched.load(Ordering::Acquire);
             if let Some(v) = ready() {
@@ -338,21 +349,7 @@ impl Progress {
             }
             let left = deadline - now;
             match self.poller.try_lock() {
-                Ok(mut wcs) => {
-                    let bell = self.cqs.get(q).map(CompletionQueue::doorbell);
-                    let r = self.collect(&mut wcs, &mut handle);
-                    drop(wcs);
-                    self.notify();
-                    let n = r.map_err(Waited::Handler)?;
-                    if let (0, Some(cq), Some(bell)) = (n, self.cqs.get(q), bell) {
-                        let nap = if self.cqs.len() > 1 {
-                            TURN
-                        } else {
-                            MAX_PASSIVE_NAP
-                        };
-                        cq.wait_doorbell(bell, left.min(nap));
-                    }
-                }
+                Ok(wcs) => turn(wcs, left)?,
                 Err(_) => self.watch(seen, left.min(WATCH_NAP)),
             }
         }

@@ -73,31 +73,56 @@ fn open_eventually(e: &TransferEngine, name: &str) -> SegmentId {
     }
 }
 
-#[test]
-fn queue_pairs_per_peer_are_capped_and_others_still_served() {
+/// A target engine on 127.0.0.1 with `lanes` lanes and `cap` applied to its configuration,
+/// over a fresh store: the store, the target and a buffer of it.
+fn capped_target(
+    lanes: usize,
+    cap: impl FnOnce(&mut EngineConfig),
+) -> (Arc<dyn Metadata>, TransferEngine, u64) {
     let meta = store();
-    let mut tc = config("target", [127, 0, 0, 1], 2);
-    tc.max_peer_qps = 2;
+    let mut tc = config("target", [127, 0, 0, 1], lanes);
+    cap(&mut tc);
     let target = TransferEngine::new(tc, meta.clone()).unwrap();
     let tbuf = target.allocate_managed_buffer(LEN).unwrap();
+    (meta, target, tbuf)
+}
 
-    // Three engines on 127.0.0.1: one peer address, two queue pairs allowed.
-    let a = TransferEngine::new(config("a", [127, 0, 0, 1], 2), meta.clone()).unwrap();
-    let b = TransferEngine::new(config("b", [127, 0, 0, 1], 2), meta.clone()).unwrap();
-    let c = TransferEngine::new(config("c", [127, 0, 0, 1], 2), meta.clone()).unwrap();
+/// Asserts that `err` names each of `want`.
+fn assert_names(err: &str, want: &[&str]) {
+    for w in want {
+        assert!(err.contains(w), "{w:?} not in: {err}");
+    }
+}
+
+/// Engines "a", "b" and "c" on 127.0.0.1 (one peer address) with `lanes` lanes open the
+/// target's segment in turn: the first two get in, the third is refused with an error naming
+/// each of `want`. Returns the engines and the two open segments.
+fn third_refused(
+    meta: &Arc<dyn Metadata>,
+    lanes: usize,
+    want: &[&str],
+) -> ([TransferEngine; 3], SegmentId, SegmentId) {
+    let [a, b, c] = ["a", "b", "c"]
+        .map(|n| TransferEngine::new(config(n, [127, 0, 0, 1], lanes), meta.clone()).unwrap());
     let sa = a.open_segment("target").unwrap();
     let sb = b.open_segment("target").unwrap();
-    let err = c.open_segment("target").unwrap_err().to_string();
-    for want in [
+    assert_names(&c.open_segment("target").unwrap_err().to_string(), want);
+    ([a, b, c], sa, sb)
+}
+
+#[test]
+fn queue_pairs_per_peer_are_capped_and_others_still_served() {
+    // Three engines on 127.0.0.1: one peer address, two queue pairs allowed.
+    let (meta, target, tbuf) = capped_target(2, |c| c.max_peer_qps = 2);
+    let want = [
         "127.0.0.1",
         "\"c\"",
         "2 queue pairs",
         "cap of 2",
         "max_peer_qps",
         "OXCCL_KV_MAX_PEER_QPS",
-    ] {
-        assert!(err.contains(want), "{want:?} not in: {err}");
-    }
+    ];
+    let ([a, b, c], sa, sb) = third_refused(&meta, 2, &want);
     // The engine still serves the peers within the cap, and another address.
     write_and_check(&a, sa, &target, tbuf, 1);
     write_and_check(&b, sb, &target, tbuf, 2);
@@ -112,26 +137,22 @@ fn queue_pairs_per_peer_are_capped_and_others_still_served() {
 
 #[test]
 fn lanes_per_peer_are_capped_and_counted_exactly() {
-    let meta = store();
-    let mut tc = config("target", [127, 0, 0, 1], 4);
-    tc.max_peer_lanes = 6;
-    let target = TransferEngine::new(tc, meta.clone()).unwrap();
-    let tbuf = target.allocate_managed_buffer(LEN).unwrap();
-
+    let (meta, target, tbuf) = capped_target(4, |c| c.max_peer_lanes = 6);
     let a = TransferEngine::new(config("a", [127, 0, 0, 1], 4), meta.clone()).unwrap();
     let sa = a.open_segment("target").unwrap();
     // 4 + 4 > 6: refused, naming the lanes cap.
     let b = TransferEngine::new(config("b", [127, 0, 0, 1], 4), meta.clone()).unwrap();
     let err = b.open_segment("target").unwrap_err().to_string();
-    for want in [
-        "127.0.0.1",
-        "4 lanes",
-        "cap of 6",
-        "max_peer_lanes",
-        "OXCCL_KV_MAX_PEER_LANES",
-    ] {
-        assert!(err.contains(want), "{want:?} not in: {err}");
-    }
+    assert_names(
+        &err,
+        &[
+            "127.0.0.1",
+            "4 lanes",
+            "cap of 6",
+            "max_peer_lanes",
+            "OXCCL_KV_MAX_PEER_LANES",
+        ],
+    );
     // 4 + 2 = 6: the cap itself is allowed.
     let c = TransferEngine::new(config("c", [127, 0, 0, 1], 2), meta.clone()).unwrap();
     let sc = c.open_segment("target").unwrap();
@@ -224,14 +245,15 @@ fn a_p2p_lookup_of_a_refused_address_fails_in_about_a_second() {
         took < Duration::from_secs(2) && took >= Duration::from_millis(900),
         "took {took:?}: {text}"
     );
-    for want in [
-        addr.to_string().as_str(),
-        "nobody is listening",
-        "refused",
-        "OXCCL_KV_CONNECT_RETRY",
-    ] {
-        assert!(text.contains(want), "{want:?} not in: {text}");
-    }
+    assert_names(
+        &text,
+        &[
+            addr.to_string().as_str(),
+            "nobody is listening",
+            "refused",
+            "OXCCL_KV_CONNECT_RETRY",
+        ],
+    );
     // Through an engine (30 s timeout) and its knob: as quickly, the same error.
     let mut c = config("x", [127, 0, 0, 1], 1);
     c.name = None;
@@ -275,28 +297,17 @@ fn a_p2p_lookup_waits_for_a_peer_that_is_starting() {
 
 #[test]
 fn handshake_connections_per_peer_are_capped() {
-    let meta = store();
-    let mut tc = config("target", [127, 0, 0, 1], 1);
-    tc.max_peer_conns = 2;
-    let target = TransferEngine::new(tc, meta.clone()).unwrap();
-    let tbuf = target.allocate_managed_buffer(LEN).unwrap();
     // Each opened segment keeps its handshake connection: two from 127.0.0.1, the third
     // refused with the cap's name.
-    let a = TransferEngine::new(config("a", [127, 0, 0, 1], 1), meta.clone()).unwrap();
-    let b = TransferEngine::new(config("b", [127, 0, 0, 1], 1), meta.clone()).unwrap();
-    let c = TransferEngine::new(config("c", [127, 0, 0, 1], 1), meta.clone()).unwrap();
-    let sa = a.open_segment("target").unwrap();
-    let _sb = b.open_segment("target").unwrap();
-    let err = c.open_segment("target").unwrap_err().to_string();
-    for want in [
+    let (meta, target, tbuf) = capped_target(1, |c| c.max_peer_conns = 2);
+    let want = [
         "127.0.0.1",
         "\"c\"",
         "2 handshake connections",
         "max_peer_conns",
         "OXCCL_KV_MAX_PEER_CONNS",
-    ] {
-        assert!(err.contains(want), "{want:?} not in: {err}");
-    }
+    ];
+    let ([a, _b, c], sa, _sb) = third_refused(&meta, 1, &want);
     // Others are served; and a peer that closes its segment gives the connection back.
     let d = TransferEngine::new(config("d", [127, 0, 0, 5], 1), meta.clone()).unwrap();
     let sd = d.open_segment("target").unwrap();

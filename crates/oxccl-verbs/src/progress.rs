@@ -196,6 +196,27 @@ impl Progress {
     fn drain<E>(
         &self,
         wcs: &mut [WorkCompletion],
+        handle: impl FnMut(usize, &WorkCompletion) -> Result<(), E>,
+    ) -> Result<usize, E> {
+        self.hand_over(wcs, true, handle)
+    }
+
+    /// Takes what every queue holds (driving nothing) and hands it over.
+    fn collect<E>(
+        &self,
+        wcs: &mut [WorkCompletion],
+        handle: impl FnMut(usize, &WorkCompletion) -> Result<(), E>,
+    ) -> Result<usize, E> {
+        self.hand_over(wcs, false, handle)
+    }
+
+    /// Empties every queue into `wcs`, a batch at a time, handing over each completion: by
+    /// polling (`drive`: the provider moves what it has first, and the doorbells seen are
+    /// noted for [`Progress::rang`]), or by taking only what was completed already.
+    fn hand_over<E>(
+        &self,
+        wcs: &mut [WorkCompletion],
+        drive: bool,
         mut handle: impl FnMut(usize, &WorkCompletion) -> Result<(), E>,
     ) -> Result<usize, E> {
         if wcs.is_empty() {
@@ -203,9 +224,11 @@ impl Progress {
         }
         let mut total = 0;
         for (q, cq) in self.cqs.iter().enumerate() {
-            self.rung[q].store(cq.doorbell(), Ordering::Relaxed);
+            if drive {
+                self.rung[q].store(cq.doorbell(), Ordering::Relaxed);
+            }
             loop {
-                let n = cq.poll(wcs);
+                let n = if drive { cq.poll(wcs) } else { cq.take(wcs) };
                 total += n;
                 for wc in &wcs[..n] {
                     handle(q, wc)?;
@@ -353,31 +376,6 @@ impl Progress {
                 Err(_) => self.watch(seen, left.min(WATCH_NAP)),
             }
         }
-    }
-
-    /// Takes what every queue holds (driving nothing) and hands it over.
-    fn collect<E>(
-        &self,
-        wcs: &mut [WorkCompletion],
-        mut handle: impl FnMut(usize, &WorkCompletion) -> Result<(), E>,
-    ) -> Result<usize, E> {
-        if wcs.is_empty() {
-            return Ok(0);
-        }
-        let mut total = 0;
-        for (q, cq) in self.cqs.iter().enumerate() {
-            loop {
-                let n = cq.take(wcs);
-                total += n;
-                for wc in &wcs[..n] {
-                    handle(q, wc)?;
-                }
-                if n < wcs.len() {
-                    break;
-                }
-            }
-        }
-        Ok(total)
     }
 
     /// Sleeps until a dispatch after `seen`, at most `max`.

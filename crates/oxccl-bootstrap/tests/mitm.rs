@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use oxccl_bootstrap::wire::frame_len;
 use oxccl_bootstrap::{ClientOptions, Error, Secret, Store, StoreServer, TcpStore};
-use oxccl_seal::mitm::{Plan, Proxy, Tamper, Toward};
+use oxccl_seal::mitm::{Plan, Proxy, Tamper, Toward, holds};
 
 const T: Duration = Duration::from_secs(10);
 /// A value that spans two records (records carry at most 64 KiB).
@@ -120,20 +120,6 @@ fn value(len: usize) -> Vec<u8> {
     PATTERN.iter().copied().cycle().take(len).collect()
 }
 
-/// Whether the proxy tampered as planned, waiting a little: it marks a swap after it sent the
-/// later record, which the reader may have refused already.
-fn tampered(p: &Proxy) -> bool {
-    let t = std::time::Instant::now();
-    while !p.tampered() && t.elapsed() < Duration::from_secs(2) {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    p.tampered()
-}
-
-fn contains(hay: &[u8], needle: &[u8]) -> bool {
-    hay.windows(needle.len()).any(|w| w == needle)
-}
-
 /// Asserts that the client's error names the store (through the proxy) and says a reply
 /// failed authentication.
 fn assert_reply_rejected(e: &Error, proxy: &Proxy, what: &str) {
@@ -171,14 +157,14 @@ fn the_untampered_exchange_works_and_shows_nothing_it_carried() {
         b"rkey=",
     ] {
         assert!(
-            !contains(&seen, needle),
+            !holds(&seen, needle),
             "{:?} crossed the wire in clear",
             String::from_utf8_lossy(needle)
         );
     }
     // Nor the client's name: it goes sealed, after the handshake.
     assert!(
-        !contains(&seen, b"clean client"),
+        !holds(&seen, b"clean client"),
         "the client's name crossed in clear"
     );
 }
@@ -191,7 +177,10 @@ fn a_flipped_request_is_not_applied_and_both_ends_name_the_record() {
     let p = proxy(&server, Tamper::FlipBit { record: 1 }, Toward::Target);
     let c = client(p.addr(), "flip-target client");
     let e = c.set(KEY, &value(64)).unwrap_err();
-    assert!(tampered(&p), "the proxy did not flip a bit");
+    assert!(
+        p.tampered_within(Duration::from_secs(2)),
+        "the proxy did not flip a bit"
+    );
     // The store says why, sealed, before it closes.
     assert!(matches!(e, Error::Rejected { .. }), "{e}");
     assert!(
@@ -216,7 +205,10 @@ fn a_replayed_request_is_applied_once() {
     // The first copy is the client's own request (it may see its reply, or the connection
     // closed once the replay arrives); the replay is refused.
     let _ = c.add("counter", 1);
-    assert!(tampered(&p), "the proxy did not replay");
+    assert!(
+        p.tampered_within(Duration::from_secs(2)),
+        "the proxy did not replay"
+    );
     let line = log_line("replay-target client");
     assert!(line.contains("closing store connection"), "{line}");
     assert!(
@@ -244,7 +236,10 @@ fn a_dropped_or_swapped_request_record_is_not_applied() {
         // Two records (1 and 2: record 0 is the client's name): the first dropped (or sent
         // second), the other arrives out of order.
         let e = c.set(KEY, &value(BIG)).unwrap_err();
-        assert!(tampered(&p), "{label}: the proxy did not tamper");
+        assert!(
+            p.tampered_within(Duration::from_secs(2)),
+            "{label}: the proxy did not tamper"
+        );
         assert!(
             e.to_string()
                 .contains("record 2 arrived where record 1 was due"),
@@ -272,7 +267,7 @@ fn a_tampered_name_closes_the_connection_before_any_request() {
     let p = proxy(&server, Tamper::FlipBit { record: 0 }, Toward::Target);
     let c = client(p.addr(), "flip-name client");
     assert!(c.set(KEY, b"v").is_err());
-    assert!(tampered(&p));
+    assert!(p.tampered_within(Duration::from_secs(2)));
     let line = log_line("no name");
     assert!(line.contains("record 0 failed authentication"), "{line}");
     assert!(server.clients().is_empty() || server.clients() == [""]);
@@ -294,7 +289,10 @@ fn a_tampered_reply_fails_the_client_naming_the_store() {
         let c = client(p.addr(), "reply client");
         // The reply spans two records; nothing of a tampered one reaches the caller.
         let r = c.get(KEY, T);
-        assert!(tampered(&p), "{tamper:?}: the proxy did not tamper");
+        assert!(
+            p.tampered_within(Duration::from_secs(2)),
+            "{tamper:?}: the proxy did not tamper"
+        );
         match (tamper, r) {
             // A replayed record after a complete reply: the next call sees it.
             (Tamper::Replay { .. }, Ok(v)) => {
@@ -332,7 +330,7 @@ fn a_rank_whose_join_is_tampered_with_fails_and_the_others_learn_why() {
     let one = rank(1, p.addr());
     let e1 = one.join().unwrap().unwrap_err();
     let e0 = zero.join().unwrap().unwrap_err();
-    assert!(tampered(&p));
+    assert!(p.tampered_within(Duration::from_secs(2)));
     assert!(
         e1.to_string().contains("record 2 failed authentication"),
         "{e1}"

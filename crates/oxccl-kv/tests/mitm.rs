@@ -11,7 +11,7 @@ use std::time::Duration;
 use oxccl_bootstrap::{MemoryStore, Secret};
 use oxccl_kv::meta::StoreMetadata;
 use oxccl_kv::*;
-use oxccl_seal::mitm::{Plan, Proxy, Tamper, Toward};
+use oxccl_seal::mitm::{Plan, Proxy, Tamper, Toward, holds};
 
 fn secret() -> Secret {
     Secret::new("kv-mitm-test-secret-0123456").unwrap()
@@ -87,17 +87,6 @@ fn kv_handshake(dir: Toward, seen: &[u8]) -> Option<usize> {
 }
 
 const BIG: usize = 150 << 10;
-
-/// Whether the proxy did its tamper. It may say so just after the record went (a swap forwards
-/// the second record first, which the receiver may catch before the flag is set): waits a
-/// little for it.
-fn tampered(proxy: &Proxy) -> bool {
-    let end = std::time::Instant::now() + Duration::from_secs(2);
-    while !proxy.tampered() && std::time::Instant::now() < end {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    proxy.tampered()
-}
 
 /// The target (with an echo service that records what it was called with), a client that
 /// reaches it through a proxy with `plan`, and the proxy.
@@ -179,7 +168,7 @@ fn the_untampered_handshake_works_and_says_nothing_to_a_stranger() {
 
     let seen = w.proxy.captured();
     assert!(seen.len() > BIG * 2, "the proxy saw {} bytes", seen.len());
-    let has = |needle: &[u8]| seen.windows(needle.len()).any(|x| x == needle);
+    let has = |needle: &[u8]| holds(&seen, needle);
     // The scan finds what is there: the cleartext proof names the target.
     assert!(has(b"\"target\""), "the hello is in the clear");
     // No message of the conversation, no field of a descriptor or an endpoint.
@@ -227,7 +216,7 @@ fn tampered_call_fails(tamper: Tamper, toward: Toward, kind: &str) {
     let big = pattern(BIG, 11);
     let err = w.client.call(seg, "echo", &big).unwrap_err().to_string();
     assert!(
-        tampered(&w.proxy),
+        w.proxy.tampered_within(Duration::from_secs(2)),
         "{tamper:?} {toward:?}: the proxy did nothing; the call said {err}"
     );
     assert!(
@@ -310,12 +299,12 @@ fn a_tampered_descriptor_opens_nothing() {
     // the record, and no segment is opened.
     let w = world(Tamper::FlipBit { record: 0 }, Toward::Client);
     let err = w.client.open_segment("target").unwrap_err().to_string();
-    assert!(tampered(&w.proxy));
+    assert!(w.proxy.tampered_within(Duration::from_secs(2)));
     assert!(err.contains("record 0 failed authentication"), "{err}");
     // A replayed request toward the target: the queue pair's connection is refused.
     let w = world(Tamper::Replay { record: 0 }, Toward::Target);
     let err = w.client.open_segment("target").unwrap_err().to_string();
-    assert!(tampered(&w.proxy));
+    assert!(w.proxy.tampered_within(Duration::from_secs(2)));
     assert!(
         err.contains("record 0 arrived where record 1 was due"),
         "{err}"
@@ -375,7 +364,7 @@ fn lanes_through_a_proxy(encrypt: Encrypt) -> (usize, bool) {
         .iter()
         .flat_map(|p| p.captured())
         .collect();
-    let has = |needle: &[u8]| seen.windows(needle.len()).any(|x| x == needle);
+    let has = |needle: &[u8]| holds(&seen, needle);
     (seen.len(), has(&out[1000..1032]) || has(&back[1000..1032]))
 }
 

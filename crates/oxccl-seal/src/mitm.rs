@@ -27,8 +27,15 @@ use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::HEADER_LEN;
+
+/// Whether `needle` occurs in `hay`: what a test asks of the bytes a proxy captured (an
+/// address, a key's name, a payload must not be there).
+pub fn holds(hay: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty() && hay.windows(needle.len()).any(|w| w == needle)
+}
 
 /// What the proxy does to the planned direction's records.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -147,6 +154,16 @@ impl Proxy {
     /// proves nothing).
     pub fn tampered(&self) -> bool {
         self.shared.tampered.load(Ordering::SeqCst)
+    }
+
+    /// [`Proxy::tampered`], waiting up to `within` for it: a swap is marked once the later
+    /// record has gone, which the reader may have refused (and the test gone on) already.
+    pub fn tampered_within(&self, within: Duration) -> bool {
+        let end = Instant::now() + within;
+        while !self.tampered() && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.tampered()
     }
 
     /// Every byte forwarded so far, both directions, every connection, in arrival order of

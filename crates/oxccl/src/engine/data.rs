@@ -201,13 +201,11 @@ impl Call<'_, '_> {
     ) -> Result<bool> {
         let l = self.eng.link_of[peer];
         let link = &self.eng.links[l];
-        let flag = link.mbox_recv + 1;
-        let inbox = link.inbox(geo);
-        // A written mailbox is read only once its write has landed whole.
-        let landed = link.outbox.is_some() || link.mbox_landed > link.mbox_recv;
-        if !landed || !inbox.header_arrived(flag) {
+        if !link.mailbox_arrived(geo) {
             return Ok(false);
         }
+        let flag = link.mbox_recv + 1;
+        let inbox = link.inbox(geo);
         let one = &self.calls[self.cur];
         let total = dst.len * one.esize;
         let want = one.want.from(peer).at(total, 0, total);

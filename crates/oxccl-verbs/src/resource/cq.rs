@@ -99,7 +99,6 @@ impl CompletionQueue {
     pub fn wait_doorbell(&self, seen: u32, timeout: Duration) -> bool {
         let core = &self.inner.core;
         let seq = core.ctx.seg.cq_word(core.index, SEQ);
-        let sleepers = core.ctx.seg.cq_word(core.index, SLEEPERS);
         let deadline = Instant::now() + timeout;
         loop {
             if seq.load(Ordering::SeqCst) != seen {
@@ -109,11 +108,7 @@ impl CompletionQueue {
             if now >= deadline {
                 return false;
             }
-            sleepers.fetch_add(1, Ordering::SeqCst);
-            if seq.load(Ordering::SeqCst) == seen {
-                futex_wait(seq, seen, (deadline - now).min(MAX_NAP));
-            }
-            sleepers.fetch_sub(1, Ordering::SeqCst);
+            sleep_on_doorbell(core, seen, (deadline - now).min(MAX_NAP));
         }
     }
 
@@ -154,7 +149,6 @@ impl CompletionQueue {
             }
         }
         let seq = core.ctx.seg.cq_word(core.index, SEQ);
-        let sleepers = core.ctx.seg.cq_word(core.index, SLEEPERS);
         loop {
             let observed = seq.load(Ordering::SeqCst);
             let n = inner.poll(out);
@@ -188,13 +182,21 @@ impl CompletionQueue {
             if core.ctx.ops.block(nap) {
                 continue;
             }
-            sleepers.fetch_add(1, Ordering::SeqCst);
-            if seq.load(Ordering::SeqCst) == observed {
-                futex_wait(seq, observed, nap);
-            }
-            sleepers.fetch_sub(1, Ordering::SeqCst);
+            sleep_on_doorbell(core, observed, nap);
         }
     }
+}
+
+/// Sleeps on queue `core`'s doorbell while it still reads `seen` (at most `nap`), counted among
+/// its sleepers so that a producer wakes it.
+fn sleep_on_doorbell(core: &CqCore, seen: u32, nap: Duration) {
+    let seq = core.ctx.seg.cq_word(core.index, SEQ);
+    let sleepers = core.ctx.seg.cq_word(core.index, SLEEPERS);
+    sleepers.fetch_add(1, Ordering::SeqCst);
+    if seq.load(Ordering::SeqCst) == seen {
+        futex_wait(seq, seen, nap);
+    }
+    sleepers.fetch_sub(1, Ordering::SeqCst);
 }
 
 impl CqInner {

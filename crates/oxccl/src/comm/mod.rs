@@ -438,10 +438,8 @@ impl Communicator {
     ) -> Result<()> {
         let mut st = self.lock();
         self.check_usable(&st, coll)?;
-        let id = flight::start(&self.inner.probe, &p.info());
         let spec = checked.spec(&p.planned.plan, p.desc, dtype, op);
-        let r = st.engine.execute(&spec, timeout);
-        flight::end(&self.inner.probe, id, &p.desc, &r);
+        let r = st.engine.execute(&spec, &p.info(), timeout);
         let r = r.map_err(|e| self.failed(&mut st, e));
         drop(st);
         r?;
@@ -595,8 +593,6 @@ impl Communicator {
         // The plan stays in `st.last` (borrowed beside the engine: no reference count).
         let State { engine, last, .. } = &mut *st;
         let planned = self.planned(last, coll)?;
-        let probe = &self.inner.probe;
-        let id = flight::start(probe, &planned.info(&desc));
         let spec = CallSpec {
             plan: &planned.plan,
             desc,
@@ -606,9 +602,8 @@ impl Communicator {
             in_place,
         };
         engine.metering = metered;
-        let r = engine.execute(&spec, timeout);
+        let r = engine.execute(&spec, &planned.info(&desc), timeout);
         engine.metering = false;
-        flight::end(probe, id, &desc, &r);
         r.map_err(|e| self.failed(st, e))
     }
 

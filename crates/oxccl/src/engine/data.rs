@@ -624,12 +624,12 @@ impl Call<'_, '_> {
                 continue;
             }
             self.cur = c;
-            for i in 0..self.calls[c].m.receive_queues().len() {
-                let q = self.calls[c].m.receive_queues()[i] as usize;
+            for i in 0..self.calls[c].m().receive_queues().len() {
+                let q = self.calls[c].m().receive_queues()[i] as usize;
                 loop {
                     let from = self.eng.announced[q];
                     let next = self.calls[c]
-                        .m
+                        .m()
                         .receives_ahead(&self.eng.flows, q)
                         .take(ANNOUNCE_RING)
                         .find(|&(_, _, first, _)| first >= from);
@@ -658,7 +658,7 @@ impl Call<'_, '_> {
             return 0;
         };
         let total = dst.len * one.esize;
-        let frags = one.m.config().fragments(total) as u64;
+        let frags = one.cfg.fragments(total) as u64;
         if total < PLACE_MIN || reduce_with.is_some() {
             return frags;
         }

@@ -54,12 +54,12 @@ impl Call<'_, '_> {
     pub(super) fn run_mailbox(&mut self, timeout: Duration) -> Result<()> {
         let mut idle = MailboxIdle::default();
         let geo = self.eng.geo;
-        while !self.calls[self.cur].m.is_done() {
+        while !self.calls[self.cur].is_done() {
             let mut progress = false;
-            while let Some(a) = self.calls[self.cur].m.next(&mut self.eng.flows) {
+            while let Some(a) = self.calls[self.cur].m().next(&mut self.eng.flows) {
                 progress |= self.perform(&a, &geo)?;
             }
-            if self.calls[self.cur].m.is_done() {
+            if self.calls[self.cur].is_done() {
                 break;
             }
             if progress {
@@ -85,7 +85,7 @@ impl Call<'_, '_> {
     /// for.
     fn awaited_message(&self) -> Option<(usize, usize)> {
         let one = &self.calls[self.cur];
-        let Some(Waiting::Data { step, q }) = one.m.waiting(&self.eng.flows) else {
+        let Some(Waiting::Data { step, q }) = one.waiting(&self.eng.flows) else {
             return None;
         };
         let Op::Recv { dst, .. } = one.sched.steps[step].op else {
@@ -212,7 +212,12 @@ impl Call<'_, '_> {
 
     /// Runs the lone mailbox call as compiled: `prog`'s instructions in order, each receive
     /// waiting (as [`Call::mailbox_idle`] says) until its message is there.
-    pub(super) fn run_program(&mut self, prog: &Program, timeout: Duration) -> Result<()> {
+    pub(super) fn run_program(
+        &mut self,
+        prog: &Program,
+        timeout: Duration,
+        rec: &mut Record<'_>,
+    ) -> Result<()> {
         let mut idle = MailboxIdle {
             program: Some(Running {
                 prog,
@@ -221,7 +226,7 @@ impl Call<'_, '_> {
             }),
             ..MailboxIdle::default()
         };
-        let r = self.run_instrs(prog, timeout, &mut idle);
+        let r = self.run_instrs(prog, timeout, &mut idle, rec);
         match r {
             Ok(()) => {
                 self.eng
@@ -244,6 +249,7 @@ impl Call<'_, '_> {
         prog: &Program,
         timeout: Duration,
         idle: &mut MailboxIdle<'_>,
+        rec: &mut Record<'_>,
     ) -> std::result::Result<(), Option<Error>> {
         let geo = self.eng.geo;
         let sched = self.calls[0].sched;
@@ -267,6 +273,8 @@ impl Call<'_, '_> {
                     },
                 ) => {
                     let awaited = Some((self.eng.link_of[peer], dst.len * self.calls[0].esize));
+                    // The sends before this wait are out: the record costs nothing now.
+                    rec.start(&self.eng.probe);
                     while !self.mailbox_recv(peer, dst, reduce_with, &geo)? {
                         match self.mailbox_idle(idle, timeout, awaited)? {
                             Turn::Again => {}
@@ -290,8 +298,11 @@ impl Call<'_, '_> {
             return;
         };
         if p.at > p.synced {
-            p.prog
-                .replay(&mut self.calls[0].m, &mut self.eng.flows, p.synced..p.at);
+            p.prog.replay(
+                self.calls[0].machine(&mut self.eng.reuse),
+                &mut self.eng.flows,
+                p.synced..p.at,
+            );
             p.synced = p.at;
         }
         self.note_steps();

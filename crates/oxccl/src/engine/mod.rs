@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 pub(crate) use oxccl_core::protocol::Geometry;
 use oxccl_core::protocol::mailbox::SHORT_HEADER;
 use oxccl_core::protocol::{
-    self, ANNOUNCE, ANNOUNCE_RING, Action, Announce, Flows, Header, Imm, MAILBOX_DATA, Machine,
-    Notice, PLACE_MIN, Program, Queues, Reuse, SLOT_HEADER, Violation, Waiting,
+    self, ANNOUNCE, ANNOUNCE_RING, Action, Announce, Config, Flows, Header, Imm, MAILBOX_DATA,
+    Machine, Notice, PLACE_MIN, Program, Queues, Reuse, SLOT_HEADER, Violation, Waiting,
 };
 use oxccl_verbs::progress::{self, Progress};
 use oxccl_verbs::{
@@ -33,7 +33,7 @@ use oxccl_verbs::{
 
 use crate::error::{Error, OpDesc, Result};
 use crate::fault::Injector;
-use crate::flight::Probe;
+use crate::flight::{self, CallInfo, Probe};
 use crate::mailbox::{self, Inbox};
 use crate::meter::{Delivered, EgressMeter, LinkMeter};
 use crate::reduce;
@@ -497,9 +497,24 @@ impl Engine {
         };
     }
 
-    /// Runs one call (`Avg` reduces as a sum; the caller divides afterwards).
-    pub(crate) fn execute(&mut self, spec: &CallSpec<'_>, timeout: Duration) -> Result<()> {
-        self.execute_group(std::slice::from_ref(spec), timeout)
+    /// Runs one call (`Avg` reduces as a sum; the caller divides afterwards), and records it
+    /// in the flight recorder as `info`: its start once it is under way (a call that runs
+    /// compiled, once its first messages are out: the record then costs nothing while they
+    /// travel), its end when it returns.
+    pub(crate) fn execute(
+        &mut self,
+        spec: &CallSpec<'_>,
+        info: &CallInfo<'_>,
+        timeout: Duration,
+    ) -> Result<()> {
+        let mut rec = Record {
+            info: Some(info),
+            id: None,
+        };
+        let r = self.execute_recorded(std::slice::from_ref(spec), timeout, &mut rec);
+        let id = rec.start(&self.probe);
+        flight::end(&self.probe, id, &spec.desc, &r);
+        r
     }
 
     /// Runs several calls at once (a group: `group_start` ... `group_end`), each through its
@@ -511,6 +526,16 @@ impl Engine {
         &mut self,
         specs: &[CallSpec<'_>],
         timeout: Duration,
+    ) -> Result<()> {
+        self.execute_recorded(specs, timeout, &mut Record::none())
+    }
+
+    /// [`Engine::execute_group`], starting `rec` once the calls are under way.
+    fn execute_recorded(
+        &mut self,
+        specs: &[CallSpec<'_>],
+        timeout: Duration,
+        rec: &mut Record<'_>,
     ) -> Result<()> {
         let Some(first) = specs.first() else {
             return Ok(());
@@ -558,7 +583,7 @@ impl Engine {
         if let [spec] = specs {
             // A call alone: its state on the stack (no allocation per call).
             let mut one = [self.prepare_call(spec, 0, 0, true)?];
-            return self.run_calls(&mut one, timeout);
+            return self.run_calls(&mut one, timeout, rec);
         }
         let mut calls = Vec::with_capacity(specs.len());
         let mut at = 0;
@@ -566,7 +591,7 @@ impl Engine {
             calls.push(self.prepare_call(spec, i, at, false)?);
             at += scratch_of(spec);
         }
-        self.run_calls(&mut calls, timeout)
+        self.run_calls(&mut calls, timeout, rec)
     }
 
     /// Call number `i` of a group (`alone`: the only one) with its scratch space at byte
@@ -602,13 +627,20 @@ impl Engine {
         } else {
             Reuse::default()
         };
-        let m = Machine::new(sched, queues, self.geo.config(esize), esize, mailbox, reuse)
-            .with_id(i as u32);
         // A call that injects faults counts its steps as the machine runs them.
         let prog = if mailbox && self.faults.is_none() {
             self.program(spec.plan)
         } else {
             None
+        };
+        let cfg = self.geo.config(esize);
+        // A compiled call builds its machine only if something asks what it did
+        // ([`Call::sync_machine`]); the buffers wait in the engine until then.
+        let m = if prog.is_some() {
+            self.reuse = reuse;
+            None
+        } else {
+            Some(Machine::new(sched, queues, cfg, esize, mailbox, reuse).with_id(i as u32))
         };
         Ok(One {
             sched,
@@ -622,6 +654,9 @@ impl Engine {
             },
             esize,
             m,
+            queues,
+            cfg,
+            mailbox,
             mrs: CallMrs::default(),
             tag: self.calls,
             want: Header::expected(&spec.desc, 0),
@@ -639,22 +674,32 @@ impl Engine {
 
     /// Runs prepared calls to the end (or the first error), then checks for strays and, after
     /// an error, quiesces.
-    fn run_calls(&mut self, calls: &mut [One<'_>], timeout: Duration) -> Result<()> {
+    fn run_calls(
+        &mut self,
+        calls: &mut [One<'_>],
+        timeout: Duration,
+        rec: &mut Record<'_>,
+    ) -> Result<()> {
         let alone = calls.len() == 1;
-        let mailbox = calls[0].m.is_mailbox();
+        let mailbox = calls[0].mailbox;
         let mut call = Call::new(self, calls);
         if !alone {
-            call.eng.flows.pass_turns(call.calls.iter().map(|o| &o.m));
+            call.eng
+                .flows
+                .pass_turns(call.calls.iter().filter_map(|o| o.m.as_ref()));
         }
         let mut r = call.check_members();
         r = if r.is_err() {
             r
         } else if let Some(prog) = call.calls[0].prog.filter(|_| mailbox) {
-            call.run_program(prog, timeout)
-        } else if mailbox {
-            call.run_mailbox(timeout)
+            call.run_program(prog, timeout, rec)
         } else {
-            call.run(timeout)
+            rec.start(&call.eng.probe);
+            if mailbox {
+                call.run_mailbox(timeout)
+            } else {
+                call.run(timeout)
+            }
         };
         // Before returning success, make sure no peer sent this call (or an earlier one) what
         // it did not take: a disagreement that happened to complete must still be reported.
@@ -681,7 +726,9 @@ impl Engine {
             // Turns go back to a call alone (number 0).
             eng.flows.reset_turns();
         }
-        eng.reuse = calls[0].m.take_reuse();
+        if let Some(m) = calls[0].m.as_mut() {
+            eng.reuse = m.take_reuse();
+        }
         r
     }
 
@@ -694,6 +741,33 @@ impl Engine {
             .filter_map(|l| Some((l.peer, l.meter.as_mut()?.take())))
             .collect();
         (links, self.egress.take())
+    }
+}
+
+/// A lone call's entry in the flight recorder ([`flight::start`]), made once the call is
+/// under way ([`Engine::execute`]).
+pub(crate) struct Record<'i> {
+    /// What the entry says (none: no entry to make).
+    info: Option<&'i CallInfo<'i>>,
+    /// The entry's id, once made (0: none made).
+    id: Option<u64>,
+}
+
+impl Record<'_> {
+    /// No entry to make (the calls of a group have theirs already).
+    fn none() -> Record<'static> {
+        Record {
+            info: None,
+            id: Some(0),
+        }
+    }
+
+    /// Makes the entry, if not made yet; its id.
+    fn start(&mut self, probe: &Probe) -> u64 {
+        let info = self.info;
+        *self
+            .id
+            .get_or_insert_with(|| info.map_or(0, |i| flight::start(probe, i)))
     }
 }
 
@@ -720,8 +794,15 @@ pub(crate) struct One<'a> {
     dtype: DataType,
     op: ReduceOp,
     esize: usize,
-    /// The call's protocol state ([`oxccl_core::protocol`]).
-    m: Machine<'a>,
+    /// The call's protocol state ([`oxccl_core::protocol`]): none yet in a call that runs
+    /// compiled ([`One::m`] builds it).
+    m: Option<Machine<'a>>,
+    /// What its machine is built from: the schedule's queues and the protocol's
+    /// configuration.
+    queues: &'a Queues,
+    cfg: Config,
+    /// Whether the call runs in mailbox mode ([`Engine::uses_mailbox`]).
+    mailbox: bool,
     /// A lone mailbox call's compiled form, which then runs instead of the machine.
     prog: Option<&'a Program>,
     mrs: CallMrs,
@@ -739,6 +820,46 @@ pub(crate) struct One<'a> {
     /// and the byte at which the schedule's offsets start (in place: the input's or the
     /// output's place in the one buffer; scratch: this call's part of the engine's).
     spans: [(*mut u8, usize, usize); 3],
+}
+
+impl<'a> One<'a> {
+    /// The call's machine, built now (with `reuse`'s buffers) if the call ran compiled and
+    /// nothing asked it yet.
+    fn machine(&mut self, reuse: &mut Reuse) -> &mut Machine<'a> {
+        let One {
+            m,
+            sched,
+            queues,
+            cfg,
+            esize,
+            mailbox,
+            ..
+        } = self;
+        m.get_or_insert_with(|| {
+            Machine::new(sched, queues, *cfg, *esize, *mailbox, std::mem::take(reuse))
+        })
+    }
+
+    /// The call's machine: a machine-driven call's, built with it (a compiled call's, built
+    /// now if it was not: [`One::machine`]).
+    fn m(&mut self) -> &mut Machine<'a> {
+        self.machine(&mut Reuse::default())
+    }
+
+    /// Whether the call is done (a compiled call is told so by its driver, not its machine).
+    fn is_done(&self) -> bool {
+        self.m.as_ref().is_some_and(Machine::is_done)
+    }
+
+    /// Steps its machine knows done.
+    fn steps_done(&self) -> usize {
+        self.m.as_ref().map_or(0, Machine::steps_done)
+    }
+
+    /// What its machine says it waits for (none before it is built).
+    fn waiting(&self, flows: &Flows) -> Option<Waiting> {
+        self.m.as_ref().and_then(|m| m.waiting(flows))
+    }
 }
 
 /// The calls of one [`Engine::execute_group`] (one, or a group) and what they share.

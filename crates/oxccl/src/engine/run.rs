@@ -35,18 +35,18 @@ impl Call<'_, '_> {
 
     /// Whether every call is done.
     pub(super) fn all_done(&self) -> bool {
-        self.calls.iter().all(|o| o.m.is_done())
+        self.calls.iter().all(One::is_done)
     }
 
     /// The first call not done (errors are told as its), or the first.
     pub(super) fn lead(&self) -> usize {
-        self.calls.iter().position(|o| !o.m.is_done()).unwrap_or(0)
+        self.calls.iter().position(|o| !o.is_done()).unwrap_or(0)
     }
 
     /// Reports the steps done to the flight recorder and the fault injector (which may stop
     /// this process after a given step).
     pub(super) fn note_steps(&mut self) {
-        let done = self.calls.iter().map(|o| o.m.steps_done()).sum();
+        let done = self.calls.iter().map(One::steps_done).sum();
         if done != self.reported {
             self.reported = done;
             self.eng
@@ -69,12 +69,14 @@ impl Call<'_, '_> {
         }
         for c in 0..self.calls.len() {
             self.cur = c;
-            while let Some(a) = self.calls[c].m.next(&mut self.eng.flows) {
+            while let Some(a) = self.calls[c].m().next(&mut self.eng.flows) {
                 progress |= self.perform(&a, geo)?;
             }
         }
         if self.calls.len() > 1 {
-            self.eng.flows.pass_turns(self.calls.iter().map(|o| &o.m));
+            self.eng
+                .flows
+                .pass_turns(self.calls.iter().filter_map(|o| o.m.as_ref()));
         }
         self.cur = self.lead();
         Ok(progress)
@@ -179,7 +181,7 @@ impl Call<'_, '_> {
                 let r = self.post_fragment(step, l, ch, slot, src, (off, len, total), signaled);
                 if r.is_err() && signaled {
                     // Not posted: no completion will come for it.
-                    self.calls[self.cur].m.completed(step, false);
+                    self.calls[self.cur].m().completed(step, false);
                 }
                 r?;
                 true
@@ -200,7 +202,7 @@ impl Call<'_, '_> {
                 };
                 let arrived = self.mailbox_recv(peer, dst, reduce_with, geo)?;
                 if arrived {
-                    self.calls[self.cur].m.commit(&mut self.eng.flows, a);
+                    self.calls[self.cur].m().commit(&mut self.eng.flows, a);
                 }
                 arrived
             }
@@ -258,7 +260,7 @@ impl Call<'_, '_> {
     pub(super) fn wait(&mut self, max: Duration) -> Result<()> {
         // Sleep on the context of the link the lead call waits on (the others are polled
         // after at most a millisecond).
-        let hint = match self.calls[self.cur].m.waiting(&self.eng.flows) {
+        let hint = match self.calls[self.cur].waiting(&self.eng.flows) {
             Some(
                 Waiting::Data { q, .. }
                 | Waiting::Slot { q, .. }
@@ -459,7 +461,7 @@ impl Call<'_, '_> {
     pub(super) fn data_completed(&mut self, wr_id: u64, ok: bool) {
         for one in self.calls.iter_mut() {
             if let Some(s) = data_wr_step(wr_id, one.tag) {
-                one.m.completed(s, ok);
+                one.m().completed(s, ok);
                 return;
             }
         }
@@ -500,11 +502,11 @@ impl Call<'_, '_> {
         let link = &self.eng.links[l];
         let ch = self.eng.geo.channels;
         let nothing_left = (0..ch).all(|c| self.eng.flows.get(l * ch + c).arrived.is_empty())
-            && !(self.calls[self.cur].m.is_mailbox() && link.mailbox_arrived(&self.eng.geo));
+            && !(self.calls[self.cur].mailbox && link.mailbox_arrived(&self.eng.geo));
         let (sends, recvs) = self
             .calls
             .iter()
-            .map(|o| o.m.needs_link(l))
+            .map(|o| o.m.as_ref().map_or((true, true), |m| m.needs_link(l)))
             .fold((false, false), |(a, b), (c, d)| (a || c, b || d));
         let needed = sends || (recvs && nothing_left);
         if needed {
@@ -525,8 +527,8 @@ impl Call<'_, '_> {
         let flows = &self.eng.flows;
         let peer_of = |q: usize| self.eng.links[flows.link_channel(q).0].peer;
         let one = &self.calls[self.cur];
-        let (step, waited) = match one.m.waiting(flows) {
-            Some(Waiting::Data { step, q }) if one.m.is_mailbox() => {
+        let (step, waited) = match one.waiting(flows) {
+            Some(Waiting::Data { step, q }) if one.mailbox => {
                 (step, Waited::Mailbox { peer: peer_of(q) })
             }
             Some(Waiting::Data { step, q }) => (
@@ -564,9 +566,9 @@ impl Call<'_, '_> {
     pub(super) fn timeout_error(&self, timeout: Duration) -> Error {
         let flows = &self.eng.flows;
         let peer_of = |q: usize| self.eng.links[flows.link_channel(q).0].peer;
-        let w = self.calls[self.cur].m.waiting(flows);
+        let w = self.calls[self.cur].waiting(flows);
         let (step, waiting, peer) = match w {
-            Some(Waiting::Data { step, q }) if self.calls[self.cur].m.is_mailbox() => (
+            Some(Waiting::Data { step, q }) if self.calls[self.cur].mailbox => (
                 step,
                 format!("waiting for rank {}'s message in its mailbox", peer_of(q)),
                 Some(peer_of(q)),
@@ -646,7 +648,11 @@ impl Call<'_, '_> {
         // Wait (briefly) for the transport to finish reading the caller's buffers; only links
         // still busy after that are stopped, so peers are not told that a live rank failed.
         let end = Instant::now() + Duration::from_millis(500);
-        while self.calls.iter().any(|o| o.m.outstanding()) {
+        while self
+            .calls
+            .iter()
+            .any(|o| o.m.as_ref().is_some_and(Machine::outstanding))
+        {
             if Instant::now() >= end {
                 for l in &self.eng.links {
                     l.qp.to_error();
@@ -679,7 +685,7 @@ impl Call<'_, '_> {
                 let waiting = self
                     .calls
                     .iter()
-                    .any(|o| !o.m.is_mailbox() && o.m.receiving_on(q));
+                    .any(|o| !o.mailbox && o.m.as_ref().is_some_and(|m| m.receiving_on(q)));
                 let Some(&slot) = flows.get(q).arrived.front() else {
                     continue;
                 };

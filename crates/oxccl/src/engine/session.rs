@@ -49,7 +49,9 @@ impl Engine {
     ) -> Result<()> {
         self.failed_by_notice = false;
         let mut call = Call::new(self, calls);
-        call.eng.flows.pass_turns(call.calls.iter().map(|o| &o.m));
+        call.eng
+            .flows
+            .pass_turns(call.calls.iter().filter_map(|o| o.m.as_ref()));
         let r = call
             .check_members()
             .and_then(|()| call.drive(deadlines, stop, max));
@@ -66,12 +68,12 @@ impl Engine {
     /// call takes is found while calls fly, by [`Engine::drive`]'s idle rounds, and after,
     /// by the next call.)
     pub(crate) fn land(&mut self, calls: &mut Vec<One<'_>>) -> Vec<usize> {
-        let done: Vec<usize> = (0..calls.len()).filter(|&i| calls[i].m.is_done()).collect();
+        let done: Vec<usize> = (0..calls.len()).filter(|&i| calls[i].is_done()).collect();
         for &i in done.iter().rev() {
             calls.remove(i);
         }
         for (i, o) in calls.iter_mut().enumerate() {
-            o.m.set_id(i as u32);
+            o.m().set_id(i as u32);
         }
         if calls.is_empty() {
             self.flows.reset_turns();
@@ -103,7 +105,7 @@ impl Call<'_, '_> {
         let mut graced = false;
         loop {
             let progress = self.round(&geo)?;
-            if self.calls.iter().any(|o| o.m.is_done()) || stop() {
+            if self.calls.iter().any(One::is_done) || stop() {
                 return Ok(());
             }
             if progress {

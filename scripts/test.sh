@@ -34,9 +34,12 @@ echo "== cargo test --workspace ${features[*]} =="
 cargo test --workspace "${features[@]}" --no-run "$@"
 bounded 1500 cargo test --workspace "${features[@]}" "$@"
 # The tcp provider again with three connections per queue pair (OXCCL_TCP_NSOCKS): WRITEs of
-# 256 KiB and more are then striped, and the suites check that nothing else changes.
+# 256 KiB and more are then striped, and the suites check that nothing else changes. Selected
+# from the workspace (--workspace, not -p oxccl-verbs), so that the features resolve as above and
+# the test binaries already built are run, not rebuilt.
 echo "== tcp provider suites with striping (OXCCL_TCP_NSOCKS=3) =="
-OXCCL_TCP_NSOCKS=3 bounded 600 cargo test -p oxccl-verbs "${features[@]}" --test conformance --test properties --test hammer tcp
+OXCCL_TCP_NSOCKS=3 bounded 600 cargo test --workspace "${features[@]}" \
+    --test conformance --test properties --test hammer tcp
 echo "== Python tests (scripts/python-test.sh) =="
 scripts/python-test.sh
 echo "== the wheel, installed without cargo (scripts/wheel-test.sh) =="

@@ -10,7 +10,7 @@
 use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::{Arc, Mutex};
 
-use crate::contract::{CtxInner, OpenArgs, ProviderContext, RegionMap, Tables, Tuning};
+use crate::contract::{CtxInner, KeyRng, OpenArgs, ProviderContext, RegionMap, Tables, Tuning};
 use crate::model::{DeviceConfig, Provider, Result};
 use crate::resource::{Context, host_identity};
 
@@ -76,10 +76,12 @@ impl Context {
     pub fn open_with(provider: Provider, config: &DeviceConfig) -> Result<Context> {
         let seg = CtxInner::create_segment()?;
         let regions = RegionMap::default();
+        let keys = KeyRng::from_os()?;
         let ops = provider.open(&OpenArgs {
             config,
             seg: &seg,
             regions: &regions,
+            keys: &keys,
         })?;
         Ok(Context {
             inner: Arc::new(CtxInner {
@@ -92,6 +94,7 @@ impl Context {
                 tables: Mutex::new(Tables::new()),
                 next_qpn: AtomicU32::new(1),
                 next_pd: AtomicU64::new(1),
+                keys,
                 ops,
             }),
         })

@@ -31,7 +31,7 @@ use serde_json::{Value, json};
 use common::{Rng, error_kind, report, spawn_job};
 
 /// `OXCCL_TIMEOUT` of every trial, in seconds.
-const TIMEOUT_S: u64 = 3;
+const TIMEOUT_S: u64 = 2;
 const COUNT: usize = 3_000;
 
 /// One shm test at a time, and one test bed at a time (the beds would compete for

@@ -314,14 +314,18 @@ fn names_finds_single_ranks_and_lists() {
 /// figures.
 fn abort_trial(tb: Option<&Testbed>, stage: InitStage) -> (Vec<String>, String) {
     const ABORT_BOUND: Duration = Duration::from_millis(300);
+    // Both timeouts far above the abort's 500 ms. The bootstrap's is the lower one because
+    // rank 0, serving the store, waits min(it, 5 s) for the stopped rank 2 to read the failure
+    // notice before it returns: at 10 s, each hello, links or stored trial waited those 5 s.
     let timeout = "10".to_string();
+    let boot_timeout = "3".to_string();
     let fault = format!("stop:rank=2,init={}", stage.name());
     let provider = if tb.is_some() { "tcp" } else { "shm" };
     let master = tb.map(|t| t.host_addr(0).to_string());
     let mut env = vec![
         ("OXCCL_PROVIDER", provider),
         ("OXCCL_TIMEOUT", &timeout),
-        ("OXCCL_BOOTSTRAP_TIMEOUT", &timeout),
+        ("OXCCL_BOOTSTRAP_TIMEOUT", &boot_timeout),
         ("OXCCL_FAULT", &fault),
     ];
     if let Some(m) = &master {

@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use super::keyrng::KeyRng;
 use super::provider::ProviderContext;
 use super::region::MrInner;
 use super::segment::Segment;
@@ -98,6 +99,8 @@ pub(crate) struct CtxInner {
     pub tables: Mutex<Tables>,
     pub next_qpn: AtomicU32,
     pub next_pd: AtomicU64,
+    /// Draws the keys of its regions and the tokens of its queue pairs.
+    pub keys: KeyRng,
     /// The provider's half of the context. Dropped after `Drop::drop` marked the segment dead.
     pub ops: Box<dyn ProviderContext>,
 }
@@ -137,11 +140,4 @@ impl Drop for CtxInner {
         // stops its threads).
         self.seg.atomic_u32(OFF_ALIVE).store(0, Ordering::Release);
     }
-}
-
-/// A random, unguessable 64-bit value (from the OS).
-pub(crate) fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    getrandom::fill(&mut b).expect("the OS random source failed");
-    u64::from_le_bytes(b)
 }

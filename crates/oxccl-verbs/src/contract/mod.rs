@@ -19,6 +19,7 @@ pub(crate) mod cq;
 pub(crate) mod ctx;
 #[cfg(test)]
 pub(crate) mod hooks;
+pub(crate) mod keyrng;
 pub(crate) mod provider;
 pub(crate) mod qp;
 pub(crate) mod region;
@@ -28,7 +29,8 @@ pub(crate) mod sendq;
 pub(crate) mod wr;
 
 pub(crate) use cq::{CqCore, SEQ, SLEEPERS, notify_word};
-pub(crate) use ctx::{CtxInner, CtxTables, RegionMap, Tables, Tuning, random_u64};
+pub(crate) use ctx::{CtxInner, CtxTables, RegionMap, Tables, Tuning};
+pub(crate) use keyrng::KeyRng;
 pub(crate) use provider::{OpenArgs, ProviderContext, QpSetup, QpTransport, RegionInfo};
 pub(crate) use qp::{Cause, QpHandleSide, QpInner};
 pub(crate) use region::{

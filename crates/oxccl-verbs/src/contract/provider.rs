@@ -116,6 +116,7 @@
 use std::sync::{Arc, Weak};
 
 use super::ctx::RegionMap;
+use super::keyrng::KeyRng;
 use super::qp::QpInner;
 use super::region::{Mapped, MrInner};
 use super::segment::Segment;
@@ -133,6 +134,8 @@ pub(crate) struct OpenArgs<'a> {
     pub seg: &'a Arc<Segment>,
     /// The context's live regions by table index.
     pub regions: &'a RegionMap,
+    /// The context's generator of keys and tokens.
+    pub keys: &'a KeyRng,
 }
 
 /// What a provider is told about a new queue pair.

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::cq::CqCore;
-use super::ctx::{CtxInner, random_u64};
+use super::ctx::CtxInner;
 use super::provider::{QpSetup, QpTransport};
 use super::region::{MrInner, Span, key_index};
 use super::ring::{
@@ -93,7 +93,7 @@ impl QpInner {
         let seg = Arc::new(Segment::create("oxccl-qp", segment_len(cap))?);
         let qpn = ctx.next_qpn.fetch_add(1, Ordering::Relaxed);
         // Never u64::MAX or u64::MAX - 1: the tcp engine's epoll keys for its own descriptors.
-        let token = random_u64() >> 1;
+        let token = ctx.keys.next_u64()? >> 1;
         seg.atomic_u32(H_STATE)
             .store(QpState::Reset as u32, Ordering::Relaxed);
         seg.atomic_u32(H_RECV_CQ)

@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 
 use super::ctx::{
     CtxInner, CtxTables, MAX_MR, MR_ACCESS, MR_ADDR, MR_INDEX_BITS, MR_KIND, MR_KIND_SEGMENT,
-    MR_KIND_USER, MR_LEN, MR_LKEY, MR_RKEY, MR_WRITERS, random_u64,
+    MR_KIND_USER, MR_LEN, MR_LKEY, MR_RKEY, MR_WRITERS,
 };
+use super::keyrng::KeyRng;
 use super::provider::RegionInfo;
 use super::segment::Segment;
 use crate::model::{AccessFlags, Error, Result, WcStatus};
@@ -128,11 +129,13 @@ pub(crate) struct Span(pub *mut u8, pub usize);
 // SAFETY: spans point into registered regions kept alive by the `Arc`s stored beside them.
 unsafe impl Send for Span {}
 
-fn new_key(index: u32) -> u64 {
+/// A key for region-table entry `index`: the index in the low bits, random bits above (never
+/// all zero).
+fn new_key(keys: &KeyRng, index: u32) -> Result<u64> {
     loop {
-        let k = (random_u64() << MR_INDEX_BITS) | index as u64;
+        let k = (keys.next_u64()? << MR_INDEX_BITS) | index as u64;
         if k >> MR_INDEX_BITS != 0 {
-            return k;
+            return Ok(k);
         }
     }
 }
@@ -168,7 +171,18 @@ impl MrInner {
                     MAX_MR
                 ))
             })?;
-        let (lkey, mut rkey) = (new_key(index), new_key(index));
+        let keys = new_key(&ctx.keys, index).and_then(|l| Ok((l, new_key(&ctx.keys, index)?)));
+        let (lkey, mut rkey) = match keys {
+            Ok(keys) => keys,
+            Err(e) => {
+                ctx.tables
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .free_mr
+                    .push(index);
+                return Err(e);
+            }
+        };
         let kind = match &backing {
             Backing::Segment(_) => MR_KIND_SEGMENT,
             Backing::User { .. } | Backing::Borrowed { .. } => MR_KIND_USER,

@@ -31,16 +31,14 @@ use std::thread::JoinHandle;
 
 use rustix::event::EventfdFlags;
 
-use crate::contract::{
-    MrInner, OpenArgs, ProviderContext, QpSetup, QpTransport, RegionInfo, random_u64,
-};
+use crate::contract::{MrInner, OpenArgs, ProviderContext, QpSetup, QpTransport, RegionInfo};
 use crate::model::{AccessFlags, Error, Result};
 use service::{PeerMap, Registry, Service, kick};
 
 /// Opens the shm half of a context: starts its segment service.
 pub(crate) fn open(args: &OpenArgs<'_>) -> Result<Box<dyn ProviderContext>> {
     let pid = std::process::id();
-    let token = random_u64();
+    let token = args.keys.next_u64()?;
     let registry = Arc::new(Registry::default());
     let _ = registry.ctx.set((token, args.seg.clone()));
     let sock_name = format!("oxccl.{pid}.{token:016x}");

@@ -253,9 +253,10 @@ impl Congestion {
                 let lo = |a: Option<SocketAddr>| a.is_some_and(|a| a.ip().is_loopback());
                 (lo(local) && lo(peer)).then_some((LOOPBACK_CONGESTION, false))
             }
-            Congestion::Named { name, len } => {
-                Some((std::str::from_utf8(&name[..*len as usize]).unwrap_or("?"), true))
-            }
+            Congestion::Named { name, len } => Some((
+                std::str::from_utf8(&name[..*len as usize]).unwrap_or("?"),
+                true,
+            )),
         }
     }
 }

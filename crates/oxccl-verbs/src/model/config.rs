@@ -48,6 +48,9 @@ pub struct DeviceConfig {
     /// `bench/results/kv-striping-2026-12-06/`). More shards than `tcp_nsocks` would have
     /// nothing to read, so the number is capped at `tcp_nsocks`.
     pub tcp_progress_threads: usize,
+    /// tcp: the congestion control of the queue pairs' connections (`OXCCL_TCP_CONGESTION`:
+    /// `auto`, the default; `system`; or an algorithm's name). See [`TcpCongestion`].
+    pub tcp_congestion: TcpCongestion,
     /// ofi: the libfabric provider (`fi_info -l`), as `FI_PROVIDER` names it: `tcp;ofi_rxm`
     /// (the default: any host), `shm` (one host), `verbs;ofi_rxm`, `efa`, `cxi` on RDMA NICs;
     /// empty: libfabric's first choice.
@@ -71,6 +74,7 @@ impl Default for DeviceConfig {
             tcp_inline_max: usize::MAX,
             tcp_nsocks: 1,
             tcp_progress_threads: 0,
+            tcp_congestion: TcpCongestion::Auto,
             ofi_provider: "tcp;ofi_rxm".to_string(),
             ofi_addr: None,
             ofi_busy_poll: false,
@@ -91,7 +95,7 @@ impl DeviceConfig {
     }
 
     /// The defaults overridden by `OXCCL_TCP_ADDR` (`IP` or `IP:port`), `OXCCL_TCP_POLL=busy`,
-    /// `OXCCL_TCP_NSOCKS`, `OXCCL_TCP_PROGRESS_THREADS`, `OXCCL_OFI_PROVIDER`, `OXCCL_OFI_ADDR`,
+    /// `OXCCL_TCP_NSOCKS`, `OXCCL_TCP_PROGRESS_THREADS`, `OXCCL_TCP_CONGESTION`, `OXCCL_OFI_PROVIDER`, `OXCCL_OFI_ADDR`,
     /// `OXCCL_OFI_POLL=busy` and `OXCCL_SPIN_US`; a malformed value is an error naming the
     /// variable.
     pub fn from_env() -> Result<DeviceConfig> {
@@ -137,6 +141,15 @@ impl DeviceConfig {
                         ))
                     })?;
         }
+        if let Some(v) = get("OXCCL_TCP_CONGESTION") {
+            c.tcp_congestion = TcpCongestion::parse(&v).ok_or_else(|| {
+                Error::arg(format!(
+                    "OXCCL_TCP_CONGESTION={v:?} is not `auto`, `system` or the name of a TCP \
+                     congestion control (1 to 15 letters, digits or `_`, as \
+                     /proc/sys/net/ipv4/tcp_available_congestion_control lists them)"
+                ))
+            })?;
+        }
         if let Some(p) = get("OXCCL_OFI_PROVIDER") {
             c.ofi_provider = p;
         }
@@ -156,6 +169,47 @@ impl DeviceConfig {
             c.spin = Duration::from_micros(us);
         }
         Ok(c)
+    }
+}
+
+/// The congestion control of the tcp provider's connections ([`DeviceConfig::tcp_congestion`]).
+///
+/// Why it matters: on loopback, Linux's `bbr` (the system default on some hosts) sizes its
+/// congestion window from a bandwidth-delay product measured with a round trip of a few
+/// microseconds, so it keeps about 1 MiB in flight, and a 2-rank ring all-reduce of 2 MiB,
+/// which has 1 MiB in flight each way, waits on ACKs: it took 720-1010 us a call under `bbr`
+/// against 435-460 us under `reno` and 425-560 us under `cubic` in the same run (AMD EPYC,
+/// 2 vCPUs, `bench/results/latency-2026-12-06/tcpmid/`). Across hosts `bbr` is a sound choice,
+/// so [`TcpCongestion::Auto`] changes only loopback connections.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum TcpCongestion {
+    /// `reno` (which every Linux allows without privileges) on a connection whose two ends are
+    /// loopback addresses, where a window-based control keeps the pipe full; the system's
+    /// default on every other connection. Best effort: a kernel that refuses keeps its default.
+    #[default]
+    Auto,
+    /// The system's default (`net.ipv4.tcp_congestion_control`) on every connection.
+    System,
+    /// This algorithm on every connection; a kernel that refuses it (not available, or not in
+    /// `net.ipv4.tcp_allowed_congestion_control` for an unprivileged process) fails the
+    /// connection with an error naming the algorithm and the peer.
+    Named(String),
+}
+
+impl TcpCongestion {
+    /// `auto`, `system` or an algorithm's name (at most 15 ASCII letters, digits or `_`, the
+    /// kernel's `TCP_CA_NAME_MAX` less its terminator); `None` for anything else.
+    pub fn parse(v: &str) -> Option<TcpCongestion> {
+        match v {
+            "auto" => Some(TcpCongestion::Auto),
+            "system" => Some(TcpCongestion::System),
+            n if (1..=15).contains(&n.len())
+                && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') =>
+            {
+                Some(TcpCongestion::Named(n.to_string()))
+            }
+            _ => None,
+        }
     }
 }
 

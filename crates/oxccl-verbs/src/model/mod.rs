@@ -10,7 +10,7 @@ mod endpoint;
 mod error;
 mod types;
 
-pub use config::{DeviceConfig, parse_ip_or_sockaddr};
+pub use config::{DeviceConfig, TcpCongestion, parse_ip_or_sockaddr};
 pub use endpoint::{EndpointAddr, Provider, QpEndpoint};
 pub use error::{Error, Result};
 pub use oxccl_seal::{ENCRYPT_ENV, Encrypt, is_on_host};

@@ -323,6 +323,24 @@ impl Conn {
         let _ = rustix::net::sockopt::set_tcp_keepintvl(&sock, third / 2);
         let _ = rustix::net::sockopt::set_tcp_keepcnt(&sock, 2);
         let _ = rustix::net::sockopt::set_tcp_user_timeout(&sock, timeout.as_millis() as u32);
+        if let Some((cc, required)) = self
+            .tuning
+            .congestion
+            .choose(sock.local_addr().ok(), sock.peer_addr().ok())
+            && let Err(e) = rustix::net::sockopt::set_tcp_congestion(&sock, cc)
+            && required
+        {
+            return Err(Error::os(
+                format!(
+                    "setting TCP congestion control {cc:?} on connection {idx} with {} \
+                     (tcp_congestion; the kernel allows those in \
+                     /proc/sys/net/ipv4/tcp_allowed_congestion_control)",
+                    sock.peer_addr()
+                        .map_or_else(|_| "an unknown address".to_string(), |a| a.to_string())
+                ),
+                e,
+            ));
+        }
         let shared = self
             .shared
             .upgrade()

@@ -142,6 +142,7 @@ pub(crate) fn open(args: &OpenArgs<'_>) -> Result<Box<dyn ProviderContext>> {
                 busy: c.tcp_busy_poll,
                 inline_max: c.tcp_inline_max,
                 nsocks: c.tcp_nsocks.clamp(1, frame::MAX_PARTS as usize) as u32,
+                congestion: Congestion::from_config(&c.tcp_congestion),
             },
             c.progress_shards(),
         )?,
@@ -205,6 +206,59 @@ struct Tuning {
     inline_max: usize,
     /// Connections per queue pair this side asks for.
     nsocks: u32,
+    /// The congestion control its connections get.
+    congestion: Congestion,
+}
+
+/// [`TcpCongestion`](crate::TcpCongestion) in a form a `Copy` [`Tuning`] holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Congestion {
+    /// `reno` on loopback connections, the system's default elsewhere.
+    Auto,
+    /// The system's default.
+    System,
+    /// This name (`len` bytes) on every connection.
+    Named { name: [u8; 15], len: u8 },
+}
+
+/// The congestion control [`Congestion::Auto`] gives a loopback connection.
+const LOOPBACK_CONGESTION: &str = "reno";
+
+impl Congestion {
+    fn from_config(c: &crate::TcpCongestion) -> Congestion {
+        match c {
+            crate::TcpCongestion::Auto => Congestion::Auto,
+            crate::TcpCongestion::System => Congestion::System,
+            crate::TcpCongestion::Named(n) => {
+                // `TcpCongestion::parse` keeps names to 15 bytes; a longer one set in code is
+                // cut here and refused by the kernel, naming what was asked.
+                let mut name = [0u8; 15];
+                let len = n.len().min(15);
+                name[..len].copy_from_slice(&n.as_bytes()[..len]);
+                Congestion::Named {
+                    name,
+                    len: len as u8,
+                }
+            }
+        }
+    }
+
+    /// The algorithm a connection between `local` and `peer` gets (`None`: the system's
+    /// default), and whether a refusal fails the connection (asked for by name) or is ignored
+    /// (chosen automatically).
+    fn choose(&self, local: Option<SocketAddr>, peer: Option<SocketAddr>) -> Option<(&str, bool)> {
+        match self {
+            Congestion::System => None,
+            Congestion::Auto => {
+                let lo = |a: Option<SocketAddr>| a.is_some_and(|a| a.ip().is_loopback());
+                (lo(local) && lo(peer)).then_some((LOOPBACK_CONGESTION, false))
+            }
+            Congestion::Named { name, len } => Some((
+                std::str::from_utf8(&name[..*len as usize]).unwrap_or("?"),
+                true,
+            )),
+        }
+    }
 }
 
 // Epoll keys: sockets get keys from `Shared::next_key` (which starts above these).

@@ -227,6 +227,8 @@ impl Call<'_, '_> {
             ..MailboxIdle::default()
         };
         let r = self.run_instrs(prog, timeout, &mut idle, rec);
+        // (A program with no receive made no record yet: make it before the steps are told.)
+        rec.start(&self.eng.probe);
         match r {
             Ok(()) => {
                 self.eng

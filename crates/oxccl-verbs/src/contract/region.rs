@@ -171,18 +171,18 @@ impl MrInner {
                     MAX_MR
                 ))
             })?;
-        let keys = new_key(&ctx.keys, index).and_then(|l| Ok((l, new_key(&ctx.keys, index)?)));
-        let (lkey, mut rkey) = match keys {
-            Ok(keys) => keys,
-            Err(e) => {
-                ctx.tables
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .free_mr
-                    .push(index);
-                return Err(e);
-            }
+        // A failure below gives the slot back.
+        let give_back = |e: Error| {
+            ctx.tables
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .free_mr
+                .push(index);
+            e
         };
+        let (lkey, mut rkey) = new_key(&ctx.keys, index)
+            .and_then(|l| Ok((l, new_key(&ctx.keys, index)?)))
+            .map_err(give_back)?;
         let kind = match &backing {
             Backing::Segment(_) => MR_KIND_SEGMENT,
             Backing::User { .. } | Backing::Borrowed { .. } => MR_KIND_USER,
@@ -203,17 +203,7 @@ impl MrInner {
             Some(0) => Err(Error::arg("the provider gave the region a zero rkey")),
             key => Ok(key),
         });
-        match chosen {
-            Ok(key) => rkey = key.unwrap_or(rkey),
-            Err(e) => {
-                ctx.tables
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .free_mr
-                    .push(index);
-                return Err(e);
-            }
-        }
+        rkey = chosen.map_err(give_back)?.unwrap_or(rkey);
         let inner = Arc::new(MrInner {
             ctx: ctx.clone(),
             pd,

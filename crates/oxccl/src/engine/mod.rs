@@ -507,10 +507,7 @@ impl Engine {
         info: &CallInfo<'_>,
         timeout: Duration,
     ) -> Result<()> {
-        let mut rec = Record {
-            info: Some(info),
-            id: None,
-        };
+        let mut rec = Record::Pending(info);
         let r = self.execute_recorded(std::slice::from_ref(spec), timeout, &mut rec);
         let id = rec.start(&self.probe);
         flight::end(&self.probe, id, &spec.desc, &r);
@@ -527,7 +524,7 @@ impl Engine {
         specs: &[CallSpec<'_>],
         timeout: Duration,
     ) -> Result<()> {
-        self.execute_recorded(specs, timeout, &mut Record::none())
+        self.execute_recorded(specs, timeout, &mut Record::Made(0))
     }
 
     /// [`Engine::execute_group`], starting `rec` once the calls are under way.
@@ -746,28 +743,22 @@ impl Engine {
 
 /// A lone call's entry in the flight recorder ([`flight::start`]), made once the call is
 /// under way ([`Engine::execute`]).
-pub(crate) struct Record<'i> {
-    /// What the entry says (none: no entry to make).
-    info: Option<&'i CallInfo<'i>>,
-    /// The entry's id, once made (0: none made).
-    id: Option<u64>,
+pub(crate) enum Record<'i> {
+    /// Not made yet: what it will say.
+    Pending(&'i CallInfo<'i>),
+    /// Made, with this id (0: none to make, as for the calls of a group, which have theirs).
+    Made(u64),
 }
 
 impl Record<'_> {
-    /// No entry to make (the calls of a group have theirs already).
-    fn none() -> Record<'static> {
-        Record {
-            info: None,
-            id: Some(0),
-        }
-    }
-
     /// Makes the entry, if not made yet; its id.
     fn start(&mut self, probe: &Probe) -> u64 {
-        let info = self.info;
-        *self
-            .id
-            .get_or_insert_with(|| info.map_or(0, |i| flight::start(probe, i)))
+        let id = match *self {
+            Record::Pending(info) => flight::start(probe, info),
+            Record::Made(id) => id,
+        };
+        *self = Record::Made(id);
+        id
     }
 }
 

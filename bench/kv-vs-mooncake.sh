@@ -68,30 +68,29 @@ field() { sed -n "s/.*\"$1\":\([-0-9.eE+]*\).*/\1/p"; }
 ROUND=0
 record() { echo "$1 $2 $ROUND" >>"$RES"; }
 
+report() { # KEY ROW P50_FIELD P99_FIELD WAIT_CPU_FIELD INIT_CPU_FIELD: records and prints one row
+    local p50 wc
+    p50=$(field "$3" <<<"$2")
+    wc=$(field "$5" <<<"$2")
+    record "$1.p50" "$p50"
+    record "$1.wait_cpu" "$wc"
+    printf '  %-26s p50 %8.2f us  p99 %8.2f us  wait_cpu %5.1f %%  init_cpu %5.1f %%\n' "$1" "$p50" \
+        "$(field "$4" <<<"$2")" "$wc" "$(field "$6" <<<"$2")"
+}
 kv() { # KEY ARGS..
-    local key=$1 row p50 wc
+    local key=$1 row
     shift
     row=$("$B" kv-bench --protocol tcp --sync --json "$@")
-    p50=$(field p50_usec <<<"$row")
-    wc=$(field wait_cpu_pct <<<"$row")
-    record "$key.p50" "$p50"
-    record "$key.wait_cpu" "$wc"
-    printf '  %-26s p50 %8.2f us  p99 %8.2f us  wait_cpu %5.1f %%  init_cpu %5.1f %%\n' "$key" "$p50" \
-        "$(field p99_usec <<<"$row")" "$wc" "$(field init_cpu_pct <<<"$row")"
+    report "$key" "$row" p50_usec p99_usec wait_cpu_pct init_cpu_pct
 }
 mooncake() { # KEY OP
-    local row p50 wc
+    local row
     row=$(LD_LIBRARY_PATH=$MC_LD MC_LOG_LEVEL=ERROR GLOG_minloglevel=2 "$MC/bin/python" \
         bench/mooncake_lat.py --op "$2" --secs "$LAT_SECS" 2>"$TMP/mc.err") || {
         cat "$TMP/mc.err" >&2
         return 1
     }
-    p50=$(field p50 <<<"$row")
-    wc=$(field wait_cpu <<<"$row")
-    record "$1.p50" "$p50"
-    record "$1.wait_cpu" "$wc"
-    printf '  %-26s p50 %8.2f us  p99 %8.2f us  wait_cpu %5.1f %%  init_cpu %5.1f %%\n' "$1" "$p50" \
-        "$(field p99 <<<"$row")" "$wc" "$(field init_cpu <<<"$row")"
+    report "$1" "$row" p50 p99 wait_cpu init_cpu
 }
 vl() { # KEY ARGS..
     local key=$1 t

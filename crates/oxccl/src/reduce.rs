@@ -101,6 +101,14 @@ fn in_place_bytes<T: Kernel>(op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     if is_aligned::<T>(dst) && is_aligned::<T>(src) {
         return T::in_place(op, bytemuck::cast_slice_mut(dst), bytemuck::cast_slice(src));
     }
+    in_place_staged::<T>(op, dst, src);
+}
+
+/// [`in_place_bytes`] for unaligned operands, through aligned staging on the stack: apart,
+/// so that the aligned path's frame holds no staging (no stack probe, no 8 KiB touched).
+#[cold]
+#[inline(never)]
+fn in_place_staged<T: Kernel>(op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     let (mut sd, mut ss): (Stage, Stage) = ([0; STAGE_BYTES / 8], [0; STAGE_BYTES / 8]);
     for (d, s) in dst.chunks_mut(STAGE_BYTES).zip(src.chunks(STAGE_BYTES)) {
         let n = d.len();
@@ -122,6 +130,14 @@ fn to_bytes<T: Kernel>(op: ReduceOp, dst: &mut [u8], a: &[u8], b: &[u8]) {
             bytemuck::cast_slice(b),
         );
     }
+    to_staged::<T>(op, dst, a, b);
+}
+
+/// [`to_bytes`] for unaligned operands, through aligned staging (apart, as
+/// [`in_place_staged`]).
+#[cold]
+#[inline(never)]
+fn to_staged<T: Kernel>(op: ReduceOp, dst: &mut [u8], a: &[u8], b: &[u8]) {
     let (mut sd, mut sa, mut sb): (Stage, Stage, Stage) = (
         [0; STAGE_BYTES / 8],
         [0; STAGE_BYTES / 8],
@@ -152,6 +168,14 @@ fn divide_bytes<T: Kernel>(dst: &mut [u8], n: usize) {
     if is_aligned::<T>(dst) {
         return T::divide(bytemuck::cast_slice_mut(dst), n);
     }
+    divide_staged::<T>(dst, n);
+}
+
+/// [`divide_bytes`] for an unaligned buffer, through aligned staging (apart, as
+/// [`in_place_staged`]).
+#[cold]
+#[inline(never)]
+fn divide_staged<T: Kernel>(dst: &mut [u8], n: usize) {
     let mut sd: Stage = [0; STAGE_BYTES / 8];
     for d in dst.chunks_mut(STAGE_BYTES) {
         let bd = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut sd)[..d.len()];

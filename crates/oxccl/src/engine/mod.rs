@@ -490,6 +490,9 @@ impl Engine {
     /// [`SHORT_SPIN`] before they yield, so that a peer on the same CPU runs sooner; a call
     /// that did not doubles the spin again, up to [`Engine::spin_for`].
     fn adapt_spin(&mut self, spun_out: bool) {
+        if !spun_out && self.spin_now == self.spin_for {
+            return;
+        }
         self.spin_now = if spun_out {
             SHORT_SPIN.min(self.spin_for)
         } else {
@@ -700,6 +703,10 @@ impl Engine {
         };
         // Before returning success, make sure no peer sent this call (or an earlier one) what
         // it did not take: a disagreement that happened to complete must still be reported.
+        // A mailbox call took one message from each peer it receives from, and checked its
+        // header: what such a peer has put in its mailbox since is from a later call of its
+        // own, so only the other peers' mailboxes are looked at (the next message's line is
+        // the very one that peer is writing now).
         if r.is_ok() {
             // (Polling only if a completion arrived since the last poll: one load each.)
             r = if call.eng.progress.rang() {
@@ -707,7 +714,7 @@ impl Engine {
             } else {
                 Ok(())
             }
-            .and_then(|()| call.check_strays(false));
+            .and_then(|()| call.check_strays(mailbox));
         }
         if r.is_err() {
             call.stop_after_error();

@@ -703,10 +703,6 @@ impl Engine {
         };
         // Before returning success, make sure no peer sent this call (or an earlier one) what
         // it did not take: a disagreement that happened to complete must still be reported.
-        // A mailbox call took one message from each peer it receives from, and checked its
-        // header: what such a peer has put in its mailbox since is from a later call of its
-        // own, so only the other peers' mailboxes are looked at (the next message's line is
-        // the very one that peer is writing now).
         if r.is_ok() {
             // (Polling only if a completion arrived since the last poll: one load each.)
             r = if call.eng.progress.rang() {
@@ -714,7 +710,7 @@ impl Engine {
             } else {
                 Ok(())
             }
-            .and_then(|()| call.check_strays(mailbox));
+            .and_then(|()| call.check_strays(false));
         }
         if r.is_err() {
             call.stop_after_error();

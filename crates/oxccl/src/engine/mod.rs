@@ -582,45 +582,49 @@ impl Engine {
         }
         if let [spec] = specs {
             // A call alone: its state on the stack (no allocation per call).
-            let mut one = [self.prepare_call(spec, 0, 0, true)?];
+            let queues = self.queues_of(spec)?;
+            let mut one = [self.prepare_call(spec, queues, 0, 0, true)];
             return self.run_calls(&mut one, timeout, rec);
         }
         let mut calls = Vec::with_capacity(specs.len());
         let mut at = 0;
         for (i, spec) in specs.iter().enumerate() {
-            calls.push(self.prepare_call(spec, i, at, false)?);
+            let queues = self.queues_of(spec)?;
+            calls.push(self.prepare_call(spec, queues, i, at, false));
             at += scratch_of(spec);
         }
         self.run_calls(&mut calls, timeout, rec)
     }
 
-    /// Call number `i` of a group (`alone`: the only one) with its scratch space at byte
-    /// `scratch_off`: its queues (derived once per plan), number and protocol state.
+    /// The queues of `spec`'s schedule (derived once per plan).
+    fn queues_of<'s>(&self, spec: &CallSpec<'s>) -> Result<&'s Queues> {
+        let sched = &spec.plan.sched;
+        spec.plan
+            .queues
+            .get_or_init(|| Queues::new(sched, &self.link_of, self.geo.channels))
+            .as_ref()
+            .map_err(|e| Error::InvalidArgument {
+                rank: self.rank,
+                msg: format!("{}: {e}", spec.desc),
+            })
+    }
+
+    /// Call number `i` of a group (`alone`: the only one) over `queues`, with its scratch
+    /// space at byte `scratch_off`: its number and protocol state. (Infallible, so that the
+    /// call's state is built where it is kept rather than moved there.)
     #[inline(always)]
     fn prepare_call<'s>(
         &mut self,
         spec: &CallSpec<'s>,
+        queues: &'s Queues,
         i: usize,
         scratch_off: usize,
         alone: bool,
-    ) -> Result<One<'s>> {
+    ) -> One<'s> {
         let sched = &spec.plan.sched;
         let esize = spec.dtype.size();
         // Mailboxes hold one message per peer and call: a call alone only.
         let mailbox = alone && self.uses_mailbox(spec.plan, esize);
-        let queues = match spec
-            .plan
-            .queues
-            .get_or_init(|| Queues::new(sched, &self.link_of, self.geo.channels))
-        {
-            Ok(q) => q,
-            Err(e) => {
-                return Err(Error::InvalidArgument {
-                    rank: self.rank,
-                    msg: format!("{}: {e}", spec.desc),
-                });
-            }
-        };
         self.calls = self.calls.wrapping_add(1);
         let reuse = if i == 0 {
             std::mem::take(&mut self.reuse)
@@ -642,7 +646,7 @@ impl Engine {
         } else {
             Some(Machine::new(sched, queues, cfg, esize, mailbox, reuse).with_id(i as u32))
         };
-        Ok(One {
+        One {
             sched,
             prog,
             desc: spec.desc,
@@ -669,7 +673,7 @@ impl Engine {
                 &mut self.scratch,
                 scratch_off,
             ),
-        })
+        }
     }
 
     /// Runs prepared calls to the end (or the first error), then checks for strays and, after

@@ -30,7 +30,8 @@ impl Engine {
         self.regs.refresh(&self.registry);
         let words = (spec.plan.sched.scratch * spec.dtype.size()).div_ceil(8);
         scratch.0 = vec![0u64; words];
-        let mut one = self.prepare_call(spec, id, 0, false)?;
+        let queues = self.queues_of(spec)?;
+        let mut one = self.prepare_call(spec, queues, id, 0, false);
         one.spans[Buf::Scratch as usize] = (scratch.0.as_mut_ptr() as *mut u8, words * 8, 0);
         one.own_scratch = true;
         Ok(one)

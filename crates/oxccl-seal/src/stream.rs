@@ -135,20 +135,31 @@ impl SendState {
         let n = data.len().min(room);
         self.buf.extend_from_slice(&data[..n]);
         if self.buf.len() == HEADER_LEN + MAX_RECORD {
-            self.seal_buffered();
+            if let Err(e) = self.seal_buffered() {
+                // Not written: the caller may write these bytes again.
+                self.buf.truncate(self.buf.len() - n);
+                return Err(e);
+            }
             self.write_out(inner)?;
         }
         Ok(n)
     }
 
-    fn seal_buffered(&mut self) {
+    /// Seals the plaintext buffered into one record, queued in `out`. On an error (no record
+    /// number left) the plaintext stays buffered and nothing is queued.
+    fn seal_buffered(&mut self) -> io::Result<()> {
         if self.buf.len() == HEADER_LEN {
-            return;
+            return Ok(());
         }
-        self.buf.resize(self.buf.len() + TAG_LEN, 0);
-        self.sealer.seal_record(&mut self.buf);
+        let plain = self.buf.len();
+        self.buf.resize(plain + TAG_LEN, 0);
+        if let Err(e) = self.sealer.seal_record(&mut self.buf) {
+            self.buf.truncate(plain);
+            return Err(e.into());
+        }
         self.out.extend_from_slice(&self.buf);
         self.buf.truncate(HEADER_LEN);
+        Ok(())
     }
 
     fn write_out(&mut self, inner: &mut impl Write) -> io::Result<()> {
@@ -166,7 +177,7 @@ impl SendState {
     }
 
     fn flush(&mut self, inner: &mut impl Write) -> io::Result<()> {
-        self.seal_buffered();
+        self.seal_buffered()?;
         self.write_out(inner)?;
         inner.flush()
     }

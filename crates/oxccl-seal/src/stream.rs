@@ -48,6 +48,8 @@ impl RecvState {
             let want = if self.filled < HEADER_LEN {
                 HEADER_LEN
             } else {
+                // Infallible: `buf` starts HEADER_LEN bytes long and only grows, and
+                // `[..HEADER_LEN]` is HEADER_LEN bytes.
                 let header: [u8; HEADER_LEN] = self.buf[..HEADER_LEN].try_into().expect("12");
                 match self.opener.check_header(&header) {
                     Ok(body) => HEADER_LEN + body,
@@ -56,6 +58,7 @@ impl RecvState {
             };
             if self.filled == want && want > HEADER_LEN {
                 let (header, body) = self.buf.split_at_mut(HEADER_LEN);
+                // Infallible: `split_at_mut(HEADER_LEN)` gave HEADER_LEN bytes.
                 let header: [u8; HEADER_LEN] = (&*header).try_into().expect("12");
                 let n = match self
                     .opener

@@ -32,7 +32,14 @@ else
 fi
 echo "== cargo test --workspace ${features[*]} =="
 cargo test --workspace "${features[@]}" --no-run "$@"
-bounded 1500 cargo test --workspace "${features[@]}" "$@"
+# The C API test builds liboxccl.so and `oxccl` with the test build's features, so that it
+# compiles nothing but liboxccl.so again (crates/oxccl-c/tests/c_api.rs, TEST_BUILD_FEATURES):
+# checked here, where the features are the workspace's (extra arguments may change them).
+fresh=0
+if [ $# -eq 0 ]; then
+    fresh=1
+fi
+OXCCL_C_API_EXPECT_FRESH=$fresh bounded 1500 cargo test --workspace "${features[@]}" "$@"
 # The tcp provider again with three connections per queue pair (OXCCL_TCP_NSOCKS): WRITEs of
 # 256 KiB and more are then striped, and the suites check that nothing else changes. Selected
 # from the workspace (--workspace, not -p oxccl-verbs), so that the features resolve as above and

@@ -104,6 +104,17 @@ pub enum Error {
         /// What failed.
         reason: String,
     },
+    /// A value could not be sealed for a store that is not ours
+    /// ([`SealedValues`](crate::SealedValues)): nothing was sent.
+    #[error("cannot seal the value of key {key:?} for the store at {addr}: {source}")]
+    ValueNotSealed {
+        /// The store's address.
+        addr: String,
+        /// The key.
+        key: String,
+        /// What failed (the OS random source, or a value too long).
+        source: oxccl_seal::SealError,
+    },
     /// A request's argument is invalid (checked before anything is sent).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

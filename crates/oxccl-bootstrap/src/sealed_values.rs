@@ -86,8 +86,14 @@ impl SealedValues {
         Ok(Box::new(SealedValues::new(inner, &secret)))
     }
 
-    fn seal(&self, key: &str, value: &[u8]) -> Vec<u8> {
-        self.key.seal_value(key.as_bytes(), value)
+    fn seal(&self, key: &str, value: &[u8]) -> Result<Vec<u8>> {
+        self.key
+            .seal_value(key.as_bytes(), value)
+            .map_err(|source| Error::ValueNotSealed {
+                addr: self.inner.location(),
+                key: key.to_owned(),
+                source,
+            })
     }
 
     fn open(&self, key: &str, sealed: &[u8]) -> Result<Vec<u8>> {
@@ -112,7 +118,7 @@ impl SealedValues {
 
 impl Store for SealedValues {
     fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        self.inner.set(key, &self.seal(key, value))
+        self.inner.set(key, &self.seal(key, value)?)
     }
 
     fn multi_get(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>> {
@@ -137,7 +143,7 @@ impl Store for SealedValues {
         expected: Option<&[u8]>,
         desired: &[u8],
     ) -> Result<CasOutcome> {
-        let sealed = self.seal(key, desired);
+        let sealed = self.seal(key, desired)?;
         let Some(expected) = expected else {
             let o = self.inner.compare_set(key, None, &sealed)?;
             return Ok(CasOutcome {

@@ -37,12 +37,7 @@ fn profile_dir() -> PathBuf {
 }
 
 fn lib_dir() -> PathBuf {
-    static BUILT: Mutex<bool> = Mutex::new(false);
-    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
-    if !*built {
-        cargo_build(&["-p", "oxccl-c", "--lib"]);
-        *built = true;
-    }
+    build_artifacts();
     let dir = profile_dir();
     assert!(
         dir.join("liboxccl.so").exists(),
@@ -52,17 +47,84 @@ fn lib_dir() -> PathBuf {
     dir
 }
 
-/// `cargo build --quiet ARGS` in this test's profile and target directory, with the ofi
-/// feature when this test was built with it (so that the binaries it overwrites there, such as
-/// `target/debug/oxccl`, stay the ones the rest of the suite was built as).
-fn cargo_build(args: &[&str]) {
+/// Features that `cargo test --workspace` (scripts/test.sh, CI) turns on in the crates
+/// liboxccl.so and `oxccl` are made of, beyond what oxccl-c's and oxccl-cli's dependencies and
+/// dev-dependencies ask for: getrandom's `std` and `sys_rng`, through proptest's rand (a
+/// dev-dependency of the runtime's crates). See [`build_artifacts`].
+const WORKSPACE_TEST_FEATURES: &[&str] = &["getrandom/std", "getrandom/sys_rng"];
+
+/// Variables cargo sets for a test's process, besides `CARGO_PKG_*` and `CARGO_BIN_*`.
+const CARGO_SET_FOR_TESTS: &[&str] = &[
+    "CARGO_MANIFEST_DIR",
+    "CARGO_MANIFEST_PATH",
+    "CARGO_MANIFEST_LINKS",
+    "CARGO_CRATE_NAME",
+    "CARGO_PRIMARY_PACKAGE",
+    "CARGO_TARGET_TMPDIR",
+    "CARGO_RUSTC_CURRENT_DIR",
+    "OUT_DIR",
+];
+
+/// Builds (or finds up to date) `liboxccl.so` and the `oxccl` launcher in this test's profile
+/// and target directory. `cargo test` builds neither (nothing links a cdylib; `oxccl` is
+/// another package's binary), so this runs cargo once more, resolved as the test build was,
+/// so that it reuses what that build compiled rather than compiling the runtime and the CLI a
+/// second time and overwriting `target/debug/oxccl`:
+/// - it selects this test target too (`--test c_api`, already built: nothing to do), so that
+///   cargo resolves with dev-dependencies as `cargo test` did: oxccl-testbed's
+///   `oxccl-seal/mitm`, and cbindgen's syn, which makes proc-macro2 and quote units shared by
+///   the proc-macros (serde's, thiserror's) rather than built apart for them;
+/// - the ofi feature when this test was built with it, and [`WORKSPACE_TEST_FEATURES`].
+///
+/// After `cargo test --workspace --features oxccl-verbs/ofi --no-run` it compiles only
+/// oxccl-c's cdylib (0.9 s here, where the two `cargo build -p` this replaced compiled 21
+/// crates in 63 s). After `cargo test -p oxccl-c` it compiles the runtime once under these
+/// features (later runs find it). With `OXCCL_C_API_EXPECT_FRESH=1` (scripts/test.sh, after the
+/// workspace's test build) it fails if it compiled anything of another package: a dependency
+/// changed and the features above fell behind (compare `cargo tree --workspace -e
+/// normal,build,dev -f '{p} {f}'` with the same for `-p oxccl-c -p oxccl-cli`).
+fn build_artifacts() {
+    static BUILT: Mutex<bool> = Mutex::new(false);
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    if *built {
+        return;
+    }
     let (profile, target) = profile_and_target();
-    let mut cmd = Command::new(env!("CARGO"));
-    cmd.args(["build", "--quiet"]).args(args);
+    let mut features: Vec<&str> = WORKSPACE_TEST_FEATURES.to_vec();
     if oxccl_verbs::OFI_BUILT_IN {
-        cmd.args(["--features", "oxccl-verbs/ofi"]);
+        features.push("oxccl-verbs/ofi");
+    }
+    let mut cmd = Command::new(env!("CARGO"));
+    // What cargo set for this test's process (CARGO_MANIFEST_DIR, CARGO_PKG_NAME, OUT_DIR, ...)
+    // is not the environment the test build ran in, and build scripts read some of it (ring's
+    // reruns when CARGO_MANIFEST_DIR or CARGO_PKG_NAME differ): passed on, it would make cargo
+    // rerun ring's build script and compile everything above ring again, here and in the next
+    // `cargo test`.
+    for (var, _) in std::env::vars_os() {
+        let name = var.to_string_lossy();
+        if CARGO_SET_FOR_TESTS.contains(&&*name)
+            || name.starts_with("CARGO_PKG_")
+            || name.starts_with("CARGO_BIN_")
+        {
+            cmd.env_remove(&var);
+        }
     }
     let out = cmd
+        .args([
+            "build",
+            "--quiet",
+            "--message-format=json-render-diagnostics",
+        ])
+        .args([
+            "-p",
+            "oxccl-c",
+            "-p",
+            "oxccl-cli",
+            "--lib",
+            "--bin",
+            "oxccl",
+        ])
+        .args(["--test", "c_api", "--features", &features.join(",")])
         .arg("--profile")
         .arg(&profile)
         .arg("--target-dir")
@@ -72,10 +134,45 @@ fn cargo_build(args: &[&str]) {
         .expect("running cargo build");
     assert!(
         out.status.success(),
-        "cargo build {} failed: {}",
-        args.join(" "),
+        "cargo build -p oxccl-c -p oxccl-cli failed ({}): {}",
+        out.status,
         String::from_utf8_lossy(&out.stderr)
     );
+    if std::env::var_os("OXCCL_C_API_EXPECT_FRESH").is_some_and(|v| v == "1") {
+        let own = crate_dir().join("Cargo.toml");
+        let compiled = compiled_units(&String::from_utf8_lossy(&out.stdout), &own);
+        assert!(
+            compiled.is_empty(),
+            "the C API test's cargo build compiled {} again after the workspace's test build: \
+             its features differ from that build's (see build_artifacts in {})",
+            compiled.join(", "),
+            file!()
+        );
+    }
+    *built = true;
+}
+
+/// The packages of `cargo build --message-format=json` output (`stdout`) whose artifacts were
+/// compiled rather than found up to date, other than the one of `own` (a manifest path).
+fn compiled_units(stdout: &str, own: &Path) -> Vec<String> {
+    let field = |line: &str, name: &str| -> Option<String> {
+        let key = format!("\"{name}\":\"");
+        let at = line.find(&key)? + key.len();
+        Some(line[at..].split('"').next()?.to_owned())
+    };
+    let own = own.canonicalize().unwrap_or_else(|_| own.to_owned());
+    let mut compiled: Vec<String> = stdout
+        .lines()
+        .filter(|l| l.contains("\"reason\":\"compiler-artifact\"") && l.contains("\"fresh\":false"))
+        .filter(|l| {
+            let manifest =
+                field(l, "manifest_path").and_then(|m| Path::new(&m).canonicalize().ok());
+            manifest.as_deref() != Some(own.as_path())
+        })
+        .map(|l| field(l, "package_id").unwrap_or_else(|| l.chars().take(200).collect()))
+        .collect();
+    compiled.dedup();
+    compiled
 }
 
 /// The cargo profile of this test build and its target directory.
@@ -94,15 +191,9 @@ fn profile_and_target() -> (String, PathBuf) {
 
 /// The `oxccl` launcher, built (or found up to date) in this test's target directory.
 fn oxccl() -> PathBuf {
-    static BUILT: Mutex<Option<PathBuf>> = Mutex::new(None);
-    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(p) = &*built {
-        return p.clone();
-    }
-    cargo_build(&["-p", "oxccl-cli", "--bin", "oxccl"]);
+    build_artifacts();
     let exe = profile_dir().join("oxccl");
     assert!(exe.exists(), "{} was not built", exe.display());
-    *built = Some(exe.clone());
     exe
 }
 

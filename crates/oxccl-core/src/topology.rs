@@ -46,7 +46,8 @@
 //! )?;
 //! topo.validate(4)?;
 //! assert_eq!(topo.world(), 4);
-//! assert_eq!(topo.host_of(3), 1);
+//! assert_eq!(topo.host_of(3), Some(1));
+//! assert_eq!(topo.host_of(4), None);
 //! assert_eq!(topo.ranks_per_host(), Some(2));
 //! assert!(!topo.is_uniform_rate());
 //! assert_eq!(topo.min_rate(), Some(0.25));
@@ -233,16 +234,10 @@ impl Topology {
     }
 
     /// Index in [`Topology::hosts`] of the host holding `rank` (a search over the hosts; for
-    /// many lookups use [`Topology::host_table`]).
-    ///
-    /// # Panics
-    /// When no host holds `rank` (a topology that passed [`Topology::validate`] holds every
-    /// rank of the job).
-    pub fn host_of(&self, rank: usize) -> usize {
-        self.hosts
-            .iter()
-            .position(|h| h.ranks.contains(&rank))
-            .unwrap_or_else(|| panic!("rank {rank} is on no host of the topology"))
+    /// many lookups use [`Topology::host_table`]). `None` when no host holds `rank` (a topology
+    /// that passed [`Topology::validate`] holds every rank of the job).
+    pub fn host_of(&self, rank: usize) -> Option<usize> {
+        self.hosts.iter().position(|h| h.ranks.contains(&rank))
     }
 
     /// The host index of every rank `0..world()`, precomputed: `host_table()[rank]`. A rank
@@ -291,12 +286,16 @@ impl Topology {
         if world < 3 || self.is_uniform_rate() || self.hosts.iter().any(|h| h.link_gbps.is_none()) {
             return Vec::new();
         }
-        let rates: Vec<f64> = (0..world)
+        // A rank on no host (an unvalidated topology): no weights, as for unknown rates.
+        let Some(rates) = (0..world)
             .map(|r| {
-                let h = &self.hosts[self.host_of(r)];
-                h.link_gbps.unwrap_or(1.0) / h.ranks.len() as f64
+                let h = &self.hosts[self.host_of(r)?];
+                Some(h.link_gbps.unwrap_or(1.0) / h.ranks.len() as f64)
             })
-            .collect();
+            .collect::<Option<Vec<f64>>>()
+        else {
+            return Vec::new();
+        };
         let (shares, _) = crate::schedule::proportional_shares(&rates);
         shares.iter().map(|s| (s * 1e6).round() as u32).collect()
     }
@@ -319,9 +318,11 @@ impl Topology {
             .map(|h| h.link_gbps.unwrap_or(1.0))
             .collect();
         let (shares, _) = crate::schedule::proportional_shares(&rates);
+        // A rank on no host (an unvalidated topology): no weights, as for unknown rates.
         (0..self.world())
-            .map(|r| (shares[self.host_of(r)] * 1e6).round() as u32)
-            .collect()
+            .map(|r| Some((shares[self.host_of(r)?] * 1e6).round() as u32))
+            .collect::<Option<Vec<u32>>>()
+            .unwrap_or_default()
     }
 
     /// The slowest known link rate in Gbit/s; `None` when no rate is known.
@@ -520,6 +521,35 @@ mod tests {
     }
 
     #[test]
+    fn a_rank_on_no_host_gives_no_weights_rather_than_a_panic() {
+        // Unvalidated: rank 2 of 0..4 is on no host; the rates differ, so weights would be made.
+        let t = Topology {
+            hosts: vec![
+                host("a", &[0], Some(1.0)),
+                host("b", &[1], Some(2.0)),
+                host("c", &[3, 4], Some(4.0)),
+            ],
+            aggregator: None,
+        };
+        assert!(t.validate(4).is_err());
+        assert_eq!(t.host_of(2), None);
+        assert_eq!(t.proportional_weights(), Vec::<u32>::new());
+        assert_eq!(t.rail_weights(), Vec::<u32>::new());
+        // The same hosts holding 0..4: weights, one per rank.
+        let ok = Topology {
+            hosts: vec![
+                host("a", &[0], Some(1.0)),
+                host("b", &[1], Some(2.0)),
+                host("c", &[2, 3], Some(4.0)),
+            ],
+            aggregator: None,
+        };
+        ok.validate(4).unwrap();
+        assert_eq!(ok.proportional_weights().len(), 4);
+        assert_eq!(ok.rail_weights().len(), 4);
+    }
+
+    #[test]
     fn grouping_by_host_id_orders_hosts_by_lowest_rank() {
         let t = Topology::from_host_ids(&ids(&["b", "a", "b", "c", "a"]));
         assert_eq!(
@@ -531,7 +561,8 @@ mod tests {
             ]
         );
         assert_eq!(t.world(), 5);
-        assert_eq!(t.host_of(4), 1);
+        assert_eq!(t.host_of(4), Some(1));
+        assert_eq!(t.host_of(5), None);
         assert_eq!(t.host_table(), vec![0, 1, 0, 2, 1]);
         assert_eq!(t.ranks_per_host(), None);
         assert!(t.is_uniform_rate());

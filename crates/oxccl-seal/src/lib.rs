@@ -34,7 +34,7 @@
 //! use oxccl_seal::{JobKey, Role, SealedStream, fresh_nonce};
 //!
 //! let job = JobKey::derive(b"the job's shared secret", "example v1");
-//! let (ni, na) = (fresh_nonce(), fresh_nonce());
+//! let (ni, na) = (fresh_nonce()?, fresh_nonce()?);
 //! let (a, b) = std::os::unix::net::UnixStream::pair()?;
 //! let mut client = SealedStream::new(a, job.session(Role::Initiator, &ni, &na, b"hello"), "server");
 //! let mut server = SealedStream::new(b, job.session(Role::Acceptor, &ni, &na, b"hello"), "client");
@@ -71,20 +71,31 @@ pub const HEADER_LEN: usize = 12;
 pub const TAG_LEN: usize = 16;
 /// The most plaintext bytes one record carries.
 pub const MAX_RECORD: usize = 64 * 1024;
+/// The most bytes [`JobKey::seal_value`] seals: AES-GCM's limit under one nonce
+/// ((2^32 - 2) blocks of 16 bytes).
+pub const MAX_VALUE: usize = ((1 << 32) - 2) * 16;
 
 /// The label of the first extraction: what makes a job key oxccl-seal's and this version's.
 const JOB_SALT: &[u8] = b"oxccl-seal v1 job key";
 
-/// Why a record or a value did not open (or was refused before it was read).
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Why a record or a value did not seal or open (or was refused before it was read).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SealError {
     /// Its tag did not check: the record was changed on the way, or sealed under another key
     /// (a peer without the job's secret).
+    #[error(
+        "record {seq} failed authentication (changed on the way, or sealed without the job's \
+         secret)"
+    )]
     Tampered {
         /// The record's number.
         seq: u64,
     },
     /// It is not the record expected next: a replayed, reordered or dropped record.
+    #[error(
+        "record {got} arrived where record {expected} was due ({})",
+        out_of_order_why(.expected, .got)
+    )]
     OutOfOrder {
         /// The number expected.
         expected: u64,
@@ -92,6 +103,10 @@ pub enum SealError {
         got: u64,
     },
     /// Its header claims a body longer than a record may have (or shorter than a tag).
+    #[error(
+        "a record header claims a {len}-byte body, outside {TAG_LEN}..={max} (a corrupted or \
+         forged header)"
+    )]
     TooLong {
         /// The body length claimed.
         len: usize,
@@ -99,39 +114,48 @@ pub enum SealError {
         max: usize,
     },
     /// A sealed value did not open (what was wrong with it).
+    #[error("a sealed value did not open: {0}")]
     Value(&'static str),
+    /// The operating system's random source (`getrandom`) failed while drawing `what`.
+    #[error("the operating system's random source failed drawing {what}: {source}")]
+    Random {
+        /// What was being drawn (a handshake nonce, a value's nonce).
+        what: &'static str,
+        /// The error `getrandom` gave.
+        source: getrandom::Error,
+    },
+    /// [`Sealer::seal_record`] was handed a buffer that is not one record: a header, at most
+    /// [`MAX_RECORD`] bytes of plaintext and room for the tag.
+    #[error(
+        "seal_record: a {len}-byte buffer is not a record ({HEADER_LEN}-byte header, at most \
+         {MAX_RECORD} bytes of plaintext, {TAG_LEN}-byte tag)"
+    )]
+    RecordSize {
+        /// The buffer's length.
+        len: usize,
+    },
+    /// [`JobKey::seal_value`] was handed a value longer than AES-GCM seals under one nonce.
+    #[error("a {len}-byte value is longer than AES-GCM seals under one nonce ({max} bytes)")]
+    ValueTooLong {
+        /// The value's length.
+        len: usize,
+        /// The most a value may be ([`MAX_VALUE`]).
+        max: usize,
+    },
+    /// One direction of a connection has used every record number (2^64 records): sealing
+    /// another would reuse a nonce.
+    #[error("record numbers of this connection's direction are used up (2^64 records): reconnect")]
+    Exhausted,
 }
 
-impl fmt::Display for SealError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SealError::Tampered { seq } => write!(
-                f,
-                "record {seq} failed authentication (changed on the way, or sealed without the \
-                 job's secret)"
-            ),
-            SealError::OutOfOrder { expected, got } => {
-                let what = if got < expected {
-                    "replayed or reordered"
-                } else {
-                    "an earlier record was dropped or reordered"
-                };
-                write!(
-                    f,
-                    "record {got} arrived where record {expected} was due ({what})"
-                )
-            }
-            SealError::TooLong { len, max } => write!(
-                f,
-                "a record header claims a {len}-byte body, outside {TAG_LEN}..={max} (a \
-                 corrupted or forged header)"
-            ),
-            SealError::Value(why) => write!(f, "a sealed value did not open: {why}"),
-        }
+/// What a record that is not the one due most likely is.
+fn out_of_order_why(expected: &u64, got: &u64) -> &'static str {
+    if got < expected {
+        "replayed or reordered"
+    } else {
+        "an earlier record was dropped or reordered"
     }
 }
-
-impl std::error::Error for SealError {}
 
 impl From<SealError> for std::io::Error {
     fn from(e: SealError) -> std::io::Error {
@@ -151,13 +175,15 @@ pub enum Role {
 
 /// A fresh random nonce for a handshake.
 ///
-/// # Panics
-/// If the operating system has no randomness to give (`getrandom` fails), which no
-/// supported system does after boot.
-pub fn fresh_nonce() -> [u8; NONCE_LEN] {
+/// # Errors
+/// [`SealError::Random`] when the operating system's random source (`getrandom`) fails.
+pub fn fresh_nonce() -> Result<[u8; NONCE_LEN], SealError> {
     let mut n = [0u8; NONCE_LEN];
-    getrandom::fill(&mut n).expect("the operating system's random source failed");
-    n
+    getrandom::fill(&mut n).map_err(|source| SealError::Random {
+        what: "a handshake nonce",
+        source,
+    })?;
+    Ok(n)
 }
 
 /// An HKDF output length that ring accepts as a key type.
@@ -172,13 +198,18 @@ impl KeyType for Len {
 /// Expands `prk` into a key under `info`.
 fn expand(prk: &ring::hkdf::Prk, info: &[&[u8]]) -> [u8; KEY_LEN] {
     let mut k = [0u8; KEY_LEN];
+    // Infallible by construction: HKDF-SHA256 refuses only an output longer than 255 * 32
+    // bytes (RFC 5869), and `okm.fill` only a buffer of another length than the one asked
+    // for; both are the constant KEY_LEN (32) here, whatever the input.
     prk.expand(info, Len(KEY_LEN))
         .and_then(|okm| okm.fill(&mut k))
-        .expect("HKDF-SHA256 gives 32 bytes");
+        .expect("HKDF-SHA256 expands to 32 bytes");
     k
 }
 
 fn aead_key(bytes: &[u8; KEY_LEN]) -> LessSafeKey {
+    // Infallible by construction: `UnboundKey::new` refuses only a key whose length is not
+    // the algorithm's, and the type says 32 bytes, AES-256's length.
     LessSafeKey::new(UnboundKey::new(&AES_256_GCM, bytes).expect("32 bytes is an AES-256 key"))
 }
 
@@ -237,10 +268,23 @@ impl JobKey {
     /// `value` sealed under this key with a random nonce and `name` as associated data (a
     /// value kept in a store that is not ours: its key name, so a value moved to another name
     /// does not open). Layout: version (1), nonce (12), ciphertext, tag (16).
-    pub fn seal_value(&self, name: &[u8], value: &[u8]) -> Vec<u8> {
+    ///
+    /// # Errors
+    /// [`SealError::ValueTooLong`] for a value over [`MAX_VALUE`] bytes;
+    /// [`SealError::Random`] when the operating system's random source fails.
+    pub fn seal_value(&self, name: &[u8], value: &[u8]) -> Result<Vec<u8>, SealError> {
+        if value.len() > MAX_VALUE {
+            return Err(SealError::ValueTooLong {
+                len: value.len(),
+                max: MAX_VALUE,
+            });
+        }
         let key = self.value_key();
         let mut nonce = [0u8; GCM_NONCE_LEN];
-        getrandom::fill(&mut nonce).expect("the operating system's random source failed");
+        getrandom::fill(&mut nonce).map_err(|source| SealError::Random {
+            what: "a sealed value's nonce",
+            source,
+        })?;
         let mut out = Vec::with_capacity(1 + GCM_NONCE_LEN + value.len() + TAG_LEN);
         out.push(VALUE_VERSION);
         out.extend_from_slice(&nonce);
@@ -251,27 +295,33 @@ impl JobKey {
                 Aad::from(name),
                 &mut out[1 + GCM_NONCE_LEN..],
             )
-            .expect("a value within AES-GCM's limits");
+            // ring refuses only a plaintext over AES-GCM's limit, checked above.
+            .map_err(|_| SealError::ValueTooLong {
+                len: value.len(),
+                max: MAX_VALUE,
+            })?;
         out.extend_from_slice(tag.as_ref());
-        out
+        Ok(out)
     }
 
     /// Opens a value [`JobKey::seal_value`] sealed under `name`.
     pub fn open_value(&self, name: &[u8], sealed: &[u8]) -> Result<Vec<u8>, SealError> {
-        if sealed.len() < 1 + GCM_NONCE_LEN + TAG_LEN {
-            return Err(SealError::Value("shorter than a sealed value"));
-        }
-        if sealed[0] != VALUE_VERSION {
+        let short = SealError::Value("shorter than a sealed value");
+        let (&version, rest) = sealed.split_first().ok_or(short.clone())?;
+        let (nonce, body) = rest
+            .split_first_chunk::<GCM_NONCE_LEN>()
+            .filter(|(_, body)| body.len() >= TAG_LEN)
+            .ok_or(short)?;
+        if version != VALUE_VERSION {
             return Err(SealError::Value(
                 "not a sealed value (a plain one, or another version)",
             ));
         }
-        let nonce: [u8; GCM_NONCE_LEN] = sealed[1..1 + GCM_NONCE_LEN].try_into().expect("12");
-        let mut body = sealed[1 + GCM_NONCE_LEN..].to_vec();
+        let mut body = body.to_vec();
         let n = self
             .value_key()
             .open_in_place(
-                Nonce::assume_unique_for_key(nonce),
+                Nonce::assume_unique_for_key(*nonce),
                 Aad::from(name),
                 &mut body,
             )
@@ -324,7 +374,12 @@ pub struct Sealer {
 impl Sealer {
     /// Appends to `out` one record per [`MAX_RECORD`] bytes of `plaintext` (one empty record for
     /// an empty one).
-    pub fn seal(&mut self, plaintext: &[u8], out: &mut Vec<u8>) {
+    ///
+    /// # Errors
+    /// [`SealError::Exhausted`] when this direction has no record number left; `out` is then
+    /// as it was before the call.
+    pub fn seal(&mut self, plaintext: &[u8], out: &mut Vec<u8>) -> Result<(), SealError> {
+        let before = out.len();
         let mut chunks = plaintext.chunks(MAX_RECORD);
         let first = chunks.next().unwrap_or(&[]);
         for chunk in std::iter::once(first).chain(chunks) {
@@ -332,34 +387,44 @@ impl Sealer {
             out.resize(at + HEADER_LEN, 0);
             out.extend_from_slice(chunk);
             out.resize(out.len() + TAG_LEN, 0);
-            self.seal_record(&mut out[at..]);
+            if let Err(e) = self.seal_record(&mut out[at..]) {
+                out.truncate(before);
+                return Err(e);
+            }
         }
+        Ok(())
     }
 
     /// Seals one record in place: `record` is [`HEADER_LEN`] + n + [`TAG_LEN`] bytes
     /// (n ≤ [`MAX_RECORD`]) with the plaintext at `[HEADER_LEN..HEADER_LEN + n]`; writes the
     /// header, encrypts the plaintext and writes the tag.
     ///
-    /// # Panics
-    /// If `record` is shorter than a header and a tag, or n is over [`MAX_RECORD`] (a caller's
-    /// bug, not input from a peer).
-    pub fn seal_record(&mut self, record: &mut [u8]) {
-        let body = record.len() - HEADER_LEN;
-        assert!(
-            (TAG_LEN..=MAX_RECORD + TAG_LEN).contains(&body),
-            "seal_record: a {body}-byte body"
-        );
+    /// # Errors
+    /// [`SealError::RecordSize`] when `record` is shorter than a header and a tag, or n is over
+    /// [`MAX_RECORD`] (nothing is sealed, and no record number is used);
+    /// [`SealError::Exhausted`] when this direction has no record number left.
+    pub fn seal_record(&mut self, record: &mut [u8]) -> Result<(), SealError> {
+        let body = record.len().wrapping_sub(HEADER_LEN);
+        if record.len() < HEADER_LEN || !(TAG_LEN..=MAX_RECORD + TAG_LEN).contains(&body) {
+            return Err(SealError::RecordSize { len: record.len() });
+        }
+        let len = record.len();
         let seq = self.seq;
-        self.seq += 1;
+        // A number is never used twice: it is the GCM nonce.
+        self.seq = seq.checked_add(1).ok_or(SealError::Exhausted)?;
         let (header, rest) = record.split_at_mut(HEADER_LEN);
+        // `body` is at most MAX_RECORD + TAG_LEN (checked above): it fits a u32.
         header[..4].copy_from_slice(&(body as u32).to_le_bytes());
         header[4..].copy_from_slice(&seq.to_le_bytes());
         let (text, tag_at) = rest.split_at_mut(body - TAG_LEN);
         let tag = self
             .key
             .seal_in_place_separate_tag(gcm_nonce(seq), Aad::from(&*header), text)
-            .expect("a record within AES-GCM's limits");
+            // ring refuses only a plaintext over AES-GCM's limit (about 64 GiB); a record's
+            // is at most MAX_RECORD (checked above).
+            .map_err(|_| SealError::RecordSize { len })?;
         tag_at.copy_from_slice(tag.as_ref());
+        Ok(())
     }
 
     /// How many records this side has sealed (the number of the next).
@@ -378,8 +443,9 @@ impl Opener {
     /// The length of the body that follows `header` (plaintext + [`TAG_LEN`]), once the header
     /// is one this side can take: a body within [`MAX_RECORD`], and the number due next.
     pub fn check_header(&self, header: &[u8; HEADER_LEN]) -> Result<usize, SealError> {
-        let len = u32::from_le_bytes(header[..4].try_into().expect("4")) as usize;
-        let seq = u64::from_le_bytes(header[4..].try_into().expect("8"));
+        let [l0, l1, l2, l3, seq @ ..] = *header;
+        let len = u32::from_le_bytes([l0, l1, l2, l3]) as usize;
+        let seq = u64::from_le_bytes(seq);
         if !(TAG_LEN..=MAX_RECORD + TAG_LEN).contains(&len) {
             return Err(SealError::TooLong {
                 len,
@@ -415,7 +481,8 @@ impl Opener {
             .key
             .open_in_place(gcm_nonce(seq), Aad::from(&header[..]), body)
             .map_err(|_| SealError::Tampered { seq })?;
-        self.seq += 1;
+        // The sealer refuses a record past number u64::MAX, so none can be opened after it.
+        self.seq = seq.checked_add(1).ok_or(SealError::Exhausted)?;
         Ok(text)
     }
 

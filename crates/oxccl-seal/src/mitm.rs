@@ -125,7 +125,7 @@ const CAPTURE_MAX: usize = 256 << 20;
 impl Proxy {
     /// A proxy on 127.0.0.1 in front of `target`.
     pub fn start(target: SocketAddr, plan: Plan) -> io::Result<Proxy> {
-        Proxy::start_on("127.0.0.1:0".parse().expect("an address"), target, plan)
+        Proxy::start_on(SocketAddr::from(([127, 0, 0, 1], 0)), target, plan)
     }
 
     /// A proxy listening on `bind` (a namespace host's address) in front of `target`.
@@ -326,7 +326,7 @@ fn pipe_records(
             }
             return Ok(());
         }
-        let body = u32::from_le_bytes(record[..4].try_into().expect("4")) as usize;
+        let body = u32::from_le_bytes([record[0], record[1], record[2], record[3]]) as usize;
         record.resize(HEADER_LEN + body.min(crate::MAX_RECORD + crate::TAG_LEN), 0);
         read_all(from, &mut record[HEADER_LEN..])?;
         match shared.plan.tamper {

@@ -48,6 +48,8 @@ impl RecvState {
             let want = if self.filled < HEADER_LEN {
                 HEADER_LEN
             } else {
+                // Infallible: `buf` starts HEADER_LEN bytes long and only grows, and
+                // `[..HEADER_LEN]` is HEADER_LEN bytes.
                 let header: [u8; HEADER_LEN] = self.buf[..HEADER_LEN].try_into().expect("12");
                 match self.opener.check_header(&header) {
                     Ok(body) => HEADER_LEN + body,
@@ -56,6 +58,7 @@ impl RecvState {
             };
             if self.filled == want && want > HEADER_LEN {
                 let (header, body) = self.buf.split_at_mut(HEADER_LEN);
+                // Infallible: `split_at_mut(HEADER_LEN)` gave HEADER_LEN bytes.
                 let header: [u8; HEADER_LEN] = (&*header).try_into().expect("12");
                 let n = match self
                     .opener
@@ -135,20 +138,31 @@ impl SendState {
         let n = data.len().min(room);
         self.buf.extend_from_slice(&data[..n]);
         if self.buf.len() == HEADER_LEN + MAX_RECORD {
-            self.seal_buffered();
+            if let Err(e) = self.seal_buffered() {
+                // Not written: the caller may write these bytes again.
+                self.buf.truncate(self.buf.len() - n);
+                return Err(e);
+            }
             self.write_out(inner)?;
         }
         Ok(n)
     }
 
-    fn seal_buffered(&mut self) {
+    /// Seals the plaintext buffered into one record, queued in `out`. On an error (no record
+    /// number left) the plaintext stays buffered and nothing is queued.
+    fn seal_buffered(&mut self) -> io::Result<()> {
         if self.buf.len() == HEADER_LEN {
-            return;
+            return Ok(());
         }
-        self.buf.resize(self.buf.len() + TAG_LEN, 0);
-        self.sealer.seal_record(&mut self.buf);
+        let plain = self.buf.len();
+        self.buf.resize(plain + TAG_LEN, 0);
+        if let Err(e) = self.sealer.seal_record(&mut self.buf) {
+            self.buf.truncate(plain);
+            return Err(e.into());
+        }
         self.out.extend_from_slice(&self.buf);
         self.buf.truncate(HEADER_LEN);
+        Ok(())
     }
 
     fn write_out(&mut self, inner: &mut impl Write) -> io::Result<()> {
@@ -166,7 +180,7 @@ impl SendState {
     }
 
     fn flush(&mut self, inner: &mut impl Write) -> io::Result<()> {
-        self.seal_buffered();
+        self.seal_buffered()?;
         self.write_out(inner)?;
         inner.flush()
     }

@@ -3,7 +3,7 @@ use std::io::{Read, Write};
 use super::*;
 
 fn pair(secret_b: &[u8]) -> (Session, Session) {
-    let (ni, na) = (fresh_nonce(), fresh_nonce());
+    let (ni, na) = (fresh_nonce().unwrap(), fresh_nonce().unwrap());
     let a = JobKey::derive(b"secret", "test v1").session(Role::Initiator, &ni, &na, b"t");
     let b = JobKey::derive(secret_b, "test v1").session(Role::Acceptor, &ni, &na, b"t");
     (a, b)
@@ -18,7 +18,7 @@ fn records_round_trip_and_hide_the_plaintext() {
     let (mut a, mut b) = pair(b"secret");
     let text: Vec<u8> = (0..200_000u32).map(|i| (i * 7 + 3) as u8).collect();
     let mut wire = Vec::new();
-    a.tx.seal(&text, &mut wire);
+    a.tx.seal(&text, &mut wire).unwrap();
     // Four records: 3 × 64 KiB and the rest.
     assert_eq!(wire.len(), text.len() + 4 * (HEADER_LEN + TAG_LEN));
     assert!(
@@ -43,14 +43,14 @@ fn records_round_trip_and_hide_the_plaintext() {
 fn each_direction_and_each_connection_has_its_own_key() {
     let (mut a, mut b) = pair(b"secret");
     let mut from_a = Vec::new();
-    a.tx.seal(b"same", &mut from_a);
+    a.tx.seal(b"same", &mut from_a).unwrap();
     let mut from_b = Vec::new();
-    b.tx.seal(b"same", &mut from_b);
+    b.tx.seal(b"same", &mut from_b).unwrap();
     assert_ne!(from_a, from_b);
     // Another connection (other nonces) of the same job: another ciphertext.
     let (mut c, _) = pair(b"secret");
     let mut from_c = Vec::new();
-    c.tx.seal(b"same", &mut from_c);
+    c.tx.seal(b"same", &mut from_c).unwrap();
     assert_ne!(from_a, from_c);
     // Opening A's record as if it came from B fails.
     let h = header(&from_a);
@@ -63,15 +63,15 @@ fn each_direction_and_each_connection_has_its_own_key() {
 
 #[test]
 fn a_stranger_a_flipped_bit_a_replay_a_drop_and_a_bad_length_are_refused() {
-    let (ni, na) = (fresh_nonce(), fresh_nonce());
+    let (ni, na) = (fresh_nonce().unwrap(), fresh_nonce().unwrap());
     let job = JobKey::derive(b"secret", "test v1");
     let mut a = job.session(Role::Initiator, &ni, &na, b"t");
     let receiver =
         |secret: &[u8]| JobKey::derive(secret, "test v1").session(Role::Acceptor, &ni, &na, b"t");
     let mut wire = Vec::new();
-    a.tx.seal(b"first", &mut wire);
+    a.tx.seal(b"first", &mut wire).unwrap();
     let first = wire.clone();
-    a.tx.seal(b"second", &mut wire);
+    a.tx.seal(b"second", &mut wire).unwrap();
     let second = wire[first.len()..].to_vec();
     // The untouched record opens (so the failures below are the tampering's).
     let mut r = first.clone();
@@ -160,12 +160,12 @@ fn a_stranger_a_flipped_bit_a_replay_a_drop_and_a_bad_length_are_refused() {
 
 #[test]
 fn a_transcript_changed_on_the_path_leaves_different_keys() {
-    let (ni, na) = (fresh_nonce(), fresh_nonce());
+    let (ni, na) = (fresh_nonce().unwrap(), fresh_nonce().unwrap());
     let job = JobKey::derive(b"secret", "test v1");
     let mut a = job.session(Role::Initiator, &ni, &na, b"hello: token 7");
     let mut b = job.session(Role::Acceptor, &ni, &na, b"hello: token 8");
     let mut wire = Vec::new();
-    a.tx.seal(b"x", &mut wire);
+    a.tx.seal(b"x", &mut wire).unwrap();
     let h = header(&wire);
     assert!(b.rx.open_record(&h, &mut wire[HEADER_LEN..]).is_err());
     // Purposes separate keys too.
@@ -179,7 +179,9 @@ fn a_transcript_changed_on_the_path_leaves_different_keys() {
 #[test]
 fn values_open_only_under_their_name_and_key() {
     let job = JobKey::derive(b"secret", "store v1");
-    let v = job.seal_value(b"rank0/endpoint", b"10.0.0.1:4000 rkey=77");
+    let v = job
+        .seal_value(b"rank0/endpoint", b"10.0.0.1:4000 rkey=77")
+        .unwrap();
     assert!(!v.windows(4).any(|w| w == b"rkey"));
     assert_eq!(
         job.open_value(b"rank0/endpoint", &v).unwrap(),
@@ -200,6 +202,7 @@ fn values_open_only_under_their_name_and_key() {
     assert_ne!(
         v,
         job.seal_value(b"rank0/endpoint", b"10.0.0.1:4000 rkey=77")
+            .unwrap()
     );
 }
 
@@ -247,7 +250,7 @@ fn a_stream_names_the_peer_and_stays_failed() {
     let (mut x, y) = UnixStream::pair().unwrap();
     let (mut a, b) = pair(b"secret");
     let mut wire = Vec::new();
-    a.tx.seal(b"hello", &mut wire);
+    a.tx.seal(b"hello", &mut wire).unwrap();
     wire[HEADER_LEN + 1] ^= 4;
     x.write_all(&wire).unwrap();
     let mut r = SealedStream::new(y, b, "rank 3 at 10.0.0.3:29500");
@@ -336,4 +339,107 @@ fn the_man_in_the_middle_is_caught_by_kind() {
                 .any(|w| w.iter().all(|&x| (b'A'..=b'D').contains(&x)))
         );
     }
+}
+
+#[test]
+fn a_buffer_that_is_not_a_record_is_refused_without_using_a_number() {
+    let (mut a, mut b) = pair(b"secret");
+    // Shorter than a header, shorter than a header and a tag, and a body past MAX_RECORD.
+    for len in [
+        0,
+        HEADER_LEN - 1,
+        HEADER_LEN + TAG_LEN - 1,
+        HEADER_LEN + MAX_RECORD + TAG_LEN + 1,
+    ] {
+        let mut buf = vec![7u8; len];
+        let e = a.tx.seal_record(&mut buf).unwrap_err();
+        assert_eq!(e, SealError::RecordSize { len });
+        assert!(
+            e.to_string().contains(&format!("a {len}-byte buffer")),
+            "{e}"
+        );
+        assert!(
+            buf.iter().all(|&x| x == 7),
+            "a refused buffer is left as it was"
+        );
+    }
+    assert_eq!(a.tx.records_sealed(), 0);
+    // The smallest and the largest record seal, numbered from 0, and open.
+    for n in [0, MAX_RECORD] {
+        let mut record = vec![0u8; HEADER_LEN + n + TAG_LEN];
+        record[HEADER_LEN..HEADER_LEN + n].fill(0x5a);
+        a.tx.seal_record(&mut record).unwrap();
+        let (h, body) = record.split_at_mut(HEADER_LEN);
+        let text = b.rx.open_record(&header(h), body).unwrap();
+        assert!(text.len() == n && text.iter().all(|&x| x == 0x5a));
+    }
+    assert_eq!((a.tx.records_sealed(), b.rx.records_opened()), (2, 2));
+}
+
+#[test]
+fn a_direction_out_of_record_numbers_refuses_to_seal_rather_than_reuse_one() {
+    let (mut a, mut b) = pair(b"secret");
+    a.tx.seq = u64::MAX - 1;
+    b.rx.seq = u64::MAX - 1;
+    let mut wire = Vec::new();
+    a.tx.seal(b"last", &mut wire).unwrap();
+    let (h, body) = wire.split_at_mut(HEADER_LEN);
+    assert_eq!(b.rx.open_record(&header(h), body).unwrap(), b"last");
+    // Number u64::MAX is never used: the sealer refuses, leaving `out` as it was.
+    let before = wire.clone();
+    let e = a.tx.seal(b"one more", &mut wire).unwrap_err();
+    assert_eq!(e, SealError::Exhausted);
+    assert!(e.to_string().contains("used up"), "{e}");
+    assert_eq!(wire, before);
+    assert_eq!(a.tx.records_sealed(), u64::MAX);
+    // A blocking stream reports it as an error of the write or flush, not a panic.
+    let (x, _y) = std::os::unix::net::UnixStream::pair().unwrap();
+    let mut session = pair(b"secret").0;
+    session.tx.seq = u64::MAX;
+    let mut s = SealedStream::new(x, session, "peer");
+    s.write_all(b"data").unwrap();
+    let e = s.flush().unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+    assert!(e.to_string().contains("used up"), "{e}");
+}
+
+#[test]
+fn truncated_and_foreign_values_say_what_is_wrong() {
+    let job = JobKey::derive(b"secret", "store v1");
+    let v = job.seal_value(b"k", b"value").unwrap();
+    // Every prefix of a sealed value too short to hold version, nonce and tag.
+    for len in 0..1 + 12 + TAG_LEN {
+        let e = job.open_value(b"k", &v[..len.min(v.len())]).unwrap_err();
+        assert_eq!(e, SealError::Value("shorter than a sealed value"), "{len}");
+        assert!(e.to_string().contains("shorter than a sealed value"), "{e}");
+    }
+    // Cut after the tag's start: the tag does not check.
+    let e = job.open_value(b"k", &v[..v.len() - 1]).unwrap_err();
+    assert!(e.to_string().contains("tag did not check"), "{e}");
+    // Another version byte.
+    let mut other = v.clone();
+    other[0] ^= 0xff;
+    let e = job.open_value(b"k", &other).unwrap_err();
+    assert!(e.to_string().contains("not a sealed value"), "{e}");
+    // An empty value seals and opens.
+    let empty = job.seal_value(b"k", b"").unwrap();
+    assert_eq!(empty.len(), 1 + 12 + TAG_LEN);
+    assert_eq!(job.open_value(b"k", &empty).unwrap(), b"");
+}
+
+#[test]
+fn a_failing_random_source_is_named_in_the_error() {
+    // getrandom cannot be made to fail here; the error the two draws return reads so.
+    let e = SealError::Random {
+        what: "a handshake nonce",
+        source: getrandom::Error::UNSUPPORTED,
+    };
+    let text = e.to_string();
+    assert!(
+        text.contains("random source failed drawing a handshake nonce"),
+        "{text}"
+    );
+    assert!(std::error::Error::source(&e).is_some());
+    let io: std::io::Error = e.into();
+    assert_eq!(io.kind(), std::io::ErrorKind::InvalidData);
 }

@@ -96,6 +96,16 @@ pub enum Error {
     /// A resource limit of the provider was reached.
     #[error("resource exhausted: {0}")]
     Exhausted(String),
+    /// A sealed (encrypted) connection's handshake or record could not be made; `what` names
+    /// the peer, the connection and the step.
+    #[error("{what}: {source}")]
+    Seal {
+        /// What was being done, with whom.
+        what: String,
+        /// What failed.
+        #[source]
+        source: oxccl_seal::SealError,
+    },
 }
 
 impl Error {
@@ -103,6 +113,12 @@ impl Error {
         Error::Os {
             what: what.into(),
             source: source.into(),
+        }
+    }
+    pub(crate) fn seal(what: impl Into<String>, source: oxccl_seal::SealError) -> Self {
+        Error::Seal {
+            what: what.into(),
+            source,
         }
     }
     pub(crate) fn arg(msg: impl Into<String>) -> Self {

@@ -253,7 +253,20 @@ impl Conn {
             };
             sock.set_read_timeout(Some(timeout.max(Duration::from_millis(100))))
                 .map_err(|e| Error::os(format!("handshake with {addr}"), e))?;
-            let nonce = self.seal.as_ref().map(|_| oxccl_seal::fresh_nonce());
+            let nonce = self
+                .seal
+                .as_ref()
+                .map(|_| oxccl_seal::fresh_nonce())
+                .transpose()
+                .map_err(|e| {
+                    Error::seal(
+                        format!(
+                            "handshake with {addr} (sealed connection {index} of {count}): \
+                             drawing this side's nonce"
+                        ),
+                        e,
+                    )
+                })?;
             let hello = Hello {
                 target: self.remote_token.load(Ordering::Acquire),
                 initiator: self.local_token,
@@ -621,7 +634,12 @@ fn confirm_keys(
         )));
     }
     let mut out = Vec::with_capacity(64);
-    s.tx.seal(frame::FINISHED, &mut out);
+    s.tx.seal(frame::FINISHED, &mut out).map_err(|e| {
+        Error::seal(
+            format!("key confirmation with {addr} (sealed connection {index}): sealing ours"),
+            e,
+        )
+    })?;
     sock.write_all(&out).map_err(io)?;
     Ok(s)
 }

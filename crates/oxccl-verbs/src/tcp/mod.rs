@@ -957,7 +957,22 @@ impl Shared {
             conn.refused(hello.initiator, why);
             return refuse(&sock, verdict, why);
         }
-        let nonce = conn.seal.as_ref().map(|_| oxccl_seal::fresh_nonce());
+        let nonce = match conn
+            .seal
+            .as_ref()
+            .map(|_| oxccl_seal::fresh_nonce())
+            .transpose()
+        {
+            Ok(n) => n,
+            Err(e) => {
+                let why = format!(
+                    "sealed handshake (connection {} of {}): drawing this side's nonce: {e}",
+                    hello.index, hello.count
+                );
+                conn.refused(hello.initiator, &why);
+                return refuse(&sock, Verdict::Refused, &why);
+            }
+        };
         let reply = frame::encode_reply(&Reply {
             verdict: Verdict::Accepted,
             rnr_us: conn.my_rnr_us,
@@ -974,7 +989,15 @@ impl Shared {
                     &ours,
                     &transcript(buf, &reply),
                 );
-                s.tx.seal(frame::FINISHED, &mut out);
+                if let Err(e) = s.tx.seal(frame::FINISHED, &mut out) {
+                    let why = format!(
+                        "sealed handshake (connection {} of {}): sealing the key confirmation: \
+                         {e}",
+                        hello.index, hello.count
+                    );
+                    conn.refused(hello.initiator, &why);
+                    return refuse(&sock, Verdict::Refused, &why);
+                }
                 Some(s)
             }
             _ => None,

@@ -264,7 +264,7 @@ impl Conn {
                 if tx.frames.is_empty() {
                     break;
                 }
-                self.seal_frames(i, tx);
+                self.seal_frames(i, tx)?;
                 continue;
             }
             match rustix::net::send(
@@ -296,11 +296,13 @@ impl Conn {
 
     /// Seals the queued frames of connection `i` into records, up to [`SEAL_AHEAD`] bytes:
     /// each record takes up to [`MAX_RECORD`] bytes of the frames in turn (headers and
-    /// payloads), so small frames share one and a payload is cut at record bounds.
-    fn seal_frames(&self, i: usize, tx: &mut Tx) {
+    /// payloads), so small frames share one and a payload is cut at record bounds. A record
+    /// that does not seal (its direction out of record numbers) ends the connection: the
+    /// frames are dropped and the error names the connection.
+    fn seal_frames(&self, i: usize, tx: &mut Tx) -> std::result::Result<(), String> {
         let Tx { frames, seal, .. } = tx;
         let Some(seal) = seal.as_deref_mut() else {
-            return;
+            return Ok(());
         };
         let mut ahead = 0;
         while !frames.is_empty() && ahead < SEAL_AHEAD {
@@ -347,9 +349,18 @@ impl Conn {
             }
             let n = MAX_RECORD - room;
             seal.wire.extend_from_slice(&[0u8; TAG_LEN]);
-            seal.sealer.seal_record(&mut seal.wire[at..]);
+            if let Err(e) = seal.sealer.seal_record(&mut seal.wire[at..]) {
+                let what = frames.front().map(TxFrame::describe).unwrap_or_default();
+                let records = seal.sealer.records_sealed();
+                frames.clear();
+                return Err(format!(
+                    "sealing a record for the peer failed: {e} (sealed connection {i}, {records} \
+                     records sealed; next frame: {what})"
+                ));
+            }
             ahead += n;
         }
+        Ok(())
     }
 
     /// Holds back the frames of the requests posted from now until [`Conn::uncork`], so that a

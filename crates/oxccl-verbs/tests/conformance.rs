@@ -676,6 +676,138 @@ pub fn access_errors(p: &str) {
     }
 }
 
+/// Frame sizes that walk a receiver through every way it reads a stream: large payloads (read
+/// straight into the target, the next header riding along), small frames between them (read
+/// exactly after a large one), long runs of small frames (read ahead again), sizes around the
+/// 16 KiB and 64 KiB boundaries, and empty ones.
+const MIXED: &[usize] = &[
+    (256 << 10) + 64,
+    8,
+    300 << 10,
+    20 << 10,
+    16 << 10,
+    (16 << 10) - 1,
+    1,
+    0,
+    (64 << 10) - 1,
+    (1 << 20) + 3,
+    8,
+    8,
+    8,
+    8,
+    8,
+    8,
+    8,
+    8,
+    8,
+    8,
+    256 << 10,
+    65,
+    200 << 10,
+    64 << 10,
+    (64 << 10) + 1,
+    3,
+];
+
+/// A stream of WRITEs of mixed sizes posted back to back, each to its own range of one region
+/// (8 untouched bytes between them): every byte lands where it was sent and nowhere else.
+/// Then, in the middle of a stream of large frames, a large WRITE with a wrong rkey and one
+/// that runs one byte past its region each fail with `RemoteAccessError`, and the target's
+/// memory is exactly what the WRITEs before them left.
+pub fn mixed_stream(p: &str) {
+    let mut peer = Peer::spawn(p);
+    let l = Local::new(p);
+    let gap = 8;
+    let total: usize = MIXED.iter().map(|s| s + gap).sum::<usize>() + gap;
+    let (id, rb) = peer.alloc(total, RW);
+    peer.ok(Cmd::Fill { id, byte: 0xEE });
+    let big = *MIXED.iter().max().unwrap();
+    let src =
+        l.pd.alloc_mr(big + 7 * MIXED.len(), AccessFlags::LOCAL_WRITE)
+            .unwrap();
+    let data = pattern(99, src.len());
+    src.write(0, &data).unwrap();
+    let mut expected = vec![0xEE; total];
+    let qp = l.connect(&mut peer, 0, &QpSpec::default());
+    let mut at = gap;
+    for (k, &size) in MIXED.iter().enumerate() {
+        let from = 7 * k;
+        post(
+            &qp,
+            k as u64,
+            WrOp::Write {
+                remote: rb.at(at as u64),
+            },
+            &sge(&src, from, size),
+        );
+        expected[at..at + size].copy_from_slice(&data[from..from + size]);
+        at += size + gap;
+    }
+    let mut wcs = l.wait_n(MIXED.len());
+    wcs.sort_by_key(|w| w.wr_id);
+    for (k, (wc, &size)) in wcs.iter().zip(MIXED).enumerate() {
+        expect_ok(*wc, k as u64, WcOpcode::Write);
+        assert_eq!(wc.byte_len as usize, size, "WRITE {k}");
+    }
+    assert_eq!(
+        peer.hash(id),
+        fnv(&expected),
+        "a stream of mixed WRITEs: target memory differs"
+    );
+    let after = fnv(&expected);
+
+    // Large WRITEs, then a bad one among them; each case on a fresh queue pair.
+    type Bad = (&'static str, fn(RemoteBuffer, usize) -> RemoteAddr, usize);
+    let bad: [Bad; 2] = [
+        (
+            "wrong rkey",
+            |rb, _| RemoteAddr {
+                addr: rb.addr,
+                rkey: rb.rkey ^ (1 << 33),
+            },
+            300 << 10,
+        ),
+        (
+            "one byte past the region",
+            |rb, len| rb.at(rb.len - len as u64 + 1),
+            300 << 10,
+        ),
+    ];
+    for (c, (name, target, len)) in bad.into_iter().enumerate() {
+        let qp = l.connect(&mut peer, 1 + c, &QpSpec::default());
+        // Two large WRITEs of the bytes already there (the stream's first range), a small
+        // one, another large one: the receiver reads frames exactly now.
+        let first = MIXED[0];
+        for (k, n) in [first, first, 8, first].into_iter().enumerate() {
+            post(
+                &qp,
+                k as u64,
+                WrOp::Write {
+                    remote: rb.at(gap as u64),
+                },
+                &sge(&src, 0, n),
+            );
+        }
+        post(
+            &qp,
+            9,
+            WrOp::Write {
+                remote: target(rb, len),
+            },
+            &sge(&src, 0, len),
+        );
+        let wcs = wait_n_checked(&l, &qp, 5);
+        for k in 0..4u64 {
+            let w = wcs.iter().find(|w| w.wr_id == k).unwrap();
+            assert_eq!(w.status, WcStatus::Success, "{name}: {wcs:?}");
+        }
+        let mine = wcs.iter().find(|w| w.wr_id == 9).unwrap();
+        assert_eq!(mine.status, WcStatus::RemoteAccessError, "{name}: {wcs:?}");
+        assert_eq!(qp.state(), QpState::Err, "{name}");
+        assert_eq!(peer.hash(id), after, "{name}: target memory changed");
+    }
+}
+
 /// Outstanding requests (waiting for a receive) are flushed when the queue pair fails.
 pub fn outstanding_flushed(p: &str) {
     let mut peer = Peer::spawn(p);
@@ -1192,6 +1324,10 @@ macro_rules! conformance {
             #[test]
             fn access_errors() {
                 super::access_errors($provider)
+            }
+            #[test]
+            fn mixed_stream() {
+                super::mixed_stream($provider)
             }
             #[test]
             fn outstanding_flushed() {

@@ -24,6 +24,14 @@ use crate::model::{AccessFlags, MAX_SGE, WcOpcode, WcStatus};
 const STAGE: usize = 64 << 10;
 /// A payload with at least this much left to read is read straight into its target.
 const DIRECT: usize = 16 << 10;
+/// After a frame with a payload of at least [`DIRECT`] bytes, this many following frames are
+/// read exactly: a header alone, a small payload with the next header, so that the next large
+/// payload is not read ahead into the stage (and copied from there) but straight into its
+/// target. The stream of a large transfer (256 KiB fragments, with credits between them) then
+/// costs no copy in user space and no more `recv`s than reading ahead did (two a fragment),
+/// where reading ahead copied the first 64 KiB of each fragment through the stage. A stream of
+/// small frames alone reads ahead as before (one `recv` for many frames).
+const EXACT_AFTER_BIG: u8 = 8;
 
 /// What happens once a request has been executed.
 enum After {
@@ -90,6 +98,10 @@ pub(super) struct Rx {
     stage: Vec<u8>,
     lo: usize,
     hi: usize,
+    /// The most bytes the next [`Rx::fill`] reads (then back to [`STAGE`]).
+    cap: usize,
+    /// Frames still to read exactly since the last large payload ([`EXACT_AFTER_BIG`]).
+    exact: u8,
     /// A sealed connection's receiving keys and the ciphertext read ahead.
     seal: Option<Box<RxSeal>>,
 }
@@ -266,6 +278,8 @@ impl Rx {
             stage: Vec::new(),
             lo: 0,
             hi: 0,
+            cap: STAGE,
+            exact: 0,
             seal: None,
         }
     }
@@ -407,26 +421,53 @@ impl Rx {
         n
     }
 
-    /// Reads from the socket into the stage; `Ok(n)` with whether the socket gave less than
-    /// room (nothing more to read now).
+    /// Reads from the socket into the stage, at most [`Rx::cap`] bytes (which then returns
+    /// to [`STAGE`]); `Ok(n)` with whether the socket gave less than asked (nothing more to
+    /// read now).
     fn fill(&mut self, sock: &TcpStream) -> Result<(usize, bool), rustix::io::Errno> {
+        self.ready_stage();
+        if self.lo > 0 {
+            self.stage.copy_within(self.lo..self.hi, 0);
+            (self.lo, self.hi) = (0, self.hi - self.lo);
+        }
+        let room = (STAGE - self.hi).min(std::mem::replace(&mut self.cap, STAGE).max(1));
+        let (n, _) = rustix::net::recv(
+            sock,
+            &mut self.stage[self.hi..self.hi + room],
+            rustix::net::RecvFlags::DONTWAIT,
+        )?;
+        self.hi += n;
+        Ok((n, n < room))
+    }
+
+    /// Allocates the stage on first use; rewinds it when it holds nothing unread.
+    fn ready_stage(&mut self) {
         if self.stage.is_empty() {
             self.stage = vec![0; STAGE];
         }
         if self.lo == self.hi {
             (self.lo, self.hi) = (0, 0);
-        } else if self.lo > 0 {
-            self.stage.copy_within(self.lo..self.hi, 0);
-            (self.lo, self.hi) = (0, self.hi - self.lo);
         }
-        let room = STAGE - self.hi;
-        let (n, _) = rustix::net::recv(
-            sock,
-            &mut self.stage[self.hi..],
-            rustix::net::RecvFlags::DONTWAIT,
-        )?;
-        self.hi += n;
-        Ok((n, n < room))
+    }
+
+    /// A header was read whose frame carries `payload` bytes: after a large one, the next
+    /// frames are read exactly ([`EXACT_AFTER_BIG`]).
+    fn saw_frame(&mut self, payload: usize) {
+        self.exact = if payload >= DIRECT {
+            EXACT_AFTER_BIG
+        } else {
+            self.exact.saturating_sub(1)
+        };
+    }
+
+    /// Limits the next [`Rx::fill`] to `want` bytes while frames are read exactly (else it
+    /// reads as much as the stage holds).
+    fn read_exactly(&mut self, want: usize) {
+        self.cap = if self.exact > 0 && self.seal.is_none() {
+            want
+        } else {
+            STAGE
+        };
     }
 }
 
@@ -613,6 +654,7 @@ impl Conn {
                 got += rx.take(&mut buf[got..]);
                 if got < HEADER_LEN {
                     rx.state = RxState::Header { buf, got };
+                    rx.read_exactly(HEADER_LEN - got);
                     return match Self::more(rx, sock, idle) {
                         Ok(()) => Ok(true),
                         Err(Stop::Idle) => Ok(false),
@@ -621,6 +663,7 @@ impl Conn {
                 }
                 let h = Header::decode(&buf)
                     .map_err(|e| Stop::Failed(format!("malformed frame from the peer: {e}")))?;
+                rx.saw_frame(h.payload_len());
                 if h.ack != 0 && !qp.is_failed() {
                     // An ACK riding on the peer's frame.
                     self.acked(qp, h.ack);
@@ -650,15 +693,19 @@ impl Conn {
                         };
                         return Ok(false);
                     } else if total - got >= DIRECT && rx.seal.is_none() {
-                        match read_spans(sock, &dst, got, total) {
+                        // The next frame's header rides along into the (empty) stage.
+                        rx.ready_stage();
+                        match read_spans(sock, &dst, got, total, &mut rx.stage[..HEADER_LEN]) {
                             Ok(0) => {
                                 return Err(Stop::Failed(
                                     "the peer closed the connection mid-frame".into(),
                                 ));
                             }
                             Ok(n) => {
-                                *idle = n < total - got;
-                                got += n;
+                                let rest = total - got;
+                                *idle = n < rest + HEADER_LEN;
+                                got += n.min(rest);
+                                rx.hi = n.saturating_sub(rest);
                             }
                             Err(rustix::io::Errno::AGAIN) => *idle = true,
                             Err(rustix::io::Errno::INTR) => {}
@@ -669,6 +716,8 @@ impl Conn {
                             }
                         }
                     } else {
+                        // The rest of the payload and the next header.
+                        rx.read_exactly(total - got + HEADER_LEN);
                         match Self::more(rx, sock, idle) {
                             Ok(()) | Err(Stop::Idle) => {}
                             Err(e) => return Err(e),
@@ -698,6 +747,7 @@ impl Conn {
                 let k = left.min(rx.staged());
                 rx.lo += k;
                 rx.state = RxState::Discard { left: left - k };
+                rx.cap = STAGE;
                 if left - k > 0 {
                     return match Self::more(rx, sock, idle) {
                         Ok(()) => Ok(true),
@@ -1315,16 +1365,20 @@ fn responded(ex: &mut Exec, seq: u64) {
 }
 
 /// Receives the rest of a `total`-byte payload into the spans, skipping the `got` bytes already
-/// received; never reads past the payload (the spans may have more room than it needs).
+/// received, then at most `tail.len()` bytes after the payload into `tail`; never writes past
+/// the payload into the spans (they may have more room than it needs). Returns the bytes
+/// received: those past the payload's rest are in `tail`.
 fn read_spans(
     sock: &TcpStream,
     dst: &[Span],
     got: usize,
     total: usize,
+    tail: &mut [u8],
 ) -> std::result::Result<usize, rustix::io::Errno> {
     let mut skip = got;
     let mut want = total - got;
-    let mut iov: SmallVec<[IoSliceMut<'_>; 4]> = SmallVec::with_capacity(dst.len().min(MAX_SGE));
+    let mut iov: SmallVec<[IoSliceMut<'_>; 4]> =
+        SmallVec::with_capacity(dst.len().min(MAX_SGE) + 1);
     for s in dst {
         if want == 0 {
             break;
@@ -1342,6 +1396,7 @@ fn read_spans(
         want -= k;
         skip = 0;
     }
+    iov.push(IoSliceMut::new(tail));
     rustix::net::recvmsg(
         sock,
         &mut iov,

@@ -626,11 +626,6 @@ impl Engine {
         // Mailboxes hold one message per peer and call: a call alone only.
         let mailbox = alone && self.uses_mailbox(spec.plan, esize);
         self.calls = self.calls.wrapping_add(1);
-        let reuse = if i == 0 {
-            std::mem::take(&mut self.reuse)
-        } else {
-            Reuse::default()
-        };
         // A call that injects faults counts its steps as the machine runs them.
         let prog = if mailbox && self.faults.is_none() {
             self.program(spec.plan)
@@ -641,9 +636,13 @@ impl Engine {
         // A compiled call builds its machine only if something asks what it did
         // ([`Call::sync_machine`]); the buffers wait in the engine until then.
         let m = if prog.is_some() {
-            self.reuse = reuse;
             None
         } else {
+            let reuse = if i == 0 {
+                std::mem::take(&mut self.reuse)
+            } else {
+                Reuse::default()
+            };
             Some(Machine::new(sched, queues, cfg, esize, mailbox, reuse).with_id(i as u32))
         };
         One {

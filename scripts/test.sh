@@ -33,7 +33,7 @@ fi
 echo "== cargo test --workspace ${features[*]} =="
 cargo test --workspace "${features[@]}" --no-run "$@"
 # The C API test builds liboxccl.so and `oxccl` with the test build's features, so that it
-# compiles nothing but liboxccl.so again (crates/oxccl-c/tests/c_api.rs, TEST_BUILD_FEATURES):
+# compiles nothing but liboxccl.so again (crates/oxccl-c/tests/c_api.rs, WORKSPACE_TEST_FEATURES):
 # checked here, where the features are the workspace's (extra arguments may change them).
 fresh=0
 if [ $# -eq 0 ]; then

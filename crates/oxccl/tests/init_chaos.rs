@@ -27,7 +27,7 @@ use oxccl::{Communicator, InitStage, ReduceOp};
 use oxccl_testbed::{HostSpec, Testbed};
 use serde_json::{Value, json};
 
-use common::{Rng, error_kind, report, spawn_job};
+use common::{RankOutput, Rng, error_kind, report, spawn_job};
 
 /// Ranks of every job.
 const N: usize = 3;
@@ -140,6 +140,19 @@ fn names(msg: &str, v: usize) -> bool {
     single || listed
 }
 
+/// Whether the error `msg` of survivor `r` names another survivor that itself failed with an
+/// error naming `victim`: a cascade (rank 0, which serves the store, is killed; rank 1 loses the
+/// store and exits; rank 2, connecting, then finds rank 1's memory gone), where `r` met the
+/// victim's death through that rank first.
+fn failed_of(outs: &[RankOutput], r: usize, msg: &str, victim: usize) -> bool {
+    outs.iter()
+        .filter(|q| q.rank != r && q.rank != victim && q.ok() && names(msg, q.rank))
+        .any(|q| {
+            let res = q.result();
+            res["ok"].as_bool() == Some(false) && names(res["msg"].as_str().unwrap_or(""), victim)
+        })
+}
+
 /// One trial: what went wrong (empty: it ended cleanly) and each survivor's seconds and error
 /// kind.
 fn trial(
@@ -196,9 +209,9 @@ fn trial(
         }
         let msg = res["msg"].as_str().unwrap_or("");
         match res["ok"].as_bool() {
-            Some(false) if names(msg, victim) => {}
+            Some(false) if names(msg, victim) || failed_of(&outs, r, msg, victim) => {}
             Some(false) => fails.push(format!(
-                "rank {r}'s error does not name rank {victim}: {msg}"
+                "rank {r}'s error names neither rank {victim} nor a rank that failed of it: {msg}"
             )),
             _ => fails.push(format!(
                 "rank {r}'s all-reduce succeeded with rank {victim} dead: {res}"
@@ -298,6 +311,45 @@ fn kill_a_rank_during_init_tcp_netns() {
     }
     let tb = Testbed::new(&[HostSpec::unshaped(); N]).expect("creating the test bed");
     init_chaos(name, Some(&tb));
+}
+
+#[test]
+fn a_cascade_through_a_rank_that_failed_of_the_victim_is_followed() {
+    let out = |rank: usize, msg: &str| RankOutput {
+        rank,
+        status: Some(std::process::ExitStatus::from_raw(0)),
+        stdout: String::new(),
+        stderr: String::new(),
+        results: vec![json!({ "ok": false, "msg": msg })],
+        elapsed: Duration::ZERO,
+    };
+    let outs = [
+        out(
+            1,
+            "bootstrap: the store went away; rank 0 serves it and exited or was killed",
+        ),
+        out(
+            2,
+            "rank 2: posting receives for rank 1: remote access refused",
+        ),
+    ];
+    // Rank 2 names rank 1, which failed naming the victim, rank 0.
+    assert!(failed_of(
+        &outs,
+        2,
+        outs[1].result()["msg"].as_str().unwrap(),
+        0
+    ));
+    // Not when the named rank's error does not name the victim, nor through the victim itself.
+    let other = [
+        out(1, "rank 1: something else"),
+        out(
+            2,
+            "rank 2: posting receives for rank 1: remote access refused",
+        ),
+    ];
+    assert!(!failed_of(&other, 2, "posting receives for rank 1", 0));
+    assert!(!failed_of(&outs, 1, "rank 1 and nothing else", 0));
 }
 
 #[test]

@@ -404,11 +404,11 @@ impl Sealer {
     /// [`MAX_RECORD`] (nothing is sealed, and no record number is used);
     /// [`SealError::Exhausted`] when this direction has no record number left.
     pub fn seal_record(&mut self, record: &mut [u8]) -> Result<(), SealError> {
-        let body = record.len().wrapping_sub(HEADER_LEN);
-        if record.len() < HEADER_LEN || !(TAG_LEN..=MAX_RECORD + TAG_LEN).contains(&body) {
-            return Err(SealError::RecordSize { len: record.len() });
-        }
         let len = record.len();
+        let body = len
+            .checked_sub(HEADER_LEN)
+            .filter(|b| (TAG_LEN..=MAX_RECORD + TAG_LEN).contains(b))
+            .ok_or(SealError::RecordSize { len })?;
         let seq = self.seq;
         // A number is never used twice: it is the GCM nonce.
         self.seq = seq.checked_add(1).ok_or(SealError::Exhausted)?;

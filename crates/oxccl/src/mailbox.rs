@@ -78,7 +78,12 @@ pub(crate) fn post(
     // else touches them meanwhile. `data` is local memory.
     unsafe {
         let line = outbox.base().add(at);
-        std::ptr::copy_nonoverlapping(hdr.as_ptr(), line.add(HEADER), SHORT_HEADER);
+        // The header word by word, as it was composed (a copy of it whole would read the
+        // words back wider than they were stored, stalling on their forwarding).
+        for (i, w) in hdr.chunks_exact(8).enumerate() {
+            let w = u64::from_ne_bytes(w.try_into().unwrap_or_default());
+            word(line.add(HEADER + 8 * i)).store(w, Ordering::Relaxed);
+        }
         std::ptr::copy_nonoverlapping(data.as_ptr(), line.add(DATA), total);
         word(line.add(FLAG)).store(flag, Ordering::Release);
         if has_stamp(total) {
@@ -134,9 +139,20 @@ impl<'a> Inbox<'a> {
         Header::decode_short(&self.header_bytes())
     }
 
-    /// Whether the message's header says exactly `want` (once [`Inbox::header_arrived`]).
+    /// Whether the message's header says exactly `want` (once [`Inbox::header_arrived`]):
+    /// its four words compared with the ones expected, read as words.
     pub(crate) fn header_is(&self, want: &Header) -> bool {
-        want.short_matches(&self.header_bytes())
+        if self.at + HEADER + 32 > self.mr.len() {
+            return false;
+        }
+        let base = self.mr.as_ptr();
+        let w: [u64; 4] = std::array::from_fn(|i| {
+            // SAFETY: in bounds (checked above); 8-byte aligned (the region starts on a page,
+            // `at` on a line, the header on a word). The sender stores none of these bytes
+            // again before this rank answers (see `post`), and a concurrent store is atomic.
+            unsafe { word(base.add(self.at + HEADER + 8 * i)) }.load(Ordering::Relaxed)
+        });
+        want.short_matches_words(&w)
     }
 
     fn header_bytes(&self) -> [u8; SHORT_HEADER] {

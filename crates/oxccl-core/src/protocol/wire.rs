@@ -401,19 +401,23 @@ fn header_sum(b: &[u8]) -> u32 {
     (h ^ (h >> 32)) as u32
 }
 
-/// The short header's checksum: its first 32 bytes, 8 at a time, as [`header_sum`] does; the
-/// magic number stands in for the word a mailbox does not carry, so that a line of zeros or of
-/// another layout does not pass.
-fn short_sum(b: &[u8]) -> u64 {
-    let word = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+/// The short header's checksum: its four 8-byte words ([`Header::short_words`]), mixed as
+/// [`header_sum`] mixes a header's; the magic number stands in for the word a mailbox does not
+/// carry, so that a line of zeros or of another layout does not pass. (On words, not bytes:
+/// the header is built, summed and stored in registers, never stored bytewise and read back
+/// wider, which stalls the store-to-load forwarding of every send.)
+fn short_sum(w: &[u64; 4]) -> u64 {
     let mut h = 0x9E37_79B9_7F4A_7C15u64 ^ u64::from(MAGIC);
-    for o in (0..32).step_by(8) {
-        h = (h ^ word(o))
-            .wrapping_mul(0xBF58_476D_1CE4_E5B9)
-            .rotate_left(29);
+    for &x in w {
+        h = (h ^ x).wrapping_mul(0xBF58_476D_1CE4_E5B9).rotate_left(29);
     }
     h = (h ^ (h >> 31)).wrapping_mul(0x94D0_49BB_1331_11EB);
     h ^ (h >> 32)
+}
+
+/// The four little-endian words of `b[..32]` (a short header's fields).
+fn words_of(b: &[u8]) -> [u64; 4] {
+    std::array::from_fn(|i| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().unwrap()))
 }
 
 /// Why a fragment's header does not fit the call that receives it.
@@ -523,32 +527,50 @@ impl Header {
     /// message's length (a message is one fragment: its offset is 0 and its fragment length
     /// the whole), with a checksum, into `out[..SHORT_HEADER]`. The magic number is not
     /// carried: a mailbox holds nothing else.
+    #[inline]
     pub fn encode_short(&self, out: &mut [u8]) {
-        out[..32].copy_from_slice(&self.short_fields());
-        let sum = short_sum(out);
-        out[32..40].copy_from_slice(&sum.to_le_bytes());
+        let w = self.short_words();
+        let sum = short_sum(&w);
+        for (o, x) in out[..mailbox::SHORT_HEADER]
+            .chunks_exact_mut(8)
+            .zip(w.into_iter().chain([sum]))
+        {
+            o.copy_from_slice(&x.to_le_bytes());
+        }
     }
 
-    /// The fields of the short header, without its checksum.
-    fn short_fields(&self) -> [u8; 32] {
-        let mut out = [0u8; 32];
-        out[0] = self.coll;
-        out[1] = self.dtype;
-        out[2] = self.op;
-        out[3] = self.has_root;
-        out[4..8].copy_from_slice(&self.root.to_le_bytes());
-        out[8..12].copy_from_slice(&self.sender.to_le_bytes());
-        out[12..16].copy_from_slice(&(self.xfer_len as u32).to_le_bytes());
-        out[16..24].copy_from_slice(&self.seq.to_le_bytes());
-        out[24..32].copy_from_slice(&self.count.to_le_bytes());
-        out
+    /// The short header's fields, without its checksum, as the four little-endian words it
+    /// is stored as: coll, dtype, op, has_root and root (bytes 0-7); sender and length
+    /// (8-15); the sequence number (16-23); the count (24-31).
+    #[inline]
+    pub fn short_words(&self) -> [u64; 4] {
+        [
+            u64::from(self.coll)
+                | u64::from(self.dtype) << 8
+                | u64::from(self.op) << 16
+                | u64::from(self.has_root) << 24
+                | u64::from(self.root) << 32,
+            u64::from(self.sender) | u64::from(self.xfer_len as u32) << 32,
+            self.seq,
+            self.count,
+        ]
     }
 
     /// Whether the short header in `b` says exactly what this one does: a receiver's fast
     /// check (no checksum needed when every field is the one expected; a header that
     /// differs is decoded and checked whole, to say how it differs).
     pub fn short_matches(&self, b: &[u8]) -> bool {
-        b.len() >= 32 && b[..32] == self.short_fields()
+        b.len() >= 32 && self.short_matches_words(&words_of(b))
+    }
+
+    /// [`Header::short_matches`] on the header's first four words, as read from the mailbox
+    /// ([`Header::short_words`]).
+    #[inline]
+    pub fn short_matches_words(&self, w: &[u64; 4]) -> bool {
+        // (Word by word in registers: a comparison of the arrays as memory would store the
+        // expected words and read them back wider, which stalls.)
+        let x = self.short_words();
+        (0..4).fold(0, |d, i| d | (w[i] ^ x[i])) == 0
     }
 
     /// Reads a short header ([`Header::encode_short`]) from `b[..SHORT_HEADER]`, as a full
@@ -572,7 +594,7 @@ impl Header {
             frag_off: 0,
             frag_len: len,
             placed: 0,
-            damaged: u64_at(32) != short_sum(b),
+            damaged: u64_at(32) != short_sum(&words_of(b)),
         }
     }
 
@@ -772,6 +794,40 @@ mod tests {
             Header::decode_short(&b).check(&h, 4000, 0, 4000),
             Err(Violation::Position)
         );
+    }
+
+    /// The short header's bytes are where its documentation puts them (written field by field
+    /// here, independently of the word packing), and the words a receiver reads compare as the
+    /// bytes do.
+    #[test]
+    fn a_short_header_keeps_its_byte_layout() {
+        let mut d = desc(CollectiveKind::Reduce);
+        d.root = Some(0x0102_0304);
+        d.seq = 0x1122_3344_5566_7788;
+        d.count = 0x99AA_BBCC_DDEE_FF00;
+        let h = Header::expected(&d, 0x0A0B_0C0D).at(0x4142_4344, 0, 0x4142_4344);
+        let mut b = [0u8; mailbox::SHORT_HEADER];
+        h.encode_short(&mut b);
+        let mut want = [0u8; 32];
+        want[0] = CollectiveKind::Reduce.code();
+        want[1] = d.dtype.index();
+        want[2] = d.op.index();
+        want[3] = 1;
+        want[4..8].copy_from_slice(&0x0102_0304u32.to_le_bytes());
+        want[8..12].copy_from_slice(&0x0A0B_0C0Du32.to_le_bytes());
+        want[12..16].copy_from_slice(&0x4142_4344u32.to_le_bytes());
+        want[16..24].copy_from_slice(&d.seq.to_le_bytes());
+        want[24..32].copy_from_slice(&d.count.to_le_bytes());
+        assert_eq!(b[..32], want);
+        let words: [u64; 4] =
+            std::array::from_fn(|i| u64::from_le_bytes(want[8 * i..8 * i + 8].try_into().unwrap()));
+        assert_eq!(h.short_words(), words);
+        assert!(h.short_matches_words(&words));
+        for i in 0..4 {
+            let mut w = words;
+            w[i] ^= 1 << 40;
+            assert!(!h.short_matches_words(&w), "word {i} changed unseen");
+        }
     }
 
     /// The parts of a message do not overlap the header or the flags, and the largest one fits.

@@ -411,16 +411,12 @@ impl Communicator {
         let st = &mut *guard;
         let metered = st.learner.is_some()
             && crate::learn::eligible(coll, &st.tuning, es, in_len.max(out_len));
-        let r = self.run_locked(st, coll, dtype, op, &raw, in_place, timeout, metered);
-        let r = r.and_then(|()| {
-            if metered {
-                self.learn_after_call(st, timeout)
-            } else {
-                Ok(())
-            }
-        });
+        // (Errors return as they come; success is not passed on: a result is 96 bytes.)
+        self.run_locked(st, coll, dtype, op, &raw, in_place, timeout, metered)?;
+        if metered {
+            self.learn_after_call(st, timeout)?;
+        }
         drop(guard);
-        r?;
         self.finish_avg(coll, dtype, op, &raw, in_place, out_len);
         Ok(())
     }
@@ -604,7 +600,10 @@ impl Communicator {
         engine.metering = metered;
         let r = engine.execute(&spec, &planned.info(&desc), timeout);
         engine.metering = false;
-        r.map_err(|e| self.failed(st, e))
+        match r {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.failed(st, e)),
+        }
     }
 
     /// Fails at once if the communicator can no longer run calls (an earlier call failed, or

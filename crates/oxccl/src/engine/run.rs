@@ -33,6 +33,29 @@ impl Call<'_, '_> {
         })
     }
 
+    /// Runs the calls to the end (or the first error): compiled, in mailboxes, or with slots.
+    /// Before it returns success, it makes sure no peer sent this call (or an earlier one)
+    /// what it did not take: a disagreement that happened to complete must still be reported.
+    pub(super) fn run_to_end(&mut self, timeout: Duration, rec: &mut Record<'_>) -> Result<()> {
+        self.check_members()?;
+        let mailbox = self.calls[0].mailbox;
+        if let Some(prog) = self.calls[0].prog.filter(|_| mailbox) {
+            self.run_program(prog, timeout, rec)?;
+        } else {
+            rec.start(&self.eng.probe);
+            if mailbox {
+                self.run_mailbox(timeout)?;
+            } else {
+                self.run(timeout)?;
+            }
+        }
+        // (Polling only if a completion arrived since the last poll: one load each.)
+        if self.eng.progress.rang() {
+            self.poll_cqs()?;
+        }
+        self.check_strays(false)
+    }
+
     /// Whether every call is done.
     pub(super) fn all_done(&self) -> bool {
         self.calls.iter().all(One::is_done)

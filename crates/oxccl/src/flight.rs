@@ -39,7 +39,7 @@
 //! are per peer and direction); the initial barrier inside `Communicator::init` is #0.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The dump format, shared with `oxccl doctor` (from `oxccl_core::dump`).
@@ -273,6 +273,9 @@ struct Ring {
     slots: Box<[Slot]>,
     /// Ids given so far (a call's id is its number, from 1).
     ids: AtomicU64,
+    /// The slot of the newest id, `(ids - 1) % slots.len()`, kept as ids are given: the
+    /// records of a running call find it without a division (a few ns of every call).
+    newest: AtomicUsize,
     /// Failed calls' texts, by id (the last [`FAILURES`]).
     failures: Mutex<VecDeque<(u64, Failure)>>,
 }
@@ -293,13 +296,27 @@ impl Ring {
         Ring {
             slots: (0..cap).map(|_| Slot::default()).collect(),
             ids: AtomicU64::new(0),
+            newest: AtomicUsize::new(cap.saturating_sub(1)),
             failures: Mutex::new(VecDeque::new()),
         }
     }
 
     fn slot(&self, id: u64) -> Option<&Slot> {
         let n = self.slots.len() as u64;
+        if id == self.ids.load(Ordering::Relaxed) {
+            return self.slots.get(self.newest.load(Ordering::Relaxed));
+        }
         (n > 0).then(|| &self.slots[((id - 1) % n) as usize])
+    }
+
+    /// The next call's id (by the single writer), its slot kept as the newest.
+    fn next_id(&self) -> u64 {
+        let id = self.ids.load(Ordering::Relaxed) + 1;
+        let at = self.newest.load(Ordering::Relaxed) + 1;
+        let at = if at >= self.slots.len() { 0 } else { at };
+        self.newest.store(at, Ordering::Relaxed);
+        self.ids.store(id, Ordering::Relaxed);
+        id
     }
 
     /// Writes words of slot `id` with `f` (the single writer: the communicator's caller).
@@ -451,8 +468,7 @@ pub(crate) fn start(probe: &Probe, call: &CallInfo<'_>) -> u64 {
         probe.running.store(u64::MAX, Ordering::Relaxed);
         return 0;
     }
-    let id = probe.ring.ids.load(Ordering::Relaxed) + 1;
-    probe.ring.ids.store(id, Ordering::Relaxed);
+    let id = probe.ring.next_id();
     let kind = u64::from(d.coll.code())
         | u64::from(d.dtype.index()) << 8
         | u64::from(d.op.index()) << 16
@@ -813,6 +829,28 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
         assert_eq!(left, ["rank0.json"], "temporary files left behind");
         assert!(reads > 0);
+    }
+
+    /// The newest id's slot, kept as ids are given, is the one its number says: slots are
+    /// used in turn, from the first, wrapping around.
+    #[test]
+    fn ids_take_the_slots_in_turn() {
+        for cap in [1, 2, 3, 5] {
+            let ring = Ring::new(cap);
+            for _ in 0..3 * cap + 1 {
+                let id = ring.next_id();
+                let want = &ring.slots[((id - 1) % cap as u64) as usize];
+                assert!(
+                    std::ptr::eq(ring.slot(id).unwrap(), want),
+                    "id {id} of {cap}"
+                );
+                if id > 1 {
+                    let prev = &ring.slots[((id - 2) % cap as u64) as usize];
+                    assert!(std::ptr::eq(ring.slot(id - 1).unwrap(), prev));
+                }
+            }
+        }
+        assert!(Ring::new(0).slot(Ring::new(0).next_id()).is_none());
     }
 
     /// A dump read while calls are being recorded sees each record whole: the seqlock never

@@ -84,6 +84,25 @@ use crate::{Fabric, Link, Node, NodeKind};
 /// One-way latency of a long-haul link per kilometre (5 ms per 1,000 km).
 pub const WAN_S_PER_KM: f64 = 5e-6;
 
+/// The most ranks a topology file may describe (64 times the largest example's 16,384): a
+/// larger job is refused with an error, not attempted until memory runs out.
+pub const MAX_RANKS: usize = 1 << 20;
+/// The most links a topology file's fabric may have (each a few dozen bytes).
+pub const MAX_LINKS: usize = 1 << 23;
+
+/// Refuses a fabric of more than [`MAX_LINKS`] links (`None`: more than `usize` counts).
+fn check_links(what: &str, links: Option<usize>) -> Result<(), String> {
+    match links {
+        Some(l) if l <= MAX_LINKS => Ok(()),
+        Some(l) => Err(format!(
+            "{what} would have {l} links, more than the simulator's limit of {MAX_LINKS}"
+        )),
+        None => Err(format!(
+            "{what} would have more links than can be counted (the limit is {MAX_LINKS})"
+        )),
+    }
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct File {
@@ -262,6 +281,10 @@ impl Builder {
 impl Fabric {
     /// Parses a topology file (JSON or TOML; the format is in [`crate::topo_file`]) and builds
     /// its fabric.
+    ///
+    /// # Errors
+    /// Text that is not the format, and every bad value: each error names the field (the
+    /// host, the rank, the link) and the value.
     pub fn parse(text: &str) -> Result<Fabric, String> {
         let file: File = if text.trim_start().starts_with('{') {
             serde_json::from_str(text).map_err(|e| format!("invalid topology JSON: {e}"))?
@@ -269,7 +292,11 @@ impl Fabric {
             toml::from_str(text)
                 .map_err(|e| format!("invalid topology TOML: {}", e.to_string().trim_end()))?
         };
-        build(file)
+        let fabric = build(file)?;
+        // What the builders can't see field by field: a rate that overflows once converted
+        // to bytes per second (`link_gbps = 1e300`), and so on.
+        fabric.validate()?;
+        Ok(fabric)
     }
 
     /// Reads a topology file and builds its fabric ([`Fabric::parse`]); errors name the file.
@@ -346,24 +373,32 @@ fn build(f: File) -> Result<Fabric, String> {
             Err("give either hosts (a list) or cluster (a generator), not both".into())
         }
         (None, None) => Err("the file has neither hosts nor cluster".into()),
-        (Some(_), None) => build_star(f),
-        (None, Some(_)) => {
+        (Some(specs), None) => build_star(&f, specs),
+        (None, Some(cs)) => {
             if f.link_gbps.is_some() || f.core_reduce_gbytes_per_s.is_some() {
                 return Err("link_gbps and core_reduce_gbytes_per_s describe a star of hosts; a cluster has nic_gbps and spine_reduce_gbytes_per_s".into());
             }
-            build_cluster(f)
+            build_cluster(&f, cs)
         }
     }
 }
 
-fn build_star(f: File) -> Result<Fabric, String> {
-    let c = common(&f, false)?;
-    let wan = wan(&f)?;
-    let specs = f.hosts.as_ref().expect("hosts");
-    let (topo, world) = star_topology(&f, specs)?;
+fn build_star(f: &File, specs: &[HostSpec]) -> Result<Fabric, String> {
+    let c = common(f, false)?;
+    let wan = wan(f)?;
+    let (topo, world) = star_topology(f, specs)?;
     let (dcs, host_dc) = star_datacenters(wan, specs)?;
     let hosts_n = specs.len();
     let core = hosts_n > 1 || dcs > 1;
+    // Ranks up and down, host switches up and down, the long-haul mesh.
+    let links = (world + hosts_n)
+        .checked_mul(2)
+        .zip(dcs.checked_mul(dcs - 1))
+        .and_then(|(a, b)| a.checked_add(b));
+    check_links(
+        &format!("a star of {hosts_n} hosts, {world} ranks and {dcs} datacenters"),
+        links,
+    )?;
     let mut b = Builder {
         nodes: Vec::new(),
         links: Vec::new(),
@@ -425,6 +460,7 @@ fn build_star(f: File) -> Result<Fabric, String> {
         Some(w) => b.wan_mesh(&cores[..dcs], w, c.link_lat),
         None => vec![u32::MAX; dcs * dcs],
     };
+    let (n_nodes, n_links) = (b.nodes.len(), b.links.len());
     let mut fabric = Fabric {
         nodes: b.nodes,
         links: b.links,
@@ -453,6 +489,7 @@ fn build_star(f: File) -> Result<Fabric, String> {
             tuner_dcs: c.tuner_dcs,
             wan_gbps: wan.map(|w| w.link_gbps),
             dc_names: (0..dcs).map(|d| format!("dc{d}")).collect(),
+            built_for: [world, n_nodes, n_links, hosts_n],
             ..Layout::default()
         },
     };
@@ -465,18 +502,35 @@ fn build_star(f: File) -> Result<Fabric, String> {
 /// unique, rates valid), and the job's world: its ranks are 0..=the highest listed (a gap is
 /// a rank on no host).
 fn star_topology(f: &File, specs: &[HostSpec]) -> Result<(oxccl_core::Topology, usize), String> {
-    let mut next = 0;
+    let mut next: usize = 0;
     let mut topo = oxccl_core::Topology {
         hosts: Vec::new(),
         aggregator: None,
     };
     for (h, s) in specs.iter().enumerate() {
+        let name = format!("hosts[{h}] ({:?})", s.name);
         let ranks = match &s.ranks {
-            Ranks::List(r) => r.clone(),
-            Ranks::Count(k) => (next..next + k).collect(),
+            Ranks::List(r) => {
+                if let Some(&big) = r.iter().find(|&&x| x >= MAX_RANKS) {
+                    return Err(format!(
+                        "{name}.ranks lists rank {big}; the simulator's limit is {MAX_RANKS} \
+                         ranks (0-{})",
+                        MAX_RANKS - 1
+                    ));
+                }
+                r.clone()
+            }
+            Ranks::Count(k) => match next.checked_add(*k) {
+                Some(end) if end <= MAX_RANKS => (next..end).collect(),
+                _ => {
+                    return Err(format!(
+                        "{name}.ranks = {k} after {next} ranks: more than the simulator's \
+                         limit of {MAX_RANKS} ranks"
+                    ));
+                }
+            },
         };
         next = next.max(ranks.iter().map(|r| r + 1).max().unwrap_or(0));
-        let name = format!("hosts[{h}] ({:?})", s.name);
         check(&format!("{name}.link_gbps"), s.link_gbps, false)?;
         check(
             &format!("{name}.scaleup_gbytes_per_s"),
@@ -507,7 +561,12 @@ fn star_datacenters(
 ) -> Result<(usize, Vec<usize>), String> {
     let dcs = match wan.and_then(|w| w.datacenters) {
         Some(d) => d,
-        None => specs.iter().filter_map(|s| s.dc).max().map_or(1, |d| d + 1),
+        // (A `dc` of `usize::MAX` stays there, and fails the check below.)
+        None => specs
+            .iter()
+            .filter_map(|s| s.dc)
+            .max()
+            .map_or(1, |d| d.saturating_add(1)),
     };
     if dcs > 1 && wan.is_none() {
         return Err(format!(
@@ -681,10 +740,9 @@ fn cluster_symmetry(
     map
 }
 
-fn build_cluster(f: File) -> Result<Fabric, String> {
-    let c = common(&f, true)?;
-    let wan = wan(&f)?;
-    let cs = f.cluster.as_ref().expect("cluster");
+fn build_cluster(f: &File, cs: &ClusterSpec) -> Result<Fabric, String> {
+    let c = common(f, true)?;
+    let wan = wan(f)?;
     let (cl, nic, over) = cluster_shape(cs, wan)?;
     let (hn, hpd, dcs) = (cs.hosts, cl.hosts_per_dc, cl.dcs);
     let world = hn * cl.g;
@@ -708,6 +766,7 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
     // (One leaf group of several hosts: moving hosts would change their places in it, which
     // spread the routes over the spines. No symmetry: at most hosts_per_leaf hosts.)
     let g = cl.g;
+    let (n_nodes, n_links) = (b.nodes.len(), b.links.len());
     let mut fabric = Fabric {
         nodes: b.nodes,
         links: b.links,
@@ -726,6 +785,7 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
             tuner_dcs: c.tuner_dcs,
             wan_gbps: wan.map(|w| w.link_gbps),
             dc_names: (0..dcs).map(|d| format!("dc{d}")).collect(),
+            built_for: [world, n_nodes, n_links, hn],
             ..Layout::default()
         },
     };
@@ -742,6 +802,15 @@ fn cluster_shape(cs: &ClusterSpec, wan: Option<&WanSpec>) -> Result<(Cluster, f6
     }
     if g == 0 {
         return Err("cluster.gpus_per_host must be at least 1, not 0".into());
+    }
+    match hn.checked_mul(g) {
+        Some(world) if world <= MAX_RANKS => {}
+        _ => {
+            return Err(format!(
+                "cluster.hosts ({hn}) times cluster.gpus_per_host ({g}) is more than the \
+                 simulator's limit of {MAX_RANKS} ranks"
+            ));
+        }
     }
     let nic = check("cluster.nic_gbps", cs.nic_gbps, false)?.unwrap_or(400.0);
     let over = check("cluster.oversubscription", cs.oversubscription, false)?.unwrap_or(1.0);
@@ -780,6 +849,23 @@ fn cluster_shape(cs: &ClusterSpec, wan: Option<&WanSpec>) -> Result<(Cluster, f6
         None if need_spines => ((hpl as f64 / over).ceil() as usize).max(1),
         None => 0,
     };
+    // Ranks up and down to their scale-up switch and their leaf, leaves to spines, spines to
+    // routers, the long-haul mesh.
+    let leaves = dcs.checked_mul(gpd).and_then(|x| x.checked_mul(g));
+    let links = leaves
+        .and_then(|l| l.checked_mul(spines))
+        .zip(dcs.checked_mul(spines))
+        .and_then(|(a, b)| a.checked_add(b))
+        .and_then(|x| x.checked_add(hn * g * 2))
+        .and_then(|x| x.checked_mul(2))
+        .zip(dcs.checked_mul(dcs - 1))
+        .and_then(|(a, b)| a.checked_add(b));
+    check_links(
+        &format!(
+            "a cluster of {hn} hosts of {g} ranks, {dcs} datacenters and {spines} spines each"
+        ),
+        links,
+    )?;
     let cl = Cluster {
         g,
         hosts_per_dc: hpd,

@@ -767,3 +767,193 @@ impl Fabric {
         Some(Symmetry { node_map, link_map })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Spec, simulate};
+    use oxccl_core::schedule::Collective;
+
+    /// Two ranks on hosts of their own, joined through one switch (links `0->2`, `2->0`,
+    /// `1->2`, `2->1`).
+    fn pair() -> Fabric {
+        let mut nodes: Vec<Node> = (0..2)
+            .map(|r| Node {
+                name: format!("r{r}"),
+                kind: NodeKind::Rank { host: r },
+            })
+            .collect();
+        nodes.push(Node {
+            name: "sw".into(),
+            kind: NodeKind::Switch {
+                reduce_bytes_per_s: None,
+            },
+        });
+        let mut links = Vec::new();
+        for r in 0..2 {
+            for (from, to) in [(r, 2), (2, r)] {
+                links.push(Link {
+                    name: format!("{from}->{to}"),
+                    from,
+                    to,
+                    bytes_per_s: 1e9,
+                    latency_s: 1e-6,
+                });
+            }
+        }
+        Fabric {
+            nodes,
+            links,
+            world: 2,
+            hosts: vec![("h0".into(), vec![0]), ("h1".into(), vec![1])],
+            reduce_bytes_per_s: 1e10,
+            per_message_s: 1e-6,
+            scaleup_per_message_s: 1e-6,
+            symmetry: None,
+            layout: Layout::default(),
+        }
+    }
+
+    /// The error of simulating an all-reduce of 1 Ki f32 on `f` (which must fail).
+    fn sim_err(f: &Fabric) -> String {
+        let spec = Spec::new(Collective::AllReduce { count: 1024 }, 4);
+        match simulate(f, &spec) {
+            Ok(r) => panic!("simulated in {} s", r.time_s),
+            Err(e) => e,
+        }
+    }
+
+    fn has(e: &str, parts: &[&str]) {
+        for p in parts {
+            assert!(e.contains(p), "{e:?} does not name {p:?}");
+        }
+    }
+
+    #[test]
+    fn the_pair_is_valid_and_simulates() {
+        let f = pair();
+        f.validate().unwrap();
+        let spec = Spec::new(Collective::AllReduce { count: 1024 }, 4);
+        assert!(simulate(&f, &spec).unwrap().time_s > 0.0);
+    }
+
+    #[test]
+    fn a_link_to_a_missing_node_is_an_error() {
+        let mut f = pair();
+        f.links[3].to = 9;
+        has(&sim_err(&f), &["link 3 (2->1)", "nodes 2 and 9", "3 nodes"]);
+        // The routes' own search skips it rather than index past the nodes.
+        let mut out = Vec::new();
+        assert!(f.route(0, 1, 0, &mut out).is_err());
+        assert!(f.check_symmetry(vec![1, 0, 2]).is_none());
+    }
+
+    #[test]
+    fn a_rank_on_a_missing_host_is_an_error() {
+        let mut f = pair();
+        f.nodes[1].kind = NodeKind::Rank { host: 5 };
+        has(&sim_err(&f), &["rank 1 (r1)", "host 5", "2 hosts"]);
+        assert!(f.check_symmetry(vec![1, 0, 2]).is_none());
+    }
+
+    #[test]
+    fn bad_rates_and_latencies_are_errors() {
+        let mut f = pair();
+        f.links[1].bytes_per_s = 0.0;
+        has(&sim_err(&f), &["link 1 (2->0)", "rate of 0 bytes/s"]);
+        let mut f = pair();
+        f.links[2].latency_s = f64::NAN;
+        has(&sim_err(&f), &["link 2 (1->2)", "latency of NaN"]);
+        let mut f = pair();
+        f.reduce_bytes_per_s = -1.0;
+        has(&sim_err(&f), &["reduce_bytes_per_s is -1"]);
+        let mut f = pair();
+        f.per_message_s = f64::INFINITY;
+        has(&sim_err(&f), &["per_message_s is inf"]);
+    }
+
+    #[test]
+    fn a_world_larger_than_the_nodes_is_an_error() {
+        let mut f = pair();
+        f.world = 7;
+        has(&sim_err(&f), &["world is 7 ranks", "3 nodes"]);
+        let mut f = pair();
+        f.hosts[1].1.push(2);
+        has(
+            &sim_err(&f),
+            &["host 1 (\"h1\") lists rank 2", "world of 2"],
+        );
+    }
+
+    #[test]
+    fn ranks_that_cannot_reach_each_other_are_an_error() {
+        let mut f = pair();
+        f.links.truncate(3); // no way back down to rank 1
+        let e = sim_err(&f);
+        has(&e, &["no route", "node 0 (r0)", "node 1 (r1)"]);
+        let mut out = vec![7];
+        let e = f.route(0, 1, 0, &mut out).unwrap_err();
+        has(&e, &["node 0 (r0) to node 1 (r1)"]);
+        assert_eq!(out, [7], "a failed route leaves `out` as it was");
+        let e = f.route(0, 3, 0, &mut out).unwrap_err();
+        has(&e, &["node 3", "3 nodes"]);
+        assert!(!f.reaches(0, 3));
+        assert!(!f.reaches(0, 1));
+    }
+
+    #[test]
+    fn a_symmetry_that_is_not_one_is_an_error() {
+        let mut f = pair();
+        let g = f.check_symmetry(vec![1, 0, 2]).expect("swapping the ranks");
+        f.symmetry = Some(Symmetry {
+            node_map: g.node_map.clone(),
+            link_map: g.link_map[..2].to_vec(),
+        });
+        has(&sim_err(&f), &["symmetry", "2 links", "4 links"]);
+        f.symmetry = Some(Symmetry {
+            node_map: vec![1, 0, 2],
+            link_map: vec![0, 1, 2, 3],
+        });
+        has(&sim_err(&f), &["not an automorphism"]);
+        f.symmetry = Some(g);
+        f.validate().unwrap();
+    }
+
+    #[test]
+    fn a_parsed_fabric_changed_afterwards_routes_without_its_tables() {
+        let text = "link_gbps = 1\n[[hosts]]\nname = \"a\"\nranks = 2\n\
+                    [[hosts]]\nname = \"b\"\nranks = 2\n";
+        let mut f = Fabric::parse(text).unwrap();
+        let before = f.nodes.len();
+        // A fifth rank (node 4 was a's switch: the switches move up by one).
+        f.nodes.insert(
+            4,
+            Node {
+                name: "r4".into(),
+                kind: NodeKind::Rank { host: 1 },
+            },
+        );
+        for l in &mut f.links {
+            l.from += usize::from(l.from >= 4);
+            l.to += usize::from(l.to >= 4);
+        }
+        f.links.push(Link {
+            name: "r4->b.sw".into(),
+            from: 4,
+            to: before,
+            bytes_per_s: 1e9,
+            latency_s: 0.0,
+        });
+        f.world = 5;
+        f.hosts[1].1.push(4);
+        f.symmetry = None;
+        // The star's tables know four ranks; rank 4 is routed by the general search, and
+        // has no way in: an error, not an index past the tables.
+        let mut out = Vec::new();
+        f.route(4, 0, 0, &mut out)
+            .expect("r4 -> b.sw -> core -> a.sw -> r0");
+        has(&f.route(0, 4, 0, &mut out).unwrap_err(), &["node 4 (r4)"]);
+        has(&sim_err(&f), &["no route", "(r4)"]);
+        let _ = f.topology();
+    }
+}

@@ -1020,3 +1020,183 @@ fn cluster_links(
     };
     (cl, host_gbps)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The error of `text`, which must not parse.
+    fn err(text: &str) -> String {
+        match Fabric::parse(text) {
+            Ok(f) => panic!("parsed into {} nodes: {text}", f.nodes.len()),
+            Err(e) => e,
+        }
+    }
+
+    fn has(e: &str, parts: &[&str]) {
+        for p in parts {
+            assert!(e.contains(p), "{e:?} does not name {p:?}");
+        }
+    }
+
+    #[test]
+    fn a_rank_count_past_the_limit_is_an_error() {
+        let e = err("[[hosts]]\nname = \"a\"\nranks = 2\n\
+                     [[hosts]]\nname = \"b\"\nranks = 18446744073709551615\n");
+        has(
+            &e,
+            &[
+                "hosts[1] (\"b\").ranks",
+                "18446744073709551615",
+                "after 2 ranks",
+            ],
+        );
+        let e = err("[[hosts]]\nname = \"a\"\nranks = 1048577\n");
+        has(&e, &["hosts[0] (\"a\").ranks = 1048577", "1048576"]);
+    }
+
+    #[test]
+    fn a_rank_past_the_limit_is_an_error() {
+        let e = err("[[hosts]]\nname = \"a\"\nranks = [0, 5000000000]\n");
+        has(&e, &["hosts[0] (\"a\").ranks", "rank 5000000000"]);
+        let e = err("[[hosts]]\nname = \"a\"\nranks = [18446744073709551615]\n");
+        has(&e, &["hosts[0] (\"a\")", "rank 18446744073709551615"]);
+    }
+
+    #[test]
+    fn a_cluster_past_the_limits_is_an_error() {
+        let e = err("[cluster]\nhosts = 4294967296\ngpus_per_host = 4294967296\n");
+        has(
+            &e,
+            &["cluster.hosts (4294967296)", "gpus_per_host (4294967296)"],
+        );
+        // A tiny oversubscription asks for more spines than usize holds.
+        let e = err("[cluster]\nhosts = 64\ngpus_per_host = 8\noversubscription = 1e-300\n");
+        has(&e, &["64 hosts of 8 ranks", "links"]);
+        let e = err("[cluster]\nhosts = 64\ngpus_per_host = 8\nspines = 1000000\n");
+        has(&e, &["1000000 spines", "links", "8388608"]);
+    }
+
+    #[test]
+    fn too_many_datacenters_is_an_error() {
+        let hosts = "[[hosts]]\nname = \"a\"\nranks = 1\nlink_gbps = 1\n\
+                     [[hosts]]\nname = \"b\"\nranks = 1\nlink_gbps = 1\n";
+        let e = err(&format!(
+            "{hosts}[wan]\ndatacenters = 1099511627776\ndistance_km = 1\nlink_gbps = 1\n"
+        ));
+        has(&e, &["1099511627776 datacenters", "links"]);
+        let e = err(&format!(
+            "{hosts}dc = 18446744073709551615\n[wan]\ndistance_km = 1\nlink_gbps = 1\n"
+        ));
+        has(&e, &["hosts[1] (\"b\").dc", "18446744073709551615"]);
+    }
+
+    #[test]
+    fn a_rate_that_overflows_once_converted_names_the_link() {
+        let e = err("[[hosts]]\nname = \"a\"\nranks = 1\nlink_gbps = 1\n\
+                     [[hosts]]\nname = \"b\"\nranks = 1\nlink_gbps = inf\n");
+        has(&e, &["hosts[1] (\"b\").link_gbps", "inf"]);
+        let e = err("link_gbps = 1e300\n[[hosts]]\nname = \"a\"\nranks = 1\n\
+                     [[hosts]]\nname = \"b\"\nranks = 1\n");
+        has(&e, &["a.sw->core", "inf bytes/s"]);
+    }
+
+    /// Files to mutate: a star, a cluster, several datacenters.
+    const SEEDS: [&str; 4] = [
+        "link_gbps = 1\nper_message_us = 2\n[[hosts]]\nname = \"a\"\nranks = [0, 1]\n\
+         scaleup_gbytes_per_s = 11\n[[hosts]]\nname = \"b\"\nranks = 2\nlink_gbps = 0.25\n",
+        "[cluster]\nhosts = 4\ngpus_per_host = 2\nhosts_per_leaf = 2\noversubscription = 2\n\
+         rail_nic_gbps = [400, 200]\nnic_overrides = [{hosts = \"0-1\", rails = [1], gbps = 100}]\n",
+        "tuner_hosts = \"datacenters\"\n[cluster]\nhosts = 4\ngpus_per_host = 2\nspines = 3\n\
+         [wan]\ndatacenters = 2\ndistance_km = 100\nlink_gbps = 800\n",
+        "{\"hosts\": [{\"name\": \"a\", \"ranks\": 2, \"link_gbps\": 1, \"dc\": 1}, \
+         {\"name\": \"b\", \"ranks\": [2, 3], \"link_gbps\": 2, \"dc\": 0}], \
+         \"wan\": {\"distance_km\": 10, \"link_gbps\": 1}}",
+    ];
+
+    /// Values put in place of a number of a seed (none makes a fabric so large that a
+    /// case takes long: those are refused by the limits).
+    const VALUES: [&str; 16] = [
+        "0",
+        "1",
+        "2",
+        "3",
+        "7",
+        "-1",
+        "0.5",
+        "1e300",
+        "1e-320",
+        "nan",
+        "inf",
+        "-inf",
+        "4294967296",
+        "18446744073709551615",
+        "99999999999999999999999",
+        "\"x\"",
+    ];
+
+    /// The byte ranges of the numbers in `text`.
+    fn numbers(text: &str) -> Vec<(usize, usize)> {
+        let b = text.as_bytes();
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < b.len() {
+            if b[i].is_ascii_digit() {
+                let s = i;
+                while i < b.len() && (b[i].is_ascii_digit() || b[i] == b'.') {
+                    i += 1;
+                }
+                out.push((s, i));
+            } else {
+                i += 1;
+            }
+        }
+        out
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(4096))]
+        /// Any seed with some of its numbers replaced by odd values, a line dropped, or
+        /// cut short parses or fails with an error: it never panics.
+        #[test]
+        fn mutated_files_parse_or_fail_without_panicking(
+            seed in 0..SEEDS.len(),
+            subs in proptest::collection::vec((0..64usize, 0..VALUES.len()), 0..6),
+            drop_line in proptest::option::of(0..16usize),
+            cut in proptest::option::of(0..400usize),
+        ) {
+            let mut text = SEEDS[seed].to_string();
+            for (k, v) in subs {
+                let nums = numbers(&text);
+                if nums.is_empty() {
+                    break;
+                }
+                let (s, e) = nums[k % nums.len()];
+                text.replace_range(s..e, VALUES[v]);
+            }
+            if let Some(l) = drop_line {
+                let lines: Vec<&str> = text.lines().collect();
+                let l = l % lines.len();
+                text = lines
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, _)| i != l)
+                    .map(|(_, x)| *x)
+                    .collect::<Vec<_>>()
+                    .join("\n");
+            }
+            if let Some(c) = cut
+                && c < text.len()
+                && text.is_char_boundary(c)
+            {
+                text.truncate(c);
+            }
+            match Fabric::parse(&text) {
+                Ok(f) => {
+                    f.validate().map_err(proptest::test_runner::TestCaseError::fail)?;
+                }
+                Err(e) => proptest::prop_assert!(!e.is_empty()),
+            }
+        }
+    }
+}

@@ -613,7 +613,7 @@ impl Fabric {
                 }
                 NodeKind::Switch {
                     reduce_bytes_per_s: Some(r),
-                } if !(r > 0.0) => {
+                } if r.is_nan() || r <= 0.0 => {
                     return Err(format!(
                         "switch {i} ({name}) reduces at {r} bytes/s: must be above 0"
                     ));
@@ -667,7 +667,7 @@ impl Fabric {
         }
         // (An infinite reduce rate is a reduction that costs nothing.)
         let r = self.reduce_bytes_per_s;
-        if !(r > 0.0) {
+        if r.is_nan() || r <= 0.0 {
             return Err(format!(
                 "the fabric's reduce_bytes_per_s is {r}: must be above 0"
             ));

@@ -919,6 +919,30 @@ mod tests {
         f.validate().unwrap();
     }
 
+    /// The run's public helpers take any fabric: on one that `validate` refuses they
+    /// answer without indexing past its nodes or hosts.
+    #[test]
+    fn the_public_helpers_tolerate_a_bad_fabric() {
+        use crate::run::{host_link_gbps, protocol_config, tuning};
+        let spec = Spec::new(Collective::AllReduce { count: 1024 }, 4);
+        let mut f = pair();
+        f.links[0].to = 40;
+        f.links[3].from = 41;
+        f.nodes[1].kind = NodeKind::Rank { host: 9 };
+        assert_eq!(host_link_gbps(&f), [None, None]);
+        let _ = tuning(&f, &spec);
+        let good = pair();
+        assert_eq!(host_link_gbps(&good), [Some(8.0), Some(8.0)]);
+        let cfg = protocol_config(&tuning(&good, &spec), 0);
+        assert!(cfg.fragments(1 << 20) >= 1);
+        // The compressed all-reduce divides by the world: none is an error.
+        let mut empty = pair();
+        empty.world = 0;
+        let fmt = oxccl_core::compress::Format::BFP8;
+        let e = crate::simulate_compressed(&empty, &spec, fmt, &Default::default(), 1 << 20);
+        has(&e.unwrap_err(), &["no rank"]);
+    }
+
     #[test]
     fn a_parsed_fabric_changed_afterwards_routes_without_its_tables() {
         let text = "link_gbps = 1\n[[hosts]]\nname = \"a\"\nranks = 2\n\

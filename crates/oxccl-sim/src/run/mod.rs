@@ -269,17 +269,25 @@ pub fn host_link_gbps(fabric: &Fabric) -> Vec<Option<f64>> {
     const MANY: usize = usize::MAX - 1;
     // The host each node belongs to (ranks: theirs; switches: the one host among their rank
     // neighbours, if only one).
+    // (On a fabric that `Fabric::validate` refuses, links to missing nodes and ranks on
+    // missing hosts are left out rather than indexed.)
+    let hosts = fabric.hosts.len();
     let mut owner = vec![NONE; fabric.nodes.len()];
     for (i, n) in fabric.nodes.iter().enumerate() {
-        if let NodeKind::Rank { host } = n.kind {
+        if let NodeKind::Rank { host } = n.kind
+            && host < hosts
+        {
             owner[i] = host;
         }
     }
-    let mut sw = vec![NONE; fabric.nodes.len()];
-    for l in &fabric.links {
+    let n = fabric.nodes.len();
+    let links = || fabric.links.iter().filter(move |l| l.from < n && l.to < n);
+    let mut sw = vec![NONE; n];
+    for l in links() {
         for (s, r) in [(l.from, l.to), (l.to, l.from)] {
             if let (NodeKind::Switch { .. }, NodeKind::Rank { host }) =
                 (&fabric.nodes[s].kind, &fabric.nodes[r].kind)
+                && *host < hosts
             {
                 sw[s] = match sw[s] {
                     NONE => *host,
@@ -294,8 +302,8 @@ pub fn host_link_gbps(fabric: &Fabric) -> Vec<Option<f64>> {
             owner[i] = h;
         }
     }
-    let mut rate = vec![0.0f64; fabric.hosts.len()];
-    for l in &fabric.links {
+    let mut rate = vec![0.0f64; hosts];
+    for l in links() {
         let h = owner[l.from];
         if h != NONE && owner[l.to] != h {
             rate[h] += l.bytes_per_s * 8.0 / 1e9;
@@ -617,7 +625,8 @@ pub fn protocol_config(tuning: &Tuning, esize: usize) -> Config {
         slots: tuning.slots,
         channels: tuning.channels,
     }
-    .config(esize)
+    // (Elements of 0 bytes, which `simulate` refuses, as 1: the geometry divides by it.)
+    .config(esize.max(1))
 }
 
 /// A step's trace name and bytes.

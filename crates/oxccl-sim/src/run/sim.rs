@@ -561,7 +561,12 @@ impl<'a> Sim<'a> {
             self.work.push_back(Ev::Drained(p, q));
             return;
         }
-        let f = self.net.add(self.now, &self.route_list[r].path, len as f64);
+        // Routes name this net's classes with weights m/|O| > 0, and a fragment with a
+        // flow has bytes (see `Sim::new` and the caller).
+        let f = self
+            .net
+            .add(self.now, &self.route_list[r].path, len as f64)
+            .expect("a route of this net, and bytes");
         if self.flow_info.len() <= f as usize {
             self.flow_info.resize(f as usize + 1, (0, 0));
         }

@@ -152,6 +152,10 @@ pub fn simulate_compressed(
         return Err("the codec's rates must be positive".into());
     }
     let n = fabric.world;
+    if n == 0 {
+        // (Each rank's share of the blocks divides by it.)
+        return Err("the fabric has no rank".into());
+    }
     let most = max_ranks::<i16>(fmt.width);
     if n > most {
         return Err(format!(

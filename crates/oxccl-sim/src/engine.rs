@@ -173,7 +173,7 @@ impl DrainHeap {
         }
         let i = p as usize;
         self.pos[f as usize] = NOT_QUEUED;
-        let last = self.heap.pop().expect("queued");
+        let last = self.heap.pop().expect("queued"); // `f` is queued: the heap holds it
         if i < self.heap.len() {
             self.heap[i] = last;
             let i = self.sift_up(i);
@@ -236,7 +236,31 @@ impl Net {
 
     /// Starts a flow of `bytes` (> 0) over `path` (classes and weights, non-empty) at `now`.
     /// Its rate is set by the next [`Net::settle`].
-    pub fn add(&mut self, now: f64, path: &[(u32, f64)], bytes: f64) -> FlowId {
+    ///
+    /// # Errors
+    /// An empty path, a class that is not one of this net's, a weight that is not finite
+    /// and above 0, or bytes that are not finite and above 0 (the error names which); the
+    /// net is unchanged.
+    pub fn add(&mut self, now: f64, path: &[(u32, f64)], bytes: f64) -> Result<FlowId, String> {
+        if path.is_empty() {
+            return Err("a flow over an empty path".into());
+        }
+        if !(bytes.is_finite() && bytes > 0.0) {
+            return Err(format!(
+                "a flow of {bytes} bytes: must be finite and above 0"
+            ));
+        }
+        let n = self.classes.len();
+        for &(c, w) in path {
+            if c as usize >= n {
+                return Err(format!("a flow over class {c}: the net has {n} classes"));
+            }
+            if !(w.is_finite() && w > 0.0) {
+                return Err(format!(
+                    "a flow with weight {w} on class {c}: must be finite and above 0"
+                ));
+            }
+        }
         let id = match self.free.pop() {
             Some(id) => {
                 // Reuse the slot and its path's allocation.
@@ -273,7 +297,7 @@ impl Net {
             class.bytes += bytes * w;
             self.dirty.push(c);
         }
-        id
+        Ok(id)
     }
 
     /// The flow that drains first and when (ties: the lowest id), if any flow is active
@@ -291,14 +315,18 @@ impl Net {
         }
     }
 
-    /// Ends flow `id` (drained) at `now`.
+    /// Ends flow `id` (drained) at `now`; nothing for an id that is not an active flow of
+    /// this net (never added, or ended already).
     pub fn remove(&mut self, now: f64, id: FlowId) {
+        let Some(f) = self.flows.get_mut(id as usize).filter(|f| f.active) else {
+            return;
+        };
         self.drains.remove(id);
-        let f = &mut self.flows[id as usize];
         f.active = false;
         let path = std::mem::take(&mut f.path);
         for &(c, _) in &path {
             let class = &mut self.classes[c as usize];
+            // An active flow is on every class of its path (`add` put it there).
             let pos = class.flows.iter().position(|&x| x == id).expect("on it");
             class.flows.swap_remove(pos);
             if class.flows.is_empty() {
@@ -465,9 +493,9 @@ impl Net {
         self.set_due(f, t);
     }
 
-    /// The current rate of a flow.
+    /// The current rate of a flow (0 for an id that is no flow of this net).
     pub fn rate(&self, id: FlowId) -> f64 {
-        self.flows[id as usize].rate
+        self.flows.get(id as usize).map_or(0.0, |f| f.rate)
     }
 
     /// Per class: bytes·weight carried, seconds busy (closing open intervals at `now`).
@@ -485,9 +513,11 @@ impl Net {
             .collect()
     }
 
-    /// A class's recorded busy intervals.
+    /// A class's recorded busy intervals (none for a class that is not one of this net's).
     pub fn intervals(&self, class: u32) -> &[(f64, f64)] {
-        &self.classes[class as usize].intervals
+        self.classes
+            .get(class as usize)
+            .map_or(&[], |c| c.intervals.as_slice())
     }
 }
 
@@ -538,7 +568,7 @@ mod tests {
     #[test]
     fn one_flow_takes_the_link() {
         let mut net = Net::new(&[10.0], false);
-        let f = net.add(0.0, &[(0, 1.0)], 100.0);
+        let f = net.add(0.0, &[(0, 1.0)], 100.0).unwrap();
         assert_eq!(drains(&mut net, 0.0), vec![(10.0, f)]);
     }
 
@@ -547,8 +577,8 @@ mod tests {
         // Flow a crosses links 0 (cap 10) and 1 (cap 4); flow b crosses link 0 only: a gets 4
         // (limited by link 1), b the 6 left on link 0.
         let mut net = Net::new(&[10.0, 4.0], false);
-        let a = net.add(0.0, &[(0, 1.0), (1, 1.0)], 8.0);
-        let b = net.add(0.0, &[(0, 1.0)], 60.0);
+        let a = net.add(0.0, &[(0, 1.0), (1, 1.0)], 8.0).unwrap();
+        let b = net.add(0.0, &[(0, 1.0)], 60.0).unwrap();
         let d = drains(&mut net, 0.0);
         assert_eq!(net.rate(a), 4.0);
         assert_eq!(net.rate(b), 6.0);
@@ -558,11 +588,41 @@ mod tests {
         assert_eq!(drains(&mut net, 2.0), vec![(6.8, b)]);
     }
 
+    /// Bad flows are errors naming the class, weight or bytes, and leave the net as it
+    /// was; unknown ids and classes are answered, not indexed (they panicked before).
+    #[test]
+    fn bad_flows_and_unknown_ids_do_not_panic() {
+        let mut net = Net::new(&[10.0, 4.0], false);
+        for (path, bytes, want) in [
+            (&[(2u32, 1.0)][..], 1.0, "class 2: the net has 2 classes"),
+            (&[(0, 1.0), (7, 1.0)][..], 1.0, "class 7"),
+            (&[(0, f64::NAN)][..], 1.0, "weight NaN on class 0"),
+            (&[(1, 0.0)][..], 1.0, "weight 0 on class 1"),
+            (&[(0, 1.0)][..], -5.0, "-5 bytes"),
+            (&[(0, 1.0)][..], f64::INFINITY, "inf bytes"),
+            (&[][..], 1.0, "empty path"),
+        ] {
+            let e = net.add(0.0, path, bytes).unwrap_err();
+            assert!(e.contains(want), "{e:?} does not name {want:?}");
+        }
+        assert_eq!(net.next_drain(), None);
+        assert!(net.usage(1.0).iter().all(|&(b, t)| b == 0.0 && t == 0.0));
+        net.remove(1.0, 3);
+        assert_eq!(net.rate(3), 0.0);
+        assert!(net.intervals(9).is_empty());
+        // A flow ended twice: the second time is nothing.
+        let f = net.add(0.0, &[(0, 1.0)], 100.0).unwrap();
+        assert_eq!(drains(&mut net, 0.0), vec![(10.0, f)]);
+        net.remove(10.0, f);
+        net.remove(10.0, f);
+        assert_eq!(net.next_drain(), None);
+    }
+
     #[test]
     fn weights_scale_the_load() {
         // A representative flow standing for 4 flows over a 2-link orbit: weight 2.
         let mut net = Net::new(&[10.0], false);
-        let f = net.add(0.0, &[(0, 2.0)], 10.0);
+        let f = net.add(0.0, &[(0, 2.0)], 10.0).unwrap();
         drains(&mut net, 0.0);
         assert_eq!(net.rate(f), 5.0);
     }

@@ -124,6 +124,10 @@ pub struct Layout {
     pub(crate) wan_gbps: Option<f64>,
     /// Names of the datacenters.
     pub(crate) dc_names: Vec<String>,
+    /// The fabric's `(world, nodes, links, hosts)` when the builder made this layout: its
+    /// tables describe that fabric only, so a fabric whose fields were changed since (more
+    /// nodes, fewer links, ...) is routed by the general fallback instead ([`Fabric::route`]).
+    pub(crate) built_for: [usize; 4],
     pub(crate) cache: RouteCache,
 }
 
@@ -136,6 +140,7 @@ impl Clone for Layout {
             tuner_dcs: self.tuner_dcs,
             wan_gbps: self.wan_gbps,
             dc_names: self.dc_names.clone(),
+            built_for: self.built_for,
             cache: RouteCache::default(),
         }
     }
@@ -171,6 +176,12 @@ struct Adjacency {
 }
 
 const NONE: u32 = u32::MAX;
+
+/// Locks a route cache; a cache poisoned by a panic elsewhere is still a valid cache (every
+/// entry is inserted whole).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 #[derive(Clone, Default)]
 pub(crate) enum Shape {
@@ -274,13 +285,26 @@ impl Fabric {
     /// same-numbered spine, leaf. Every other route: the general fallback (see the module
     /// docs).
     ///
-    /// # Panics
-    /// When `to` can't be reached from `from`.
-    pub fn route(&self, from: usize, to: usize, key: u64, out: &mut Vec<usize>) {
-        if from == to {
-            return;
+    /// # Errors
+    /// When `from` or `to` is not a node of the fabric, or `to` can't be reached from `from`
+    /// (the error names both nodes); `out` then holds what it held before.
+    pub fn route(
+        &self,
+        from: usize,
+        to: usize,
+        key: u64,
+        out: &mut Vec<usize>,
+    ) -> Result<(), String> {
+        let n = self.nodes.len();
+        if from >= n || to >= n {
+            return Err(format!(
+                "no route from node {from} to node {to}: the fabric has {n} nodes"
+            ));
         }
-        if from < self.world && to < self.world {
+        if from == to {
+            return Ok(());
+        }
+        if from < self.world && to < self.world && self.layout_fits() {
             match &self.layout.shape {
                 Shape::Star(s) => {
                     let (ha, hb) = (s.host_of[from] as usize, s.host_of[to] as usize);
@@ -294,13 +318,13 @@ impl Fabric {
                         out.push(s.h_down[hb] as usize);
                     }
                     out.push(s.down[to] as usize);
-                    return;
+                    return Ok(());
                 }
                 Shape::Cluster(c) => {
                     if from / c.g == to / c.g {
                         out.push(c.su_up[from] as usize);
                         out.push(c.su_down[to] as usize);
-                        return;
+                        return Ok(());
                     }
                     let (da, ga, _, ra) = c.place(from);
                     let (db, gb, _, rb) = c.place(to);
@@ -317,21 +341,39 @@ impl Fabric {
                         out.push(c.ls_down[lb * c.spines + s] as usize);
                     }
                     out.push(c.nic_down[to] as usize);
-                    return;
+                    return Ok(());
                 }
                 Shape::General => {}
             }
         }
-        self.general_route(from, to, out);
+        self.general_route(from, to, out)
     }
 
+    /// Whether the layout's tables were built for this fabric as it is (see
+    /// [`Layout::built_for`]).
+    fn layout_fits(&self) -> bool {
+        self.layout.built_for
+            == [
+                self.world,
+                self.nodes.len(),
+                self.links.len(),
+                self.hosts.len(),
+            ]
+    }
+
+    /// The links out of and into every node. A link whose ends are not nodes of the fabric
+    /// (a fabric built by hand; [`Fabric::validate`] refuses it) is left out, so that the
+    /// searches only ever visit nodes.
     fn adjacency(&self) -> &Adjacency {
         self.layout.cache.adj.get_or_init(|| {
-            let mut out = vec![Vec::new(); self.nodes.len()];
-            let mut inc = vec![Vec::new(); self.nodes.len()];
+            let n = self.nodes.len();
+            let mut out = vec![Vec::new(); n];
+            let mut inc = vec![Vec::new(); n];
             for (i, l) in self.links.iter().enumerate() {
-                out[l.from].push(i as u32);
-                inc[l.to].push(i as u32);
+                if l.from < n && l.to < n {
+                    out[l.from].push(i as u32);
+                    inc[l.to].push(i as u32);
+                }
             }
             Adjacency { out, inc }
         })
@@ -341,9 +383,24 @@ impl Fabric {
         matches!(self.nodes[n].kind, NodeKind::Rank { .. })
     }
 
+    /// Node `n`'s name, for errors.
+    fn node_name(&self, n: usize) -> &str {
+        self.nodes.get(n).map_or("?", |x| x.name.as_str())
+    }
+
+    /// The error of a route that does not exist.
+    fn no_route(&self, from: usize, to: usize) -> String {
+        format!(
+            "no route from node {from} ({}) to node {to} ({}): no path of links that does \
+             not pass through another rank",
+            self.node_name(from),
+            self.node_name(to)
+        )
+    }
+
     /// The next link from every node towards `to` (fewest hops, not through ranks).
     fn to_table(&self, to: usize) -> Arc<Vec<u32>> {
-        if let Some(t) = self.layout.cache.to.lock().unwrap().get(&to) {
+        if let Some(t) = lock(&self.layout.cache.to).get(&to) {
             return t.clone();
         }
         let adj = self.adjacency();
@@ -365,13 +422,13 @@ impl Fabric {
             }
         }
         let t = Arc::new(next);
-        self.layout.cache.to.lock().unwrap().insert(to, t.clone());
+        lock(&self.layout.cache.to).insert(to, t.clone());
         t
     }
 
     /// The link into every node on the tree of routes from `from` (not through ranks).
     fn tree_from(&self, from: usize) -> Arc<Vec<u32>> {
-        if let Some(t) = self.layout.cache.from.lock().unwrap().get(&from) {
+        if let Some(t) = lock(&self.layout.cache.from).get(&from) {
             return t.clone();
         }
         let adj = self.adjacency();
@@ -393,16 +450,12 @@ impl Fabric {
             }
         }
         let t = Arc::new(prev);
-        self.layout
-            .cache
-            .from
-            .lock()
-            .unwrap()
-            .insert(from, t.clone());
+        lock(&self.layout.cache.from).insert(from, t.clone());
         t
     }
 
-    fn general_route(&self, from: usize, to: usize, out: &mut Vec<usize>) {
+    /// `from` and `to`: nodes of the fabric (checked by [`Fabric::route`]).
+    fn general_route(&self, from: usize, to: usize, out: &mut Vec<usize>) -> Result<(), String> {
         // From a switch (a few of them: aggregators) to many ranks: the tree from the switch;
         // everything else: the table towards the destination.
         if !self.is_rank(from) && self.is_rank(to) {
@@ -411,26 +464,36 @@ impl Fabric {
             let mut n = to;
             while n != from {
                 let l = prev[n];
-                assert!(l != NONE, "no route from node {from} to node {to}");
+                if l == NONE {
+                    out.truncate(start);
+                    return Err(self.no_route(from, to));
+                }
                 out.push(l as usize);
                 n = self.links[l as usize].from;
             }
             out[start..].reverse();
-            return;
+            return Ok(());
         }
         let next = self.to_table(to);
+        let start = out.len();
         let mut n = from;
         while n != to {
             let l = next[n];
-            assert!(l != NONE, "no route from node {from} to node {to}");
+            if l == NONE {
+                out.truncate(start);
+                return Err(self.no_route(from, to));
+            }
             out.push(l as usize);
             n = self.links[l as usize].to;
         }
+        Ok(())
     }
 
-    /// Whether node `to` can be reached from node `from` (never through a rank).
+    /// Whether node `to` can be reached from node `from` (never through a rank); `false`
+    /// when either is not a node of the fabric.
     pub fn reaches(&self, from: usize, to: usize) -> bool {
-        from == to || self.to_table(to)[from] != NONE
+        let n = self.nodes.len();
+        from < n && to < n && (from == to || self.to_table(to)[from] != NONE)
     }
 
     /// The switch a schedule that aggregates in the network
@@ -438,7 +501,8 @@ impl Fabric {
     /// node index) that can reduce and that every rank reaches and is reached from. `None`
     /// when no switch of the fabric can.
     pub fn aggregator(&self) -> Option<usize> {
-        (self.world..self.nodes.len()).find(|&n| {
+        let world = self.world.min(self.nodes.len());
+        (world..self.nodes.len()).find(|&n| {
             matches!(
                 self.nodes[n].kind,
                 NodeKind::Switch {
@@ -447,7 +511,7 @@ impl Fabric {
             ) && {
                 let to = self.to_table(n);
                 let from = self.tree_from(n);
-                (0..self.world).all(|r| to[r] != NONE && from[r] != NONE)
+                (0..world).all(|r| to[r] != NONE && from[r] != NONE)
             }
         })
     }
@@ -458,7 +522,10 @@ impl Fabric {
     /// "datacenters"` in the file, one "host" per datacenter, whose rate is the long-haul
     /// link's, so that the two-tier algorithms reduce inside each datacenter first.
     pub fn topology(&self) -> oxccl_core::Topology {
-        if self.layout.tuner_dcs && !self.layout.dc_names.is_empty() {
+        // The layout's tables describe the fabric as built; one changed since is seen as a
+        // fabric built by hand.
+        let fits = self.layout_fits();
+        if fits && self.layout.tuner_dcs && !self.layout.dc_names.is_empty() {
             let hosts = self
                 .layout
                 .dc_names
@@ -469,7 +536,7 @@ impl Fabric {
                         .hosts
                         .iter()
                         .enumerate()
-                        .filter(|(h, _)| self.layout.host_dc[*h] == d)
+                        .filter(|(h, _)| self.layout.host_dc.get(*h) == Some(&d))
                         .flat_map(|(_, (_, r))| r.iter().copied())
                         .collect();
                     ranks.sort_unstable();
@@ -492,13 +559,147 @@ impl Fabric {
             .map(|(h, (name, ranks))| oxccl_core::Host {
                 name: name.clone(),
                 ranks: ranks.clone(),
-                link_gbps: self.layout.host_gbps.get(h).copied().flatten(),
+                link_gbps: if fits {
+                    self.layout.host_gbps.get(h).copied().flatten()
+                } else {
+                    None
+                },
             })
             .collect();
         oxccl_core::Topology {
             hosts,
             aggregator: None,
         }
+    }
+
+    /// Checks what the simulator relies on, for a fabric built by hand (a topology file's
+    /// fabric passes by construction; [`crate::simulate`] calls this first): the ranks are
+    /// nodes `0..world`, each on a host of [`Fabric::hosts`] that lists it; every other node
+    /// is a switch; every link joins two nodes and has a finite rate above 0 and a finite
+    /// latency of at least 0; reduce rates are above 0 (infinite: free) and per-message
+    /// costs finite and at least 0; the hosts are a valid runtime topology; and a
+    /// [`Fabric::symmetry`] is an automorphism ([`Fabric::check_symmetry`] of its node
+    /// map). Whether two ranks reach each other is found when a route is needed.
+    ///
+    /// # Errors
+    /// The first problem found, naming the node, link, host or field and its value.
+    pub fn validate(&self) -> Result<(), String> {
+        let (n, world) = (self.nodes.len(), self.world);
+        if world > n {
+            return Err(format!(
+                "world is {world} ranks but the fabric has {n} nodes (ranks are nodes 0..world)"
+            ));
+        }
+        for (i, node) in self.nodes.iter().enumerate() {
+            let name = &node.name;
+            match node.kind {
+                NodeKind::Rank { host } => {
+                    if i >= world {
+                        return Err(format!(
+                            "node {i} ({name}) is a rank, but ranks are nodes 0..{world} (world)"
+                        ));
+                    }
+                    if host >= self.hosts.len() {
+                        return Err(format!(
+                            "rank {i} ({name}) is on host {host}, but the fabric has {} hosts",
+                            self.hosts.len()
+                        ));
+                    }
+                }
+                NodeKind::Switch { .. } if i < world => {
+                    return Err(format!(
+                        "node {i} ({name}) is a switch, but nodes 0..{world} must be ranks"
+                    ));
+                }
+                NodeKind::Switch {
+                    reduce_bytes_per_s: Some(r),
+                } if r.is_nan() || r <= 0.0 => {
+                    return Err(format!(
+                        "switch {i} ({name}) reduces at {r} bytes/s: must be above 0"
+                    ));
+                }
+                NodeKind::Switch { .. } => {}
+            }
+        }
+        for (h, (name, ranks)) in self.hosts.iter().enumerate() {
+            for &r in ranks {
+                let on = match self.nodes.get(r).map(|x| &x.kind) {
+                    Some(NodeKind::Rank { host }) if r < world => *host,
+                    _ => {
+                        return Err(format!(
+                            "host {h} ({name:?}) lists rank {r}, outside the world of {world}"
+                        ));
+                    }
+                };
+                if on != h {
+                    return Err(format!(
+                        "host {h} ({name:?}) lists rank {r}, whose node says it is on host {on}"
+                    ));
+                }
+            }
+        }
+        for (i, l) in self.links.iter().enumerate() {
+            let name = &l.name;
+            if l.from >= n || l.to >= n {
+                return Err(format!(
+                    "link {i} ({name}) joins nodes {} and {}, but the fabric has {n} nodes",
+                    l.from, l.to
+                ));
+            }
+            if l.from == l.to {
+                return Err(format!(
+                    "link {i} ({name}) leaves and enters node {}",
+                    l.from
+                ));
+            }
+            if !(l.bytes_per_s.is_finite() && l.bytes_per_s > 0.0) {
+                return Err(format!(
+                    "link {i} ({name}) has a rate of {} bytes/s: must be finite and above 0",
+                    l.bytes_per_s
+                ));
+            }
+            if !(l.latency_s.is_finite() && l.latency_s >= 0.0) {
+                return Err(format!(
+                    "link {i} ({name}) has a latency of {} s: must be finite and at least 0",
+                    l.latency_s
+                ));
+            }
+        }
+        // (An infinite reduce rate is a reduction that costs nothing.)
+        let r = self.reduce_bytes_per_s;
+        if r.is_nan() || r <= 0.0 {
+            return Err(format!(
+                "the fabric's reduce_bytes_per_s is {r}: must be above 0"
+            ));
+        }
+        for (field, v) in [
+            ("per_message_s", self.per_message_s),
+            ("scaleup_per_message_s", self.scaleup_per_message_s),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(format!(
+                    "the fabric's {field} is {v}: must be finite and at least 0"
+                ));
+            }
+        }
+        if !self.hosts.is_empty() {
+            self.topology()
+                .validate(world)
+                .map_err(|e| format!("the fabric's hosts: {e}"))?;
+        }
+        if let Some(g) = &self.symmetry
+            && self.check_symmetry(g.node_map.clone()).as_ref() != Some(g)
+        {
+            return Err(format!(
+                "the fabric's symmetry (a map of {} nodes and {} links; the fabric has {n} \
+                 nodes and {} links) is not an automorphism of the fabric: \
+                 Fabric::check_symmetry of its node map disagrees",
+                g.node_map.len(),
+                g.link_map.len(),
+                self.links.len()
+            ));
+        }
+        Ok(())
     }
 
     /// Completes a candidate automorphism given by where each node goes: `None` unless it is
@@ -520,11 +721,14 @@ impl Fabric {
         for (i, node) in self.nodes.iter().enumerate() {
             let image = &self.nodes[node_map[i]].kind;
             match (&node.kind, image) {
-                (NodeKind::Rank { host: a }, NodeKind::Rank { host: b }) => match host_map[*a] {
-                    None => host_map[*a] = Some(*b),
-                    Some(x) if x == *b => {}
-                    Some(_) => return None,
-                },
+                (NodeKind::Rank { host: a }, NodeKind::Rank { host: b }) => {
+                    // (A host outside `hosts`: a fabric `validate` refuses.)
+                    match *host_map.get(*a)? {
+                        None if *b < self.hosts.len() => host_map[*a] = Some(*b),
+                        Some(x) if x == *b => {}
+                        _ => return None,
+                    }
+                }
                 (
                     NodeKind::Switch {
                         reduce_bytes_per_s: a,
@@ -553,7 +757,7 @@ impl Fabric {
         }
         let mut link_map = Vec::with_capacity(self.links.len());
         for l in &self.links {
-            let &j = index.get(&(node_map[l.from], node_map[l.to]))?;
+            let &j = index.get(&(*node_map.get(l.from)?, *node_map.get(l.to)?))?;
             let m = &self.links[j];
             if m.bytes_per_s != l.bytes_per_s || m.latency_s != l.latency_s {
                 return None;
@@ -561,5 +765,219 @@ impl Fabric {
             link_map.push(j);
         }
         Some(Symmetry { node_map, link_map })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Spec, simulate};
+    use oxccl_core::schedule::Collective;
+
+    /// Two ranks on hosts of their own, joined through one switch (links `0->2`, `2->0`,
+    /// `1->2`, `2->1`).
+    fn pair() -> Fabric {
+        let mut nodes: Vec<Node> = (0..2)
+            .map(|r| Node {
+                name: format!("r{r}"),
+                kind: NodeKind::Rank { host: r },
+            })
+            .collect();
+        nodes.push(Node {
+            name: "sw".into(),
+            kind: NodeKind::Switch {
+                reduce_bytes_per_s: None,
+            },
+        });
+        let mut links = Vec::new();
+        for r in 0..2 {
+            for (from, to) in [(r, 2), (2, r)] {
+                links.push(Link {
+                    name: format!("{from}->{to}"),
+                    from,
+                    to,
+                    bytes_per_s: 1e9,
+                    latency_s: 1e-6,
+                });
+            }
+        }
+        Fabric {
+            nodes,
+            links,
+            world: 2,
+            hosts: vec![("h0".into(), vec![0]), ("h1".into(), vec![1])],
+            reduce_bytes_per_s: 1e10,
+            per_message_s: 1e-6,
+            scaleup_per_message_s: 1e-6,
+            symmetry: None,
+            layout: Layout::default(),
+        }
+    }
+
+    /// The error of simulating an all-reduce of 1 Ki f32 on `f` (which must fail).
+    fn sim_err(f: &Fabric) -> String {
+        let spec = Spec::new(Collective::AllReduce { count: 1024 }, 4);
+        match simulate(f, &spec) {
+            Ok(r) => panic!("simulated in {} s", r.time_s),
+            Err(e) => e,
+        }
+    }
+
+    fn has(e: &str, parts: &[&str]) {
+        for p in parts {
+            assert!(e.contains(p), "{e:?} does not name {p:?}");
+        }
+    }
+
+    #[test]
+    fn the_pair_is_valid_and_simulates() {
+        let f = pair();
+        f.validate().unwrap();
+        let spec = Spec::new(Collective::AllReduce { count: 1024 }, 4);
+        assert!(simulate(&f, &spec).unwrap().time_s > 0.0);
+    }
+
+    #[test]
+    fn a_link_to_a_missing_node_is_an_error() {
+        let mut f = pair();
+        f.links[3].to = 9;
+        has(&sim_err(&f), &["link 3 (2->1)", "nodes 2 and 9", "3 nodes"]);
+        // The routes' own search skips it rather than index past the nodes.
+        let mut out = Vec::new();
+        assert!(f.route(0, 1, 0, &mut out).is_err());
+        assert!(f.check_symmetry(vec![1, 0, 2]).is_none());
+    }
+
+    #[test]
+    fn a_rank_on_a_missing_host_is_an_error() {
+        let mut f = pair();
+        f.nodes[1].kind = NodeKind::Rank { host: 5 };
+        has(&sim_err(&f), &["rank 1 (r1)", "host 5", "2 hosts"]);
+        assert!(f.check_symmetry(vec![1, 0, 2]).is_none());
+    }
+
+    #[test]
+    fn bad_rates_and_latencies_are_errors() {
+        let mut f = pair();
+        f.links[1].bytes_per_s = 0.0;
+        has(&sim_err(&f), &["link 1 (2->0)", "rate of 0 bytes/s"]);
+        let mut f = pair();
+        f.links[2].latency_s = f64::NAN;
+        has(&sim_err(&f), &["link 2 (1->2)", "latency of NaN"]);
+        let mut f = pair();
+        f.reduce_bytes_per_s = -1.0;
+        has(&sim_err(&f), &["reduce_bytes_per_s is -1"]);
+        let mut f = pair();
+        f.per_message_s = f64::INFINITY;
+        has(&sim_err(&f), &["per_message_s is inf"]);
+    }
+
+    #[test]
+    fn a_world_larger_than_the_nodes_is_an_error() {
+        let mut f = pair();
+        f.world = 7;
+        has(&sim_err(&f), &["world is 7 ranks", "3 nodes"]);
+        let mut f = pair();
+        f.hosts[1].1.push(2);
+        has(
+            &sim_err(&f),
+            &["host 1 (\"h1\") lists rank 2", "world of 2"],
+        );
+    }
+
+    #[test]
+    fn ranks_that_cannot_reach_each_other_are_an_error() {
+        let mut f = pair();
+        f.links.truncate(3); // no way back down to rank 1
+        let e = sim_err(&f);
+        has(&e, &["no route", "node 0 (r0)", "node 1 (r1)"]);
+        let mut out = vec![7];
+        let e = f.route(0, 1, 0, &mut out).unwrap_err();
+        has(&e, &["node 0 (r0) to node 1 (r1)"]);
+        assert_eq!(out, [7], "a failed route leaves `out` as it was");
+        let e = f.route(0, 3, 0, &mut out).unwrap_err();
+        has(&e, &["node 3", "3 nodes"]);
+        assert!(!f.reaches(0, 3));
+        assert!(!f.reaches(0, 1));
+    }
+
+    #[test]
+    fn a_symmetry_that_is_not_one_is_an_error() {
+        let mut f = pair();
+        let g = f.check_symmetry(vec![1, 0, 2]).expect("swapping the ranks");
+        f.symmetry = Some(Symmetry {
+            node_map: g.node_map.clone(),
+            link_map: g.link_map[..2].to_vec(),
+        });
+        has(&sim_err(&f), &["symmetry", "2 links", "4 links"]);
+        f.symmetry = Some(Symmetry {
+            node_map: vec![1, 0, 2],
+            link_map: vec![0, 1, 2, 3],
+        });
+        has(&sim_err(&f), &["not an automorphism"]);
+        f.symmetry = Some(g);
+        f.validate().unwrap();
+    }
+
+    /// The run's public helpers take any fabric: on one that `validate` refuses they
+    /// answer without indexing past its nodes or hosts.
+    #[test]
+    fn the_public_helpers_tolerate_a_bad_fabric() {
+        use crate::run::{host_link_gbps, protocol_config, tuning};
+        let spec = Spec::new(Collective::AllReduce { count: 1024 }, 4);
+        let mut f = pair();
+        f.links[0].to = 40;
+        f.links[3].from = 41;
+        f.nodes[1].kind = NodeKind::Rank { host: 9 };
+        assert_eq!(host_link_gbps(&f), [None, None]);
+        let _ = tuning(&f, &spec);
+        let good = pair();
+        assert_eq!(host_link_gbps(&good), [Some(8.0), Some(8.0)]);
+        let cfg = protocol_config(&tuning(&good, &spec), 0);
+        assert!(cfg.fragments(1 << 20) >= 1);
+        // The compressed all-reduce divides by the world: none is an error.
+        let mut empty = pair();
+        empty.world = 0;
+        let fmt = oxccl_core::compress::Format::BFP8;
+        let e = crate::simulate_compressed(&empty, &spec, fmt, &Default::default(), 1 << 20);
+        has(&e.unwrap_err(), &["no rank"]);
+    }
+
+    #[test]
+    fn a_parsed_fabric_changed_afterwards_routes_without_its_tables() {
+        let text = "link_gbps = 1\n[[hosts]]\nname = \"a\"\nranks = 2\n\
+                    [[hosts]]\nname = \"b\"\nranks = 2\n";
+        let mut f = Fabric::parse(text).unwrap();
+        let before = f.nodes.len();
+        // A fifth rank (node 4 was a's switch: the switches move up by one).
+        f.nodes.insert(
+            4,
+            Node {
+                name: "r4".into(),
+                kind: NodeKind::Rank { host: 1 },
+            },
+        );
+        for l in &mut f.links {
+            l.from += usize::from(l.from >= 4);
+            l.to += usize::from(l.to >= 4);
+        }
+        f.links.push(Link {
+            name: "r4->b.sw".into(),
+            from: 4,
+            to: before,
+            bytes_per_s: 1e9,
+            latency_s: 0.0,
+        });
+        f.world = 5;
+        f.hosts[1].1.push(4);
+        f.symmetry = None;
+        // The star's tables know four ranks; rank 4 is routed by the general search, and
+        // has no way in: an error, not an index past the tables.
+        let mut out = Vec::new();
+        f.route(4, 0, 0, &mut out)
+            .expect("r4 -> b.sw -> core -> a.sw -> r0");
+        has(&f.route(0, 4, 0, &mut out).unwrap_err(), &["node 4 (r4)"]);
+        has(&sim_err(&f), &["no route", "(r4)"]);
+        let _ = f.topology();
     }
 }

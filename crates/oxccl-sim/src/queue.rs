@@ -91,6 +91,7 @@ impl EventQueue {
             return None;
         }
         if self.min.is_none() {
+            // `pending > 0` and `now` is empty: a bucket of `later` holds them.
             let b = self.later.iter().find(|b| !b.is_empty()).expect("pending");
             self.min = b.iter().map(|x| x.0).min();
         }
@@ -112,7 +113,7 @@ impl EventQueue {
         let items = std::mem::take(&mut self.later[b]);
         let m = match self.min {
             Some(m) => m,
-            None => items.iter().map(|x| x.0).min().expect("not empty"),
+            None => items.iter().map(|x| x.0).min().expect("not empty"), // bucket `b` is not
         };
         self.last = m;
         self.min = None;

@@ -84,6 +84,25 @@ use crate::{Fabric, Link, Node, NodeKind};
 /// One-way latency of a long-haul link per kilometre (5 ms per 1,000 km).
 pub const WAN_S_PER_KM: f64 = 5e-6;
 
+/// The most ranks a topology file may describe (64 times the largest example's 16,384): a
+/// larger job is refused with an error, not attempted until memory runs out.
+pub const MAX_RANKS: usize = 1 << 20;
+/// The most links a topology file's fabric may have (each a few dozen bytes).
+pub const MAX_LINKS: usize = 1 << 23;
+
+/// Refuses a fabric of more than [`MAX_LINKS`] links (`None`: more than `usize` counts).
+fn check_links(what: &str, links: Option<usize>) -> Result<(), String> {
+    match links {
+        Some(l) if l <= MAX_LINKS => Ok(()),
+        Some(l) => Err(format!(
+            "{what} would have {l} links, more than the simulator's limit of {MAX_LINKS}"
+        )),
+        None => Err(format!(
+            "{what} would have more links than can be counted (the limit is {MAX_LINKS})"
+        )),
+    }
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct File {
@@ -262,6 +281,10 @@ impl Builder {
 impl Fabric {
     /// Parses a topology file (JSON or TOML; the format is in [`crate::topo_file`]) and builds
     /// its fabric.
+    ///
+    /// # Errors
+    /// Text that is not the format, and every bad value: each error names the field (the
+    /// host, the rank, the link) and the value.
     pub fn parse(text: &str) -> Result<Fabric, String> {
         let file: File = if text.trim_start().starts_with('{') {
             serde_json::from_str(text).map_err(|e| format!("invalid topology JSON: {e}"))?
@@ -269,7 +292,11 @@ impl Fabric {
             toml::from_str(text)
                 .map_err(|e| format!("invalid topology TOML: {}", e.to_string().trim_end()))?
         };
-        build(file)
+        let fabric = build(file)?;
+        // What the builders can't see field by field: a rate that overflows once converted
+        // to bytes per second (`link_gbps = 1e300`), and so on.
+        fabric.validate()?;
+        Ok(fabric)
     }
 
     /// Reads a topology file and builds its fabric ([`Fabric::parse`]); errors name the file.
@@ -346,24 +373,32 @@ fn build(f: File) -> Result<Fabric, String> {
             Err("give either hosts (a list) or cluster (a generator), not both".into())
         }
         (None, None) => Err("the file has neither hosts nor cluster".into()),
-        (Some(_), None) => build_star(f),
-        (None, Some(_)) => {
+        (Some(specs), None) => build_star(&f, specs),
+        (None, Some(cs)) => {
             if f.link_gbps.is_some() || f.core_reduce_gbytes_per_s.is_some() {
                 return Err("link_gbps and core_reduce_gbytes_per_s describe a star of hosts; a cluster has nic_gbps and spine_reduce_gbytes_per_s".into());
             }
-            build_cluster(f)
+            build_cluster(&f, cs)
         }
     }
 }
 
-fn build_star(f: File) -> Result<Fabric, String> {
-    let c = common(&f, false)?;
-    let wan = wan(&f)?;
-    let specs = f.hosts.as_ref().expect("hosts");
-    let (topo, world) = star_topology(&f, specs)?;
+fn build_star(f: &File, specs: &[HostSpec]) -> Result<Fabric, String> {
+    let c = common(f, false)?;
+    let wan = wan(f)?;
+    let (topo, world) = star_topology(f, specs)?;
     let (dcs, host_dc) = star_datacenters(wan, specs)?;
     let hosts_n = specs.len();
     let core = hosts_n > 1 || dcs > 1;
+    // Ranks up and down, host switches up and down, the long-haul mesh.
+    let links = (world + hosts_n)
+        .checked_mul(2)
+        .zip(dcs.checked_mul(dcs - 1))
+        .and_then(|(a, b)| a.checked_add(b));
+    check_links(
+        &format!("a star of {hosts_n} hosts, {world} ranks and {dcs} datacenters"),
+        links,
+    )?;
     let mut b = Builder {
         nodes: Vec::new(),
         links: Vec::new(),
@@ -425,6 +460,7 @@ fn build_star(f: File) -> Result<Fabric, String> {
         Some(w) => b.wan_mesh(&cores[..dcs], w, c.link_lat),
         None => vec![u32::MAX; dcs * dcs],
     };
+    let (n_nodes, n_links) = (b.nodes.len(), b.links.len());
     let mut fabric = Fabric {
         nodes: b.nodes,
         links: b.links,
@@ -453,6 +489,7 @@ fn build_star(f: File) -> Result<Fabric, String> {
             tuner_dcs: c.tuner_dcs,
             wan_gbps: wan.map(|w| w.link_gbps),
             dc_names: (0..dcs).map(|d| format!("dc{d}")).collect(),
+            built_for: [world, n_nodes, n_links, hosts_n],
             ..Layout::default()
         },
     };
@@ -465,18 +502,35 @@ fn build_star(f: File) -> Result<Fabric, String> {
 /// unique, rates valid), and the job's world: its ranks are 0..=the highest listed (a gap is
 /// a rank on no host).
 fn star_topology(f: &File, specs: &[HostSpec]) -> Result<(oxccl_core::Topology, usize), String> {
-    let mut next = 0;
+    let mut next: usize = 0;
     let mut topo = oxccl_core::Topology {
         hosts: Vec::new(),
         aggregator: None,
     };
     for (h, s) in specs.iter().enumerate() {
+        let name = format!("hosts[{h}] ({:?})", s.name);
         let ranks = match &s.ranks {
-            Ranks::List(r) => r.clone(),
-            Ranks::Count(k) => (next..next + k).collect(),
+            Ranks::List(r) => {
+                if let Some(&big) = r.iter().find(|&&x| x >= MAX_RANKS) {
+                    return Err(format!(
+                        "{name}.ranks lists rank {big}; the simulator's limit is {MAX_RANKS} \
+                         ranks (0-{})",
+                        MAX_RANKS - 1
+                    ));
+                }
+                r.clone()
+            }
+            Ranks::Count(k) => match next.checked_add(*k) {
+                Some(end) if end <= MAX_RANKS => (next..end).collect(),
+                _ => {
+                    return Err(format!(
+                        "{name}.ranks = {k} after {next} ranks: more than the simulator's \
+                         limit of {MAX_RANKS} ranks"
+                    ));
+                }
+            },
         };
         next = next.max(ranks.iter().map(|r| r + 1).max().unwrap_or(0));
-        let name = format!("hosts[{h}] ({:?})", s.name);
         check(&format!("{name}.link_gbps"), s.link_gbps, false)?;
         check(
             &format!("{name}.scaleup_gbytes_per_s"),
@@ -507,7 +561,12 @@ fn star_datacenters(
 ) -> Result<(usize, Vec<usize>), String> {
     let dcs = match wan.and_then(|w| w.datacenters) {
         Some(d) => d,
-        None => specs.iter().filter_map(|s| s.dc).max().map_or(1, |d| d + 1),
+        // (A `dc` of `usize::MAX` stays there, and fails the check below.)
+        None => specs
+            .iter()
+            .filter_map(|s| s.dc)
+            .max()
+            .map_or(1, |d| d.saturating_add(1)),
     };
     if dcs > 1 && wan.is_none() {
         return Err(format!(
@@ -681,10 +740,9 @@ fn cluster_symmetry(
     map
 }
 
-fn build_cluster(f: File) -> Result<Fabric, String> {
-    let c = common(&f, true)?;
-    let wan = wan(&f)?;
-    let cs = f.cluster.as_ref().expect("cluster");
+fn build_cluster(f: &File, cs: &ClusterSpec) -> Result<Fabric, String> {
+    let c = common(f, true)?;
+    let wan = wan(f)?;
     let (cl, nic, over) = cluster_shape(cs, wan)?;
     let (hn, hpd, dcs) = (cs.hosts, cl.hosts_per_dc, cl.dcs);
     let world = hn * cl.g;
@@ -708,6 +766,7 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
     // (One leaf group of several hosts: moving hosts would change their places in it, which
     // spread the routes over the spines. No symmetry: at most hosts_per_leaf hosts.)
     let g = cl.g;
+    let (n_nodes, n_links) = (b.nodes.len(), b.links.len());
     let mut fabric = Fabric {
         nodes: b.nodes,
         links: b.links,
@@ -726,6 +785,7 @@ fn build_cluster(f: File) -> Result<Fabric, String> {
             tuner_dcs: c.tuner_dcs,
             wan_gbps: wan.map(|w| w.link_gbps),
             dc_names: (0..dcs).map(|d| format!("dc{d}")).collect(),
+            built_for: [world, n_nodes, n_links, hn],
             ..Layout::default()
         },
     };
@@ -742,6 +802,15 @@ fn cluster_shape(cs: &ClusterSpec, wan: Option<&WanSpec>) -> Result<(Cluster, f6
     }
     if g == 0 {
         return Err("cluster.gpus_per_host must be at least 1, not 0".into());
+    }
+    match hn.checked_mul(g) {
+        Some(world) if world <= MAX_RANKS => {}
+        _ => {
+            return Err(format!(
+                "cluster.hosts ({hn}) times cluster.gpus_per_host ({g}) is more than the \
+                 simulator's limit of {MAX_RANKS} ranks"
+            ));
+        }
     }
     let nic = check("cluster.nic_gbps", cs.nic_gbps, false)?.unwrap_or(400.0);
     let over = check("cluster.oversubscription", cs.oversubscription, false)?.unwrap_or(1.0);
@@ -780,6 +849,23 @@ fn cluster_shape(cs: &ClusterSpec, wan: Option<&WanSpec>) -> Result<(Cluster, f6
         None if need_spines => ((hpl as f64 / over).ceil() as usize).max(1),
         None => 0,
     };
+    // Ranks up and down to their scale-up switch and their leaf, leaves to spines, spines to
+    // routers, the long-haul mesh.
+    let leaves = dcs.checked_mul(gpd).and_then(|x| x.checked_mul(g));
+    let links = leaves
+        .and_then(|l| l.checked_mul(spines))
+        .zip(dcs.checked_mul(spines))
+        .and_then(|(a, b)| a.checked_add(b))
+        .and_then(|x| x.checked_add(hn * g * 2))
+        .and_then(|x| x.checked_mul(2))
+        .zip(dcs.checked_mul(dcs - 1))
+        .and_then(|(a, b)| a.checked_add(b));
+    check_links(
+        &format!(
+            "a cluster of {hn} hosts of {g} ranks, {dcs} datacenters and {spines} spines each"
+        ),
+        links,
+    )?;
     let cl = Cluster {
         g,
         hosts_per_dc: hpd,
@@ -933,4 +1019,184 @@ fn cluster_links(
         ..cl
     };
     (cl, host_gbps)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The error of `text`, which must not parse.
+    fn err(text: &str) -> String {
+        match Fabric::parse(text) {
+            Ok(f) => panic!("parsed into {} nodes: {text}", f.nodes.len()),
+            Err(e) => e,
+        }
+    }
+
+    fn has(e: &str, parts: &[&str]) {
+        for p in parts {
+            assert!(e.contains(p), "{e:?} does not name {p:?}");
+        }
+    }
+
+    #[test]
+    fn a_rank_count_past_the_limit_is_an_error() {
+        let e = err("[[hosts]]\nname = \"a\"\nranks = 2\n\
+                     [[hosts]]\nname = \"b\"\nranks = 18446744073709551615\n");
+        has(
+            &e,
+            &[
+                "hosts[1] (\"b\").ranks",
+                "18446744073709551615",
+                "after 2 ranks",
+            ],
+        );
+        let e = err("[[hosts]]\nname = \"a\"\nranks = 1048577\n");
+        has(&e, &["hosts[0] (\"a\").ranks = 1048577", "1048576"]);
+    }
+
+    #[test]
+    fn a_rank_past_the_limit_is_an_error() {
+        let e = err("[[hosts]]\nname = \"a\"\nranks = [0, 5000000000]\n");
+        has(&e, &["hosts[0] (\"a\").ranks", "rank 5000000000"]);
+        let e = err("[[hosts]]\nname = \"a\"\nranks = [18446744073709551615]\n");
+        has(&e, &["hosts[0] (\"a\")", "rank 18446744073709551615"]);
+    }
+
+    #[test]
+    fn a_cluster_past_the_limits_is_an_error() {
+        let e = err("[cluster]\nhosts = 4294967296\ngpus_per_host = 4294967296\n");
+        has(
+            &e,
+            &["cluster.hosts (4294967296)", "gpus_per_host (4294967296)"],
+        );
+        // A tiny oversubscription asks for more spines than usize holds.
+        let e = err("[cluster]\nhosts = 64\ngpus_per_host = 8\noversubscription = 1e-300\n");
+        has(&e, &["64 hosts of 8 ranks", "links"]);
+        let e = err("[cluster]\nhosts = 64\ngpus_per_host = 8\nspines = 1000000\n");
+        has(&e, &["1000000 spines", "links", "8388608"]);
+    }
+
+    #[test]
+    fn too_many_datacenters_is_an_error() {
+        let hosts = "[[hosts]]\nname = \"a\"\nranks = 1\nlink_gbps = 1\n\
+                     [[hosts]]\nname = \"b\"\nranks = 1\nlink_gbps = 1\n";
+        let e = err(&format!(
+            "{hosts}[wan]\ndatacenters = 1099511627776\ndistance_km = 1\nlink_gbps = 1\n"
+        ));
+        has(&e, &["1099511627776 datacenters", "links"]);
+        let e = err(&format!(
+            "{hosts}dc = 18446744073709551615\n[wan]\ndistance_km = 1\nlink_gbps = 1\n"
+        ));
+        has(&e, &["hosts[1] (\"b\").dc", "18446744073709551615"]);
+    }
+
+    #[test]
+    fn a_rate_that_overflows_once_converted_names_the_link() {
+        let e = err("[[hosts]]\nname = \"a\"\nranks = 1\nlink_gbps = 1\n\
+                     [[hosts]]\nname = \"b\"\nranks = 1\nlink_gbps = inf\n");
+        has(&e, &["hosts[1] (\"b\").link_gbps", "inf"]);
+        let e = err("link_gbps = 1e300\n[[hosts]]\nname = \"a\"\nranks = 1\n\
+                     [[hosts]]\nname = \"b\"\nranks = 1\n");
+        has(&e, &["a.sw->core", "inf bytes/s"]);
+    }
+
+    /// Files to mutate: a star, a cluster, several datacenters.
+    const SEEDS: [&str; 4] = [
+        "link_gbps = 1\nper_message_us = 2\n[[hosts]]\nname = \"a\"\nranks = [0, 1]\n\
+         scaleup_gbytes_per_s = 11\n[[hosts]]\nname = \"b\"\nranks = 2\nlink_gbps = 0.25\n",
+        "[cluster]\nhosts = 4\ngpus_per_host = 2\nhosts_per_leaf = 2\noversubscription = 2\n\
+         rail_nic_gbps = [400, 200]\nnic_overrides = [{hosts = \"0-1\", rails = [1], gbps = 100}]\n",
+        "tuner_hosts = \"datacenters\"\n[cluster]\nhosts = 4\ngpus_per_host = 2\nspines = 3\n\
+         [wan]\ndatacenters = 2\ndistance_km = 100\nlink_gbps = 800\n",
+        "{\"hosts\": [{\"name\": \"a\", \"ranks\": 2, \"link_gbps\": 1, \"dc\": 1}, \
+         {\"name\": \"b\", \"ranks\": [2, 3], \"link_gbps\": 2, \"dc\": 0}], \
+         \"wan\": {\"distance_km\": 10, \"link_gbps\": 1}}",
+    ];
+
+    /// Values put in place of a number of a seed (none makes a fabric so large that a
+    /// case takes long: those are refused by the limits).
+    const VALUES: [&str; 16] = [
+        "0",
+        "1",
+        "2",
+        "3",
+        "7",
+        "-1",
+        "0.5",
+        "1e300",
+        "1e-320",
+        "nan",
+        "inf",
+        "-inf",
+        "4294967296",
+        "18446744073709551615",
+        "99999999999999999999999",
+        "\"x\"",
+    ];
+
+    /// The byte ranges of the numbers in `text`.
+    fn numbers(text: &str) -> Vec<(usize, usize)> {
+        let b = text.as_bytes();
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < b.len() {
+            if b[i].is_ascii_digit() {
+                let s = i;
+                while i < b.len() && (b[i].is_ascii_digit() || b[i] == b'.') {
+                    i += 1;
+                }
+                out.push((s, i));
+            } else {
+                i += 1;
+            }
+        }
+        out
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(4096))]
+        /// Any seed with some of its numbers replaced by odd values, a line dropped, or
+        /// cut short parses or fails with an error: it never panics.
+        #[test]
+        fn mutated_files_parse_or_fail_without_panicking(
+            seed in 0..SEEDS.len(),
+            subs in proptest::collection::vec((0..64usize, 0..VALUES.len()), 0..6),
+            drop_line in proptest::option::of(0..16usize),
+            cut in proptest::option::of(0..400usize),
+        ) {
+            let mut text = SEEDS[seed].to_string();
+            for (k, v) in subs {
+                let nums = numbers(&text);
+                if nums.is_empty() {
+                    break;
+                }
+                let (s, e) = nums[k % nums.len()];
+                text.replace_range(s..e, VALUES[v]);
+            }
+            if let Some(l) = drop_line {
+                let lines: Vec<&str> = text.lines().collect();
+                let l = l % lines.len();
+                text = lines
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, _)| i != l)
+                    .map(|(_, x)| *x)
+                    .collect::<Vec<_>>()
+                    .join("\n");
+            }
+            if let Some(c) = cut
+                && c < text.len()
+                && text.is_char_boundary(c)
+            {
+                text.truncate(c);
+            }
+            match Fabric::parse(&text) {
+                Ok(f) => {
+                    f.validate().map_err(proptest::test_runner::TestCaseError::fail)?;
+                }
+                Err(e) => proptest::prop_assert!(!e.is_empty()),
+            }
+        }
+    }
 }

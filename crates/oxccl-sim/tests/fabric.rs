@@ -29,7 +29,7 @@ impl Rng {
 
 fn route(f: &Fabric, a: usize, b: usize, key: u64) -> Vec<usize> {
     let mut out = Vec::new();
-    f.route(a, b, key, &mut out);
+    f.route(a, b, key, &mut out).expect("a route");
     out
 }
 
@@ -237,7 +237,8 @@ fn a_16k_rank_cluster_is_built_and_routed_fast() {
     let mut hops = 0;
     for i in 0..1_000_000u64 {
         out.clear();
-        f.route(rng.below(16384), rng.below(16384), i, &mut out);
+        f.route(rng.below(16384), rng.below(16384), i, &mut out)
+            .expect("a route");
         hops += out.len();
     }
     let routed = t.elapsed();

@@ -89,7 +89,7 @@ proptest! {
             let now = t as f64 * 1e-3;
             match op {
                 Op::Add(path) => {
-                    let id = net.add(now, &path, 1e9);
+                    let id = net.add(now, &path, 1e9).unwrap();
                     active.push((id, path));
                 }
                 Op::Remove(i) => {

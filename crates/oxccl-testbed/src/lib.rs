@@ -240,14 +240,16 @@ impl Shaping {
 
     /// The `tbf` bucket size in bytes for `rate_mbit`.
     pub fn burst_bytes(&self, rate_mbit: u64) -> u64 {
-        (rate_mbit * self.burst_us / 8)
+        // Saturating: an absurd rate or time gives an absurd size that `tc` refuses, not an
+        // overflow.
+        (rate_mbit.saturating_mul(self.burst_us) / 8)
             .max(32 * 1024)
             .max(2 * self.frame())
     }
 
     /// The bulk queue in bytes for `rate_mbit`.
     pub fn queue_bytes(&self, rate_mbit: u64) -> u64 {
-        (rate_mbit * self.queue_us / 8)
+        (rate_mbit.saturating_mul(self.queue_us) / 8)
             .max(64 * 1024)
             .max(4 * self.frame())
     }
@@ -257,7 +259,7 @@ impl Shaping {
         let (burst, queue) = (self.burst_bytes(rate_mbit), self.queue_bytes(rate_mbit));
         let mut b = format!(
             "qdisc add dev {dev} root handle 1: tbf rate {rate_mbit}mbit burst {burst} limit {}\n",
-            burst + queue
+            burst.saturating_add(queue)
         );
         if self.small_first {
             // The classes' own rates only have to be out of reach; tbf does the shaping.
@@ -281,7 +283,7 @@ impl Shaping {
         let (burst, queue) = (self.burst_bytes(rate_mbit), self.queue_bytes(rate_mbit));
         let mut b = format!(
             "qdisc change dev {dev} root handle 1: tbf rate {rate_mbit}mbit burst {burst} limit {}\n",
-            burst + queue
+            burst.saturating_add(queue)
         );
         if self.small_first {
             b += &format!("qdisc change dev {dev} parent 10:2 handle 12: bfifo limit {queue}\n");
@@ -391,6 +393,7 @@ pub fn require(test: &str, prerequisite: Result<(), String>) -> bool {
     match prerequisite {
         Ok(()) => true,
         Err(reason) if in_ci() => {
+            // Kept: failing the calling test under CI is what this test helper is for.
             panic!("{test}: prerequisite missing under CI=true (nothing may skip in CI): {reason}")
         }
         Err(reason) => {
@@ -478,7 +481,7 @@ impl Testbed {
             let addr = format!("{}/24", self.host_addr(i));
             ip(&["-n", &h, "addr", "add", &addr, "dev", "eth0"])?;
             ip(&["-n", &h, "link", "set", "eth0", "up"])?;
-            let rate = self.rate_mbit(i);
+            let rate = self.rate_mbit(i)?;
             if rate.is_some() {
                 self.shape(i, rate)?;
             }
@@ -522,24 +525,41 @@ impl Testbed {
     }
 
     /// Host `i`'s link rate in Mbit/s, `None` when unshaped.
-    pub fn rate_mbit(&self, i: usize) -> Option<u64> {
-        self.rates.lock().unwrap_or_else(|e| e.into_inner())[i]
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `i` is not a host of this bed.
+    pub fn rate_mbit(&self, i: usize) -> Result<Option<u64>, Error> {
+        let rates = self.rates.lock().unwrap_or_else(|e| e.into_inner());
+        rates
+            .get(i)
+            .copied()
+            .ok_or_else(|| Error::Invalid(format!("host {i} of a {}-host test bed", rates.len())))
     }
 
     /// A command that runs `program` inside host `i` (through `ip netns exec`), with
     /// [`ENV_HOST`], [`ENV_HOSTS`], [`ENV_ADDR`] and [`ENV_ADDRS`] set. Add arguments,
-    /// environment and stdio as with any [`Command`].
+    /// environment and stdio as with any [`Command`]. [`Testbed::try_command`] returns the
+    /// error instead of panicking.
     ///
     /// # Panics
-    /// If `i` is not a host of this bed.
+    /// If `i` is not a host of this bed (a test's own mistake: the tests index their beds
+    /// with constants).
     pub fn command(&self, i: usize, program: impl AsRef<OsStr>) -> Command {
-        let n = self.len();
-        assert!(i < n, "host {i} of a {n}-host test bed");
-        host_command(&self.name, i, n, program)
+        match self.try_command(i, program) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`Testbed::command`], or [`Error::Invalid`] naming the host when `i` is not a host of
+    /// this bed.
+    pub fn try_command(&self, i: usize, program: impl AsRef<OsStr>) -> Result<Command, Error> {
+        host_command(&self.name, i, self.len(), program)
     }
 
     /// Starts `program args...` inside host `i`. The child is killed at the latest when the
-    /// bed is dropped.
+    /// bed is dropped. A host outside the bed is an [`std::io::ErrorKind::InvalidInput`]
+    /// error that names it.
     pub fn spawn<I, S>(
         &self,
         i: usize,
@@ -550,7 +570,11 @@ impl Testbed {
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
-        let child = self.command(i, program).args(args).spawn()?;
+        let child = self
+            .try_command(i, program)
+            .map_err(invalid_input)?
+            .args(args)
+            .spawn()?;
         self.spawned
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -558,7 +582,8 @@ impl Testbed {
         Ok(child)
     }
 
-    /// Runs `program args...` inside host `i` to completion and collects its output.
+    /// Runs `program args...` inside host `i` to completion and collects its output. A host
+    /// outside the bed is an [`std::io::ErrorKind::InvalidInput`] error that names it.
     pub fn output<I, S>(
         &self,
         i: usize,
@@ -569,7 +594,8 @@ impl Testbed {
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
-        self.command(i, program)
+        self.try_command(i, program)
+            .map_err(invalid_input)?
             .args(args)
             .stdin(Stdio::null())
             .output()
@@ -664,6 +690,7 @@ fn claim_name(owner: u32) -> Result<String, Error> {
             }
         }
     }
+    // The loop ran (1000 times) and every pass that did not return set `last_err`.
     Err(last_err.expect("tried at least once"))
 }
 
@@ -677,13 +704,31 @@ pub fn host_netns(bed: &str, i: usize) -> String {
 /// # Panics
 /// If `i >= MAX_HOSTS`.
 pub fn host_addr(i: usize) -> Ipv4Addr {
+    // Kept (documented): every caller passes a host of a bed (below `MAX_HOSTS`), which
+    // `host_command` and `Testbed::new` check; the tests index beds with constants.
     assert!(i < MAX_HOSTS, "host {i} (at most {MAX_HOSTS})");
     Ipv4Addr::new(10, 77, 0, i as u8 + 1)
 }
 
 /// A command that runs `program` inside host `i` of the `n`-host bed `bed`; what
 /// [`Testbed::command`] returns, for a bed known only by name.
-pub fn host_command(bed: &str, i: usize, n: usize, program: impl AsRef<OsStr>) -> Command {
+///
+/// # Errors
+/// [`Error::Invalid`] when `i` is not below `n`, or `n` is above [`MAX_HOSTS`].
+pub fn host_command(
+    bed: &str,
+    i: usize,
+    n: usize,
+    program: impl AsRef<OsStr>,
+) -> Result<Command, Error> {
+    if n > MAX_HOSTS {
+        return Err(Error::Invalid(format!(
+            "a bed of {n} hosts (at most {MAX_HOSTS})"
+        )));
+    }
+    if i >= n {
+        return Err(Error::Invalid(format!("host {i} of a {n}-host test bed")));
+    }
     let mut c = Command::new(tool("ip"));
     c.args(["netns", "exec"])
         .arg(host_netns(bed, i))
@@ -693,13 +738,28 @@ pub fn host_command(bed: &str, i: usize, n: usize, program: impl AsRef<OsStr>) -
         .env(ENV_HOSTS, n.to_string())
         .env(ENV_ADDR, host_addr(i).to_string())
         .env(ENV_ADDRS, addrs.join(","));
-    c
+    Ok(c)
+}
+
+/// An [`Error`] as an I/O error of kind `InvalidInput` (for the functions that return
+/// [`std::io::Result`]).
+fn invalid_input(e: Error) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string())
 }
 
 /// Shapes host `i`'s link of the bed `bed` (both directions) to `rate_mbit` with `shaping`
 /// (`None`: unshaped); what [`Testbed::set_rate`] does, for a bed known only by name. A link
 /// that is already shaped keeps what it has queued.
+///
+/// # Errors
+/// [`Error::Invalid`] for a rate of 0; [`Error::Command`] when `tc` fails (no such bed or
+/// host: its namespace does not exist).
 pub fn reshape(bed: &str, i: usize, rate_mbit: Option<u64>, shaping: Shaping) -> Result<(), Error> {
+    if rate_mbit == Some(0) {
+        return Err(Error::Invalid(format!(
+            "a rate of 0 Mbit/s for host {i} of {bed}"
+        )));
+    }
     let h = host_netns(bed, i);
     let br = format!("{bed}-br");
     let port = format!("h{i}");
@@ -792,7 +852,7 @@ pub fn list() -> Result<Vec<BedInfo>, Error> {
                     hosts: 0,
                     namespaces: Vec::new(),
                 });
-                beds.last_mut().unwrap()
+                beds.last_mut().expect("just pushed")
             }
         };
         if ns.rsplit('-').next().is_some_and(|r| r.starts_with('h')) {
@@ -902,7 +962,12 @@ fn tc_batch(ns: &str, lines: &str) -> Result<(), Error> {
             source,
         })?;
     // A write error means tc exited early; its status and stderr say why.
-    let _ = child.stdin.take().unwrap().write_all(lines.as_bytes());
+    // (Dropped at the end of the statement: tc sees the end of its input.)
+    let _ = child
+        .stdin
+        .take()
+        .expect("stdin is piped")
+        .write_all(lines.as_bytes());
     let out = child.wait_with_output().map_err(|source| Error::Spawn {
         command: format!("tc -n {ns} -batch -"),
         source,
@@ -1004,6 +1069,47 @@ fn probe() -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A host outside the bed, or a bed past `MAX_HOSTS`, is an error naming it (it was an
+    /// assertion in `Testbed::command` and a panic in `host_addr`).
+    #[test]
+    fn a_command_for_a_host_outside_the_bed_is_an_error() {
+        let e = host_command("oxtb1-2", 4, 4, "true").unwrap_err();
+        assert!(matches!(e, Error::Invalid(_)), "{e:?}");
+        assert!(e.to_string().contains("host 4 of a 4-host test bed"), "{e}");
+        let e = host_command("oxtb1-2", 0, 300, "true").unwrap_err();
+        assert!(e.to_string().contains("300 hosts (at most 250)"), "{e}");
+        let c = host_command("oxtb1-2", 3, 4, "true").unwrap();
+        assert_eq!(
+            c.get_args().collect::<Vec<_>>(),
+            ["netns", "exec", "oxtb1-2-h3", "true"]
+        );
+    }
+
+    /// A rate of 0 is refused before `tc` runs (it needs no root).
+    #[test]
+    fn reshaping_to_zero_is_an_error() {
+        let e = reshape("oxtb1-2", 3, Some(0), Shaping::default()).unwrap_err();
+        assert!(matches!(e, Error::Invalid(_)), "{e:?}");
+        assert!(e.to_string().contains("host 3 of oxtb1-2"), "{e}");
+    }
+
+    /// Sizes of absurd rates saturate instead of overflowing (`tc` then refuses them).
+    #[test]
+    fn absurd_rates_saturate() {
+        let s = Shaping {
+            burst_us: u64::MAX,
+            queue_us: u64::MAX,
+            ..Shaping::default()
+        };
+        assert_eq!(s.burst_bytes(u64::MAX), u64::MAX / 8);
+        assert_eq!(s.queue_bytes(2), u64::MAX / 8);
+        let (burst, limit) = (u64::MAX / 8, u64::MAX / 8 * 2);
+        let b = s.tc_batch("eth0", u64::MAX);
+        assert!(b.contains(&format!("burst {burst} limit {limit}\n")), "{b}");
+        let b = s.tc_batch_change("eth0", u64::MAX);
+        assert!(b.contains(&format!("burst {burst} limit {limit}\n")), "{b}");
+    }
 
     #[test]
     fn names_parse() {

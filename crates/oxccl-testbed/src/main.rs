@@ -195,6 +195,7 @@ fn exec(args: &[String]) -> Result<(), String> {
     };
     let (i, n) = host_index(name, host)?;
     let err = oxccl_testbed::host_command(name, i, n, program)
+        .map_err(|e| e.to_string())?
         .args(pargs)
         .exec();
     Err(format!("exec: {err}"))

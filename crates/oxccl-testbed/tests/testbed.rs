@@ -178,7 +178,7 @@ fn set_rate_reshapes_a_running_bed() {
     };
     assert!(!qdisc(&tb.host_netns(0), "eth0").contains("tbf"));
     tb.set_rate(0, Some(100)).unwrap();
-    assert_eq!(tb.rate_mbit(0), Some(100));
+    assert_eq!(tb.rate_mbit(0).unwrap(), Some(100));
     assert!(qdisc(&tb.host_netns(0), "eth0").contains("rate 100Mbit"));
     assert!(qdisc(&tb.bridge_netns(), "h0").contains("rate 100Mbit"));
     // Small packets first: a priority band under the shaper.
@@ -191,11 +191,21 @@ fn set_rate_reshapes_a_running_bed() {
     let mbit = finish_stream(start_stream(&tb, 1, 0, 5000, 1.0));
     check_rate("host 1 -> host 0 after set_rate(0, 100)", mbit, 100);
     tb.set_rate(0, None).unwrap();
-    assert_eq!(tb.rate_mbit(0), None);
+    assert_eq!(tb.rate_mbit(0).unwrap(), None);
     assert!(!qdisc(&tb.host_netns(0), "eth0").contains("tbf"));
     assert!(!qdisc(&tb.bridge_netns(), "h0").contains("tbf"));
     assert!(tb.set_rate(2, Some(1)).is_err());
     assert!(tb.set_rate(0, Some(0)).is_err());
+    // A host outside the bed: errors that name it, not index panics.
+    let e = tb.rate_mbit(2).unwrap_err().to_string();
+    assert!(e.contains("host 2 of a 2-host test bed"), "{e}");
+    let e = tb.output(7, "true", [""; 0]).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+    assert!(e.to_string().contains("host 7 of a 2-host test bed"), "{e}");
+    let e = tb.spawn(2, "true", [""; 0]).unwrap_err();
+    assert!(e.to_string().contains("host 2 of a 2-host test bed"), "{e}");
+    assert!(tb.try_command(2, "true").is_err());
+    assert!(tb.output(1, "true", [""; 0]).unwrap().status.success());
 }
 
 #[test]

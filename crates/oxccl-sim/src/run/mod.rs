@@ -269,17 +269,25 @@ pub fn host_link_gbps(fabric: &Fabric) -> Vec<Option<f64>> {
     const MANY: usize = usize::MAX - 1;
     // The host each node belongs to (ranks: theirs; switches: the one host among their rank
     // neighbours, if only one).
+    // (On a fabric that `Fabric::validate` refuses, links to missing nodes and ranks on
+    // missing hosts are left out rather than indexed.)
+    let hosts = fabric.hosts.len();
     let mut owner = vec![NONE; fabric.nodes.len()];
     for (i, n) in fabric.nodes.iter().enumerate() {
-        if let NodeKind::Rank { host } = n.kind {
+        if let NodeKind::Rank { host } = n.kind
+            && host < hosts
+        {
             owner[i] = host;
         }
     }
-    let mut sw = vec![NONE; fabric.nodes.len()];
-    for l in &fabric.links {
+    let n = fabric.nodes.len();
+    let links = || fabric.links.iter().filter(move |l| l.from < n && l.to < n);
+    let mut sw = vec![NONE; n];
+    for l in links() {
         for (s, r) in [(l.from, l.to), (l.to, l.from)] {
             if let (NodeKind::Switch { .. }, NodeKind::Rank { host }) =
                 (&fabric.nodes[s].kind, &fabric.nodes[r].kind)
+                && *host < hosts
             {
                 sw[s] = match sw[s] {
                     NONE => *host,
@@ -294,8 +302,8 @@ pub fn host_link_gbps(fabric: &Fabric) -> Vec<Option<f64>> {
             owner[i] = h;
         }
     }
-    let mut rate = vec![0.0f64; fabric.hosts.len()];
-    for l in &fabric.links {
+    let mut rate = vec![0.0f64; hosts];
+    for l in links() {
         let h = owner[l.from];
         if h != NONE && owner[l.to] != h {
             rate[h] += l.bytes_per_s * 8.0 / 1e9;
@@ -365,15 +373,63 @@ pub fn simulate(fabric: &Fabric, spec: &Spec) -> Result<Report, String> {
     simulate_with(fabric, spec, &Options::default())
 }
 
+/// The most bytes a simulated rank's buffer may hold (1 PiB): the simulator refuses larger
+/// calls rather than overflow while sizing them.
+pub const MAX_BUFFER_BYTES: u128 = 1 << 50;
+
+/// Checks that `spec`'s buffers fit [`MAX_BUFFER_BYTES`] on `world` ranks (each rank's input
+/// and output, counts times the element size), so that sizing them cannot overflow.
+fn check_spec(spec: &Spec, world: usize) -> Result<(), String> {
+    if spec.elem_size == 0 {
+        return Err("elements of 0 bytes".into());
+    }
+    let n = world as u128;
+    // Elements of the larger of a rank's input and output.
+    let elems: u128 = match &spec.coll {
+        Collective::AllReduce { count }
+        | Collective::Broadcast { count, .. }
+        | Collective::Reduce { count, .. }
+        | Collective::Send { count, .. }
+        | Collective::Recv { count, .. } => *count as u128,
+        Collective::ReduceScatter { count }
+        | Collective::AllGather { count }
+        | Collective::AllToAll { count }
+        | Collective::Gather { count, .. }
+        | Collective::Scatter { count, .. } => *count as u128 * n,
+        Collective::AllToAllV {
+            send_counts,
+            recv_counts,
+        } => {
+            let sum = |v: &[usize]| v.iter().map(|&c| c as u128).sum::<u128>();
+            sum(send_counts).max(sum(recv_counts))
+        }
+        Collective::Barrier => 0,
+    };
+    let bytes = elems.saturating_mul(spec.elem_size as u128);
+    if bytes > MAX_BUFFER_BYTES {
+        return Err(format!(
+            "{} of {elems} elements of {} bytes on {world} ranks: a rank's buffer would \
+             hold {bytes} bytes, more than the simulator's limit of {MAX_BUFFER_BYTES} (1 PiB)",
+            spec.coll.name(),
+            spec.elem_size
+        ));
+    }
+    Ok(())
+}
+
 /// Runs `spec` on `fabric` with `opts`.
+///
+/// # Errors
+/// A fabric that [`Fabric::validate`] refuses, a spec whose buffers are too large
+/// ([`MAX_BUFFER_BYTES`]) or whose schedules can't be built, ranks that must talk and can't
+/// reach each other, and a run that can't finish (the error says which rank waits for what).
 pub fn simulate_with(fabric: &Fabric, spec: &Spec, opts: &Options) -> Result<Report, String> {
     let world = fabric.world;
     if world == 0 {
         return Err("the fabric has no rank".into());
     }
-    if spec.elem_size == 0 {
-        return Err("elements of 0 bytes".into());
-    }
+    fabric.validate()?;
+    check_spec(spec, world)?;
     let tuning = tuning(fabric, spec);
     let req0 = tuning.request(&spec.coll, spec.elem_size, 0, spec.in_place);
     let algo = req0.algo;
@@ -527,7 +583,8 @@ fn par_map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
             })
             .collect();
         hs.into_iter()
-            .flat_map(|h| h.join().expect("a worker"))
+            // A worker fails only if `f` panicked: carry that panic on, as a loop would.
+            .flat_map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
             .collect()
     });
     got.sort_unstable_by_key(|x| x.0);
@@ -568,7 +625,8 @@ pub fn protocol_config(tuning: &Tuning, esize: usize) -> Config {
         slots: tuning.slots,
         channels: tuning.channels,
     }
-    .config(esize)
+    // (Elements of 0 bytes, which `simulate` refuses, as 1: the geometry divides by it.)
+    .config(esize.max(1))
 }
 
 /// A step's trace name and bytes.

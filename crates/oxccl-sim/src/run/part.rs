@@ -297,6 +297,7 @@ pub(super) fn dep_done(ndeps: &mut [u8], many: &mut HashMap<u32, u32>, i: usize)
         *n -= 1;
         return *n == 0;
     }
+    // A count of u8::MAX means it is kept in `many` (`Part::new` put it there).
     let m = many.get_mut(&(i as u32)).expect("counted aside");
     *m -= 1;
     if *m < u8::MAX as u32 {

@@ -131,6 +131,7 @@ impl<'a> Sim<'a> {
         for (i, part) in parts.iter_mut().enumerate() {
             part_of[part.rank] = i as u32;
             if part.rank == world {
+                // The aggregator's part (rank `world`) is made only with an aggregator node.
                 let node = agg_node.expect("an aggregator");
                 part.node = node;
                 part.reduce_rate = match fabric.nodes[node].kind {
@@ -151,34 +152,44 @@ impl<'a> Sim<'a> {
                 1.0
             };
             for sq in &mut part.sendq {
+                // `Part::new` refused a peer above `world`, and `world` without an aggregator.
                 let (from, to) = (part.node, node_of(sq.peer).expect("checked"));
                 sq.per_message_s = message_s(from, to);
                 scratch.clear();
-                fabric.route(to, from, sq.ch as u64, &mut scratch);
+                fabric
+                    .route(to, from, sq.ch as u64, &mut scratch)
+                    .map_err(|e| format!("rank {}'s credits: {e}", sq.peer))?;
                 sq.credit_delay = message_s(to, from)
                     + scratch
                         .iter()
                         .map(|&l| fabric.links[l].latency_s)
                         .sum::<f64>();
-                sq.route = *routes.entry((from, to, sq.ch)).or_insert_with(|| {
-                    scratch.clear();
-                    // The key: the channel (a queue is one connection), the same for every
-                    // flow of an orbit.
-                    fabric.route(from, to, sq.ch as u64, &mut scratch);
-                    let mut path: Vec<(u32, f64)> = Vec::new();
-                    let mut latency = 0.0;
-                    for &l in &scratch {
-                        latency += fabric.links[l].latency_s;
-                        let c = links.cycle_of[l];
-                        let w = m / links.len_of(l) as f64;
-                        match path.iter_mut().find(|(x, _)| *x == c) {
-                            Some(e) => e.1 += w,
-                            None => path.push((c, w)),
+                sq.route = match routes.entry((from, to, sq.ch)) {
+                    std::collections::hash_map::Entry::Occupied(e) => *e.get(),
+                    std::collections::hash_map::Entry::Vacant(e) => {
+                        scratch.clear();
+                        // The key: the channel (a queue is one connection), the same for every
+                        // flow of an orbit.
+                        fabric
+                            .route(from, to, sq.ch as u64, &mut scratch)
+                            .map_err(|e| {
+                                format!("rank {}'s sends to {}: {e}", part.rank, sq.peer)
+                            })?;
+                        let mut path: Vec<(u32, f64)> = Vec::new();
+                        let mut latency = 0.0;
+                        for &l in &scratch {
+                            latency += fabric.links[l].latency_s;
+                            let c = links.cycle_of[l];
+                            let w = m / links.len_of(l) as f64;
+                            match path.iter_mut().find(|(x, _)| *x == c) {
+                                Some(e) => e.1 += w,
+                                None => path.push((c, w)),
+                            }
                         }
+                        route_list.push(Route { path, latency });
+                        *e.insert((route_list.len() - 1) as u32)
                     }
-                    route_list.push(Route { path, latency });
-                    (route_list.len() - 1) as u32
-                });
+                };
             }
         }
         // Link classes: the link cycles, capacity of their lowest link.
@@ -304,7 +315,7 @@ impl<'a> Sim<'a> {
                     .peek_time()
                     .is_some_and(|e| f64::from_bits(e) == t)
                 {
-                    let (_, ev) = self.events_at.pop().expect("peeked");
+                    let (_, ev) = self.events_at.pop().expect("peeked"); // just seen, not popped
                     self.work.push_back(Ev::unpack(ev));
                     self.drain_work();
                 } else if let Some((d, f)) = self.net.next_drain()
@@ -550,7 +561,12 @@ impl<'a> Sim<'a> {
             self.work.push_back(Ev::Drained(p, q));
             return;
         }
-        let f = self.net.add(self.now, &self.route_list[r].path, len as f64);
+        // Routes name this net's classes with weights m/|O| > 0, and a fragment with a
+        // flow has bytes (see `Sim::new` and the caller).
+        let f = self
+            .net
+            .add(self.now, &self.route_list[r].path, len as f64)
+            .expect("a route of this net, and bytes");
         if self.flow_info.len() <= f as usize {
             self.flow_info.resize(f as usize + 1, (0, 0));
         }
@@ -568,6 +584,7 @@ impl<'a> Sim<'a> {
         sq.busy = false;
         sq.xmit_frag += 1;
         let latency = self.route_list[sq.route as usize].latency;
+        // `Sim::run` connected every send queue (`Sim::connect`) before any fragment left.
         let (tp, rq) = sq.target.expect("connected");
         // Its last signaled fragment completed: done if every fragment is posted too.
         let done = k == sig && sq.post != s;
@@ -666,6 +683,8 @@ impl<'a> Sim<'a> {
         let consumed = part.recvs.get(q).consumed;
         part.recvs.credit_sent(q, consumed);
         let leaves = self.now.max(part.cpu_free);
+        // A credit is due only after fragments arrived on this queue, so a send queue
+        // feeds it and `Sim::connect` recorded which.
         let (sp, sq) = part.recvq[q].source.expect("connected");
         let send = &mut self.parts[sp as usize].sendq[sq as usize];
         send.credits.push_back(consumed);
@@ -677,6 +696,7 @@ impl<'a> Sim<'a> {
     /// A credit arrived at send queue `q` of `p`: its slots are free.
     pub(super) fn credit_arrived(&mut self, p: u32, q: u32) {
         let part = &mut self.parts[p as usize];
+        // Every `Ev::Credit` was pushed with its count (`Sim::return_credit`).
         let consumed = part.sendq[q as usize]
             .credits
             .pop_front()

@@ -138,3 +138,48 @@ fn big_steps_and_many_dependencies_are_kept_aside() {
     assert_eq!(p.shape.send_first, vec![(0, n + 1)]);
     assert_eq!(p.shape.queue_steps(0).count(), n as usize + 1);
 }
+
+/// Counts whose buffers would overflow while the core sizes them are refused first, with
+/// the collective, the counts and the limit named (they panicked with an overflow in the
+/// tuner or in `Config::fragment` before).
+#[test]
+fn counts_too_large_to_size_are_an_error() {
+    let f = Fabric::parse("[[hosts]]\nname = \"a\"\nranks = 4\n").unwrap();
+    let cases = [
+        (Collective::AllReduce { count: usize::MAX }, 4, "all_reduce"),
+        (Collective::AllGather { count: 1 << 62 }, 1, "all_gather"),
+        (
+            Collective::AllToAllV {
+                send_counts: vec![usize::MAX; 4],
+                recv_counts: vec![1; 4],
+            },
+            4,
+            "all_to_allv",
+        ),
+        (
+            Collective::Broadcast { count: 1, root: 0 },
+            usize::MAX,
+            "broadcast",
+        ),
+    ];
+    for (coll, elem, name) in cases {
+        let spec = Spec::new(coll, elem);
+        let e = simulate(&f, &spec).unwrap_err();
+        assert!(
+            e.contains(name) && e.contains("4 ranks") && e.contains(&MAX_BUFFER_BYTES.to_string()),
+            "{e}"
+        );
+    }
+    // At the limit: sized, and simulated (a broadcast of 1 PiB in one fragment).
+    let spec = Spec {
+        chunk_bytes: Some(1 << 50),
+        ..Spec::new(
+            Collective::Broadcast {
+                count: 1 << 48,
+                root: 0,
+            },
+            4,
+        )
+    };
+    assert!(simulate(&f, &spec).unwrap().time_s > 0.0);
+}

@@ -511,21 +511,13 @@ impl Engine {
         timeout: Duration,
     ) -> Result<()> {
         let mut rec = Record::Pending(info);
-        // (Success is told afresh rather than passed on: the result is 96 bytes, a copy of it
-        // on every call, read back wider than it was written, stalls.)
-        match self.execute_recorded(std::slice::from_ref(spec), timeout, &mut rec) {
-            Ok(()) => {
-                let id = rec.start(&self.probe);
-                flight::end(&self.probe, id, &spec.desc, &Ok(()));
-                Ok(())
-            }
-            Err(e) => {
-                let id = rec.start(&self.probe);
-                let r = Err(e);
-                flight::end(&self.probe, id, &spec.desc, &r);
-                r
-            }
-        }
+        let r = self.execute_recorded(std::slice::from_ref(spec), timeout, &mut rec);
+        let id = rec.start(&self.probe);
+        flight::end(&self.probe, id, &spec.desc, &r);
+        // (Success is told afresh rather than passed on: the result is 96 bytes, and a copy of
+        // it on every call, read back wider than it was written, stalls.)
+        r?;
+        Ok(())
     }
 
     /// Runs several calls at once (a group: `group_start` ... `group_end`), each through its
@@ -701,13 +693,10 @@ impl Engine {
                 .flows
                 .pass_turns(call.calls.iter().filter_map(|o| o.m.as_ref()));
         }
-        let failed = match call.run_to_end(timeout, rec) {
-            Ok(()) => None,
-            Err(e) => {
-                call.stop_after_error();
-                Some(e)
-            }
-        };
+        let r = call.run_to_end(timeout, rec);
+        if r.is_err() {
+            call.stop_after_error();
+        }
         let Call {
             eng,
             calls,
@@ -723,10 +712,8 @@ impl Engine {
             eng.reuse = m.take_reuse();
         }
         // (Success told afresh, not passed on: see `execute`.)
-        match failed {
-            None => Ok(()),
-            Some(e) => Err(e),
-        }
+        r?;
+        Ok(())
     }
 
     /// What each metered (tcp) link delivered since the last time this was called, with the

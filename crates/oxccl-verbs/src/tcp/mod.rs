@@ -957,6 +957,15 @@ impl Shared {
             conn.refused(hello.initiator, why);
             return refuse(&sock, verdict, why);
         }
+        // A sealed handshake that cannot go on here (no randomness, no record number).
+        let refuse_sealing = |step: &str, e: oxccl_seal::SealError| {
+            let why = format!(
+                "sealed handshake (connection {} of {}): {step}: {e}",
+                hello.index, hello.count
+            );
+            conn.refused(hello.initiator, &why);
+            refuse(&sock, Verdict::Refused, &why)
+        };
         let nonce = match conn
             .seal
             .as_ref()
@@ -964,14 +973,7 @@ impl Shared {
             .transpose()
         {
             Ok(n) => n,
-            Err(e) => {
-                let why = format!(
-                    "sealed handshake (connection {} of {}): drawing this side's nonce: {e}",
-                    hello.index, hello.count
-                );
-                conn.refused(hello.initiator, &why);
-                return refuse(&sock, Verdict::Refused, &why);
-            }
+            Err(e) => return refuse_sealing("drawing this side's nonce", e),
         };
         let reply = frame::encode_reply(&Reply {
             verdict: Verdict::Accepted,
@@ -990,13 +992,7 @@ impl Shared {
                     &transcript(buf, &reply),
                 );
                 if let Err(e) = s.tx.seal(frame::FINISHED, &mut out) {
-                    let why = format!(
-                        "sealed handshake (connection {} of {}): sealing the key confirmation: \
-                         {e}",
-                        hello.index, hello.count
-                    );
-                    conn.refused(hello.initiator, &why);
-                    return refuse(&sock, Verdict::Refused, &why);
+                    return refuse_sealing("sealing the key confirmation", e);
                 }
                 Some(s)
             }

@@ -98,7 +98,7 @@ impl Call<'_, '_> {
     /// call waits for will set.
     fn watch_awaited(&self, geo: &Geometry) {
         if let Some((l, total)) = self.awaited_message() {
-            self.watch_message(l, total, geo, false);
+            self.watch_message(l, total, geo, false, &mut wait::Yields::None);
         }
     }
 
@@ -135,17 +135,36 @@ impl Call<'_, '_> {
         if !idle.napping && !idle.polls.is_multiple_of(wait::WATCH_YIELDS) {
             let yielding = policy.yields(self.spun_out);
             if written {
-                if !self.poll_cqs()? && yielding {
-                    std::thread::yield_now();
+                if self.poll_cqs()? {
+                    return Ok(Turn::Again);
                 }
-                return Ok(Turn::Again);
-            }
-            // Watch the one word the call waits for, rather than make passes: the message is
-            // taken as soon as it lands. A watch (64 spins or 32 yields) stands for many
-            // passes, so the clock is read after one that fails.
-            match awaited.and_then(|(l, total)| self.watch_message(l, total, &geo, yielding)) {
-                Some(false) => idle.polls = idle.polls.next_multiple_of(wait::WATCH_YIELDS),
-                _ => return Ok(Turn::Again),
+                // A pass here is a system call or more (the provider reads its sockets): the
+                // clock costs little beside it, so the spin is measured in time, not passes,
+                // and a short one (a peer shares this CPU) yields as soon as it is over.
+                let since = *idle.since.get_or_insert_with(Instant::now);
+                match policy.pause(since.elapsed()) {
+                    // The full pass below sleeps.
+                    wait::Pause::Sleep => {}
+                    wait::Pause::Spin if !yielding => return Ok(Turn::Again),
+                    _ => {
+                        self.spun_out = true;
+                        self.yields.cede();
+                        return Ok(Turn::Again);
+                    }
+                }
+            } else {
+                // Watch the one word the call waits for, rather than make passes: the message
+                // is taken as soon as it lands. A watch (64 spins or 32 yields) stands for many
+                // passes, so the clock is read after one that fails.
+                let mut yields = self.yields;
+                let watched = awaited.and_then(|(l, total)| {
+                    self.watch_message(l, total, &geo, yielding, &mut yields)
+                });
+                self.yields = yields;
+                match watched {
+                    Some(false) => idle.polls = idle.polls.next_multiple_of(wait::WATCH_YIELDS),
+                    _ => return Ok(Turn::Again),
+                }
             }
         }
         self.sync_machine(idle);
@@ -166,7 +185,7 @@ impl Call<'_, '_> {
             wait::Pause::Spin => std::hint::spin_loop(),
             wait::Pause::Yield => {
                 self.spun_out = true;
-                std::thread::yield_now();
+                self.yields.cede();
             }
             wait::Pause::Sleep if written => {
                 // Sleep on the completion queues, where the message's completion comes.
@@ -202,12 +221,13 @@ impl Call<'_, '_> {
         total: usize,
         geo: &Geometry,
         yielding: bool,
+        yields: &mut wait::Yields,
     ) -> Option<bool> {
         let link = &self.eng.links[l];
         link.outbox.as_ref()?;
         let flag = link.mbox_recv + 1;
         let w = link.inbox(geo).awaited(total, flag)?;
-        Some(wait::watch(w, flag, yielding))
+        Some(wait::watch(w, flag, yielding, yields))
     }
 
     /// Runs the lone mailbox call as compiled: `prog`'s instructions in order, each receive

@@ -125,9 +125,6 @@ impl Recent {
     }
 }
 
-/// The spin of an idle call after one whose wait outlasted its spin ([`Engine::adapt_spin`]).
-const SHORT_SPIN: Duration = Duration::from_micros(2);
-
 /// Extra polling a call gets once its time is up, before it reports a timeout: what the
 /// transport already holds (a peer's abort or failure notice, the awaited data itself) comes
 /// first. A process stopped past its deadline (SIGSTOP, a debugger) finds it still unread.
@@ -243,9 +240,10 @@ pub(crate) struct Engine {
     pub(crate) failed_by_notice: bool,
     /// How long an idle call polls without yielding ([`crate::Options::idle_spin`]).
     spin_for: Duration,
-    /// How long the next idle call polls without yielding: [`Engine::spin_for`] while waits
-    /// end within it, [`SHORT_SPIN`] after one that did not (a peer that shares our CPU
-    /// cannot answer while we spin: see [`Engine::adapt_spin`]).
+    /// How long the next idle call polls without yielding: [`Engine::spin_for`], or none
+    /// after a call whose yield gave the CPU to another thread (a peer that shares our CPU
+    /// cannot answer while we spin), growing back after calls that did not (see
+    /// [`Engine::adapt_spin`]).
     spin_now: Duration,
     /// How long an idle call then polls, yielding the CPU between polls, before it sleeps on
     /// the completion queue ([`crate::Options::idle_yield`]).
@@ -486,18 +484,14 @@ impl Engine {
         }
     }
 
-    /// After a call: if its wait outlasted the spin (`spun_out`), the next calls spin only
-    /// [`SHORT_SPIN`] before they yield, so that a peer on the same CPU runs sooner; a call
-    /// that did not doubles the spin again, up to [`Engine::spin_for`].
-    fn adapt_spin(&mut self, spun_out: bool) {
-        if !spun_out && self.spin_now == self.spin_for {
-            return;
-        }
-        self.spin_now = if spun_out {
-            SHORT_SPIN.min(self.spin_for)
-        } else {
-            (self.spin_now * 2).clamp(SHORT_SPIN.min(self.spin_for), self.spin_for)
-        };
+    /// After a call, by what its yields said ([`wait::next_spin`]): after one whose yield gave
+    /// the CPU to another thread (a peer on this CPU, which a spin holds off), the next call
+    /// yields at once; after one whose yields gave nothing away, the spin doubles back up to
+    /// [`Engine::spin_for`]. A wait that merely outlasted the spin without yielding (a slow
+    /// peer across hosts, where a call sleeps once its spin is over) leaves it as it is: a
+    /// short spin there would put every later call to sleep, each paying a wake-up.
+    fn adapt_spin(&mut self, yields: wait::Yields) {
+        self.spin_now = wait::next_spin(self.spin_now, self.spin_for, yields);
     }
 
     /// Runs one call (`Avg` reduces as a sum; the caller divides afterwards), and records it
@@ -698,12 +692,9 @@ impl Engine {
             call.stop_after_error();
         }
         let Call {
-            eng,
-            calls,
-            spun_out,
-            ..
+            eng, calls, yields, ..
         } = call;
-        eng.adapt_spin(spun_out);
+        eng.adapt_spin(yields);
         if !alone {
             // Turns go back to a call alone (number 0).
             eng.flows.reset_turns();
@@ -851,6 +842,8 @@ struct Call<'a, 'c> {
     reported: usize,
     /// Whether a wait of this call outlasted its spin and yielded.
     spun_out: bool,
+    /// What this call's yields said about its CPU.
+    yields: wait::Yields,
 }
 
 impl<'a, 'c> Call<'a, 'c> {
@@ -863,6 +856,7 @@ impl<'a, 'c> Call<'a, 'c> {
             bytes_in: 0,
             reported: 0,
             spun_out: false,
+            yields: wait::Yields::None,
         }
     }
 }

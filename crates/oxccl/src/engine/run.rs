@@ -122,7 +122,7 @@ impl Call<'_, '_> {
             wait::Pause::Yield => {
                 // Poll, and let other runnable threads (more ranks than cores) use the CPU.
                 self.spun_out = true;
-                std::thread::yield_now();
+                self.yields.cede();
                 return Ok(());
             }
             wait::Pause::Sleep => self.spun_out = true,

@@ -59,8 +59,8 @@ impl Engine {
         if r.is_err() {
             call.stop_after_error();
         }
-        let spun_out = call.spun_out;
-        self.adapt_spin(spun_out);
+        let yields = call.yields;
+        self.adapt_spin(yields);
         r
     }
 

@@ -9,6 +9,11 @@
 //! waits for): the call yields at once, as Open MPI's `opal_progress` does when
 //! `mpi_yield_when_idle` is set (mpirun sets it when it oversubscribes).
 //!
+//! The spin adapts from call to call ([`next_spin`]): a yield that gave the CPU to another
+//! thread says a peer shares this CPU (the scheduler put both ranks on one CPU, for a while),
+//! and a spin would only hold it off, so the next calls yield at once; yields that find the
+//! CPU free let the spin grow back.
+//!
 //! A yielding call pays a context switch per yield, and every pass over the call's state
 //! after a switch runs on cold caches: so, where the call waits for one word (a mailbox's
 //! flag), it reloads that word alone after each yield ([`watch`]) and makes a full pass only
@@ -16,7 +21,7 @@
 //! links and strays).
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Loads of a watched word between passes of a spinning call.
 pub(crate) const WATCH_SPINS: u32 = 64;
@@ -25,6 +30,55 @@ pub(crate) const WATCH_SPINS: u32 = 64;
 /// clock): a full pass costs about as much as a yield, so this also bounds how often the
 /// clock, the links' health and strays are looked at (as the mailbox loop's 32 idle passes).
 pub(crate) const WATCH_YIELDS: u32 = 32;
+
+/// A `sched_yield` that took at least this long gave the CPU to another thread: one with
+/// nothing else runnable on its CPU returns in a few hundred ns (0.29 µs on an Intel Xeon
+/// under KVM), one that switches to a peer and back takes 1.5 µs and more (2026-12-06).
+const CEDED_AFTER: Duration = Duration::from_micros(1);
+
+/// What a call's yields said about its CPU ([`Yields::cede`], [`next_spin`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum Yields {
+    /// The call did not yield: nothing learned.
+    #[default]
+    None,
+    /// It yielded, and no yield gave the CPU away: nothing else wants this CPU.
+    Alone,
+    /// A yield gave the CPU to another thread: a peer on this CPU, which a spin holds off.
+    Shared,
+}
+
+impl Yields {
+    /// Yields the CPU, and notes whether another thread ran meanwhile (the yield took
+    /// [`CEDED_AFTER`] or longer).
+    pub(crate) fn cede(&mut self) {
+        let t = Instant::now();
+        std::thread::yield_now();
+        if t.elapsed() >= CEDED_AFTER {
+            *self = Yields::Shared;
+        } else if *self == Yields::None {
+            *self = Yields::Alone;
+        }
+    }
+}
+
+/// The first spin a call gets again after one that gave its CPU away ([`next_spin`]).
+pub(crate) const SPIN_STEP: Duration = Duration::from_micros(2);
+
+/// The spin of the next idle call, after one that spun for `now` (of at most `full`) and
+/// whose yields said `yields`:
+/// - [`Yields::Shared`]: none. A peer on this CPU cannot answer while we spin, so the next
+///   wait yields at once (as an oversubscribed rank's always does).
+/// - [`Yields::Alone`]: twice `now` (at least [`SPIN_STEP`]), back up to `full`.
+/// - [`Yields::None`]: `now`. A call that did not yield learned nothing: in a ping-pong on
+///   one CPU, every other call finds its message there before it waits.
+pub(crate) fn next_spin(now: Duration, full: Duration, yields: Yields) -> Duration {
+    match yields {
+        Yields::Shared => Duration::ZERO,
+        Yields::Alone => (now * 2).max(SPIN_STEP).min(full),
+        Yields::None => now.min(full),
+    }
+}
 
 /// What an idle call does next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,14 +121,14 @@ impl Policy {
 }
 
 /// Spins or yields (`yielding`) until `word` reads `want`, at most [`WATCH_SPINS`] loads or
-/// [`WATCH_YIELDS`] yields; returns whether it read `want`.
-pub(crate) fn watch(word: &AtomicU64, want: u64, yielding: bool) -> bool {
+/// [`WATCH_YIELDS`] yields (noted in `yields`); returns whether it read `want`.
+pub(crate) fn watch(word: &AtomicU64, want: u64, yielding: bool, yields: &mut Yields) -> bool {
     if word.load(Ordering::Acquire) == want {
         return true;
     }
     if yielding {
         for _ in 0..WATCH_YIELDS {
-            std::thread::yield_now();
+            yields.cede();
             if word.load(Ordering::Acquire) == want {
                 return true;
             }
@@ -125,17 +179,92 @@ mod tests {
     }
 
     #[test]
+    fn the_spin_shortens_only_after_a_yield_gave_the_cpu_away() {
+        let us = Duration::from_micros;
+        // Shared: the next call yields at once.
+        assert_eq!(next_spin(us(50), us(50), Yields::Shared), Duration::ZERO);
+        assert_eq!(next_spin(us(8), us(50), Yields::Shared), Duration::ZERO);
+        // No yield: nothing learned.
+        assert_eq!(
+            next_spin(Duration::ZERO, us(50), Yields::None),
+            Duration::ZERO
+        );
+        assert_eq!(next_spin(us(8), us(50), Yields::None), us(8));
+        assert_eq!(next_spin(us(50), us(50), Yields::None), us(50));
+        // Alone (the wait outlasted the spin, and yielding gave nothing away): back up by
+        // doubling.
+        let mut spin = Duration::ZERO;
+        let mut seen = vec![];
+        for _ in 0..8 {
+            spin = next_spin(spin, us(50), Yields::Alone);
+            seen.push(spin.as_micros());
+        }
+        assert_eq!(seen, [2, 4, 8, 16, 32, 50, 50, 50]);
+        // A full spin shorter than the step, and none at all (oversubscribed).
+        assert_eq!(next_spin(Duration::ZERO, us(1), Yields::Alone), us(1));
+        assert_eq!(next_spin(us(1), us(1), Yields::Shared), Duration::ZERO);
+        for y in [Yields::None, Yields::Alone, Yields::Shared] {
+            assert_eq!(next_spin(Duration::ZERO, Duration::ZERO, y), Duration::ZERO);
+        }
+    }
+
+    #[test]
+    fn cede_tells_a_yield_that_let_a_thread_on_this_cpu_run() {
+        use rustix::thread::{CpuSet, sched_getaffinity, sched_setaffinity};
+        use std::sync::atomic::AtomicBool;
+        // The test's thread and another on one CPU, which yields in a loop (a peer waiting as
+        // ours do): it runs only when the test's thread yields.
+        let mine = sched_getaffinity(None).unwrap();
+        let cpu = (0..CpuSet::MAX_CPU).find(|&c| mine.is_set(c)).unwrap();
+        let mut one = CpuSet::new();
+        one.set(cpu);
+        let (running, stop) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let (r2, s2) = (Arc::clone(&running), Arc::clone(&stop));
+        let t = std::thread::spawn(move || {
+            sched_setaffinity(None, &one).unwrap();
+            r2.store(true, Ordering::Release);
+            while !s2.load(Ordering::Acquire) {
+                std::thread::yield_now();
+            }
+        });
+        while !running.load(Ordering::Acquire) {
+            std::thread::yield_now();
+        }
+        sched_setaffinity(None, &one).unwrap();
+        let ceded = (0..20)
+            .filter(|_| {
+                let mut y = Yields::None;
+                y.cede();
+                y == Yields::Shared
+            })
+            .count();
+        stop.store(true, Ordering::Release);
+        sched_setaffinity(None, &mine).unwrap();
+        t.join().unwrap();
+        assert!(
+            ceded >= 16,
+            "only {ceded} of 20 yields to a thread yielding on CPU {cpu} were seen to give it the CPU"
+        );
+    }
+
+    #[test]
     fn watch_sees_a_word_another_thread_sets_and_gives_up_when_none_does() {
         let w = Arc::new(AtomicU64::new(0));
-        assert!(!watch(&w, 1, false));
-        assert!(!watch(&w, 1, true));
+        let mut y = Yields::None;
+        assert!(!watch(&w, 1, false, &mut y));
+        assert_eq!(y, Yields::None, "a spinning watch yields nothing");
+        assert!(!watch(&w, 1, true, &mut y));
+        assert_ne!(y, Yields::None, "a yielding watch notes its yields");
         w.store(1, Ordering::Release);
-        assert!(watch(&w, 1, false) && watch(&w, 1, true));
+        assert!(watch(&w, 1, false, &mut y) && watch(&w, 1, true, &mut y));
         // A writer that runs only once the watcher yields (one CPU's worth of both).
         let w2 = Arc::clone(&w);
         let t = std::thread::spawn(move || w2.store(2, Ordering::Release));
         let start = Instant::now();
-        while !watch(&w, 2, true) {
+        while !watch(&w, 2, true, &mut y) {
             assert!(
                 start.elapsed() < Duration::from_secs(10),
                 "never saw the store"

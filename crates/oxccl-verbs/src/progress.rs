@@ -224,11 +224,13 @@ impl Progress {
         }
         let mut total = 0;
         for (q, cq) in self.cqs.iter().enumerate() {
-            if drive {
-                self.rung[q].store(cq.doorbell(), Ordering::Relaxed);
-            }
             loop {
                 let n = if drive { cq.poll(wcs) } else { cq.take(wcs) };
+                if drive && n < wcs.len() {
+                    // Noted once the queue is empty, after the provider's own driving: what
+                    // that reading completed was taken, and is no reason to poll again.
+                    self.rung[q].store(cq.doorbell(), Ordering::Relaxed);
+                }
                 total += n;
                 for wc in &wcs[..n] {
                     handle(q, wc)?;
@@ -241,7 +243,10 @@ impl Progress {
         Ok(total)
     }
 
-    /// Whether a completion may have arrived since the last poll: one load per queue.
+    /// Whether a completion may have arrived since the last poll found the queues empty: one
+    /// load per queue. The completions that poll's own driving made (a tcp socket read in
+    /// this thread) were taken by it and do not count; one that another thread adds after it
+    /// looked may not either, and stays queued for the next poll.
     pub fn rang(&self) -> bool {
         self.cqs
             .iter()

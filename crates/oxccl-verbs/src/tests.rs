@@ -338,7 +338,7 @@ fn tcp_context_dropped_under_the_progress_thread() {
 }
 
 /// Two connected tcp queue pairs of one context, sharing a completion queue.
-fn tcp_pair() -> (
+pub(crate) fn tcp_pair() -> (
     Context,
     ProtectionDomain,
     CompletionQueue,

@@ -458,16 +458,7 @@ fn a_passive_waiter_gets_its_completion_from_the_progress_threads() {
 /// end of a call does not read the sockets once more for nothing (one `recv` per call).
 #[test]
 fn what_a_poll_completes_itself_does_not_ring_again() {
-    let ctx = Device::by_name("tcp").unwrap().open().unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(64).unwrap();
-    let (a, b) = (
-        pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap(),
-        pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap(),
-    );
-    let (ea, eb) = (a.endpoint(), b.endpoint());
-    a.connect(&eb).unwrap();
-    b.connect(&ea).unwrap();
+    let (_ctx, pd, cq, a, b) = crate::tests::tcp_pair();
     let src = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
     let dst = pd.alloc_mr(64, AccessFlags::ALL).unwrap();
     let progress = Progress::new(vec![cq.clone()]);

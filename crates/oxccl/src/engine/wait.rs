@@ -62,7 +62,8 @@ impl Yields {
     }
 }
 
-/// The first spin a call gets again after one that gave its CPU away ([`next_spin`]).
+/// The least spin after a call whose yields found the CPU free: a spin of none (after one
+/// that gave its CPU away) grows back from here, doubling ([`next_spin`]).
 pub(crate) const SPIN_STEP: Duration = Duration::from_micros(2);
 
 /// The spin of the next idle call, after one that spun for `now` (of at most `full`) and

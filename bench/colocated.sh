@@ -16,7 +16,7 @@ ROUNDS=${ROUNDS:-2} PROVIDERS=${PROVIDERS:-shm tcp} SIZES=${SIZES:-8 64K} SECS=$
 # pinned call is slower).
 iters() {
     local us
-    us=$(OXCCL_PROVIDER=$2 "$1" perf all_reduce -n 2 -b "$3" -e "$3" -w 100 -i 2000 -c 0 |
+    us=$(OXCCL_PROVIDER=$2 "$1" perf all_reduce -n 2 -b "$3" -e "$3" -w 2000 -i 20000 -c 0 |
         awk '$1 > 0 && $1 !~ /#/ { print $6 }')
     awk -v us="$us" -v s="$SECS" 'BEGIN { n = int(s * 1e6 / (us * 5)); print (n < 100 ? 100 : n) }'
 }

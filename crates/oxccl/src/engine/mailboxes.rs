@@ -95,9 +95,10 @@ impl Call<'_, '_> {
     }
 
     /// Spins a bounded while ([`wait::watch`]) on the flag the first message this mailbox
-    /// call waits for will set.
-    fn watch_awaited(&self, geo: &Geometry) {
+    /// call waits for will set (a wait: the spin adapts to it, [`wait::next_spin`]).
+    fn watch_awaited(&mut self, geo: &Geometry) {
         if let Some((l, total)) = self.awaited_message() {
+            self.yields.idled();
             self.watch_message(l, total, geo, false, &mut wait::Yields::None);
         }
     }
@@ -129,28 +130,15 @@ impl Call<'_, '_> {
         let geo = self.eng.geo;
         let policy = self.eng.policy();
         idle.polls += 1;
+        self.yields.idled();
         // A written mailbox's message is there once its completion is: look for it.
         let written = awaited.is_some_and(|(l, _)| self.eng.links[l].outbox.is_none());
         // (Once napping, every pass is long anyway: look at everything each time.)
         if !idle.napping && !idle.polls.is_multiple_of(wait::WATCH_YIELDS) {
             let yielding = policy.yields(self.spun_out);
             if written {
-                if self.poll_cqs()? {
+                if self.written_idle(idle, &policy, yielding)? {
                     return Ok(Turn::Again);
-                }
-                // A pass here is a system call or more (the provider reads its sockets): the
-                // clock costs little beside it, so the spin is measured in time, not passes,
-                // and a short one (a peer shares this CPU) yields as soon as it is over.
-                let since = *idle.since.get_or_insert_with(Instant::now);
-                match policy.pause(since.elapsed()) {
-                    // The full pass below sleeps.
-                    wait::Pause::Sleep => {}
-                    wait::Pause::Spin if !yielding => return Ok(Turn::Again),
-                    _ => {
-                        self.spun_out = true;
-                        self.yields.cede();
-                        return Ok(Turn::Again);
-                    }
                 }
             } else {
                 // Watch the one word the call waits for, rather than make passes: the message
@@ -208,6 +196,35 @@ impl Call<'_, '_> {
             return Ok(Turn::Publish(since, now));
         }
         Ok(Turn::Again)
+    }
+
+    /// An idle turn of a call that waits for a written mailbox's message: polls the completion
+    /// queues, then spins, or yields (`yielding`, or the spin is over). A pass here is a system
+    /// call or more (the provider reads its sockets): the clock costs little beside it, so the
+    /// spin is measured in time, not passes, and a short one (a peer shares this CPU) yields as
+    /// soon as it is over. False when the call has waited long enough to sleep: the full pass
+    /// does that. (Kept out of [`Call::mailbox_idle`], whose mapped mailboxes' path it would
+    /// only lengthen.)
+    #[inline(never)]
+    fn written_idle(
+        &mut self,
+        idle: &mut MailboxIdle,
+        policy: &wait::Policy,
+        yielding: bool,
+    ) -> Result<bool> {
+        if self.poll_cqs()? {
+            return Ok(true);
+        }
+        let since = *idle.since.get_or_insert_with(Instant::now);
+        match policy.pause(since.elapsed()) {
+            wait::Pause::Sleep => Ok(false),
+            wait::Pause::Spin if !yielding => Ok(true),
+            _ => {
+                self.spun_out = true;
+                self.yields.cede();
+                Ok(true)
+            }
+        }
     }
 
     /// Watches ([`wait::watch`], spinning or `yielding`) the word link `l`'s next message of

@@ -114,6 +114,7 @@ impl Call<'_, '_> {
         idle_since: Instant,
         deadline: Instant,
     ) -> Result<()> {
+        self.yields.idled();
         match self.eng.policy().pause(now - idle_since) {
             wait::Pause::Spin => {
                 std::hint::spin_loop();

@@ -36,12 +36,15 @@ pub(crate) const WATCH_YIELDS: u32 = 32;
 /// under KVM), one that switches to a peer and back takes 1.5 µs and more (2026-12-06).
 const CEDED_AFTER: Duration = Duration::from_micros(1);
 
-/// What a call's yields said about its CPU ([`Yields::cede`], [`next_spin`]).
+/// What a call's waits said about its CPU ([`Yields::idled`], [`Yields::cede`],
+/// [`next_spin`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) enum Yields {
-    /// The call did not yield: nothing learned.
+    /// The call never waited (every message was there): nothing learned.
     #[default]
     None,
+    /// It waited, and its spin sufficed: it never yielded.
+    Spun,
     /// It yielded, and no yield gave the CPU away: nothing else wants this CPU.
     Alone,
     /// A yield gave the CPU to another thread: a peer on this CPU, which a spin holds off.
@@ -49,6 +52,13 @@ pub(crate) enum Yields {
 }
 
 impl Yields {
+    /// Notes an idle turn of the call (it waits).
+    pub(crate) fn idled(&mut self) {
+        if *self == Yields::None {
+            *self = Yields::Spun;
+        }
+    }
+
     /// Yields the CPU, and notes whether another thread ran meanwhile (the yield took
     /// [`CEDED_AFTER`] or longer).
     pub(crate) fn cede(&mut self) {
@@ -56,7 +66,7 @@ impl Yields {
         std::thread::yield_now();
         if t.elapsed() >= CEDED_AFTER {
             *self = Yields::Shared;
-        } else if *self == Yields::None {
+        } else if *self != Yields::Shared {
             *self = Yields::Alone;
         }
     }
@@ -67,16 +77,17 @@ impl Yields {
 pub(crate) const SPIN_STEP: Duration = Duration::from_micros(2);
 
 /// The spin of the next idle call, after one that spun for `now` (of at most `full`) and
-/// whose yields said `yields`:
+/// whose waits said `yields`:
 /// - [`Yields::Shared`]: none. A peer on this CPU cannot answer while we spin, so the next
 ///   wait yields at once (as an oversubscribed rank's always does).
-/// - [`Yields::Alone`]: twice `now` (at least [`SPIN_STEP`]), back up to `full`.
-/// - [`Yields::None`]: `now`. A call that did not yield learned nothing: in a ping-pong on
-///   one CPU, every other call finds its message there before it waits.
+/// - [`Yields::Spun`] or [`Yields::Alone`]: twice `now` (at least [`SPIN_STEP`]), back up to
+///   `full`.
+/// - [`Yields::None`]: `now`. A call that never waited learned nothing: in a ping-pong on one
+///   CPU, every other call finds its message there.
 pub(crate) fn next_spin(now: Duration, full: Duration, yields: Yields) -> Duration {
     match yields {
         Yields::Shared => Duration::ZERO,
-        Yields::Alone => (now * 2).max(SPIN_STEP).min(full),
+        Yields::Spun | Yields::Alone => (now * 2).max(SPIN_STEP).min(full),
         Yields::None => now.min(full),
     }
 }
@@ -192,21 +203,41 @@ mod tests {
         );
         assert_eq!(next_spin(us(8), us(50), Yields::None), us(8));
         assert_eq!(next_spin(us(50), us(50), Yields::None), us(50));
-        // Alone (the wait outlasted the spin, and yielding gave nothing away): back up by
-        // doubling.
-        let mut spin = Duration::ZERO;
-        let mut seen = vec![];
-        for _ in 0..8 {
-            spin = next_spin(spin, us(50), Yields::Alone);
-            seen.push(spin.as_micros());
+        // Alone (the wait outlasted the spin, and yielding gave nothing away) or Spun (the
+        // spin sufficed): back up by doubling.
+        for y in [Yields::Alone, Yields::Spun] {
+            let mut spin = Duration::ZERO;
+            let mut seen = vec![];
+            for _ in 0..8 {
+                spin = next_spin(spin, us(50), y);
+                seen.push(spin.as_micros());
+            }
+            assert_eq!(seen, [2, 4, 8, 16, 32, 50, 50, 50], "{y:?}");
         }
-        assert_eq!(seen, [2, 4, 8, 16, 32, 50, 50, 50]);
         // A full spin shorter than the step, and none at all (oversubscribed).
         assert_eq!(next_spin(Duration::ZERO, us(1), Yields::Alone), us(1));
         assert_eq!(next_spin(us(1), us(1), Yields::Shared), Duration::ZERO);
-        for y in [Yields::None, Yields::Alone, Yields::Shared] {
+        for y in [Yields::None, Yields::Spun, Yields::Alone, Yields::Shared] {
             assert_eq!(next_spin(Duration::ZERO, Duration::ZERO, y), Duration::ZERO);
         }
+    }
+
+    #[test]
+    fn waits_note_the_strongest_thing_they_learned() {
+        let mut y = Yields::None;
+        y.idled();
+        assert_eq!(y, Yields::Spun);
+        y.cede(); // No thread is pinned beside this one: at most a stray one takes the CPU.
+        assert_ne!(y, Yields::Spun);
+        assert_ne!(y, Yields::None);
+        y.idled();
+        assert!(
+            matches!(y, Yields::Alone | Yields::Shared),
+            "an idle turn adds nothing"
+        );
+        let mut s = Yields::Shared;
+        s.idled();
+        assert_eq!(s, Yields::Shared);
     }
 
     #[test]

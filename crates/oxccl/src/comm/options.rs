@@ -77,8 +77,8 @@ pub struct Options {
     /// with 3 µs of spin against ~4-5 µs yielding at once (2026-12-06, AMD EPYC). The spin
     /// also adapts: after a call whose yield gave its CPU to another thread (the scheduler
     /// put a peer on this CPU for a while), the next calls yield at once, and the spin grows
-    /// back as waits end within it (2 ranks pinned to one CPU: 34-37 µs a tcp 8 B all-reduce
-    /// before, 8.1-8.7 µs after; `bench/colocated.sh`).
+    /// back as waits end within it (2 ranks on one CPU: 34-39 µs a tcp 8 B all-reduce before,
+    /// 9.5-13 µs after; `bench/colocated.sh`).
     pub idle_spin: Option<Duration>,
     /// How long an idle call then polls, yielding the CPU between polls, before it sleeps on
     /// the completion queue (`OXCCL_YIELD_US`). `None`: 2 ms when every rank is on this host

@@ -95,11 +95,10 @@ impl Call<'_, '_> {
     }
 
     /// Spins a bounded while ([`wait::watch`]) on the flag the first message this mailbox
-    /// call waits for will set (a wait: the spin adapts to it, [`wait::next_spin`]).
+    /// call waits for will set.
     fn watch_awaited(&mut self, geo: &Geometry) {
         if let Some((l, total)) = self.awaited_message() {
-            self.yields.idled();
-            self.watch_message(l, total, geo, false, &mut wait::Yields::None);
+            self.watch_message(l, total, geo, false);
         }
     }
 
@@ -144,11 +143,8 @@ impl Call<'_, '_> {
                 // Watch the one word the call waits for, rather than make passes: the message
                 // is taken as soon as it lands. A watch (64 spins or 32 yields) stands for many
                 // passes, so the clock is read after one that fails.
-                let mut yields = self.yields;
-                let watched = awaited.and_then(|(l, total)| {
-                    self.watch_message(l, total, &geo, yielding, &mut yields)
-                });
-                self.yields = yields;
+                let watched =
+                    awaited.and_then(|(l, total)| self.watch_message(l, total, &geo, yielding));
                 match watched {
                     Some(false) => idle.polls = idle.polls.next_multiple_of(wait::WATCH_YIELDS),
                     _ => return Ok(Turn::Again),
@@ -230,21 +226,21 @@ impl Call<'_, '_> {
     /// Watches ([`wait::watch`], spinning or `yielding`) the word link `l`'s next message of
     /// `total` bytes will set: its flag, then its stamp. `None` where there is no word to
     /// watch (a written mailbox: its completion says when, not its flags; or the message is
-    /// whole); otherwise whether the word was set.
+    /// whole); otherwise whether the word was set. The wait and its yields are noted in the
+    /// call's [`wait::Yields`].
     #[inline(never)]
     pub(super) fn watch_message(
-        &self,
+        &mut self,
         l: usize,
         total: usize,
         geo: &Geometry,
         yielding: bool,
-        yields: &mut wait::Yields,
     ) -> Option<bool> {
         let link = &self.eng.links[l];
         link.outbox.as_ref()?;
         let flag = link.mbox_recv + 1;
         let w = link.inbox(geo).awaited(total, flag)?;
-        Some(wait::watch(w, flag, yielding, yields))
+        Some(wait::watch(w, flag, yielding, &mut self.yields))
     }
 
     /// Runs the lone mailbox call as compiled: `prog`'s instructions in order, each receive

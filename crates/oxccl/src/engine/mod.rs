@@ -484,12 +484,12 @@ impl Engine {
         }
     }
 
-    /// After a call, by what its yields said ([`wait::next_spin`]): after one whose yield gave
+    /// After a call, by what its waits said ([`wait::next_spin`]): after one whose yield gave
     /// the CPU to another thread (a peer on this CPU, which a spin holds off), the next call
-    /// yields at once; after one whose yields gave nothing away, the spin doubles back up to
-    /// [`Engine::spin_for`]. A wait that merely outlasted the spin without yielding (a slow
-    /// peer across hosts, where a call sleeps once its spin is over) leaves it as it is: a
-    /// short spin there would put every later call to sleep, each paying a wake-up.
+    /// yields at once; after one that waited and gave nothing away, the spin doubles back up
+    /// to [`Engine::spin_for`]. A wait that outlasted the spin never shortens it: across
+    /// hosts, where a call sleeps once its spin is over, a short spin would put every later
+    /// call to sleep, each paying a wake-up.
     fn adapt_spin(&mut self, yields: wait::Yields) {
         self.spin_now = wait::next_spin(self.spin_now, self.spin_for, yields);
     }
@@ -840,9 +840,9 @@ struct Call<'a, 'c> {
     bytes_in: u64,
     /// Steps done as last reported to the flight recorder and the fault injector.
     reported: usize,
-    /// Whether a wait of this call outlasted its spin and yielded.
+    /// Whether a wait of this call outlasted its spin (it then yields, or sleeps).
     spun_out: bool,
-    /// What this call's yields said about its CPU.
+    /// What this call's waits and yields said about its CPU.
     yields: wait::Yields,
 }
 

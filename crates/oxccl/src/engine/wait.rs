@@ -20,6 +20,7 @@
 //! once the word changed, or after [`WATCH_YIELDS`] yields (to look at the clock, failed
 //! links and strays).
 
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -31,10 +32,29 @@ pub(crate) const WATCH_SPINS: u32 = 64;
 /// clock, the links' health and strays are looked at (as the mailbox loop's 32 idle passes).
 pub(crate) const WATCH_YIELDS: u32 = 32;
 
-/// A `sched_yield` that took at least this long gave the CPU to another thread: one with
-/// nothing else runnable on its CPU returns in a few hundred ns (0.29 µs on an Intel Xeon
-/// under KVM), one that switches to a peer and back takes 1.5 µs and more (2026-12-06).
+/// A `sched_yield` that took at least this long (plus the clock's own cost, [`ceded_after`])
+/// gave the CPU to another thread: one with nothing else runnable on its CPU returns in a few
+/// hundred ns (0.29 µs on an Intel Xeon under KVM, 0.2% of them 1 µs or more), one that
+/// switches to a yielding peer and back takes 1 µs and more, every time (2026-12-06).
 const CEDED_AFTER: Duration = Duration::from_micros(1);
+
+/// [`CEDED_AFTER`] plus what timing a yield costs here, measured once: two clock reads take a
+/// few tens of ns through the vDSO, but where the clock source has none (some VMs') each is a
+/// system call, which would otherwise make every yield look like one that gave the CPU away.
+fn ceded_after() -> Duration {
+    static AFTER: OnceLock<Duration> = OnceLock::new();
+    *AFTER.get_or_init(|| {
+        let read = (0..32)
+            .map(|_| {
+                let t = Instant::now();
+                std::hint::black_box(Instant::now());
+                t.elapsed()
+            })
+            .min()
+            .unwrap_or_default();
+        CEDED_AFTER + read
+    })
+}
 
 /// What a call's waits said about its CPU ([`Yields::idled`], [`Yields::cede`],
 /// [`next_spin`]).
@@ -43,7 +63,8 @@ pub(crate) enum Yields {
     /// The call never waited (every message was there): nothing learned.
     #[default]
     None,
-    /// It waited, and its spin sufficed: it never yielded.
+    /// It waited and never yielded: its spin sufficed, or (across hosts, where a call does
+    /// not yield) it slept once the spin was over.
     Spun,
     /// It yielded, and no yield gave the CPU away: nothing else wants this CPU.
     Alone,
@@ -60,11 +81,11 @@ impl Yields {
     }
 
     /// Yields the CPU, and notes whether another thread ran meanwhile (the yield took
-    /// [`CEDED_AFTER`] or longer).
+    /// [`ceded_after`] or longer).
     pub(crate) fn cede(&mut self) {
         let t = Instant::now();
         std::thread::yield_now();
-        if t.elapsed() >= CEDED_AFTER {
+        if t.elapsed() >= ceded_after() {
             *self = Yields::Shared;
         } else if *self != Yields::Shared {
             *self = Yields::Alone;
@@ -133,11 +154,13 @@ impl Policy {
 }
 
 /// Spins or yields (`yielding`) until `word` reads `want`, at most [`WATCH_SPINS`] loads or
-/// [`WATCH_YIELDS`] yields (noted in `yields`); returns whether it read `want`.
+/// [`WATCH_YIELDS`] yields; returns whether it read `want`. A first load that misses is a wait,
+/// noted in `yields` with the yields.
 pub(crate) fn watch(word: &AtomicU64, want: u64, yielding: bool, yields: &mut Yields) -> bool {
     if word.load(Ordering::Acquire) == want {
         return true;
     }
+    yields.idled();
     if yielding {
         for _ in 0..WATCH_YIELDS {
             yields.cede();
@@ -244,6 +267,14 @@ mod tests {
     fn cede_tells_a_yield_that_let_a_thread_on_this_cpu_run() {
         use rustix::thread::{CpuSet, sched_getaffinity, sched_setaffinity};
         use std::sync::atomic::AtomicBool;
+        assert!(ceded_after() >= CEDED_AFTER && ceded_after() < CEDED_AFTER * 100);
+        /// Stops the other thread however the test ends.
+        struct Stop(Arc<AtomicBool>);
+        impl Drop for Stop {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Release);
+            }
+        }
         // The test's thread and another on one CPU, which yields in a loop (a peer waiting as
         // ours do): it runs only when the test's thread yields.
         let mine = sched_getaffinity(None).unwrap();
@@ -254,15 +285,22 @@ mod tests {
             Arc::new(AtomicBool::new(false)),
             Arc::new(AtomicBool::new(false)),
         );
+        let _stop = Stop(Arc::clone(&stop));
         let (r2, s2) = (Arc::clone(&running), Arc::clone(&stop));
         let t = std::thread::spawn(move || {
-            sched_setaffinity(None, &one).unwrap();
+            let pinned = sched_setaffinity(None, &one);
             r2.store(true, Ordering::Release);
-            while !s2.load(Ordering::Acquire) {
+            while pinned.is_ok() && !s2.load(Ordering::Acquire) {
                 std::thread::yield_now();
             }
+            pinned
         });
+        let start = Instant::now();
         while !running.load(Ordering::Acquire) {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "the other thread never started"
+            );
             std::thread::yield_now();
         }
         sched_setaffinity(None, &one).unwrap();
@@ -273,9 +311,9 @@ mod tests {
                 y == Yields::Shared
             })
             .count();
-        stop.store(true, Ordering::Release);
+        drop(_stop);
         sched_setaffinity(None, &mine).unwrap();
-        t.join().unwrap();
+        t.join().unwrap().expect("pinning the other thread");
         assert!(
             ceded >= 16,
             "only {ceded} of 20 yields to a thread yielding on CPU {cpu} were seen to give it the CPU"
@@ -287,11 +325,20 @@ mod tests {
         let w = Arc::new(AtomicU64::new(0));
         let mut y = Yields::None;
         assert!(!watch(&w, 1, false, &mut y));
-        assert_eq!(y, Yields::None, "a spinning watch yields nothing");
+        assert_eq!(
+            y,
+            Yields::Spun,
+            "a spinning watch that missed waited, and never yielded"
+        );
         assert!(!watch(&w, 1, true, &mut y));
-        assert_ne!(y, Yields::None, "a yielding watch notes its yields");
+        assert!(
+            matches!(y, Yields::Alone | Yields::Shared),
+            "a yielding watch notes its yields"
+        );
         w.store(1, Ordering::Release);
-        assert!(watch(&w, 1, false, &mut y) && watch(&w, 1, true, &mut y));
+        let mut found = Yields::None;
+        assert!(watch(&w, 1, false, &mut found) && watch(&w, 1, true, &mut found));
+        assert_eq!(found, Yields::None, "a word already set is no wait");
         // A writer that runs only once the watcher yields (one CPU's worth of both).
         let w2 = Arc::clone(&w);
         let t = std::thread::spawn(move || w2.store(2, Ordering::Release));

@@ -129,7 +129,6 @@ impl Call<'_, '_> {
         let geo = self.eng.geo;
         let policy = self.eng.policy();
         idle.polls += 1;
-        self.yields.idled();
         // A written mailbox's message is there once its completion is: look for it.
         let written = awaited.is_some_and(|(l, _)| self.eng.links[l].outbox.is_none());
         // (Once napping, every pass is long anyway: look at everything each time.)
@@ -152,6 +151,7 @@ impl Call<'_, '_> {
             }
         }
         self.sync_machine(idle);
+        self.yields.idled();
         self.poll_cqs()?;
         self.check_strays(true)?;
         self.check_health()?;
@@ -211,6 +211,7 @@ impl Call<'_, '_> {
         if self.poll_cqs()? {
             return Ok(true);
         }
+        self.yields.idled();
         let since = *idle.since.get_or_insert_with(Instant::now);
         match policy.pause(since.elapsed()) {
             wait::Pause::Sleep => Ok(false),

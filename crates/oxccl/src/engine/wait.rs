@@ -11,8 +11,8 @@
 //!
 //! The spin adapts from call to call ([`next_spin`]): a yield that gave the CPU to another
 //! thread says a peer shares this CPU (the scheduler put both ranks on one CPU, for a while),
-//! and a spin would only hold it off, so the next calls yield at once; yields that find the
-//! CPU free let the spin grow back.
+//! and a spin would only hold it off, so the next calls yield at once; waits that give
+//! nothing away (the spin covered them, or the yields found the CPU free) let it grow back.
 //!
 //! A yielding call pays a context switch per yield, and every pass over the call's state
 //! after a switch runs on cold caches: so, where the call waits for one word (a mailbox's
@@ -93,8 +93,8 @@ impl Yields {
     }
 }
 
-/// The least spin after a call whose yields found the CPU free: a spin of none (after one
-/// that gave its CPU away) grows back from here, doubling ([`next_spin`]).
+/// The least spin after a call that waited without giving its CPU away: a spin of none
+/// (after one that did) grows back from here, doubling ([`next_spin`]).
 pub(crate) const SPIN_STEP: Duration = Duration::from_micros(2);
 
 /// The spin of the next idle call, after one that spun for `now` (of at most `full`) and

@@ -298,6 +298,29 @@ impl Collective {
         }
     }
 
+    /// The most elements any rank's input or output holds ([`Collective::input_len`] and
+    /// [`Collective::output_len`] at their largest), or `None` when that does not fit a
+    /// `usize`: for sizing a call whose counts are not trusted.
+    pub fn max_len(&self, world: usize) -> Option<usize> {
+        // Every length is a count, a count times the world or a sum of counts: check those.
+        match self {
+            Collective::AllToAllV {
+                send_counts,
+                recv_counts,
+            } => {
+                let sum = |v: &[usize]| v.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+                sum(send_counts)?;
+                sum(recv_counts)?;
+            }
+            _ => {
+                self.count().checked_mul(world)?;
+            }
+        }
+        // Rooted collectives are largest at the root; the others the same on every rank.
+        let r = self.root().filter(|&r| r < world).unwrap_or(0);
+        Some(self.input_len(world, r).max(self.output_len(world, r)))
+    }
+
     /// Where input and output lie inside the single buffer of an in-place call (NCCL's
     /// conventions): `(input offset, output offset)` in elements, or `None` when this
     /// collective has no in-place form. All-gather's and gather's input is the rank's block of
@@ -789,6 +812,54 @@ const NOTHING: fn(usize, usize) -> Vec<Option<u32>> = |_, _| Vec::new();
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `max_len` is the largest input or output of any rank, and `None` where that would
+    /// overflow.
+    #[test]
+    fn max_len_is_the_largest_buffer_of_any_rank() {
+        let colls = [
+            Collective::AllReduce { count: 7 },
+            Collective::ReduceScatter { count: 7 },
+            Collective::AllGather { count: 7 },
+            Collective::Broadcast { count: 7, root: 2 },
+            Collective::Reduce { count: 7, root: 1 },
+            Collective::AllToAll { count: 7 },
+            Collective::Gather { count: 7, root: 2 },
+            Collective::Scatter { count: 7, root: 1 },
+            Collective::Send { count: 7, peer: 1 },
+            Collective::Recv { count: 7, peer: 1 },
+            Collective::AllToAllV {
+                send_counts: vec![1, 2, 3],
+                recv_counts: vec![4, 5, 6],
+            },
+            Collective::Barrier,
+        ];
+        for c in &colls {
+            let want = (0..3)
+                .map(|r| c.input_len(3, r).max(c.output_len(3, r)))
+                .max()
+                .unwrap();
+            assert_eq!(c.max_len(3), Some(want), "{c:?}");
+        }
+        assert_eq!(Collective::AllGather { count: 1 << 62 }.max_len(8), None);
+        assert_eq!(
+            Collective::Scatter {
+                count: usize::MAX,
+                root: 0
+            }
+            .max_len(2),
+            None
+        );
+        let v = Collective::AllToAllV {
+            send_counts: vec![1],
+            recv_counts: vec![usize::MAX, 1],
+        };
+        assert_eq!(v.max_len(2), None);
+        assert_eq!(
+            Collective::AllReduce { count: usize::MAX }.max_len(1),
+            Some(usize::MAX)
+        );
+    }
 
     #[test]
     fn algorithm_indexes_are_places_in_all() {

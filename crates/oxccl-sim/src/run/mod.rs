@@ -383,33 +383,19 @@ fn check_spec(spec: &Spec, world: usize) -> Result<(), String> {
     if spec.elem_size == 0 {
         return Err("elements of 0 bytes".into());
     }
-    let n = world as u128;
-    // Elements of the larger of a rank's input and output.
-    let elems: u128 = match &spec.coll {
-        Collective::AllReduce { count }
-        | Collective::Broadcast { count, .. }
-        | Collective::Reduce { count, .. }
-        | Collective::Send { count, .. }
-        | Collective::Recv { count, .. } => *count as u128,
-        Collective::ReduceScatter { count }
-        | Collective::AllGather { count }
-        | Collective::AllToAll { count }
-        | Collective::Gather { count, .. }
-        | Collective::Scatter { count, .. } => *count as u128 * n,
-        Collective::AllToAllV {
-            send_counts,
-            recv_counts,
-        } => {
-            let sum = |v: &[usize]| v.iter().map(|&c| c as u128).sum::<u128>();
-            sum(send_counts).max(sum(recv_counts))
-        }
-        Collective::Barrier => 0,
-    };
-    let bytes = elems.saturating_mul(spec.elem_size as u128);
+    // Elements of the larger of a rank's input and output (more than a `usize`: too many).
+    let elems = spec.coll.max_len(world);
+    let bytes = elems.map_or(u128::MAX, |e| {
+        (e as u128).saturating_mul(spec.elem_size as u128)
+    });
     if bytes > MAX_BUFFER_BYTES {
+        let what = match elems {
+            Some(e) => format!("{e} elements"),
+            None => "more elements than a usize counts".into(),
+        };
         return Err(format!(
-            "{} of {elems} elements of {} bytes on {world} ranks: a rank's buffer would \
-             hold {bytes} bytes, more than the simulator's limit of {MAX_BUFFER_BYTES} (1 PiB)",
+            "{} of {what} of {} bytes on {world} ranks: a rank's buffer would hold more than \
+             the simulator's limit of {MAX_BUFFER_BYTES} bytes (1 PiB)",
             spec.coll.name(),
             spec.elem_size
         ));

@@ -771,6 +771,7 @@ impl Fabric {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::has;
     use crate::{Spec, simulate};
     use oxccl_core::schedule::Collective;
 
@@ -820,12 +821,6 @@ mod tests {
         match simulate(f, &spec) {
             Ok(r) => panic!("simulated in {} s", r.time_s),
             Err(e) => e,
-        }
-    }
-
-    fn has(e: &str, parts: &[&str]) {
-        for p in parts {
-            assert!(e.contains(p), "{e:?} does not name {p:?}");
         }
     }
 

@@ -69,3 +69,14 @@ pub mod topo_file;
 pub use compress::{Codec, CompressedReport, simulate_compressed};
 pub use fabric::{Fabric, Link, Node, NodeKind, Symmetry};
 pub use run::{Event, Options, Report, Spec, Track, simulate, simulate_with};
+
+/// What the unit tests share.
+#[cfg(test)]
+pub(crate) mod testing {
+    /// Asserts that error `e` names each of `parts`.
+    pub(crate) fn has(e: &str, parts: &[&str]) {
+        for p in parts {
+            assert!(e.contains(p), "{e:?} does not name {p:?}");
+        }
+    }
+}

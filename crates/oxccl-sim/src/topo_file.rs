@@ -1024,18 +1024,13 @@ fn cluster_links(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::has;
 
     /// The error of `text`, which must not parse.
     fn err(text: &str) -> String {
         match Fabric::parse(text) {
             Ok(f) => panic!("parsed into {} nodes: {text}", f.nodes.len()),
             Err(e) => e,
-        }
-    }
-
-    fn has(e: &str, parts: &[&str]) {
-        for p in parts {
-            assert!(e.contains(p), "{e:?} does not name {p:?}");
         }
     }
 

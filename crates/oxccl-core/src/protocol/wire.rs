@@ -819,8 +819,7 @@ mod tests {
         want[16..24].copy_from_slice(&d.seq.to_le_bytes());
         want[24..32].copy_from_slice(&d.count.to_le_bytes());
         assert_eq!(b[..32], want);
-        let words: [u64; 4] =
-            std::array::from_fn(|i| u64::from_le_bytes(want[8 * i..8 * i + 8].try_into().unwrap()));
+        let words = words_of(&want);
         assert_eq!(h.short_words(), words);
         assert!(h.short_matches_words(&words));
         for i in 0..4 {

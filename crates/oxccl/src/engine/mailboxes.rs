@@ -66,7 +66,7 @@ impl Call<'_, '_> {
                 self.mailbox_moved(&mut idle);
                 // What is left waits for a message (the sends went out): watch its flag
                 // rather than make a pass that finds nothing.
-                if !self.eng.policy().yields(self.spun_out) {
+                if !self.eng.policy().yields(self.yields.yielded()) {
                     self.watch_awaited(&geo);
                 }
                 continue;
@@ -133,7 +133,7 @@ impl Call<'_, '_> {
         let written = awaited.is_some_and(|(l, _)| self.eng.links[l].outbox.is_none());
         // (Once napping, every pass is long anyway: look at everything each time.)
         if !idle.napping && !idle.polls.is_multiple_of(wait::WATCH_YIELDS) {
-            let yielding = policy.yields(self.spun_out);
+            let yielding = policy.yields(self.yields.yielded());
             if written {
                 if self.written_idle(idle, &policy, yielding)? {
                     return Ok(Turn::Again);
@@ -168,7 +168,6 @@ impl Call<'_, '_> {
         match policy.pause(waited) {
             wait::Pause::Spin => std::hint::spin_loop(),
             wait::Pause::Yield => {
-                self.spun_out = true;
                 self.yields.cede();
             }
             wait::Pause::Sleep if written => {
@@ -217,7 +216,6 @@ impl Call<'_, '_> {
             wait::Pause::Sleep => Ok(false),
             wait::Pause::Spin if !yielding => Ok(true),
             _ => {
-                self.spun_out = true;
                 self.yields.cede();
                 Ok(true)
             }

@@ -840,8 +840,6 @@ struct Call<'a, 'c> {
     bytes_in: u64,
     /// Steps done as last reported to the flight recorder and the fault injector.
     reported: usize,
-    /// Whether a wait of this call outlasted its spin (it then yields, or sleeps).
-    spun_out: bool,
     /// What this call's waits and yields said about its CPU.
     yields: wait::Yields,
 }
@@ -855,7 +853,6 @@ impl<'a, 'c> Call<'a, 'c> {
             cur: 0,
             bytes_in: 0,
             reported: 0,
-            spun_out: false,
             yields: wait::Yields::None,
         }
     }

@@ -122,11 +122,10 @@ impl Call<'_, '_> {
             }
             wait::Pause::Yield => {
                 // Poll, and let other runnable threads (more ranks than cores) use the CPU.
-                self.spun_out = true;
                 self.yields.cede();
                 return Ok(());
             }
-            wait::Pause::Sleep => self.spun_out = true,
+            wait::Pause::Sleep => {}
         }
         self.wait(
             deadline

@@ -73,6 +73,12 @@ pub(crate) enum Yields {
 }
 
 impl Yields {
+    /// Whether the call has yielded: its wait outlasted its spin, so it yields between polls
+    /// from then on ([`Policy::yields`]).
+    pub(crate) fn yielded(self) -> bool {
+        matches!(self, Yields::Alone | Yields::Shared)
+    }
+
     /// Notes an idle turn of the call (it waits).
     pub(crate) fn idled(&mut self) {
         if *self == Yields::None {
@@ -146,10 +152,10 @@ impl Policy {
         }
     }
 
-    /// Whether a call whose wait outlasted the spin (`spun_out`) yields between polls
-    /// rather than spinning.
-    pub(crate) fn yields(&self, spun_out: bool) -> bool {
-        self.spin.is_zero() || spun_out
+    /// Whether a call yields between polls rather than spinning: with no spin at all, or
+    /// once it has yielded (`yielded`: its wait outlasted the spin, [`Yields::yielded`]).
+    pub(crate) fn yields(&self, yielded: bool) -> bool {
+        self.spin.is_zero() || yielded
     }
 }
 

@@ -352,13 +352,17 @@ impl Fabric {
     /// Whether the layout's tables were built for this fabric as it is (see
     /// [`Layout::built_for`]).
     fn layout_fits(&self) -> bool {
-        self.layout.built_for
-            == [
-                self.world,
-                self.nodes.len(),
-                self.links.len(),
-                self.hosts.len(),
-            ]
+        self.layout.built_for == self.dims()
+    }
+
+    /// The fabric's `(world, nodes, links, hosts)`, as [`Layout::built_for`] records them.
+    pub(crate) fn dims(&self) -> [usize; 4] {
+        [
+            self.world,
+            self.nodes.len(),
+            self.links.len(),
+            self.hosts.len(),
+        ]
     }
 
     /// The links out of and into every node. A link whose ends are not nodes of the fabric

@@ -460,7 +460,6 @@ fn build_star(f: &File, specs: &[HostSpec]) -> Result<Fabric, String> {
         Some(w) => b.wan_mesh(&cores[..dcs], w, c.link_lat),
         None => vec![u32::MAX; dcs * dcs],
     };
-    let (n_nodes, n_links) = (b.nodes.len(), b.links.len());
     let mut fabric = Fabric {
         nodes: b.nodes,
         links: b.links,
@@ -489,10 +488,10 @@ fn build_star(f: &File, specs: &[HostSpec]) -> Result<Fabric, String> {
             tuner_dcs: c.tuner_dcs,
             wan_gbps: wan.map(|w| w.link_gbps),
             dc_names: (0..dcs).map(|d| format!("dc{d}")).collect(),
-            built_for: [world, n_nodes, n_links, hosts_n],
             ..Layout::default()
         },
     };
+    fabric.layout.built_for = fabric.dims();
     let map = star_symmetry(&fabric, &host_dc, dcs, &cores, &sw);
     fabric.symmetry = fabric.check_symmetry(map);
     Ok(fabric)
@@ -766,7 +765,6 @@ fn build_cluster(f: &File, cs: &ClusterSpec) -> Result<Fabric, String> {
     // (One leaf group of several hosts: moving hosts would change their places in it, which
     // spread the routes over the spines. No symmetry: at most hosts_per_leaf hosts.)
     let g = cl.g;
-    let (n_nodes, n_links) = (b.nodes.len(), b.links.len());
     let mut fabric = Fabric {
         nodes: b.nodes,
         links: b.links,
@@ -785,10 +783,10 @@ fn build_cluster(f: &File, cs: &ClusterSpec) -> Result<Fabric, String> {
             tuner_dcs: c.tuner_dcs,
             wan_gbps: wan.map(|w| w.link_gbps),
             dc_names: (0..dcs).map(|d| format!("dc{d}")).collect(),
-            built_for: [world, n_nodes, n_links, hn],
             ..Layout::default()
         },
     };
+    fabric.layout.built_for = fabric.dims();
     fabric.symmetry = fabric.check_symmetry(map);
     Ok(fabric)
 }

@@ -7,6 +7,7 @@
 //! link's [`SendQueue`].
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use smallvec::SmallVec;
@@ -69,6 +70,10 @@ pub(crate) struct SendQueue {
     /// Taken before anything a link sends with (its transmit locks).
     post: Mutex<Post>,
     out: Mutex<VecDeque<Outstanding>>,
+    /// How many requests in `out` failed locally (their `error` is set): changed under the
+    /// `out` lock, read without it by [`SendQueue::failing`] on every post (which scanned the
+    /// requests in flight, up to the whole unsignaled window, under the lock).
+    unsent: AtomicUsize,
 }
 
 impl SendQueue {
@@ -112,12 +117,11 @@ impl SendQueue {
         let mut post = self.post.lock().unwrap_or_else(|e| e.into_inner());
         post.flushed = true;
         under_lock();
-        let drained: Vec<Outstanding> = self
-            .out
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain(..)
-            .collect();
+        let drained: Vec<Outstanding> = {
+            let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
+            self.unsent.store(0, Ordering::Release);
+            out.drain(..).collect()
+        };
         for o in drained {
             // A request that failed locally keeps its own status.
             let status = match o.error {
@@ -132,11 +136,14 @@ impl SendQueue {
     /// Takes the oldest outstanding request if `f` says it is the one.
     pub fn pop_front_if(&self, f: impl FnOnce(&Outstanding) -> bool) -> Option<Outstanding> {
         let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
-        if out.front().is_some_and(f) {
-            out.pop_front()
-        } else {
-            None
+        if !out.front().is_some_and(f) {
+            return None;
         }
+        let o = out.pop_front();
+        if o.as_ref().is_some_and(|o| o.error.is_some()) {
+            self.unsent.fetch_sub(1, Ordering::Release);
+        }
+        o
     }
 
     /// What `f` reads of the first outstanding request it answers for, oldest first; the
@@ -185,12 +192,13 @@ impl SendQueue {
             return None;
         }
         // Requests posted after it are never sent either: they are flushed when it completes.
-        let status = if out.iter().any(|o| o.error.is_some()) {
+        let status = if self.unsent.load(Ordering::Acquire) > 0 {
             WcStatus::WorkRequestFlushed
         } else {
             status
         };
         out.push_back(Outstanding::unsent(post.next_seq, wr_id, opcode, status));
+        self.unsent.fetch_add(1, Ordering::Release);
         Some(post.next_seq)
     }
 
@@ -201,25 +209,20 @@ impl SendQueue {
         if post.flushed {
             return Err(WcStatus::WorkRequestFlushed);
         }
-        self.out
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push_back(Outstanding::unsent(
-                post.next_seq,
-                wr_id,
-                opcode,
-                WcStatus::WorkRequestFlushed,
-            ));
+        let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
+        out.push_back(Outstanding::unsent(
+            post.next_seq,
+            wr_id,
+            opcode,
+            WcStatus::WorkRequestFlushed,
+        ));
+        self.unsent.fetch_add(1, Ordering::Release);
         Ok(())
     }
 
     /// Whether a locally failed request is waiting for earlier ones (later posts queue too).
     fn failing(&self) -> bool {
-        self.out
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .any(|o| o.error.is_some())
+        self.unsent.load(Ordering::Acquire) > 0
     }
 }
 
@@ -231,13 +234,13 @@ pub(crate) trait SendLink {
     fn dead(&self) -> bool;
     /// The largest request, in bytes.
     fn max_len(&self) -> usize;
-    /// Sends one request whose local buffers are `local` (validated), recording it with
-    /// [`SendQueue::post`].
+    /// Sends one request whose local buffers are `local` (validated; the link keeps their
+    /// regions as long as it reads or writes them), recording it with [`SendQueue::post`].
     fn post(
         &self,
         qp: &QpInner,
         wr: &SendWr<'_>,
-        local: &Local,
+        local: Local,
     ) -> std::result::Result<(), WcStatus>;
     /// A request that failed locally queued behind the one numbered `seq` (which may be
     /// unsignaled): a link whose target acknowledges only when asked asks now.
@@ -312,7 +315,7 @@ fn post_one(
         return q.post_flushed(wr.wr_id, opcode);
     }
     let status = match local_buffers(qp, wr, link.max_len()) {
-        Ok(local) if !q.failing() => return link.post(qp, wr, &local),
+        Ok(local) if !q.failing() => return link.post(qp, wr, local),
         // An earlier request failed locally and waits for those before it: this one is
         // flushed after it (or now, if the queue pair failed meanwhile).
         Ok(_) => WcStatus::WorkRequestFlushed,
@@ -369,4 +372,70 @@ fn local_buffers(
         return Err(WcStatus::LocalLengthError);
     }
     Ok(local)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(wr_id: u64) -> Outstanding {
+        Outstanding {
+            seq: 0,
+            wr_id,
+            opcode: WcOpcode::Write,
+            len: 8,
+            signaled: true,
+            dst: Spans::new(),
+            _keep: Keep::new(),
+            error: None,
+        }
+    }
+
+    fn answered(q: &SendQueue, upto: u64) -> Option<u64> {
+        q.pop_front_if(|o| o.seq <= upto && o.error.is_none())
+            .map(|o| o.wr_id)
+    }
+
+    #[test]
+    fn a_local_failure_counts_until_it_leaves_the_queue() {
+        let q = SendQueue::default();
+        let mut seqs = Vec::new();
+        for wr_id in [1, 2] {
+            q.post(request(wr_id), || false, |s| seqs.push(s)).unwrap();
+        }
+        assert_eq!(seqs, [1, 2]);
+        assert!(!q.failing());
+        // A request that fails locally queues behind the two in flight, and the next one
+        // is flushed behind it.
+        let bad = WcStatus::LocalProtectionError;
+        assert_eq!(q.post_failed(false, 3, WcOpcode::Write, bad), Some(2));
+        assert!(q.failing());
+        assert_eq!(
+            q.post_failed(false, 4, WcOpcode::Send, WcStatus::LocalLengthError),
+            Some(2)
+        );
+        assert_eq!(answered(&q, 2), Some(1));
+        assert_eq!(answered(&q, 2), Some(2));
+        assert_eq!(answered(&q, 2), None);
+        assert!(q.failing());
+        let o = q.pop_front_if(|o| o.error.is_some()).unwrap();
+        assert_eq!((o.wr_id, o.error), (3, Some(bad)));
+        assert!(q.failing(), "request 4 still waits behind it");
+        let o = q.pop_front_if(|o| o.error.is_some()).unwrap();
+        assert_eq!((o.wr_id, o.error), (4, Some(WcStatus::WorkRequestFlushed)));
+        assert!(!q.failing());
+
+        // A flush takes the failed requests with the rest.
+        q.post(request(5), || false, |_| {}).unwrap();
+        assert_eq!(q.post_failed(false, 6, WcOpcode::Write, bad), Some(3));
+        assert!(q.failing());
+        let mut done = Vec::new();
+        q.flush(
+            || {},
+            || WcStatus::WorkRequestFlushed,
+            |wr_id, _, status| done.push((wr_id, status)),
+        );
+        assert_eq!(done, [(5, WcStatus::WorkRequestFlushed), (6, bad)]);
+        assert!(!q.failing());
+    }
 }

@@ -2,7 +2,7 @@
 
 use std::collections::VecDeque;
 use std::io::IoSlice;
-use std::sync::Arc;
+
 use std::sync::atomic::Ordering;
 
 use oxccl_seal::{HEADER_LEN as SEAL_HEADER, MAX_RECORD, Sealer, TAG_LEN};
@@ -12,8 +12,8 @@ use smallvec::SmallVec;
 use super::STRIPE_MIN;
 use super::conn::Conn;
 use super::frame::{ACK_REQ, HEADER_LEN, Header, Opcode, Part};
-use crate::contract::sendq::{Keep, Outstanding, Spans};
-use crate::contract::{MrInner, Span};
+use crate::contract::Span;
+use crate::contract::sendq::{Keep, Local, Outstanding, Spans};
 use crate::model::{WcOpcode, WcStatus, WrOp};
 
 /// One frame waiting to be written.
@@ -173,8 +173,13 @@ impl Conn {
         }
         while let Some(f) = tx.frames.front_mut() {
             if i == 0 && f.sent == 0 {
-                // Take the held-back ACK along.
-                let ack = self.ack_out.swap(0, Ordering::AcqRel);
+                // Take the held-back ACK along (read first: mostly none is, and a swap is a
+                // locked write).
+                let ack = if self.ack_out.load(Ordering::Relaxed) == 0 {
+                    0
+                } else {
+                    self.ack_out.swap(0, Ordering::AcqRel)
+                };
                 let had = u64::from_le_bytes(f.hdr[56..64].try_into().unwrap_or_default());
                 if ack > had {
                     f.hdr[56..64].copy_from_slice(&ack.to_le_bytes());
@@ -419,13 +424,13 @@ impl Conn {
         &self,
         wr_id: u64,
         op: &WrOp,
-        local: &[(Arc<MrInner>, *mut u8, usize)],
+        local: Local,
         signaled: bool,
         qp_failed: impl Fn() -> bool,
     ) -> Result<(), WcStatus> {
         let total: usize = local.iter().map(|l| l.2).sum();
-        let keep: Keep = local.iter().map(|l| l.0.clone()).collect();
         let spans: Spans = local.iter().map(|l| Span(l.1, l.2)).collect();
+        let keep: Keep = local.into_iter().map(|l| l.0).collect();
         let (opcode, mut h, payload, dst) = match *op {
             WrOp::Write { remote } | WrOp::WriteWithImm { remote, .. } => {
                 let (code, imm) = match *op {
@@ -476,6 +481,13 @@ impl Conn {
         if signaled {
             h.flags = ACK_REQ;
         }
+        // The regions are kept by what reads or writes them: the frame its payload (until the
+        // socket took it), the record of the request where its answer lands (READ, atomics).
+        let (keep, answer_keep) = if dst.is_empty() {
+            (keep, Keep::new())
+        } else {
+            (Keep::new(), keep)
+        };
         let o = Outstanding {
             seq: 0,
             wr_id,
@@ -483,7 +495,7 @@ impl Conn {
             len: total as u32,
             signaled,
             dst,
-            _keep: keep.clone(),
+            _keep: answer_keep,
             error: None,
         };
         // Frames go out in sequence order on every connection (under the post lock).

@@ -836,16 +836,45 @@ pub fn use_after_deregistration(p: &str) {
     let l = Local::new(p);
     let qp = l.connect(&mut peer, 0, &QpSpec::default());
     let src = l.pd.alloc_mr(64, AccessFlags::LOCAL_WRITE).unwrap();
+    src.write(0, &[7; 8]).unwrap();
     let (id, rb) = peer.alloc(64, RW);
+    // Requests that alternate between two live regions land each in its own.
+    let (other, ob) = peer.alloc(64, RW);
+    for (k, at) in [rb.at(0), ob.at(16), rb.at(32), ob.at(48)]
+        .into_iter()
+        .enumerate()
+    {
+        post(
+            &qp,
+            10 + k as u64,
+            WrOp::Write { remote: at },
+            &sge(&src, 0, 8),
+        );
+        expect_ok(l.wait_one(), 10 + k as u64, WcOpcode::Write);
+    }
+    let lands = |at: &[usize]| -> Vec<u8> {
+        (0..64)
+            .map(|b| if at.contains(&(b / 8 * 8)) { 7 } else { 0 })
+            .collect()
+    };
+    assert_eq!(peer.read(id, 0, 64), lands(&[0, 32]));
+    assert_eq!(peer.read(other, 0, 64), lands(&[16, 48]));
     post(&qp, 1, WrOp::Write { remote: rb.at(0) }, &sge(&src, 0, 8));
     expect_ok(l.wait_one(), 1, WcOpcode::Write);
     peer.ok(Cmd::Dereg { id });
+    // A new region may reuse the table slot. On the queue pair that wrote into the old region,
+    // a WRITE with the new rkey lands in the new region, and the old rkey fails (a target that
+    // remembers the last region it found must not let it stand in for either).
+    let (id2, rb2) = peer.alloc(64, RW);
+    assert_ne!(rb2.rkey, rb.rkey);
+    post(&qp, 5, WrOp::Write { remote: rb2.at(8) }, &sge(&src, 0, 8));
+    expect_ok(l.wait_one(), 5, WcOpcode::Write);
+    assert_eq!(peer.read(id2, 0, 16), [[0; 8], [7; 8]].concat());
     post(&qp, 2, WrOp::Write { remote: rb.at(0) }, &sge(&src, 0, 8));
     expect_failed(&l, &qp, WcStatus::RemoteAccessError);
-    // A new region may reuse the table slot: the old rkey still fails.
+    assert_eq!(peer.read(id2, 0, 16), [[0; 8], [7; 8]].concat());
+    // The old rkey fails on a fresh queue pair too.
     let qp = l.connect(&mut peer, 1, &QpSpec::default());
-    let (_, rb2) = peer.alloc(64, RW);
-    assert_ne!(rb2.rkey, rb.rkey);
     post(&qp, 3, WrOp::Read { remote: rb.at(0) }, &sge(&src, 0, 8));
     expect_failed(&l, &qp, WcStatus::RemoteAccessError);
     // Local use after deregistration.

@@ -73,6 +73,11 @@ impl Writing {
         let w = Writing(mr);
         w.0.registered.load(Ordering::SeqCst).then_some(w)
     }
+
+    /// The region written into.
+    pub(crate) fn region(&self) -> &Arc<MrInner> {
+        &self.0
+    }
 }
 
 impl Drop for Writing {

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use smallvec::SmallVec;
+use smallvec::{SmallVec, smallvec};
 
 use super::STRIPE_MIN;
 use super::conn::Conn;
@@ -144,12 +144,11 @@ struct Striped {
     /// The request's length.
     total: u32,
     after: After,
-    /// The request's address, its target memory there, and the region.
+    /// The request's address and its target memory there.
     base: u64,
     ptr: *mut u8,
-    mr: Arc<MrInner>,
-    /// Its announcement to the region, until the last part has landed.
-    _writing: Option<Writing>,
+    /// Its announcement to the region (which it holds), until the last part has landed.
+    writing: Writing,
 }
 
 // SAFETY: `ptr` points into `mr`, which the struct keeps alive; it is used only under the
@@ -209,6 +208,9 @@ pub(super) struct Exec {
     /// Requests started and not done, oldest first (a queue that keeps its room: the
     /// small-message path allocates nothing).
     open: VecDeque<Open>,
+    /// The region the last request found, by its rkey: a stream of requests into one region
+    /// (every step of a collective) looks it up once, not in the context's table each time.
+    region: Option<(u64, Weak<MrInner>)>,
 }
 
 impl Exec {
@@ -242,6 +244,20 @@ impl Exec {
             landed: false,
             ack: h.flags & ACK_REQ != 0,
         });
+    }
+
+    /// The ACK due now, if one is (it is then counted as sent): a request that asked for one
+    /// is done, [`ACK_EVERY`] requests are, or the initiator asked ([`Opcode::AckReq`]).
+    fn take_ack(&mut self) -> Option<u64> {
+        let due = self.done_seq > self.acked_seq
+            && (self.ack_due
+                || self.done_seq - self.acked_seq >= ACK_EVERY
+                || self.ack_upto > self.acked_seq);
+        self.ack_due = false;
+        if due {
+            self.acked_seq = self.done_seq;
+        }
+        due.then_some(self.done_seq)
     }
 
     /// Request `seq` has all landed: the requests done in order from the oldest are done.
@@ -532,8 +548,8 @@ impl Conn {
         self.read_frames(i);
     }
 
-    /// Reads connection `i`, then the connections that waited for what it executed, then
-    /// acknowledges what was asked.
+    /// Reads connection `i`, then the connections that waited for what it executed. (What
+    /// they make due is acknowledged where it becomes due: [`Conn::landed`], an ACK request.)
     pub(super) fn read_frames(&self, i: usize) {
         let Some(qp) = self.qp.upgrade() else {
             return;
@@ -554,21 +570,6 @@ impl Conn {
                     sh.kick_shard(s.shard);
                 }
             }
-        }
-        let ack = {
-            let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
-            let due = ex.done_seq > ex.acked_seq
-                && (ex.ack_due
-                    || ex.done_seq - ex.acked_seq >= ACK_EVERY
-                    || ex.ack_upto > ex.acked_seq);
-            ex.ack_due = false;
-            if due {
-                ex.acked_seq = ex.done_seq;
-            }
-            due.then_some(ex.done_seq)
-        };
-        if let Some(seq) = ack {
-            self.ack_later(seq);
         }
     }
 
@@ -829,21 +830,36 @@ impl Conn {
     }
 
     /// Looks up a target region for `len` bytes at (`addr`, `rkey`) and checks access and
-    /// bounds.
+    /// bounds: the region the last request found (`ex.region`) if the rkey is its own and it
+    /// is still registered, else the context's table's.
     fn target(
         &self,
+        ex: &mut Exec,
         addr: u64,
         rkey: u64,
         len: usize,
         need: AccessFlags,
     ) -> Option<(Arc<MrInner>, *mut u8)> {
-        let shared = self.shared.upgrade()?;
-        let mr = shared
-            .regions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&key_index(rkey))
-            .and_then(Weak::upgrade)?;
+        let last = match &ex.region {
+            Some((key, mr)) if *key == rkey => mr.upgrade().filter(|mr| mr.is_registered()),
+            _ => None,
+        };
+        let mr = match last {
+            Some(mr) => mr,
+            None => {
+                let shared = self.shared.upgrade()?;
+                let mr = shared
+                    .regions
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(&key_index(rkey))
+                    .and_then(Weak::upgrade)?;
+                if mr.rkey == rkey {
+                    ex.region = Some((rkey, Arc::downgrade(&mr)));
+                }
+                mr
+            }
+        };
         if mr.rkey != rkey || !mr.is_registered() || !mr.access.contains(need) {
             return None;
         }
@@ -888,14 +904,14 @@ impl Conn {
                 return Err(format!("part of request {} at another address", h.seq));
             }
             // SAFETY: `part()` checked `addr..addr+len` lies in `base..base+total`, which was
-            // validated against `cur.mr` when the request started.
+            // validated against the region when the request started.
             let p = unsafe { cur.ptr.add((h.addr - cur.base) as usize) };
             rx.state = RxState::Payload {
-                dst: SmallVec::from_elem(Span(p, h.len as usize), 1),
+                dst: smallvec![Span(p, h.len as usize)],
                 got: 0,
                 total: h.len as usize,
                 done: Done::Part { seq: h.seq },
-                _keep: SmallVec::from_elem(cur.mr.clone(), 1),
+                _keep: smallvec![cur.writing.region().clone()],
                 _writing: None,
             };
             return Ok(false);
@@ -954,14 +970,14 @@ impl Conn {
             Opcode::Send | Opcode::SendImm => self.execute_send(qp, rx, h, ex),
             Opcode::ReadReq => {
                 let Some((mr, p)) =
-                    self.target(h.addr, h.rkey, h.len as usize, AccessFlags::REMOTE_READ)
+                    self.target(ex, h.addr, h.rkey, h.len as usize, AccessFlags::REMOTE_READ)
                 else {
                     return self.refuse(rx, ex, &h, WcStatus::RemoteAccessError);
                 };
                 responded(ex, h.seq);
                 let mut data = Header::new(Opcode::ReadResp, h.seq, h.len);
-                let spans: Spans = SmallVec::from_elem(Span(p, h.len as usize), 1);
-                let keep: Keep = SmallVec::from_elem(mr, 1);
+                let spans: Spans = smallvec![Span(p, h.len as usize)];
+                let keep: Keep = smallvec![mr];
                 let k = self.socks().len();
                 if k > 1 && h.len as usize >= STRIPE_MIN {
                     // Striped like a WRITE: one part per connection, read by the initiator's
@@ -997,9 +1013,9 @@ impl Conn {
         // Held until the request has landed (all its parts): deregistering the region waits for
         // it, so that nothing of it lands afterwards.
         let target = self
-            .target(base, h.rkey, len, AccessFlags::REMOTE_WRITE)
-            .and_then(|(mr, p)| Some((Writing::begin(mr.clone())?, mr, p)));
-        let Some((writing, mr, p)) = target else {
+            .target(ex, base, h.rkey, len, AccessFlags::REMOTE_WRITE)
+            .and_then(|(mr, p)| Some((Writing::begin(mr)?, p)));
+        let Some((writing, p)) = target else {
             if ex.done_seq != ex.started {
                 // Started early: a NAK must not pass the WRITEs still landing. It waits for
                 // them, and is NAKed as the next request.
@@ -1009,7 +1025,6 @@ impl Conn {
             }
             return self.refuse(rx, ex, &h, WcStatus::RemoteAccessError);
         };
-        let mut writing = Some(writing);
         let after = if h.opcode == Opcode::WriteImm {
             let Some(slot) = qp.claim_recv() else {
                 rx.state = RxState::Stalled {
@@ -1027,8 +1042,23 @@ impl Conn {
             After::Nothing
         };
         ex.start(&h);
-        let done = match part {
+        // SAFETY: `addr - base < len` (checked by `part()` for a part; zero for a whole
+        // request), inside the validated range.
+        let at = unsafe { p.add((h.addr - base) as usize) };
+        if part.is_none() && rx.staged() >= h.len as usize {
+            // A whole payload already read ahead (every small message): it lands now, under
+            // the target's state it started under.
+            rx.copy_out(&[Span(at, h.len as usize)], 0, h.len as usize);
+            drop(writing);
+            self.done_locked(qp, ex, h.seq, after, h.len as usize);
+            rx.state = FRESH;
+            return Ok(true);
+        }
+        // The announcement holds the region: the request's own (a whole request), or the
+        // striped request's (a part; the part holds the region too).
+        let (done, keep, writing) = match part {
             Some(pt) => {
+                let keep = smallvec![writing.region().clone()];
                 ex.striped.insert(
                     h.seq,
                     Striped {
@@ -1038,23 +1068,23 @@ impl Conn {
                         after,
                         base,
                         ptr: p,
-                        mr: mr.clone(),
-                        _writing: writing.take(),
+                        writing,
                     },
                 );
-                Done::Part { seq: h.seq }
+                (Done::Part { seq: h.seq }, keep, None)
             }
-            None => Done::Request { seq: h.seq, after },
+            None => (
+                Done::Request { seq: h.seq, after },
+                Keep::new(),
+                Some(writing),
+            ),
         };
-        // SAFETY: `addr - base < len` (checked by `part()` for a part; zero for a whole
-        // request), inside the validated range.
-        let at = unsafe { p.add((h.addr - base) as usize) };
         rx.state = RxState::Payload {
-            dst: SmallVec::from_elem(Span(at, h.len as usize), 1),
+            dst: smallvec![Span(at, h.len as usize)],
             got: 0,
             total: h.len as usize,
             done,
-            _keep: SmallVec::from_elem(mr, 1),
+            _keep: keep,
             _writing: writing,
         };
         // Started: a later request may start now (or a connection waiting for it go on).
@@ -1122,7 +1152,7 @@ impl Conn {
         if !h.addr.is_multiple_of(8) {
             return self.refuse(rx, ex, &h, WcStatus::RemoteInvalidRequest);
         }
-        let Some((_mr, p)) = self.target(h.addr, h.rkey, 8, AccessFlags::REMOTE_ATOMIC) else {
+        let Some((_mr, p)) = self.target(ex, h.addr, h.rkey, 8, AccessFlags::REMOTE_ATOMIC) else {
             return self.refuse(rx, ex, &h, WcStatus::RemoteAccessError);
         };
         // SAFETY: `p` is 8-byte aligned (region bases are, the address is checked) and inside a
@@ -1173,13 +1203,22 @@ impl Conn {
                 return false;
             }
         };
+        self.done_locked(qp, &mut ex, seq, after, total);
+        true
+    }
+
+    /// Request `seq`, of `total` bytes, has all landed (the caller holds the target's state):
+    /// completes what it completes, and notes the ACK that makes due.
+    fn done_locked(&self, qp: &QpInner, ex: &mut Exec, seq: u64, after: After, total: usize) {
         // A request that completes a receive started once every earlier one was done, and no
         // later one starts before it is done: its receive completes after their data.
         if let After::Recv { slot, opcode, imm } = after {
             qp.complete_recv(slot, WcStatus::Success, opcode, total as u32, imm);
         }
         ex.finish(seq);
-        true
+        if let Some(ack) = ex.take_ack() {
+            self.ack_later(ack);
+        }
     }
 
     /// The target executed every request of ours up to `seq` (an ACK, or implied by an answer):
@@ -1231,6 +1270,11 @@ impl Conn {
             Opcode::AckReq => {
                 let mut ex = self.exec.lock().unwrap_or_else(|e| e.into_inner());
                 ex.ack_upto = ex.ack_upto.max(h.seq);
+                let ack = ex.take_ack();
+                drop(ex);
+                if let Some(seq) = ack {
+                    self.ack_later(seq);
+                }
             }
             Opcode::Ack => self.acked(qp, h.seq),
             Opcode::Nak => {

@@ -30,7 +30,7 @@
 //! Shard 0's progress thread stands back while the application drives: it sleeps until no
 //! application thread has driven for [`LINGER`], then blocks in `epoll_wait` itself, so
 //! one-sided operations that arrive while nobody polls (a READ of a passive target) are still
-//! served, at most [`LINGER`] late. The other shards' progress threads always drive their own
+//! served, at most two [`LINGER`]s late. The other shards' progress threads always drive their own
 //! sockets (blocking in `epoll_wait`, or busy-polling with `tcp_busy_poll`): the small-message
 //! path of an application thread costs what it cost with one shard.
 //! Posting writes frames straight to the socket from the posting thread.
@@ -60,7 +60,7 @@
 //! a request that asked for one ([`frame::ACK_REQ`]: signaled, or one in [`frame::ACK_EVERY`])
 //! is done, and ride in the `ack` field of the next frame that goes back on connection 0 (a
 //! credit, an answer); an ACK frame of its own goes when the application's poll finds nothing,
-//! before it sleeps, or when the progress thread drives (so at most [`LINGER`] late); a
+//! before it sleeps, or when the progress thread drives (so at most two [`LINGER`]s late); a
 //! failed request is NAKed, the target drops every later request of the queue pair, and the
 //! initiator's queue pair goes to ERR (and closes the connections). A SEND or WRITE_WITH_IMM that
 //! finds no receive posted stalls its connection (receiver not ready) until one is posted or the
@@ -264,7 +264,9 @@ impl Congestion {
 // Epoll keys: sockets get keys from `Shared::next_key` (which starts above these).
 const LISTENER: u64 = 0;
 const WAKE: u64 = 1;
-/// How long after an application thread last drove the progress thread stays back.
+/// How long the progress thread stays back once no application thread drives: it takes over
+/// when the application's poll count has not changed for this long (between one and two
+/// `LINGER`s after the last poll, as it looks once a `LINGER`).
 pub(crate) const LINGER: Duration = Duration::from_micros(500);
 /// WRITEs of at least this many bytes are striped over a queue pair's connections.
 pub(crate) const STRIPE_MIN: usize = 256 << 10;
@@ -314,8 +316,10 @@ pub(crate) struct Shard {
     wake: OwnedFd,
     /// FREE, THREAD or APP: who reads this shard's sockets now.
     driver: AtomicU8,
-    /// When an application thread last drove this shard, in µs since `Shared::epoch`.
-    app_seen: AtomicU64,
+    /// Bumped whenever an application thread drives this shard: the progress thread takes
+    /// over once it has not changed for [`LINGER`] (a count, not a time: a poll then costs a
+    /// store, not a clock read).
+    app_polls: AtomicU64,
     /// An application thread sleeps in this shard's `epoll_wait` (completions made by other
     /// threads kick it).
     blocked: AtomicBool,
@@ -354,7 +358,7 @@ impl Shard {
             epoll,
             wake,
             driver: AtomicU8::new(FREE),
-            app_seen: AtomicU64::new(0),
+            app_polls: AtomicU64::new(0),
             blocked: AtomicBool::new(false),
             standby: AtomicBool::new(false),
             deep: AtomicBool::new(false),
@@ -377,6 +381,13 @@ impl Shard {
 
     /// Takes the driver token for an application thread: `Ok` when it was free, otherwise
     /// who holds it.
+    /// An application thread drives (or would): counted, with a plain store. Two threads
+    /// that race may count once, which still says that one came.
+    fn app_polled(&self) {
+        let n = self.app_polls.load(Ordering::Relaxed);
+        self.app_polls.store(n.wrapping_add(1), Ordering::Relaxed);
+    }
+
     fn take_for_app(&self) -> std::result::Result<(), u8> {
         self.driver
             .compare_exchange(FREE, APP, Ordering::Acquire, Ordering::Relaxed)
@@ -581,7 +592,7 @@ impl Shared {
     /// the other shards' sockets are read by their own progress threads, in parallel.
     fn app_progress(&self) {
         let s = &self.shards[0];
-        s.app_seen.store(self.now_us(), Ordering::Relaxed);
+        s.app_polled();
         match s.take_for_app() {
             Ok(()) => {
                 if !self.read_hot(s) {
@@ -626,7 +637,7 @@ impl Shared {
     /// made by the other shards' threads kick it ([`TcpContext::notify`]).
     fn app_block(&self, nap: Duration) -> bool {
         let s = &self.shards[0];
-        s.app_seen.store(self.now_us(), Ordering::Relaxed);
+        s.app_polled();
         match s.take_for_app() {
             Ok(()) => {}
             Err(THREAD) => {
@@ -639,7 +650,7 @@ impl Shared {
         s.blocked.store(true, Ordering::SeqCst);
         self.turn(0, Some(nap));
         s.blocked.store(false, Ordering::SeqCst);
-        s.app_seen.store(self.now_us(), Ordering::Relaxed);
+        s.app_polled();
         s.driver.store(FREE, Ordering::Release);
         if s.deep.load(Ordering::Acquire) {
             // The progress thread sleeps long: it must learn that nobody drives now.
@@ -650,7 +661,8 @@ impl Shared {
 
     /// Sends the ACKs that no frame took along (see [`Conn::ack_out`]).
     pub(crate) fn flush_acks(&self) {
-        if !self.acks_due.swap(false, Ordering::AcqRel) {
+        // Read first: an empty poll makes no write to the line (a swap is a locked write).
+        if !self.acks_due.load(Ordering::Relaxed) || !self.acks_due.swap(false, Ordering::AcqRel) {
             return;
         }
         let conns: Vec<Arc<Conn>> = self
@@ -678,11 +690,14 @@ impl Shared {
     fn run(self: Arc<Self>, k: usize) {
         let s = &self.shards[k];
         let mut last_activity = Instant::now();
+        // The application's poll count as last seen, and when it was seen to change.
+        let mut polls = (s.app_polls.load(Ordering::Relaxed), Instant::now());
         while !self.stop.load(Ordering::SeqCst) {
-            let since = Duration::from_micros(
-                self.now_us()
-                    .saturating_sub(s.app_seen.load(Ordering::Relaxed)),
-            );
+            let now = s.app_polls.load(Ordering::Relaxed);
+            if now != polls.0 {
+                polls = (now, Instant::now());
+            }
+            let since = polls.1.elapsed();
             let app = s.driver.load(Ordering::Acquire) == APP;
             if app || since < LINGER {
                 // Stand back: the application reads its sockets.

@@ -501,6 +501,61 @@ fn tcp_naked_frame_does_not_read_freed_memory() {
     assert!(!detail.contains("Bad address"), "{detail}");
 }
 
+/// A WRITE whose frame must wait (for the progress thread, or for room in the socket) keeps
+/// its source region: the caller may drop its handle as soon as the post returns, and the
+/// bytes that land are still the ones it posted, not what reuses the freed memory. (A frame
+/// that leaves during its post takes no reference to the region: the request borrows it.)
+#[test]
+fn a_frame_that_waits_keeps_its_source_region() {
+    let to_the_driver = DeviceConfig {
+        tcp_inline_max: 0,
+        ..DeviceConfig::default()
+    };
+    for (cfg, len) in [
+        (to_the_driver, 64 << 10),
+        (DeviceConfig::default(), 16 << 20),
+    ] {
+        let ctx = Device::by_name("tcp").unwrap().open_with(&cfg).unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(16).unwrap();
+        let (a, b) = (
+            pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap(),
+            pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap(),
+        );
+        a.connect(&b.endpoint()).unwrap();
+        b.connect(&a.endpoint()).unwrap();
+        let dst = pd.alloc_mr(len, AccessFlags::ALL).unwrap();
+        let pattern: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        for round in 0..3u64 {
+            {
+                let src = pd.alloc_mr(len, AccessFlags::LOCAL_WRITE).unwrap();
+                src.write(0, &pattern).unwrap();
+                let sge = [Sge::new(&src, 0, len)];
+                let op = WrOp::Write {
+                    remote: dst.remote().at(0),
+                };
+                a.post_send(&[SendWr::new(round, op, &sge)]).unwrap();
+            }
+            // What a freed source would be reused for.
+            let scratch = pd.alloc_mr(len, AccessFlags::LOCAL_WRITE).unwrap();
+            scratch.write(0, &vec![0xee; len]).unwrap();
+            let mut wc = [WorkCompletion::default(); 1];
+            let n = cq.wait(&mut wc, Duration::from_secs(20)).unwrap();
+            assert_eq!(
+                (n, wc[0].wr_id, wc[0].status),
+                (1, round, WcStatus::Success)
+            );
+            let mut got = vec![0u8; len];
+            dst.read(0, &mut got).unwrap();
+            assert!(
+                got == pattern,
+                "round {round}, {len} bytes: the data changed"
+            );
+            dst.write(0, &vec![0; len]).unwrap();
+        }
+    }
+}
+
 /// A region registered in a second context over the first context's provider memory
 /// (`reg_mr_of`) reaches the same bytes, and keeps them mapped after the first one is dropped:
 /// a tcp WRITE into it lands in live memory, never in an unmapped (or reused) range.

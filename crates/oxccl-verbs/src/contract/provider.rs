@@ -92,8 +92,9 @@
 //!   through the `Weak<QpInner>` of [`QpSetup::qp`] and calls into the core with none of its own
 //!   locks held, since the core may call back into the transport.
 //! - **Memory.** A raw pointer into a region is valid only while the region lives: keep the
-//!   `Arc<MrInner>` of every buffer a request still reads or writes (the tcp provider keeps them
-//!   in its frames and outstanding requests), until its completion is reported. Every `unsafe`
+//!   `Arc<MrInner>` of every buffer a request still reads or writes once the post has returned
+//!   (the tcp provider keeps them in the frames still to be written and in the READs and
+//!   atomics whose answers land in them; during the post the request borrows them). Every `unsafe`
 //!   block has a `// SAFETY:` line saying why it holds.
 //! - **Teardown.** [`QpTransport::disconnect`] drops the link so that the peer notices (a cut
 //!   cable); [`QpTransport::destroy`] releases what the provider holds for the queue pair; the

@@ -21,8 +21,9 @@ use crate::model::{QpState, Result, WcOpcode, WcStatus, WrOp};
 pub(crate) type Spans = SmallVec<[Span; 2]>;
 /// The regions a request keeps alive.
 pub(crate) type Keep = SmallVec<[Arc<MrInner>; 2]>;
-/// A request's validated local buffers: region, pointer, length.
-pub(crate) type Local = SmallVec<[(Arc<MrInner>, *mut u8, usize); 2]>;
+/// A request's validated local buffers: region (borrowed from the request: a link that holds
+/// on to one past the post clones it), pointer, length.
+pub(crate) type Local<'a> = SmallVec<[(&'a Arc<MrInner>, *mut u8, usize); 2]>;
 
 /// A request this side sent and has not seen answered.
 pub(crate) struct Outstanding {
@@ -240,7 +241,7 @@ pub(crate) trait SendLink {
         &self,
         qp: &QpInner,
         wr: &SendWr<'_>,
-        local: Local,
+        local: Local<'_>,
     ) -> std::result::Result<(), WcStatus>;
     /// A request that failed locally queued behind the one numbered `seq` (which may be
     /// unsignaled): a link whose target acknowledges only when asked asks now.
@@ -264,15 +265,18 @@ impl<L: SendLink> Drop for Corked<'_, L> {
 }
 
 /// [`QpTransport::post_send`](crate::contract::QpTransport::post_send) for a software
-/// provider: posts `wrs` in order, one batch at a time per queue pair (`send`).
+/// provider: posts `wrs` in order, one list of several at a time per queue pair (`send`). A
+/// single request takes only the post lock, which orders it against other posts and the flush
+/// ([`SendQueue::post`]): the small-message path pays one lock fewer.
 pub(crate) fn post_send(
     qp: &QpInner,
     send: &Mutex<()>,
     link: &impl SendLink,
     wrs: &[SendWr<'_>],
 ) -> Result<()> {
-    let mut s = send.lock().unwrap_or_else(|e| e.into_inner());
-    let _corked = (wrs.len() > 1).then(|| {
+    let list = wrs.len() > 1;
+    let mut s = list.then(|| send.lock().unwrap_or_else(|e| e.into_inner()));
+    let _corked = list.then(|| {
         link.cork();
         Corked(link)
     });
@@ -295,7 +299,7 @@ pub(crate) fn post_send(
                 drop(s);
                 qp.complete_send(wr.wr_id, wr.op.wc_opcode(), status, 0, true);
                 qp.set_error(Cause::Request);
-                s = send.lock().unwrap_or_else(|e| e.into_inner());
+                s = list.then(|| send.lock().unwrap_or_else(|e| e.into_inner()));
             }
         }
     }
@@ -342,16 +346,17 @@ pub(crate) fn flush_sends(qp: &QpInner, send: &Mutex<()>, link: &impl SendLink) 
             |wr_id, opcode, status| qp.complete_send(wr_id, opcode, status, 0, true),
         );
     }
-    // A batch being posted finishes first (its later requests find the link flushed).
+    // A list being posted finishes first (its later requests find the link flushed); a single
+    // request posted meanwhile completes flushed in its own post.
     drop(send.lock().unwrap_or_else(|e| e.into_inner()));
 }
 
 /// The validated local buffers of a request of at most `max_len` bytes.
-fn local_buffers(
+fn local_buffers<'a>(
     qp: &QpInner,
-    wr: &SendWr<'_>,
+    wr: &SendWr<'a>,
     max_len: usize,
-) -> std::result::Result<Local, WcStatus> {
+) -> std::result::Result<Local<'a>, WcStatus> {
     let scatter = matches!(
         wr.op,
         WrOp::Read { .. } | WrOp::CompareSwap { .. } | WrOp::FetchAdd { .. }
@@ -360,7 +365,7 @@ fn local_buffers(
     let mut total = 0usize;
     for g in wr.sg_list {
         let p = g.mr.inner.local_ptr(qp.pd, g.offset, g.len, scatter)?;
-        local.push((g.mr.inner.clone(), p, g.len));
+        local.push((&g.mr.inner, p, g.len));
         total += g.len;
     }
     if total > max_len {

@@ -345,7 +345,7 @@ impl Link {
         e: &Engine,
         wr_id: u64,
         op: &WrOp,
-        local: &[(Arc<MrInner>, *mut u8, usize)],
+        local: &[(&Arc<MrInner>, *mut u8, usize)],
         signaled: bool,
         qp_failed: impl Fn() -> bool,
     ) -> Result<(), WcStatus> {
@@ -422,7 +422,7 @@ impl Link {
                 buf.extend_from_slice(unsafe { std::slice::from_raw_parts(*p, *len) });
             }
         }
-        let keep: Keep = local.iter().map(|l| l.0.clone()).collect();
+        let keep: Keep = local.iter().map(|l| Arc::clone(l.0)).collect();
         let dst: Spans = if gather {
             Spans::new()
         } else {

@@ -86,7 +86,7 @@ impl SendLink for OfiQp {
         u32::MAX as usize
     }
 
-    fn post(&self, qp: &QpInner, wr: &SendWr<'_>, local: Local) -> Result<(), WcStatus> {
+    fn post(&self, qp: &QpInner, wr: &SendWr<'_>, local: Local<'_>) -> Result<(), WcStatus> {
         self.link
             .send_request(&self.engine, wr.wr_id, &wr.op, &local, wr.signaled, || {
                 qp.is_failed()

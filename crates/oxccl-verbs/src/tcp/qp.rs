@@ -103,7 +103,7 @@ impl SendLink for TcpQp {
         frame::MAX_PAYLOAD as usize
     }
 
-    fn post(&self, qp: &QpInner, wr: &SendWr<'_>, local: Local) -> Result<(), WcStatus> {
+    fn post(&self, qp: &QpInner, wr: &SendWr<'_>, local: Local<'_>) -> Result<(), WcStatus> {
         self.conn
             .send_request(wr.wr_id, &wr.op, local, wr.signaled, || qp.is_failed())
     }

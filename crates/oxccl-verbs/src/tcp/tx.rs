@@ -2,7 +2,7 @@
 
 use std::collections::VecDeque;
 use std::io::IoSlice;
-
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use oxccl_seal::{HEADER_LEN as SEAL_HEADER, MAX_RECORD, Sealer, TAG_LEN};
@@ -205,8 +205,9 @@ impl Conn {
                         skip -= s.1;
                         continue;
                     }
-                    // SAFETY: the span lies in a region kept alive by `f.keep` (or the
-                    // target's registered region, or the frame's own copy); `skip < s.1`.
+                    // SAFETY: the span lies in a region kept alive by `f.keep` (by the poster's
+                    // own request while its call lasts: `queue_or_keep`), in the target's
+                    // registered region, or in the frame's own copy; `skip < s.1`.
                     iov.push(IoSlice::new(unsafe {
                         std::slice::from_raw_parts(s.0.add(skip), s.1 - skip)
                     }));
@@ -400,6 +401,21 @@ impl Conn {
         self.check(r);
     }
 
+    /// [`Conn::queue`] of a frame whose payload's regions the caller holds for the call: the
+    /// frame takes them (`keep`) only if it has to wait, so a small message that leaves at once
+    /// takes no reference to them.
+    fn queue_or_keep(&self, i: usize, f: TxFrame, keep: impl FnOnce() -> Keep) {
+        let Some(s) = self.socks().get(i) else { return };
+        let mut tx = s.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let r = self.push_locked(i, &mut tx, f);
+        // Frames leave from the front: what is left at the back is (the rest of) this one.
+        if let Some(f) = tx.frames.back_mut() {
+            f.keep = keep();
+        }
+        drop(tx);
+        self.check(r);
+    }
+
     /// Appends a frame; writes it at once when nothing is queued before it, otherwise leaves it
     /// to the driver (which is asked to watch for room in the socket).
     fn push_locked(&self, i: usize, tx: &mut Tx, f: TxFrame) -> std::result::Result<(), String> {
@@ -424,13 +440,13 @@ impl Conn {
         &self,
         wr_id: u64,
         op: &WrOp,
-        local: Local,
+        local: Local<'_>,
         signaled: bool,
         qp_failed: impl Fn() -> bool,
     ) -> Result<(), WcStatus> {
         let total: usize = local.iter().map(|l| l.2).sum();
         let spans: Spans = local.iter().map(|l| Span(l.1, l.2)).collect();
-        let keep: Keep = local.into_iter().map(|l| l.0).collect();
+        let keep = || -> Keep { local.iter().map(|l| Arc::clone(l.0)).collect() };
         let (opcode, mut h, payload, dst) = match *op {
             WrOp::Write { remote } | WrOp::WriteWithImm { remote, .. } => {
                 let (code, imm) = match *op {
@@ -481,13 +497,10 @@ impl Conn {
         if signaled {
             h.flags = ACK_REQ;
         }
-        // The regions are kept by what reads or writes them: the frame its payload (until the
-        // socket took it), the record of the request where its answer lands (READ, atomics).
-        let (keep, answer_keep) = if dst.is_empty() {
-            (keep, Keep::new())
-        } else {
-            (Keep::new(), keep)
-        };
+        // The regions are kept by what reads or writes them once this call has returned: a
+        // frame that waits its payload, the record of the request where its answer lands
+        // (READ, atomics).
+        let answer_keep = if dst.is_empty() { Keep::new() } else { keep() };
         let o = Outstanding {
             seq: 0,
             wr_id,
@@ -509,9 +522,9 @@ impl Conn {
                     && total >= STRIPE_MIN
                     && matches!(h.opcode, Opcode::Write | Opcode::WriteImm)
                 {
-                    self.post_striped(h, &payload, &keep, k);
+                    self.post_striped(h, &payload, &keep(), k);
                 } else {
-                    self.queue(0, TxFrame::new(&h, payload, keep));
+                    self.queue_or_keep(0, TxFrame::new(&h, payload, Keep::new()), keep);
                 }
             },
         )

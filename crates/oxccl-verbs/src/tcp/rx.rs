@@ -403,6 +403,11 @@ impl Rx {
         self.hi - self.lo
     }
 
+    /// Nothing is read ahead and no frame begun: the next bytes start a header.
+    fn at_rest(&self) -> bool {
+        self.lo == self.hi && matches!(self.state, RxState::Header { got: 0, .. })
+    }
+
     /// Takes up to `out.len()` staged bytes into `out`.
     fn take(&mut self, out: &mut [u8]) -> usize {
         let k = out.len().min(self.staged());
@@ -551,11 +556,8 @@ impl Conn {
     /// Reads connection `i`, then the connections that waited for what it executed. (What
     /// they make due is acknowledged where it becomes due: [`Conn::landed`], an ACK request.)
     pub(super) fn read_frames(&self, i: usize) {
-        let Some(qp) = self.qp.upgrade() else {
-            return;
-        };
         let mine = self.socks().get(i).map_or(0, |s| s.shard);
-        let mut again = self.read_socket(&qp, i);
+        let mut again = self.read_socket(i);
         while again {
             again = false;
             for (j, s) in self.socks().iter().enumerate() {
@@ -563,7 +565,7 @@ impl Conn {
                     continue;
                 }
                 if s.shard == mine {
-                    again |= self.read_socket(&qp, j);
+                    again |= self.read_socket(j);
                 } else if let Some(sh) = self.shared.upgrade() {
                     // Another shard's connection: its own driver reads it, in parallel with
                     // this one.
@@ -575,7 +577,7 @@ impl Conn {
 
     /// Reads and executes frames of connection `i` until the socket has nothing more, fails or
     /// closes, or the connection must wait. Returns whether a request was executed.
-    fn read_socket(&self, qp: &QpInner, i: usize) -> bool {
+    fn read_socket(&self, i: usize) -> bool {
         let Some(s) = self.socks().get(i) else {
             return false;
         };
@@ -585,7 +587,24 @@ impl Conn {
         let mut rx = s.rx.lock().unwrap_or_else(|e| e.into_inner());
         let mut executed = false;
         let mut idle = false;
+        // Looked up once something has come: most polls of a waiting rank find nothing.
+        let mut qp: Option<Arc<QpInner>> = None;
         let r = loop {
+            if rx.at_rest() {
+                // Nothing read ahead and no frame begun: one `recv` says whether anything came.
+                rx.read_exactly(HEADER_LEN);
+                match Self::more(&mut rx, sock, &mut idle) {
+                    Ok(()) => {}
+                    Err(Stop::Idle) => break Ok(()),
+                    Err(e) => break Err(e),
+                }
+            }
+            if qp.is_none() {
+                qp = self.qp.upgrade();
+            }
+            let Some(qp) = qp.as_deref() else {
+                break Ok(());
+            };
             match self.step(qp, i, sock, &mut rx, &mut idle, &mut executed) {
                 Ok(true) => continue,
                 Ok(false) => break Ok(()),

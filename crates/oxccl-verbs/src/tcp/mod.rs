@@ -379,8 +379,6 @@ impl Shard {
         }
     }
 
-    /// Takes the driver token for an application thread: `Ok` when it was free, otherwise
-    /// who holds it.
     /// An application thread drives (or would): counted, with a plain store. Two threads
     /// that race may count once, which still says that one came.
     fn app_polled(&self) {
@@ -388,6 +386,8 @@ impl Shard {
         self.app_polls.store(n.wrapping_add(1), Ordering::Relaxed);
     }
 
+    /// Takes the driver token for an application thread: `Ok` when it was free, otherwise
+    /// who holds it.
     fn take_for_app(&self) -> std::result::Result<(), u8> {
         self.driver
             .compare_exchange(FREE, APP, Ordering::Acquire, Ordering::Relaxed)

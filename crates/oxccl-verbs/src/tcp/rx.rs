@@ -151,7 +151,7 @@ struct Striped {
     writing: Writing,
 }
 
-// SAFETY: `ptr` points into `mr`, which the struct keeps alive; it is used only under the
+// SAFETY: `ptr` points into the region that `writing` keeps alive; it is used only under the
 // queue pair's `Exec` lock (several shards' drivers may read the queue pair's connections).
 unsafe impl Send for Striped {}
 

@@ -345,7 +345,20 @@ pub(crate) fn tcp_pair() -> (
     QueuePair,
     QueuePair,
 ) {
-    let ctx = Device::by_name("tcp").unwrap().open().unwrap();
+    tcp_pair_with(&DeviceConfig::default())
+}
+
+/// [`tcp_pair`] on a context opened with `cfg`.
+fn tcp_pair_with(
+    cfg: &DeviceConfig,
+) -> (
+    Context,
+    ProtectionDomain,
+    CompletionQueue,
+    QueuePair,
+    QueuePair,
+) {
+    let ctx = Device::by_name("tcp").unwrap().open_with(cfg).unwrap();
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(64).unwrap();
     let (a, b) = (
@@ -515,15 +528,7 @@ fn a_frame_that_waits_keeps_its_source_region() {
         (to_the_driver, 64 << 10),
         (DeviceConfig::default(), 16 << 20),
     ] {
-        let ctx = Device::by_name("tcp").unwrap().open_with(&cfg).unwrap();
-        let pd = ctx.alloc_pd().unwrap();
-        let cq = ctx.create_cq(16).unwrap();
-        let (a, b) = (
-            pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap(),
-            pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap(),
-        );
-        a.connect(&b.endpoint()).unwrap();
-        b.connect(&a.endpoint()).unwrap();
+        let (_ctx, pd, cq, a, _b) = tcp_pair_with(&cfg);
         let dst = pd.alloc_mr(len, AccessFlags::ALL).unwrap();
         let pattern: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
         for round in 0..3u64 {

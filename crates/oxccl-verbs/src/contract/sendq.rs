@@ -73,7 +73,9 @@ pub(crate) struct SendQueue {
     out: Mutex<VecDeque<Outstanding>>,
     /// How many requests in `out` failed locally (their `error` is set): changed under the
     /// `out` lock, read without it by [`SendQueue::failing`] on every post (which scanned the
-    /// requests in flight, up to the whole unsignaled window, under the lock).
+    /// requests in flight, up to the whole unsignaled window, under the lock). Posters are one
+    /// at a time (the link's send lock), so the post that reads it sees every local failure
+    /// posted before it.
     unsent: AtomicUsize,
 }
 
@@ -120,7 +122,7 @@ impl SendQueue {
         under_lock();
         let drained: Vec<Outstanding> = {
             let mut out = self.out.lock().unwrap_or_else(|e| e.into_inner());
-            self.unsent.store(0, Ordering::Release);
+            self.unsent.store(0, Ordering::Relaxed);
             out.drain(..).collect()
         };
         for o in drained {
@@ -142,7 +144,7 @@ impl SendQueue {
         }
         let o = out.pop_front();
         if o.as_ref().is_some_and(|o| o.error.is_some()) {
-            self.unsent.fetch_sub(1, Ordering::Release);
+            self.unsent.fetch_sub(1, Ordering::Relaxed);
         }
         o
     }
@@ -193,13 +195,13 @@ impl SendQueue {
             return None;
         }
         // Requests posted after it are never sent either: they are flushed when it completes.
-        let status = if self.unsent.load(Ordering::Acquire) > 0 {
+        let status = if self.unsent.load(Ordering::Relaxed) > 0 {
             WcStatus::WorkRequestFlushed
         } else {
             status
         };
         out.push_back(Outstanding::unsent(post.next_seq, wr_id, opcode, status));
-        self.unsent.fetch_add(1, Ordering::Release);
+        self.unsent.fetch_add(1, Ordering::Relaxed);
         Some(post.next_seq)
     }
 
@@ -217,13 +219,13 @@ impl SendQueue {
             opcode,
             WcStatus::WorkRequestFlushed,
         ));
-        self.unsent.fetch_add(1, Ordering::Release);
+        self.unsent.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
     /// Whether a locally failed request is waiting for earlier ones (later posts queue too).
     fn failing(&self) -> bool {
-        self.unsent.load(Ordering::Acquire) > 0
+        self.unsent.load(Ordering::Relaxed) > 0
     }
 }
 
@@ -265,18 +267,18 @@ impl<L: SendLink> Drop for Corked<'_, L> {
 }
 
 /// [`QpTransport::post_send`](crate::contract::QpTransport::post_send) for a software
-/// provider: posts `wrs` in order, one list of several at a time per queue pair (`send`). A
-/// single request takes only the post lock, which orders it against other posts and the flush
-/// ([`SendQueue::post`]): the small-message path pays one lock fewer.
+/// provider: posts `wrs` in order, one batch at a time per queue pair (`send`). A single
+/// request takes the lock too: it makes the check for a local failure waiting
+/// ([`SendQueue::failing`]) and the post that follows one step against another thread's
+/// request failing locally, so that nothing posted after a failed request is sent.
 pub(crate) fn post_send(
     qp: &QpInner,
     send: &Mutex<()>,
     link: &impl SendLink,
     wrs: &[SendWr<'_>],
 ) -> Result<()> {
-    let list = wrs.len() > 1;
-    let mut s = list.then(|| send.lock().unwrap_or_else(|e| e.into_inner()));
-    let _corked = list.then(|| {
+    let mut s = send.lock().unwrap_or_else(|e| e.into_inner());
+    let _corked = (wrs.len() > 1).then(|| {
         link.cork();
         Corked(link)
     });
@@ -299,7 +301,7 @@ pub(crate) fn post_send(
                 drop(s);
                 qp.complete_send(wr.wr_id, wr.op.wc_opcode(), status, 0, true);
                 qp.set_error(Cause::Request);
-                s = list.then(|| send.lock().unwrap_or_else(|e| e.into_inner()));
+                s = send.lock().unwrap_or_else(|e| e.into_inner());
             }
         }
     }
@@ -346,8 +348,7 @@ pub(crate) fn flush_sends(qp: &QpInner, send: &Mutex<()>, link: &impl SendLink) 
             |wr_id, opcode, status| qp.complete_send(wr_id, opcode, status, 0, true),
         );
     }
-    // A list being posted finishes first (its later requests find the link flushed); a single
-    // request posted meanwhile completes flushed in its own post.
+    // A batch being posted finishes first (its later requests find the link flushed).
     drop(send.lock().unwrap_or_else(|e| e.into_inner()));
 }
 

@@ -78,6 +78,9 @@ pub(crate) struct Conn {
     /// An ACK held back (the highest request executed; 0: none): the next frame to start on
     /// connection 0 carries it, or [`Conn::flush_ack`] sends it alone.
     pub(super) ack_out: AtomicU64,
+    /// The context's flag that some connection holds back an ACK (`Shared::acks_due`), set
+    /// without reaching the context through its weak reference.
+    acks_due: Arc<AtomicBool>,
 }
 
 impl Conn {
@@ -110,6 +113,7 @@ impl Conn {
             my_rnr_us: rnr,
             attach_by: Mutex::new(None),
             ack_out: AtomicU64::new(0),
+            acks_due: shared.acks_due.clone(),
         }
     }
 
@@ -410,9 +414,7 @@ impl Conn {
     /// Holds back an ACK of every request up to `seq`, for a frame going back to carry.
     pub(super) fn ack_later(&self, seq: u64) {
         self.ack_out.fetch_max(seq, Ordering::AcqRel);
-        if let Some(sh) = self.shared.upgrade() {
-            sh.acks_due.store(true, Ordering::Release);
-        }
+        self.acks_due.store(true, Ordering::Release);
     }
 
     /// Sends the held-back ACK, if no frame took it.

@@ -30,7 +30,8 @@
 //! Shard 0's progress thread stands back while the application drives: it sleeps until no
 //! application thread has driven for [`LINGER`], then blocks in `epoll_wait` itself, so
 //! one-sided operations that arrive while nobody polls (a READ of a passive target) are still
-//! served, at most two [`LINGER`]s late. The other shards' progress threads always drive their own
+//! served: at most two [`LINGER`]s late, or a [`SWEEP`] and a `LINGER` when the application
+//! stopped while it held the driver token. The other shards' progress threads always drive their own
 //! sockets (blocking in `epoll_wait`, or busy-polling with `tcp_busy_poll`): the small-message
 //! path of an application thread costs what it cost with one shard.
 //! Posting writes frames straight to the socket from the posting thread.
@@ -60,7 +61,7 @@
 //! a request that asked for one ([`frame::ACK_REQ`]: signaled, or one in [`frame::ACK_EVERY`])
 //! is done, and ride in the `ack` field of the next frame that goes back on connection 0 (a
 //! credit, an answer); an ACK frame of its own goes when the application's poll finds nothing,
-//! before it sleeps, or when the progress thread drives (so at most two [`LINGER`]s late); a
+//! before it sleeps, or when the progress thread drives (so late by as much as above); a
 //! failed request is NAKed, the target drops every later request of the queue pair, and the
 //! initiator's queue pair goes to ERR (and closes the connections). A SEND or WRITE_WITH_IMM that
 //! finds no receive posted stalls its connection (receiver not ready) until one is posted or the
@@ -379,8 +380,11 @@ impl Shard {
         }
     }
 
-    /// An application thread drives (or would): counted, with a plain store. Two threads
-    /// that race may count once, which still says that one came.
+    /// An application thread drives (or would): counted, with a plain load and store, not a
+    /// locked add. Threads that race may count once, which still says that one came; a thread
+    /// preempted between the two may write back an older count, which at worst lets the
+    /// progress thread take a turn at driving while the application polls (the driver token
+    /// keeps the two from reading at once).
     fn app_polled(&self) {
         let n = self.app_polls.load(Ordering::Relaxed);
         self.app_polls.store(n.wrapping_add(1), Ordering::Relaxed);
@@ -413,7 +417,7 @@ pub(crate) struct Shared {
     tuning: Tuning,
     epoch: Instant,
     /// Some connection holds back an ACK ([`Conn::ack_out`]).
-    acks_due: AtomicBool,
+    acks_due: Arc<AtomicBool>,
 }
 
 impl Engine {
@@ -454,7 +458,7 @@ impl Engine {
             stop: AtomicBool::new(false),
             tuning,
             epoch: Instant::now(),
-            acks_due: AtomicBool::new(false),
+            acks_due: Arc::new(AtomicBool::new(false)),
         });
         let engine = Engine {
             shared: shared.clone(),

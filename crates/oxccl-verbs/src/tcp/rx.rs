@@ -554,7 +554,8 @@ impl Conn {
     }
 
     /// Reads connection `i`, then the connections that waited for what it executed. (What
-    /// they make due is acknowledged where it becomes due: [`Conn::landed`], an ACK request.)
+    /// they make due is acknowledged where it becomes due: [`Conn::done_locked`], an ACK
+    /// request.)
     pub(super) fn read_frames(&self, i: usize) {
         let mine = self.socks().get(i).map_or(0, |s| s.shard);
         let mut again = self.read_socket(i);

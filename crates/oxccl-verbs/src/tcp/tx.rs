@@ -155,6 +155,19 @@ impl Tx {
 }
 
 impl Conn {
+    /// Takes the held-back ACK along in a frame header about to leave on connection 0 (read
+    /// first: mostly none is held back, and a swap is a locked write).
+    fn stamp_ack(&self, hdr: &mut [u8; HEADER_LEN]) {
+        if self.ack_out.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let ack = self.ack_out.swap(0, Ordering::AcqRel);
+        let had = u64::from_le_bytes(hdr[56..64].try_into().unwrap_or_default());
+        if ack > had {
+            hdr[56..64].copy_from_slice(&ack.to_le_bytes());
+        }
+    }
+
     /// Writes connection `i`'s queued frames until the socket would block.
     pub(super) fn flush_tx(&self, i: usize) {
         let Some(s) = self.socks().get(i) else { return };
@@ -173,17 +186,7 @@ impl Conn {
         }
         while let Some(f) = tx.frames.front_mut() {
             if i == 0 && f.sent == 0 {
-                // Take the held-back ACK along (read first: mostly none is, and a swap is a
-                // locked write).
-                let ack = if self.ack_out.load(Ordering::Relaxed) == 0 {
-                    0
-                } else {
-                    self.ack_out.swap(0, Ordering::AcqRel)
-                };
-                let had = u64::from_le_bytes(f.hdr[56..64].try_into().unwrap_or_default());
-                if ack > had {
-                    f.hdr[56..64].copy_from_slice(&ack.to_le_bytes());
-                }
+                self.stamp_ack(&mut f.hdr);
             }
             // The queued frames in one sendmsg, as far as IOV_BATCH slices go (a first frame
             // with more slices goes alone): a credit posted with a fragment, or frames that
@@ -319,12 +322,7 @@ impl Conn {
                 && let Some(f) = frames.front_mut()
             {
                 if i == 0 && f.sent == 0 {
-                    // Take the held-back ACK along.
-                    let ack = self.ack_out.swap(0, Ordering::AcqRel);
-                    let had = u64::from_le_bytes(f.hdr[56..64].try_into().unwrap_or_default());
-                    if ack > had {
-                        f.hdr[56..64].copy_from_slice(&ack.to_le_bytes());
-                    }
+                    self.stamp_ack(&mut f.hdr);
                 }
                 let mut skip = f.sent;
                 if skip < HEADER_LEN {
@@ -343,8 +341,9 @@ impl Conn {
                         continue;
                     }
                     let k = (s.1 - skip).min(room);
-                    // SAFETY: the span lies in a region kept alive by `f.keep` (or the
-                    // target's registered region, or the frame's own copy); `skip + k <= s.1`.
+                    // SAFETY: the span lies in a region kept alive by `f.keep` (by the poster's
+                    // own request while its call lasts: `queue_or_keep`), in the target's
+                    // registered region, or in the frame's own copy; `skip + k <= s.1`.
                     seal.wire
                         .extend_from_slice(unsafe { std::slice::from_raw_parts(s.0.add(skip), k) });
                     (f.sent, room, skip) = (f.sent + k, room - k, 0);
@@ -407,9 +406,15 @@ impl Conn {
     fn queue_or_keep(&self, i: usize, f: TxFrame, keep: impl FnOnce() -> Keep) {
         let Some(s) = self.socks().get(i) else { return };
         let mut tx = s.tx.lock().unwrap_or_else(|e| e.into_inner());
+        #[cfg(debug_assertions)]
+        let mine = f.hdr;
         let r = self.push_locked(i, &mut tx, f);
-        // Frames leave from the front: what is left at the back is (the rest of) this one.
+        // Frames leave from the front, and nothing else is queued while the lock is held: what
+        // is left at the back is (the rest of) this one.
         if let Some(f) = tx.frames.back_mut() {
+            // The ACK stamp (bytes 56..64) may have changed.
+            #[cfg(debug_assertions)]
+            debug_assert_eq!(f.hdr[..56], mine[..56]);
             f.keep = keep();
         }
         drop(tx);

@@ -20,13 +20,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 use super::cq::CqCore;
 use super::ctx::CtxInner;
 use super::provider::{QpSetup, QpTransport};
-use super::region::{MrInner, Span, key_index};
+use super::region::{Span, key_index};
 use super::ring::{
     H_CAP, H_CLAIMED, H_MAGIC, H_POSTED, H_RECV_CQ, H_STATE, QP_MAGIC, S_BYTE_LEN, S_DONE,
     S_HAS_IMM, S_IMM, S_NUM_SGE, S_OPCODE, S_SGES, S_STATUS, S_WR_ID, claim, complete_slot,
     segment_len, slot_base, slot_sge,
 };
 use super::segment::Segment;
+use super::sendq::{Keep, Spans};
 use super::wr::{RecvWr, SendWr};
 use crate::model::*;
 
@@ -327,18 +328,15 @@ impl QpInner {
         self.recv_cq.notify();
     }
 
-    /// The validated buffers of our own receive `slot`: spans, regions kept alive, total room.
-    #[allow(clippy::type_complexity)]
-    pub(crate) fn recv_spans(
-        &self,
-        slot: u64,
-    ) -> Result<(Vec<Span>, Vec<Arc<MrInner>>, usize), WcStatus> {
+    /// The validated buffers of our own receive `slot`: spans, regions kept alive, total room
+    /// (one or two buffers, almost always: nothing is allocated).
+    pub(crate) fn recv_spans(&self, slot: u64) -> Result<(Spans, Keep, usize), WcStatus> {
         let seg = &self.seg;
         let base = slot_base(self.cap, slot);
         let n = (seg.atomic_u32(base + S_NUM_SGE).load(Ordering::Relaxed) as usize).min(MAX_SGE);
         let regions = self.ctx.regions.lock().unwrap_or_else(|e| e.into_inner());
-        let mut spans = Vec::with_capacity(n);
-        let mut keep = Vec::with_capacity(n);
+        let mut spans = Spans::new();
+        let mut keep = Keep::new();
         let mut room = 0usize;
         for j in 0..n {
             let (lkey, addr, len) = slot_sge(seg, base, j);

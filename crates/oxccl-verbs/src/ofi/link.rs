@@ -712,7 +712,7 @@ impl Link {
                 };
                 if h.inline {
                     scatter(&m.payload, &spans);
-                    return Ok(active(0, None, then, keep));
+                    return Ok(active(0, None, then, keep.into_vec()));
                 }
                 let dst: Vec<(*mut u8, usize, Arc<MrInner>)> = spans
                     .iter()
@@ -720,7 +720,7 @@ impl Link {
                     .map(|(s, k)| (s.0, s.1, k.clone()))
                     .collect();
                 let n = self.pull(e, h.seq, &m.sges, &dst)?;
-                Ok(active(n, None, then, keep))
+                Ok(active(n, None, then, keep.into_vec()))
             }
             Kind::Read => {
                 let (mr, p) = self

@@ -1144,19 +1144,27 @@ impl Conn {
             return self.refuse(rx, ex, &h, WcStatus::RemoteInvalidRequest);
         }
         ex.start(&h);
+        let after = After::Recv {
+            slot,
+            opcode: WcOpcode::Recv,
+            imm,
+        };
+        let total = h.len as usize;
+        if rx.staged() >= total {
+            // The whole payload already read ahead (every small message): it lands now, and
+            // the receive completes, under the target's state it started under.
+            rx.copy_out(&spans, 0, total);
+            drop(keep);
+            self.done_locked(qp, ex, h.seq, after, total);
+            rx.state = FRESH;
+            return Ok(true);
+        }
         rx.state = RxState::Payload {
-            dst: spans.into_iter().collect(),
+            dst: spans,
             got: 0,
-            total: h.len as usize,
-            done: Done::Request {
-                seq: h.seq,
-                after: After::Recv {
-                    slot,
-                    opcode: WcOpcode::Recv,
-                    imm,
-                },
-            },
-            _keep: keep.into_iter().collect(),
+            total,
+            done: Done::Request { seq: h.seq, after },
+            _keep: keep,
             _writing: None,
         };
         Ok(true)

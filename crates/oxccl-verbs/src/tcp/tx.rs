@@ -209,7 +209,7 @@ impl Conn {
                         continue;
                     }
                     // SAFETY: the span lies in a region kept alive by `f.keep` (by the poster's
-                    // own request while its call lasts: `queue_or_keep`), in the target's
+                    // own request while its call lasts: `queue_then`), in the target's
                     // registered region, or in the frame's own copy; `skip < s.1`.
                     iov.push(IoSlice::new(unsafe {
                         std::slice::from_raw_parts(s.0.add(skip), s.1 - skip)
@@ -342,7 +342,7 @@ impl Conn {
                     }
                     let k = (s.1 - skip).min(room);
                     // SAFETY: the span lies in a region kept alive by `f.keep` (by the poster's
-                    // own request while its call lasts: `queue_or_keep`), in the target's
+                    // own request while its call lasts: `queue_then`), in the target's
                     // registered region, or in the frame's own copy; `skip + k <= s.1`.
                     seal.wire
                         .extend_from_slice(unsafe { std::slice::from_raw_parts(s.0.add(skip), k) });
@@ -393,17 +393,13 @@ impl Conn {
 
     /// Queues a frame on connection `i` (written at once when nothing waits before it).
     pub(super) fn queue(&self, i: usize, f: TxFrame) {
-        let Some(s) = self.socks().get(i) else { return };
-        let mut tx = s.tx.lock().unwrap_or_else(|e| e.into_inner());
-        let r = self.push_locked(i, &mut tx, f);
-        drop(tx);
-        self.check(r);
+        self.queue_then(i, f, |_| {});
     }
 
-    /// [`Conn::queue`] of a frame whose payload's regions the caller holds for the call: the
-    /// frame takes them (`keep`) only if it has to wait, so a small message that leaves at once
-    /// takes no reference to them.
-    fn queue_or_keep(&self, i: usize, f: TxFrame, keep: impl FnOnce() -> Keep) {
+    /// [`Conn::queue`], then `waits` on the frame if it is still queued (not all written at
+    /// once): a poster whose request borrows its regions for the call gives them to the frame
+    /// there, so a small message that leaves at once takes no reference to them.
+    fn queue_then(&self, i: usize, f: TxFrame, waits: impl FnOnce(&mut TxFrame)) {
         let Some(s) = self.socks().get(i) else { return };
         let mut tx = s.tx.lock().unwrap_or_else(|e| e.into_inner());
         #[cfg(debug_assertions)]
@@ -415,7 +411,7 @@ impl Conn {
             // The ACK stamp (bytes 56..64) may have changed.
             #[cfg(debug_assertions)]
             debug_assert_eq!(f.hdr[..56], mine[..56]);
-            f.keep = keep();
+            waits(f);
         }
         drop(tx);
         self.check(r);
@@ -529,7 +525,8 @@ impl Conn {
                 {
                     self.post_striped(h, &payload, &keep(), k);
                 } else {
-                    self.queue_or_keep(0, TxFrame::new(&h, payload, Keep::new()), keep);
+                    let f = TxFrame::new(&h, payload, Keep::new());
+                    self.queue_then(0, f, |f| f.keep = keep());
                 }
             },
         )

@@ -1,14 +1,8 @@
-import re,subprocess,shutil
-shutil.copy(__import__("os").path.join(__import__("os").path.dirname(__file__), "probe.rs"),"/work/main/crates/oxccl-verbs/src/probe.rs")
-
-def sub(path, old, new):
-    path='/work/main/'+path
-    s=open(path).read()
-    assert s.count(old)>=1, (path, old)
-    s=s.replace(old,new,1); open(path,'w').write(s)
-sub('crates/oxccl-verbs/src/lib.rs','mod contract;','#[doc(hidden)]\npub mod probe;\nmod contract;')
-R='crates/oxccl-verbs/src/tcp/rx.rs'
-sub(R,"        self.hi += n;\n        Ok((n, n < room))","        self.hi += n;\n        if n > 0 { crate::probe::mark(0); }\n        Ok((n, n < room))")
+# The window cut into segments: its two ends (probe_min_apply.py, run first), marks 1-22
+# between them, and the gap between two empty recvs. The anchors match the session's builds
+# (82c6f12, f7499ab); later code may need them moved.
+import os,re
+exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe_min_apply.py")).read())
 sub(R,"                rx.saw_frame(h.payload_len());","                crate::probe::mark(1);\n                rx.saw_frame(h.payload_len());")
 sub(R,"                rx.state = FRESH;\n                *executed |= self.landed(qp, done, total);","                crate::probe::mark(3);\n                rx.state = FRESH;\n                *executed |= self.landed(qp, done, total);")
 s0=open('/work/main/'+R).read(); s0=re.sub(r"(        let mut again = self.read_socket\((&qp, )?i\);)", r"\1\n        crate::probe::mark(4);", s0, count=1); assert 'mark(4)' in s0; open('/work/main/'+R,'w').write(s0)
@@ -22,7 +16,7 @@ sub(Q,"        post.next_seq += 1;\n        o.seq = post.next_seq;","        cra
 T='crates/oxccl-verbs/src/tcp/tx.rs'
 sub(T,"        let total: usize = local.iter().map(|l| l.2).sum();\n","        crate::probe::mark(9);\n        let total: usize = local.iter().map(|l| l.2).sum();\n")
 sub(T,"        let inline = tx.is_idle() && f.total() <= self.tuning.inline_max;","        crate::probe::mark(11);\n        let inline = tx.is_idle() && f.total() <= self.tuning.inline_max;")
-sub(T,"            let r = rustix::net::sendmsg(\n                sock,\n                &iov,","            crate::probe::mark(12);\n            crate::probe::close();\n            let r = rustix::net::sendmsg(\n                sock,\n                &iov,")
+sub(T,"            crate::probe::close();\n","            crate::probe::mark(12);\n            crate::probe::close();\n")
 C='crates/oxccl-cli/src/verbs_perf/verbs.rs'
 sub(C,"        }\n        spin.progress();\n        Ok(())\n    }\n}","        }\n        oxccl_verbs::probe::mark(6);\n        spin.progress();\n        Ok(())\n    }\n}")
 sub(T,"        let (opcode, mut h, payload, dst) = match *op {","        crate::probe::mark(13);\n        let (opcode, mut h, payload, dst) = match *op {")

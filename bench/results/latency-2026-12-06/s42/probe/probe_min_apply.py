@@ -1,6 +1,6 @@
 # Only the window's two ends: mark(0) when a recv returns bytes, close() before the next sendmsg.
 import shutil
-shutil.copy(__import__("os").path.join(__import__("os").path.dirname(__file__), "probe.rs"),"/work/main/crates/oxccl-verbs/src/probe.rs")
+shutil.copy(__import__("os").path.join(__import__("os").path.dirname(__import__("os").path.abspath(__file__)), "probe.rs"),"/work/main/crates/oxccl-verbs/src/probe.rs")
 def sub(path, old, new):
     path='/work/main/'+path
     s=open(path).read()

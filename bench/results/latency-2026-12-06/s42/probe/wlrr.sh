@@ -1,10 +1,12 @@
 #!/bin/bash
+# Raw tcp_lat --busy, then write_lat 8 B of each BIN, per round; the raw ping-pong runs from
+# $RAW (default: the first BIN). N: iterations (default 20000).
 # usage: wlrr.sh ROUNDS BIN... ; prints per round raw typical and write_lat typical per bin, then median ratios
 R=$1; shift
 j() { python3 -c 'import json,sys; d=json.loads(sys.stdin.readline()); print(d["t_typical_usec"])'; }
 for r in $(seq $R); do
-  line="$(/tmp/oxccl-s42base verbs-perf tcp_lat -s 8 -n 20000 --busy --json | j)"
-  for b in "$@"; do line="$line $($b verbs-perf write_lat --provider tcp -s 8 -n 20000 --json | j)"; done
+  line="$(${RAW:-$1} verbs-perf tcp_lat -s 8 -n ${N:-20000} --busy --json | j)"
+  for b in "$@"; do line="$line $($b verbs-perf write_lat --provider tcp -s 8 -n ${N:-20000} --json | j)"; done
   echo "$line"
 done | tee /tmp/wlrr.out | python3 -c '
 import sys,statistics

@@ -1066,8 +1066,12 @@ impl Conn {
         // request), inside the validated range.
         let at = unsafe { p.add((h.addr - base) as usize) };
         if part.is_none() && rx.staged() >= h.len as usize {
-            let dst = [Span(at, h.len as usize)];
-            self.land_staged(qp, rx, ex, &dst, h.seq, after, h.len as usize);
+            // A whole payload already read ahead (every small message): it lands now, under
+            // the target's state it started under.
+            rx.copy_out(&[Span(at, h.len as usize)], 0, h.len as usize);
+            drop(writing);
+            self.done_locked(qp, ex, h.seq, after, h.len as usize);
+            rx.state = FRESH;
             return Ok(true);
         }
         // The announcement holds the region: the request's own (a whole request), or the
@@ -1147,7 +1151,12 @@ impl Conn {
         };
         let total = h.len as usize;
         if rx.staged() >= total {
-            self.land_staged(qp, rx, ex, &spans, h.seq, after, total);
+            // The whole payload already read ahead (every small message): it lands now, and
+            // the receive completes, under the target's state it started under.
+            rx.copy_out(&spans, 0, total);
+            drop(keep);
+            self.done_locked(qp, ex, h.seq, after, total);
+            rx.state = FRESH;
             return Ok(true);
         }
         rx.state = RxState::Payload {
@@ -1224,25 +1233,6 @@ impl Conn {
         };
         self.done_locked(qp, &mut ex, seq, after, total);
         true
-    }
-
-    /// Lands request `seq`'s whole payload of `total` bytes, already read ahead (every small
-    /// message), into `dst` now, and completes what it completes, under the target's state it
-    /// started under (the caller holds its region, and its receive's).
-    #[allow(clippy::too_many_arguments)]
-    fn land_staged(
-        &self,
-        qp: &QpInner,
-        rx: &mut Rx,
-        ex: &mut Exec,
-        dst: &[Span],
-        seq: u64,
-        after: After,
-        total: usize,
-    ) {
-        rx.copy_out(dst, 0, total);
-        self.done_locked(qp, ex, seq, after, total);
-        rx.state = FRESH;
     }
 
     /// Request `seq`, of `total` bytes, has all landed (the caller holds the target's state):

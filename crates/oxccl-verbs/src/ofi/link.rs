@@ -212,6 +212,10 @@ impl Link {
 
     /// The queue pair is destroyed or disconnected: tell the peer, stop.
     pub(super) fn close(&self, e: &Engine) {
+        // A pass of the progress thread under way (`advance`) may have completed a receive
+        // the application saw and not yet sent the ACK it makes due: it sends it before it
+        // lets go, so the ACK goes before the `Bye`.
+        drop(self.rx.lock().unwrap_or_else(|e| e.into_inner()));
         if !self.dead.swap(true, Ordering::AcqRel) {
             self.send_ctl(e, Kind::Bye, 0, 0);
         }

@@ -1065,6 +1065,52 @@ pub fn peer_qp_destroyed(p: &str) {
     expect_failed(&l, &qp, WcStatus::RetryExceeded);
 }
 
+/// The peer exits (closing its queue pair) as soon as it has polled the last message of a
+/// stream: every request of ours completes successfully, none is flushed as if the peer had
+/// died. Over tcp the target holds an ACK back for a frame going the other way to carry; a
+/// queue pair destroyed right after its last poll must still send it.
+pub fn peer_exits_after_its_last_message(p: &str) {
+    for round in 0..3u64 {
+        let mut peer = Peer::spawn(p);
+        let l = Local::new(p);
+        let qp = l.connect(&mut peer, 0, &QpSpec::default());
+        let (_, rb) = peer.alloc(64 << 10, RW);
+        peer.ok(Cmd::PostRecv {
+            qp: 0,
+            wr_id: 77,
+            sges: vec![],
+        });
+        let src = l.pd.alloc_mr(64 << 10, AccessFlags::NONE).unwrap();
+        src.write(0, &pattern(round, 64 << 10)).unwrap();
+        // The peer waits before the stream starts: its own thread, not its provider's
+        // background one, takes the messages.
+        let line = peer.start(Cmd::WaitThenExit { timeout_ms: 10_000 });
+        std::thread::sleep(Duration::from_millis(50));
+        for i in 0..8u64 {
+            let off = i as usize * (8 << 10);
+            let remote = rb.at(off as u64);
+            let op = if i == 7 {
+                WrOp::WriteWithImm { remote, imm: 7 }
+            } else {
+                WrOp::Write { remote }
+            };
+            post(&qp, i, op, &sge(&src, off, 8 << 10));
+        }
+        match peer.reply(&line) {
+            Reply::Wcs(w) if w.len() == 1 => expect_ok(w[0], 77, WcOpcode::RecvRdmaWithImm),
+            r => panic!("round {round}: the peer's last receive: {r:?}"),
+        }
+        let wcs = l.wait_n(8);
+        for (i, wc) in wcs.into_iter().enumerate() {
+            assert_eq!(
+                (wc.wr_id, wc.status),
+                (i as u64, WcStatus::Success),
+                "round {round}: request {i} after the peer exited: {wc:?}"
+            );
+        }
+    }
+}
+
 /// Several queue pairs, each driven by its own thread with its own CQ, to several peer processes.
 pub fn many_threads(p: &str) {
     let threads: Vec<_> = (0..4)
@@ -1381,6 +1427,10 @@ macro_rules! conformance {
             #[test]
             fn peer_qp_destroyed() {
                 super::peer_qp_destroyed($provider)
+            }
+            #[test]
+            fn peer_exits_after_its_last_message() {
+                super::peer_exits_after_its_last_message($provider)
             }
             #[test]
             fn many_threads() {

@@ -439,6 +439,49 @@ impl Conn {
         n > 0 && self.attached.load(Ordering::Acquire) as usize == n
     }
 
+    /// The queue pair is destroyed (not cut off): sends what it owes the peer before the
+    /// sockets close, as a NIC's queue pair would have sent it by then. That is the ACK held
+    /// back for a frame going back to carry (without it the peer's requests executed here
+    /// would fail as if this side had died), and the frames already queued (requests posted
+    /// without a completion, credits, notices). Waits at most `bound` in all for room in the
+    /// sockets: a peer that stopped reading loses the rest, as it would on a NIC.
+    pub(super) fn flush_before_close(&self, bound: Duration) {
+        use rustix::event::{PollFd, PollFlags};
+        if self.dead.load(Ordering::Acquire) {
+            return;
+        }
+        // A read pass under way (a progress thread's) may have landed what the application
+        // saw, and not yet noted the ACK it makes due: it notes it before it lets go.
+        for s in self.socks() {
+            drop(s.rx.lock().unwrap_or_else(|e| e.into_inner()));
+        }
+        self.flush_ack();
+        let deadline = Instant::now() + bound;
+        for (i, s) in self.socks().iter().enumerate() {
+            let Some(sock) = s.stream.get() else { continue };
+            loop {
+                let mut tx = s.tx.lock().unwrap_or_else(|e| e.into_inner());
+                let r = self.flush_locked(i, &mut tx);
+                let idle = tx.is_idle();
+                drop(tx);
+                let left = deadline.saturating_duration_since(Instant::now());
+                if r.is_err() || idle || left.is_zero() {
+                    break;
+                }
+                let ts = rustix::time::Timespec {
+                    tv_sec: left.as_secs() as i64,
+                    tv_nsec: left.subsec_nanos() as i64,
+                };
+                let mut room = [PollFd::new(sock, PollFlags::OUT)];
+                if rustix::event::poll(&mut room, Some(&ts))
+                    .is_err_and(|e| e != rustix::io::Errno::INTR)
+                {
+                    break;
+                }
+            }
+        }
+    }
+
     /// Closes the sockets (the peer sees EOF) and stops polling them.
     pub(crate) fn shutdown(&self) {
         // Closed on purpose (the queue pair failed or is destroyed): nothing left to report.
@@ -483,6 +526,18 @@ impl Conn {
         if let Some(sh) = self.shared.upgrade() {
             sh.kick();
         }
+    }
+
+    /// Connection `i`'s peer closed it, or it broke: the queue pair fails once what the peer
+    /// sent before on its other connections is executed (the driver's sweep, kicked here). A
+    /// peer that executed our last requests and closed at once has its ACK on connection 0
+    /// while another connection's end may be read first.
+    pub(super) fn lost(&self, why: &str) {
+        if !self.dead.load(Ordering::Acquire) {
+            self.drain_first.store(true, Ordering::Release);
+        }
+        self.mark_failed(why);
+        self.report();
     }
 
     /// Records a failed send (callers may hold queue-pair locks, so the queue pair is failed
@@ -570,13 +625,15 @@ impl Conn {
         }
     }
 
-    /// After a failed send: executes the frames the peer sent before the connection broke,
-    /// then fails the queue pair.
+    /// After a failed send or a lost connection: executes the frames the peer sent before
+    /// (on every connection), then fails the queue pair.
     fn drain_then_report(&self) {
-        if self.drain_first.swap(false, Ordering::AcqRel) {
+        if self.drain_first.load(Ordering::Acquire) {
+            // The connections' ends are met again on the way: reported once all are read.
             for i in 0..self.socks().len() {
                 self.read_frames(i);
             }
+            self.drain_first.store(false, Ordering::Release);
         }
         self.report();
     }

@@ -273,6 +273,9 @@ pub(crate) const LINGER: Duration = Duration::from_micros(500);
 pub(crate) const STRIPE_MIN: usize = 256 << 10;
 /// The sweep's period: attach deadlines, receiver-not-ready retries, dead connections.
 const SWEEP: Duration = Duration::from_millis(20);
+/// How long a destroyed queue pair waits, at most, for room in its sockets to send what it
+/// owes the peer ([`Conn::flush_before_close`]).
+const CLOSE_FLUSH: Duration = Duration::from_millis(200);
 /// How long an accepted connection may take to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
 /// An application's polls of shard 0 read its hot connection directly (one `recv`, no

@@ -88,6 +88,13 @@ impl QpTransport for TcpQp {
     fn disconnect(&self, qp: &QpInner) {
         self.shared.forget(qp.token);
     }
+
+    fn destroy(&self, qp: &QpInner) {
+        if qp.is_connected() {
+            self.conn.flush_before_close(super::CLOSE_FLUSH);
+        }
+        self.shared.forget(qp.token);
+    }
 }
 
 impl SendLink for TcpQp {

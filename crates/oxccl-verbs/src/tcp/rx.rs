@@ -542,6 +542,9 @@ enum Stop {
     Idle,
     /// The connection failed (the reason).
     Failed(String),
+    /// The peer closed the connection, or it broke (the reason): what the peer sent before,
+    /// on this queue pair's other connections, is executed first ([`Conn::lost`]).
+    Lost(String),
 }
 
 impl Conn {
@@ -613,8 +616,10 @@ impl Conn {
             }
         };
         drop(rx);
-        if let Err(Stop::Failed(why)) = r {
-            self.fail(&why);
+        match r {
+            Err(Stop::Failed(why)) => self.fail(&why),
+            Err(Stop::Lost(why)) => self.lost(&why),
+            _ => {}
         }
         executed
     }
@@ -634,7 +639,7 @@ impl Conn {
             rx.fill(sock)
         };
         match r {
-            Ok((0, _)) => Err(Stop::Failed(match rx.seal.as_deref() {
+            Ok((0, _)) => Err(Stop::Lost(match rx.seal.as_deref() {
                 Some(sl) if !sl.confirmed => format!(
                     "{}: the peer closed the connection before confirming the keys (it has \
                      another job key, or refused ours)",
@@ -655,7 +660,7 @@ impl Conn {
                 Err(Stop::Idle)
             }
             Err(rustix::io::Errno::INTR) => Ok(()),
-            Err(e) => Err(Stop::Failed(format!("receiving from the peer failed: {e}"))),
+            Err(e) => Err(Stop::Lost(format!("receiving from the peer failed: {e}"))),
         }
     }
 

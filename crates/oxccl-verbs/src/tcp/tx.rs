@@ -177,7 +177,7 @@ impl Conn {
         self.check(r);
     }
 
-    fn flush_locked(&self, i: usize, tx: &mut Tx) -> std::result::Result<(), String> {
+    pub(super) fn flush_locked(&self, i: usize, tx: &mut Tx) -> std::result::Result<(), String> {
         let Some(sock) = self.socks().get(i).and_then(|s| s.stream.get()) else {
             return Ok(());
         };

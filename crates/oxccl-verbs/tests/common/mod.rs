@@ -210,6 +210,11 @@ pub enum Cmd {
         qp: usize,
         cfg: AtomicCfg,
     },
+    /// Waits for one completion, replies with it, and exits at once, closing everything (a
+    /// rank whose last call just returned).
+    WaitThenExit {
+        timeout_ms: u64,
+    },
     Exit,
 }
 
@@ -309,9 +314,21 @@ impl Peer {
 
     /// Sends a command and returns the reply (panics with context on failure: this is a test).
     pub fn call(&mut self, cmd: Cmd) -> Reply {
+        let line = self.start(cmd);
+        self.reply(&line)
+    }
+
+    /// Sends a command without waiting for its reply ([`Peer::reply`] takes it); returns the
+    /// command as sent.
+    pub fn start(&mut self, cmd: Cmd) -> String {
         let line = serde_json::to_string(&cmd).unwrap();
         writeln!(self.stdin, "{line}").expect("peer stdin");
         self.stdin.flush().unwrap();
+        line
+    }
+
+    /// The reply to the command [`Peer::start`] sent as `line`.
+    pub fn reply(&mut self, line: &str) -> Reply {
         let reply = self
             .lines
             .recv_timeout(Duration::from_secs(60))
@@ -686,6 +703,14 @@ pub fn peer_main() {
             }
             Cmd::AtomicHammer { qp, cfg } => {
                 Reply::Atomics(atomic_hammer(&qps[&qp], &cq, &pd, &cfg))
+            }
+            Cmd::WaitThenExit { timeout_ms } => {
+                let mut buf = [WorkCompletion::default(); 1];
+                match cq.wait(&mut buf, Duration::from_millis(timeout_ms)) {
+                    Ok(n) => reply(Reply::Wcs(buf[..n].to_vec())),
+                    Err(e) => reply(Reply::Err(e.to_string())),
+                }
+                break;
             }
             Cmd::Exit => {
                 reply(Reply::Ok);

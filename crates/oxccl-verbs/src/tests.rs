@@ -762,3 +762,82 @@ fn deregister_waits_for_writes_under_way() {
         "deregister returned after {waited:?}"
     );
 }
+
+/// A peer that executed our last requests and destroyed its queue pair at once sends the ACK
+/// it held back on connection 0, and its other connections' ends may reach us first (another
+/// path, or, here, the hook that ends them 150 ms before it sends): our requests must still
+/// complete successfully, and the queue pair then fails as the peer's close says.
+#[test]
+fn the_ack_that_comes_after_another_connections_end_completes_our_requests() {
+    for round in 0..3 {
+        ack_after_another_end(round);
+    }
+}
+
+fn ack_after_another_end(round: usize) {
+    use std::sync::atomic::Ordering;
+    let cfg = DeviceConfig {
+        tcp_nsocks: 2,
+        tcp_progress_threads: 2,
+        ..DeviceConfig::default()
+    };
+    let end = || {
+        let ctx = Device::by_name("tcp").unwrap().open_with(&cfg).unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(64).unwrap();
+        let qp = pd.create_qp(&cq, &cq, &QpConfig::default()).unwrap();
+        (ctx, pd, cq, qp)
+    };
+    let (_ca, pa, cqa, a) = end();
+    let (_cb, pb, cqb, b) = end();
+    let (ea, eb) = (a.endpoint(), b.endpoint());
+    a.connect(&eb).unwrap();
+    b.connect(&ea).unwrap();
+    let dst = pb.alloc_mr(4096, AccessFlags::ALL).unwrap();
+    b.post_recv(&[RecvWr::new(9, &[])]).unwrap();
+    crate::contract::hooks::TCP_CLOSE_CONN0_LAST_MS.store(150, Ordering::Relaxed);
+    // The target's own thread waits (so it, not its progress thread, takes the message and
+    // holds the ACK back), then destroys its queue pair as soon as the receive completes.
+    let target = std::thread::spawn(move || {
+        let mut wc = [WorkCompletion::default(); 1];
+        let n = cqb.wait(&mut wc, Duration::from_secs(20)).unwrap();
+        drop(b);
+        (n, wc[0])
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    let src = pa.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
+    src.write(0, &[0x3c; 4096]).unwrap();
+    let sge = [Sge::whole(&src)];
+    let remote = dst.remote().at(0);
+    a.post_send(&[
+        SendWr::new(1, WrOp::Write { remote }, &sge),
+        SendWr::new(2, WrOp::WriteWithImm { remote, imm: 5 }, &sge),
+    ])
+    .unwrap();
+    let (n, rwc) = target.join().unwrap();
+    assert_eq!((n, rwc.wr_id, rwc.status), (1, 9, WcStatus::Success));
+    let mut wc = [WorkCompletion::default(); 2];
+    let mut got = Vec::new();
+    while got.len() < 2 {
+        let n = cqa.wait(&mut wc, Duration::from_secs(20)).unwrap();
+        got.extend_from_slice(&wc[..n]);
+    }
+    crate::contract::hooks::TCP_CLOSE_CONN0_LAST_MS.store(0, Ordering::Relaxed);
+    let got: Vec<_> = got.iter().map(|w| (w.wr_id, w.status)).collect();
+    assert_eq!(
+        got,
+        [(1, WcStatus::Success), (2, WcStatus::Success)],
+        "round {round}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while a.state() != QpState::Err {
+        assert!(
+            Instant::now() < deadline,
+            "the queue pair still reads {:?}",
+            a.state()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let why = a.error_detail().unwrap_or_default();
+    assert!(why.contains("closed the connection"), "{why}");
+}

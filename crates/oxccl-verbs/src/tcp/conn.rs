@@ -13,7 +13,7 @@ use oxccl_seal::{JobKey, Session};
 use super::frame::{self, Hello};
 use super::rx::{Answers, Exec, Rx};
 use super::tx::Tx;
-use super::{Shared, read_reply, send_hello};
+use super::{LOST_DRAIN, Shared, read_reply, send_hello};
 use crate::contract::QpInner;
 use crate::contract::sendq::SendQueue;
 use crate::model::{Error, Result};
@@ -29,6 +29,8 @@ pub(super) struct Sock {
     pub rx: Mutex<Rx>,
     /// Input is not watched (the connection waits for a receive, or for another connection).
     pub stalled: AtomicBool,
+    /// The peer's end of the stream was read, or the connection broke: nothing more comes.
+    pub ended: AtomicBool,
 }
 
 /// An accepted connection waiting for `connect` to name its peer: its hello, epoll key, socket
@@ -67,9 +69,11 @@ pub(crate) struct Conn {
     reason: Mutex<Option<String>>,
     /// Whether the queue pair was told.
     reported: AtomicBool,
-    /// A send failed (the peer closed or reset the connection): the driver reads what the peer
-    /// sent before that, then fails the queue pair.
+    /// A send failed or a connection was lost (the peer closed or reset it): the driver reads
+    /// what the peer sent before that, then fails the queue pair ([`Conn::drain_then_report`]).
     drain_first: AtomicBool,
+    /// When the first such failure came.
+    drain_since: OnceLock<Instant>,
     /// The peer's RNR budget (how long we may stall its SEND before NAKing it), µs; 0 = forever.
     pub(super) peer_rnr_us: AtomicU64,
     pub(super) my_rnr_us: u64,
@@ -109,6 +113,7 @@ impl Conn {
             reason: Mutex::new(None),
             reported: AtomicBool::new(false),
             drain_first: AtomicBool::new(false),
+            drain_since: OnceLock::new(),
             peer_rnr_us: AtomicU64::new(0),
             my_rnr_us: rnr,
             attach_by: Mutex::new(None),
@@ -146,6 +151,7 @@ impl Conn {
                 tx: Mutex::new(Tx::default()),
                 rx: Mutex::new(Rx::new()),
                 stalled: AtomicBool::new(false),
+                ended: AtomicBool::new(false),
             })
             .collect();
         let _ = self.socks.set(socks);
@@ -455,6 +461,10 @@ impl Conn {
         for s in self.socks() {
             drop(s.rx.lock().unwrap_or_else(|e| e.into_inner()));
         }
+        #[cfg(test)]
+        crate::contract::hooks::before_close_flush(
+            self.socks().iter().filter_map(|s| s.stream.get()),
+        );
         self.flush_ack();
         let deadline = Instant::now() + bound;
         for (i, s) in self.socks().iter().enumerate() {
@@ -532,12 +542,32 @@ impl Conn {
     /// sent before on its other connections is executed (the driver's sweep, kicked here). A
     /// peer that executed our last requests and closed at once has its ACK on connection 0
     /// while another connection's end may be read first.
-    pub(super) fn lost(&self, why: &str) {
+    pub(super) fn lost(&self, i: usize, why: &str) {
+        let Some(s) = self.socks().get(i) else { return };
+        if s.ended.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // Nothing more comes on it: stop watching it (its end would wake its driver on every
+        // turn until the queue pair is failed).
+        if let (Some(st), Some(sh)) = (s.stream.get(), self.shared.upgrade()) {
+            let _ = epoll::delete(&sh.shards[s.shard].epoll, st);
+        }
         if !self.dead.load(Ordering::Acquire) {
-            self.drain_first.store(true, Ordering::Release);
+            self.start_drain();
         }
         self.mark_failed(why);
         self.report();
+    }
+
+    /// Whether the connection failed and what the peer sent before is still being read.
+    pub(super) fn draining(&self) -> bool {
+        self.drain_first.load(Ordering::Acquire)
+    }
+
+    /// Defers failing the queue pair until what the peer sent before is read.
+    fn start_drain(&self) {
+        self.drain_since.get_or_init(Instant::now);
+        self.drain_first.store(true, Ordering::Release);
     }
 
     /// Records a failed send (callers may hold queue-pair locks, so the queue pair is failed
@@ -546,7 +576,7 @@ impl Conn {
         if let Err(why) = r {
             // What the peer sent before it closed (its last messages: often why it closed)
             // is still in the socket: the driver delivers it first.
-            self.drain_first.store(true, Ordering::Release);
+            self.start_drain();
             self.mark_failed(&why);
         }
     }
@@ -625,13 +655,27 @@ impl Conn {
         }
     }
 
-    /// After a failed send or a lost connection: executes the frames the peer sent before
-    /// (on every connection), then fails the queue pair.
+    /// After a failed send or a lost connection: executes the frames the peer sent before,
+    /// then fails the queue pair. That is once every connection's end was read (the peer's
+    /// last frames on one connection may arrive after its end of another: the ends need not
+    /// come in the order it closed them), or [`LOST_DRAIN`] after the first failure.
     fn drain_then_report(&self) {
         if self.drain_first.load(Ordering::Acquire) {
-            // The connections' ends are met again on the way: reported once all are read.
-            for i in 0..self.socks().len() {
-                self.read_frames(i);
+            for (i, s) in self.socks().iter().enumerate() {
+                if !s.ended.load(Ordering::Acquire) {
+                    self.read_frames(i);
+                }
+            }
+            let ended = self
+                .socks()
+                .iter()
+                .all(|s| s.ended.load(Ordering::Acquire) || s.stream.get().is_none());
+            let waited = self
+                .drain_since
+                .get()
+                .is_none_or(|t| t.elapsed() >= LOST_DRAIN);
+            if !ended && !waited {
+                return;
             }
             self.drain_first.store(false, Ordering::Release);
         }

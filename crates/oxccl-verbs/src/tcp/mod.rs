@@ -280,6 +280,9 @@ const SWEEP: Duration = Duration::from_millis(20);
 /// How long a destroyed queue pair waits, at most, for room in its sockets to send what it
 /// owes the peer ([`Conn::flush_before_close`]).
 const CLOSE_FLUSH: Duration = Duration::from_millis(200);
+/// How long a queue pair whose connection was lost waits, at most, for the ends of its other
+/// connections (reading what the peer sent before on them) before it fails.
+const LOST_DRAIN: Duration = Duration::from_secs(1);
 /// How long an accepted connection may take to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
 /// An application's polls of shard 0 read its hot connection directly (one `recv`, no

@@ -550,7 +550,8 @@ enum Stop {
 impl Conn {
     /// Reads and executes frames of connection `i` until there is nothing more to read.
     pub(super) fn on_readable(&self, i: usize) {
-        if self.dead.load(Ordering::Acquire) {
+        // A failed connection is still read while what the peer sent before is delivered.
+        if self.dead.load(Ordering::Acquire) && !self.draining() {
             return;
         }
         self.read_frames(i);
@@ -618,7 +619,7 @@ impl Conn {
         drop(rx);
         match r {
             Err(Stop::Failed(why)) => self.fail(&why),
-            Err(Stop::Lost(why)) => self.lost(&why),
+            Err(Stop::Lost(why)) => self.lost(i, &why),
             _ => {}
         }
         executed
@@ -723,7 +724,7 @@ impl Conn {
                         rx.ready_stage();
                         match read_spans(sock, &dst, got, total, &mut rx.stage[..HEADER_LEN]) {
                             Ok(0) => {
-                                return Err(Stop::Failed(
+                                return Err(Stop::Lost(
                                     "the peer closed the connection mid-frame".into(),
                                 ));
                             }
@@ -736,7 +737,7 @@ impl Conn {
                             Err(rustix::io::Errno::AGAIN) => *idle = true,
                             Err(rustix::io::Errno::INTR) => {}
                             Err(e) => {
-                                return Err(Stop::Failed(format!(
+                                return Err(Stop::Lost(format!(
                                     "receiving from the peer failed: {e}"
                                 )));
                             }

@@ -73,8 +73,8 @@
 //! covers it, a READ or atomic once its data has all landed, since an ACK of a later request
 //! on connection 0 may overtake READ data striped over the others. A connection
 //! that drops (process death, TCP user timeout, the peer's queue pair destroyed) moves the
-//! queue pair to ERR once what the peer sent before on its other connections is executed: the
-//! first outstanding request of each queue completes with `RetryExceeded`, the rest are flushed.
+//! queue pair to ERR once what the peer sent before on its other connections is executed
+//! (once every connection's end is read, or after [`LOST_DRAIN`]): the first outstanding request of each queue completes with `RetryExceeded`, the rest are flushed.
 //!
 //! # Sealed queue pairs
 //!

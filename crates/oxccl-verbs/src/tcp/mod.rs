@@ -66,15 +66,16 @@
 //! queued; at most [`CLOSE_FLUSH`] waiting for room), so a peer whose last requests were
 //! executed here completes them even though this side exits at once; a failed request is
 //! NAKed, the target drops every later request of the queue pair, and the initiator's queue
-//! pair goes to ERR (and closes the connections). A SEND or WRITE_WITH_IMM that
-//! finds no receive posted stalls its connection (receiver not ready) until one is posted or the
+//! pair goes to ERR (and closes the connections). A SEND or WRITE_WITH_IMM that finds no
+//! receive posted stalls its connection (receiver not ready) until one is posted or the
 //! initiator's RNR budget runs out, when the target NAKs it with `RnrRetryExceeded`. The
 //! initiator completes its requests in order: one without data once an ACK (or a later answer)
 //! covers it, a READ or atomic once its data has all landed, since an ACK of a later request
 //! on connection 0 may overtake READ data striped over the others. A connection
 //! that drops (process death, TCP user timeout, the peer's queue pair destroyed) moves the
 //! queue pair to ERR once what the peer sent before on its other connections is executed
-//! (once every connection's end is read, or after [`LOST_DRAIN`]): the first outstanding request of each queue completes with `RetryExceeded`, the rest are flushed.
+//! (once every connection's end is read, or after [`LOST_DRAIN`]): the first outstanding
+//! request of each queue completes with `RetryExceeded`, the rest are flushed.
 //!
 //! # Sealed queue pairs
 //!

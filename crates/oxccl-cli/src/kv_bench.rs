@@ -149,7 +149,7 @@ pub struct Args {
     #[arg(long, value_enum, default_value = "sleep")]
     poll: Poll,
 
-    /// Microseconds a sleeping wait spins first (the engine's `spin`) [default: the engine's, 0].
+    /// Microseconds a sleeping wait spins first (the engine's `spin`) [default: the engine's, 20].
     #[arg(long)]
     spin_us: Option<u64>,
 

@@ -68,7 +68,7 @@ pub use batch::{
     TransferStatus,
 };
 pub use blocks::{BLOCK_SERVICE, BlockStats, BlockStore, BlockStoreConfig, TierStats};
-pub use config::{Encrypt, EngineConfig, Protocol};
+pub use config::{DEFAULT_SPIN, Encrypt, EngineConfig, Protocol};
 pub use desc::{BufferDesc, DESC_FORMAT, SegmentDesc};
 pub use engine::{LaneRedirect, MAX_NOTIFY, Notification, SegmentId, Service, TransferEngine};
 pub use error::{Error, Result};

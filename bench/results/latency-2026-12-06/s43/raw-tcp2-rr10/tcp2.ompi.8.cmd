@@ -1,0 +1,1 @@
+$ mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 --mca pml ob1 --mca btl self,tcp --mca btl_tcp_if_include lo --mca coll ^sm target/bench/mpi_allreduce -b 2K -e 8K -f 4 -w 20000 -i 100000 --json

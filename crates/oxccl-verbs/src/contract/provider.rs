@@ -304,7 +304,10 @@ pub(crate) trait QpTransport: Send + Sync {
     fn disconnect(&self, _qp: &QpInner) {}
 
     /// The queue pair is being destroyed (its handle dropped): release what the provider holds
-    /// for it.
+    /// for it. Unlike a disconnect, a destroy first sends what the peer is owed for requests it
+    /// has already executed here (an acknowledgement held back): the peer's requests complete
+    /// even when this side closes right after its last poll
+    /// (`tests/conformance.rs::peer_exits_after_its_last_message`).
     fn destroy(&self, qp: &QpInner) {
         self.disconnect(qp);
     }

@@ -456,17 +456,23 @@ impl Conn {
         if self.dead.load(Ordering::Acquire) {
             return;
         }
+        let deadline = Instant::now() + bound;
         // A read pass under way (a progress thread's) may have landed what the application
-        // saw, and not yet noted the ACK it makes due: it notes it before it lets go.
+        // saw, and not yet noted the ACK it makes due: it notes it before it lets go. (A pass
+        // that a peer keeps busy is not waited for past the bound.)
         for s in self.socks() {
-            drop(s.rx.lock().unwrap_or_else(|e| e.into_inner()));
+            while let Err(std::sync::TryLockError::WouldBlock) = s.rx.try_lock() {
+                if Instant::now() >= deadline {
+                    break;
+                }
+                std::thread::yield_now();
+            }
         }
         #[cfg(test)]
         crate::contract::hooks::before_close_flush(
             self.socks().iter().filter_map(|s| s.stream.get()),
         );
         self.flush_ack();
-        let deadline = Instant::now() + bound;
         for (i, s) in self.socks().iter().enumerate() {
             let Some(sock) = s.stream.get() else { continue };
             loop {

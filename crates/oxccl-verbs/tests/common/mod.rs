@@ -210,8 +210,8 @@ pub enum Cmd {
         qp: usize,
         cfg: AtomicCfg,
     },
-    /// Waits for one completion, replies with it, and exits at once, closing everything (a
-    /// rank whose last call just returned).
+    /// Waits for one completion, replies with it (as [`Cmd::Poll`] with `max` 1), and exits at
+    /// once, closing everything (a rank whose last call just returned).
     WaitThenExit {
         timeout_ms: u64,
     },
@@ -633,14 +633,7 @@ pub fn peer_main() {
                     Err(e) => Reply::Err(e.to_string()),
                 }
             }
-            Cmd::Poll { max, timeout_ms } => {
-                let mut buf = vec![WorkCompletion::default(); max.max(1)];
-                match cq.wait(&mut buf, Duration::from_millis(timeout_ms)) {
-                    Ok(n) => Reply::Wcs(buf[..n].to_vec()),
-                    Err(Error::Timeout { .. }) => Reply::Wcs(Vec::new()),
-                    Err(e) => Reply::Err(e.to_string()),
-                }
-            }
+            Cmd::Poll { max, timeout_ms } => poll(&cq, max, timeout_ms),
             Cmd::WaitImmThenCheck {
                 id,
                 words,
@@ -705,11 +698,7 @@ pub fn peer_main() {
                 Reply::Atomics(atomic_hammer(&qps[&qp], &cq, &pd, &cfg))
             }
             Cmd::WaitThenExit { timeout_ms } => {
-                let mut buf = [WorkCompletion::default(); 1];
-                match cq.wait(&mut buf, Duration::from_millis(timeout_ms)) {
-                    Ok(n) => reply(Reply::Wcs(buf[..n].to_vec())),
-                    Err(e) => reply(Reply::Err(e.to_string())),
-                }
+                reply(poll(&cq, 1, timeout_ms));
                 break;
             }
             Cmd::Exit => {
@@ -725,6 +714,16 @@ pub fn peer_main() {
     drop(mrs);
     drop((cq, pd, ctx));
     std::process::exit(0);
+}
+
+/// [`Cmd::Poll`]: waits up to `timeout_ms` for up to `max` completions (none on a timeout).
+fn poll(cq: &CompletionQueue, max: usize, timeout_ms: u64) -> Reply {
+    let mut buf = vec![WorkCompletion::default(); max.max(1)];
+    match cq.wait(&mut buf, Duration::from_millis(timeout_ms)) {
+        Ok(n) => Reply::Wcs(buf[..n].to_vec()),
+        Err(Error::Timeout { .. }) => Reply::Wcs(Vec::new()),
+        Err(e) => Reply::Err(e.to_string()),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

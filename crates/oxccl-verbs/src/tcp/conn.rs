@@ -484,10 +484,8 @@ impl Conn {
                 if r.is_err() || idle || left.is_zero() {
                     break;
                 }
-                let ts = rustix::time::Timespec {
-                    tv_sec: left.as_secs() as i64,
-                    tv_nsec: left.subsec_nanos() as i64,
-                };
+                // `left` is at most `bound`: it converts.
+                let ts = rustix::time::Timespec::try_from(left).unwrap_or_default();
                 let mut room = [PollFd::new(sock, PollFlags::OUT)];
                 if rustix::event::poll(&mut room, Some(&ts))
                     .is_err_and(|e| e != rustix::io::Errno::INTR)
